@@ -1,0 +1,287 @@
+//! A KV cache in host memory that an engine writes while a streamer reads other layers of it.
+
+use parking_lot::RwLock;
+use thiserror::Error;
+
+use crate::copy::{self, CopyError, RawDst, RawSrc};
+use crate::layout::{KvLayout, LayoutError, Packing};
+use crate::memory::HostBuffer;
+use crate::plan::{plan_copy, CopyPlan, Order};
+use crate::region::{Coord, KvRegion};
+use crate::spec::Part;
+
+/// Errors of cache operations.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum CacheError {
+    /// The layout or region is invalid.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// The copy could not run.
+    #[error(transparent)]
+    Copy(#[from] CopyError),
+    /// The layout lets two layers share bytes, so per-layer locking would not be sound.
+    #[error("layout is not layer-disjoint: two layers share bytes of one buffer")]
+    LayersOverlap,
+    /// A staging or vector buffer has the wrong size.
+    #[error("buffer of {len} bytes, {needed} needed")]
+    WrongLength {
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes given.
+        len: u64,
+    },
+}
+
+/// A KV cache in page-aligned host memory, laid out by a [`KvLayout`].
+///
+/// Each layer has its own reader-writer lock: a gather of layer `l` runs while the engine writes
+/// layer `l + 1`, which is what layer-by-layer streaming needs. Share it with `Arc`.
+pub struct KvCache {
+    layout: KvLayout,
+    buffers: Vec<HostBuffer>,
+    layer_locks: Vec<RwLock<()>>,
+}
+
+// SAFETY: buffer bytes are only touched through raw pointers while holding the lock of the layer
+// they belong to (read lock to read, write lock to write), and layers never share bytes
+// (checked in `new`), so threads never race on a byte.
+unsafe impl Sync for KvCache {}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("layout", &self.layout.kind())
+            .finish()
+    }
+}
+
+impl KvCache {
+    /// Allocates zeroed buffers for `layout`.
+    pub fn new(layout: KvLayout) -> Result<Self, CacheError> {
+        if !layout.layers_are_disjoint() {
+            return Err(CacheError::LayersOverlap);
+        }
+        let buffers = layout
+            .buffer_sizes()
+            .iter()
+            .map(|&n| HostBuffer::zeroed(n as usize))
+            .collect();
+        let layer_locks = (0..layout.spec().layers())
+            .map(|_| RwLock::new(()))
+            .collect();
+        Ok(Self {
+            layout,
+            buffers,
+            layer_locks,
+        })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Bytes a packed copy of `region` takes.
+    pub fn packed_len(&self, region: &KvRegion) -> u64 {
+        region.shape().bytes(self.layout.spec())
+    }
+
+    /// The plan that gathers `region` into a packed buffer with `packing`.
+    pub fn gather_plan(&self, region: &KvRegion, packing: Packing) -> Result<CopyPlan, CacheError> {
+        let packed = KvLayout::packed(self.layout.spec(), region.shape(), packing)?;
+        Ok(plan_copy(
+            &self.layout,
+            region.origin(),
+            &packed,
+            Coord::default(),
+            region.shape(),
+            Order::Src,
+        )?)
+    }
+
+    /// The plan that scatters a packed buffer with `packing` into `region`.
+    pub fn scatter_plan(
+        &self,
+        region: &KvRegion,
+        packing: Packing,
+    ) -> Result<CopyPlan, CacheError> {
+        let packed = KvLayout::packed(self.layout.spec(), region.shape(), packing)?;
+        Ok(plan_copy(
+            &packed,
+            Coord::default(),
+            &self.layout,
+            region.origin(),
+            region.shape(),
+            Order::Dst,
+        )?)
+    }
+
+    /// Buffered copy out: gathers `region` into `out` (exactly [`KvCache::packed_len`] bytes).
+    pub fn gather(
+        &self,
+        region: &KvRegion,
+        packing: Packing,
+        out: &mut [u8],
+    ) -> Result<u64, CacheError> {
+        self.check_len(region, out.len())?;
+        if region.is_empty() {
+            return Ok(0);
+        }
+        let plan = self.gather_plan(region, packing)?;
+        self.gather_with(&plan, region, out)
+    }
+
+    /// Gathers with a plan made by [`KvCache::gather_plan`] for `region` (reused across steps).
+    pub fn gather_with(
+        &self,
+        plan: &CopyPlan,
+        region: &KvRegion,
+        out: &mut [u8],
+    ) -> Result<u64, CacheError> {
+        self.layout.check_region(region)?;
+        let _guards: Vec<_> = self.layer_locks
+            [region.layers.start as usize..region.layers.end as usize]
+            .iter()
+            .map(RwLock::read)
+            .collect();
+        let src = self.raw_src();
+        let dst = [RawDst::from(out)];
+        // SAFETY: cache buffers are valid for their lengths; the plan only reads bytes of the
+        // region's layers (layers are disjoint, the region is checked), which we hold read locks
+        // for, so nobody writes them; `out` is exclusively borrowed and not part of the cache.
+        Ok(unsafe { copy::execute_raw(plan, &src, &dst) }?)
+    }
+
+    /// Buffered copy in: scatters packed `input` (exactly [`KvCache::packed_len`] bytes) into `region`.
+    pub fn scatter(
+        &self,
+        region: &KvRegion,
+        packing: Packing,
+        input: &[u8],
+    ) -> Result<u64, CacheError> {
+        self.check_len(region, input.len())?;
+        if region.is_empty() {
+            return Ok(0);
+        }
+        let plan = self.scatter_plan(region, packing)?;
+        self.layout.check_region(region)?;
+        let _guards: Vec<_> = self.layer_locks
+            [region.layers.start as usize..region.layers.end as usize]
+            .iter()
+            .map(RwLock::write)
+            .collect();
+        let src = [RawSrc::from(input)];
+        let dst = self.raw_dst();
+        // SAFETY: the plan only writes bytes of the region's layers, which we hold write locks for;
+        // `input` is a shared borrow that cannot alias the cache's private buffers.
+        Ok(unsafe { copy::execute_raw(&plan, &src, &dst) }?)
+    }
+
+    /// Writes one (token, head) vector of `part`: the logical accessor engines use to fill a cache.
+    pub fn write_vector(&self, part: Part, at: Coord, data: &[u8]) -> Result<(), CacheError> {
+        self.vector_io(
+            part,
+            at,
+            data.len(),
+            |offset, dst, len| {
+                // SAFETY: `vector_io` checked the element range and holds the layer's write lock.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr().add(offset), dst, len) }
+            },
+            true,
+        )
+    }
+
+    /// Reads one (token, head) vector of `part` into `out`.
+    pub fn read_vector(&self, part: Part, at: Coord, out: &mut [u8]) -> Result<(), CacheError> {
+        let out_ptr = out.as_mut_ptr();
+        self.vector_io(
+            part,
+            at,
+            out.len(),
+            |offset, src, len| {
+                // SAFETY: `vector_io` checked the element range and holds the layer's read lock; `out`
+                // is exclusively borrowed and distinct from the cache.
+                unsafe { std::ptr::copy_nonoverlapping(src, out_ptr.add(offset), len) }
+            },
+            false,
+        )
+    }
+
+    /// Visits each contiguous chunk of one vector as (offset in vector, pointer into cache, length).
+    fn vector_io(
+        &self,
+        part: Part,
+        at: Coord,
+        len: usize,
+        mut f: impl FnMut(usize, *mut u8, usize),
+        write: bool,
+    ) -> Result<(), CacheError> {
+        let spec = self.layout.spec();
+        let needed = spec.vector_bytes(part);
+        if len as u64 != needed {
+            return Err(CacheError::WrongLength {
+                needed,
+                len: len as u64,
+            });
+        }
+        // Bounds-checks coordinates and the part.
+        self.layout.element_offset(part, at, 0)?;
+        let lock = &self.layer_locks[at.layer as usize];
+        let (_read, _write) = if write {
+            (None, Some(lock.write()))
+        } else {
+            (Some(lock.read()), None)
+        };
+        let map = self.layout.part_map(part);
+        let chunk_bytes = map.chunk_elems as usize * spec.elem_bytes(part);
+        for (i, elem) in (0..spec.vector_elems(part))
+            .step_by(map.chunk_elems as usize)
+            .enumerate()
+        {
+            let (buffer, offset) = self.layout.element_offset(part, at, elem)?;
+            let buffer = &self.buffers[buffer as usize];
+            debug_assert!(offset as usize + chunk_bytes <= buffer.len());
+            // SAFETY: element_offset is bounds-checked and the layout checked that whole chunks fit.
+            let ptr = unsafe { buffer.as_mut_ptr().add(offset as usize) };
+            f(i * chunk_bytes, ptr, chunk_bytes);
+        }
+        Ok(())
+    }
+
+    /// A copy of every buffer (takes every layer's read lock): for checks and debugging.
+    pub fn snapshot(&self) -> Vec<Vec<u8>> {
+        let _guards: Vec<_> = self.layer_locks.iter().map(RwLock::read).collect();
+        self.buffers.iter().map(|b| b.to_vec()).collect()
+    }
+
+    fn check_len(&self, region: &KvRegion, len: usize) -> Result<(), CacheError> {
+        let needed = self.packed_len(region);
+        if needed != len as u64 {
+            return Err(CacheError::WrongLength {
+                needed,
+                len: len as u64,
+            });
+        }
+        Ok(())
+    }
+
+    fn raw_src(&self) -> Vec<RawSrc> {
+        self.buffers
+            .iter()
+            .map(|b| RawSrc {
+                ptr: b.as_ptr(),
+                len: b.len(),
+            })
+            .collect()
+    }
+
+    fn raw_dst(&self) -> Vec<RawDst> {
+        self.buffers
+            .iter()
+            .map(|b| RawDst {
+                ptr: b.as_mut_ptr(),
+                len: b.len(),
+            })
+            .collect()
+    }
+}

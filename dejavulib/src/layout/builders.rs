@@ -1,0 +1,475 @@
+//! The layouts engines use, each expressed as strides over [`KvLayout`].
+
+use crate::region::Shape;
+use crate::spec::{KvSpec, Part, SCALE_BYTES};
+
+use super::{
+    BlockTables, BufferMap, KvLayout, LayoutError, LayoutKind, Packing, PartMap, TokenMap,
+};
+
+/// Axis order of per-layer tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PerLayerOrder {
+    /// `[B][H][S][D]`: HF transformers' past_key_values.
+    Bhsd,
+    /// `[B][S][H][D]`: flash-attention style caches.
+    Bshd,
+}
+
+/// Order within a paged block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PagedOrder {
+    /// `[block_size][H][D]` per block.
+    Nhd,
+    /// `[H][block_size][D]` per block.
+    Hnd,
+}
+
+/// Where V blocks live relative to K blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvInterleave {
+    /// One K buffer and one V buffer per layer, `[num_blocks][block]` each.
+    Separate,
+    /// One buffer per layer, `[num_blocks][2][block]`: each block holds its K rows then its V rows.
+    Interleaved,
+}
+
+/// Geometry of a paged KV pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PagedConfig {
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Physical blocks per layer.
+    pub num_blocks: u32,
+    /// Order within a block.
+    pub order: PagedOrder,
+    /// K/V placement.
+    pub interleave: KvInterleave,
+}
+
+fn linear(stride: u64) -> TokenMap {
+    TokenMap::Linear { stride }
+}
+
+impl KvLayout {
+    /// FasterTransformer's cache (the DéjàVu paper's engine): K `[L][B][H][D/x][S][x]` with
+    /// `x = 16 / element size` (one 16-byte piece per token and chunk), V `[L][B][H][S][D]`,
+    /// in buffers 0 (K) and 1 (V); scales `[L][B][H][S]` f32 in buffers 2 and 3.
+    pub fn faster_transformer(
+        spec: KvSpec,
+        slots: u32,
+        max_tokens: u32,
+    ) -> Result<Self, LayoutError> {
+        if max_tokens == 0 {
+            return Err(LayoutError::Invalid("max_tokens must be at least 1".into()));
+        }
+        let elem = spec.dtype().size() as u64;
+        let x = (16 / elem) as u32;
+        if spec.head_dim() % x != 0 {
+            return Err(LayoutError::Invalid(format!(
+                "FasterTransformer needs head_dim divisible by x = {x}, got {}",
+                spec.head_dim()
+            )));
+        }
+        let (s, h, b, d) = (
+            max_tokens as u64,
+            spec.kv_heads() as u64,
+            slots as u64,
+            spec.head_dim() as u64,
+        );
+        let head = d * s * elem;
+        let layer = b * h * head;
+        let k = PartMap {
+            buffer: BufferMap::Shared {
+                buffer: 0,
+                layer_stride: layer,
+            },
+            offset: 0,
+            slot_stride: h * head,
+            head_stride: head,
+            tokens: linear(x as u64 * elem),
+            chunk_elems: x,
+            chunk_stride: s * x as u64 * elem,
+        };
+        let v = PartMap {
+            tokens: linear(d * elem),
+            chunk_elems: d as u32,
+            chunk_stride: 0,
+            buffer: BufferMap::Shared {
+                buffer: 1,
+                layer_stride: layer,
+            },
+            ..k
+        };
+        let scale = |buffer| {
+            let head = s * SCALE_BYTES as u64;
+            PartMap {
+                buffer: BufferMap::Shared {
+                    buffer,
+                    layer_stride: b * h * head,
+                },
+                offset: 0,
+                slot_stride: h * head,
+                head_stride: head,
+                tokens: linear(SCALE_BYTES as u64),
+                chunk_elems: 1,
+                chunk_stride: 0,
+            }
+        };
+        let mut parts = vec![(Part::K, k), (Part::V, v)];
+        let total = spec.layers() as u64 * layer;
+        let mut sizes = vec![total, total];
+        if spec.parts().len() == 4 {
+            parts.push((Part::KScale, scale(2)));
+            parts.push((Part::VScale, scale(3)));
+            let scale_total = spec.layers() as u64 * b * h * s * SCALE_BYTES as u64;
+            sizes.extend([scale_total, scale_total]);
+        }
+        Self::from_parts(
+            LayoutKind::FasterTransformer,
+            spec,
+            slots,
+            max_tokens,
+            &parts,
+            sizes,
+            None,
+        )
+    }
+
+    /// One tensor per layer and part, as HF/PyTorch engines hold them: buffer `2l` is layer `l`'s K,
+    /// `2l + 1` its V, each `[B][H][S][D]` or `[B][S][H][D]`; with scales, buffers `2L + 2l` and
+    /// `2L + 2l + 1` hold `[B][H][S]` / `[B][S][H]` f32 scales.
+    pub fn per_layer(
+        spec: KvSpec,
+        slots: u32,
+        max_tokens: u32,
+        order: PerLayerOrder,
+    ) -> Result<Self, LayoutError> {
+        if max_tokens == 0 {
+            return Err(LayoutError::Invalid("max_tokens must be at least 1".into()));
+        }
+        let layers = spec.layers();
+        let (s, h) = (max_tokens as u64, spec.kv_heads() as u64);
+        let map = |part: Part, first: u32| {
+            let vec = spec.vector_bytes(part);
+            let (head_stride, token_stride) = match order {
+                PerLayerOrder::Bhsd => (s * vec, vec),
+                PerLayerOrder::Bshd => (vec, h * vec),
+            };
+            PartMap {
+                buffer: BufferMap::PerLayer { first, step: 2 },
+                offset: 0,
+                slot_stride: h * s * vec,
+                head_stride,
+                tokens: linear(token_stride),
+                chunk_elems: spec.vector_elems(part),
+                chunk_stride: 0,
+            }
+        };
+        let size = |part: Part| slots as u64 * h * s * spec.vector_bytes(part);
+        let mut parts = vec![(Part::K, map(Part::K, 0)), (Part::V, map(Part::V, 1))];
+        let mut sizes: Vec<u64> = (0..2 * layers).map(|_| size(Part::K)).collect();
+        if spec.parts().len() == 4 {
+            parts.push((Part::KScale, map(Part::KScale, 2 * layers)));
+            parts.push((Part::VScale, map(Part::VScale, 2 * layers + 1)));
+            sizes.extend((0..2 * layers).map(|_| size(Part::KScale)));
+        }
+        Self::from_parts(
+            LayoutKind::PerLayer(order),
+            spec,
+            slots,
+            max_tokens,
+            &parts,
+            sizes,
+            None,
+        )
+    }
+
+    /// vLLM-style paged blocks. With [`KvInterleave::Separate`], buffer `2l` is layer `l`'s K pool
+    /// and `2l + 1` its V pool; with [`KvInterleave::Interleaved`], buffer `l` holds both, each block
+    /// K rows then V rows. Scale pools (if any) follow in buffers of their own, `[num_blocks][block]`
+    /// in the block's order with one f32 per (token, head).
+    ///
+    /// Each slot starts with an empty block table: give it blocks with [`KvLayout::set_block_table`]
+    /// (or pass `tables`).
+    pub fn paged(
+        spec: KvSpec,
+        slots: u32,
+        config: PagedConfig,
+        tables: Option<BlockTables>,
+    ) -> Result<Self, LayoutError> {
+        if config.block_size == 0 || config.num_blocks == 0 {
+            return Err(LayoutError::Invalid(
+                "block_size and num_blocks must be at least 1".into(),
+            ));
+        }
+        let layers = spec.layers();
+        let (bs, h) = (config.block_size as u64, spec.kv_heads() as u64);
+        let kv_parts = match config.interleave {
+            KvInterleave::Separate => 1,
+            KvInterleave::Interleaved => 2,
+        };
+        let block_map = |part: Part, first: u32, step: u32, offset: u64, parts_per_block: u64| {
+            let vec = spec.vector_bytes(part);
+            let block_bytes = bs * h * vec;
+            let (head_stride, token_stride) = match config.order {
+                PagedOrder::Nhd => (vec, h * vec),
+                PagedOrder::Hnd => (bs * vec, vec),
+            };
+            PartMap {
+                buffer: BufferMap::PerLayer { first, step },
+                offset,
+                slot_stride: 0,
+                head_stride,
+                tokens: TokenMap::Paged {
+                    block_size: config.block_size,
+                    block_stride: parts_per_block * block_bytes,
+                    token_stride,
+                },
+                chunk_elems: spec.vector_elems(part),
+                chunk_stride: 0,
+            }
+        };
+        let kv_block = bs * h * spec.vector_bytes(Part::K);
+        let pool = config.num_blocks as u64 * kv_block;
+        let (k, v, mut sizes, next) = match config.interleave {
+            KvInterleave::Separate => (
+                block_map(Part::K, 0, 2, 0, 1),
+                block_map(Part::V, 1, 2, 0, 1),
+                vec![pool; 2 * layers as usize],
+                2 * layers,
+            ),
+            KvInterleave::Interleaved => (
+                block_map(Part::K, 0, 1, 0, kv_parts),
+                block_map(Part::V, 0, 1, kv_block, kv_parts),
+                vec![2 * pool; layers as usize],
+                layers,
+            ),
+        };
+        let mut parts = vec![(Part::K, k), (Part::V, v)];
+        if spec.parts().len() == 4 {
+            parts.push((Part::KScale, block_map(Part::KScale, next, 2, 0, 1)));
+            parts.push((Part::VScale, block_map(Part::VScale, next + 1, 2, 0, 1)));
+            let scale_pool = config.num_blocks as u64 * bs * h * SCALE_BYTES as u64;
+            sizes.extend((0..2 * layers).map(|_| scale_pool));
+        }
+        let tables = tables.unwrap_or_else(|| BlockTables::empty(slots));
+        let mut layout = Self::from_parts(
+            LayoutKind::Paged(config),
+            spec,
+            slots,
+            0,
+            &parts,
+            sizes,
+            Some(BlockTables::empty(slots)),
+        )?;
+        for slot in 0..slots {
+            layout.set_block_table(slot, tables.table(slot).to_vec())?;
+        }
+        Ok(layout)
+    }
+
+    /// The contiguous staging format of a region of `shape`: one buffer (index 0) laid out
+    /// `[layer][part][slot][head]`, each (slot, head) block in the order `packing` names.
+    /// `spec` gives the elements; its layer and head counts are replaced by the shape's.
+    pub fn packed(spec: &KvSpec, shape: Shape, packing: Packing) -> Result<Self, LayoutError> {
+        if shape.is_empty() {
+            return Err(LayoutError::Invalid(format!(
+                "cannot pack an empty region {shape:?}"
+            )));
+        }
+        let local = spec
+            .share(shape.layers, shape.heads)
+            .map_err(|e| LayoutError::Invalid(e.to_string()))?;
+        let (b, h, t) = (shape.slots as u64, shape.heads as u64, shape.tokens as u64);
+        let mut parts = Vec::new();
+        let mut offset = 0;
+        let mut dense = Vec::new();
+        for &part in local.parts() {
+            let chunk = packing.chunk(part, &local);
+            let head_bytes = t * local.vector_bytes(part);
+            dense.push((part, chunk, offset, head_bytes));
+            offset += b * h * head_bytes;
+        }
+        let layer_stride = offset;
+        for (part, chunk, offset, head_bytes) in dense {
+            let elem = local.elem_bytes(part) as u64;
+            parts.push((
+                part,
+                PartMap {
+                    buffer: BufferMap::Shared {
+                        buffer: 0,
+                        layer_stride,
+                    },
+                    offset,
+                    slot_stride: h * head_bytes,
+                    head_stride: head_bytes,
+                    tokens: linear(chunk as u64 * elem),
+                    chunk_elems: chunk,
+                    chunk_stride: t * chunk as u64 * elem,
+                },
+            ));
+        }
+        let size = layer_stride * shape.layers as u64;
+        Self::from_parts(
+            LayoutKind::Packed(packing),
+            local,
+            shape.slots,
+            shape.tokens,
+            &parts,
+            vec![size],
+            None,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+    use crate::region::Coord;
+    use crate::spec::{DType, ScaleMode};
+
+    /// Every element of every part maps to its own bytes: no two elements share a byte.
+    fn assert_injective(layout: &KvLayout) {
+        let spec = *layout.spec();
+        let mut seen = HashSet::new();
+        for &part in spec.parts() {
+            let elem = spec.elem_bytes(part) as u64;
+            for layer in 0..spec.layers() {
+                for slot in 0..layout.slots() {
+                    for head in 0..spec.kv_heads() {
+                        for token in 0..layout.token_capacity(slot) {
+                            for e in 0..spec.vector_elems(part) {
+                                let at = Coord {
+                                    layer,
+                                    slot,
+                                    head,
+                                    token,
+                                };
+                                let (buf, off) = layout.element_offset(part, at, e).unwrap();
+                                let size = layout.buffer_sizes()[buf as usize];
+                                assert!(off + elem <= size, "{part:?} {at:?} {e} past end");
+                                assert!(seen.insert((buf, off)), "{part:?} {at:?} {e} aliases");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn spec(dtype: DType, scales: ScaleMode) -> KvSpec {
+        KvSpec::with_scales(2, 3, 16, dtype, scales).unwrap()
+    }
+
+    #[test]
+    fn builders_are_injective_and_in_bounds() {
+        for (dtype, scales) in [
+            (DType::F16, ScaleMode::None),
+            (DType::F32, ScaleMode::None),
+            (DType::Int8, ScaleMode::PerTokenHead),
+        ] {
+            let s = spec(dtype, scales);
+            assert_injective(&KvLayout::faster_transformer(s, 2, 5).unwrap());
+            for order in [PerLayerOrder::Bhsd, PerLayerOrder::Bshd] {
+                assert_injective(&KvLayout::per_layer(s, 2, 5, order).unwrap());
+            }
+            for order in [PagedOrder::Nhd, PagedOrder::Hnd] {
+                for interleave in [KvInterleave::Separate, KvInterleave::Interleaved] {
+                    let cfg = PagedConfig {
+                        block_size: 4,
+                        num_blocks: 5,
+                        order,
+                        interleave,
+                    };
+                    let tables = BlockTables::from_tables(vec![vec![3, 0], vec![4, 1, 2]]);
+                    let layout = KvLayout::paged(s, 2, cfg, Some(tables)).unwrap();
+                    assert_eq!(layout.token_capacity(1), 12);
+                    assert_injective(&layout);
+                    assert!(layout.layers_are_disjoint());
+                }
+            }
+            let shape = Shape {
+                layers: 2,
+                slots: 2,
+                heads: 3,
+                tokens: 5,
+            };
+            for packing in [
+                Packing::token_major(&s),
+                Packing {
+                    k_chunk: 4,
+                    v_chunk: 8,
+                },
+            ] {
+                let packed = KvLayout::packed(&s, shape, packing).unwrap();
+                assert_eq!(packed.buffer_sizes()[0], shape.bytes(&s));
+                assert_injective(&packed);
+            }
+        }
+    }
+
+    #[test]
+    fn faster_transformer_k_piece_is_16_bytes() {
+        let s = KvSpec::new(1, 1, 128, DType::F16).unwrap();
+        let layout = KvLayout::faster_transformer(s, 1, 10).unwrap();
+        let (_, a) = layout.element_offset(Part::K, Coord::default(), 7).unwrap();
+        let (_, b) = layout.element_offset(Part::K, Coord::default(), 8).unwrap();
+        assert_eq!(a, 14);
+        assert_eq!(b, 10 * 16, "next chunk is S * 16 bytes on");
+    }
+
+    #[test]
+    fn bad_paged_blocks_and_regions_are_errors() {
+        let s = spec(DType::F16, ScaleMode::None);
+        let cfg = PagedConfig {
+            block_size: 4,
+            num_blocks: 2,
+            order: PagedOrder::Nhd,
+            interleave: KvInterleave::Separate,
+        };
+        let mut layout = KvLayout::paged(s, 1, cfg, None).unwrap();
+        assert!(matches!(
+            layout.set_block_table(0, vec![2]),
+            Err(LayoutError::BadBlock { .. })
+        ));
+        layout.set_block_table(0, vec![1]).unwrap();
+        let at = Coord {
+            token: 4,
+            ..Coord::default()
+        };
+        assert!(matches!(
+            layout.element_offset(Part::K, at, 0),
+            Err(LayoutError::OutOfBounds { axis: "token", .. })
+        ));
+        let ft = KvLayout::faster_transformer(KvSpec::new(1, 1, 12, DType::F16).unwrap(), 1, 1);
+        assert!(matches!(ft, Err(LayoutError::Invalid(_))));
+    }
+
+    #[test]
+    fn strided_layout_checks_buffer_sizes() {
+        let s = KvSpec::new(1, 1, 4, DType::F32).unwrap();
+        let map = PartMap {
+            buffer: BufferMap::Shared {
+                buffer: 0,
+                layer_stride: 0,
+            },
+            offset: 0,
+            slot_stride: 0,
+            head_stride: 0,
+            tokens: TokenMap::Linear { stride: 16 },
+            chunk_elems: 4,
+            chunk_stride: 0,
+        };
+        let v = PartMap { offset: 32, ..map };
+        let ok = KvLayout::strided(s, 1, 2, &[(Part::K, map), (Part::V, v)], vec![64]);
+        assert!(ok.is_ok());
+        let small = KvLayout::strided(s, 1, 2, &[(Part::K, map), (Part::V, v)], vec![63]);
+        assert!(matches!(
+            small,
+            Err(LayoutError::BufferTooSmall { needed: 64, .. })
+        ));
+    }
+}

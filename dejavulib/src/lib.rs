@@ -1,0 +1,28 @@
+//! # dejavulib
+//!
+//! KV-cache streaming primitives for fault-tolerant LLM serving, after the DéjàVu paper
+//! (arXiv 2403.01876):
+//!
+//! - a **layout algebra** ([`spec`], [`layout`], [`region`], [`plan`]) that maps every KV element of
+//!   the layouts engines use (FasterTransformer, per-layer HF/PyTorch tensors, vLLM paged blocks) to
+//!   bytes, and turns a region copy into a few strided loops of contiguous runs;
+//! - **buffered copies** ([`cache`], [`copy`], [`memory`]): gather many small KV pieces into one
+//!   staging buffer from a reusable pool, then move that buffer once;
+//! - **flush / fetch** ([`chunk`], [`store`]): checksummed chunks to host memory or files;
+//! - **resharding** ([`placement`], [`reshard`]): `stream_out` / `stream_in` between pipeline setups of
+//!   different depth, tensor-parallel degree, microbatch size and layer split;
+//! - a background **streamer** ([`streamer`]) that moves layer `l` while the engine computes `l + 1`.
+
+pub mod cache;
+pub mod copy;
+pub mod layout;
+pub mod memory;
+pub mod plan;
+pub mod region;
+pub mod spec;
+
+pub use cache::{CacheError, KvCache};
+pub use layout::{KvLayout, LayoutError, Packing};
+pub use memory::{HostBuffer, Staging, StagingPool};
+pub use region::{Coord, KvRegion, Shape};
+pub use spec::{DType, KvSpec, Part, ScaleMode};
