@@ -354,12 +354,8 @@ impl BlockBuilder {
     ) -> CopyBlock {
         let axes = &mut self.axes[..self.depth];
         match order {
-            Order::Src => {
-                axes.sort_by(|a, b| (b.src_stride, b.dst_stride).cmp(&(a.src_stride, a.dst_stride)))
-            }
-            Order::Dst => {
-                axes.sort_by(|a, b| (b.dst_stride, b.src_stride).cmp(&(a.dst_stride, a.src_stride)))
-            }
+            Order::Src => axes.sort_by_key(|a| std::cmp::Reverse((a.src_stride, a.dst_stride))),
+            Order::Dst => axes.sort_by_key(|a| std::cmp::Reverse((a.dst_stride, a.src_stride))),
         }
         let mut axes: Vec<Axis> = axes.to_vec();
         let mut run = atom;
