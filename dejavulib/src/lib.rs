@@ -14,15 +14,25 @@
 //! - a background **streamer** ([`streamer`]) that moves layer `l` while the engine computes `l + 1`.
 
 pub mod cache;
+pub mod chunk;
 pub mod copy;
+pub mod file_io;
 pub mod layout;
 pub mod memory;
+pub mod placement;
 pub mod plan;
 pub mod region;
+pub mod reshard;
 pub mod spec;
+pub mod store;
+pub mod streamer;
 
 pub use cache::{CacheError, KvCache};
 pub use layout::{KvLayout, LayoutError, Packing};
 pub use memory::{HostBuffer, Staging, StagingPool};
+pub use placement::{Setup, StageSpec, WorkerId};
 pub use region::{Coord, KvRegion, Shape};
+pub use reshard::{plan_stream_in, plan_stream_out, stream_in, stream_out, Transfer};
 pub use spec::{DType, KvSpec, Part, ScaleMode};
+pub use store::{ChunkStore, FileStore, HostStore};
+pub use streamer::{Streamer, StreamerConfig};

@@ -1,0 +1,386 @@
+//! Self-describing, checksummed chunks: what a flush writes and a fetch verifies.
+//!
+//! A chunk is a fixed 104-byte header followed by a packed payload (see [`crate::layout::Packing`]).
+//! The header names the destination and the region, in the destination's local coordinates, so a
+//! receiver can place a chunk without any other context. All integers are little-endian:
+//!
+//! | offset | field |
+//! | --- | --- |
+//! | 0 | magic `DJVK` |
+//! | 4 | version (u16, 1) |
+//! | 6 | header length (u16, 104) |
+//! | 8 | flags (u32, 0) |
+//! | 12 | source stage, source rank (u32 each) |
+//! | 20 | destination stage, destination rank (u32 each) |
+//! | 28 | microbatch (u32) |
+//! | 32 | layers, slots, heads, tokens: start and end (u32 each) |
+//! | 64 | head_dim (u32) |
+//! | 68 | dtype code (u8), scale mode (u8), reserved (u16) |
+//! | 72 | K chunk, V chunk of the packing (u32 each) |
+//! | 80 | payload length (u64) |
+//! | 88 | xxh3-64 of the payload |
+//! | 96 | xxh3-64 of bytes 0..96 |
+
+use std::ops::Range;
+
+use thiserror::Error;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::layout::Packing;
+use crate::placement::WorkerId;
+use crate::region::KvRegion;
+use crate::spec::{DType, KvSpec, ScaleMode};
+
+/// Magic bytes at the start of every chunk.
+pub const CHUNK_MAGIC: [u8; 4] = *b"DJVK";
+/// Current chunk format version.
+pub const CHUNK_VERSION: u16 = 1;
+/// Bytes of a chunk header.
+pub const HEADER_LEN: usize = 104;
+
+/// Errors decoding or verifying a chunk.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ChunkError {
+    /// The bytes do not start with [`CHUNK_MAGIC`].
+    #[error("not a chunk: bad magic {0:02x?}")]
+    BadMagic([u8; 4]),
+    /// A version this build cannot read.
+    #[error("unsupported chunk version {0}")]
+    UnsupportedVersion(u16),
+    /// Fewer bytes than the header or payload length says.
+    #[error("truncated chunk: {got} bytes of {expected}")]
+    Truncated {
+        /// Bytes expected.
+        expected: u64,
+        /// Bytes present.
+        got: u64,
+    },
+    /// The header checksum does not match.
+    #[error("chunk header checksum mismatch")]
+    HeaderCorrupt,
+    /// The payload checksum does not match.
+    #[error("chunk payload checksum mismatch: header says {expected:016x}, payload hashes to {actual:016x}")]
+    PayloadCorrupt {
+        /// Checksum in the header.
+        expected: u64,
+        /// Checksum of the bytes received.
+        actual: u64,
+    },
+    /// A field holds an impossible value.
+    #[error("invalid chunk header: {0}")]
+    Invalid(String),
+}
+
+/// What a chunk holds and where it goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkDescriptor {
+    /// Worker that produced it.
+    pub source: WorkerId,
+    /// Worker it is for.
+    pub destination: WorkerId,
+    /// Microbatch at the destination.
+    pub microbatch: u32,
+    /// Region at the destination, in its local coordinates.
+    pub region: KvRegion,
+    /// Elements of the payload (layers and heads equal the region's).
+    pub spec: KvSpec,
+    /// Order of the payload.
+    pub packing: Packing,
+}
+
+/// The identity of a chunk in a store: destination, microbatch and region.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ChunkKey {
+    /// Worker it is for.
+    pub destination: WorkerId,
+    /// Microbatch at the destination.
+    pub microbatch: u32,
+    /// Region at the destination.
+    pub region: KvRegion,
+}
+
+impl ChunkKey {
+    /// A name safe for file systems.
+    pub fn file_name(&self) -> String {
+        let r = &self.region;
+        format!(
+            "w{}.{}-m{}-l{}_{}-s{}_{}-h{}_{}-t{}_{}.djv",
+            self.destination.stage,
+            self.destination.rank,
+            self.microbatch,
+            r.layers.start,
+            r.layers.end,
+            r.slots.start,
+            r.slots.end,
+            r.heads.start,
+            r.heads.end,
+            r.tokens.start,
+            r.tokens.end
+        )
+    }
+}
+
+impl ChunkDescriptor {
+    /// The store key.
+    pub fn key(&self) -> ChunkKey {
+        ChunkKey {
+            destination: self.destination,
+            microbatch: self.microbatch,
+            region: self.region.clone(),
+        }
+    }
+
+    /// Payload bytes the region takes.
+    pub fn payload_len(&self) -> u64 {
+        self.region.shape().bytes(&self.spec)
+    }
+
+    /// Encodes the header of a chunk carrying `payload`.
+    pub fn encode_header(&self, payload: &[u8]) -> [u8; HEADER_LEN] {
+        let mut h = [0u8; HEADER_LEN];
+        let mut w = Writer { buf: &mut h, at: 0 };
+        w.bytes(&CHUNK_MAGIC);
+        w.u16(CHUNK_VERSION);
+        w.u16(HEADER_LEN as u16);
+        w.u32(0);
+        for id in [self.source, self.destination] {
+            w.u32(id.stage);
+            w.u32(id.rank);
+        }
+        w.u32(self.microbatch);
+        for r in [
+            &self.region.layers,
+            &self.region.slots,
+            &self.region.heads,
+            &self.region.tokens,
+        ] {
+            w.u32(r.start);
+            w.u32(r.end);
+        }
+        w.u32(self.spec.head_dim());
+        w.bytes(&[
+            self.spec.dtype().code(),
+            scale_code(self.spec.scales()),
+            0,
+            0,
+        ]);
+        w.u32(self.packing.k_chunk);
+        w.u32(self.packing.v_chunk);
+        w.u64(payload.len() as u64);
+        w.u64(xxh3_64(payload));
+        let header_sum = xxh3_64(&h[..96]);
+        h[96..].copy_from_slice(&header_sum.to_le_bytes());
+        h
+    }
+
+    /// Decodes and checks a header; returns the descriptor, the payload length and its checksum.
+    pub fn decode_header(bytes: &[u8]) -> Result<(ChunkDescriptor, u64, u64), ChunkError> {
+        if bytes.len() < HEADER_LEN {
+            return Err(ChunkError::Truncated {
+                expected: HEADER_LEN as u64,
+                got: bytes.len() as u64,
+            });
+        }
+        let mut r = Reader { buf: bytes, at: 0 };
+        let magic: [u8; 4] = r.array();
+        if magic != CHUNK_MAGIC {
+            return Err(ChunkError::BadMagic(magic));
+        }
+        let version = r.u16();
+        if version != CHUNK_VERSION {
+            return Err(ChunkError::UnsupportedVersion(version));
+        }
+        let stored = u64::from_le_bytes(bytes[96..HEADER_LEN].try_into().expect("8 bytes"));
+        if xxh3_64(&bytes[..96]) != stored {
+            return Err(ChunkError::HeaderCorrupt);
+        }
+        let header_len = r.u16();
+        if header_len as usize != HEADER_LEN {
+            return Err(ChunkError::Invalid(format!("header length {header_len}")));
+        }
+        let _flags = r.u32();
+        let source = WorkerId {
+            stage: r.u32(),
+            rank: r.u32(),
+        };
+        let destination = WorkerId {
+            stage: r.u32(),
+            rank: r.u32(),
+        };
+        let microbatch = r.u32();
+        let mut range = || -> Range<u32> { r.u32()..r.u32() };
+        let region = KvRegion::new(range(), range(), range(), range());
+        let head_dim = r.u32();
+        let [dtype, scales, _, _]: [u8; 4] = r.array();
+        let dtype = DType::from_code(dtype)
+            .ok_or_else(|| ChunkError::Invalid(format!("dtype code {dtype}")))?;
+        let scales = scale_from_code(scales)?;
+        let packing = Packing {
+            k_chunk: r.u32(),
+            v_chunk: r.u32(),
+        };
+        let payload_len = r.u64();
+        let payload_sum = r.u64();
+        let shape = region.shape();
+        if shape.is_empty()
+            || [&region.layers, &region.slots, &region.heads, &region.tokens]
+                .iter()
+                .any(|x| x.start > x.end)
+        {
+            return Err(ChunkError::Invalid(format!(
+                "empty or inverted region {region:?}"
+            )));
+        }
+        let spec = KvSpec::with_scales(shape.layers, shape.heads, head_dim, dtype, scales)
+            .map_err(|e| ChunkError::Invalid(e.to_string()))?;
+        for chunk in [packing.k_chunk, packing.v_chunk] {
+            if chunk == 0 || head_dim % chunk != 0 {
+                return Err(ChunkError::Invalid(format!(
+                    "packing chunk {chunk} for head_dim {head_dim}"
+                )));
+            }
+        }
+        let descriptor = ChunkDescriptor {
+            source,
+            destination,
+            microbatch,
+            region,
+            spec,
+            packing,
+        };
+        if descriptor.payload_len() != payload_len {
+            return Err(ChunkError::Invalid(format!(
+                "payload length {payload_len} does not match the region's {} bytes",
+                descriptor.payload_len()
+            )));
+        }
+        Ok((descriptor, payload_len, payload_sum))
+    }
+}
+
+/// Checks `payload` against the checksum from its header.
+pub fn verify_payload(payload: &[u8], expected: u64) -> Result<(), ChunkError> {
+    let actual = xxh3_64(payload);
+    if actual != expected {
+        return Err(ChunkError::PayloadCorrupt { expected, actual });
+    }
+    Ok(())
+}
+
+fn scale_code(mode: ScaleMode) -> u8 {
+    match mode {
+        ScaleMode::None => 0,
+        ScaleMode::PerTokenHead => 1,
+    }
+}
+
+fn scale_from_code(code: u8) -> Result<ScaleMode, ChunkError> {
+    match code {
+        0 => Ok(ScaleMode::None),
+        1 => Ok(ScaleMode::PerTokenHead),
+        other => Err(ChunkError::Invalid(format!("scale mode code {other}"))),
+    }
+}
+
+struct Writer<'a> {
+    buf: &'a mut [u8],
+    at: usize,
+}
+
+impl Writer<'_> {
+    fn bytes(&mut self, b: &[u8]) {
+        self.buf[self.at..self.at + b.len()].copy_from_slice(b);
+        self.at += b.len();
+    }
+    fn u16(&mut self, v: u16) {
+        self.bytes(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.bytes(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.bytes(&v.to_le_bytes());
+    }
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn array<const N: usize>(&mut self) -> [u8; N] {
+        let out = self.buf[self.at..self.at + N]
+            .try_into()
+            .expect("length checked by caller");
+        self.at += N;
+        out
+    }
+    fn u16(&mut self) -> u16 {
+        u16::from_le_bytes(self.array())
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from_le_bytes(self.array())
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from_le_bytes(self.array())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn descriptor() -> ChunkDescriptor {
+        ChunkDescriptor {
+            source: WorkerId { stage: 0, rank: 1 },
+            destination: WorkerId { stage: 2, rank: 0 },
+            microbatch: 3,
+            region: KvRegion::new(4..6, 0..2, 1..3, 10..11),
+            spec: KvSpec::new(2, 2, 8, DType::F16).unwrap(),
+            packing: Packing {
+                k_chunk: 8,
+                v_chunk: 8,
+            },
+        }
+    }
+
+    #[test]
+    fn header_round_trips() {
+        let d = descriptor();
+        let payload = vec![7u8; d.payload_len() as usize];
+        let h = d.encode_header(&payload);
+        let (back, len, sum) = ChunkDescriptor::decode_header(&h).unwrap();
+        assert_eq!(back, d);
+        assert_eq!(len, payload.len() as u64);
+        verify_payload(&payload, sum).unwrap();
+        let mut bad = payload.clone();
+        bad[3] ^= 1;
+        assert!(matches!(
+            verify_payload(&bad, sum),
+            Err(ChunkError::PayloadCorrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn every_single_bit_flip_in_a_header_is_caught() {
+        let d = descriptor();
+        let payload = vec![1u8; d.payload_len() as usize];
+        let h = d.encode_header(&payload);
+        for bit in 0..HEADER_LEN * 8 {
+            let mut bad = h;
+            bad[bit / 8] ^= 1 << (bit % 8);
+            assert!(
+                ChunkDescriptor::decode_header(&bad).is_err(),
+                "bit {bit} undetected"
+            );
+        }
+        assert!(matches!(
+            ChunkDescriptor::decode_header(&h[..50]),
+            Err(ChunkError::Truncated {
+                expected: 104,
+                got: 50
+            })
+        ));
+    }
+}

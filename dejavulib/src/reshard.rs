@@ -1,0 +1,346 @@
+//! `stream_out` / `stream_in`: moving KV between two pipeline setups.
+//!
+//! Planning is pure: [`plan_stream_out`] lists, for one source worker of setup A, every
+//! (destination worker of B, source region, destination region) it must send, in each side's local
+//! coordinates. It covers a different pipeline depth, a different TP degree (head shards merge or
+//! split), a different microbatch size (a 16-slot microbatch splits into two 8-slot ones and back),
+//! asymmetric layer splits and GQA head replicas (only a head's primary holder sends; every replica
+//! in B receives). [`plan_stream_in`] is the receiving side's view of the same transfers.
+//!
+//! Execution composes the primitives: [`stream_out`] gathers each source region into a staging
+//! buffer and flushes it as one chunk; [`stream_in`] fetches each expected chunk, verifies it and
+//! scatters it into place.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+use crate::cache::{CacheError, KvCache};
+use crate::chunk::{ChunkDescriptor, ChunkKey};
+use crate::memory::StagingPool;
+use crate::placement::{Setup, SetupError, WorkerId};
+use crate::region::KvRegion;
+use crate::store::{ChunkStore, StoreError};
+
+/// Errors of `stream_out` / `stream_in`.
+#[derive(Debug, Error)]
+pub enum StreamError {
+    /// The setups do not fit together.
+    #[error(transparent)]
+    Setup(#[from] SetupError),
+    /// Gather or scatter failed.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// Flush or fetch failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A transfer names a microbatch with no cache.
+    #[error("no cache for microbatch {0}")]
+    NoCache(u32),
+    /// A fetched chunk is not the one the plan expects.
+    #[error("unexpected chunk: {0}")]
+    Unexpected(String),
+}
+
+/// A worker-local region: which microbatch cache, and which layers, slots and heads in it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct LocalRegion {
+    /// Microbatch (cache) index on that worker.
+    pub microbatch: u32,
+    /// Local layers.
+    pub layers: Range<u32>,
+    /// Local slots.
+    pub slots: Range<u32>,
+    /// Local heads.
+    pub heads: Range<u32>,
+}
+
+impl LocalRegion {
+    /// The cache region for `tokens`.
+    pub fn with_tokens(&self, tokens: Range<u32>) -> KvRegion {
+        KvRegion::new(
+            self.layers.clone(),
+            self.slots.clone(),
+            self.heads.clone(),
+            tokens,
+        )
+    }
+}
+
+/// One piece of KV a source worker sends to a destination worker.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Transfer {
+    /// Sending worker (setup A).
+    pub source: WorkerId,
+    /// Receiving worker (setup B).
+    pub destination: WorkerId,
+    /// Region at the source.
+    pub from: LocalRegion,
+    /// Region at the destination (same shape).
+    pub to: LocalRegion,
+}
+
+fn intersect(a: &Range<u32>, b: &Range<u32>) -> Option<Range<u32>> {
+    let r = a.start.max(b.start)..a.end.min(b.end);
+    (r.start < r.end).then_some(r)
+}
+
+fn shift(r: &Range<u32>, base: u32) -> Range<u32> {
+    r.start - base..r.end - base
+}
+
+/// What `source` (a worker of `a`) must send so that every worker of `b` holds its KV.
+///
+/// A worker holding a non-primary GQA replica sends nothing: the primary holder covers its heads.
+pub fn plan_stream_out(
+    a: &Setup,
+    source: WorkerId,
+    b: &Setup,
+) -> Result<Vec<Transfer>, StreamError> {
+    a.check_compatible(b)?;
+    let src = a.holding(source)?;
+    if !src.primary {
+        return Ok(Vec::new());
+    }
+    let mut transfers = Vec::new();
+    for destination in b.workers() {
+        let dst = b.holding(destination)?;
+        let (Some(layers), Some(heads)) = (
+            intersect(&src.layers, &dst.layers),
+            intersect(&src.heads, &dst.heads),
+        ) else {
+            continue;
+        };
+        for ma in 0..a.microbatches() {
+            let reqs_a = a.microbatch_requests(ma);
+            for mb in 0..b.microbatches() {
+                let reqs_b = b.microbatch_requests(mb);
+                let Some(reqs) = intersect(&reqs_a, &reqs_b) else {
+                    continue;
+                };
+                transfers.push(Transfer {
+                    source,
+                    destination,
+                    from: LocalRegion {
+                        microbatch: ma,
+                        layers: shift(&layers, src.layers.start),
+                        slots: shift(&reqs, reqs_a.start),
+                        heads: shift(&heads, src.heads.start),
+                    },
+                    to: LocalRegion {
+                        microbatch: mb,
+                        layers: shift(&layers, dst.layers.start),
+                        slots: shift(&reqs, reqs_b.start),
+                        heads: shift(&heads, dst.heads.start),
+                    },
+                });
+            }
+        }
+    }
+    Ok(transfers)
+}
+
+/// Every transfer `destination` (a worker of `b`) receives from the workers of `a`.
+pub fn plan_stream_in(
+    a: &Setup,
+    b: &Setup,
+    destination: WorkerId,
+) -> Result<Vec<Transfer>, StreamError> {
+    b.holding(destination)?;
+    let mut transfers = Vec::new();
+    for source in a.workers() {
+        transfers.extend(
+            plan_stream_out(a, source, b)?
+                .into_iter()
+                .filter(|t| t.destination == destination),
+        );
+    }
+    Ok(transfers)
+}
+
+/// Totals of a stream operation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Chunks moved.
+    pub chunks: u64,
+    /// Payload bytes moved.
+    pub bytes: u64,
+    /// Time spent gathering or scattering.
+    pub copy_time: Duration,
+    /// Time spent flushing or fetching.
+    pub io_time: Duration,
+}
+
+/// The chunk key `transfer` is stored under for `tokens`.
+pub fn transfer_key(transfer: &Transfer, tokens: Range<u32>) -> ChunkKey {
+    ChunkKey {
+        destination: transfer.destination,
+        microbatch: transfer.to.microbatch,
+        region: transfer.to.with_tokens(tokens),
+    }
+}
+
+/// What one chunk cost to send or receive.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkReceipt {
+    /// The chunk's key.
+    pub key: ChunkKey,
+    /// Payload bytes.
+    pub bytes: u64,
+    /// Time gathering or scattering.
+    pub copy_time: Duration,
+    /// Time flushing or fetching.
+    pub io_time: Duration,
+}
+
+impl StreamStats {
+    fn add(&mut self, r: &ChunkReceipt) {
+        self.chunks += 1;
+        self.bytes += r.bytes;
+        self.copy_time += r.copy_time;
+        self.io_time += r.io_time;
+    }
+}
+
+/// Sends `tokens` of one transfer from `cache` (the source's cache of `transfer.from.microbatch`):
+/// gathers the region into a pooled staging buffer and flushes it to `store` as one chunk.
+pub fn send(
+    cache: &KvCache,
+    transfer: &Transfer,
+    tokens: Range<u32>,
+    pool: &StagingPool,
+    store: &mut dyn ChunkStore,
+) -> Result<ChunkReceipt, StreamError> {
+    let region = transfer.from.with_tokens(tokens.clone());
+    let packing = cache.layout().preferred_packing();
+    let started = Instant::now();
+    let mut staging = pool.lease(cache.packed_len(&region) as usize);
+    cache.gather(&region, packing, &mut staging)?;
+    let gathered = Instant::now();
+    let shape = region.shape();
+    let descriptor = ChunkDescriptor {
+        source: transfer.source,
+        destination: transfer.destination,
+        microbatch: transfer.to.microbatch,
+        region: transfer.to.with_tokens(tokens),
+        spec: cache
+            .layout()
+            .spec()
+            .share(shape.layers, shape.heads)
+            .map_err(SetupError::from)?,
+        packing,
+    };
+    store.put(&descriptor, &staging)?;
+    Ok(ChunkReceipt {
+        key: descriptor.key(),
+        bytes: staging.len() as u64,
+        copy_time: gathered - started,
+        io_time: gathered.elapsed(),
+    })
+}
+
+/// Receives `tokens` of one transfer into `cache` (the destination's cache of
+/// `transfer.to.microbatch`): fetches the chunk into `payload`, checks that it is the region the plan
+/// expects and that its checksum holds, then scatters it.
+pub fn receive(
+    cache: &KvCache,
+    transfer: &Transfer,
+    tokens: Range<u32>,
+    store: &mut dyn ChunkStore,
+    payload: &mut Vec<u8>,
+) -> Result<ChunkReceipt, StreamError> {
+    let key = transfer_key(transfer, tokens);
+    let started = Instant::now();
+    let descriptor = store.get(&key, payload)?;
+    let fetched = Instant::now();
+    if descriptor.source != transfer.source || !descriptor.spec.same_elements(cache.layout().spec())
+    {
+        return Err(StreamError::Unexpected(format!(
+            "chunk {} from {:?} holding {:?}; plan expects {:?} holding {:?}",
+            key.file_name(),
+            descriptor.source,
+            descriptor.spec,
+            transfer.source,
+            cache.layout().spec()
+        )));
+    }
+    cache.scatter(&descriptor.region, descriptor.packing, payload)?;
+    Ok(ChunkReceipt {
+        key,
+        bytes: payload.len() as u64,
+        copy_time: fetched.elapsed(),
+        io_time: fetched - started,
+    })
+}
+
+/// `stream_out` at one source worker: sends `tokens` of every transfer, taking each source region
+/// from `caches[transfer.from.microbatch]`.
+pub fn stream_out(
+    caches: &[&KvCache],
+    transfers: &[Transfer],
+    tokens: Range<u32>,
+    pool: &StagingPool,
+    store: &mut dyn ChunkStore,
+) -> Result<StreamStats, StreamError> {
+    let mut stats = StreamStats::default();
+    for t in transfers {
+        let cache = caches
+            .get(t.from.microbatch as usize)
+            .ok_or(StreamError::NoCache(t.from.microbatch))?;
+        stats.add(&send(cache, t, tokens.clone(), pool, store)?);
+    }
+    Ok(stats)
+}
+
+/// `stream_in` at one destination worker: receives `tokens` of every expected transfer into
+/// `caches[transfer.to.microbatch]`. A missing, corrupt or unexpected chunk is an error and is
+/// never scattered.
+pub fn stream_in(
+    caches: &[&KvCache],
+    expected: &[Transfer],
+    tokens: Range<u32>,
+    store: &mut dyn ChunkStore,
+) -> Result<StreamStats, StreamError> {
+    let mut stats = StreamStats::default();
+    let mut payload = Vec::new();
+    for t in expected {
+        let cache = caches
+            .get(t.to.microbatch as usize)
+            .ok_or(StreamError::NoCache(t.to.microbatch))?;
+        stats.add(&receive(cache, t, tokens.clone(), store, &mut payload)?);
+    }
+    Ok(stats)
+}
+
+impl Transfer {
+    /// A transfer that keeps the same region (swap-out, replication to a peer of the same shape).
+    pub fn same_region(source: WorkerId, destination: WorkerId, region: LocalRegion) -> Self {
+        Self {
+            source,
+            destination,
+            from: region.clone(),
+            to: region,
+        }
+    }
+
+    /// The part of this transfer that carries source-local layer `layer`, if any.
+    pub fn layer(&self, layer: u32) -> Option<Transfer> {
+        if !self.from.layers.contains(&layer) {
+            return None;
+        }
+        let to_layer = self.to.layers.start + (layer - self.from.layers.start);
+        Some(Transfer {
+            source: self.source,
+            destination: self.destination,
+            from: LocalRegion {
+                layers: layer..layer + 1,
+                ..self.from.clone()
+            },
+            to: LocalRegion {
+                layers: to_layer..to_layer + 1,
+                ..self.to.clone()
+            },
+        })
+    }
+}

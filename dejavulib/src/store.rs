@@ -1,0 +1,315 @@
+//! Flush and fetch: where chunks go and come back from, verified on the way in.
+//!
+//! A [`ChunkStore`] keeps chunks by [`ChunkKey`]. `put` is the paper's `flush` (one contiguous chunk
+//! out), `get` its `fetch`. Every store checks the chunk's checksums on `get`, so a truncated or
+//! corrupted chunk is reported and never handed to a scatter. Remote peers implement the same trait
+//! over a transport.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use thiserror::Error;
+
+use crate::chunk::{verify_payload, ChunkDescriptor, ChunkError, ChunkKey, HEADER_LEN};
+use crate::file_io::{FileBackend, FileIo};
+
+/// Errors of chunk stores.
+#[derive(Debug, Error)]
+pub enum StoreError {
+    /// No chunk under that key.
+    #[error("no chunk {0:?}")]
+    NotFound(Box<ChunkKey>),
+    /// The chunk failed verification.
+    #[error("chunk {key}: {source}")]
+    Chunk {
+        /// Where it was read from.
+        key: String,
+        /// What is wrong with it.
+        source: ChunkError,
+    },
+    /// The payload does not match its descriptor.
+    #[error("payload of {got} bytes, descriptor needs {expected}")]
+    PayloadLength {
+        /// Bytes the descriptor's region takes.
+        expected: u64,
+        /// Bytes given.
+        got: u64,
+    },
+    /// An I/O error (disk full, permissions, ...).
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+}
+
+/// A place chunks are flushed to and fetched from.
+pub trait ChunkStore: Send {
+    /// Flushes one chunk: `payload` packed as `descriptor` says. Replaces a chunk with the same key.
+    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError>;
+
+    /// Fetches the chunk under `key` into `out` (resized to the payload) after verifying it.
+    fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError>;
+}
+
+fn check_payload(descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+    let expected = descriptor.payload_len();
+    if payload.len() as u64 != expected {
+        return Err(StoreError::PayloadLength {
+            expected,
+            got: payload.len() as u64,
+        });
+    }
+    Ok(())
+}
+
+#[derive(Default)]
+struct HostInner {
+    chunks: HashMap<ChunkKey, (Vec<u8>, Vec<u8>)>,
+    log: Vec<ChunkKey>,
+}
+
+/// Chunks in host memory (a peer's buffer, a swap space). Clones share the same store.
+#[derive(Clone, Default)]
+pub struct HostStore {
+    inner: Arc<Mutex<HostInner>>,
+}
+
+impl HostStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Keys in the order they were put (a key put twice appears twice).
+    pub fn put_log(&self) -> Vec<ChunkKey> {
+        self.inner.lock().log.clone()
+    }
+
+    /// Number of chunks held.
+    pub fn len(&self) -> usize {
+        self.inner.lock().chunks.len()
+    }
+
+    /// Whether the store is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Flips one payload byte of a held chunk (for fault tests): the next `get` must report it.
+    pub fn corrupt(&self, key: &ChunkKey, byte: usize) -> bool {
+        let mut inner = self.inner.lock();
+        match inner.chunks.get_mut(key).and_then(|(_, p)| p.get_mut(byte)) {
+            Some(b) => {
+                *b ^= 0x5a;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl ChunkStore for HostStore {
+    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+        check_payload(descriptor, payload)?;
+        let header = descriptor.encode_header(payload).to_vec();
+        let key = descriptor.key();
+        let mut inner = self.inner.lock();
+        inner.log.push(key.clone());
+        inner.chunks.insert(key, (header, payload.to_vec()));
+        Ok(())
+    }
+
+    fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
+        let inner = self.inner.lock();
+        let (header, payload) = inner
+            .chunks
+            .get(key)
+            .ok_or_else(|| StoreError::NotFound(Box::new(key.clone())))?;
+        let corrupt = |source| StoreError::Chunk {
+            key: key.file_name(),
+            source,
+        };
+        let (descriptor, _, sum) = ChunkDescriptor::decode_header(header).map_err(corrupt)?;
+        verify_payload(payload, sum).map_err(corrupt)?;
+        out.clear();
+        out.extend_from_slice(payload);
+        Ok(descriptor)
+    }
+}
+
+/// Chunks as files in a directory, one per key (the SSD tier).
+///
+/// A flush writes a temporary file, syncs it, then renames it into place: a flush that fails midway
+/// (disk full) leaves no file that looks valid, and a fetch never sees half a chunk.
+#[derive(Clone)]
+pub struct FileStore {
+    dir: PathBuf,
+    io: Arc<FileIo>,
+    sync: bool,
+}
+
+static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl FileStore {
+    /// A store in `dir` (created if missing) using `backend` for I/O; files are synced before rename.
+    pub fn open(dir: impl Into<PathBuf>, backend: FileBackend) -> Result<Self, StoreError> {
+        let dir = dir.into();
+        fs::create_dir_all(&dir).map_err(|source| StoreError::Io {
+            op: "create",
+            path: dir.clone(),
+            source,
+        })?;
+        let io = FileIo::new(backend).map_err(|source| StoreError::Io {
+            op: "io_uring setup",
+            path: dir.clone(),
+            source,
+        })?;
+        Ok(Self {
+            dir,
+            io: Arc::new(io),
+            sync: true,
+        })
+    }
+
+    /// Skips `fsync` (for benchmarks of the copy path, or a scratch tier that need not survive a crash).
+    pub fn without_sync(mut self) -> Self {
+        self.sync = false;
+        self
+    }
+
+    /// The I/O backend in use.
+    pub fn backend_name(&self) -> &'static str {
+        self.io.name()
+    }
+
+    /// Where the chunk under `key` lives.
+    pub fn path_of(&self, key: &ChunkKey) -> PathBuf {
+        self.dir.join(key.file_name())
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn write_file(&self, path: &Path, header: &[u8], payload: &[u8]) -> Result<(), StoreError> {
+        let io_err = |op| {
+            move |source| StoreError::Io {
+                op,
+                path: path.to_path_buf(),
+                source,
+            }
+        };
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(io_err("create"))?;
+        self.io
+            .write_all_at(&file, header, 0)
+            .map_err(io_err("write"))?;
+        self.io
+            .write_all_at(&file, payload, HEADER_LEN as u64)
+            .map_err(io_err("write"))?;
+        if self.sync {
+            file.sync_data().map_err(io_err("sync"))?;
+        }
+        Ok(())
+    }
+}
+
+impl ChunkStore for FileStore {
+    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+        check_payload(descriptor, payload)?;
+        let header = descriptor.encode_header(payload);
+        let path = self.path_of(&descriptor.key());
+        let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let temp = self.dir.join(format!(
+            ".{}.{}.{n}.tmp",
+            descriptor.key().file_name(),
+            std::process::id()
+        ));
+        if let Err(e) = self.write_file(&temp, &header, payload) {
+            let _ = fs::remove_file(&temp);
+            return Err(e);
+        }
+        if let Err(source) = fs::rename(&temp, &path) {
+            let _ = fs::remove_file(&temp);
+            return Err(StoreError::Io {
+                op: "rename",
+                path,
+                source,
+            });
+        }
+        if self.sync {
+            File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|source| StoreError::Io {
+                    op: "sync directory",
+                    path: self.dir.clone(),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
+    fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
+        let path = self.path_of(key);
+        let io_err = |op| {
+            let path = path.clone();
+            move |source| StoreError::Io { op, path, source }
+        };
+        let file = match File::open(&path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::NotFound(Box::new(key.clone())))
+            }
+            other => other.map_err(io_err("open"))?,
+        };
+        let size = file.metadata().map_err(io_err("stat"))?.len();
+        let corrupt = |source| StoreError::Chunk {
+            key: path.display().to_string(),
+            source,
+        };
+        if size < HEADER_LEN as u64 {
+            return Err(corrupt(ChunkError::Truncated {
+                expected: HEADER_LEN as u64,
+                got: size,
+            }));
+        }
+        let mut header = [0u8; HEADER_LEN];
+        self.io
+            .read_exact_at(&file, &mut header, 0)
+            .map_err(io_err("read"))?;
+        let (descriptor, len, sum) = ChunkDescriptor::decode_header(&header).map_err(corrupt)?;
+        let expected = HEADER_LEN as u64 + len;
+        if size != expected {
+            return Err(corrupt(ChunkError::Truncated {
+                expected,
+                got: size,
+            }));
+        }
+        if descriptor.key() != *key {
+            return Err(corrupt(ChunkError::Invalid(format!(
+                "file holds {:?}",
+                descriptor.key()
+            ))));
+        }
+        out.clear();
+        out.resize(len as usize, 0);
+        self.io
+            .read_exact_at(&file, out, HEADER_LEN as u64)
+            .map_err(io_err("read"))?;
+        verify_payload(out, sum).map_err(corrupt)?;
+        Ok(descriptor)
+    }
+}

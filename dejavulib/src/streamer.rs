@@ -1,0 +1,238 @@
+//! The background streamer: moves KV while the engine computes.
+//!
+//! The engine says "layer `l` of microbatch `m` is ready" (prompt streaming) or "step `t` is done"
+//! (decode deltas); the streamer thread gathers that region and flushes it while the engine goes on
+//! with the next layer or step. Jobs run in submission order on one thread, so layers of a
+//! microbatch arrive in order. The queue is bounded (a full queue blocks `submit`: backpressure).
+//! Each job returns a [`Completion`] to wait on or poll; nothing spins.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use thiserror::Error;
+
+use crate::cache::KvCache;
+use crate::memory::StagingPool;
+use crate::reshard::{send, ChunkReceipt, StreamError, Transfer};
+use crate::store::ChunkStore;
+
+/// Errors a streamer job or the streamer itself reports.
+#[derive(Debug, Error)]
+pub enum StreamerError {
+    /// The job ran and failed.
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    /// The job was cancelled by a cancelling shutdown before it ran.
+    #[error("cancelled before it ran")]
+    Cancelled,
+    /// The streamer no longer accepts jobs.
+    #[error("streamer is shut down")]
+    ShutDown,
+    /// The streamer thread died (a panic in a store) before answering.
+    #[error("streamer thread died before finishing the job")]
+    WorkerGone,
+    /// `wait_timeout` ran out.
+    #[error("timed out waiting for the job")]
+    Timeout,
+}
+
+/// One unit of work: send `tokens` of `transfer` from `cache`.
+#[derive(Clone, Debug)]
+pub struct StreamJob {
+    /// The source cache (the engine keeps writing other layers of it meanwhile).
+    pub cache: Arc<KvCache>,
+    /// What to send, and where it lands.
+    pub transfer: Transfer,
+    /// Token range.
+    pub tokens: Range<u32>,
+}
+
+struct Envelope {
+    job: StreamJob,
+    done: Sender<Result<ChunkReceipt, StreamerError>>,
+}
+
+/// A handle on one submitted job.
+pub struct Completion {
+    rx: Receiver<Result<ChunkReceipt, StreamerError>>,
+}
+
+impl Completion {
+    /// Blocks until the job finishes.
+    pub fn wait(self) -> Result<ChunkReceipt, StreamerError> {
+        self.rx.recv().unwrap_or(Err(StreamerError::WorkerGone))
+    }
+
+    /// Blocks at most `timeout`; on timeout the job is still running and `self` can be waited again.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<ChunkReceipt, StreamerError> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(result) => result,
+            Err(RecvTimeoutError::Timeout) => Err(StreamerError::Timeout),
+            Err(RecvTimeoutError::Disconnected) => Err(StreamerError::WorkerGone),
+        }
+    }
+
+    /// The result if the job has finished, without blocking. Yields the result once.
+    pub fn poll(&self) -> Option<Result<ChunkReceipt, StreamerError>> {
+        match self.rx.try_recv() {
+            Ok(result) => Some(result),
+            Err(TryRecvError::Empty) => None,
+            Err(TryRecvError::Disconnected) => Some(Err(StreamerError::WorkerGone)),
+        }
+    }
+}
+
+/// How [`Streamer::shutdown`] treats queued jobs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shutdown {
+    /// Run every queued job, then stop.
+    Drain,
+    /// Answer queued jobs with [`StreamerError::Cancelled`], then stop.
+    Cancel,
+}
+
+/// Totals reported at shutdown.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamerStats {
+    /// Jobs that succeeded.
+    pub completed: u64,
+    /// Jobs that failed.
+    pub failed: u64,
+    /// Jobs cancelled.
+    pub cancelled: u64,
+    /// Payload bytes sent.
+    pub bytes: u64,
+}
+
+/// Settings of a streamer.
+#[derive(Clone, Debug)]
+pub struct StreamerConfig {
+    /// Jobs queued before `submit` blocks.
+    pub queue_depth: usize,
+    /// Thread name.
+    pub name: String,
+}
+
+impl Default for StreamerConfig {
+    fn default() -> Self {
+        Self {
+            queue_depth: 64,
+            name: "dejavu-streamer".into(),
+        }
+    }
+}
+
+/// A background thread that gathers and flushes KV regions in submission order.
+pub struct Streamer {
+    tx: Option<Sender<Envelope>>,
+    thread: Option<JoinHandle<StreamerStats>>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Streamer {
+    /// Starts the thread; it flushes every chunk to `store`.
+    pub fn spawn(config: StreamerConfig, store: Box<dyn ChunkStore>) -> std::io::Result<Self> {
+        let (tx, rx) = bounded::<Envelope>(config.queue_depth.max(1));
+        let cancel = Arc::new(AtomicBool::new(false));
+        let flag = cancel.clone();
+        let thread = std::thread::Builder::new()
+            .name(config.name)
+            .spawn(move || run(rx, store, flag))?;
+        Ok(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+            cancel,
+        })
+    }
+
+    /// Queues a job, blocking while the queue is full.
+    pub fn submit(&self, job: StreamJob) -> Result<Completion, StreamerError> {
+        let tx = self.tx.as_ref().ok_or(StreamerError::ShutDown)?;
+        let (done, rx) = bounded(1);
+        tx.send(Envelope { job, done })
+            .map_err(|_| StreamerError::ShutDown)?;
+        Ok(Completion { rx })
+    }
+
+    /// Layer-by-layer streaming: source-local `layer` of microbatch `microbatch` is ready in `cache`;
+    /// queues its part of every transfer in `plan` (one job per destination region).
+    pub fn layer_ready(
+        &self,
+        cache: &Arc<KvCache>,
+        plan: &[Transfer],
+        microbatch: u32,
+        layer: u32,
+        tokens: Range<u32>,
+    ) -> Result<Vec<Completion>, StreamerError> {
+        plan.iter()
+            .filter(|t| t.from.microbatch == microbatch)
+            .filter_map(|t| t.layer(layer))
+            .map(|transfer| {
+                self.submit(StreamJob {
+                    cache: cache.clone(),
+                    transfer,
+                    tokens: tokens.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// Stops the thread, draining or cancelling queued jobs, and waits for it to exit.
+    pub fn shutdown(mut self, mode: Shutdown) -> Result<StreamerStats, StreamerError> {
+        self.stop(mode)
+    }
+
+    fn stop(&mut self, mode: Shutdown) -> Result<StreamerStats, StreamerError> {
+        if mode == Shutdown::Cancel {
+            self.cancel.store(true, Ordering::SeqCst);
+        }
+        drop(self.tx.take());
+        match self.thread.take() {
+            Some(thread) => thread.join().map_err(|_| StreamerError::WorkerGone),
+            None => Err(StreamerError::ShutDown),
+        }
+    }
+}
+
+impl Drop for Streamer {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            // Errors here mean the thread panicked; nothing more to release.
+            let _ = self.stop(Shutdown::Cancel);
+        }
+    }
+}
+
+fn run(
+    rx: Receiver<Envelope>,
+    mut store: Box<dyn ChunkStore>,
+    cancel: Arc<AtomicBool>,
+) -> StreamerStats {
+    let pool = StagingPool::default();
+    let mut stats = StreamerStats::default();
+    for Envelope { job, done } in rx.iter() {
+        let result = if cancel.load(Ordering::SeqCst) {
+            stats.cancelled += 1;
+            Err(StreamerError::Cancelled)
+        } else {
+            match send(&job.cache, &job.transfer, job.tokens, &pool, store.as_mut()) {
+                Ok(receipt) => {
+                    stats.completed += 1;
+                    stats.bytes += receipt.bytes;
+                    Ok(receipt)
+                }
+                Err(e) => {
+                    stats.failed += 1;
+                    Err(e.into())
+                }
+            }
+        };
+        // The submitter may have dropped its Completion; that is fine.
+        let _ = done.send(result);
+    }
+    stats
+}
