@@ -1,1 +1,108 @@
-//! Shared helpers for the benchmarks.
+//! Workloads and limits shared by the criterion benches and the `bench-report` binary.
+//!
+//! The workload is one worker of a 13B-class model (40 layers, 40 KV heads, head_dim 128, fp16,
+//! batch 8) in FasterTransformer's layout, where a decode step writes one 16-byte K piece per
+//! 64-byte cache line.
+
+use dejavulib::plan::CopyPlan;
+use dejavulib::{DType, KvCache, KvLayout, KvRegion, KvSpec, Packing};
+
+/// Bytes of a CPU cache line.
+pub const CACHE_LINE: u64 = 64;
+
+/// A filled cache and the regions the benches move.
+pub struct Workload {
+    /// The worker's cache.
+    pub cache: KvCache,
+    /// One decode step: token `decode_token` of every slot, layer and head.
+    pub decode: KvRegion,
+    /// A whole prompt of one sequence: tokens `0..prompt_tokens` of slot 0.
+    pub prompt: KvRegion,
+}
+
+/// Shape of the workload (the full one is [`Geometry::thirteen_b`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Geometry {
+    /// Layers.
+    pub layers: u32,
+    /// KV heads.
+    pub heads: u32,
+    /// Batch slots.
+    pub slots: u32,
+    /// Token capacity per slot.
+    pub max_tokens: u32,
+    /// Prompt length.
+    pub prompt_tokens: u32,
+}
+
+impl Geometry {
+    /// The 13B-class worker of DESIGN.md: 40 layers, 40 heads, batch 8, 1000-token prompt.
+    pub fn thirteen_b() -> Self {
+        Self { layers: 40, heads: 40, slots: 8, max_tokens: 1024, prompt_tokens: 1000 }
+    }
+}
+
+impl Workload {
+    /// Builds and fills the cache (every byte written, so no zero pages flatter the reads).
+    pub fn new(g: Geometry) -> Self {
+        let spec = KvSpec::new(g.layers, g.heads, 128, DType::F16).expect("valid spec");
+        let layout = KvLayout::faster_transformer(spec, g.slots, g.max_tokens).expect("valid layout");
+        let cache = KvCache::new(layout).expect("layer-major layout");
+        fill(&cache);
+        let decode_token = g.prompt_tokens;
+        Self {
+            decode: KvRegion::new(0..g.layers, 0..g.slots, 0..g.heads, decode_token..decode_token + 1),
+            prompt: KvRegion::new(0..g.layers, 0..1, 0..g.heads, 0..g.prompt_tokens),
+            cache,
+        }
+    }
+
+    /// The cache's own packing.
+    pub fn packing(&self) -> Packing {
+        self.cache.layout().preferred_packing()
+    }
+}
+
+/// Writes a byte pattern into every byte of the cache, one layer at a time.
+pub fn fill(cache: &KvCache) {
+    let layout = cache.layout();
+    let spec = layout.spec();
+    for layer in 0..spec.layers() {
+        let region =
+            KvRegion::new(layer..layer + 1, 0..layout.slots(), 0..spec.kv_heads(), 0..layout.max_tokens());
+        let bytes: Vec<u8> = (0..cache.packed_len(&region)).map(|i| (i * 31 + layer as u64) as u8).collect();
+        cache.scatter(&region, layout.preferred_packing(), &bytes).expect("fill");
+    }
+}
+
+/// Bytes of the distinct cache lines a plan reads: what a gather must pull from memory.
+pub fn source_lines_bytes(plan: &CopyPlan) -> u64 {
+    // Each run covers lines [first, last]; merge overlapping intervals per buffer and count.
+    let mut lines: Vec<(u32, u64, u64)> = plan
+        .runs()
+        .iter()
+        .map(|r| (r.src_buffer, r.src_offset / CACHE_LINE, (r.src_offset + r.len - 1) / CACHE_LINE))
+        .collect();
+    lines.sort_unstable();
+    let mut total = 0;
+    let mut current: Option<(u32, u64, u64)> = None;
+    for (buffer, first, last) in lines {
+        current = match current {
+            Some((b, lo, hi)) if b == buffer && first <= hi + 1 => Some((b, lo, hi.max(last))),
+            Some((_, lo, hi)) => {
+                total += hi - lo + 1;
+                Some((buffer, first, last))
+            }
+            None => Some((buffer, first, last)),
+        };
+    }
+    if let Some((_, lo, hi)) = current {
+        total += hi - lo + 1;
+    }
+    total * CACHE_LINE
+}
+
+/// A plain copy of `src` into `dst`: the memcpy limit.
+pub fn memcpy(dst: &mut [u8], src: &[u8]) {
+    dst.copy_from_slice(src);
+}

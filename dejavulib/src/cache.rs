@@ -32,6 +32,17 @@ pub enum CacheError {
     },
 }
 
+/// Errors of [`KvCache::for_each_extent`]: the cache's own, or the callback's.
+#[derive(Debug, Error)]
+pub enum ExtentError<E> {
+    /// Planning or bounds failed.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// The callback failed.
+    #[error("extent callback failed")]
+    Callback(E),
+}
+
 /// A KV cache in page-aligned host memory, laid out by a [`KvLayout`].
 ///
 /// Each layer has its own reader-writer lock: a gather of layer `l` runs while the engine writes
@@ -49,9 +60,7 @@ unsafe impl Sync for KvCache {}
 
 impl std::fmt::Debug for KvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KvCache")
-            .field("layout", &self.layout.kind())
-            .finish()
+        f.debug_struct("KvCache").field("layout", &self.layout.kind()).finish()
     }
 }
 
@@ -61,19 +70,9 @@ impl KvCache {
         if !layout.layers_are_disjoint() {
             return Err(CacheError::LayersOverlap);
         }
-        let buffers = layout
-            .buffer_sizes()
-            .iter()
-            .map(|&n| HostBuffer::zeroed(n as usize))
-            .collect();
-        let layer_locks = (0..layout.spec().layers())
-            .map(|_| RwLock::new(()))
-            .collect();
-        Ok(Self {
-            layout,
-            buffers,
-            layer_locks,
-        })
+        let buffers = layout.buffer_sizes().iter().map(|&n| HostBuffer::zeroed(n as usize)).collect();
+        let layer_locks = (0..layout.spec().layers()).map(|_| RwLock::new(())).collect();
+        Ok(Self { layout, buffers, layer_locks })
     }
 
     /// The layout.
@@ -89,40 +88,18 @@ impl KvCache {
     /// The plan that gathers `region` into a packed buffer with `packing`.
     pub fn gather_plan(&self, region: &KvRegion, packing: Packing) -> Result<CopyPlan, CacheError> {
         let packed = KvLayout::packed(self.layout.spec(), region.shape(), packing)?;
-        Ok(plan_copy(
-            &self.layout,
-            region.origin(),
-            &packed,
-            Coord::default(),
-            region.shape(),
-            Order::Src,
-        )?)
+        Ok(plan_copy(&self.layout, region.origin(), &packed, Coord::default(), region.shape(), Order::Src)?)
     }
 
     /// The plan that scatters a packed buffer with `packing` into `region`.
-    pub fn scatter_plan(
-        &self,
-        region: &KvRegion,
-        packing: Packing,
-    ) -> Result<CopyPlan, CacheError> {
+    pub fn scatter_plan(&self, region: &KvRegion, packing: Packing) -> Result<CopyPlan, CacheError> {
         let packed = KvLayout::packed(self.layout.spec(), region.shape(), packing)?;
-        Ok(plan_copy(
-            &packed,
-            Coord::default(),
-            &self.layout,
-            region.origin(),
-            region.shape(),
-            Order::Dst,
-        )?)
+        Ok(plan_copy(&packed, Coord::default(), &self.layout, region.origin(), region.shape(), Order::Dst)?)
     }
 
     /// Buffered copy out: gathers `region` into `out` (exactly [`KvCache::packed_len`] bytes).
-    pub fn gather(
-        &self,
-        region: &KvRegion,
-        packing: Packing,
-        out: &mut [u8],
-    ) -> Result<u64, CacheError> {
+    pub fn gather(&self, region: &KvRegion, packing: Packing, out: &mut [u8]) -> Result<u64, CacheError> {
+        self.layout.check_region(region)?;
         self.check_len(region, out.len())?;
         if region.is_empty() {
             return Ok(0);
@@ -132,15 +109,9 @@ impl KvCache {
     }
 
     /// Gathers with a plan made by [`KvCache::gather_plan`] for `region` (reused across steps).
-    pub fn gather_with(
-        &self,
-        plan: &CopyPlan,
-        region: &KvRegion,
-        out: &mut [u8],
-    ) -> Result<u64, CacheError> {
+    pub fn gather_with(&self, plan: &CopyPlan, region: &KvRegion, out: &mut [u8]) -> Result<u64, CacheError> {
         self.layout.check_region(region)?;
-        let _guards: Vec<_> = self.layer_locks
-            [region.layers.start as usize..region.layers.end as usize]
+        let _guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
             .iter()
             .map(RwLock::read)
             .collect();
@@ -153,20 +124,14 @@ impl KvCache {
     }
 
     /// Buffered copy in: scatters packed `input` (exactly [`KvCache::packed_len`] bytes) into `region`.
-    pub fn scatter(
-        &self,
-        region: &KvRegion,
-        packing: Packing,
-        input: &[u8],
-    ) -> Result<u64, CacheError> {
+    pub fn scatter(&self, region: &KvRegion, packing: Packing, input: &[u8]) -> Result<u64, CacheError> {
+        self.layout.check_region(region)?;
         self.check_len(region, input.len())?;
         if region.is_empty() {
             return Ok(0);
         }
         let plan = self.scatter_plan(region, packing)?;
-        self.layout.check_region(region)?;
-        let _guards: Vec<_> = self.layer_locks
-            [region.layers.start as usize..region.layers.end as usize]
+        let _guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
             .iter()
             .map(RwLock::write)
             .collect();
@@ -175,6 +140,51 @@ impl KvCache {
         // SAFETY: the plan only writes bytes of the region's layers, which we hold write locks for;
         // `input` is a shared borrow that cannot alias the cache's private buffers.
         Ok(unsafe { copy::execute_raw(&plan, &src, &dst) }?)
+    }
+
+    /// Hands every contiguous extent of `region` to `f` as (bytes, offset in the packed buffer), in
+    /// plan order, under the region's read locks: the unbuffered path, one transfer per extent.
+    pub fn for_each_extent<E>(
+        &self,
+        region: &KvRegion,
+        packing: Packing,
+        mut f: impl FnMut(&[u8], u64) -> Result<(), E>,
+    ) -> Result<(), ExtentError<E>> {
+        self.layout.check_region(region).map_err(CacheError::from)?;
+        if region.is_empty() {
+            return Ok(());
+        }
+        let plan = self.gather_plan(region, packing)?;
+        let _guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
+            .iter()
+            .map(RwLock::read)
+            .collect();
+        for block in plan.blocks() {
+            let buffer = self.buffers.get(block.src_buffer as usize);
+            let end = block.src_end().unwrap_or(u64::MAX);
+            let Some(buffer) = buffer.filter(|b| end <= b.len() as u64) else {
+                return Err(CacheError::Copy(CopyError::OutOfBounds {
+                    side: "source",
+                    index: block.src_buffer,
+                    needed: end,
+                    len: buffer.map_or(0, |b| b.len() as u64),
+                })
+                .into());
+            };
+            let mut result = Ok(());
+            block.for_each_run(|src, dst, len| {
+                if result.is_ok() {
+                    // SAFETY: the run lies inside the buffer (checked above) and belongs to a layer
+                    // we hold a read lock on, so no one writes it while the slice lives.
+                    let piece = unsafe {
+                        std::slice::from_raw_parts(buffer.as_ptr().add(src as usize), len as usize)
+                    };
+                    result = f(piece, dst);
+                }
+            });
+            result.map_err(ExtentError::Callback)?;
+        }
+        Ok(())
     }
 
     /// Writes one (token, head) vector of `part`: the logical accessor engines use to fill a cache.
@@ -219,25 +229,15 @@ impl KvCache {
         let spec = self.layout.spec();
         let needed = spec.vector_bytes(part);
         if len as u64 != needed {
-            return Err(CacheError::WrongLength {
-                needed,
-                len: len as u64,
-            });
+            return Err(CacheError::WrongLength { needed, len: len as u64 });
         }
         // Bounds-checks coordinates and the part.
         self.layout.element_offset(part, at, 0)?;
         let lock = &self.layer_locks[at.layer as usize];
-        let (_read, _write) = if write {
-            (None, Some(lock.write()))
-        } else {
-            (Some(lock.read()), None)
-        };
+        let (_read, _write) = if write { (None, Some(lock.write())) } else { (Some(lock.read()), None) };
         let map = self.layout.part_map(part);
         let chunk_bytes = map.chunk_elems as usize * spec.elem_bytes(part);
-        for (i, elem) in (0..spec.vector_elems(part))
-            .step_by(map.chunk_elems as usize)
-            .enumerate()
-        {
+        for (i, elem) in (0..spec.vector_elems(part)).step_by(map.chunk_elems as usize).enumerate() {
             let (buffer, offset) = self.layout.element_offset(part, at, elem)?;
             let buffer = &self.buffers[buffer as usize];
             debug_assert!(offset as usize + chunk_bytes <= buffer.len());
@@ -257,31 +257,16 @@ impl KvCache {
     fn check_len(&self, region: &KvRegion, len: usize) -> Result<(), CacheError> {
         let needed = self.packed_len(region);
         if needed != len as u64 {
-            return Err(CacheError::WrongLength {
-                needed,
-                len: len as u64,
-            });
+            return Err(CacheError::WrongLength { needed, len: len as u64 });
         }
         Ok(())
     }
 
     fn raw_src(&self) -> Vec<RawSrc> {
-        self.buffers
-            .iter()
-            .map(|b| RawSrc {
-                ptr: b.as_ptr(),
-                len: b.len(),
-            })
-            .collect()
+        self.buffers.iter().map(|b| RawSrc { ptr: b.as_ptr(), len: b.len() }).collect()
     }
 
     fn raw_dst(&self) -> Vec<RawDst> {
-        self.buffers
-            .iter()
-            .map(|b| RawDst {
-                ptr: b.as_mut_ptr(),
-                len: b.len(),
-            })
-            .collect()
+        self.buffers.iter().map(|b| RawDst { ptr: b.as_mut_ptr(), len: b.len() }).collect()
     }
 }

@@ -123,11 +123,7 @@ impl ChunkKey {
 impl ChunkDescriptor {
     /// The store key.
     pub fn key(&self) -> ChunkKey {
-        ChunkKey {
-            destination: self.destination,
-            microbatch: self.microbatch,
-            region: self.region.clone(),
-        }
+        ChunkKey { destination: self.destination, microbatch: self.microbatch, region: self.region.clone() }
     }
 
     /// Payload bytes the region takes.
@@ -137,6 +133,11 @@ impl ChunkDescriptor {
 
     /// Encodes the header of a chunk carrying `payload`.
     pub fn encode_header(&self, payload: &[u8]) -> [u8; HEADER_LEN] {
+        self.encode_header_with_checksum(payload.len() as u64, xxh3_64(payload))
+    }
+
+    /// Encodes a header for a payload of `payload_len` bytes whose xxh3-64 is `checksum`.
+    pub fn encode_header_with_checksum(&self, payload_len: u64, checksum: u64) -> [u8; HEADER_LEN] {
         let mut h = [0u8; HEADER_LEN];
         let mut w = Writer { buf: &mut h, at: 0 };
         w.bytes(&CHUNK_MAGIC);
@@ -148,26 +149,16 @@ impl ChunkDescriptor {
             w.u32(id.rank);
         }
         w.u32(self.microbatch);
-        for r in [
-            &self.region.layers,
-            &self.region.slots,
-            &self.region.heads,
-            &self.region.tokens,
-        ] {
+        for r in [&self.region.layers, &self.region.slots, &self.region.heads, &self.region.tokens] {
             w.u32(r.start);
             w.u32(r.end);
         }
         w.u32(self.spec.head_dim());
-        w.bytes(&[
-            self.spec.dtype().code(),
-            scale_code(self.spec.scales()),
-            0,
-            0,
-        ]);
+        w.bytes(&[self.spec.dtype().code(), scale_code(self.spec.scales()), 0, 0]);
         w.u32(self.packing.k_chunk);
         w.u32(self.packing.v_chunk);
-        w.u64(payload.len() as u64);
-        w.u64(xxh3_64(payload));
+        w.u64(payload_len);
+        w.u64(checksum);
         let header_sum = xxh3_64(&h[..96]);
         h[96..].copy_from_slice(&header_sum.to_le_bytes());
         h
@@ -176,10 +167,7 @@ impl ChunkDescriptor {
     /// Decodes and checks a header; returns the descriptor, the payload length and its checksum.
     pub fn decode_header(bytes: &[u8]) -> Result<(ChunkDescriptor, u64, u64), ChunkError> {
         if bytes.len() < HEADER_LEN {
-            return Err(ChunkError::Truncated {
-                expected: HEADER_LEN as u64,
-                got: bytes.len() as u64,
-            });
+            return Err(ChunkError::Truncated { expected: HEADER_LEN as u64, got: bytes.len() as u64 });
         }
         let mut r = Reader { buf: bytes, at: 0 };
         let magic: [u8; 4] = r.array();
@@ -199,56 +187,34 @@ impl ChunkDescriptor {
             return Err(ChunkError::Invalid(format!("header length {header_len}")));
         }
         let _flags = r.u32();
-        let source = WorkerId {
-            stage: r.u32(),
-            rank: r.u32(),
-        };
-        let destination = WorkerId {
-            stage: r.u32(),
-            rank: r.u32(),
-        };
+        let source = WorkerId { stage: r.u32(), rank: r.u32() };
+        let destination = WorkerId { stage: r.u32(), rank: r.u32() };
         let microbatch = r.u32();
         let mut range = || -> Range<u32> { r.u32()..r.u32() };
         let region = KvRegion::new(range(), range(), range(), range());
         let head_dim = r.u32();
         let [dtype, scales, _, _]: [u8; 4] = r.array();
-        let dtype = DType::from_code(dtype)
-            .ok_or_else(|| ChunkError::Invalid(format!("dtype code {dtype}")))?;
+        let dtype =
+            DType::from_code(dtype).ok_or_else(|| ChunkError::Invalid(format!("dtype code {dtype}")))?;
         let scales = scale_from_code(scales)?;
-        let packing = Packing {
-            k_chunk: r.u32(),
-            v_chunk: r.u32(),
-        };
+        let packing = Packing { k_chunk: r.u32(), v_chunk: r.u32() };
         let payload_len = r.u64();
         let payload_sum = r.u64();
         let shape = region.shape();
         if shape.is_empty()
-            || [&region.layers, &region.slots, &region.heads, &region.tokens]
-                .iter()
-                .any(|x| x.start > x.end)
+            || [&region.layers, &region.slots, &region.heads, &region.tokens].iter().any(|x| x.start > x.end)
         {
-            return Err(ChunkError::Invalid(format!(
-                "empty or inverted region {region:?}"
-            )));
+            return Err(ChunkError::Invalid(format!("empty or inverted region {region:?}")));
         }
         let spec = KvSpec::with_scales(shape.layers, shape.heads, head_dim, dtype, scales)
             .map_err(|e| ChunkError::Invalid(e.to_string()))?;
         for chunk in [packing.k_chunk, packing.v_chunk] {
             if chunk == 0 || head_dim % chunk != 0 {
-                return Err(ChunkError::Invalid(format!(
-                    "packing chunk {chunk} for head_dim {head_dim}"
-                )));
+                return Err(ChunkError::Invalid(format!("packing chunk {chunk} for head_dim {head_dim}")));
             }
         }
-        let descriptor = ChunkDescriptor {
-            source,
-            destination,
-            microbatch,
-            region,
-            spec,
-            packing,
-        };
-        if descriptor.payload_len() != payload_len {
+        let descriptor = ChunkDescriptor { source, destination, microbatch, region, spec, packing };
+        if descriptor.region.shape().checked_bytes(&descriptor.spec) != Some(payload_len) {
             return Err(ChunkError::Invalid(format!(
                 "payload length {payload_len} does not match the region's {} bytes",
                 descriptor.payload_len()
@@ -310,9 +276,7 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn array<const N: usize>(&mut self) -> [u8; N] {
-        let out = self.buf[self.at..self.at + N]
-            .try_into()
-            .expect("length checked by caller");
+        let out = self.buf[self.at..self.at + N].try_into().expect("length checked by caller");
         self.at += N;
         out
     }
@@ -338,10 +302,7 @@ mod tests {
             microbatch: 3,
             region: KvRegion::new(4..6, 0..2, 1..3, 10..11),
             spec: KvSpec::new(2, 2, 8, DType::F16).unwrap(),
-            packing: Packing {
-                k_chunk: 8,
-                v_chunk: 8,
-            },
+            packing: Packing { k_chunk: 8, v_chunk: 8 },
         }
     }
 
@@ -356,10 +317,7 @@ mod tests {
         verify_payload(&payload, sum).unwrap();
         let mut bad = payload.clone();
         bad[3] ^= 1;
-        assert!(matches!(
-            verify_payload(&bad, sum),
-            Err(ChunkError::PayloadCorrupt { .. })
-        ));
+        assert!(matches!(verify_payload(&bad, sum), Err(ChunkError::PayloadCorrupt { .. })));
     }
 
     #[test]
@@ -370,17 +328,11 @@ mod tests {
         for bit in 0..HEADER_LEN * 8 {
             let mut bad = h;
             bad[bit / 8] ^= 1 << (bit % 8);
-            assert!(
-                ChunkDescriptor::decode_header(&bad).is_err(),
-                "bit {bit} undetected"
-            );
+            assert!(ChunkDescriptor::decode_header(&bad).is_err(), "bit {bit} undetected");
         }
         assert!(matches!(
             ChunkDescriptor::decode_header(&h[..50]),
-            Err(ChunkError::Truncated {
-                expected: 104,
-                got: 50
-            })
+            Err(ChunkError::Truncated { expected: 104, got: 50 })
         ));
     }
 }

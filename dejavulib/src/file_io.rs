@@ -29,7 +29,7 @@ pub enum FileBackend {
 /// A positional file I/O engine.
 pub enum FileIo {
     /// A ring shared by callers (one call at a time; each call keeps many operations in flight).
-    IoUring(Mutex<IoUring>),
+    IoUring(Box<Mutex<IoUring>>),
     /// Plain positional syscalls.
     Posix,
 }
@@ -45,9 +45,9 @@ impl FileIo {
     pub fn new(backend: FileBackend) -> io::Result<Self> {
         match backend {
             FileBackend::Posix => Ok(FileIo::Posix),
-            FileBackend::IoUring => Ok(FileIo::IoUring(Mutex::new(IoUring::new(QUEUE_DEPTH)?))),
+            FileBackend::IoUring => Ok(FileIo::IoUring(Box::new(Mutex::new(IoUring::new(QUEUE_DEPTH)?)))),
             FileBackend::Auto => Ok(IoUring::new(QUEUE_DEPTH)
-                .map(|r| FileIo::IoUring(Mutex::new(r)))
+                .map(|r| FileIo::IoUring(Box::new(Mutex::new(r))))
                 .unwrap_or(FileIo::Posix)),
         }
     }
@@ -66,16 +66,7 @@ impl FileIo {
             FileIo::Posix => file.write_all_at(buf, offset),
             FileIo::IoUring(ring) => {
                 // SAFETY: `buf` outlives the call, and `ring_io` waits for every operation.
-                unsafe {
-                    ring_io(
-                        &mut ring.lock(),
-                        file,
-                        buf.as_ptr() as *mut u8,
-                        buf.len(),
-                        offset,
-                        true,
-                    )
-                }
+                unsafe { ring_io(&mut ring.lock(), file, buf.as_ptr() as *mut u8, buf.len(), offset, true) }
             }
         }
     }
@@ -87,16 +78,7 @@ impl FileIo {
             FileIo::IoUring(ring) => {
                 // SAFETY: `buf` is exclusively borrowed for the call, and `ring_io` waits for every
                 // operation before returning.
-                unsafe {
-                    ring_io(
-                        &mut ring.lock(),
-                        file,
-                        buf.as_mut_ptr(),
-                        buf.len(),
-                        offset,
-                        false,
-                    )
-                }
+                unsafe { ring_io(&mut ring.lock(), file, buf.as_mut_ptr(), buf.len(), offset, false) }
             }
         }
     }
@@ -117,10 +99,8 @@ unsafe fn ring_io(
     write: bool,
 ) -> io::Result<()> {
     let fd = types::Fd(file.as_raw_fd());
-    let mut pending: VecDeque<(usize, usize)> = (0..len)
-        .step_by(OP_BYTES)
-        .map(|at| (at, OP_BYTES.min(len - at)))
-        .collect();
+    let mut pending: VecDeque<(usize, usize)> =
+        (0..len).step_by(OP_BYTES).map(|at| (at, OP_BYTES.min(len - at))).collect();
     let mut ops: Vec<(usize, usize)> = Vec::new();
     let mut in_flight = 0usize;
     let mut failure: Option<io::Error> = None;
@@ -132,23 +112,14 @@ unsafe fn ring_io(
             // SAFETY: at + n <= len, inside the caller's buffer (safety 1).
             let p = unsafe { ptr.add(at) };
             let entry = if write {
-                opcode::Write::new(fd, p, n as u32)
-                    .offset(offset + at as u64)
-                    .build()
+                opcode::Write::new(fd, p, n as u32).offset(offset + at as u64).build()
             } else {
-                opcode::Read::new(fd, p, n as u32)
-                    .offset(offset + at as u64)
-                    .build()
+                opcode::Read::new(fd, p, n as u32).offset(offset + at as u64).build()
             };
             ops.push((at, n));
             // SAFETY: the buffer stays valid until its completion is reaped below: this function
             // does not return while any operation is in flight.
-            if unsafe {
-                ring.submission()
-                    .push(&entry.user_data((ops.len() - 1) as u64))
-            }
-            .is_err()
-            {
+            if unsafe { ring.submission().push(&entry.user_data((ops.len() - 1) as u64)) }.is_err() {
                 pending.push_front(ops.pop().expect("just pushed"));
                 break;
             }
@@ -165,15 +136,8 @@ unsafe fn ring_io(
             if res < 0 {
                 failure.get_or_insert(io::Error::from_raw_os_error(-res));
             } else if res == 0 {
-                let kind = if write {
-                    io::ErrorKind::WriteZero
-                } else {
-                    io::ErrorKind::UnexpectedEof
-                };
-                failure.get_or_insert(io::Error::new(
-                    kind,
-                    "file ended before the transfer completed",
-                ));
+                let kind = if write { io::ErrorKind::WriteZero } else { io::ErrorKind::UnexpectedEof };
+                failure.get_or_insert(io::Error::new(kind, "file ended before the transfer completed"));
             } else if (res as usize) < n {
                 pending.push_back((at + res as usize, n - res as usize));
             }
@@ -188,9 +152,7 @@ mod tests {
 
     #[test]
     fn both_backends_round_trip_multi_op_buffers() {
-        let data: Vec<u8> = (0..3 * OP_BYTES + 123)
-            .map(|i| (i * 7 % 251) as u8)
-            .collect();
+        let data: Vec<u8> = (0..3 * OP_BYTES + 123).map(|i| (i * 7 % 251) as u8).collect();
         for backend in [FileBackend::Auto, FileBackend::Posix] {
             let io = FileIo::new(backend).unwrap();
             let file = tempfile::tempfile().unwrap();
@@ -199,9 +161,7 @@ mod tests {
             io.read_exact_at(&file, &mut back, 10).unwrap();
             assert!(back == data, "{} round trip", io.name());
             let mut past_end = vec![0u8; 100];
-            let err = io
-                .read_exact_at(&file, &mut past_end, data.len() as u64)
-                .unwrap_err();
+            let err = io.read_exact_at(&file, &mut past_end, data.len() as u64).unwrap_err();
             assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof, "{}", io.name());
         }
     }

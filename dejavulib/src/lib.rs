@@ -13,6 +13,7 @@
 //!   different depth, tensor-parallel degree, microbatch size and layer split;
 //! - a background **streamer** ([`streamer`]) that moves layer `l` while the engine computes `l + 1`.
 
+pub mod baseline;
 pub mod cache;
 pub mod chunk;
 pub mod copy;
@@ -32,7 +33,9 @@ pub use layout::{KvLayout, LayoutError, Packing};
 pub use memory::{HostBuffer, Staging, StagingPool};
 pub use placement::{Setup, StageSpec, WorkerId};
 pub use region::{Coord, KvRegion, Shape};
-pub use reshard::{plan_stream_in, plan_stream_out, stream_in, stream_out, Transfer};
+pub use reshard::{
+    plan_stream_in, plan_stream_out, stream_in, stream_out, transfer_key, ChunkReceipt, StreamStats, Transfer,
+};
 pub use spec::{DType, KvSpec, Part, ScaleMode};
 pub use store::{ChunkStore, FileStore, HostStore};
 pub use streamer::{Streamer, StreamerConfig};

@@ -119,34 +119,18 @@ impl Setup {
         let mut expected = 0;
         for (i, stage) in stages.iter().enumerate() {
             if stage.layers.start != expected || stage.layers.end <= stage.layers.start {
-                return Err(SetupError::LayerGap {
-                    stage: i,
-                    start: stage.layers.start,
-                    expected,
-                });
+                return Err(SetupError::LayerGap { stage: i, start: stage.layers.start, expected });
             }
             expected = stage.layers.end;
             let kv = spec.kv_heads();
             if stage.tp == 0 || (kv % stage.tp != 0 && stage.tp % kv != 0) {
-                return Err(SetupError::BadTp {
-                    stage: i,
-                    tp: stage.tp,
-                    kv_heads: kv,
-                });
+                return Err(SetupError::BadTp { stage: i, tp: stage.tp, kv_heads: kv });
             }
         }
         if expected != spec.layers() {
-            return Err(SetupError::Coverage {
-                covered: expected,
-                layers: spec.layers(),
-            });
+            return Err(SetupError::Coverage { covered: expected, layers: spec.layers() });
         }
-        Ok(Self {
-            spec,
-            stages,
-            microbatch_slots,
-            microbatches,
-        })
+        Ok(Self { spec, stages, microbatch_slots, microbatches })
     }
 
     /// A setup of `depth` stages with layers split as evenly as possible (earlier stages take the
@@ -166,10 +150,7 @@ impl Setup {
         let stages = (0..depth)
             .map(|i| {
                 let len = base + u32::from(i < extra);
-                let stage = StageSpec {
-                    layers: start..start + len,
-                    tp,
-                };
+                let stage = StageSpec { layers: start..start + len, tp };
                 start += len;
                 stage
             })
@@ -204,12 +185,10 @@ impl Setup {
 
     /// Every worker, stage by stage, rank by rank.
     pub fn workers(&self) -> impl Iterator<Item = WorkerId> + '_ {
-        self.stages.iter().enumerate().flat_map(|(s, st)| {
-            (0..st.tp).map(move |rank| WorkerId {
-                stage: s as u32,
-                rank,
-            })
-        })
+        self.stages
+            .iter()
+            .enumerate()
+            .flat_map(|(s, st)| (0..st.tp).map(move |rank| WorkerId { stage: s as u32, rank }))
     }
 
     /// The layers and heads `worker` holds.
@@ -228,19 +207,13 @@ impl Setup {
             let head = worker.rank / replicas;
             (head..head + 1, worker.rank % replicas == 0)
         };
-        Ok(Holding {
-            layers: stage.layers.clone(),
-            heads,
-            primary,
-        })
+        Ok(Holding { layers: stage.layers.clone(), heads, primary })
     }
 
     /// The spec of `worker`'s local cache: its layers and heads only.
     pub fn local_spec(&self, worker: WorkerId) -> Result<KvSpec, SetupError> {
         let h = self.holding(worker)?;
-        Ok(self
-            .spec
-            .share(h.layers.len() as u32, h.heads.len() as u32)?)
+        Ok(self.spec.share(h.layers.len() as u32, h.heads.len() as u32)?)
     }
 
     /// Global request range of microbatch `m`.
@@ -251,10 +224,7 @@ impl Setup {
     /// Checks that `other` holds the same model and the same number of requests.
     pub fn check_compatible(&self, other: &Setup) -> Result<(), SetupError> {
         if self.spec != other.spec {
-            return Err(SetupError::Incompatible(format!(
-                "{:?} vs {:?}",
-                self.spec, other.spec
-            )));
+            return Err(SetupError::Incompatible(format!("{:?} vs {:?}", self.spec, other.spec)));
         }
         if self.requests() != other.requests() {
             return Err(SetupError::Incompatible(format!(
@@ -276,18 +246,9 @@ mod tests {
     fn hexgen_asymmetric_split_is_expressible() {
         let spec = KvSpec::new(80, 8, 128, DType::F16).unwrap();
         let stages = vec![
-            StageSpec {
-                layers: 0..48,
-                tp: 4,
-            },
-            StageSpec {
-                layers: 48..68,
-                tp: 2,
-            },
-            StageSpec {
-                layers: 68..80,
-                tp: 2,
-            },
+            StageSpec { layers: 0..48, tp: 4 },
+            StageSpec { layers: 48..68, tp: 2 },
+            StageSpec { layers: 68..80, tp: 2 },
         ];
         let setup = Setup::new(spec, stages, 8, 3).unwrap();
         assert_eq!(setup.workers().count(), 8);
@@ -312,36 +273,12 @@ mod tests {
     #[test]
     fn bad_setups_are_typed_errors() {
         let spec = KvSpec::new(10, 6, 64, DType::F16).unwrap();
-        let gap = vec![
-            StageSpec {
-                layers: 0..4,
-                tp: 1,
-            },
-            StageSpec {
-                layers: 5..10,
-                tp: 1,
-            },
-        ];
-        assert!(matches!(
-            Setup::new(spec, gap, 1, 1),
-            Err(SetupError::LayerGap { stage: 1, .. })
-        ));
-        let short = vec![StageSpec {
-            layers: 0..9,
-            tp: 1,
-        }];
-        assert!(matches!(
-            Setup::new(spec, short, 1, 1),
-            Err(SetupError::Coverage { .. })
-        ));
-        let tp = vec![StageSpec {
-            layers: 0..10,
-            tp: 4,
-        }];
-        assert!(matches!(
-            Setup::new(spec, tp, 1, 1),
-            Err(SetupError::BadTp { tp: 4, .. })
-        ));
+        let gap = vec![StageSpec { layers: 0..4, tp: 1 }, StageSpec { layers: 5..10, tp: 1 }];
+        assert!(matches!(Setup::new(spec, gap, 1, 1), Err(SetupError::LayerGap { stage: 1, .. })));
+        let short = vec![StageSpec { layers: 0..9, tp: 1 }];
+        assert!(matches!(Setup::new(spec, short, 1, 1), Err(SetupError::Coverage { .. })));
+        let tp = vec![StageSpec { layers: 0..10, tp: 4 }];
+        assert!(matches!(Setup::new(spec, tp, 1, 1), Err(SetupError::BadTp { tp: 4, .. })));
         let setup = Setup::uniform(spec, 2, 3, 2, 2).unwrap();
         assert!(setup.holding(WorkerId { stage: 0, rank: 3 }).is_err());
     }

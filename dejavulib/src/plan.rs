@@ -68,11 +68,9 @@ impl CopyBlock {
     }
 
     fn end(&self, offset: u64, stride: impl Fn(&Axis) -> u64) -> Option<u64> {
-        self.axes()
-            .iter()
-            .try_fold(offset.checked_add(self.run)?, |acc, a| {
-                acc.checked_add((a.count - 1).checked_mul(stride(a))?)
-            })
+        self.axes().iter().try_fold(offset.checked_add(self.run)?, |acc, a| {
+            acc.checked_add((a.count - 1).checked_mul(stride(a))?)
+        })
     }
 
     /// Calls `f(src_offset, dst_offset, len)` for every run, in loop order.
@@ -87,13 +85,7 @@ impl CopyBlock {
                 }
             }
         }
-        walk(
-            self.axes(),
-            self.src_offset,
-            self.dst_offset,
-            self.run,
-            &mut f,
-        );
+        walk(self.axes(), self.src_offset, self.dst_offset, self.run, &mut f);
     }
 }
 
@@ -224,11 +216,7 @@ pub fn plan_copy(
                         src.part_map(part).head_stride,
                         dst.part_map(part).head_stride,
                     );
-                    builder.axis(
-                        segment as u64,
-                        src.token_stride(part),
-                        dst.token_stride(part),
-                    );
+                    builder.axis(segment as u64, src.token_stride(part), dst.token_stride(part));
                     chunking.add_axes(&mut builder);
                     plan.push(builder.finish(
                         src_buffer,
@@ -247,12 +235,7 @@ pub fn plan_copy(
 }
 
 fn offset(at: Coord, layer: u32, slot: u32, token: u32) -> Coord {
-    Coord {
-        layer: at.layer + layer,
-        slot: at.slot + slot,
-        head: at.head,
-        token: at.token + token,
-    }
+    Coord { layer: at.layer + layer, slot: at.slot + slot, head: at.head, token: at.token + token }
 }
 
 /// How a head vector splits into runs when both sides store it in chunks of different sizes.
@@ -310,16 +293,8 @@ impl Chunking {
     }
 
     fn add_axes(&self, builder: &mut BlockBuilder) {
-        builder.axis(
-            self.outer.count,
-            self.outer.src_stride,
-            self.outer.dst_stride,
-        );
-        builder.axis(
-            self.inner.count,
-            self.inner.src_stride,
-            self.inner.dst_stride,
-        );
+        builder.axis(self.outer.count, self.outer.src_stride, self.outer.dst_stride);
+        builder.axis(self.inner.count, self.inner.src_stride, self.inner.dst_stride);
     }
 }
 
@@ -332,11 +307,7 @@ struct BlockBuilder {
 impl BlockBuilder {
     fn axis(&mut self, count: u64, src_stride: u64, dst_stride: u64) {
         if count > 1 {
-            self.axes[self.depth] = Axis {
-                count,
-                src_stride,
-                dst_stride,
-            };
+            self.axes[self.depth] = Axis { count, src_stride, dst_stride };
             self.depth += 1;
         }
     }
@@ -373,10 +344,7 @@ impl BlockBuilder {
             if outer.src_stride == inner.count * inner.src_stride
                 && outer.dst_stride == inner.count * inner.dst_stride
             {
-                axes[i - 2] = Axis {
-                    count: outer.count * inner.count,
-                    ..inner
-                };
+                axes[i - 2] = Axis { count: outer.count * inner.count, ..inner };
                 axes.remove(i - 1);
             }
             i -= 1;
@@ -402,17 +370,8 @@ mod tests {
     use crate::spec::{DType, KvSpec};
 
     fn gather_plan(layout: &KvLayout, region: &KvRegion) -> CopyPlan {
-        let packed =
-            KvLayout::packed(layout.spec(), region.shape(), layout.preferred_packing()).unwrap();
-        plan_copy(
-            layout,
-            region.origin(),
-            &packed,
-            Coord::default(),
-            region.shape(),
-            Order::Src,
-        )
-        .unwrap()
+        let packed = KvLayout::packed(layout.spec(), region.shape(), layout.preferred_packing()).unwrap();
+        plan_copy(layout, region.origin(), &packed, Coord::default(), region.shape(), Order::Src).unwrap()
     }
 
     #[test]
@@ -454,27 +413,10 @@ mod tests {
     fn re_tiling_between_chunk_sizes_covers_every_byte_once() {
         let spec = KvSpec::new(1, 1, 32, DType::F16).unwrap();
         let ft = KvLayout::faster_transformer(spec, 1, 4).unwrap();
-        let shape = Shape {
-            layers: 1,
-            slots: 1,
-            heads: 1,
-            tokens: 4,
-        };
+        let shape = Shape { layers: 1, slots: 1, heads: 1, tokens: 4 };
         let packed = KvLayout::packed(&spec, shape, Packing::token_major(&spec)).unwrap();
-        let plan = plan_copy(
-            &ft,
-            Coord::default(),
-            &packed,
-            Coord::default(),
-            shape,
-            Order::Src,
-        )
-        .unwrap();
-        let mut dst: Vec<u64> = plan
-            .runs()
-            .iter()
-            .flat_map(|r| r.dst_offset..r.dst_offset + r.len)
-            .collect();
+        let plan = plan_copy(&ft, Coord::default(), &packed, Coord::default(), shape, Order::Src).unwrap();
+        let mut dst: Vec<u64> = plan.runs().iter().flat_map(|r| r.dst_offset..r.dst_offset + r.len).collect();
         dst.sort_unstable();
         let expected: Vec<u64> = (0..shape.bytes(&spec)).collect();
         assert_eq!(dst, expected);
@@ -482,33 +424,13 @@ mod tests {
 
     #[test]
     fn mismatched_elements_are_rejected() {
-        let a =
-            KvLayout::faster_transformer(KvSpec::new(1, 1, 16, DType::F16).unwrap(), 1, 4).unwrap();
-        let b = KvLayout::faster_transformer(KvSpec::new(1, 1, 16, DType::BF16).unwrap(), 1, 4)
-            .unwrap();
-        let shape = Shape {
-            layers: 1,
-            slots: 1,
-            heads: 1,
-            tokens: 1,
-        };
-        let err = plan_copy(
-            &a,
-            Coord::default(),
-            &b,
-            Coord::default(),
-            shape,
-            Order::Src,
-        );
+        let a = KvLayout::faster_transformer(KvSpec::new(1, 1, 16, DType::F16).unwrap(), 1, 4).unwrap();
+        let b = KvLayout::faster_transformer(KvSpec::new(1, 1, 16, DType::BF16).unwrap(), 1, 4).unwrap();
+        let shape = Shape { layers: 1, slots: 1, heads: 1, tokens: 1 };
+        let err = plan_copy(&a, Coord::default(), &b, Coord::default(), shape, Order::Src);
         assert!(matches!(err, Err(LayoutError::ElementMismatch(_))));
-        let too_far = Coord {
-            token: 4,
-            ..Coord::default()
-        };
+        let too_far = Coord { token: 4, ..Coord::default() };
         let err = plan_copy(&a, too_far, &a, Coord::default(), shape, Order::Src);
-        assert!(matches!(
-            err,
-            Err(LayoutError::OutOfBounds { axis: "token", .. })
-        ));
+        assert!(matches!(err, Err(LayoutError::OutOfBounds { axis: "token", .. })));
     }
 }

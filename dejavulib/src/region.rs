@@ -37,14 +37,29 @@ impl Shape {
     }
 
     /// Number of (layer, slot, head, token) vectors per part.
+    ///
+    /// Saturates at `u64::MAX` (no region of real memory comes near it).
     pub fn vectors(&self) -> u64 {
-        self.layers as u64 * self.slots as u64 * self.heads as u64 * self.tokens as u64
+        self.checked_vectors().unwrap_or(u64::MAX)
     }
 
-    /// Bytes of KV (all parts) the shape covers under `spec`.
+    /// Bytes of KV (all parts) the shape covers under `spec`, saturating at `u64::MAX`.
     pub fn bytes(&self, spec: &KvSpec) -> u64 {
+        self.checked_bytes(spec).unwrap_or(u64::MAX)
+    }
+
+    /// Vectors per part, or `None` on overflow.
+    pub fn checked_vectors(&self) -> Option<u64> {
+        (self.layers as u64)
+            .checked_mul(self.slots as u64)?
+            .checked_mul(self.heads as u64)?
+            .checked_mul(self.tokens as u64)
+    }
+
+    /// Bytes of KV (all parts), or `None` on overflow: use it on untrusted shapes (headers).
+    pub fn checked_bytes(&self, spec: &KvSpec) -> Option<u64> {
         let per_vector: u64 = spec.parts().iter().map(|&p| spec.vector_bytes(p)).sum();
-        per_vector * self.vectors()
+        per_vector.checked_mul(self.checked_vectors()?)
     }
 }
 
@@ -63,18 +78,8 @@ pub struct KvRegion {
 
 impl KvRegion {
     /// A region from its four ranges.
-    pub fn new(
-        layers: Range<u32>,
-        slots: Range<u32>,
-        heads: Range<u32>,
-        tokens: Range<u32>,
-    ) -> Self {
-        Self {
-            layers,
-            slots,
-            heads,
-            tokens,
-        }
+    pub fn new(layers: Range<u32>, slots: Range<u32>, heads: Range<u32>, tokens: Range<u32>) -> Self {
+        Self { layers, slots, heads, tokens }
     }
 
     /// The region covering `shape` starting at `origin`.

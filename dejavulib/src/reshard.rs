@@ -59,12 +59,7 @@ pub struct LocalRegion {
 impl LocalRegion {
     /// The cache region for `tokens`.
     pub fn with_tokens(&self, tokens: Range<u32>) -> KvRegion {
-        KvRegion::new(
-            self.layers.clone(),
-            self.slots.clone(),
-            self.heads.clone(),
-            tokens,
-        )
+        KvRegion::new(self.layers.clone(), self.slots.clone(), self.heads.clone(), tokens)
     }
 }
 
@@ -93,11 +88,7 @@ fn shift(r: &Range<u32>, base: u32) -> Range<u32> {
 /// What `source` (a worker of `a`) must send so that every worker of `b` holds its KV.
 ///
 /// A worker holding a non-primary GQA replica sends nothing: the primary holder covers its heads.
-pub fn plan_stream_out(
-    a: &Setup,
-    source: WorkerId,
-    b: &Setup,
-) -> Result<Vec<Transfer>, StreamError> {
+pub fn plan_stream_out(a: &Setup, source: WorkerId, b: &Setup) -> Result<Vec<Transfer>, StreamError> {
     a.check_compatible(b)?;
     let src = a.holding(source)?;
     if !src.primary {
@@ -106,10 +97,9 @@ pub fn plan_stream_out(
     let mut transfers = Vec::new();
     for destination in b.workers() {
         let dst = b.holding(destination)?;
-        let (Some(layers), Some(heads)) = (
-            intersect(&src.layers, &dst.layers),
-            intersect(&src.heads, &dst.heads),
-        ) else {
+        let (Some(layers), Some(heads)) =
+            (intersect(&src.layers, &dst.layers), intersect(&src.heads, &dst.heads))
+        else {
             continue;
         };
         for ma in 0..a.microbatches() {
@@ -142,19 +132,11 @@ pub fn plan_stream_out(
 }
 
 /// Every transfer `destination` (a worker of `b`) receives from the workers of `a`.
-pub fn plan_stream_in(
-    a: &Setup,
-    b: &Setup,
-    destination: WorkerId,
-) -> Result<Vec<Transfer>, StreamError> {
+pub fn plan_stream_in(a: &Setup, b: &Setup, destination: WorkerId) -> Result<Vec<Transfer>, StreamError> {
     b.holding(destination)?;
     let mut transfers = Vec::new();
     for source in a.workers() {
-        transfers.extend(
-            plan_stream_out(a, source, b)?
-                .into_iter()
-                .filter(|t| t.destination == destination),
-        );
+        transfers.extend(plan_stream_out(a, source, b)?.into_iter().filter(|t| t.destination == destination));
     }
     Ok(transfers)
 }
@@ -196,6 +178,10 @@ pub struct ChunkReceipt {
 
 impl StreamStats {
     fn add(&mut self, r: &ChunkReceipt) {
+        // An empty token range moves no chunk.
+        if r.bytes == 0 {
+            return;
+        }
         self.chunks += 1;
         self.bytes += r.bytes;
         self.copy_time += r.copy_time;
@@ -214,6 +200,12 @@ pub fn send(
 ) -> Result<ChunkReceipt, StreamError> {
     let region = transfer.from.with_tokens(tokens.clone());
     let packing = cache.layout().preferred_packing();
+    if region.is_empty() {
+        // Nothing to move (a step with no new tokens); still reject regions outside the cache.
+        cache.layout().check_region(&region).map_err(CacheError::from)?;
+        let key = transfer_key(transfer, tokens);
+        return Ok(ChunkReceipt { key, bytes: 0, copy_time: Duration::ZERO, io_time: Duration::ZERO });
+    }
     let started = Instant::now();
     let mut staging = pool.lease(cache.packed_len(&region) as usize);
     cache.gather(&region, packing, &mut staging)?;
@@ -224,11 +216,7 @@ pub fn send(
         destination: transfer.destination,
         microbatch: transfer.to.microbatch,
         region: transfer.to.with_tokens(tokens),
-        spec: cache
-            .layout()
-            .spec()
-            .share(shape.layers, shape.heads)
-            .map_err(SetupError::from)?,
+        spec: cache.layout().spec().share(shape.layers, shape.heads).map_err(SetupError::from)?,
         packing,
     };
     store.put(&descriptor, &staging)?;
@@ -251,11 +239,14 @@ pub fn receive(
     payload: &mut Vec<u8>,
 ) -> Result<ChunkReceipt, StreamError> {
     let key = transfer_key(transfer, tokens);
+    if key.region.is_empty() {
+        cache.layout().check_region(&key.region).map_err(CacheError::from)?;
+        return Ok(ChunkReceipt { key, bytes: 0, copy_time: Duration::ZERO, io_time: Duration::ZERO });
+    }
     let started = Instant::now();
     let descriptor = store.get(&key, payload)?;
     let fetched = Instant::now();
-    if descriptor.source != transfer.source || !descriptor.spec.same_elements(cache.layout().spec())
-    {
+    if descriptor.source != transfer.source || !descriptor.spec.same_elements(cache.layout().spec()) {
         return Err(StreamError::Unexpected(format!(
             "chunk {} from {:?} holding {:?}; plan expects {:?} holding {:?}",
             key.file_name(),
@@ -285,9 +276,7 @@ pub fn stream_out(
 ) -> Result<StreamStats, StreamError> {
     let mut stats = StreamStats::default();
     for t in transfers {
-        let cache = caches
-            .get(t.from.microbatch as usize)
-            .ok_or(StreamError::NoCache(t.from.microbatch))?;
+        let cache = caches.get(t.from.microbatch as usize).ok_or(StreamError::NoCache(t.from.microbatch))?;
         stats.add(&send(cache, t, tokens.clone(), pool, store)?);
     }
     Ok(stats)
@@ -305,9 +294,7 @@ pub fn stream_in(
     let mut stats = StreamStats::default();
     let mut payload = Vec::new();
     for t in expected {
-        let cache = caches
-            .get(t.to.microbatch as usize)
-            .ok_or(StreamError::NoCache(t.to.microbatch))?;
+        let cache = caches.get(t.to.microbatch as usize).ok_or(StreamError::NoCache(t.to.microbatch))?;
         stats.add(&receive(cache, t, tokens.clone(), store, &mut payload)?);
     }
     Ok(stats)
@@ -316,12 +303,7 @@ pub fn stream_in(
 impl Transfer {
     /// A transfer that keeps the same region (swap-out, replication to a peer of the same shape).
     pub fn same_region(source: WorkerId, destination: WorkerId, region: LocalRegion) -> Self {
-        Self {
-            source,
-            destination,
-            from: region.clone(),
-            to: region,
-        }
+        Self { source, destination, from: region.clone(), to: region }
     }
 
     /// The part of this transfer that carries source-local layer `layer`, if any.
@@ -333,14 +315,8 @@ impl Transfer {
         Some(Transfer {
             source: self.source,
             destination: self.destination,
-            from: LocalRegion {
-                layers: layer..layer + 1,
-                ..self.from.clone()
-            },
-            to: LocalRegion {
-                layers: to_layer..to_layer + 1,
-                ..self.to.clone()
-            },
+            from: LocalRegion { layers: layer..layer + 1, ..self.from.clone() },
+            to: LocalRegion { layers: to_layer..to_layer + 1, ..self.to.clone() },
         })
     }
 }

@@ -133,11 +133,7 @@ impl KvSpec {
         dtype: DType,
         scales: ScaleMode,
     ) -> Result<Self, SpecError> {
-        for (name, value) in [
-            ("layers", layers),
-            ("kv_heads", kv_heads),
-            ("head_dim", head_dim),
-        ] {
+        for (name, value) in [("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim)] {
             if value == 0 {
                 return Err(SpecError::Zero(name));
             }
@@ -145,13 +141,7 @@ impl KvSpec {
         if scales != ScaleMode::None && !dtype.is_quantized() {
             return Err(SpecError::ScalesWithoutQuantization(dtype));
         }
-        Ok(Self {
-            layers,
-            kv_heads,
-            head_dim,
-            dtype,
-            scales,
-        })
+        Ok(Self { layers, kv_heads, head_dim, dtype, scales })
     }
 
     /// Number of transformer layers.
@@ -254,10 +244,7 @@ mod tests {
 
     #[test]
     fn invalid_specs_are_typed_errors() {
-        assert_eq!(
-            KvSpec::new(0, 1, 1, DType::F16),
-            Err(SpecError::Zero("layers"))
-        );
+        assert_eq!(KvSpec::new(0, 1, 1, DType::F16), Err(SpecError::Zero("layers")));
         assert_eq!(
             KvSpec::with_scales(1, 1, 1, DType::F16, ScaleMode::PerTokenHead),
             Err(SpecError::ScalesWithoutQuantization(DType::F16))
@@ -266,13 +253,7 @@ mod tests {
 
     #[test]
     fn dtype_codes_round_trip() {
-        for d in [
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::Fp8E4M3,
-            DType::Int8,
-        ] {
+        for d in [DType::F32, DType::F16, DType::BF16, DType::Fp8E4M3, DType::Int8] {
             assert_eq!(DType::from_code(d.code()), Some(d));
         }
         assert_eq!(DType::from_code(99), None);

@@ -64,10 +64,7 @@ pub trait ChunkStore: Send {
 fn check_payload(descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
     let expected = descriptor.payload_len();
     if payload.len() as u64 != expected {
-        return Err(StoreError::PayloadLength {
-            expected,
-            got: payload.len() as u64,
-        });
+        return Err(StoreError::PayloadLength { expected, got: payload.len() as u64 });
     }
     Ok(())
 }
@@ -131,14 +128,9 @@ impl ChunkStore for HostStore {
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
         let inner = self.inner.lock();
-        let (header, payload) = inner
-            .chunks
-            .get(key)
-            .ok_or_else(|| StoreError::NotFound(Box::new(key.clone())))?;
-        let corrupt = |source| StoreError::Chunk {
-            key: key.file_name(),
-            source,
-        };
+        let (header, payload) =
+            inner.chunks.get(key).ok_or_else(|| StoreError::NotFound(Box::new(key.clone())))?;
+        let corrupt = |source| StoreError::Chunk { key: key.file_name(), source };
         let (descriptor, _, sum) = ChunkDescriptor::decode_header(header).map_err(corrupt)?;
         verify_payload(payload, sum).map_err(corrupt)?;
         out.clear();
@@ -174,11 +166,7 @@ impl FileStore {
             path: dir.clone(),
             source,
         })?;
-        Ok(Self {
-            dir,
-            io: Arc::new(io),
-            sync: true,
-        })
+        Ok(Self { dir, io: Arc::new(io), sync: true })
     }
 
     /// Skips `fsync` (for benchmarks of the copy path, or a scratch tier that need not survive a crash).
@@ -203,24 +191,10 @@ impl FileStore {
     }
 
     fn write_file(&self, path: &Path, header: &[u8], payload: &[u8]) -> Result<(), StoreError> {
-        let io_err = |op| {
-            move |source| StoreError::Io {
-                op,
-                path: path.to_path_buf(),
-                source,
-            }
-        };
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .map_err(io_err("create"))?;
-        self.io
-            .write_all_at(&file, header, 0)
-            .map_err(io_err("write"))?;
-        self.io
-            .write_all_at(&file, payload, HEADER_LEN as u64)
-            .map_err(io_err("write"))?;
+        let io_err = |op| move |source| StoreError::Io { op, path: path.to_path_buf(), source };
+        let file = OpenOptions::new().write(true).create_new(true).open(path).map_err(io_err("create"))?;
+        self.io.write_all_at(&file, header, 0).map_err(io_err("write"))?;
+        self.io.write_all_at(&file, payload, HEADER_LEN as u64).map_err(io_err("write"))?;
         if self.sync {
             file.sync_data().map_err(io_err("sync"))?;
         }
@@ -234,31 +208,21 @@ impl ChunkStore for FileStore {
         let header = descriptor.encode_header(payload);
         let path = self.path_of(&descriptor.key());
         let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let temp = self.dir.join(format!(
-            ".{}.{}.{n}.tmp",
-            descriptor.key().file_name(),
-            std::process::id()
-        ));
+        let temp = self.dir.join(format!(".{}.{}.{n}.tmp", descriptor.key().file_name(), std::process::id()));
         if let Err(e) = self.write_file(&temp, &header, payload) {
             let _ = fs::remove_file(&temp);
             return Err(e);
         }
         if let Err(source) = fs::rename(&temp, &path) {
             let _ = fs::remove_file(&temp);
-            return Err(StoreError::Io {
-                op: "rename",
-                path,
-                source,
-            });
+            return Err(StoreError::Io { op: "rename", path, source });
         }
         if self.sync {
-            File::open(&self.dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|source| StoreError::Io {
-                    op: "sync directory",
-                    path: self.dir.clone(),
-                    source,
-                })?;
+            File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|source| StoreError::Io {
+                op: "sync directory",
+                path: self.dir.clone(),
+                source,
+            })?;
         }
         Ok(())
     }
@@ -276,39 +240,23 @@ impl ChunkStore for FileStore {
             other => other.map_err(io_err("open"))?,
         };
         let size = file.metadata().map_err(io_err("stat"))?.len();
-        let corrupt = |source| StoreError::Chunk {
-            key: path.display().to_string(),
-            source,
-        };
+        let corrupt = |source| StoreError::Chunk { key: path.display().to_string(), source };
         if size < HEADER_LEN as u64 {
-            return Err(corrupt(ChunkError::Truncated {
-                expected: HEADER_LEN as u64,
-                got: size,
-            }));
+            return Err(corrupt(ChunkError::Truncated { expected: HEADER_LEN as u64, got: size }));
         }
         let mut header = [0u8; HEADER_LEN];
-        self.io
-            .read_exact_at(&file, &mut header, 0)
-            .map_err(io_err("read"))?;
+        self.io.read_exact_at(&file, &mut header, 0).map_err(io_err("read"))?;
         let (descriptor, len, sum) = ChunkDescriptor::decode_header(&header).map_err(corrupt)?;
         let expected = HEADER_LEN as u64 + len;
         if size != expected {
-            return Err(corrupt(ChunkError::Truncated {
-                expected,
-                got: size,
-            }));
+            return Err(corrupt(ChunkError::Truncated { expected, got: size }));
         }
         if descriptor.key() != *key {
-            return Err(corrupt(ChunkError::Invalid(format!(
-                "file holds {:?}",
-                descriptor.key()
-            ))));
+            return Err(corrupt(ChunkError::Invalid(format!("file holds {:?}", descriptor.key()))));
         }
         out.clear();
         out.resize(len as usize, 0);
-        self.io
-            .read_exact_at(&file, out, HEADER_LEN as u64)
-            .map_err(io_err("read"))?;
+        self.io.read_exact_at(&file, out, HEADER_LEN as u64).map_err(io_err("read"))?;
         verify_payload(out, sum).map_err(corrupt)?;
         Ok(descriptor)
     }

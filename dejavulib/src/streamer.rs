@@ -32,8 +32,8 @@ pub enum StreamerError {
     /// The streamer no longer accepts jobs.
     #[error("streamer is shut down")]
     ShutDown,
-    /// The streamer thread died (a panic in a store) before answering.
-    #[error("streamer thread died before finishing the job")]
+    /// The store panicked while the streamer used it: this job, and every later one, is not sent.
+    #[error("streamer's store panicked; the streamer no longer sends")]
     WorkerGone,
     /// `wait_timeout` ran out.
     #[error("timed out waiting for the job")]
@@ -59,6 +59,7 @@ struct Envelope {
 /// A handle on one submitted job.
 pub struct Completion {
     rx: Receiver<Result<ChunkReceipt, StreamerError>>,
+    taken: std::cell::Cell<bool>,
 }
 
 impl Completion {
@@ -76,13 +77,18 @@ impl Completion {
         }
     }
 
-    /// The result if the job has finished, without blocking. Yields the result once.
+    /// The result if the job has finished, without blocking. Yields the result once, then `None`.
     pub fn poll(&self) -> Option<Result<ChunkReceipt, StreamerError>> {
-        match self.rx.try_recv() {
-            Ok(result) => Some(result),
-            Err(TryRecvError::Empty) => None,
-            Err(TryRecvError::Disconnected) => Some(Err(StreamerError::WorkerGone)),
+        if self.taken.get() {
+            return None;
         }
+        let result = match self.rx.try_recv() {
+            Ok(result) => result,
+            Err(TryRecvError::Empty) => return None,
+            Err(TryRecvError::Disconnected) => Err(StreamerError::WorkerGone),
+        };
+        self.taken.set(true);
+        Some(result)
     }
 }
 
@@ -119,17 +125,14 @@ pub struct StreamerConfig {
 
 impl Default for StreamerConfig {
     fn default() -> Self {
-        Self {
-            queue_depth: 64,
-            name: "dejavu-streamer".into(),
-        }
+        Self { queue_depth: 64, name: "dejavu-streamer".into() }
     }
 }
 
 /// A background thread that gathers and flushes KV regions in submission order.
 pub struct Streamer {
     tx: Option<Sender<Envelope>>,
-    thread: Option<JoinHandle<StreamerStats>>,
+    thread: Option<JoinHandle<Outcome>>,
     cancel: Arc<AtomicBool>,
 }
 
@@ -139,23 +142,16 @@ impl Streamer {
         let (tx, rx) = bounded::<Envelope>(config.queue_depth.max(1));
         let cancel = Arc::new(AtomicBool::new(false));
         let flag = cancel.clone();
-        let thread = std::thread::Builder::new()
-            .name(config.name)
-            .spawn(move || run(rx, store, flag))?;
-        Ok(Self {
-            tx: Some(tx),
-            thread: Some(thread),
-            cancel,
-        })
+        let thread = std::thread::Builder::new().name(config.name).spawn(move || run(rx, store, flag))?;
+        Ok(Self { tx: Some(tx), thread: Some(thread), cancel })
     }
 
     /// Queues a job, blocking while the queue is full.
     pub fn submit(&self, job: StreamJob) -> Result<Completion, StreamerError> {
         let tx = self.tx.as_ref().ok_or(StreamerError::ShutDown)?;
         let (done, rx) = bounded(1);
-        tx.send(Envelope { job, done })
-            .map_err(|_| StreamerError::ShutDown)?;
-        Ok(Completion { rx })
+        tx.send(Envelope { job, done }).map_err(|_| StreamerError::ShutDown)?;
+        Ok(Completion { rx, taken: std::cell::Cell::new(false) })
     }
 
     /// Layer-by-layer streaming: source-local `layer` of microbatch `microbatch` is ready in `cache`;
@@ -171,14 +167,14 @@ impl Streamer {
         plan.iter()
             .filter(|t| t.from.microbatch == microbatch)
             .filter_map(|t| t.layer(layer))
-            .map(|transfer| {
-                self.submit(StreamJob {
-                    cache: cache.clone(),
-                    transfer,
-                    tokens: tokens.clone(),
-                })
-            })
+            .map(|transfer| self.submit(StreamJob { cache: cache.clone(), transfer, tokens: tokens.clone() }))
             .collect()
+    }
+
+    /// Cancels every job not yet started (they complete with [`StreamerError::Cancelled`]), and
+    /// every job submitted later; the job running now finishes. Does not wait.
+    pub fn cancel_pending(&self) {
+        self.cancel.store(true, Ordering::SeqCst);
     }
 
     /// Stops the thread, draining or cancelling queued jobs, and waits for it to exit.
@@ -191,8 +187,9 @@ impl Streamer {
             self.cancel.store(true, Ordering::SeqCst);
         }
         drop(self.tx.take());
-        match self.thread.take() {
-            Some(thread) => thread.join().map_err(|_| StreamerError::WorkerGone),
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Ok(Outcome { stats, store_panicked: false })) => Ok(stats),
+            Some(_) => Err(StreamerError::WorkerGone),
             None => Err(StreamerError::ShutDown),
         }
     }
@@ -207,32 +204,49 @@ impl Drop for Streamer {
     }
 }
 
-fn run(
-    rx: Receiver<Envelope>,
-    mut store: Box<dyn ChunkStore>,
-    cancel: Arc<AtomicBool>,
-) -> StreamerStats {
+/// What the streamer thread reports when it exits.
+struct Outcome {
+    stats: StreamerStats,
+    store_panicked: bool,
+}
+
+fn run(rx: Receiver<Envelope>, mut store: Box<dyn ChunkStore>, cancel: Arc<AtomicBool>) -> Outcome {
     let pool = StagingPool::default();
     let mut stats = StreamerStats::default();
+    let mut store_panicked = false;
+    // The loop runs until every sender is gone, so every queued job gets an answer, even after a
+    // panic: a job's Completion never hangs while the Streamer is alive.
     for Envelope { job, done } in rx.iter() {
-        let result = if cancel.load(Ordering::SeqCst) {
+        let result = if store_panicked {
+            stats.failed += 1;
+            Err(StreamerError::WorkerGone)
+        } else if cancel.load(Ordering::SeqCst) {
             stats.cancelled += 1;
             Err(StreamerError::Cancelled)
         } else {
-            match send(&job.cache, &job.transfer, job.tokens, &pool, store.as_mut()) {
-                Ok(receipt) => {
+            let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                send(&job.cache, &job.transfer, job.tokens, &pool, store.as_mut())
+            }));
+            match sent {
+                Ok(Ok(receipt)) => {
                     stats.completed += 1;
                     stats.bytes += receipt.bytes;
                     Ok(receipt)
                 }
-                Err(e) => {
+                Ok(Err(e)) => {
                     stats.failed += 1;
                     Err(e.into())
+                }
+                Err(_) => {
+                    // The store's state is unknown after a panic: stop using it.
+                    store_panicked = true;
+                    stats.failed += 1;
+                    Err(StreamerError::WorkerGone)
                 }
             }
         };
         // The submitter may have dropped its Completion; that is fine.
         let _ = done.send(result);
     }
-    stats
+    Outcome { stats, store_panicked }
 }

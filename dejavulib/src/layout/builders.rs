@@ -3,9 +3,7 @@
 use crate::region::Shape;
 use crate::spec::{KvSpec, Part, SCALE_BYTES};
 
-use super::{
-    BlockTables, BufferMap, KvLayout, LayoutError, LayoutKind, Packing, PartMap, TokenMap,
-};
+use super::{BlockTables, BufferMap, KvLayout, LayoutError, LayoutKind, Packing, PartMap, TokenMap};
 
 /// Axis order of per-layer tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -55,11 +53,7 @@ impl KvLayout {
     /// FasterTransformer's cache (the DéjàVu paper's engine): K `[L][B][H][D/x][S][x]` with
     /// `x = 16 / element size` (one 16-byte piece per token and chunk), V `[L][B][H][S][D]`,
     /// in buffers 0 (K) and 1 (V); scales `[L][B][H][S]` f32 in buffers 2 and 3.
-    pub fn faster_transformer(
-        spec: KvSpec,
-        slots: u32,
-        max_tokens: u32,
-    ) -> Result<Self, LayoutError> {
+    pub fn faster_transformer(spec: KvSpec, slots: u32, max_tokens: u32) -> Result<Self, LayoutError> {
         if max_tokens == 0 {
             return Err(LayoutError::Invalid("max_tokens must be at least 1".into()));
         }
@@ -71,19 +65,11 @@ impl KvLayout {
                 spec.head_dim()
             )));
         }
-        let (s, h, b, d) = (
-            max_tokens as u64,
-            spec.kv_heads() as u64,
-            slots as u64,
-            spec.head_dim() as u64,
-        );
+        let (s, h, b, d) = (max_tokens as u64, spec.kv_heads() as u64, slots as u64, spec.head_dim() as u64);
         let head = d * s * elem;
         let layer = b * h * head;
         let k = PartMap {
-            buffer: BufferMap::Shared {
-                buffer: 0,
-                layer_stride: layer,
-            },
+            buffer: BufferMap::Shared { buffer: 0, layer_stride: layer },
             offset: 0,
             slot_stride: h * head,
             head_stride: head,
@@ -95,19 +81,13 @@ impl KvLayout {
             tokens: linear(d * elem),
             chunk_elems: d as u32,
             chunk_stride: 0,
-            buffer: BufferMap::Shared {
-                buffer: 1,
-                layer_stride: layer,
-            },
+            buffer: BufferMap::Shared { buffer: 1, layer_stride: layer },
             ..k
         };
         let scale = |buffer| {
             let head = s * SCALE_BYTES as u64;
             PartMap {
-                buffer: BufferMap::Shared {
-                    buffer,
-                    layer_stride: b * h * head,
-                },
+                buffer: BufferMap::Shared { buffer, layer_stride: b * h * head },
                 offset: 0,
                 slot_stride: h * head,
                 head_stride: head,
@@ -125,15 +105,7 @@ impl KvLayout {
             let scale_total = spec.layers() as u64 * b * h * s * SCALE_BYTES as u64;
             sizes.extend([scale_total, scale_total]);
         }
-        Self::from_parts(
-            LayoutKind::FasterTransformer,
-            spec,
-            slots,
-            max_tokens,
-            &parts,
-            sizes,
-            None,
-        )
+        Self::from_parts(LayoutKind::FasterTransformer, spec, slots, max_tokens, &parts, sizes, None)
     }
 
     /// One tensor per layer and part, as HF/PyTorch engines hold them: buffer `2l` is layer `l`'s K,
@@ -174,15 +146,7 @@ impl KvLayout {
             parts.push((Part::VScale, map(Part::VScale, 2 * layers + 1)));
             sizes.extend((0..2 * layers).map(|_| size(Part::KScale)));
         }
-        Self::from_parts(
-            LayoutKind::PerLayer(order),
-            spec,
-            slots,
-            max_tokens,
-            &parts,
-            sizes,
-            None,
-        )
+        Self::from_parts(LayoutKind::PerLayer(order), spec, slots, max_tokens, &parts, sizes, None)
     }
 
     /// vLLM-style paged blocks. With [`KvInterleave::Separate`], buffer `2l` is layer `l`'s K pool
@@ -199,9 +163,7 @@ impl KvLayout {
         tables: Option<BlockTables>,
     ) -> Result<Self, LayoutError> {
         if config.block_size == 0 || config.num_blocks == 0 {
-            return Err(LayoutError::Invalid(
-                "block_size and num_blocks must be at least 1".into(),
-            ));
+            return Err(LayoutError::Invalid("block_size and num_blocks must be at least 1".into()));
         }
         let layers = spec.layers();
         let (bs, h) = (config.block_size as u64, spec.kv_heads() as u64);
@@ -274,13 +236,9 @@ impl KvLayout {
     /// `spec` gives the elements; its layer and head counts are replaced by the shape's.
     pub fn packed(spec: &KvSpec, shape: Shape, packing: Packing) -> Result<Self, LayoutError> {
         if shape.is_empty() {
-            return Err(LayoutError::Invalid(format!(
-                "cannot pack an empty region {shape:?}"
-            )));
+            return Err(LayoutError::Invalid(format!("cannot pack an empty region {shape:?}")));
         }
-        let local = spec
-            .share(shape.layers, shape.heads)
-            .map_err(|e| LayoutError::Invalid(e.to_string()))?;
+        let local = spec.share(shape.layers, shape.heads).map_err(|e| LayoutError::Invalid(e.to_string()))?;
         let (b, h, t) = (shape.slots as u64, shape.heads as u64, shape.tokens as u64);
         let mut parts = Vec::new();
         let mut offset = 0;
@@ -297,10 +255,7 @@ impl KvLayout {
             parts.push((
                 part,
                 PartMap {
-                    buffer: BufferMap::Shared {
-                        buffer: 0,
-                        layer_stride,
-                    },
+                    buffer: BufferMap::Shared { buffer: 0, layer_stride },
                     offset,
                     slot_stride: h * head_bytes,
                     head_stride: head_bytes,
@@ -342,12 +297,7 @@ mod tests {
                     for head in 0..spec.kv_heads() {
                         for token in 0..layout.token_capacity(slot) {
                             for e in 0..spec.vector_elems(part) {
-                                let at = Coord {
-                                    layer,
-                                    slot,
-                                    head,
-                                    token,
-                                };
+                                let at = Coord { layer, slot, head, token };
                                 let (buf, off) = layout.element_offset(part, at, e).unwrap();
                                 let size = layout.buffer_sizes()[buf as usize];
                                 assert!(off + elem <= size, "{part:?} {at:?} {e} past end");
@@ -378,12 +328,7 @@ mod tests {
             }
             for order in [PagedOrder::Nhd, PagedOrder::Hnd] {
                 for interleave in [KvInterleave::Separate, KvInterleave::Interleaved] {
-                    let cfg = PagedConfig {
-                        block_size: 4,
-                        num_blocks: 5,
-                        order,
-                        interleave,
-                    };
+                    let cfg = PagedConfig { block_size: 4, num_blocks: 5, order, interleave };
                     let tables = BlockTables::from_tables(vec![vec![3, 0], vec![4, 1, 2]]);
                     let layout = KvLayout::paged(s, 2, cfg, Some(tables)).unwrap();
                     assert_eq!(layout.token_capacity(1), 12);
@@ -391,19 +336,8 @@ mod tests {
                     assert!(layout.layers_are_disjoint());
                 }
             }
-            let shape = Shape {
-                layers: 2,
-                slots: 2,
-                heads: 3,
-                tokens: 5,
-            };
-            for packing in [
-                Packing::token_major(&s),
-                Packing {
-                    k_chunk: 4,
-                    v_chunk: 8,
-                },
-            ] {
+            let shape = Shape { layers: 2, slots: 2, heads: 3, tokens: 5 };
+            for packing in [Packing::token_major(&s), Packing { k_chunk: 4, v_chunk: 8 }] {
                 let packed = KvLayout::packed(&s, shape, packing).unwrap();
                 assert_eq!(packed.buffer_sizes()[0], shape.bytes(&s));
                 assert_injective(&packed);
@@ -431,15 +365,9 @@ mod tests {
             interleave: KvInterleave::Separate,
         };
         let mut layout = KvLayout::paged(s, 1, cfg, None).unwrap();
-        assert!(matches!(
-            layout.set_block_table(0, vec![2]),
-            Err(LayoutError::BadBlock { .. })
-        ));
+        assert!(matches!(layout.set_block_table(0, vec![2]), Err(LayoutError::BadBlock { .. })));
         layout.set_block_table(0, vec![1]).unwrap();
-        let at = Coord {
-            token: 4,
-            ..Coord::default()
-        };
+        let at = Coord { token: 4, ..Coord::default() };
         assert!(matches!(
             layout.element_offset(Part::K, at, 0),
             Err(LayoutError::OutOfBounds { axis: "token", .. })
@@ -452,10 +380,7 @@ mod tests {
     fn strided_layout_checks_buffer_sizes() {
         let s = KvSpec::new(1, 1, 4, DType::F32).unwrap();
         let map = PartMap {
-            buffer: BufferMap::Shared {
-                buffer: 0,
-                layer_stride: 0,
-            },
+            buffer: BufferMap::Shared { buffer: 0, layer_stride: 0 },
             offset: 0,
             slot_stride: 0,
             head_stride: 0,
@@ -467,9 +392,6 @@ mod tests {
         let ok = KvLayout::strided(s, 1, 2, &[(Part::K, map), (Part::V, v)], vec![64]);
         assert!(ok.is_ok());
         let small = KvLayout::strided(s, 1, 2, &[(Part::K, map), (Part::V, v)], vec![63]);
-        assert!(matches!(
-            small,
-            Err(LayoutError::BufferTooSmall { needed: 64, .. })
-        ));
+        assert!(matches!(small, Err(LayoutError::BufferTooSmall { needed: 64, .. })));
     }
 }

@@ -153,10 +153,7 @@ pub struct Packing {
 impl Packing {
     /// Token-major packing: each head vector whole.
     pub fn token_major(spec: &KvSpec) -> Self {
-        Self {
-            k_chunk: spec.head_dim(),
-            v_chunk: spec.head_dim(),
-        }
+        Self { k_chunk: spec.head_dim(), v_chunk: spec.head_dim() }
     }
 
     /// Chunk size for `part`.
@@ -178,9 +175,7 @@ pub struct BlockTables {
 impl BlockTables {
     /// Tables for `slots` slots, all empty.
     pub fn empty(slots: u32) -> Self {
-        Self {
-            tables: vec![Vec::new(); slots as usize],
-        }
+        Self { tables: vec![Vec::new(); slots as usize] }
     }
 
     /// Tables from explicit block lists, one per slot.
@@ -190,10 +185,7 @@ impl BlockTables {
 
     /// The block list of `slot`.
     pub fn table(&self, slot: u32) -> &[u32] {
-        self.tables
-            .get(slot as usize)
-            .map(Vec::as_slice)
-            .unwrap_or(&[])
+        self.tables.get(slot as usize).map(Vec::as_slice).unwrap_or(&[])
     }
 }
 
@@ -222,23 +214,12 @@ impl KvLayout {
         parts: &[(Part, PartMap)],
         buffer_sizes: Vec<u64>,
     ) -> Result<Self, LayoutError> {
-        if parts
-            .iter()
-            .any(|(_, m)| matches!(m.tokens, TokenMap::Paged { .. }))
-        {
+        if parts.iter().any(|(_, m)| matches!(m.tokens, TokenMap::Paged { .. })) {
             return Err(LayoutError::Invalid(
                 "paged token maps need block tables: use KvLayout::paged".into(),
             ));
         }
-        Self::from_parts(
-            LayoutKind::Strided,
-            spec,
-            slots,
-            max_tokens,
-            parts,
-            buffer_sizes,
-            None,
-        )
+        Self::from_parts(LayoutKind::Strided, spec, slots, max_tokens, parts, buffer_sizes, None)
     }
 
     pub(crate) fn from_parts(
@@ -261,9 +242,7 @@ impl KvLayout {
         }
         for &part in spec.parts() {
             if maps[part.index()].is_none() {
-                return Err(LayoutError::Invalid(format!(
-                    "missing map for part {part:?}"
-                )));
+                return Err(LayoutError::Invalid(format!("missing map for part {part:?}")));
             }
         }
         for part in Part::ALL {
@@ -271,15 +250,7 @@ impl KvLayout {
                 return Err(LayoutError::Invalid(format!("spec has no part {part:?}")));
             }
         }
-        let layout = Self {
-            kind,
-            spec,
-            slots,
-            max_tokens,
-            parts: maps,
-            buffer_sizes,
-            block_tables,
-        };
+        let layout = Self { kind, spec, slots, max_tokens, parts: maps, buffer_sizes, block_tables };
         for &part in spec.parts() {
             layout.check_part_fits(part)?;
         }
@@ -299,11 +270,7 @@ impl KvLayout {
         let chunks = (vec_elems / map.chunk_elems) as u64;
         let token_extent = match map.tokens {
             TokenMap::Linear { stride } => (self.max_tokens.max(1) as u64 - 1) * stride,
-            TokenMap::Paged {
-                block_size,
-                block_stride,
-                token_stride,
-            } => {
+            TokenMap::Paged { block_size, block_stride, token_stride } => {
                 let blocks = match self.kind {
                     LayoutKind::Paged(cfg) => cfg.num_blocks as u64,
                     _ => 1,
@@ -319,28 +286,17 @@ impl KvLayout {
             + map.chunk_elems as u64 * elem;
         let layers = self.spec.layers() as u64;
         let check = |buffer: u32, needed: u64| -> Result<(), LayoutError> {
-            let size = self
-                .buffer_sizes
-                .get(buffer as usize)
-                .copied()
-                .ok_or_else(|| {
+            let size =
+                self.buffer_sizes.get(buffer as usize).copied().ok_or_else(|| {
                     LayoutError::Invalid(format!("part {part:?} uses missing buffer {buffer}"))
                 })?;
             if needed > size {
-                return Err(LayoutError::BufferTooSmall {
-                    part,
-                    buffer,
-                    needed,
-                    size,
-                });
+                return Err(LayoutError::BufferTooSmall { part, buffer, needed, size });
             }
             Ok(())
         };
         match map.buffer {
-            BufferMap::Shared {
-                buffer,
-                layer_stride,
-            } => check(buffer, inner + (layers - 1) * layer_stride),
+            BufferMap::Shared { buffer, layer_stride } => check(buffer, inner + (layers - 1) * layer_stride),
             BufferMap::PerLayer { first, step } => {
                 for layer in 0..self.spec.layers() {
                     check(first + layer * step, inner)?;
@@ -373,9 +329,9 @@ impl KvLayout {
     /// Tokens that `slot` can hold.
     pub fn token_capacity(&self, slot: u32) -> u32 {
         match (&self.block_tables, self.kind) {
-            (Some(tables), LayoutKind::Paged(cfg)) => (tables.table(slot).len() as u64
-                * cfg.block_size as u64)
-                .min(u32::MAX as u64) as u32,
+            (Some(tables), LayoutKind::Paged(cfg)) => {
+                (tables.table(slot).len() as u64 * cfg.block_size as u64).min(u32::MAX as u64) as u32
+            }
             _ => self.max_tokens,
         }
     }
@@ -390,18 +346,13 @@ impl KvLayout {
     /// # Panics
     /// If the spec has no such part; use [`KvSpec::parts`] to list them.
     pub fn part_map(&self, part: Part) -> &PartMap {
-        self.parts[part.index()]
-            .as_ref()
-            .expect("part present in spec")
+        self.parts[part.index()].as_ref().expect("part present in spec")
     }
 
     /// The packing whose order matches this layout's own (long runs for gather and scatter).
     pub fn preferred_packing(&self) -> Packing {
         let chunk = |p: Part| self.part_map(p).chunk_elems;
-        Packing {
-            k_chunk: chunk(Part::K),
-            v_chunk: chunk(Part::V),
-        }
+        Packing { k_chunk: chunk(Part::K), v_chunk: chunk(Part::V) }
     }
 
     /// Block tables of a paged layout.
@@ -416,15 +367,9 @@ impl KvLayout {
         };
         check_bound("slot", slot as u64, slot as u64 + 1, self.slots as u64)?;
         if let Some(&block) = blocks.iter().find(|&&b| b >= cfg.num_blocks) {
-            return Err(LayoutError::BadBlock {
-                slot,
-                block,
-                num_blocks: cfg.num_blocks,
-            });
+            return Err(LayoutError::BadBlock { slot, block, num_blocks: cfg.num_blocks });
         }
-        let tables = self
-            .block_tables
-            .get_or_insert_with(|| BlockTables::empty(self.slots));
+        let tables = self.block_tables.get_or_insert_with(|| BlockTables::empty(self.slots));
         tables.tables[slot as usize] = blocks;
         Ok(())
     }
@@ -434,9 +379,8 @@ impl KvLayout {
         check_range("layer", &region.layers, self.spec.layers())?;
         check_range("slot", &region.slots, self.slots)?;
         check_range("head", &region.heads, self.spec.kv_heads())?;
-        if region.is_empty() {
-            return Ok(());
-        }
+        let tokens = &region.tokens;
+        check_bound("token", tokens.start as u64, tokens.end as u64, u32::MAX as u64)?;
         for slot in region.slots.clone() {
             check_range("token", &region.tokens, self.token_capacity(slot))?;
         }
@@ -444,59 +388,31 @@ impl KvLayout {
     }
 
     /// Buffer and byte offset of one element. Bounds-checked: the logical accessor.
-    pub fn element_offset(
-        &self,
-        part: Part,
-        at: Coord,
-        elem: u32,
-    ) -> Result<(u32, u64), LayoutError> {
+    pub fn element_offset(&self, part: Part, at: Coord, elem: u32) -> Result<(u32, u64), LayoutError> {
         if !self.spec.parts().contains(&part) {
             return Err(LayoutError::Invalid(format!("spec has no part {part:?}")));
         }
-        let one = Shape {
-            layers: 1,
-            slots: 1,
-            heads: 1,
-            tokens: 1,
-        };
+        let one = Shape { layers: 1, slots: 1, heads: 1, tokens: 1 };
         self.check_region(&KvRegion::at(at, one))?;
-        check_bound(
-            "element",
-            elem as u64,
-            elem as u64 + 1,
-            self.spec.vector_elems(part) as u64,
-        )?;
+        check_bound("element", elem as u64, elem as u64 + 1, self.spec.vector_elems(part) as u64)?;
         let map = self.part_map(part);
         let (buffer, base) = self.vector_base(part, at);
         let chunk = (elem / map.chunk_elems) as u64;
         let within = (elem % map.chunk_elems) as u64;
-        Ok((
-            buffer,
-            base + chunk * map.chunk_stride + within * self.spec.elem_bytes(part) as u64,
-        ))
+        Ok((buffer, base + chunk * map.chunk_stride + within * self.spec.elem_bytes(part) as u64))
     }
 
     /// Buffer and offset of element 0 of a vector; `at` must be in bounds.
     pub(crate) fn vector_base(&self, part: Part, at: Coord) -> (u32, u64) {
         let map = self.part_map(part);
         let (buffer, layer_offset) = match map.buffer {
-            BufferMap::Shared {
-                buffer,
-                layer_stride,
-            } => (buffer, at.layer as u64 * layer_stride),
+            BufferMap::Shared { buffer, layer_stride } => (buffer, at.layer as u64 * layer_stride),
             BufferMap::PerLayer { first, step } => (first + at.layer * step, 0),
         };
         let token_offset = match map.tokens {
             TokenMap::Linear { stride } => at.token as u64 * stride,
-            TokenMap::Paged {
-                block_size,
-                block_stride,
-                token_stride,
-            } => {
-                let tables = self
-                    .block_tables
-                    .as_ref()
-                    .expect("paged layouts carry tables");
+            TokenMap::Paged { block_size, block_stride, token_stride } => {
+                let tables = self.block_tables.as_ref().expect("paged layouts carry tables");
                 let block = tables.table(at.slot)[(at.token / block_size) as usize];
                 block as u64 * block_stride + (at.token % block_size) as u64 * token_stride
             }
@@ -534,11 +450,7 @@ impl KvLayout {
             let chunks = (self.spec.vector_elems(part) / map.chunk_elems) as u64;
             let token_extent = match map.tokens {
                 TokenMap::Linear { stride } => (self.max_tokens.max(1) as u64 - 1) * stride,
-                TokenMap::Paged {
-                    block_size,
-                    block_stride,
-                    token_stride,
-                } => {
+                TokenMap::Paged { block_size, block_stride, token_stride } => {
                     let blocks = match self.kind {
                         LayoutKind::Paged(cfg) => cfg.num_blocks as u64,
                         _ => 1,
@@ -553,10 +465,9 @@ impl KvLayout {
                 + map.chunk_elems as u64 * elem;
             for layer in 0..self.spec.layers() {
                 let (buffer, base) = match map.buffer {
-                    BufferMap::Shared {
-                        buffer,
-                        layer_stride,
-                    } => (buffer, map.offset + layer as u64 * layer_stride),
+                    BufferMap::Shared { buffer, layer_stride } => {
+                        (buffer, map.offset + layer as u64 * layer_stride)
+                    }
                     BufferMap::PerLayer { first, step } => (first + layer * step, map.offset),
                 };
                 spans.push((buffer, layer, base..base + extent));
@@ -584,12 +495,7 @@ fn check_range(axis: &'static str, range: &Range<u32>, limit: u32) -> Result<(),
 
 fn check_bound(axis: &'static str, start: u64, end: u64, limit: u64) -> Result<(), LayoutError> {
     if start > end || end > limit {
-        return Err(LayoutError::OutOfBounds {
-            axis,
-            start,
-            end,
-            limit,
-        });
+        return Err(LayoutError::OutOfBounds { axis, start, end, limit });
     }
     Ok(())
 }

@@ -1,0 +1,225 @@
+//! Prints the benchmark report: each measurement beside its physical limit, measured in the same run.
+//!
+//! `cargo run --release -p dejavu-benches --bin bench-report [-- --json] [--quick]`
+
+use std::time::{Duration, Instant};
+
+use dejavu_benches::{memcpy, source_lines_bytes, Geometry, Workload};
+use dejavulib::baseline::flush_per_extent;
+use dejavulib::chunk::ChunkDescriptor;
+use dejavulib::file_io::{FileBackend, FileIo};
+use dejavulib::store::{ChunkStore, FileStore};
+use dejavulib::{KvRegion, StagingPool, WorkerId};
+
+/// One line of the report.
+struct Row {
+    name: &'static str,
+    value: f64,
+    unit: &'static str,
+    limit_name: &'static str,
+    limit: f64,
+    target: f64,
+    higher_is_better: bool,
+}
+
+impl Row {
+    fn ratio(&self) -> f64 {
+        if self.higher_is_better {
+            self.value / self.limit
+        } else {
+            self.limit / self.value
+        }
+    }
+    fn met(&self) -> bool {
+        self.ratio() >= self.target
+    }
+}
+
+/// Median wall time of `runs` calls after one warm-up.
+fn median(runs: usize, mut f: impl FnMut()) -> Duration {
+    f();
+    let mut times: Vec<Duration> = (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[times.len() / 2]
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn main() {
+    let json = std::env::args().any(|a| a == "--json");
+    let quick = std::env::args().any(|a| a == "--quick");
+    let geometry = if quick {
+        Geometry { layers: 8, heads: 40, slots: 8, max_tokens: 1024, prompt_tokens: 1000 }
+    } else {
+        Geometry::thirteen_b()
+    };
+    eprintln!("building and filling the workload cache ({geometry:?})...");
+    let w = Workload::new(geometry);
+    let packing = w.packing();
+    let mut rows = Vec::new();
+
+    // Decode step gather against the cache-line limit.
+    let decode_len = w.cache.packed_len(&w.decode);
+    let plan = w.cache.gather_plan(&w.decode, packing).expect("plan");
+    let touched = source_lines_bytes(&plan);
+    let mut staging = vec![0u8; decode_len as usize];
+    let t_gather = median(31, || {
+        w.cache.gather_with(&plan, &w.decode, &mut staging).expect("gather");
+    });
+    let src = vec![3u8; decode_len as usize];
+    let t_memcpy_small = median(31, || memcpy(&mut staging, &src));
+    // DRAM memcpy bandwidth: a copy far larger than the last-level cache.
+    let big = 256 << 20;
+    let (big_src, mut big_dst) = (vec![5u8; big], vec![0u8; big]);
+    let t_big = median(9, || memcpy(&mut big_dst, &big_src));
+    let dram = gbps(big as u64, t_big);
+    let useful_fraction = decode_len as f64 / touched as f64;
+    rows.push(Row {
+        name: "gather decode step (FT, 16 B K pieces)",
+        value: gbps(decode_len, t_gather),
+        unit: "GB/s",
+        limit_name: "cache-line limit (DRAM memcpy x useful/touched)",
+        limit: dram * useful_fraction,
+        target: 0.8,
+        higher_is_better: true,
+    });
+    rows.push(Row {
+        name: "gather decode step",
+        value: gbps(decode_len, t_gather),
+        unit: "GB/s",
+        limit_name: "memcpy of the same bytes (cache-resident)",
+        limit: gbps(decode_len, t_memcpy_small),
+        target: 0.0,
+        higher_is_better: true,
+    });
+    drop((big_src, big_dst));
+
+    // Prompt gather against memcpy of the same bytes.
+    let prompt_len = w.cache.packed_len(&w.prompt) as usize;
+    let prompt_plan = w.cache.gather_plan(&w.prompt, packing).expect("plan");
+    let mut prompt_out = vec![0u8; prompt_len];
+    let t_prompt = median(7, || {
+        w.cache.gather_with(&prompt_plan, &w.prompt, &mut prompt_out).expect("gather");
+    });
+    let prompt_src = vec![9u8; prompt_len];
+    let t_prompt_memcpy = median(7, || memcpy(&mut prompt_out, &prompt_src));
+    rows.push(Row {
+        name: "gather 1000-token prompt",
+        value: gbps(prompt_len as u64, t_prompt),
+        unit: "GB/s",
+        limit_name: "memcpy of the same bytes",
+        limit: gbps(prompt_len as u64, t_prompt_memcpy),
+        target: 0.8,
+        higher_is_better: true,
+    });
+    drop((prompt_out, prompt_src));
+
+    // Decode step to a file: buffered against one write per extent.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let descriptor = descriptor_for(&w, &w.decode);
+    let pool = StagingPool::default();
+    let mut store =
+        FileStore::open(dir.path().join("buffered"), FileBackend::Auto).expect("store").without_sync();
+    let t_buffered = median(11, || {
+        let mut staging = pool.lease(decode_len as usize);
+        w.cache.gather_with(&plan, &w.decode, &mut staging).expect("gather");
+        store.put(&descriptor, &staging).expect("flush");
+    });
+    let io = FileIo::new(FileBackend::Auto).expect("io");
+    let path = dir.path().join("baseline.djv");
+    let t_per_extent = median(3, || {
+        flush_per_extent(&w.cache, &w.decode, &descriptor, &io, &path).expect("baseline");
+    });
+    let raw_path = dir.path().join("raw.bin");
+    let t_raw = median(11, || std::fs::write(&raw_path, &src).expect("write"));
+    rows.push(Row {
+        name: "decode step to file, buffered (gather + 1 write)",
+        value: t_buffered.as_secs_f64() * 1e3,
+        unit: "ms",
+        limit_name: "one write per extent (paper's baseline)",
+        limit: t_per_extent.as_secs_f64() * 1e3,
+        target: 50.0,
+        higher_is_better: false,
+    });
+    rows.push(Row {
+        name: "decode step to file, buffered",
+        value: t_buffered.as_secs_f64() * 1e3,
+        unit: "ms",
+        limit_name: "raw sequential write of the same bytes",
+        limit: t_raw.as_secs_f64() * 1e3,
+        target: 0.0,
+        higher_is_better: false,
+    });
+
+    print_report(&rows, json, &format!("{geometry:?}"), store.backend_name(), decode_len, touched);
+}
+
+fn descriptor_for(w: &Workload, region: &KvRegion) -> ChunkDescriptor {
+    let shape = region.shape();
+    ChunkDescriptor {
+        source: WorkerId { stage: 0, rank: 0 },
+        destination: WorkerId { stage: 1, rank: 0 },
+        microbatch: 0,
+        region: region.clone(),
+        spec: w.cache.layout().spec().share(shape.layers, shape.heads).expect("spec"),
+        packing: w.packing(),
+    }
+}
+
+fn print_report(rows: &[Row], json: bool, workload: &str, backend: &str, decode_len: u64, touched: u64) {
+    if json {
+        let items: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"name\":\"{}\",\"value\":{:.4},\"unit\":\"{}\",\"limit_name\":\"{}\",\"limit\":{:.4},\"ratio\":{:.4},\"target\":{},\"met\":{}}}",
+                    r.name, r.value, r.unit, r.limit_name, r.limit, r.ratio(), r.target, r.met()
+                )
+            })
+            .collect();
+        println!(
+            "{{\"workload\":\"{workload}\",\"file_backend\":\"{backend}\",\"rows\":[{}]}}",
+            items.join(",")
+        );
+        return;
+    }
+    println!("workload: {workload}; file I/O: {backend}");
+    println!(
+        "decode step: {decode_len} useful bytes in {touched} bytes of touched cache lines ({:.0}% useful)\n",
+        100.0 * decode_len as f64 / touched as f64
+    );
+    println!("| measurement | value | limit | limit value | ratio | target | met |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for r in rows {
+        let target = if r.target > 0.0 { format!(">= {}x", r.target) } else { "info".into() };
+        let met = if r.target > 0.0 {
+            if r.met() {
+                "yes"
+            } else {
+                "NO"
+            }
+        } else {
+            "-"
+        };
+        println!(
+            "| {} | {:.3} {} | {} | {:.3} {} | {:.2}x | {} | {} |",
+            r.name,
+            r.value,
+            r.unit,
+            r.limit_name,
+            r.limit,
+            r.unit,
+            r.ratio(),
+            target,
+            met
+        );
+    }
+}
