@@ -81,24 +81,104 @@ pub fn execute(plan: &CopyPlan, src: &[&[u8]], dst: &mut [&mut [u8]]) -> Result<
 /// 2. No byte the plan writes is read or written by anyone else during the call, and no
 ///    destination byte the plan writes lies in a source range the plan reads.
 pub unsafe fn execute_raw(plan: &CopyPlan, src: &[RawSrc], dst: &[RawDst]) -> Result<u64, CopyError> {
+    // SAFETY: forwarded contract; one thread needs no disjointness between blocks.
+    unsafe { execute_raw_parallel(plan, src, dst, 1) }
+}
+
+/// Plans smaller than this run on the calling thread: spawning costs more than it saves.
+pub const PARALLEL_MIN_BYTES: u64 = 1 << 20;
+
+/// Like [`execute_raw`], splitting the blocks over up to `threads` threads (the caller's included).
+///
+/// A scattered gather (a decode step's 16-byte pieces, each in its own cache line) is bound by how
+/// many cache misses one core keeps in flight; more cores keep more in flight.
+///
+/// # Safety
+/// The conditions of [`execute_raw`], and: 3. no two blocks of the plan write the same byte (true
+/// of every plan whose destination is a packed buffer or an injective layout).
+pub unsafe fn execute_raw_parallel(
+    plan: &CopyPlan,
+    src: &[RawSrc],
+    dst: &[RawDst],
+    threads: usize,
+) -> Result<u64, CopyError> {
     for block in plan.blocks() {
         check_block(block, src, dst)?;
     }
-    for block in plan.blocks() {
+    let threads = threads.clamp(1, plan.blocks().len().max(1));
+    if threads == 1 || plan.bytes() < PARALLEL_MIN_BYTES {
+        // SAFETY: every block was checked against the buffers (safety 1); the caller guarantees
+        // exclusivity (safety 2).
+        unsafe { run_blocks(plan.blocks(), src, dst) };
+        return Ok(plan.bytes());
+    }
+    let groups = split_by_bytes(plan.blocks(), threads);
+    let shared = SharedBuffers { src, dst };
+    std::thread::scope(|scope| {
+        let (last, rest) = groups.split_last().expect("at least one group");
+        for group in rest {
+            let shared = &shared;
+            // SAFETY: blocks were checked (safety 1); groups write disjoint bytes (safety 3) that
+            // nobody else touches (safety 2), and the scope joins every thread before returning.
+            scope.spawn(move || unsafe { run_blocks(group, shared.src, shared.dst) });
+        }
+        // SAFETY: as above, for the caller's own share.
+        unsafe { run_blocks(last, src, dst) };
+    });
+    Ok(plan.bytes())
+}
+
+/// Buffer tables handed to copy threads.
+struct SharedBuffers<'a> {
+    src: &'a [RawSrc],
+    dst: &'a [RawDst],
+}
+
+// SAFETY: the raw pointers are only dereferenced under the contract of `execute_raw_parallel`,
+// which makes the bytes each thread writes its own and the bytes it reads stable.
+unsafe impl Sync for SharedBuffers<'_> {}
+
+/// Contiguous groups of blocks with about equal bytes each.
+fn split_by_bytes(blocks: &[CopyBlock], groups: usize) -> Vec<&[CopyBlock]> {
+    let total: u64 = blocks.iter().map(CopyBlock::bytes).sum();
+    let share = total.div_ceil(groups as u64).max(1);
+    let mut out = Vec::with_capacity(groups);
+    let (mut start, mut acc) = (0, 0);
+    for (i, block) in blocks.iter().enumerate() {
+        acc += block.bytes();
+        if acc >= share && out.len() + 1 < groups {
+            out.push(&blocks[start..=i]);
+            start = i + 1;
+            acc = 0;
+        }
+    }
+    if start < blocks.len() || out.is_empty() {
+        out.push(&blocks[start..]);
+    }
+    out
+}
+
+/// # Safety
+/// Every block was checked against `src` and `dst` with [`check_block`], and the bytes it writes
+/// are this caller's alone.
+unsafe fn run_blocks(blocks: &[CopyBlock], src: &[RawSrc], dst: &[RawDst]) {
+    for (i, block) in blocks.iter().enumerate() {
+        // The next block's first runs are not covered by its own prefetch cursor: warm them now.
+        if let Some(next) = blocks.get(i + 1).filter(|b| b.run <= SMALL_RUN) {
+            prefetch_first_runs(next, src[next.src_buffer as usize].ptr);
+        }
         let s = src[block.src_buffer as usize].ptr;
         let d = dst[block.dst_buffer as usize].ptr;
-        // SAFETY: check_block proved every run of the block lies inside both buffers (safety 1),
-        // and the caller guarantees exclusivity (safety 2).
+        // SAFETY: the block lies inside both buffers (checked), and its bytes are ours.
         unsafe {
             let (s, d) = (s.add(block.src_offset as usize), d.add(block.dst_offset as usize));
-            if block.run <= SMALL_RUN && block.runs() > PREFETCH_AHEAD as u64 {
+            if block.run <= SMALL_RUN {
                 walk_small_runs(s, d, block.axes(), block.run as usize)
             } else {
                 walk(s, d, block.axes(), block.run as usize)
             }
         };
     }
-    Ok(plan.bytes())
 }
 
 fn check_block(block: &CopyBlock, src: &[RawSrc], dst: &[RawDst]) -> Result<(), CopyError> {
@@ -133,73 +213,152 @@ fn check_block(block: &CopyBlock, src: &[RawSrc], dst: &[RawDst]) -> Result<(), 
 
 /// Runs up to this size are latency-bound (one cache miss each): they get software prefetching.
 const SMALL_RUN: u64 = 256;
-/// How many runs ahead to prefetch: enough misses in flight to cover DRAM latency.
-const PREFETCH_AHEAD: usize = 32;
+/// How many runs ahead to prefetch: enough misses in flight to cover DRAM latency (tuned on the
+/// FasterTransformer decode step; 16..96 all help, 64 was best).
+const PREFETCH_AHEAD: usize = 64;
 
-/// A position in a block's loop nest, advanced like an odometer.
-struct Cursor<'a> {
-    axes: &'a [Axis],
-    index: [u64; crate::plan::MAX_AXES],
-    src: usize,
-    dst: usize,
-}
-
-impl<'a> Cursor<'a> {
-    fn new(axes: &'a [Axis]) -> Self {
-        Self { axes, index: [0; crate::plan::MAX_AXES], src: 0, dst: 0 }
-    }
-
-    /// Moves to the next run; false after the last.
-    #[inline(always)]
-    fn advance(&mut self) -> bool {
-        for level in (0..self.axes.len()).rev() {
-            let a = &self.axes[level];
-            if self.index[level] + 1 < a.count {
-                self.index[level] += 1;
-                self.src += a.src_stride as usize;
-                self.dst += a.dst_stride as usize;
-                return true;
-            }
-            self.src -= (a.count - 1) as usize * a.src_stride as usize;
-            self.dst -= (a.count - 1) as usize * a.dst_stride as usize;
-            self.index[level] = 0;
-        }
-        false
-    }
-}
-
-/// Copies a nest of small runs in one flat loop, prefetching the source `PREFETCH_AHEAD` runs
-/// ahead so that many cache misses are in flight at once (a decode step's K pieces are each in a
-/// different cache line, 16 KiB apart).
+/// Copies a nest of small runs, prefetching the source `PREFETCH_AHEAD` runs ahead so that many
+/// cache misses are in flight at once (a decode step's K pieces are each in a different cache line,
+/// 16 KiB apart). The run size is matched once per block, not once per run.
 ///
 /// # Safety
 /// Every run of the nest rooted at (`src`, `dst`) is valid to read and write.
 unsafe fn walk_small_runs(src: *const u8, dst: *mut u8, axes: &[Axis], run: usize) {
-    let mut ahead = Cursor::new(axes);
-    let mut more_ahead = true;
-    for _ in 0..PREFETCH_AHEAD {
-        more_ahead = more_ahead && ahead.advance();
+    macro_rules! fixed {
+        ($ty:ty) => {
+            // SAFETY: forwarded contract; each run is exactly size_of::<$ty>() bytes.
+            unsafe {
+                walk_rows(src, dst, axes, size_of::<$ty>(), &|s: *const u8, d: *mut u8| {
+                    std::ptr::write_unaligned(d as *mut $ty, std::ptr::read_unaligned(s as *const $ty))
+                })
+            }
+        };
     }
-    let mut at = Cursor::new(axes);
-    loop {
-        if more_ahead {
-            prefetch(src.wrapping_add(ahead.src));
-            more_ahead = ahead.advance();
-        }
-        // SAFETY: the cursor stays on runs of the nest, valid per the contract.
-        unsafe { copy_strided(src.add(at.src), dst.add(at.dst), 1, 0, 0, run) };
-        if !at.advance() {
-            break;
+    match run {
+        4 => fixed!(u32),
+        8 => fixed!(u64),
+        16 => fixed!(u128),
+        32 => fixed!([u128; 2]),
+        64 => fixed!([u128; 4]),
+        // SAFETY: forwarded contract; each run is `run` bytes and never overlaps its destination.
+        _ => unsafe { walk_rows(src, dst, axes, run, &|s, d| std::ptr::copy_nonoverlapping(s, d, run)) },
+    }
+}
+
+/// Peels outer axes until two remain, then runs [`rows`].
+///
+/// # Safety
+/// Every run of the nest is valid; `copy` moves exactly one run from its first to its second
+/// argument.
+unsafe fn walk_rows(
+    src: *const u8,
+    dst: *mut u8,
+    axes: &[Axis],
+    run: usize,
+    copy: &impl Fn(*const u8, *mut u8),
+) {
+    let one = Axis { count: 1, src_stride: 0, dst_stride: 0 };
+    match axes {
+        [] => copy(src, dst),
+        // SAFETY: forwarded contract.
+        [row] => unsafe { rows(src, dst, &one, row, run, copy) },
+        // SAFETY: forwarded contract.
+        [outer, row] => unsafe { rows(src, dst, outer, row, run, copy) },
+        [first, rest @ ..] => {
+            for i in 0..first.count as usize {
+                // SAFETY: offsets stay within the nest the caller vouched for.
+                unsafe {
+                    walk_rows(
+                        src.add(i * first.src_stride as usize),
+                        dst.add(i * first.dst_stride as usize),
+                        rest,
+                        run,
+                        copy,
+                    )
+                }
+            }
         }
     }
 }
 
+/// Two nested loops of runs, with a prefetch cursor running `PREFETCH_AHEAD` runs ahead.
+///
+/// # Safety
+/// Every run of the nest is valid; `copy` moves exactly one run.
+#[inline(always)]
+unsafe fn rows(
+    src: *const u8,
+    dst: *mut u8,
+    outer: &Axis,
+    row: &Axis,
+    run: usize,
+    copy: &impl Fn(*const u8, *mut u8),
+) {
+    let (n0, s0, d0) = (outer.count as usize, outer.src_stride as usize, outer.dst_stride as usize);
+    let (n1, s1, d1) = (row.count as usize, row.src_stride as usize, row.dst_stride as usize);
+    // The prefetch cursor (pi, pj) starts PREFETCH_AHEAD runs in; it only computes addresses.
+    let (mut pi, mut pj) = (PREFETCH_AHEAD / n1, PREFETCH_AHEAD % n1);
+    let mut ahead = src.wrapping_add(pi * s0 + pj * s1);
+    for i in 0..n0 {
+        // SAFETY: row i lies within the nest.
+        let (s, d) = unsafe { (src.add(i * s0), dst.add(i * d0)) };
+        for j in 0..n1 {
+            if pi < n0 {
+                prefetch_run(ahead, run);
+                pj += 1;
+                if pj == n1 {
+                    pj = 0;
+                    pi += 1;
+                    ahead = src.wrapping_add(pi * s0);
+                } else {
+                    ahead = ahead.wrapping_add(s1);
+                }
+            }
+            // SAFETY: run (i, j) lies within the nest.
+            unsafe { copy(s.add(j * s1), d.add(j * d1)) };
+        }
+    }
+}
+
+/// Prefetches the source lines of the first `PREFETCH_AHEAD` runs of `block` in `src`.
+fn prefetch_first_runs(block: &CopyBlock, src: *const u8) {
+    let base = src.wrapping_add(block.src_offset as usize);
+    let (outer, row) = match block.axes() {
+        [] => (None, None),
+        [row] => (None, Some(row)),
+        [.., outer, row] => (Some(outer), Some(row)),
+    };
+    let n1 = row.map_or(1, |r| r.count as usize);
+    let n0 = outer.map_or(1, |o| o.count as usize);
+    let (s0, s1) = (outer.map_or(0, |o| o.src_stride as usize), row.map_or(0, |r| r.src_stride as usize));
+    for k in 0..PREFETCH_AHEAD.min(n0 * n1) {
+        prefetch_run(base.wrapping_add((k / n1) * s0 + (k % n1) * s1), block.run as usize);
+    }
+}
+
+/// Prefetches every cache line of a run of `len` bytes at `p`.
+#[inline(always)]
+fn prefetch_run(p: *const u8, len: usize) {
+    if len == 0 {
+        return;
+    }
+    let mut off = 0;
+    while off < len {
+        prefetch(p.wrapping_add(off));
+        off += 64;
+    }
+    prefetch(p.wrapping_add(len - 1));
+}
+
+/// Prefetches one line into L2, not L1: KV layouts have power-of-two strides (FasterTransformer's K
+/// pieces are `max_tokens * 16` bytes apart), so dozens of lines in flight map to one L1 set and
+/// would evict each other before use.
 #[inline(always)]
 fn prefetch(p: *const u8) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch is a hint; it never faults, whatever the address.
     unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p as *const i8)
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
