@@ -321,6 +321,7 @@ mod tests {
     #[test]
     fn region_errors_come_before_length_errors() {
         let cache = filled_cache();
+        #[allow(clippy::reversed_empty_ranges)] // the inverted range is the point of the test
         let inverted = KvRegion::new(0..1, 0..1, 0..1, 5..3);
         let err = cache.gather(&inverted, cache.layout().preferred_packing(), &mut []).unwrap_err();
         assert!(matches!(err, CacheError::Layout(LayoutError::OutOfBounds { axis: "token", .. })));
