@@ -24,6 +24,9 @@ pub enum CacheError {
     /// The layout lets two layers share bytes, so per-layer locking would not be sound.
     #[error("layout is not layer-disjoint: two layers share bytes of one buffer")]
     LayersOverlap,
+    /// A cache buffer could not be allocated.
+    #[error("cannot allocate a cache buffer of {0} bytes")]
+    OutOfMemory(u64),
     /// A staging or vector buffer has the wrong size.
     #[error("buffer of {len} bytes, {needed} needed")]
     WrongLength {
@@ -73,7 +76,13 @@ impl KvCache {
         if !layout.layers_are_disjoint() {
             return Err(CacheError::LayersOverlap);
         }
-        let buffers = layout.buffer_sizes().iter().map(|&n| HostBuffer::zeroed(n as usize)).collect();
+        let buffers = layout
+            .buffer_sizes()
+            .iter()
+            .map(|&n| {
+                usize::try_from(n).ok().and_then(HostBuffer::try_zeroed).ok_or(CacheError::OutOfMemory(n))
+            })
+            .collect::<Result<_, _>>()?;
         let layer_locks = (0..layout.spec().layers()).map(|_| RwLock::new(())).collect();
         Ok(Self { layout, buffers, layer_locks, gather_threads: AtomicUsize::new(1) })
     }
@@ -251,9 +260,14 @@ impl KvCache {
         let chunk_bytes = map.chunk_elems as usize * spec.elem_bytes(part);
         for (i, elem) in (0..spec.vector_elems(part)).step_by(map.chunk_elems as usize).enumerate() {
             let (buffer, offset) = self.layout.element_offset(part, at, elem)?;
-            let buffer = &self.buffers[buffer as usize];
-            debug_assert!(offset as usize + chunk_bytes <= buffer.len());
-            // SAFETY: element_offset is bounds-checked and the layout checked that whole chunks fit.
+            let index = buffer;
+            let buffer = &self.buffers[index as usize];
+            let len = buffer.len() as u64;
+            let end = offset.saturating_add(chunk_bytes as u64);
+            if end > len {
+                return Err(CopyError::OutOfBounds { side: "cache", index, needed: end, len }.into());
+            }
+            // SAFETY: the whole chunk lies inside the buffer (checked just above).
             let ptr = unsafe { buffer.as_mut_ptr().add(offset as usize) };
             f(i * chunk_bytes, ptr, chunk_bytes);
         }
@@ -316,6 +330,34 @@ mod tests {
             cache.set_gather_threads(1);
         }
         assert!(cache.packed_len(&KvRegion::new(0..4, 0..4, 0..8, 0..200)) >= PARALLEL_MIN_BYTES);
+    }
+
+    #[test]
+    fn impossible_allocations_and_overflowing_strides_are_errors() {
+        use crate::layout::{BufferMap, PartMap, TokenMap};
+        let spec = KvSpec::new(1, 1, 4, DType::F32).unwrap();
+        let map = |offset, stride| PartMap {
+            buffer: BufferMap::Shared { buffer: 0, layer_stride: 0 },
+            offset,
+            slot_stride: 0,
+            head_stride: 0,
+            tokens: TokenMap::Linear { stride },
+            chunk_elems: 4,
+            chunk_stride: 0,
+        };
+        let huge = 1u64 << 50;
+        let layout =
+            KvLayout::strided(spec, 1, 2, &[(Part::K, map(0, 16)), (Part::V, map(32, 16))], vec![huge])
+                .unwrap();
+        assert!(matches!(KvCache::new(layout), Err(CacheError::OutOfMemory(n)) if n == huge));
+        let wraps = KvLayout::strided(
+            spec,
+            1,
+            3,
+            &[(Part::K, map(0, u64::MAX / 2)), (Part::V, map(0, 16))],
+            vec![64],
+        );
+        assert!(matches!(wraps, Err(LayoutError::Invalid(_))), "{wraps:?}");
     }
 
     #[test]

@@ -40,19 +40,23 @@ unsafe impl Sync for HostBuffer {}
 impl HostBuffer {
     /// Allocates `len` zeroed bytes. Aborts on allocation failure, like `Vec`.
     pub fn zeroed(len: usize) -> Self {
+        Self::try_zeroed(len).unwrap_or_else(|| alloc::handle_alloc_error(Self::layout(len.max(1))))
+    }
+
+    /// Allocates `len` zeroed bytes, or `None` if the memory cannot be had.
+    pub fn try_zeroed(len: usize) -> Option<Self> {
         if len == 0 {
-            return Self { ptr: NonNull::dangling(), len: 0, backing: Backing::Heap };
+            return Some(Self { ptr: NonNull::dangling(), len: 0, backing: Backing::Heap });
         }
         if len >= HUGE_PAGE {
             if let Some(buffer) = Self::mapped(len) {
-                return buffer;
+                return Some(buffer);
             }
         }
-        let layout = Self::layout(len);
+        let layout = Layout::from_size_align(len, HOST_ALIGN).ok()?;
         // SAFETY: layout has a non-zero size.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
-        Self { ptr, len, backing: Backing::Heap }
+        Some(Self { ptr: NonNull::new(raw)?, len, backing: Backing::Heap })
     }
 
     /// A huge-page aligned anonymous mapping (zero-filled by the kernel), or `None` if mmap fails.

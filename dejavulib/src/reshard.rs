@@ -200,9 +200,10 @@ pub fn send(
 ) -> Result<ChunkReceipt, StreamError> {
     let region = transfer.from.with_tokens(tokens.clone());
     let packing = cache.layout().preferred_packing();
+    // Checked before sizing the staging lease, so a bad region is an error, not a huge allocation.
+    cache.layout().check_region(&region).map_err(CacheError::from)?;
     if region.is_empty() {
-        // Nothing to move (a step with no new tokens); still reject regions outside the cache.
-        cache.layout().check_region(&region).map_err(CacheError::from)?;
+        // Nothing to move (a step with no new tokens).
         let key = transfer_key(transfer, tokens);
         return Ok(ChunkReceipt { key, bytes: 0, copy_time: Duration::ZERO, io_time: Duration::ZERO });
     }
@@ -246,12 +247,16 @@ pub fn receive(
     let started = Instant::now();
     let descriptor = store.get(&key, payload)?;
     let fetched = Instant::now();
-    if descriptor.source != transfer.source || !descriptor.spec.same_elements(cache.layout().spec()) {
+    if descriptor.key() != key
+        || descriptor.source != transfer.source
+        || !descriptor.spec.same_elements(cache.layout().spec())
+    {
         return Err(StreamError::Unexpected(format!(
-            "chunk {} from {:?} holding {:?}; plan expects {:?} holding {:?}",
-            key.file_name(),
+            "chunk {} from {:?} holding {:?}; plan expects {} from {:?} holding {:?}",
+            descriptor.key().file_name(),
             descriptor.source,
             descriptor.spec,
+            key.file_name(),
             transfer.source,
             cache.layout().spec()
         )));

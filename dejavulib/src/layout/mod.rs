@@ -257,34 +257,46 @@ impl KvLayout {
         Ok(layout)
     }
 
+    /// Bytes from a part's first element of a layer to one past its last, within that layer's
+    /// buffer; `None` on overflow.
+    fn part_extent(&self, part: Part) -> Option<u64> {
+        let map = self.part_map(part);
+        let elem = self.spec.elem_bytes(part) as u64;
+        let chunks = (self.spec.vector_elems(part) / map.chunk_elems) as u64;
+        let token_extent = match map.tokens {
+            TokenMap::Linear { stride } => (self.max_tokens.max(1) as u64 - 1).checked_mul(stride)?,
+            TokenMap::Paged { block_size, block_stride, token_stride } => {
+                let blocks = match self.kind {
+                    LayoutKind::Paged(cfg) => cfg.num_blocks as u64,
+                    _ => 1,
+                };
+                (blocks - 1)
+                    .checked_mul(block_stride)?
+                    .checked_add((block_size as u64 - 1).checked_mul(token_stride)?)?
+            }
+        };
+        [
+            (self.slots as u64 - 1).checked_mul(map.slot_stride)?,
+            (self.spec.kv_heads() as u64 - 1).checked_mul(map.head_stride)?,
+            token_extent,
+            (chunks - 1).checked_mul(map.chunk_stride)?,
+            map.chunk_elems as u64 * elem,
+        ]
+        .into_iter()
+        .try_fold(0u64, |acc, x| acc.checked_add(x))
+    }
+
     fn check_part_fits(&self, part: Part) -> Result<(), LayoutError> {
         let map = self.part_map(part);
         let vec_elems = self.spec.vector_elems(part);
-        let elem = self.spec.elem_bytes(part) as u64;
         if map.chunk_elems == 0 || vec_elems % map.chunk_elems != 0 {
             return Err(LayoutError::Invalid(format!(
                 "part {part:?}: chunk of {} elements does not divide the vector of {vec_elems}",
                 map.chunk_elems
             )));
         }
-        let chunks = (vec_elems / map.chunk_elems) as u64;
-        let token_extent = match map.tokens {
-            TokenMap::Linear { stride } => (self.max_tokens.max(1) as u64 - 1) * stride,
-            TokenMap::Paged { block_size, block_stride, token_stride } => {
-                let blocks = match self.kind {
-                    LayoutKind::Paged(cfg) => cfg.num_blocks as u64,
-                    _ => 1,
-                };
-                (blocks - 1) * block_stride + (block_size as u64 - 1) * token_stride
-            }
-        };
-        let inner = map.offset
-            + (self.slots as u64 - 1) * map.slot_stride
-            + (self.spec.kv_heads() as u64 - 1) * map.head_stride
-            + token_extent
-            + (chunks - 1) * map.chunk_stride
-            + map.chunk_elems as u64 * elem;
-        let layers = self.spec.layers() as u64;
+        let overflow = || LayoutError::Invalid(format!("part {part:?}: offsets overflow 64 bits"));
+        let inner = self.part_extent(part).and_then(|e| e.checked_add(map.offset)).ok_or_else(overflow)?;
         let check = |buffer: u32, needed: u64| -> Result<(), LayoutError> {
             let size =
                 self.buffer_sizes.get(buffer as usize).copied().ok_or_else(|| {
@@ -296,10 +308,15 @@ impl KvLayout {
             Ok(())
         };
         match map.buffer {
-            BufferMap::Shared { buffer, layer_stride } => check(buffer, inner + (layers - 1) * layer_stride),
+            BufferMap::Shared { buffer, layer_stride } => {
+                let layers = self.spec.layers() as u64 - 1;
+                let needed = layers.checked_mul(layer_stride).and_then(|l| l.checked_add(inner));
+                check(buffer, needed.ok_or_else(overflow)?)
+            }
             BufferMap::PerLayer { first, step } => {
                 for layer in 0..self.spec.layers() {
-                    check(first + layer * step, inner)?;
+                    let buffer = layer.checked_mul(step).and_then(|b| b.checked_add(first));
+                    check(buffer.ok_or_else(overflow)?, inner)?;
                 }
                 Ok(())
             }
@@ -446,23 +463,8 @@ impl KvLayout {
         let mut spans = Vec::new();
         for &part in self.spec.parts() {
             let map = self.part_map(part);
-            let elem = self.spec.elem_bytes(part) as u64;
-            let chunks = (self.spec.vector_elems(part) / map.chunk_elems) as u64;
-            let token_extent = match map.tokens {
-                TokenMap::Linear { stride } => (self.max_tokens.max(1) as u64 - 1) * stride,
-                TokenMap::Paged { block_size, block_stride, token_stride } => {
-                    let blocks = match self.kind {
-                        LayoutKind::Paged(cfg) => cfg.num_blocks as u64,
-                        _ => 1,
-                    };
-                    (blocks - 1) * block_stride + (block_size as u64 - 1) * token_stride
-                }
-            };
-            let extent = (self.slots as u64 - 1) * map.slot_stride
-                + (self.spec.kv_heads() as u64 - 1) * map.head_stride
-                + token_extent
-                + (chunks - 1) * map.chunk_stride
-                + map.chunk_elems as u64 * elem;
+            // Construction checked that every part fits its buffers, so nothing here overflows.
+            let extent = self.part_extent(part).expect("checked at construction");
             for layer in 0..self.spec.layers() {
                 let (buffer, base) = match map.buffer {
                     BufferMap::Shared { buffer, layer_stride } => {
