@@ -12,6 +12,33 @@
 //! - **resharding** ([`placement`], [`reshard`]): `stream_out` / `stream_in` between pipeline setups of
 //!   different depth, tensor-parallel degree, microbatch size and layer split;
 //! - a background **streamer** ([`streamer`]) that moves layer `l` while the engine computes `l + 1`.
+//!
+//! ```
+//! use dejavulib::{Coord, DType, KvCache, KvLayout, KvRegion, KvSpec, Part};
+//! use dejavulib::layout::PerLayerOrder;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // A small worker in FasterTransformer's layout, and a receiver holding per-layer tensors.
+//! let spec = KvSpec::new(2, 4, 64, DType::F16)?;
+//! let engine = KvCache::new(KvLayout::faster_transformer(spec, 2, 128)?)?;
+//! let receiver = KvCache::new(KvLayout::per_layer(spec, 2, 128, PerLayerOrder::Bshd)?)?;
+//! let at = Coord { layer: 1, slot: 0, head: 3, token: 7 };
+//! engine.write_vector(Part::K, at, &[7u8; 128])?;
+//!
+//! // One decode step (token 7 of every layer, slot and head), gathered into one staging buffer...
+//! let step = KvRegion::new(0..2, 0..2, 0..4, 7..8);
+//! let packing = engine.layout().preferred_packing();
+//! let mut staging = vec![0u8; engine.packed_len(&step) as usize];
+//! engine.gather(&step, packing, &mut staging)?;
+//!
+//! // ...and scattered into a different layout.
+//! receiver.scatter(&step, packing, &staging)?;
+//! let mut k = [0u8; 128];
+//! receiver.read_vector(Part::K, at, &mut k)?;
+//! assert_eq!(k, [7u8; 128]);
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod baseline;
 pub mod cache;
