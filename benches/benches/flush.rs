@@ -6,24 +6,15 @@
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dejavu_benches::{Geometry, Workload};
 use dejavulib::baseline::flush_per_extent;
-use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::file_io::{FileBackend, FileIo};
 use dejavulib::store::{ChunkStore, FileStore};
-use dejavulib::{StagingPool, WorkerId};
+use dejavulib::StagingPool;
 
 fn flush(c: &mut Criterion) {
     let w = Workload::new(Geometry::thirteen_b());
     let dir = tempfile::tempdir().expect("tempdir");
     let region = &w.decode;
-    let shape = region.shape();
-    let descriptor = ChunkDescriptor {
-        source: WorkerId { stage: 0, rank: 0 },
-        destination: WorkerId { stage: 1, rank: 0 },
-        microbatch: 0,
-        region: region.clone(),
-        spec: w.cache.layout().spec().share(shape.layers, shape.heads).expect("spec"),
-        packing: w.packing(),
-    };
+    let descriptor = w.descriptor(region);
     let len = descriptor.payload_len();
     let pool = StagingPool::default();
     let mut group = c.benchmark_group("decode_step_to_file");

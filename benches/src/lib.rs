@@ -4,8 +4,9 @@
 //! batch 8) in FasterTransformer's layout, where a decode step writes one 16-byte K piece per
 //! 64-byte cache line.
 
+use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::plan::CopyPlan;
-use dejavulib::{DType, KvCache, KvLayout, KvRegion, KvSpec, Packing};
+use dejavulib::{DType, KvCache, KvLayout, KvRegion, KvSpec, Packing, WorkerId};
 
 /// Bytes of a CPU cache line.
 pub const CACHE_LINE: u64 = 64;
@@ -60,6 +61,19 @@ impl Workload {
     /// The cache's own packing.
     pub fn packing(&self) -> Packing {
         self.cache.layout().preferred_packing()
+    }
+
+    /// A chunk descriptor for `region` of this worker, sent from worker (0, 0) to worker (1, 0).
+    pub fn descriptor(&self, region: &KvRegion) -> ChunkDescriptor {
+        let shape = region.shape();
+        ChunkDescriptor {
+            source: WorkerId { stage: 0, rank: 0 },
+            destination: WorkerId { stage: 1, rank: 0 },
+            microbatch: 0,
+            region: region.clone(),
+            spec: self.cache.layout().spec().share(shape.layers, shape.heads).expect("spec"),
+            packing: self.packing(),
+        }
     }
 }
 

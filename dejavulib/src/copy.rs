@@ -401,37 +401,17 @@ unsafe fn walk(src: *const u8, dst: *mut u8, axes: &[Axis], run: usize) {
     }
 }
 
-/// Copies `count` runs of `run` bytes, advancing by the strides. Small runs (FasterTransformer's
-/// 16-byte K pieces) use fixed-size moves instead of a `memcpy` call each.
+/// Copies `count` runs of `run` bytes, advancing by the strides: the path for large runs, where a
+/// `memcpy` per run is the fastest move (small runs go through [`walk_small_runs`]).
 ///
 /// # Safety
 /// Every run is valid to read at `src + i * src_stride` and write at `dst + i * dst_stride`, and the
 /// two never overlap.
 #[inline]
 unsafe fn copy_strided(src: *const u8, dst: *mut u8, count: usize, ss: usize, ds: usize, run: usize) {
-    macro_rules! fixed {
-        ($ty:ty) => {
-            for i in 0..count {
-                // SAFETY: the run is valid per the contract; unaligned access is allowed.
-                unsafe {
-                    let v = std::ptr::read_unaligned(src.add(i * ss) as *const $ty);
-                    std::ptr::write_unaligned(dst.add(i * ds) as *mut $ty, v);
-                }
-            }
-        };
-    }
-    match run {
-        4 => fixed!(u32),
-        8 => fixed!(u64),
-        16 => fixed!(u128),
-        32 => fixed!([u128; 2]),
-        64 => fixed!([u128; 4]),
-        _ => {
-            for i in 0..count {
-                // SAFETY: the run is valid and non-overlapping per the contract.
-                unsafe { std::ptr::copy_nonoverlapping(src.add(i * ss), dst.add(i * ds), run) }
-            }
-        }
+    for i in 0..count {
+        // SAFETY: the run is valid and non-overlapping per the contract.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(i * ss), dst.add(i * ds), run) }
     }
 }
 

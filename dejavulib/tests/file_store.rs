@@ -3,6 +3,10 @@
 //! bytes, missing keys, wrong payload lengths, unwritable directories), including through
 //! `stream_in`, which must refuse a bad chunk and leave the destination cache untouched.
 
+mod common;
+
+use common::every_vector;
+
 use std::fs::{self, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
@@ -30,24 +34,6 @@ fn noise(seed: u64, n: usize) -> Vec<u8> {
             (x >> 24) as u8
         })
         .collect()
-}
-
-fn every_vector(layout: &KvLayout) -> Vec<(Part, Coord)> {
-    let spec = layout.spec();
-    let mut out = Vec::new();
-    for &part in spec.parts() {
-        for layer in 0..spec.layers() {
-            for slot in 0..layout.slots() {
-                for head in 0..spec.kv_heads() {
-                    for token in 0..layout.token_capacity(slot) {
-                        let at = Coord { layer, slot, head, token };
-                        out.push((part, at));
-                    }
-                }
-            }
-        }
-    }
-    out
 }
 
 /// A cache of `layout` whose every vector holds noise derived from `seed`.

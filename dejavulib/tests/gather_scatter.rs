@@ -7,49 +7,16 @@
 //! [`KvCache::read_vector`]) and byte by byte (through [`KvCache::snapshot`] and
 //! [`KvLayout::element_offset`]), against offsets the test computes itself.
 
+mod common;
+
+use common::Rng;
+
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
 use dejavulib::{
     CacheError, Coord, DType, KvCache, KvLayout, KvRegion, KvSpec, LayoutError, Packing, Part, ScaleMode,
     Shape,
 };
 use proptest::prelude::*;
-
-/// SplitMix64: the dependent choices of a case (sizes, tables, offsets, bytes) come from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// A value in `lo..=hi`.
-    fn range(&mut self, lo: u32, hi: u32) -> u32 {
-        assert!(lo <= hi);
-        lo + (self.next() % (hi - lo + 1) as u64) as u32
-    }
-
-    /// A non-empty sub-range of `0..limit` (`limit >= 1`).
-    fn sub_range(&mut self, limit: u32) -> std::ops::Range<u32> {
-        let start = self.range(0, limit - 1);
-        let end = self.range(start + 1, limit);
-        start..end
-    }
-
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-
-    fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = self.range(0, i as u32) as usize;
-            v.swap(i, j);
-        }
-    }
-}
 
 /// A layout family with its variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

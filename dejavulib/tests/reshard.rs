@@ -7,6 +7,10 @@
 //! writes are caught too. Global coordinates are computed here with the test's own arithmetic,
 //! independently of `Setup::holding` and of the planner.
 
+mod common;
+
+use common::Rng;
+
 use std::collections::HashSet;
 use std::ops::Range;
 
@@ -27,14 +31,7 @@ use proptest::prelude::*;
 
 /// Byte `byte` of the (part, layer, request, head, token) vector, in global coordinates. Never 0.
 fn f(part: Part, layer: u32, request: u32, head: u32, token: u32, byte: u32) -> u8 {
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-    for v in [part.index() as u64, layer as u64, request as u64, head as u64, token as u64, byte as u64] {
-        x = x.wrapping_add(v).wrapping_add(0x9e37_79b9_7f4a_7c15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^= x >> 31;
-    }
-    (x as u8) | 1
+    common::kv_byte(0x9e37_79b9_7f4a_7c15, part, layer, request, head, token, byte)
 }
 
 /// What a worker holds, computed from the stage list with the test's own arithmetic.
@@ -595,25 +592,6 @@ fn stream_out_without_the_microbatch_cache_is_an_error() {
 // ---------------------------------------------------------------------------------------------
 // Random pairs of setups.
 // ---------------------------------------------------------------------------------------------
-
-/// A small deterministic generator for setup shapes (proptest supplies the seed).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u32) -> u32 {
-        (self.next() % n as u64) as u32
-    }
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len() as u32) as usize]
-    }
-}
 
 fn random_setup(rng: &mut Rng, spec: KvSpec, requests: u32) -> Setup {
     let layers = spec.layers();

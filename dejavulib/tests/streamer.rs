@@ -5,6 +5,8 @@
 //! Every blocking store used here waits on a channel with a generous timeout, so a broken streamer
 //! makes a test fail instead of hanging it.
 
+mod common;
+
 use std::collections::HashSet;
 use std::io;
 use std::ops::Range;
@@ -30,16 +32,9 @@ const W0: WorkerId = WorkerId { stage: 0, rank: 0 };
 /// Longest any test waits for something that should happen promptly.
 const PATIENCE: Duration = Duration::from_secs(20);
 
-/// Byte `byte` of the (part, layer, request, head, token) vector the engine writes. Never 0.
+/// Byte `byte` of the (part, layer, request, head, token) vector. Never 0.
 fn f(part: Part, layer: u32, request: u32, head: u32, token: u32, byte: u32) -> u8 {
-    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
-    for v in [part.index() as u64, layer as u64, request as u64, head as u64, token as u64, byte as u64] {
-        x = x.wrapping_add(v).wrapping_add(0x9e37_79b9_7f4a_7c15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^= x >> 31;
-    }
-    (x as u8) | 1
+    common::kv_byte(0x2545_f491_4f6c_dd1d, part, layer, request, head, token, byte)
 }
 
 fn spec() -> KvSpec {

@@ -6,10 +6,9 @@ use std::time::{Duration, Instant};
 
 use dejavu_benches::{memcpy, source_lines_bytes, Geometry, Workload};
 use dejavulib::baseline::flush_per_extent;
-use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::file_io::{FileBackend, FileIo};
 use dejavulib::store::{ChunkStore, FileStore};
-use dejavulib::{KvRegion, StagingPool, WorkerId};
+use dejavulib::StagingPool;
 
 /// One line of the report.
 struct Row {
@@ -142,7 +141,7 @@ fn main() {
 
     // Decode step to a file: buffered against one write per extent.
     let dir = tempfile::tempdir().expect("tempdir");
-    let descriptor = descriptor_for(&w, &w.decode);
+    let descriptor = w.descriptor(&w.decode);
     let pool = StagingPool::default();
     let mut store =
         FileStore::open(dir.path().join("buffered"), FileBackend::Auto).expect("store").without_sync();
@@ -178,18 +177,6 @@ fn main() {
     });
 
     print_report(&rows, json, &format!("{geometry:?}"), store.backend_name(), decode_len, touched);
-}
-
-fn descriptor_for(w: &Workload, region: &KvRegion) -> ChunkDescriptor {
-    let shape = region.shape();
-    ChunkDescriptor {
-        source: WorkerId { stage: 0, rank: 0 },
-        destination: WorkerId { stage: 1, rank: 0 },
-        microbatch: 0,
-        region: region.clone(),
-        spec: w.cache.layout().spec().share(shape.layers, shape.heads).expect("spec"),
-        packing: w.packing(),
-    }
 }
 
 fn print_report(rows: &[Row], json: bool, workload: &str, backend: &str, decode_len: u64, touched: u64) {
