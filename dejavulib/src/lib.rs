@@ -49,6 +49,7 @@ pub mod layout;
 pub mod memory;
 pub mod placement;
 pub mod plan;
+pub mod planner;
 pub mod region;
 pub mod reshard;
 pub mod spec;

@@ -1,0 +1,68 @@
+//! `dejavud`: the DéjàVu daemon's command line.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use dejavud::plan::{self, Overrides};
+
+/// The DéjàVu daemon: planner today; sidecar and controller next.
+#[derive(Debug, Parser)]
+#[command(name = "dejavud", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Size KV caches, split machines between prompt and token pipelines, check the swapping
+    /// condition, estimate KV transfer costs and check stage memory, from a TOML or JSON file.
+    Plan {
+        /// The cluster description (`.toml` or `.json`); see docs/operations.md for the fields.
+        input: PathBuf,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// A JSON file of measurements (`prompt_ms`, `token_ms`, `streaming_overhead`, any
+        /// subset) that override the `[timing]` section.
+        #[arg(long)]
+        calibration: Option<PathBuf>,
+        /// Prompt time of one microbatch through the whole model, in ms (overrides the file).
+        #[arg(long)]
+        prompt_ms: Option<f64>,
+        /// Token step time of one microbatch through the whole model, in ms (overrides the file).
+        #[arg(long)]
+        token_ms: Option<f64>,
+        /// Prompt slowdown while its KV streams, m >= 1 (overrides the file).
+        #[arg(long)]
+        streaming_overhead: Option<f64>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Plan { input, json, calibration, prompt_ms, token_ms, streaming_overhead } => {
+            let flags = Overrides { prompt_ms, token_ms, streaming_overhead };
+            match plan::run(&input, calibration.as_deref(), flags) {
+                Ok(report) => {
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::to_string_pretty(&report.to_json()).expect("JSON of numbers")
+                        );
+                    } else {
+                        print!("{}", report.to_table());
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("dejavud plan: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+    }
+}
