@@ -12,10 +12,10 @@ fn gather(c: &mut Criterion) {
     for (name, region) in [("decode_step", &w.decode), ("prompt_1000", &w.prompt)] {
         let len = w.cache.packed_len(region) as usize;
         let plan = w.cache.gather_plan(region, packing).expect("plan");
-        let touched = source_lines_bytes(&plan);
+        let touched = source_lines_bytes(plan.copy_plan());
         eprintln!(
             "{name}: {len} useful bytes, {touched} bytes of cache lines touched, {} runs",
-            plan.run_count()
+            plan.copy_plan().run_count()
         );
         let mut staging = vec![0u8; len];
         let src = vec![1u8; len];
@@ -23,11 +23,11 @@ fn gather(c: &mut Criterion) {
         group.throughput(Throughput::Bytes(len as u64));
         group.sample_size(if len > 100 << 20 { 10 } else { 50 });
         group.bench_function("gather", |b| {
-            b.iter(|| w.cache.gather_with(&plan, region, black_box(&mut staging)).expect("gather"))
+            b.iter(|| w.cache.gather_with(&plan, black_box(&mut staging)).expect("gather"))
         });
         w.cache.set_gather_threads(2);
         group.bench_function("gather_2_threads", |b| {
-            b.iter(|| w.cache.gather_with(&plan, region, black_box(&mut staging)).expect("gather"))
+            b.iter(|| w.cache.gather_with(&plan, black_box(&mut staging)).expect("gather"))
         });
         w.cache.set_gather_threads(1);
         group.bench_function("gather_with_planning", |b| {

@@ -24,6 +24,11 @@ pub fn flush_per_extent(
     path: &Path,
 ) -> Result<u64, ExtentError<StoreError>> {
     let io_err = |op| move |source| StoreError::Io { op, path: path.to_path_buf(), source };
+    if source_region.shape() != descriptor.region.shape() {
+        let expected = descriptor.payload_len();
+        let got = cache.packed_len(source_region);
+        return Err(ExtentError::Callback(StoreError::PayloadLength { expected, got }));
+    }
     let file = OpenOptions::new()
         .write(true)
         .read(true)

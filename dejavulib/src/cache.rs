@@ -1,6 +1,6 @@
 //! A KV cache in host memory that an engine writes while a streamer reads other layers of it.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::RwLock;
 use thiserror::Error;
@@ -27,6 +27,9 @@ pub enum CacheError {
     /// A cache buffer could not be allocated.
     #[error("cannot allocate a cache buffer of {0} bytes")]
     OutOfMemory(u64),
+    /// A gather plan made by another cache.
+    #[error("the gather plan was made by another cache")]
+    ForeignPlan,
     /// A staging or vector buffer has the wrong size.
     #[error("buffer of {len} bytes, {needed} needed")]
     WrongLength {
@@ -44,25 +47,54 @@ pub enum ExtentError<E> {
     #[error(transparent)]
     Cache(#[from] CacheError),
     /// The callback failed.
-    #[error("extent callback failed")]
-    Callback(E),
+    #[error("extent callback failed: {0}")]
+    Callback(#[source] E),
 }
 
 /// A KV cache in page-aligned host memory, laid out by a [`KvLayout`].
 ///
 /// Each layer has its own reader-writer lock: a gather of layer `l` runs while the engine writes
 /// layer `l + 1`, which is what layer-by-layer streaming needs. Share it with `Arc`.
+///
+/// Thread safety rests on two checks: `new` refuses layouts whose layers share bytes, and every
+/// copy runs a plan this cache made for the region whose layer locks it holds.
 pub struct KvCache {
+    id: u64,
     layout: KvLayout,
     buffers: Vec<HostBuffer>,
     layer_locks: Vec<RwLock<()>>,
     gather_threads: AtomicUsize,
 }
 
-// SAFETY: buffer bytes are only touched through raw pointers while holding the lock of the layer
-// they belong to (read lock to read, write lock to write), and layers never share bytes
-// (checked in `new`), so threads never race on a byte.
-unsafe impl Sync for KvCache {}
+/// Source of cache identities, so a [`GatherPlan`] only runs on the cache that made it.
+static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A gather of one region of one cache, planned once and run many times (the same region every
+/// time: the plan holds absolute offsets, so the next decode step needs a plan of its own).
+#[derive(Clone, Debug)]
+pub struct GatherPlan {
+    cache: u64,
+    region: KvRegion,
+    packing: Packing,
+    plan: CopyPlan,
+}
+
+impl GatherPlan {
+    /// The region it gathers.
+    pub fn region(&self) -> &KvRegion {
+        &self.region
+    }
+
+    /// The packing it produces.
+    pub fn packing(&self) -> Packing {
+        self.packing
+    }
+
+    /// The copy it runs, for inspection (runs, bytes).
+    pub fn copy_plan(&self) -> &CopyPlan {
+        &self.plan
+    }
+}
 
 impl std::fmt::Debug for KvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -84,14 +116,17 @@ impl KvCache {
             })
             .collect::<Result<_, _>>()?;
         let layer_locks = (0..layout.spec().layers()).map(|_| RwLock::new(())).collect();
-        Ok(Self { layout, buffers, layer_locks, gather_threads: AtomicUsize::new(1) })
+        let id = NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(Self { id, layout, buffers, layer_locks, gather_threads: AtomicUsize::new(1) })
     }
 
     /// Lets gathers of at least [`copy::PARALLEL_MIN_BYTES`] use up to `threads` threads (1, the
     /// default, keeps them on the caller's thread). A decode step's scattered pieces are bound by
     /// the cache misses one core keeps in flight; a second core nearly doubles the rate.
+    /// At most the machine's parallelism is used.
     pub fn set_gather_threads(&self, threads: usize) {
-        self.gather_threads.store(threads.max(1), Ordering::Relaxed);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        self.gather_threads.store(threads.clamp(1, cores), Ordering::Relaxed);
     }
 
     /// The layout.
@@ -104,13 +139,27 @@ impl KvCache {
         region.shape().bytes(self.layout.spec())
     }
 
-    /// The plan that gathers `region` into a packed buffer with `packing`.
-    pub fn gather_plan(&self, region: &KvRegion, packing: Packing) -> Result<CopyPlan, CacheError> {
+    /// Plans the gather of `region` into a packed buffer with `packing`, to run with
+    /// [`KvCache::gather_with`] as often as needed.
+    pub fn gather_plan(&self, region: &KvRegion, packing: Packing) -> Result<GatherPlan, CacheError> {
+        self.layout.check_region(region)?;
+        Ok(GatherPlan {
+            cache: self.id,
+            region: region.clone(),
+            packing,
+            plan: self.gather_copy_plan(region, packing)?,
+        })
+    }
+
+    fn gather_copy_plan(&self, region: &KvRegion, packing: Packing) -> Result<CopyPlan, CacheError> {
+        if region.is_empty() {
+            return Ok(CopyPlan::default());
+        }
         let packed = KvLayout::packed(self.layout.spec(), region.shape(), packing)?;
         Ok(plan_copy(&self.layout, region.origin(), &packed, Coord::default(), region.shape(), Order::Src)?)
     }
 
-    /// The plan that scatters a packed buffer with `packing` into `region`.
+    /// The copy that scatters a packed buffer with `packing` into `region`, for inspection.
     pub fn scatter_plan(&self, region: &KvRegion, packing: Packing) -> Result<CopyPlan, CacheError> {
         let packed = KvLayout::packed(self.layout.spec(), region.shape(), packing)?;
         Ok(plan_copy(&packed, Coord::default(), &self.layout, region.origin(), region.shape(), Order::Dst)?)
@@ -124,12 +173,18 @@ impl KvCache {
             return Ok(0);
         }
         let plan = self.gather_plan(region, packing)?;
-        self.gather_with(&plan, region, out)
+        self.gather_with(&plan, out)
     }
 
-    /// Gathers with a plan made by [`KvCache::gather_plan`] for `region` (reused across steps).
-    pub fn gather_with(&self, plan: &CopyPlan, region: &KvRegion, out: &mut [u8]) -> Result<u64, CacheError> {
-        self.layout.check_region(region)?;
+    /// Runs a plan made by [`KvCache::gather_plan`] of this cache into `out` (exactly the packed
+    /// length of the plan's region).
+    pub fn gather_with(&self, plan: &GatherPlan, out: &mut [u8]) -> Result<u64, CacheError> {
+        if plan.cache != self.id {
+            return Err(CacheError::ForeignPlan);
+        }
+        let region = &plan.region;
+        self.check_len(region, out.len())?;
+        let plan = &plan.plan;
         let _guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
             .iter()
             .map(RwLock::read)
@@ -137,10 +192,11 @@ impl KvCache {
         let src = self.raw_src();
         let dst = [RawDst::from(out)];
         let threads = self.gather_threads.load(Ordering::Relaxed);
-        // SAFETY: cache buffers are valid for their lengths; the plan only reads bytes of the
-        // region's layers (layers are disjoint, the region is checked), which we hold read locks
-        // for, so nobody writes them; `out` is exclusively borrowed and not part of the cache; a
-        // gather plan's destination is a packed layout, so no two blocks write the same byte.
+        // SAFETY: cache buffers are valid for their lengths; this cache planned the copy for
+        // `region` (checked against its layout), so it only reads bytes of the region's layers
+        // (layers are disjoint, checked in `new`), which we hold read locks for, so nobody writes
+        // them; `out` is exclusively borrowed and not part of the cache; the destination is a
+        // packed layout, so no two blocks write the same byte.
         Ok(unsafe { copy::execute_raw_parallel(plan, &src, &dst, threads) }?)
     }
 
@@ -165,6 +221,9 @@ impl KvCache {
 
     /// Hands every contiguous extent of `region` to `f` as (bytes, offset in the packed buffer), in
     /// plan order, under the region's read locks: the unbuffered path, one transfer per extent.
+    ///
+    /// `f` runs while the region's layers are read-locked: it must not write to this cache (that
+    /// would deadlock, or invert the lock order on another layer).
     pub fn for_each_extent<E>(
         &self,
         region: &KvRegion,
@@ -175,7 +234,7 @@ impl KvCache {
         if region.is_empty() {
             return Ok(());
         }
-        let plan = self.gather_plan(region, packing)?;
+        let plan = self.gather_copy_plan(region, packing)?;
         let _guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
             .iter()
             .map(RwLock::read)
@@ -358,6 +417,19 @@ mod tests {
             vec![64],
         );
         assert!(matches!(wraps, Err(LayoutError::Invalid(_))), "{wraps:?}");
+    }
+
+    #[test]
+    fn a_plan_only_runs_on_the_cache_that_made_it() {
+        let a = filled_cache();
+        let b = filled_cache();
+        let region = KvRegion::new(0..1, 0..1, 0..1, 0..4);
+        let plan = a.gather_plan(&region, a.layout().preferred_packing()).unwrap();
+        let mut out = vec![0u8; a.packed_len(&region) as usize];
+        assert_eq!(b.gather_with(&plan, &mut out), Err(CacheError::ForeignPlan));
+        assert_eq!(a.gather_with(&plan, &mut out), Ok(out.len() as u64));
+        let mut short = vec![0u8; out.len() - 1];
+        assert!(matches!(a.gather_with(&plan, &mut short), Err(CacheError::WrongLength { .. })));
     }
 
     #[test]

@@ -126,6 +126,29 @@ impl ChunkDescriptor {
         ChunkKey { destination: self.destination, microbatch: self.microbatch, region: self.region.clone() }
     }
 
+    /// Checks what a decoder checks: a non-empty, non-inverted region whose size fits in 64 bits,
+    /// a spec whose layers and heads are the region's, and chunk sizes that divide the head.
+    pub fn validate(&self) -> Result<(), ChunkError> {
+        let r = &self.region;
+        if r.is_empty() || [&r.layers, &r.slots, &r.heads, &r.tokens].iter().any(|x| x.start > x.end) {
+            return Err(ChunkError::Invalid(format!("empty or inverted region {r:?}")));
+        }
+        let shape = r.shape();
+        if self.spec.layers() != shape.layers || self.spec.kv_heads() != shape.heads {
+            return Err(ChunkError::Invalid(format!("spec {:?} does not match region {r:?}", self.spec)));
+        }
+        let head_dim = self.spec.head_dim();
+        for chunk in [self.packing.k_chunk, self.packing.v_chunk] {
+            if chunk == 0 || head_dim % chunk != 0 {
+                return Err(ChunkError::Invalid(format!("packing chunk {chunk} for head_dim {head_dim}")));
+            }
+        }
+        if shape.checked_bytes(&self.spec).is_none() {
+            return Err(ChunkError::Invalid(format!("region {r:?} is larger than 2^64 bytes")));
+        }
+        Ok(())
+    }
+
     /// Payload bytes the region takes.
     pub fn payload_len(&self) -> u64 {
         self.region.shape().bytes(&self.spec)
@@ -174,26 +197,32 @@ impl ChunkDescriptor {
         if magic != CHUNK_MAGIC {
             return Err(ChunkError::BadMagic(magic));
         }
-        let version = r.u16();
-        if version != CHUNK_VERSION {
-            return Err(ChunkError::UnsupportedVersion(version));
-        }
         let stored = u64::from_le_bytes(bytes[96..HEADER_LEN].try_into().expect("8 bytes"));
         if xxh3_64(&bytes[..96]) != stored {
             return Err(ChunkError::HeaderCorrupt);
+        }
+        let version = r.u16();
+        if version != CHUNK_VERSION {
+            return Err(ChunkError::UnsupportedVersion(version));
         }
         let header_len = r.u16();
         if header_len as usize != HEADER_LEN {
             return Err(ChunkError::Invalid(format!("header length {header_len}")));
         }
-        let _flags = r.u32();
+        let flags = r.u32();
+        if flags != 0 {
+            return Err(ChunkError::Invalid(format!("unknown flags {flags:#x}")));
+        }
         let source = WorkerId { stage: r.u32(), rank: r.u32() };
         let destination = WorkerId { stage: r.u32(), rank: r.u32() };
         let microbatch = r.u32();
         let mut range = || -> Range<u32> { r.u32()..r.u32() };
         let region = KvRegion::new(range(), range(), range(), range());
         let head_dim = r.u32();
-        let [dtype, scales, _, _]: [u8; 4] = r.array();
+        let [dtype, scales, reserved_lo, reserved_hi]: [u8; 4] = r.array();
+        if reserved_lo != 0 || reserved_hi != 0 {
+            return Err(ChunkError::Invalid("reserved bytes are not zero".into()));
+        }
         let dtype =
             DType::from_code(dtype).ok_or_else(|| ChunkError::Invalid(format!("dtype code {dtype}")))?;
         let scales = scale_from_code(scales)?;
@@ -201,19 +230,10 @@ impl ChunkDescriptor {
         let payload_len = r.u64();
         let payload_sum = r.u64();
         let shape = region.shape();
-        if shape.is_empty()
-            || [&region.layers, &region.slots, &region.heads, &region.tokens].iter().any(|x| x.start > x.end)
-        {
-            return Err(ChunkError::Invalid(format!("empty or inverted region {region:?}")));
-        }
-        let spec = KvSpec::with_scales(shape.layers, shape.heads, head_dim, dtype, scales)
+        let spec = KvSpec::with_scales(shape.layers.max(1), shape.heads.max(1), head_dim, dtype, scales)
             .map_err(|e| ChunkError::Invalid(e.to_string()))?;
-        for chunk in [packing.k_chunk, packing.v_chunk] {
-            if chunk == 0 || head_dim % chunk != 0 {
-                return Err(ChunkError::Invalid(format!("packing chunk {chunk} for head_dim {head_dim}")));
-            }
-        }
         let descriptor = ChunkDescriptor { source, destination, microbatch, region, spec, packing };
+        descriptor.validate()?;
         if descriptor.region.shape().checked_bytes(&descriptor.spec) != Some(payload_len) {
             return Err(ChunkError::Invalid(format!(
                 "payload length {payload_len} does not match the region's {} bytes",
@@ -318,6 +338,30 @@ mod tests {
         let mut bad = payload.clone();
         bad[3] ^= 1;
         assert!(matches!(verify_payload(&bad, sum), Err(ChunkError::PayloadCorrupt { .. })));
+    }
+
+    #[test]
+    fn nonzero_flags_or_reserved_bytes_are_rejected_even_with_a_valid_checksum() {
+        let d = descriptor();
+        let payload = vec![1u8; d.payload_len() as usize];
+        for byte in [8, 70, 71] {
+            let mut h = d.encode_header(&payload);
+            h[byte] = 0xff;
+            let sum = xxh3_64(&h[..96]);
+            h[96..].copy_from_slice(&sum.to_le_bytes());
+            assert!(matches!(ChunkDescriptor::decode_header(&h), Err(ChunkError::Invalid(_))), "byte {byte}");
+        }
+    }
+
+    #[test]
+    fn descriptors_a_decoder_would_refuse_do_not_validate() {
+        let mut d = descriptor();
+        d.packing.k_chunk = 0;
+        assert!(d.validate().is_err());
+        let mut d = descriptor();
+        d.region.tokens = 11..11;
+        assert!(d.validate().is_err());
+        assert!(descriptor().validate().is_ok());
     }
 
     #[test]

@@ -26,12 +26,24 @@ pub enum FileBackend {
     Posix,
 }
 
-/// A positional file I/O engine.
-pub enum FileIo {
+/// A positional file I/O engine. Its ring is private: every operation on it is one this module
+/// submitted and reaps.
+pub struct FileIo {
+    backend: Backend,
+}
+
+enum Backend {
     /// A ring shared by callers (one call at a time; each call keeps many operations in flight).
-    IoUring(Box<Mutex<IoUring>>),
+    IoUring(Box<Mutex<Ring>>),
     /// Plain positional syscalls.
     Posix,
+}
+
+/// A ring and the generation counter that tags its operations: a completion is only ever matched
+/// to the call that submitted it.
+struct Ring {
+    ring: IoUring,
+    generation: u32,
 }
 
 impl std::fmt::Debug for FileIo {
@@ -43,29 +55,35 @@ impl std::fmt::Debug for FileIo {
 impl FileIo {
     /// Opens the engine `backend` asks for.
     pub fn new(backend: FileBackend) -> io::Result<Self> {
-        match backend {
-            FileBackend::Posix => Ok(FileIo::Posix),
-            FileBackend::IoUring => Ok(FileIo::IoUring(Box::new(Mutex::new(IoUring::new(QUEUE_DEPTH)?)))),
-            FileBackend::Auto => Ok(IoUring::new(QUEUE_DEPTH)
-                .map(|r| FileIo::IoUring(Box::new(Mutex::new(r))))
-                .unwrap_or(FileIo::Posix)),
-        }
+        let ring = || -> io::Result<Backend> {
+            Ok(Backend::IoUring(Box::new(Mutex::new(Ring {
+                ring: IoUring::new(QUEUE_DEPTH)?,
+                generation: 0,
+            }))))
+        };
+        let backend = match backend {
+            FileBackend::Posix => Backend::Posix,
+            FileBackend::IoUring => ring()?,
+            FileBackend::Auto => ring().unwrap_or(Backend::Posix),
+        };
+        Ok(Self { backend })
     }
 
     /// Backend name, for logs and reports.
     pub fn name(&self) -> &'static str {
-        match self {
-            FileIo::IoUring(_) => "io_uring",
-            FileIo::Posix => "pread/pwrite",
+        match self.backend {
+            Backend::IoUring(_) => "io_uring",
+            Backend::Posix => "pread/pwrite",
         }
     }
 
     /// Writes all of `buf` at `offset`.
     pub fn write_all_at(&self, file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
-        match self {
-            FileIo::Posix => file.write_all_at(buf, offset),
-            FileIo::IoUring(ring) => {
-                // SAFETY: `buf` outlives the call, and `ring_io` waits for every operation.
+        match &self.backend {
+            Backend::Posix => file.write_all_at(buf, offset),
+            Backend::IoUring(ring) => {
+                // SAFETY: `buf` outlives the call, and `ring_io` reaps every operation it submits
+                // before returning.
                 unsafe { ring_io(&mut ring.lock(), file, buf.as_ptr() as *mut u8, buf.len(), offset, true) }
             }
         }
@@ -73,11 +91,11 @@ impl FileIo {
 
     /// Fills all of `buf` from `offset`; a short file is `UnexpectedEof`.
     pub fn read_exact_at(&self, file: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        match self {
-            FileIo::Posix => file.read_exact_at(buf, offset),
-            FileIo::IoUring(ring) => {
-                // SAFETY: `buf` is exclusively borrowed for the call, and `ring_io` waits for every
-                // operation before returning.
+        match &self.backend {
+            Backend::Posix => file.read_exact_at(buf, offset),
+            Backend::IoUring(ring) => {
+                // SAFETY: `buf` is exclusively borrowed for the call, and `ring_io` reaps every
+                // operation it submits before returning.
                 unsafe { ring_io(&mut ring.lock(), file, buf.as_mut_ptr(), buf.len(), offset, false) }
             }
         }
@@ -85,19 +103,23 @@ impl FileIo {
 }
 
 /// Moves `len` bytes between `ptr` and `file` at `offset`, several operations in flight, retrying
-/// short transfers.
+/// short transfers. Never returns while an operation it submitted is in flight: if the ring cannot
+/// be waited on any more, the process aborts rather than let the kernel write freed memory.
 ///
 /// # Safety
 /// 1. `ptr` is valid for `len` bytes of reads (write) or writes (read) until the call returns.
 /// 2. Nobody else touches those bytes during the call.
 unsafe fn ring_io(
-    ring: &mut IoUring,
+    ring: &mut Ring,
     file: &File,
     ptr: *mut u8,
     len: usize,
     offset: u64,
     write: bool,
 ) -> io::Result<()> {
+    ring.generation = ring.generation.wrapping_add(1);
+    let generation = ring.generation;
+    let tag = |index: usize| (u64::from(generation) << 32) | index as u64;
     let fd = types::Fd(file.as_raw_fd());
     let mut pending: VecDeque<(usize, usize)> =
         (0..len).step_by(OP_BYTES).map(|at| (at, OP_BYTES.min(len - at))).collect();
@@ -106,9 +128,7 @@ unsafe fn ring_io(
     let mut failure: Option<io::Error> = None;
     while in_flight > 0 || (failure.is_none() && !pending.is_empty()) {
         while failure.is_none() && in_flight < QUEUE_DEPTH as usize {
-            let Some((at, n)) = pending.pop_front() else {
-                break;
-            };
+            let Some((at, n)) = pending.pop_front() else { break };
             // SAFETY: at + n <= len, inside the caller's buffer (safety 1).
             let p = unsafe { ptr.add(at) };
             let entry = if write {
@@ -119,7 +139,8 @@ unsafe fn ring_io(
             ops.push((at, n));
             // SAFETY: the buffer stays valid until its completion is reaped below: this function
             // does not return while any operation is in flight.
-            if unsafe { ring.submission().push(&entry.user_data((ops.len() - 1) as u64)) }.is_err() {
+            if unsafe { ring.ring.submission().push(&entry.user_data(tag(ops.len() - 1))) }.is_err() {
+                // The queue is full of our own entries: submit them before pushing more.
                 pending.push_front(ops.pop().expect("just pushed"));
                 break;
             }
@@ -128,12 +149,28 @@ unsafe fn ring_io(
         if in_flight == 0 {
             break;
         }
-        ring.submit_and_wait(1)?;
-        for cqe in ring.completion() {
+        loop {
+            match ring.ring.submit_and_wait(1) {
+                Ok(_) => break,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) => {
+                    continue
+                }
+                // Operations are in flight and we cannot wait for them: returning would let the
+                // kernel write memory the caller may free. Nothing safe is left to do.
+                Err(_) => std::process::abort(),
+            }
+        }
+        for cqe in ring.ring.completion() {
+            let data = cqe.user_data();
+            if (data >> 32) as u32 != generation {
+                continue; // not ours (cannot happen with a private ring, but never miscount)
+            }
+            let Some(&(at, n)) = ops.get((data & 0xffff_ffff) as usize) else { continue };
             in_flight -= 1;
-            let (at, n) = ops[cqe.user_data() as usize];
             let res = cqe.result();
-            if res < 0 {
+            if res == -libc::EINTR || res == -libc::EAGAIN {
+                pending.push_back((at, n));
+            } else if res < 0 {
                 failure.get_or_insert(io::Error::from_raw_os_error(-res));
             } else if res == 0 {
                 let kind = if write { io::ErrorKind::WriteZero } else { io::ErrorKind::UnexpectedEof };
@@ -143,7 +180,11 @@ unsafe fn ring_io(
             }
         }
     }
-    failure.map_or(Ok(()), Err)
+    match failure {
+        Some(e) => Err(e),
+        None if !pending.is_empty() => Err(io::Error::other("io_uring transfer left work unsubmitted")),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ enum Backing {
     Heap,
     /// An anonymous mapping aligned to [`HUGE_PAGE`] and advised to use huge pages: a KV cache's
     /// scattered small reads then cost one TLB entry per 2 MiB instead of per 4 KiB.
-    Mapped { mapped_len: usize },
+    Mapped { kept_len: usize },
 }
 
 /// A zero-initialised, page-aligned host allocation. Buffers of at least [`HUGE_PAGE`] bytes are
@@ -96,7 +96,7 @@ impl HostBuffer {
         Some(Self {
             ptr: NonNull::new(aligned as *mut u8)?,
             len,
-            backing: Backing::Mapped { mapped_len: body },
+            backing: Backing::Mapped { kept_len: body },
         })
     }
 
@@ -119,7 +119,9 @@ impl HostBuffer {
         self.ptr.as_ptr()
     }
 
-    /// Raw mutable pointer to the first byte.
+    /// Raw mutable pointer to the first byte. Writing through it while a slice from `Deref` is
+    /// alive, or from two threads at once, is undefined behaviour: callers synchronise (as
+    /// [`crate::KvCache`] does with its layer locks).
     pub fn as_mut_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
@@ -133,9 +135,9 @@ impl Drop for HostBuffer {
                 // SAFETY: allocated in `zeroed` with this exact layout.
                 unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };
             }
-            Backing::Mapped { mapped_len } => {
+            Backing::Mapped { kept_len } => {
                 // SAFETY: the range is exactly what `mapped` kept mapped, and nothing borrows it.
-                unsafe { libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, mapped_len) };
+                unsafe { libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, kept_len) };
             }
         }
     }

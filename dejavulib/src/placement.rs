@@ -116,6 +116,11 @@ impl Setup {
         if microbatches == 0 {
             return Err(SetupError::Zero("microbatches"));
         }
+        if microbatches.checked_mul(microbatch_slots).is_none() {
+            return Err(SetupError::Incompatible(format!(
+                "{microbatches} microbatches of {microbatch_slots} slots overflow a 32-bit request count"
+            )));
+        }
         let mut expected = 0;
         for (i, stage) in stages.iter().enumerate() {
             if stage.layers.start != expected || stage.layers.end <= stage.layers.start {
@@ -142,8 +147,11 @@ impl Setup {
         microbatch_slots: u32,
         microbatches: u32,
     ) -> Result<Self, SetupError> {
-        if depth == 0 || depth > spec.layers() {
-            return Err(SetupError::Zero("depth (at most one stage per layer)"));
+        if depth == 0 {
+            return Err(SetupError::Zero("depth"));
+        }
+        if depth > spec.layers() {
+            return Err(SetupError::Coverage { covered: depth, layers: spec.layers() });
         }
         let (base, extra) = (spec.layers() / depth, spec.layers() % depth);
         let mut start = 0;
@@ -216,8 +224,12 @@ impl Setup {
         Ok(self.spec.share(h.layers.len() as u32, h.heads.len() as u32)?)
     }
 
-    /// Global request range of microbatch `m`.
+    /// Global request range of microbatch `m` (empty for a microbatch the setup does not have).
     pub fn microbatch_requests(&self, m: u32) -> Range<u32> {
+        if m >= self.microbatches {
+            return 0..0;
+        }
+        // In range: `new` checked that microbatches x slots fits in u32.
         m * self.microbatch_slots..(m + 1) * self.microbatch_slots
     }
 
@@ -281,5 +293,8 @@ mod tests {
         assert!(matches!(Setup::new(spec, tp, 1, 1), Err(SetupError::BadTp { tp: 4, .. })));
         let setup = Setup::uniform(spec, 2, 3, 2, 2).unwrap();
         assert!(setup.holding(WorkerId { stage: 0, rank: 3 }).is_err());
+        assert_eq!(setup.microbatch_requests(2), 0..0);
+        assert!(matches!(Setup::uniform(spec, 1, 1, 1 << 16, 1 << 16), Err(SetupError::Incompatible(_))));
+        assert!(matches!(Setup::uniform(spec, 11, 1, 1, 1), Err(SetupError::Coverage { .. })));
     }
 }

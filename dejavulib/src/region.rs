@@ -82,13 +82,14 @@ impl KvRegion {
         Self { layers, slots, heads, tokens }
     }
 
-    /// The region covering `shape` starting at `origin`.
+    /// The region covering `shape` starting at `origin` (saturating at `u32::MAX`, so a region
+    /// running past it fails the bounds checks instead of wrapping).
     pub fn at(origin: Coord, shape: Shape) -> Self {
         Self {
-            layers: origin.layer..origin.layer + shape.layers,
-            slots: origin.slot..origin.slot + shape.slots,
-            heads: origin.head..origin.head + shape.heads,
-            tokens: origin.token..origin.token + shape.tokens,
+            layers: origin.layer..origin.layer.saturating_add(shape.layers),
+            slots: origin.slot..origin.slot.saturating_add(shape.slots),
+            heads: origin.head..origin.head.saturating_add(shape.heads),
+            tokens: origin.token..origin.token.saturating_add(shape.tokens),
         }
     }
 

@@ -210,7 +210,8 @@ impl KvSpec {
     /// Without scales this is `2 * bytes_per_elem * kv_heads * head_dim * layers`.
     pub fn bytes_per_token(&self) -> u64 {
         let per_head: u64 = self.parts().iter().map(|&p| self.vector_bytes(p)).sum();
-        per_head * self.kv_heads as u64 * self.layers as u64
+        // Saturate rather than wrap for absurd specs (every caller compares against real sizes).
+        per_head.saturating_mul(self.kv_heads as u64).saturating_mul(self.layers as u64)
     }
 
     /// Whether two specs describe the same elements, ignoring how many layers and heads each holds.

@@ -62,6 +62,10 @@ pub trait ChunkStore: Send {
 }
 
 fn check_payload(descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+    // Refuse what a fetch would refuse: a chunk that cannot be read back is not flushed.
+    descriptor
+        .validate()
+        .map_err(|source| StoreError::Chunk { key: descriptor.key().file_name(), source })?;
     let expected = descriptor.payload_len();
     if payload.len() as u64 != expected {
         return Err(StoreError::PayloadLength { expected, got: payload.len() as u64 });
@@ -247,7 +251,7 @@ impl ChunkStore for FileStore {
         let mut header = [0u8; HEADER_LEN];
         self.io.read_exact_at(&file, &mut header, 0).map_err(io_err("read"))?;
         let (descriptor, len, sum) = ChunkDescriptor::decode_header(&header).map_err(corrupt)?;
-        let expected = HEADER_LEN as u64 + len;
+        let expected = (HEADER_LEN as u64).saturating_add(len);
         if size != expected {
             return Err(corrupt(ChunkError::Truncated { expected, got: size }));
         }

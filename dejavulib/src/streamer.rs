@@ -69,12 +69,20 @@ impl Completion {
     }
 
     /// Blocks at most `timeout`; on timeout the job is still running and `self` can be waited again.
+    ///
+    /// Like [`Completion::poll`], it yields the result once; after that it times out.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<ChunkReceipt, StreamerError> {
-        match self.rx.recv_timeout(timeout) {
-            Ok(result) => result,
-            Err(RecvTimeoutError::Timeout) => Err(StreamerError::Timeout),
-            Err(RecvTimeoutError::Disconnected) => Err(StreamerError::WorkerGone),
+        if self.taken.get() {
+            std::thread::sleep(timeout);
+            return Err(StreamerError::Timeout);
         }
+        let result = match self.rx.recv_timeout(timeout) {
+            Ok(result) => result,
+            Err(RecvTimeoutError::Timeout) => return Err(StreamerError::Timeout),
+            Err(RecvTimeoutError::Disconnected) => Err(StreamerError::WorkerGone),
+        };
+        self.taken.set(true);
+        result
     }
 
     /// The result if the job has finished, without blocking. Yields the result once, then `None`.

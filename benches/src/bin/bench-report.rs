@@ -68,10 +68,10 @@ fn main() {
     // Decode step gather against the cache-line limit.
     let decode_len = w.cache.packed_len(&w.decode);
     let plan = w.cache.gather_plan(&w.decode, packing).expect("plan");
-    let touched = source_lines_bytes(&plan);
+    let touched = source_lines_bytes(plan.copy_plan());
     let mut staging = vec![0u8; decode_len as usize];
     let t_gather = median(31, || {
-        w.cache.gather_with(&plan, &w.decode, &mut staging).expect("gather");
+        w.cache.gather_with(&plan, &mut staging).expect("gather");
     });
     let cores = std::env::var("GATHER_THREADS")
         .ok()
@@ -79,7 +79,7 @@ fn main() {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     w.cache.set_gather_threads(cores);
     let t_gather_par = median(31, || {
-        w.cache.gather_with(&plan, &w.decode, &mut staging).expect("gather");
+        w.cache.gather_with(&plan, &mut staging).expect("gather");
     });
     w.cache.set_gather_threads(1);
     let src = vec![3u8; decode_len as usize];
@@ -124,7 +124,7 @@ fn main() {
     let prompt_plan = w.cache.gather_plan(&w.prompt, packing).expect("plan");
     let mut prompt_out = vec![0u8; prompt_len];
     let t_prompt = median(7, || {
-        w.cache.gather_with(&prompt_plan, &w.prompt, &mut prompt_out).expect("gather");
+        w.cache.gather_with(&prompt_plan, &mut prompt_out).expect("gather");
     });
     let prompt_src = vec![9u8; prompt_len];
     let t_prompt_memcpy = median(7, || memcpy(&mut prompt_out, &prompt_src));
@@ -147,7 +147,7 @@ fn main() {
         FileStore::open(dir.path().join("buffered"), FileBackend::Auto).expect("store").without_sync();
     let t_buffered = median(11, || {
         let mut staging = pool.lease(decode_len as usize);
-        w.cache.gather_with(&plan, &w.decode, &mut staging).expect("gather");
+        w.cache.gather_with(&plan, &mut staging).expect("gather");
         store.put(&descriptor, &staging).expect("flush");
     });
     let io = FileIo::new(FileBackend::Posix).expect("io");

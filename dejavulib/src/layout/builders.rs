@@ -49,6 +49,20 @@ fn linear(stride: u64) -> TokenMap {
     TokenMap::Linear { stride }
 }
 
+/// Checks that a layout of these dimensions has a byte size far from `u64::MAX`, so the unchecked
+/// stride products below cannot overflow (each is at most the total).
+fn check_size(spec: &KvSpec, dims: &[u64]) -> Result<(), LayoutError> {
+    let per_vector: u64 = spec.parts().iter().map(|&p| spec.vector_bytes(p)).sum();
+    let start = per_vector.checked_mul(spec.layers() as u64 * 2);
+    let total = dims.iter().fold(start, |acc, &d| acc.and_then(|a| a.checked_mul(d)));
+    match total {
+        Some(t) if t <= u64::MAX / 4 => Ok(()),
+        _ => Err(LayoutError::Invalid(format!(
+            "a layout of {spec:?} x {dims:?} does not fit in 64-bit offsets"
+        ))),
+    }
+}
+
 impl KvLayout {
     /// FasterTransformer's cache (the DéjàVu paper's engine): K `[L][B][H][D/x][S][x]` with
     /// `x = 16 / element size` (one 16-byte piece per token and chunk), V `[L][B][H][S][D]`,
@@ -65,6 +79,7 @@ impl KvLayout {
                 spec.head_dim()
             )));
         }
+        check_size(&spec, &[slots as u64, spec.kv_heads() as u64, max_tokens as u64])?;
         let (s, h, b, d) = (max_tokens as u64, spec.kv_heads() as u64, slots as u64, spec.head_dim() as u64);
         let head = d * s * elem;
         let layer = b * h * head;
@@ -121,6 +136,7 @@ impl KvLayout {
             return Err(LayoutError::Invalid("max_tokens must be at least 1".into()));
         }
         let layers = spec.layers();
+        check_size(&spec, &[slots as u64, spec.kv_heads() as u64, max_tokens as u64])?;
         let (s, h) = (max_tokens as u64, spec.kv_heads() as u64);
         let map = |part: Part, first: u32| {
             let vec = spec.vector_bytes(part);
@@ -166,6 +182,7 @@ impl KvLayout {
             return Err(LayoutError::Invalid("block_size and num_blocks must be at least 1".into()));
         }
         let layers = spec.layers();
+        check_size(&spec, &[config.num_blocks as u64, config.block_size as u64, spec.kv_heads() as u64])?;
         let (bs, h) = (config.block_size as u64, spec.kv_heads() as u64);
         let kv_parts = match config.interleave {
             KvInterleave::Separate => 1,
@@ -239,6 +256,7 @@ impl KvLayout {
             return Err(LayoutError::Invalid(format!("cannot pack an empty region {shape:?}")));
         }
         let local = spec.share(shape.layers, shape.heads).map_err(|e| LayoutError::Invalid(e.to_string()))?;
+        check_size(&local, &[shape.slots as u64, shape.heads as u64, shape.tokens as u64])?;
         let (b, h, t) = (shape.slots as u64, shape.heads as u64, shape.tokens as u64);
         let mut parts = Vec::new();
         let mut offset = 0;
@@ -374,6 +392,52 @@ mod tests {
         ));
         let ft = KvLayout::faster_transformer(KvSpec::new(1, 1, 12, DType::F16).unwrap(), 1, 1);
         assert!(matches!(ft, Err(LayoutError::Invalid(_))));
+    }
+
+    #[test]
+    fn overlapping_layers_are_found_even_when_not_adjacent() {
+        // K spans [0, 80) for layer 0; V's layer 1 span [64, 96) overlaps it, but V's layer 0 span
+        // [16, 48) sorts between them.
+        let s = KvSpec::new(2, 1, 4, DType::F32).unwrap();
+        let base = PartMap {
+            buffer: BufferMap::Shared { buffer: 0, layer_stride: 1000 },
+            offset: 0,
+            slot_stride: 64,
+            head_stride: 0,
+            tokens: TokenMap::Linear { stride: 0 },
+            chunk_elems: 4,
+            chunk_stride: 0,
+        };
+        let v = PartMap {
+            buffer: BufferMap::Shared { buffer: 0, layer_stride: 48 },
+            offset: 16,
+            slot_stride: 16,
+            ..base
+        };
+        let layout = KvLayout::strided(s, 2, 1, &[(Part::K, base), (Part::V, v)], vec![1080]).unwrap();
+        assert!(!layout.layers_are_disjoint());
+    }
+
+    #[test]
+    fn huge_dimensions_are_errors_not_overflows() {
+        let s = KvSpec::new(1 << 20, 1 << 20, 1 << 20, DType::F16).unwrap();
+        assert!(matches!(KvLayout::faster_transformer(s, 1 << 20, 1 << 20), Err(LayoutError::Invalid(_))));
+        assert!(matches!(
+            KvLayout::per_layer(s, 1 << 20, 1 << 20, PerLayerOrder::Bhsd),
+            Err(LayoutError::Invalid(_))
+        ));
+        let shape = Shape { layers: 1 << 20, slots: 1 << 20, heads: 1 << 20, tokens: 1 << 20 };
+        assert!(matches!(
+            KvLayout::packed(&s, shape, Packing::token_major(&s)),
+            Err(LayoutError::Invalid(_))
+        ));
+        let cfg = PagedConfig {
+            block_size: u32::MAX,
+            num_blocks: u32::MAX,
+            order: PagedOrder::Nhd,
+            interleave: KvInterleave::Separate,
+        };
+        assert!(matches!(KvLayout::paged(s, 1, cfg, None), Err(LayoutError::Invalid(_))));
     }
 
     #[test]

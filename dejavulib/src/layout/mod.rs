@@ -481,12 +481,13 @@ impl KvLayout {
     /// Whether the bytes of different layers never share a buffer range, so one layer can be
     /// written while another is read.
     pub fn layers_are_disjoint(&self) -> bool {
-        let mut spans = self.layer_spans();
-        spans.sort_by_key(|(buffer, _, span)| (*buffer, span.start));
-        spans.windows(2).all(|w| {
-            let (b0, l0, s0) = &w[0];
-            let (b1, l1, s1) = &w[1];
-            b0 != b1 || l0 == l1 || s0.end <= s1.start
+        // Every pair, not just neighbours: a long span can overlap a later, non-adjacent one.
+        // (layers x parts spans per buffer: a few hundred at most.)
+        let spans = self.layer_spans();
+        spans.iter().enumerate().all(|(i, (b0, l0, s0))| {
+            spans[i + 1..]
+                .iter()
+                .all(|(b1, l1, s1)| b0 != b1 || l0 == l1 || s0.end <= s1.start || s1.end <= s0.start)
         })
     }
 }

@@ -1,0 +1,506 @@
+//! The controller: membership, heartbeats, epochs, replication marks, delivery, and the paper's
+//! 4-step recovery.
+//!
+//! Recovery of a set of failed stages, in a new epoch:
+//!
+//! 0. *Fence*: every owner stops and reports it is in the new epoch.
+//! 1. *Restore own KV*: the successor of each failed stage sends the replica it holds to the
+//!    replacement. If the successor failed too, that KV is gone (adjacent double failure).
+//! 2. *Restore the replica*: the predecessor of each failed stage re-sends its own KV, so the
+//!    replacement again holds the replica the failed worker held.
+//! 3. *Resume points*: for each microbatch, the first step not both held by every stage and
+//!    delivered. After an adjacent double failure that is step 0: recompute from the prompt.
+//! 4. *Run*: every stage truncates to those points and stage 0 restarts each microbatch there.
+//!
+//! Each step waits for every worker's acknowledgment (in its [`Status`]); a failure during recovery
+//! starts a newer epoch and re-plans with every stage still to restore.
+
+use std::collections::BTreeMap;
+
+use crate::message::{Addr, Command, Directive, Epoch, Msg, NodeId, Payload, ResumePoint, Status};
+
+/// Controller settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ControllerConfig {
+    /// Pipeline stages, `D`: also the replication ring.
+    pub depth: u32,
+    /// Microbatches in flight.
+    pub microbatches: u32,
+    /// Tokens each microbatch generates.
+    pub tokens: u32,
+    /// Ticks without a status before a worker is declared failed (3 ticks of 100 ms by default).
+    pub failure_timeout: u64,
+    /// Input of step 0 of each microbatch.
+    pub prompts: Vec<Payload>,
+}
+
+/// What the controller must keep across its own restarts (its "disk").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Persisted {
+    /// The last epoch it started.
+    pub epoch: Epoch,
+    /// Owners in that epoch.
+    pub owners: Vec<Option<NodeId>>,
+    /// Stages still to restore.
+    pub failed: Vec<u32>,
+    /// Tokens delivered so far.
+    pub delivered: Vec<Vec<Payload>>,
+}
+
+/// What the controller asks its driver to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// Send a message.
+    Send(Addr, Msg),
+    /// Write this record durably before sending anything else.
+    Persist(Persisted),
+    /// Token `step` of `microbatch` reached the client (exactly once per position).
+    Delivered {
+        /// Microbatch.
+        microbatch: u32,
+        /// Position.
+        step: u32,
+        /// The token.
+        token: Payload,
+    },
+    /// A re-delivered token differs from the one delivered before: output is not bit-identical.
+    Mismatch {
+        /// Microbatch.
+        microbatch: u32,
+        /// Position.
+        step: u32,
+    },
+    /// A recovery plan was made.
+    Plan(RecoveryPlan),
+}
+
+/// How the controller will recover, for logs and tests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecoveryPlan {
+    /// The new epoch.
+    pub epoch: Epoch,
+    /// Failed stages and their replacements.
+    pub replacements: Vec<(u32, NodeId)>,
+    /// Stages whose KV cannot be restored from the ring (their successor failed too): they are
+    /// recomputed from the prompt.
+    pub recompute: Vec<u32>,
+}
+
+#[derive(Clone, Debug)]
+struct Member {
+    incarnation: u64,
+    last_heard: u64,
+    status: Option<Status>,
+    alive: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for enough workers.
+    Forming,
+    /// Step 0: waiting for every owner to fence.
+    Fencing,
+    /// Step 1.
+    RestoreOwn,
+    /// Step 2.
+    RestoreReplica,
+    /// Steps 3 and 4 done: running from these points.
+    Running(Vec<ResumePoint>),
+}
+
+/// The controller state machine.
+#[derive(Debug)]
+pub struct Controller {
+    cfg: ControllerConfig,
+    epoch: Epoch,
+    members: BTreeMap<NodeId, Member>,
+    owners: Vec<Option<NodeId>>,
+    /// Stages being restored in the current plan.
+    failed: Vec<u32>,
+    phase: Phase,
+    delivered: Vec<Vec<Payload>>,
+    now: u64,
+    out: Vec<Output>,
+}
+
+impl Controller {
+    /// A fresh controller.
+    pub fn new(cfg: ControllerConfig) -> Self {
+        let depth = cfg.depth as usize;
+        let mbs = cfg.microbatches as usize;
+        assert_eq!(cfg.prompts.len(), mbs, "one prompt per microbatch");
+        Self {
+            cfg,
+            epoch: Epoch(0),
+            members: BTreeMap::new(),
+            owners: vec![None; depth],
+            failed: Vec::new(),
+            phase: Phase::Forming,
+            delivered: vec![Vec::new(); mbs],
+            now: 0,
+            out: Vec::new(),
+        }
+    }
+
+    /// A controller restarted from its persisted record. It starts a newer epoch so that nothing
+    /// its previous life sent can be mistaken for its new orders, and re-syncs every stage.
+    pub fn restart(cfg: ControllerConfig, record: Persisted, now: u64) -> Self {
+        let mut c = Self::new(cfg);
+        c.now = now;
+        c.epoch = record.epoch;
+        c.delivered = record.delivered;
+        c.failed = record.failed;
+        for node in record.owners.iter().flatten() {
+            // Owners get a full timeout to show they are alive.
+            c.members.insert(*node, Member { incarnation: 0, last_heard: now, status: None, alive: true });
+        }
+        c.owners = record.owners;
+        c.start_epoch();
+        c
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    /// Owner of each stage.
+    pub fn owners(&self) -> &[Option<NodeId>] {
+        &self.owners
+    }
+
+    /// Tokens delivered per microbatch.
+    pub fn delivered(&self) -> &[Vec<Payload>] {
+        &self.delivered
+    }
+
+    /// Whether every microbatch has delivered all its tokens.
+    pub fn finished(&self) -> bool {
+        self.delivered.iter().all(|d| d.len() as u32 >= self.cfg.tokens)
+    }
+
+    /// Whether the pipeline is running (not forming or recovering).
+    pub fn running(&self) -> bool {
+        matches!(self.phase, Phase::Running(_))
+    }
+
+    /// The resume points of the current epoch, once recovery reached step 4.
+    pub fn resume_points_in_force(&self) -> Option<&[ResumePoint]> {
+        match &self.phase {
+            Phase::Running(points) => Some(points),
+            _ => None,
+        }
+    }
+
+    /// Steps of `stage`'s KV its successor has acknowledged holding, per microbatch, as last
+    /// reported in this epoch: the replication marks.
+    pub fn replication_marks(&self, stage: u32) -> Option<Vec<u32>> {
+        let successor = self.owners[((stage + 1) % self.cfg.depth) as usize]?;
+        let status = self.members.get(&successor)?.status.as_ref()?;
+        (status.epoch == self.epoch && status.running).then(|| status.replica_len.clone())
+    }
+
+    /// Takes the outputs produced so far.
+    pub fn drain(&mut self) -> Vec<Output> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// Handles a message that arrived at tick `now`.
+    pub fn handle(&mut self, msg: Msg, now: u64) {
+        self.now = self.now.max(now);
+        match msg {
+            Msg::Register { node, incarnation } => self.register(node, incarnation),
+            Msg::Status { node, status } => self.status(node, status),
+            Msg::Deliver { node, epoch, microbatch, step, token } => {
+                self.deliver(node, epoch, microbatch, step, token)
+            }
+            // Messages for workers are not ours; ignore them.
+            _ => {}
+        }
+        self.advance();
+    }
+
+    /// Advances time to `now`: detects failures and re-sends every directive.
+    pub fn tick(&mut self, now: u64) {
+        self.now = self.now.max(now);
+        let timeout = self.cfg.failure_timeout;
+        let mut newly_failed = Vec::new();
+        for (node, m) in self.members.iter_mut() {
+            if m.alive && self.now.saturating_sub(m.last_heard) > timeout {
+                m.alive = false;
+                newly_failed.push(*node);
+            }
+        }
+        for node in newly_failed {
+            self.fail_node(node);
+        }
+        self.advance();
+        self.broadcast();
+    }
+
+    fn register(&mut self, node: NodeId, incarnation: u64) {
+        let now = self.now;
+        let previous = self.members.get(&node).map(|m| m.incarnation);
+        match previous {
+            Some(old) if old > incarnation => return, // a stale registration
+            Some(old) if old == incarnation && self.members[&node].alive => {
+                self.members.get_mut(&node).expect("present").last_heard = now;
+                return;
+            }
+            _ => {}
+        }
+        // A new incarnation (or a worker coming back after being declared dead) loses whatever it
+        // owned: it joins as a spare with empty state.
+        let owned = self.owners.iter().position(|o| *o == Some(node));
+        self.members.insert(node, Member { incarnation, last_heard: now, status: None, alive: true });
+        if let Some(stage) = owned {
+            self.fail_stage(stage as u32);
+        } else if self.phase == Phase::Forming {
+            self.try_form();
+        } else if self.owners.iter().any(Option::is_none) {
+            // A stage was waiting for a replacement: here is one.
+            self.start_epoch();
+        }
+    }
+
+    fn status(&mut self, node: NodeId, status: Status) {
+        let now = self.now;
+        let known = self.members.get(&node).map(|m| (m.alive, m.incarnation));
+        match known {
+            Some((_, inc)) if inc != 0 && status.incarnation < inc => return, // an old incarnation
+            // A newer incarnation must register first: only `Register` changes incarnations.
+            Some((true, inc)) if inc != 0 && status.incarnation > inc => return,
+            Some((true, _)) => {}
+            // Declared dead, or unknown to a restarted controller: it must rejoin.
+            _ => {
+                let directive = Directive {
+                    epoch: self.epoch,
+                    owners: self.owners.clone(),
+                    command: Command::Rejoin { incarnation: status.incarnation },
+                    delivered: Vec::new(),
+                };
+                self.out.push(Output::Send(Addr::Worker(node), Msg::Directive(directive)));
+                return;
+            }
+        }
+        let m = self.members.get_mut(&node).expect("known member");
+        m.incarnation = status.incarnation;
+        m.last_heard = now;
+        m.status = Some(status);
+    }
+
+    fn deliver(&mut self, node: NodeId, epoch: Epoch, microbatch: u32, step: u32, token: Payload) {
+        let last = self.owners[(self.cfg.depth - 1) as usize];
+        if epoch != self.epoch || last != Some(node) || !self.running() {
+            return; // fencing: only the current last stage of the current epoch delivers
+        }
+        let Some(log) = self.delivered.get_mut(microbatch as usize) else { return };
+        let step_us = step as usize;
+        if step_us < log.len() {
+            if log[step_us] != token {
+                self.out.push(Output::Mismatch { microbatch, step });
+            }
+        } else if step_us == log.len() && step < self.cfg.tokens {
+            log.push(token.clone());
+            self.out.push(Output::Delivered { microbatch, step, token });
+            self.persist();
+        }
+    }
+
+    fn fail_node(&mut self, node: NodeId) {
+        if let Some(stage) = self.owners.iter().position(|o| *o == Some(node)) {
+            self.fail_stage(stage as u32);
+        }
+    }
+
+    /// Marks `stage` failed and (re)starts recovery in a new epoch.
+    fn fail_stage(&mut self, stage: u32) {
+        self.owners[stage as usize] = None;
+        if !self.failed.contains(&stage) {
+            self.failed.push(stage);
+            self.failed.sort_unstable();
+        }
+        if self.phase != Phase::Forming {
+            self.start_epoch();
+        }
+    }
+
+    fn try_form(&mut self) {
+        let alive: Vec<NodeId> = self.members.iter().filter(|(_, m)| m.alive).map(|(n, _)| *n).collect();
+        if alive.len() < self.cfg.depth as usize {
+            return;
+        }
+        for (stage, node) in alive.iter().take(self.cfg.depth as usize).enumerate() {
+            self.owners[stage] = Some(*node);
+        }
+        self.start_epoch();
+    }
+
+    /// Starts a new epoch: replacements for failed stages, then fencing.
+    fn start_epoch(&mut self) {
+        self.epoch = Epoch(self.epoch.0 + 1);
+        let spares: Vec<NodeId> = self
+            .members
+            .iter()
+            .filter(|(n, m)| m.alive && !self.owners.contains(&Some(**n)))
+            .map(|(n, _)| *n)
+            .collect();
+        let mut spares = spares.into_iter();
+        let mut replacements = Vec::new();
+        for &stage in &self.failed {
+            if self.owners[stage as usize].is_none() {
+                if let Some(node) = spares.next() {
+                    self.owners[stage as usize] = Some(node);
+                }
+            }
+            if let Some(node) = self.owners[stage as usize] {
+                replacements.push((stage, node));
+            }
+        }
+        let recompute = self.unrecoverable();
+        self.phase = Phase::Fencing;
+        self.persist();
+        self.out.push(Output::Plan(RecoveryPlan { epoch: self.epoch, replacements, recompute }));
+    }
+
+    /// Failed stages whose successor failed too: their KV is lost.
+    fn unrecoverable(&self) -> Vec<u32> {
+        let d = self.cfg.depth;
+        self.failed.iter().copied().filter(|&s| self.failed.contains(&((s + 1) % d))).collect()
+    }
+
+    fn persist(&mut self) {
+        self.out.push(Output::Persist(Persisted {
+            epoch: self.epoch,
+            owners: self.owners.clone(),
+            failed: self.failed.clone(),
+            delivered: self.delivered.clone(),
+        }));
+    }
+
+    /// The current status of `node` if it reports in this epoch.
+    fn current(&self, node: NodeId) -> Option<&Status> {
+        let m = self.members.get(&node)?;
+        m.status.as_ref().filter(|s| m.alive && s.epoch == self.epoch)
+    }
+
+    fn all_owners(&self, pred: impl Fn(&Status) -> bool) -> bool {
+        self.owners.iter().all(|o| o.and_then(|n| self.current(n)).is_some_and(&pred))
+    }
+
+    fn replacements_all(&self, pred: impl Fn(&Status) -> bool) -> bool {
+        self.failed.iter().all(|&s| self.owners[s as usize].and_then(|n| self.current(n)).is_some_and(&pred))
+    }
+
+    /// Moves recovery forward as far as the acknowledgments allow.
+    fn advance(&mut self) {
+        loop {
+            let next = match &self.phase {
+                Phase::Forming | Phase::Running(_) => return,
+                Phase::Fencing => {
+                    // Every stage needs an owner that reports fenced in this epoch.
+                    if self.owners.iter().any(Option::is_none) {
+                        return;
+                    }
+                    if !self.all_owners(|s| s.fenced) {
+                        return;
+                    }
+                    Phase::RestoreOwn
+                }
+                Phase::RestoreOwn => {
+                    // Stages whose successor failed too have nothing to restore from.
+                    let lost = self.unrecoverable();
+                    let restored = self.failed.iter().filter(|s| !lost.contains(s)).all(|&s| {
+                        self.owners[s as usize]
+                            .and_then(|n| self.current(n))
+                            .is_some_and(|st| st.own_restored)
+                    });
+                    if !restored {
+                        return;
+                    }
+                    Phase::RestoreReplica
+                }
+                Phase::RestoreReplica => {
+                    if !self.replacements_all(|s| s.replica_restored) {
+                        return;
+                    }
+                    Phase::Running(self.resume_points())
+                }
+            };
+            if let Phase::Running(_) = next {
+                self.failed.clear();
+                self.persist();
+            }
+            self.phase = next;
+        }
+    }
+
+    /// Step 3: per microbatch, the first step that is not both held by every stage and delivered.
+    fn resume_points(&self) -> Vec<ResumePoint> {
+        (0..self.cfg.microbatches)
+            .map(|mb| {
+                let held = self
+                    .owners
+                    .iter()
+                    .filter_map(|o| o.and_then(|n| self.current(n)))
+                    .map(|s| s.kv_len[mb as usize])
+                    .min()
+                    .unwrap_or(0);
+                let delivered = self.delivered[mb as usize].len() as u32;
+                let step = held.min(delivered).min(self.cfg.tokens);
+                let input = match step {
+                    0 => self.cfg.prompts[mb as usize].clone(),
+                    s => self.delivered[mb as usize][s as usize - 1].clone(),
+                };
+                ResumePoint { microbatch: mb, step, input }
+            })
+            .collect()
+    }
+
+    fn command_for(&self, stage: Option<u32>) -> Command {
+        let d = self.cfg.depth;
+        match (&self.phase, stage) {
+            (Phase::Running(points), Some(_)) => Command::Run { points: points.clone() },
+            (Phase::RestoreOwn, Some(s)) => {
+                // The successor of a failed stage sends its replica, unless it failed too.
+                let failed_pred = (s + d - 1) % d;
+                match self.owners[failed_pred as usize] {
+                    Some(to) if self.failed.contains(&failed_pred) && !self.failed.contains(&s) => {
+                        Command::SendReplicaOf { stage: failed_pred, to }
+                    }
+                    _ => Command::Fence,
+                }
+            }
+            (Phase::RestoreReplica, Some(s)) => {
+                let successor = (s + 1) % d;
+                match self.owners[successor as usize] {
+                    Some(to) if self.failed.contains(&successor) => Command::SendOwnTo { to },
+                    _ => Command::Fence,
+                }
+            }
+            _ => Command::Fence,
+        }
+    }
+
+    fn broadcast(&mut self) {
+        if self.phase == Phase::Forming {
+            return;
+        }
+        let delivered: Vec<u32> = self.delivered.iter().map(|d| d.len() as u32).collect();
+        let targets: Vec<(NodeId, Option<u32>)> = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.alive)
+            .map(|(n, _)| (*n, self.owners.iter().position(|o| *o == Some(*n)).map(|s| s as u32)))
+            .collect();
+        for (node, stage) in targets {
+            let directive = Directive {
+                epoch: self.epoch,
+                owners: self.owners.clone(),
+                command: self.command_for(stage),
+                delivered: delivered.clone(),
+            };
+            self.out.push(Output::Send(Addr::Worker(node), Msg::Directive(directive)));
+        }
+    }
+}

@@ -1,0 +1,22 @@
+//! # dejavu-proto
+//!
+//! The DéjàVu control plane as deterministic state machines, in the style of quinn-proto and
+//! raft-rs: a [`Controller`] and a [`Worker`] take messages and ticks as inputs and return what to
+//! do as outputs. They contain no sockets, threads, clocks or randomness (this crate has no
+//! dependencies, and a test checks its sources), so a seeded simulator can run them through
+//! millions of fault schedules, and the daemon drives the same code with real sockets and timers.
+//!
+//! - [`message`]: identifiers, epochs and every message; control messages are state-based and
+//!   re-sent every tick, data messages are re-sent until acknowledged.
+//! - [`controller`]: membership, heartbeats counted in ticks, replication marks, exactly-once token
+//!   delivery, and the paper's 4-step recovery in a new epoch per failure.
+//! - [`worker`]: the sidecar's side: registration, heartbeats, the step pipeline, replication to the
+//!   ring successor, fencing, and executing recovery.
+
+pub mod controller;
+pub mod message;
+pub mod worker;
+
+pub use controller::{Controller, ControllerConfig, Output, Persisted, RecoveryPlan};
+pub use message::{Addr, BulkKind, Command, Directive, Epoch, Msg, NodeId, Payload, ResumePoint, Status};
+pub use worker::{Action, Worker, WorkerConfig};
