@@ -63,6 +63,14 @@ pub enum Output {
         /// The token.
         token: Payload,
     },
+    /// A token delivered before was recomputed after a recovery and matched (counted once per
+    /// position and epoch).
+    Redelivered {
+        /// Microbatch.
+        microbatch: u32,
+        /// Position.
+        step: u32,
+    },
     /// A re-delivered token differs from the one delivered before: output is not bit-identical.
     Mismatch {
         /// Microbatch.
@@ -119,6 +127,8 @@ pub struct Controller {
     failed: Vec<u32>,
     phase: Phase,
     delivered: Vec<Vec<Payload>>,
+    /// The epoch each delivered token was last produced in.
+    produced_in: Vec<Vec<Epoch>>,
     now: u64,
     out: Vec<Output>,
 }
@@ -137,6 +147,7 @@ impl Controller {
             failed: Vec::new(),
             phase: Phase::Forming,
             delivered: vec![Vec::new(); mbs],
+            produced_in: vec![Vec::new(); mbs],
             now: 0,
             out: Vec::new(),
         }
@@ -148,6 +159,7 @@ impl Controller {
         let mut c = Self::new(cfg);
         c.now = now;
         c.epoch = record.epoch;
+        c.produced_in = record.delivered.iter().map(|d| vec![Epoch(0); d.len()]).collect();
         c.delivered = record.delivered;
         c.failed = record.failed;
         for node in record.owners.iter().flatten() {
@@ -270,11 +282,16 @@ impl Controller {
             Some((_, inc)) if inc != 0 && status.incarnation < inc => return, // an old incarnation
             // A newer incarnation must register first: only `Register` changes incarnations.
             Some((true, inc)) if inc != 0 && status.incarnation > inc => return,
+            // A restarted controller does not know incarnations: it learns them from workers that
+            // have been in an epoch, never from a fresh process (which must register, and so be
+            // recognised as having lost its state).
+            Some((true, 0)) if status.epoch == Epoch(0) => return,
             Some((true, _)) => {}
             // Declared dead, or unknown to a restarted controller: it must rejoin.
             _ => {
                 let directive = Directive {
                     epoch: self.epoch,
+                    incarnation: status.incarnation,
                     owners: self.owners.clone(),
                     command: Command::Rejoin { incarnation: status.incarnation },
                     delivered: Vec::new(),
@@ -295,13 +312,18 @@ impl Controller {
             return; // fencing: only the current last stage of the current epoch delivers
         }
         let Some(log) = self.delivered.get_mut(microbatch as usize) else { return };
+        let produced = &mut self.produced_in[microbatch as usize];
         let step_us = step as usize;
         if step_us < log.len() {
             if log[step_us] != token {
                 self.out.push(Output::Mismatch { microbatch, step });
+            } else if produced[step_us] < epoch {
+                produced[step_us] = epoch;
+                self.out.push(Output::Redelivered { microbatch, step });
             }
         } else if step_us == log.len() && step < self.cfg.tokens {
             log.push(token.clone());
+            produced.push(epoch);
             self.out.push(Output::Delivered { microbatch, step, token });
             self.persist();
         }
@@ -457,6 +479,11 @@ impl Controller {
             .collect()
     }
 
+    /// What the controller currently asks of the owner of `stage` (for tests and operators).
+    pub fn command(&self, stage: u32) -> Command {
+        self.command_for(Some(stage))
+    }
+
     fn command_for(&self, stage: Option<u32>) -> Command {
         let d = self.cfg.depth;
         match (&self.phase, stage) {
@@ -487,15 +514,18 @@ impl Controller {
             return;
         }
         let delivered: Vec<u32> = self.delivered.iter().map(|d| d.len() as u32).collect();
-        let targets: Vec<(NodeId, Option<u32>)> = self
+        let targets: Vec<(NodeId, u64, Option<u32>)> = self
             .members
             .iter()
             .filter(|(_, m)| m.alive)
-            .map(|(n, _)| (*n, self.owners.iter().position(|o| *o == Some(*n)).map(|s| s as u32)))
+            .map(|(n, m)| {
+                (*n, m.incarnation, self.owners.iter().position(|o| *o == Some(*n)).map(|s| s as u32))
+            })
             .collect();
-        for (node, stage) in targets {
+        for (node, incarnation, stage) in targets {
             let directive = Directive {
                 epoch: self.epoch,
+                incarnation,
                 owners: self.owners.clone(),
                 command: self.command_for(stage),
                 delivered: delivered.clone(),

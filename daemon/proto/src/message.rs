@@ -73,6 +73,9 @@ pub enum Command {
 pub struct Directive {
     /// Current epoch.
     pub epoch: Epoch,
+    /// The incarnation of the receiver the controller knows (0 when a restarted controller has not
+    /// learned it yet): a process that is not that incarnation ignores the directive.
+    pub incarnation: u64,
     /// Owner of each stage in this epoch (`None` while a stage waits for a replacement).
     pub owners: Vec<Option<NodeId>>,
     /// What this worker should do.

@@ -5,6 +5,8 @@
 //! sidecar's replica store). It asks the driver to compute, store and send through [`Action`]s,
 //! and learns results through [`Worker::computed`].
 
+use std::collections::BTreeMap;
+
 use crate::message::{Addr, BulkKind, Command, Directive, Epoch, Msg, NodeId, Payload, ResumePoint, Status};
 
 /// Worker settings (must match the controller's).
@@ -111,8 +113,8 @@ pub struct Worker {
     computing: Vec<Option<u32>>,
     /// The last output per microbatch (re-sent until superseded).
     last_output: Vec<Option<(u32, Payload)>>,
-    /// Tokens this (last) stage produced per microbatch.
-    tokens_out: Vec<Vec<Payload>>,
+    /// Tokens this (last) stage produced and the controller has not yet confirmed, by position.
+    tokens_out: Vec<BTreeMap<u32, Payload>>,
     delivered: Vec<u32>,
     own_received: Vec<bool>,
     replica_received: Vec<bool>,
@@ -137,7 +139,7 @@ impl Worker {
             replica_acked: vec![0; mbs],
             computing: vec![None; mbs],
             last_output: vec![None; mbs],
-            tokens_out: vec![Vec::new(); mbs],
+            tokens_out: vec![BTreeMap::new(); mbs],
             delivered: vec![0; mbs],
             own_received: vec![false; mbs],
             replica_received: vec![false; mbs],
@@ -176,6 +178,11 @@ impl Worker {
     /// Own KV steps held per microbatch.
     pub fn kv_len(&self) -> &[u32] {
         &self.kv_len
+    }
+
+    /// Steps of the predecessor's KV held as a replica, per microbatch.
+    pub fn replica_len(&self) -> &[u32] {
+        &self.replica_len
     }
 
     /// Takes the actions produced so far.
@@ -265,8 +272,11 @@ impl Worker {
         }
         if last {
             let undelivered = self.delivered.get(m).copied().unwrap_or(0);
-            for step in undelivered..self.tokens_out[m].len() as u32 {
-                let token = self.tokens_out[m][step as usize].clone();
+            // Confirmed tokens need no more re-sending.
+            self.tokens_out[m] = self.tokens_out[m].split_off(&undelivered);
+            let pending: Vec<(u32, Payload)> =
+                self.tokens_out[m].iter().map(|(s, t)| (*s, t.clone())).collect();
+            for (step, token) in pending {
                 self.send_deliver(mb, step, token);
             }
         }
@@ -337,8 +347,10 @@ impl Worker {
         self.kv_len[m] = step + 1;
         self.last_output[m] = Some((step, output.clone()));
         if self.stage == Some(self.cfg.depth - 1) {
-            self.tokens_out[m].truncate(step as usize);
-            self.tokens_out[m].push(output);
+            self.tokens_out[m].insert(step, output.clone());
+            // Sent once even if already delivered: the controller checks a recomputed token
+            // against the one it delivered (bit-identical output).
+            self.send_deliver(microbatch, step, output);
         }
         self.emit(microbatch);
     }
@@ -396,8 +408,12 @@ impl Worker {
             }
             return;
         }
-        if d.epoch < self.epoch {
-            return; // a stale controller message
+        // Directives are for one incarnation. A restarted controller that does not know ours yet
+        // (0) may only steer a process that has been in an epoch; a fresh one keeps registering,
+        // so the controller learns it lost whatever its node held.
+        let for_us = d.incarnation == self.incarnation || (d.incarnation == 0 && self.epoch > Epoch(0));
+        if !for_us || d.epoch < self.epoch {
+            return; // for another incarnation, or from a stale controller
         }
         if d.epoch > self.epoch {
             self.enter_epoch(&d);
@@ -458,7 +474,7 @@ impl Worker {
             self.stage = stage;
             self.kv_len = vec![0; mbs];
             self.replica_len = vec![0; mbs];
-            self.tokens_out = vec![Vec::new(); mbs];
+            self.tokens_out = vec![BTreeMap::new(); mbs];
             self.own_received = vec![false; mbs];
             self.replica_received = vec![false; mbs];
             self.out.push(Action::Reset);
@@ -468,6 +484,12 @@ impl Worker {
 
     fn run(&mut self, points: Vec<ResumePoint>) {
         let Some(stage) = self.stage else { return };
+        if points.iter().any(|p| self.kv_len.get(p.microbatch as usize).is_some_and(|&held| held < p.step)) {
+            // The plan assumes KV this worker does not hold (it lost state without the controller
+            // noticing): start over as a new incarnation so the controller recovers the stage.
+            self.rejoin();
+            return;
+        }
         self.fenced = false;
         self.running_epoch = Some(self.epoch);
         for p in points {
@@ -478,7 +500,7 @@ impl Worker {
             self.kv_len[m] = self.kv_len[m].min(p.step);
             self.replica_len[m] = self.replica_len[m].min(p.step);
             self.replica_acked[m] = 0;
-            self.tokens_out[m].truncate(p.step as usize);
+            self.tokens_out[m].split_off(&p.step);
             self.out.push(Action::Truncate {
                 microbatch: p.microbatch,
                 own_len: self.kv_len[m],

@@ -1,0 +1,70 @@
+//! `dejavu-sim`: runs seeds of the control-plane simulator and reports violations.
+//!
+//! `dejavu-sim [--seed N | --seeds A..B] [--quiet]`
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use dejavu_sim::{run_seed, SimConfig};
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut range = 0..1000u64;
+    let mut quiet = false;
+    let mut i = 0;
+    while i < args.len() {
+        match args[i].as_str() {
+            "--seed" => {
+                let Some(n) = args.get(i + 1).and_then(|v| v.parse().ok()) else { return usage() };
+                range = n..n + 1;
+                i += 1;
+            }
+            "--seeds" => {
+                let parsed = args.get(i + 1).and_then(|v| {
+                    let (a, b) = v.split_once("..")?;
+                    Some(a.parse().ok()?..b.parse().ok()?)
+                });
+                let Some(r) = parsed else { return usage() };
+                range = r;
+                i += 1;
+            }
+            "--quiet" => quiet = true,
+            _ => return usage(),
+        }
+        i += 1;
+    }
+    let cfg = SimConfig::default();
+    let started = Instant::now();
+    let (mut runs, mut failed) = (0u64, 0u64);
+    for seed in range.clone() {
+        let report = run_seed(seed, &cfg);
+        runs += 1;
+        if !report.violations.is_empty() {
+            failed += 1;
+            println!(
+                "seed {seed}: {} violations (replay: cargo run --release -p dejavu-sim -- --seed {seed})",
+                report.violations.len()
+            );
+            for v in &report.violations {
+                println!("  {v}");
+            }
+        } else if !quiet && range.end - range.start == 1 {
+            println!(
+                "seed {seed}: ok in {} ticks, {} plans, {} tokens recomputed, faults {:?}, trace {:016x}",
+                report.ticks, report.plans, report.recomputed_tokens, report.faults, report.trace_hash
+            );
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    println!("{runs} seeds in {secs:.2} s ({:.0} seeds/s), {failed} with violations", runs as f64 / secs);
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn usage() -> ExitCode {
+    eprintln!("usage: dejavu-sim [--seed N | --seeds A..B] [--quiet]");
+    ExitCode::from(2)
+}
