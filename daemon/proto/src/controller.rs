@@ -45,6 +45,8 @@ pub struct Persisted {
     pub failed: Vec<u32>,
     /// Tokens delivered so far.
     pub delivered: Vec<Vec<Payload>>,
+    /// Steps durably checkpointed per stage and microbatch.
+    pub checkpointed: Vec<Vec<u32>>,
 }
 
 /// What the controller asks its driver to do.
@@ -89,9 +91,11 @@ pub struct RecoveryPlan {
     pub epoch: Epoch,
     /// Failed stages and their replacements.
     pub replacements: Vec<(u32, NodeId)>,
-    /// Stages whose KV cannot be restored from the ring (their successor failed too): they are
-    /// recomputed from the prompt.
+    /// Stages whose KV cannot be restored from the ring (their successor failed too) and that have
+    /// no checkpoint: everything is recomputed from the prompts.
     pub recompute: Vec<u32>,
+    /// Stages whose KV cannot be restored from the ring but is restored from their checkpoints.
+    pub from_checkpoint: Vec<u32>,
 }
 
 #[derive(Clone, Debug)]
@@ -129,6 +133,9 @@ pub struct Controller {
     delivered: Vec<Vec<Payload>>,
     /// The epoch each delivered token was last produced in.
     produced_in: Vec<Vec<Epoch>>,
+    /// Steps durably checkpointed per stage and microbatch (checkpoints never go stale: a
+    /// recomputed step has the same KV).
+    checkpointed: Vec<Vec<u32>>,
     now: u64,
     out: Vec<Output>,
 }
@@ -148,6 +155,7 @@ impl Controller {
             phase: Phase::Forming,
             delivered: vec![Vec::new(); mbs],
             produced_in: vec![Vec::new(); mbs],
+            checkpointed: vec![vec![0; mbs]; depth],
             now: 0,
             out: Vec::new(),
         }
@@ -161,6 +169,7 @@ impl Controller {
         c.epoch = record.epoch;
         c.produced_in = record.delivered.iter().map(|d| vec![Epoch(0); d.len()]).collect();
         c.delivered = record.delivered;
+        c.checkpointed = record.checkpointed;
         c.failed = record.failed;
         for node in record.owners.iter().flatten() {
             // Owners get a full timeout to show they are alive.
@@ -300,6 +309,13 @@ impl Controller {
                 return;
             }
         }
+        if let Some(stage) = self.owners.iter().position(|o| *o == Some(node)) {
+            if status.epoch == self.epoch && status.stage == Some(stage as u32) {
+                for (mark, &len) in self.checkpointed[stage].iter_mut().zip(&status.checkpoint_len) {
+                    *mark = (*mark).max(len);
+                }
+            }
+        }
         let m = self.members.get_mut(&node).expect("known member");
         m.incarnation = status.incarnation;
         m.last_heard = now;
@@ -379,10 +395,20 @@ impl Controller {
                 replacements.push((stage, node));
             }
         }
-        let recompute = self.unrecoverable();
+        let (from_checkpoint, recompute) =
+            self.unrecoverable().into_iter().partition(|&s| self.has_checkpoint(s));
         self.phase = Phase::Fencing;
         self.persist();
-        self.out.push(Output::Plan(RecoveryPlan { epoch: self.epoch, replacements, recompute }));
+        self.out.push(Output::Plan(RecoveryPlan {
+            epoch: self.epoch,
+            replacements,
+            recompute,
+            from_checkpoint,
+        }));
+    }
+
+    fn has_checkpoint(&self, stage: u32) -> bool {
+        self.checkpointed[stage as usize].iter().any(|&c| c > 0)
     }
 
     /// Failed stages whose successor failed too: their KV is lost.
@@ -397,6 +423,7 @@ impl Controller {
             owners: self.owners.clone(),
             failed: self.failed.clone(),
             delivered: self.delivered.clone(),
+            checkpointed: self.checkpointed.clone(),
         }));
     }
 
@@ -430,8 +457,10 @@ impl Controller {
                     Phase::RestoreOwn
                 }
                 Phase::RestoreOwn => {
-                    // Stages whose successor failed too have nothing to restore from.
-                    let lost = self.unrecoverable();
+                    // Stages whose successor failed too restore from checkpoints if they have any;
+                    // without, there is nothing to wait for (they recompute).
+                    let lost: Vec<u32> =
+                        self.unrecoverable().into_iter().filter(|&s| !self.has_checkpoint(s)).collect();
                     let restored = self.failed.iter().filter(|s| !lost.contains(s)).all(|&s| {
                         self.owners[s as usize]
                             .and_then(|n| self.current(n))
@@ -488,6 +517,9 @@ impl Controller {
         let d = self.cfg.depth;
         match (&self.phase, stage) {
             (Phase::Running(points), Some(_)) => Command::Run { points: points.clone() },
+            (Phase::RestoreOwn, Some(s)) if self.unrecoverable().contains(&s) && self.has_checkpoint(s) => {
+                Command::LoadCheckpoint { stage: s, lens: self.checkpointed[s as usize].clone() }
+            }
             (Phase::RestoreOwn, Some(s)) => {
                 // The successor of a failed stage sends its replica, unless it failed too.
                 let failed_pred = (s + d - 1) % d;

@@ -61,6 +61,14 @@ pub enum Command {
         /// The incarnation this is for.
         incarnation: u64,
     },
+    /// Recovery step 1 for a stage whose replica was lost with its successor: load your own KV
+    /// from the durable checkpoints of `stage`, `lens[microbatch]` steps each.
+    LoadCheckpoint {
+        /// The stage whose checkpoints to load (yours).
+        stage: u32,
+        /// Steps checkpointed per microbatch.
+        lens: Vec<u32>,
+    },
     /// Recovery steps 3 and 4 (and the initial start): truncate to these points and run.
     Run {
         /// One per microbatch.
@@ -99,6 +107,8 @@ pub struct Status {
     pub kv_len: Vec<u32>,
     /// Steps of its predecessor's KV it holds as a replica, per microbatch: the replication marks.
     pub replica_len: Vec<u32>,
+    /// Steps of its own KV durably checkpointed, per microbatch.
+    pub checkpoint_len: Vec<u32>,
     /// Recovery step 1 done: its own KV was restored from the successor's replica.
     pub own_restored: bool,
     /// Recovery step 2 done: its replica was restored from the predecessor.

@@ -20,6 +20,8 @@ pub struct WorkerConfig {
     pub microbatches: u32,
     /// Tokens per microbatch.
     pub tokens: u32,
+    /// Checkpoint own KV durably every this many steps per microbatch (0: never).
+    pub checkpoint_every: u32,
 }
 
 /// What the worker asks its driver to do.
@@ -91,6 +93,26 @@ pub enum Action {
         /// Replica steps kept.
         replica_len: u32,
     },
+    /// Write own steps `..upto` of a microbatch to the durable checkpoint store of `stage`, then
+    /// call [`Worker::checkpointed`].
+    Checkpoint {
+        /// The stage.
+        stage: u32,
+        /// Microbatch.
+        microbatch: u32,
+        /// Steps to have on durable storage.
+        upto: u32,
+    },
+    /// Read steps `..len` of a microbatch from the checkpoints of `stage`, then call
+    /// [`Worker::checkpoint_loaded`].
+    LoadCheckpoint {
+        /// The stage.
+        stage: u32,
+        /// Microbatch.
+        microbatch: u32,
+        /// Steps to load.
+        len: u32,
+    },
     /// Drop all state: this worker is a new incarnation.
     Reset,
 }
@@ -109,6 +131,10 @@ pub struct Worker {
     replica_len: Vec<u32>,
     /// Steps the successor acknowledged holding.
     replica_acked: Vec<u32>,
+    /// Steps of own KV on durable storage.
+    checkpoint_len: Vec<u32>,
+    /// A checkpoint write handed to the driver, per microbatch.
+    checkpointing: Vec<bool>,
     /// A step handed to the driver to compute, per microbatch.
     computing: Vec<Option<u32>>,
     /// The last output per microbatch (re-sent until superseded).
@@ -137,6 +163,8 @@ impl Worker {
             kv_len: vec![0; mbs],
             replica_len: vec![0; mbs],
             replica_acked: vec![0; mbs],
+            checkpoint_len: vec![0; mbs],
+            checkpointing: vec![false; mbs],
             computing: vec![None; mbs],
             last_output: vec![None; mbs],
             tokens_out: vec![BTreeMap::new(); mbs],
@@ -213,6 +241,7 @@ impl Worker {
             fenced: self.fenced,
             kv_len: self.kv_len.clone(),
             replica_len: self.replica_len.clone(),
+            checkpoint_len: self.checkpoint_len.clone(),
             own_restored: all(&self.own_received),
             replica_restored: all(&self.replica_received),
             running: self.is_running(),
@@ -352,7 +381,34 @@ impl Worker {
             // against the one it delivered (bit-identical output).
             self.send_deliver(microbatch, step, output);
         }
+        let every = self.cfg.checkpoint_every;
+        if every > 0 && !self.checkpointing[m] && self.kv_len[m] >= self.checkpoint_len[m] + every {
+            if let Some(stage) = self.stage {
+                self.checkpointing[m] = true;
+                self.out.push(Action::Checkpoint { stage, microbatch, upto: self.kv_len[m] });
+            }
+        }
         self.emit(microbatch);
+    }
+
+    /// The driver wrote steps `..upto` of `microbatch` to durable storage.
+    pub fn checkpointed(&mut self, microbatch: u32, upto: u32) {
+        let m = microbatch as usize;
+        if m < self.checkpoint_len.len() {
+            self.checkpointing[m] = false;
+            self.checkpoint_len[m] = self.checkpoint_len[m].max(upto);
+        }
+    }
+
+    /// The driver loaded `deltas` (steps from 0) of `microbatch` from `stage`'s checkpoints.
+    pub fn checkpoint_loaded(&mut self, stage: u32, microbatch: u32, deltas: Vec<Payload>) {
+        if self.stage == Some(stage) {
+            let m = microbatch as usize;
+            if m < self.checkpoint_len.len() {
+                self.checkpoint_len[m] = deltas.len() as u32;
+            }
+            self.bulk(BulkKind::Own, stage, microbatch, deltas);
+        }
     }
 
     fn replica(&mut self, from: NodeId, stage: u32, microbatch: u32, step: u32, delta: Payload) {
@@ -421,6 +477,16 @@ impl Worker {
         self.delivered = d.delivered.clone();
         match d.command {
             Command::Fence | Command::Rejoin { .. } => {}
+            Command::LoadCheckpoint { stage, lens } => {
+                if self.stage == Some(stage) {
+                    for (mb, len) in lens.into_iter().enumerate() {
+                        if !self.own_received[mb] {
+                            let microbatch = mb as u32;
+                            self.out.push(Action::LoadCheckpoint { stage, microbatch, len });
+                        }
+                    }
+                }
+            }
             Command::SendReplicaOf { stage, to } => {
                 for mb in 0..self.cfg.microbatches {
                     let len = self.replica_len[mb as usize];
@@ -466,6 +532,7 @@ impl Worker {
         self.running_epoch = None;
         let mbs = self.cfg.microbatches as usize;
         self.computing = vec![None; mbs];
+        self.checkpointing = vec![false; mbs];
         self.last_output = vec![None; mbs];
         self.replica_acked = vec![0; mbs];
         let stage = d.owners.iter().position(|o| *o == Some(self.cfg.node)).map(|s| s as u32);
@@ -474,6 +541,7 @@ impl Worker {
             self.stage = stage;
             self.kv_len = vec![0; mbs];
             self.replica_len = vec![0; mbs];
+            self.checkpoint_len = vec![0; mbs];
             self.tokens_out = vec![BTreeMap::new(); mbs];
             self.own_received = vec![false; mbs];
             self.replica_received = vec![false; mbs];

@@ -83,6 +83,8 @@ pub struct SimConfig {
     pub max_ticks: u64,
     /// Fault rates during chaos.
     pub faults: Faults,
+    /// Workers checkpoint their KV to durable shared storage every this many steps (0: never).
+    pub checkpoint_every: u32,
 }
 
 impl Default for SimConfig {
@@ -96,6 +98,7 @@ impl Default for SimConfig {
             chaos_ticks: 120,
             max_ticks: 2_000,
             faults: Faults::mixed(),
+            checkpoint_every: 4,
         }
     }
 }
@@ -188,6 +191,8 @@ pub struct Sim {
     nodes: Vec<Node>,
     queue: BinaryHeap<Reverse<(u64, u64)>>,
     in_flight: HashMap<u64, Pending>,
+    /// Durable shared checkpoint storage, by (stage, microbatch): survives every crash.
+    checkpoints: HashMap<(u32, u32), Vec<Payload>>,
     seq: u64,
     cuts: Vec<(Addr, Addr, u64)>,
     computes: Vec<Compute>,
@@ -203,6 +208,8 @@ pub struct Sim {
     bounded: Vec<u32>,
     report: Report,
     healed: bool,
+    /// Workers whose driver callbacks produced actions still to run.
+    pending_drain: Vec<usize>,
 }
 
 impl Sim {
@@ -235,6 +242,7 @@ impl Sim {
             nodes,
             queue: BinaryHeap::new(),
             in_flight: HashMap::new(),
+            checkpoints: HashMap::new(),
             seq: 0,
             cuts: Vec::new(),
             computes: Vec::new(),
@@ -243,6 +251,7 @@ impl Sim {
             bounded: Vec::new(),
             report: Report { seed, ..Report::default() },
             healed: false,
+            pending_drain: Vec::new(),
             reference,
             cfg,
         }
@@ -590,7 +599,10 @@ impl Sim {
                         eprintln!("t{} plan {plan:?} marks {:?}", self.now, self.marks);
                     }
                     self.report.plans += 1;
-                    if !plan.recompute.is_empty() {
+                    if !plan.from_checkpoint.is_empty() {
+                        *self.report.faults.entry("restored from checkpoints").or_default() += 1;
+                    }
+                    if !plan.recompute.is_empty() || !plan.from_checkpoint.is_empty() {
                         // KV was lost (adjacent failures): the plan recomputes from the prompt, so
                         // no resume bound applies; tokens must still match.
                         self.resume_bound = None;
@@ -715,12 +727,43 @@ impl Sim {
                     node.own[microbatch as usize].truncate(own_len as usize);
                     node.replica[microbatch as usize].truncate(replica_len as usize);
                 }
+                Action::Checkpoint { stage, microbatch, upto } => {
+                    let Some(deltas) =
+                        self.nodes[i].own[microbatch as usize].get(..upto as usize).map(<[Payload]>::to_vec)
+                    else {
+                        self.violation(format!("{id:?} checkpoints KV it does not hold"));
+                        continue;
+                    };
+                    let slot = self.checkpoints.entry((stage, microbatch)).or_default();
+                    if deltas.len() > slot.len() {
+                        *slot = deltas;
+                    }
+                    if let Some(w) = self.nodes[i].worker.as_mut() {
+                        w.checkpointed(microbatch, upto);
+                    }
+                    self.pending_drain.push(i);
+                }
+                Action::LoadCheckpoint { stage, microbatch, len } => {
+                    let stored = self.checkpoints.get(&(stage, microbatch)).cloned().unwrap_or_default();
+                    let Some(deltas) = stored.get(..len as usize).map(<[Payload]>::to_vec) else {
+                        self.violation(format!("checkpoint of stage {stage} holds fewer than {len} steps"));
+                        continue;
+                    };
+                    if let Some(w) = self.nodes[i].worker.as_mut() {
+                        w.checkpoint_loaded(stage, microbatch, deltas);
+                    }
+                    self.pending_drain.push(i);
+                }
                 Action::Reset => {
                     let node = &mut self.nodes[i];
                     node.own.iter_mut().for_each(Vec::clear);
                     node.replica.iter_mut().for_each(Vec::clear);
                 }
             }
+        }
+        // Driver callbacks (checkpoint written or loaded) may have produced more actions.
+        for j in std::mem::take(&mut self.pending_drain) {
+            self.drain_worker(j);
         }
     }
 
@@ -772,7 +815,13 @@ impl Sim {
 }
 
 fn worker_config(cfg: &SimConfig, node: NodeId) -> WorkerConfig {
-    WorkerConfig { node, depth: cfg.depth, microbatches: cfg.microbatches, tokens: cfg.tokens }
+    WorkerConfig {
+        node,
+        depth: cfg.depth,
+        microbatches: cfg.microbatches,
+        tokens: cfg.tokens,
+        checkpoint_every: cfg.checkpoint_every,
+    }
 }
 
 fn controller_config(cfg: &SimConfig) -> ControllerConfig {
