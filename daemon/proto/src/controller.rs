@@ -230,7 +230,7 @@ impl Controller {
     pub fn handle(&mut self, msg: Msg, now: u64) {
         self.now = self.now.max(now);
         match msg {
-            Msg::Register { node, incarnation } => self.register(node, incarnation),
+            Msg::Register { node, incarnation, .. } => self.register(node, incarnation),
             Msg::Status { node, status } => self.status(node, status),
             Msg::Deliver { node, epoch, microbatch, step, token } => {
                 self.deliver(node, epoch, microbatch, step, token)

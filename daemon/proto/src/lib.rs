@@ -10,13 +10,17 @@
 //!   re-sent every tick, data messages are re-sent until acknowledged.
 //! - [`controller`]: membership, heartbeats counted in ticks, replication marks, exactly-once token
 //!   delivery, and the paper's 4-step recovery in a new epoch per failure.
+//! - [`cluster`]: several pipelines (prompt and token, of different depths) under one controller,
+//!   each its own ring with its own epochs.
 //! - [`worker`]: the sidecar's side: registration, heartbeats, the step pipeline, replication to the
 //!   ring successor, fencing, and executing recovery.
 
+pub mod cluster;
 pub mod controller;
 pub mod message;
 pub mod worker;
 
+pub use cluster::Cluster;
 pub use controller::{Controller, ControllerConfig, Output, Persisted, RecoveryPlan};
 pub use message::{Addr, BulkKind, Command, Directive, Epoch, Msg, NodeId, Payload, ResumePoint, Status};
 pub use worker::{Action, Worker, WorkerConfig};

@@ -129,12 +129,14 @@ pub enum BulkKind {
 /// Every message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Msg {
-    /// Worker to controller: join the cluster.
+    /// Worker to controller: join a pipeline of the cluster.
     Register {
         /// Sender.
         node: NodeId,
         /// Its incarnation.
         incarnation: u64,
+        /// The pipeline it joins (prompt and token pipelines are separate rings).
+        pipeline: u32,
     },
     /// Worker to controller: heartbeat and progress.
     Status {

@@ -22,6 +22,8 @@ pub struct WorkerConfig {
     pub tokens: u32,
     /// Checkpoint own KV durably every this many steps per microbatch (0: never).
     pub checkpoint_every: u32,
+    /// The pipeline this worker joins.
+    pub pipeline: u32,
 }
 
 /// What the worker asks its driver to do.
@@ -254,20 +256,24 @@ impl Worker {
         self.now = now;
         if self.registered_at.is_none() {
             self.registered_at = Some(now);
-            let msg = Msg::Register { node: self.cfg.node, incarnation: self.incarnation };
-            self.send(Addr::Controller, msg);
+            self.register();
         }
         let status = Msg::Status { node: self.cfg.node, status: self.status() };
         self.send(Addr::Controller, status);
         if !self.is_running() {
             // Until a directive arrives, keep registering: the first one may have been lost.
             if self.epoch == Epoch(0) {
-                let msg = Msg::Register { node: self.cfg.node, incarnation: self.incarnation };
-                self.send(Addr::Controller, msg);
+                self.register();
             }
             return;
         }
         self.resend();
+    }
+
+    fn register(&mut self) {
+        let msg =
+            Msg::Register { node: self.cfg.node, incarnation: self.incarnation, pipeline: self.cfg.pipeline };
+        self.send(Addr::Controller, msg);
     }
 
     fn resend(&mut self) {

@@ -821,6 +821,7 @@ fn worker_config(cfg: &SimConfig, node: NodeId) -> WorkerConfig {
         microbatches: cfg.microbatches,
         tokens: cfg.tokens,
         checkpoint_every: cfg.checkpoint_every,
+        pipeline: 0,
     }
 }
 
@@ -843,7 +844,7 @@ fn addr_key(a: Addr) -> u64 {
 
 fn msg_key(m: &Msg) -> u64 {
     match m {
-        Msg::Register { node, incarnation } => hash(&[1, node.0 as u64, *incarnation]),
+        Msg::Register { node, incarnation, .. } => hash(&[1, node.0 as u64, *incarnation]),
         Msg::Status { node, status } => {
             hash(&[2, node.0 as u64, status.epoch.0, status.kv_len.iter().map(|&x| x as u64).sum()])
         }

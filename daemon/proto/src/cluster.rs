@@ -1,0 +1,70 @@
+//! Several pipelines under one controller: each pipeline is its own ring with its own epochs and
+//! recovery, so a prompt pipeline and a token pipeline may differ in depth, and a failure in one
+//! does not disturb the other. Workers choose their pipeline when they register.
+
+use std::collections::BTreeMap;
+
+use crate::controller::{Controller, ControllerConfig, Output};
+use crate::message::{Msg, NodeId};
+
+/// The controllers of every pipeline, and which pipeline each worker joined.
+#[derive(Debug)]
+pub struct Cluster {
+    pipelines: BTreeMap<u32, Controller>,
+    homes: BTreeMap<NodeId, u32>,
+}
+
+impl Cluster {
+    /// A cluster of pipelines, each with its own settings (depth, microbatches, ...).
+    pub fn new(pipelines: impl IntoIterator<Item = (u32, ControllerConfig)>) -> Self {
+        Self {
+            pipelines: pipelines.into_iter().map(|(id, cfg)| (id, Controller::new(cfg))).collect(),
+            homes: BTreeMap::new(),
+        }
+    }
+
+    /// The controller of pipeline `id`.
+    pub fn pipeline(&self, id: u32) -> Option<&Controller> {
+        self.pipelines.get(&id)
+    }
+
+    /// The pipeline `node` joined.
+    pub fn home(&self, node: NodeId) -> Option<u32> {
+        self.homes.get(&node).copied()
+    }
+
+    /// Routes a message to the pipeline of its sender. A registration for a pipeline that does not
+    /// exist is ignored (the worker keeps registering, visibly unassigned).
+    pub fn handle(&mut self, msg: Msg, now: u64) {
+        let pipeline = match &msg {
+            Msg::Register { node, pipeline, .. } => {
+                if !self.pipelines.contains_key(pipeline) {
+                    return;
+                }
+                self.homes.insert(*node, *pipeline);
+                Some(*pipeline)
+            }
+            Msg::Status { node, .. } | Msg::Deliver { node, .. } => self.homes.get(node).copied(),
+            _ => None,
+        };
+        if let Some(c) = pipeline.and_then(|p| self.pipelines.get_mut(&p)) {
+            c.handle(msg, now);
+        }
+    }
+
+    /// Advances every pipeline's controller.
+    pub fn tick(&mut self, now: u64) {
+        for c in self.pipelines.values_mut() {
+            c.tick(now);
+        }
+    }
+
+    /// Takes every pipeline's outputs, tagged with the pipeline.
+    pub fn drain(&mut self) -> Vec<(u32, Output)> {
+        let mut out = Vec::new();
+        for (id, c) in &mut self.pipelines {
+            out.extend(c.drain().into_iter().map(|o| (*id, o)));
+        }
+        out
+    }
+}
