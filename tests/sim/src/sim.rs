@@ -322,6 +322,20 @@ impl Sim {
         *self.report.faults.entry("partition").or_default() += 1;
     }
 
+    /// Cuts every link to and from `node` for `ticks`.
+    pub fn isolate(&mut self, node: Addr, ticks: u64) {
+        let until = self.now + ticks;
+        let others: Vec<Addr> = std::iter::once(Addr::Controller)
+            .chain(self.nodes.iter().map(|n| Addr::Worker(n.id)))
+            .filter(|&a| a != node)
+            .collect();
+        for other in others {
+            self.cuts.push((node, other, until));
+            self.cuts.push((other, node, until));
+        }
+        *self.report.faults.entry("isolation").or_default() += 1;
+    }
+
     fn violation(&mut self, what: String) {
         if self.report.violations.len() < 20 {
             self.report.violations.push(format!("tick {}: {what}", self.now));
@@ -394,7 +408,10 @@ impl Sim {
             let addr = |k: u64| if k == 0 { Addr::Controller } else { Addr::Worker(NodeId(k as u32 - 1)) };
             let (a, b) = (addr(self.rng.below(count)), addr(self.rng.below(count)));
             let ticks = 1 + self.rng.below(3 * timeout);
-            if a != b {
+            if self.rng.chance(0.25) {
+                self.isolate(a, ticks);
+            } else if a != b {
+                // One way, or both.
                 self.cut(a, b, ticks);
                 if self.rng.chance(0.5) {
                     self.cuts.push((b, a, self.now + ticks));
