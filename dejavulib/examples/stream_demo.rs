@@ -1,5 +1,5 @@
 //! Streams a prompt's KV cache from a prompt pipeline to a differently shaped token pipeline,
-//! through a file tier and through a peer's host buffer, then checks every byte arrived.
+//! through a file tier and through a peer's host buffer over TCP, then checks every byte arrived.
 //!
 //! Prompt pipeline: 2 stages x TP 2, microbatches of 8, FasterTransformer layout.
 //! Token pipeline: 4 stages x TP 1, microbatches of 4, vLLM-style paged layout.
@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use dejavulib::file_io::FileBackend;
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder};
+use dejavulib::peer::{PeerConfig, PeerServer, PeerStore};
 use dejavulib::reshard::StreamStats;
 use dejavulib::streamer::{Shutdown, StreamerConfig};
 use dejavulib::{
@@ -47,8 +48,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     run_transfer(&prompt, &token, &sources, tokens, &pool, Box::new(file_store), kv_bytes)?;
     std::fs::remove_dir_all(&dir)?;
 
-    println!("\n[peer host buffer]");
-    run_transfer(&prompt, &token, &sources, tokens, &pool, Box::new(HostStore::new()), kv_bytes)?;
+    println!("\n[peer host buffer over TCP] authenticated peer on 127.0.0.1");
+    let peer = PeerServer::bind(
+        "127.0.0.1:0",
+        PeerConfig::new(b"demo cluster secret".to_vec(), 100),
+        HostStore::new(),
+    )?;
+    let remote = PeerStore::new(peer.addr(), PeerConfig::new(b"demo cluster secret".to_vec(), 0));
+    run_transfer(&prompt, &token, &sources, tokens, &pool, Box::new(remote), kv_bytes)?;
 
     println!("\n[layer-by-layer streaming] prompt worker (0,0) streams each layer as it is computed");
     layer_by_layer(&prompt, &token, tokens)?;

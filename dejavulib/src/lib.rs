@@ -47,6 +47,7 @@ pub mod copy;
 pub mod file_io;
 pub mod layout;
 pub mod memory;
+pub mod peer;
 pub mod placement;
 pub mod plan;
 pub mod planner;
@@ -55,6 +56,7 @@ pub mod reshard;
 pub mod spec;
 pub mod store;
 pub mod streamer;
+pub mod wire;
 
 pub use cache::{CacheError, KvCache};
 pub use layout::{KvLayout, LayoutError, Packing};
