@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::Rng;
+use common::{every_vector, Rng};
 
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
 use dejavulib::{
@@ -95,24 +95,6 @@ fn build_layout(spec: KvSpec, kind: Kind, needs: &Needs, rng: &mut Rng) -> KvLay
     }
 }
 
-/// Every (part, coordinate) of a layout, paged slots up to their own capacity.
-fn all_vectors(layout: &KvLayout) -> Vec<(Part, Coord)> {
-    let spec = layout.spec();
-    let mut out = Vec::new();
-    for &part in spec.parts() {
-        for layer in 0..spec.layers() {
-            for slot in 0..layout.slots() {
-                for head in 0..spec.kv_heads() {
-                    for token in 0..layout.token_capacity(slot) {
-                        out.push((part, Coord { layer, slot, head, token }));
-                    }
-                }
-            }
-        }
-    }
-    out
-}
-
 fn read(cache: &KvCache, part: Part, at: Coord) -> Vec<u8> {
     let mut out = vec![0u8; cache.layout().spec().vector_bytes(part) as usize];
     cache.read_vector(part, at, &mut out).unwrap();
@@ -122,7 +104,7 @@ fn read(cache: &KvCache, part: Part, at: Coord) -> Vec<u8> {
 /// Writes random bytes into every vector of `cache`.
 fn fill(cache: &KvCache, rng: &mut Rng) {
     let spec = *cache.layout().spec();
-    for (part, at) in all_vectors(cache.layout()) {
+    for (part, at) in every_vector(cache.layout()) {
         let data = rng.bytes(spec.vector_bytes(part) as usize);
         cache.write_vector(part, at, &data).unwrap();
     }
@@ -368,7 +350,7 @@ proptest! {
         let spec = case.spec;
         let dst = KvCache::new(case.dst_layout.clone()).unwrap();
         fill(&dst, &mut case.rng);
-        let before: Vec<(Part, Coord, Vec<u8>)> = all_vectors(dst.layout())
+        let before: Vec<(Part, Coord, Vec<u8>)> = every_vector(dst.layout())
             .into_iter()
             .map(|(part, at)| (part, at, read(&dst, part, at)))
             .collect();
@@ -428,7 +410,7 @@ proptest! {
         let original = case.src.snapshot();
         let packed = gather(&case.src, &case.region, case.packing);
         // Clobber every vector of the region with its own bytes inverted.
-        for (part, at) in all_vectors(case.src.layout()) {
+        for (part, at) in every_vector(case.src.layout()) {
             if contains(&case.region, at) {
                 let bad: Vec<u8> = read(&case.src, part, at).iter().map(|b| !b).collect();
                 case.src.write_vector(part, at, &bad).unwrap();

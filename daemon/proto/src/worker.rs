@@ -494,32 +494,11 @@ impl Worker {
                 }
             }
             Command::SendReplicaOf { stage, to } => {
-                for mb in 0..self.cfg.microbatches {
-                    let len = self.replica_len[mb as usize];
-                    let action = Action::SendBulk {
-                        to,
-                        from_store: BulkKind::Replica,
-                        kind: BulkKind::Own,
-                        stage,
-                        microbatch: mb,
-                        len,
-                    };
-                    self.out.push(action);
-                }
+                self.send_bulk(to, BulkKind::Replica, BulkKind::Own, stage)
             }
             Command::SendOwnTo { to } => {
-                let Some(stage) = self.stage else { return };
-                for mb in 0..self.cfg.microbatches {
-                    let len = self.kv_len[mb as usize];
-                    let action = Action::SendBulk {
-                        to,
-                        from_store: BulkKind::Own,
-                        kind: BulkKind::Replica,
-                        stage,
-                        microbatch: mb,
-                        len,
-                    };
-                    self.out.push(action);
+                if let Some(stage) = self.stage {
+                    self.send_bulk(to, BulkKind::Own, BulkKind::Replica, stage);
                 }
             }
             Command::Run { points } => {
@@ -527,6 +506,19 @@ impl Worker {
                     self.run(points);
                 }
             }
+        }
+    }
+
+    /// Asks the driver to send every microbatch of one of our stores (`from_store`) to `to`, to
+    /// fill its `kind` store for `stage`.
+    fn send_bulk(&mut self, to: NodeId, from_store: BulkKind, kind: BulkKind, stage: u32) {
+        let lens = match from_store {
+            BulkKind::Own => self.kv_len.clone(),
+            BulkKind::Replica => self.replica_len.clone(),
+        };
+        for (mb, len) in lens.into_iter().enumerate() {
+            let microbatch = mb as u32;
+            self.out.push(Action::SendBulk { to, from_store, kind, stage, microbatch, len });
         }
     }
 
