@@ -19,6 +19,13 @@ use std::collections::BTreeMap;
 
 use crate::message::{Addr, Command, Directive, Epoch, Msg, NodeId, Payload, ResumePoint, Status};
 
+/// Length of a tick in a deployment: the driver calls `tick` this often.
+pub const TICK_MS: u64 = 100;
+
+/// Missed ticks before a worker is declared failed, by default: 3 x 100 ms, as DéjàVu's 3
+/// heartbeats but ten times faster.
+pub const DEFAULT_FAILURE_TIMEOUT: u64 = 3;
+
 /// Controller settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ControllerConfig {
@@ -28,7 +35,7 @@ pub struct ControllerConfig {
     pub microbatches: u32,
     /// Tokens each microbatch generates.
     pub tokens: u32,
-    /// Ticks without a status before a worker is declared failed (3 ticks of 100 ms by default).
+    /// Ticks without a status before a worker is declared failed ([`DEFAULT_FAILURE_TIMEOUT`]).
     pub failure_timeout: u64,
     /// Input of step 0 of each microbatch.
     pub prompts: Vec<Payload>,

@@ -21,6 +21,8 @@ pub mod message;
 pub mod worker;
 
 pub use cluster::Cluster;
-pub use controller::{Controller, ControllerConfig, Output, Persisted, RecoveryPlan};
+pub use controller::{
+    Controller, ControllerConfig, Output, Persisted, RecoveryPlan, DEFAULT_FAILURE_TIMEOUT, TICK_MS,
+};
 pub use message::{Addr, BulkKind, Command, Directive, Epoch, Msg, NodeId, Payload, ResumePoint, Status};
 pub use worker::{Action, Worker, WorkerConfig};

@@ -94,7 +94,7 @@ impl Default for SimConfig {
             microbatches: 4,
             tokens: 10,
             spares: 1,
-            failure_timeout: 3,
+            failure_timeout: dejavu_proto::DEFAULT_FAILURE_TIMEOUT,
             chaos_ticks: 120,
             max_ticks: 2_000,
             faults: Faults::mixed(),
