@@ -129,6 +129,15 @@ impl KvCache {
         self.gather_threads.store(threads.clamp(1, cores), Ordering::Relaxed);
     }
 
+    /// Gives `slot` of a paged cache a new block table (a sequence grew or was moved). Plans made
+    /// before the change are refused afterwards ([`CacheError::ForeignPlan`]): they hold the old
+    /// block offsets.
+    pub fn set_block_table(&mut self, slot: u32, blocks: Vec<u32>) -> Result<(), CacheError> {
+        self.layout.set_block_table(slot, blocks)?;
+        self.id = NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// The layout.
     pub fn layout(&self) -> &KvLayout {
         &self.layout
@@ -430,6 +439,33 @@ mod tests {
         assert_eq!(a.gather_with(&plan, &mut out), Ok(out.len() as u64));
         let mut short = vec![0u8; out.len() - 1];
         assert!(matches!(a.gather_with(&plan, &mut short), Err(CacheError::WrongLength { .. })));
+    }
+
+    #[test]
+    fn a_paged_cache_grows_and_old_plans_are_refused() {
+        use crate::layout::{KvInterleave, PagedConfig, PagedOrder};
+        let spec = KvSpec::new(1, 2, 8, DType::F16).unwrap();
+        let cfg = PagedConfig {
+            block_size: 4,
+            num_blocks: 4,
+            order: PagedOrder::Nhd,
+            interleave: KvInterleave::Separate,
+        };
+        let mut cache = KvCache::new(KvLayout::paged(spec, 1, cfg, None).unwrap()).unwrap();
+        let short = KvRegion::new(0..1, 0..1, 0..2, 0..4);
+        assert!(matches!(cache.gather_plan(&short, Packing::token_major(&spec)), Err(CacheError::Layout(_))));
+        cache.set_block_table(0, vec![2]).unwrap();
+        let plan = cache.gather_plan(&short, Packing::token_major(&spec)).unwrap();
+        cache.set_block_table(0, vec![2, 0]).unwrap();
+        let mut out = vec![0u8; cache.packed_len(&short) as usize];
+        assert_eq!(cache.gather_with(&plan, &mut out), Err(CacheError::ForeignPlan));
+        let longer = KvRegion::new(0..1, 0..1, 0..2, 0..8);
+        let mut out = vec![0u8; cache.packed_len(&longer) as usize];
+        cache.gather(&longer, Packing::token_major(&spec), &mut out).unwrap();
+        assert!(matches!(
+            cache.set_block_table(0, vec![4]),
+            Err(CacheError::Layout(LayoutError::BadBlock { .. }))
+        ));
     }
 
     #[test]
