@@ -39,6 +39,8 @@ pub struct ControllerConfig {
     pub failure_timeout: u64,
     /// Input of step 0 of each microbatch.
     pub prompts: Vec<Payload>,
+    /// The pipeline this controller runs (named in its directives).
+    pub pipeline: u32,
 }
 
 /// What the controller must keep across its own restarts (its "disk").
@@ -143,6 +145,8 @@ pub struct Controller {
     /// Steps durably checkpointed per stage and microbatch (checkpoints never go stale: a
     /// recomputed step has the same KV).
     checkpointed: Vec<Vec<u32>>,
+    /// When the current epoch started: owners must report in it within a few timeouts.
+    epoch_started: u64,
     now: u64,
     out: Vec<Output>,
 }
@@ -163,6 +167,7 @@ impl Controller {
             delivered: vec![Vec::new(); mbs],
             produced_in: vec![Vec::new(); mbs],
             checkpointed: vec![vec![0; mbs]; depth],
+            epoch_started: 0,
             now: 0,
             out: Vec::new(),
         }
@@ -259,7 +264,24 @@ impl Controller {
                 newly_failed.push(*node);
             }
         }
+        // An owner that does not report in the current epoch within a few timeouts (it cannot hear
+        // the controller: a one-way cut) is as good as failed.
+        if self.phase != Phase::Forming && self.now.saturating_sub(self.epoch_started) > 3 * timeout + 2 {
+            for node in self.owners.iter().flatten() {
+                let behind = self
+                    .members
+                    .get(node)
+                    .and_then(|m| m.status.as_ref())
+                    .is_none_or(|s| s.epoch < self.epoch);
+                if behind && !newly_failed.contains(node) {
+                    newly_failed.push(*node);
+                }
+            }
+        }
         for node in newly_failed {
+            if let Some(m) = self.members.get_mut(&node) {
+                m.alive = false;
+            }
             self.fail_node(node);
         }
         self.advance();
@@ -303,9 +325,12 @@ impl Controller {
             // recognised as having lost its state).
             Some((true, 0)) if status.epoch == Epoch(0) => return,
             Some((true, _)) => {}
+            // A fresh process (never in an epoch) holds nothing and registers by itself.
+            _ if status.epoch == Epoch(0) => return,
             // Declared dead, or unknown to a restarted controller: it must rejoin.
             _ => {
                 let directive = Directive {
+                    pipeline: self.cfg.pipeline,
                     epoch: self.epoch,
                     incarnation: status.incarnation,
                     owners: self.owners.clone(),
@@ -324,6 +349,14 @@ impl Controller {
             }
         }
         let m = self.members.get_mut(&node).expect("known member");
+        if m.incarnation == status.incarnation
+            && m.status.as_ref().is_some_and(|old| old.epoch > status.epoch)
+        {
+            // A status from an earlier epoch, reordered behind a newer one: it still shows the
+            // process is alive, but must not replace what it reported in this epoch.
+            m.last_heard = now;
+            return;
+        }
         m.incarnation = status.incarnation;
         m.last_heard = now;
         m.status = Some(status);
@@ -347,8 +380,9 @@ impl Controller {
         } else if step_us == log.len() && step < self.cfg.tokens {
             log.push(token.clone());
             produced.push(epoch);
-            self.out.push(Output::Delivered { microbatch, step, token });
+            // Durable first: a token the client saw must be in the record a restart starts from.
             self.persist();
+            self.out.push(Output::Delivered { microbatch, step, token });
         }
     }
 
@@ -384,6 +418,7 @@ impl Controller {
     /// Starts a new epoch: replacements for failed stages, then fencing.
     fn start_epoch(&mut self) {
         self.epoch = Epoch(self.epoch.0 + 1);
+        self.epoch_started = self.now;
         let spares: Vec<NodeId> = self
             .members
             .iter()
@@ -479,7 +514,9 @@ impl Controller {
                     Phase::RestoreReplica
                 }
                 Phase::RestoreReplica => {
-                    if !self.replacements_all(|s| s.replica_restored) {
+                    // Step 3 takes the minimum over *every* owner: each must have reported in this
+                    // epoch (resume_points would otherwise leave it out).
+                    if !self.replacements_all(|s| s.replica_restored) || !self.all_owners(|s| s.fenced) {
                         return;
                     }
                     Phase::Running(self.resume_points())
@@ -563,6 +600,7 @@ impl Controller {
             .collect();
         for (node, incarnation, stage) in targets {
             let directive = Directive {
+                pipeline: self.cfg.pipeline,
                 epoch: self.epoch,
                 incarnation,
                 owners: self.owners.clone(),

@@ -79,6 +79,8 @@ pub enum Command {
 /// The controller's word to one worker, re-sent every tick.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Directive {
+    /// The pipeline it concerns (epochs are numbered per pipeline).
+    pub pipeline: u32,
     /// Current epoch.
     pub epoch: Epoch,
     /// The incarnation of the receiver the controller knows (0 when a restarted controller has not

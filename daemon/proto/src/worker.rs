@@ -335,8 +335,13 @@ impl Worker {
             return;
         }
         // Bulk restores happen while fenced, in the current epoch only.
-        if let Msg::Bulk { epoch, kind, stage, microbatch, deltas, .. } = msg {
-            if epoch == self.epoch {
+        if let Msg::Bulk { epoch, kind, stage, microbatch, deltas, from } = msg {
+            // Step 1 comes from our successor (its replica of us), step 2 from our predecessor.
+            let sender = match kind {
+                BulkKind::Own => self.successor(),
+                BulkKind::Replica => self.predecessor(),
+            };
+            if epoch == self.epoch && Some(from) == sender {
                 self.bulk(kind, stage, microbatch, deltas);
             }
             return;
@@ -346,7 +351,11 @@ impl Worker {
             return;
         }
         match msg {
-            Msg::Activation { microbatch, step, value, .. } => self.activation(microbatch, step, value),
+            // Only the predecessor of this epoch feeds us (a node of another pipeline may share the
+            // epoch number).
+            Msg::Activation { microbatch, step, value, from, .. } if Some(from) == self.predecessor() => {
+                self.activation(microbatch, step, value)
+            }
             Msg::Replica { stage, microbatch, step, delta, from, .. } => {
                 self.replica(from, stage, microbatch, step, delta)
             }
@@ -357,6 +366,14 @@ impl Worker {
             }
             _ => {}
         }
+    }
+
+    /// The owner of the stage before ours in this epoch (for stage 0: the last stage, which feeds
+    /// back tokens).
+    fn predecessor(&self) -> Option<NodeId> {
+        let s = self.stage?;
+        let d = self.cfg.depth;
+        self.owners.get(((s + d - 1) % d) as usize).copied().flatten()
     }
 
     fn activation(&mut self, microbatch: u32, step: u32, value: Payload) {
@@ -469,6 +486,9 @@ impl Worker {
                 self.rejoin();
             }
             return;
+        }
+        if d.pipeline != self.cfg.pipeline {
+            return; // another pipeline's controller: its epochs are not ours
         }
         // Directives are for one incarnation. A restarted controller that does not know ours yet
         // (0) may only steer a process that has been in an epoch; a fresh one keeps registering,

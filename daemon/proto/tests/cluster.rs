@@ -11,8 +11,9 @@ use dejavu_proto::{Action, Addr, Cluster, ControllerConfig, Msg, NodeId, Output,
 const PROMPT: u32 = 0;
 const TOKEN: u32 = 1;
 
-fn config(depth: u32) -> ControllerConfig {
+fn config(pipeline: u32, depth: u32) -> ControllerConfig {
     ControllerConfig {
+        pipeline,
         depth,
         microbatches: 2,
         tokens: 4,
@@ -49,7 +50,7 @@ impl Driver {
                 id += 1;
             }
         }
-        let cluster = Cluster::new([(PROMPT, config(2)), (TOKEN, config(3))]);
+        let cluster = Cluster::new([(PROMPT, config(PROMPT, 2)), (TOKEN, config(TOKEN, 3))]);
         Self { cluster, workers, down: BTreeSet::new(), inbox: Vec::new(), delivered: 0, now: 0 }
     }
 
@@ -143,4 +144,20 @@ fn pipelines_of_different_depths_form_and_recover_independently() {
     // Both pipelines still finish their microbatches.
     d.run_until(300, |c| c.pipeline(PROMPT).unwrap().finished() && c.pipeline(TOKEN).unwrap().finished());
     assert!(d.delivered >= 2 * 2 * 4);
+}
+
+/// The controller process restarts with no record: every worker it does not know is told to
+/// rejoin, registers again, and both pipelines form anew and finish.
+#[test]
+fn a_restarted_cluster_gets_its_workers_back() {
+    let mut d = Driver::new(&[(PROMPT, 3), (TOKEN, 4)]);
+    d.run_until(50, |c| c.pipeline(PROMPT).unwrap().running() && c.pipeline(TOKEN).unwrap().running());
+    // Push the token pipeline past epoch 1 with a failure first.
+    let victim = d.cluster.pipeline(TOKEN).unwrap().owners()[1].unwrap();
+    d.down.insert(victim);
+    d.run_until(100, |c| c.pipeline(TOKEN).unwrap().running() && c.pipeline(TOKEN).unwrap().epoch().0 > 1);
+    d.cluster = Cluster::new([(PROMPT, config(PROMPT, 2)), (TOKEN, config(TOKEN, 3))]);
+    d.inbox.clear();
+    let limit = d.now + 200;
+    d.run_until(limit, |c| c.pipeline(PROMPT).unwrap().running() && c.pipeline(TOKEN).unwrap().running());
 }

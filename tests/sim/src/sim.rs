@@ -103,6 +103,22 @@ impl Default for SimConfig {
     }
 }
 
+impl SimConfig {
+    /// A cluster shape and fault mix drawn from `seed`: depth 2-6, 1-8 microbatches, 0-3 spares,
+    /// delays up to 10 ticks (deeply reordered streams), timeouts of 1-6 ticks, checkpoints or none.
+    pub fn varied(seed: u64) -> Self {
+        let mut rng = Rng::new(seed ^ 0x5eed_c0f1_6000_0000);
+        let pick = |rng: &mut Rng, options: &[u64]| options[rng.below(options.len() as u64) as usize];
+        let depth = pick(&mut rng, &[2, 3, 4, 6]) as u32;
+        let microbatches = pick(&mut rng, &[1, 2, 4, 8]) as u32;
+        let spares = pick(&mut rng, &[0, 1, 2, 3]) as u32;
+        let failure_timeout = pick(&mut rng, &[1, 3, 6]);
+        let checkpoint_every = pick(&mut rng, &[0, 2, 4]) as u32;
+        let faults = Faults { max_delay: pick(&mut rng, &[1, 3, 6, 10]), ..Faults::mixed() };
+        Self { depth, microbatches, spares, failure_timeout, checkpoint_every, faults, ..Self::default() }
+    }
+}
+
 /// What a run found.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Report {
@@ -210,6 +226,11 @@ pub struct Sim {
     healed: bool,
     /// Workers whose driver callbacks produced actions still to run.
     pending_drain: Vec<usize>,
+    /// The message being handled is stale data (another epoch, or a Deliver not from the current
+    /// last stage): acting on it is a fencing violation.
+    handling_stale: Option<String>,
+    /// A Run directive asked a worker to resume above the KV it holds.
+    handling_run_violation: Option<String>,
 }
 
 impl Sim {
@@ -252,6 +273,8 @@ impl Sim {
             report: Report { seed, ..Report::default() },
             healed: false,
             pending_drain: Vec::new(),
+            handling_stale: None,
+            handling_run_violation: None,
             reference,
             cfg,
         }
@@ -520,8 +543,15 @@ impl Sim {
         match p.to {
             Addr::Controller => {
                 if let Some(c) = self.controller.as_mut() {
+                    if let Msg::Deliver { node, epoch, .. } = &p.msg {
+                        let last = c.owners()[(self.cfg.depth - 1) as usize];
+                        if *epoch != c.epoch() || last != Some(*node) {
+                            self.handling_stale = Some(format!("Deliver from {node:?} in {epoch:?}"));
+                        }
+                    }
                     c.handle(p.msg, self.now);
                     self.drain_controller();
+                    self.handling_stale = None;
                 }
             }
             Addr::Worker(id) => {
@@ -534,8 +564,41 @@ impl Sim {
                     return;
                 }
                 if let Some(w) = self.nodes[i].worker.as_mut() {
+                    if let Msg::Directive(d) = &p.msg {
+                        if let dejavu_proto::Command::Run { points } = &d.command {
+                            let for_us =
+                                d.incarnation == w.incarnation() || (d.incarnation == 0 && w.epoch().0 > 0);
+                            let stage = d.owners.iter().position(|o| *o == Some(id)).map(|s| s as u32);
+                            let fresh = d.epoch > w.epoch() || !w.is_running();
+                            if for_us && d.epoch >= w.epoch() && fresh && stage.is_some() {
+                                let held: Vec<u32> = if stage == w.stage() {
+                                    w.kv_len().to_vec()
+                                } else {
+                                    vec![0; points.len()]
+                                };
+                                if let Some(p) = points.iter().find(|p| held[p.microbatch as usize] < p.step)
+                                {
+                                    let msg = format!(
+                                        "{id:?} told to resume microbatch {} at step {} in {:?} holding {} steps",
+                                        p.microbatch, p.step, d.epoch, held[p.microbatch as usize]
+                                    );
+                                    self.handling_run_violation = Some(msg);
+                                }
+                            }
+                        }
+                    }
+                    let data =
+                        matches!(p.msg, Msg::Activation { .. } | Msg::Replica { .. } | Msg::Bulk { .. });
+                    if data && p.msg.epoch() != Some(w.epoch()) {
+                        self.handling_stale =
+                            Some(format!("{:?}-epoch data at a worker in {:?}", p.msg.epoch(), w.epoch()));
+                    }
                     w.handle(p.msg, now);
+                    if let Some(msg) = self.handling_run_violation.take() {
+                        self.violation(msg);
+                    }
                     self.drain_worker(i);
+                    self.handling_stale = None;
                 }
             }
         }
@@ -601,6 +664,9 @@ impl Sim {
                 Output::Send(to, msg) => self.send(Addr::Controller, to, msg),
                 Output::Persist(record) => self.persisted = Some(record),
                 Output::Delivered { microbatch, step, token } => {
+                    if let Some(why) = self.handling_stale.clone() {
+                        self.violation(format!("controller delivered a token from stale data: {why}"));
+                    }
                     if self.reference.tokens[microbatch as usize][step as usize] != token {
                         self.violation(format!(
                             "token {step} of microbatch {microbatch} differs from the reference"
@@ -610,7 +676,12 @@ impl Sim {
                 Output::Mismatch { microbatch, step } => {
                     self.violation(format!("re-delivered token {step} of microbatch {microbatch} differs"));
                 }
-                Output::Redelivered { .. } => self.report.recomputed_tokens += 1,
+                Output::Redelivered { .. } => {
+                    if let Some(why) = self.handling_stale.clone() {
+                        self.violation(format!("controller checked a token from stale data: {why}"));
+                    }
+                    self.report.recomputed_tokens += 1
+                }
                 Output::Plan(plan) => {
                     if std::env::var_os("DEBUG_SIM").is_some() {
                         eprintln!("t{} plan {plan:?} marks {:?}", self.now, self.marks);
@@ -680,6 +751,9 @@ impl Sim {
             match action {
                 Action::Send(to, msg) => self.send(Addr::Worker(id), to, msg),
                 Action::Compute { stage, microbatch, step, input } => {
+                    if let Some(why) = self.handling_stale.clone() {
+                        self.violation(format!("{id:?} acted on stale data: {why}"));
+                    }
                     // A stage computes one microbatch at a time, one tick each, in arrival order.
                     let at = (self.now + 1).max(self.nodes[i].busy_until + 1);
                     self.nodes[i].busy_until = at;
@@ -694,6 +768,9 @@ impl Sim {
                     });
                 }
                 Action::StoreReplica { microbatch, step, delta } => {
+                    if let Some(why) = self.handling_stale.clone() {
+                        self.violation(format!("{id:?} acted on stale data: {why}"));
+                    }
                     let store = &mut self.nodes[i].replica[microbatch as usize];
                     if store.len() == step as usize {
                         store.push(delta);
@@ -702,6 +779,9 @@ impl Sim {
                     }
                 }
                 Action::Install { kind, microbatch, deltas } => {
+                    if let Some(why) = self.handling_stale.clone() {
+                        self.violation(format!("{id:?} acted on stale data: {why}"));
+                    }
                     let Some(own) = stage else { continue };
                     let d = self.cfg.depth;
                     let of = if kind == BulkKind::Own { own } else { (own + d - 1) % d };
@@ -849,6 +929,7 @@ fn controller_config(cfg: &SimConfig) -> ControllerConfig {
         tokens: cfg.tokens,
         failure_timeout: cfg.failure_timeout,
         prompts: (0..cfg.microbatches).map(engine::prompt).collect(),
+        pipeline: 0,
     }
 }
 

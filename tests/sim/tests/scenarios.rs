@@ -167,3 +167,17 @@ fn same_seed_same_trace() {
     assert_eq!(a, b);
     assert_ne!(a.trace_hash, run_seed(43, &cfg).trace_hash);
 }
+
+/// An owner that cannot hear the controller (a one-way cut) keeps heartbeating in its old epoch; it
+/// must still be replaced once it fails to report in the new epoch, or recovery would wait for as
+/// long as the cut lasts.
+#[test]
+fn an_owner_that_cannot_hear_the_controller_is_replaced() {
+    let mut sim = Sim::new(4, SimConfig { spares: 2, ..calm() });
+    step_until(&mut sim, 200, |s| s.controller().is_some_and(|c| c.delivered()[0].len() >= 2));
+    let deaf = owner(&sim, 1);
+    sim.cut(dejavu_proto::Addr::Controller, dejavu_proto::Addr::Worker(deaf), 100_000);
+    sim.crash_worker(owner(&sim, 2), 5);
+    step_until(&mut sim, 400, |s| s.controller().is_some_and(|c| c.running() && c.owners()[1] != Some(deaf)));
+    assert_clean(&sim.run());
+}

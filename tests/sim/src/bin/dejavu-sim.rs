@@ -1,6 +1,7 @@
 //! `dejavu-sim`: runs seeds of the control-plane simulator and reports violations.
 //!
-//! `dejavu-sim [--seed N | --seeds A..B] [--quiet]`
+//! `dejavu-sim [--seed N | --seeds A..B] [--varied] [--quiet]`: `--varied` draws each seed's
+//! cluster shape and delays from the seed (`SimConfig::varied`).
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -11,6 +12,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut range = 0..1000u64;
     let mut quiet = false;
+    let mut varied = false;
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -29,15 +31,16 @@ fn main() -> ExitCode {
                 i += 1;
             }
             "--quiet" => quiet = true,
+            "--varied" => varied = true,
             _ => return usage(),
         }
         i += 1;
     }
-    let cfg = SimConfig::default();
+    let config = |seed: u64| if varied { SimConfig::varied(seed) } else { SimConfig::default() };
     let started = Instant::now();
     let (mut runs, mut failed) = (0u64, 0u64);
     for seed in range.clone() {
-        let report = run_seed(seed, &cfg);
+        let report = run_seed(seed, &config(seed));
         runs += 1;
         if !report.violations.is_empty() {
             failed += 1;
@@ -65,6 +68,6 @@ fn main() -> ExitCode {
 }
 
 fn usage() -> ExitCode {
-    eprintln!("usage: dejavu-sim [--seed N | --seeds A..B] [--quiet]");
+    eprintln!("usage: dejavu-sim [--seed N | --seeds A..B] [--varied] [--quiet]");
     ExitCode::from(2)
 }
