@@ -96,7 +96,8 @@ pub enum Action {
         replica_len: u32,
     },
     /// Write own steps `..upto` of a microbatch to the durable checkpoint store of `stage`, then
-    /// call [`Worker::checkpointed`].
+    /// call [`Worker::checkpointed`]. The store keeps the longest checkpoint it was given: it
+    /// never shrinks below a length the controller may have recorded.
     Checkpoint {
         /// The stage.
         stage: u32,
@@ -115,7 +116,8 @@ pub enum Action {
         /// Steps to load.
         len: u32,
     },
-    /// Drop all state: this worker is a new incarnation.
+    /// Drop all state: this worker may be a new incarnation. The driver must record
+    /// [`Worker::incarnation`] durably: a process restart must use a larger one.
     Reset,
 }
 
