@@ -9,7 +9,8 @@
 //! 2. *Restore the replica*: the predecessor of each failed stage re-sends its own KV, so the
 //!    replacement again holds the replica the failed worker held.
 //! 3. *Resume points*: for each microbatch, the first step not both held by every stage and
-//!    delivered. After an adjacent double failure that is step 0: recompute from the prompt.
+//!    delivered. After an adjacent double failure the lost stage restores from its checkpoints if
+//!    it has any, else the points fall to step 0: recompute from the prompt.
 //! 4. *Run*: every stage truncates to those points and stage 0 restarts each microbatch there.
 //!
 //! Each step waits for every worker's acknowledgment (in its [`Status`]); a failure during recovery

@@ -7,7 +7,8 @@
 //! contract after every tick: no acknowledged KV lost, bit-identical tokens delivered exactly once,
 //! at most one owner per (stage, epoch), bounded recompute, every request finishes after healing.
 //!
-//! Replay a seed with `cargo run --release -p dejavu-sim -- --seed N`.
+//! Replay a seed with `cargo run --release -p dejavu-sim -- --seed N`; with `DEJAVU_SIM_TRACE=1` it
+//! prints crashes, recovery plans and the computations of microbatch 0 as they happen.
 
 pub mod engine;
 pub mod sim;

@@ -226,6 +226,8 @@ pub struct Sim {
     healed: bool,
     /// Workers whose driver callbacks produced actions still to run.
     pending_drain: Vec<usize>,
+    /// Print crashes, plans and the computations of microbatch 0 to stderr (`DEJAVU_SIM_TRACE`).
+    trace: bool,
     /// The message being handled is stale data (another epoch, or a Deliver not from the current
     /// last stage): acting on it is a fencing violation.
     handling_stale: Option<String>,
@@ -273,6 +275,7 @@ impl Sim {
             report: Report { seed, ..Report::default() },
             healed: false,
             pending_drain: Vec::new(),
+            trace: std::env::var_os("DEJAVU_SIM_TRACE").is_some(),
             handling_stale: None,
             handling_run_violation: None,
             reference,
@@ -418,7 +421,7 @@ impl Sim {
             if self.nodes[i].worker.is_some() && self.rng.chance(f.crash) {
                 let down = 1 + self.rng.below(3 * timeout);
                 self.crash_worker(id, down);
-                if std::env::var_os("DEBUG_SIM").is_some() {
+                if self.trace {
                     eprintln!("t{} crash {id:?} for {down}", self.now);
                 }
             } else if self.rng.chance(f.pause) {
@@ -505,7 +508,7 @@ impl Sim {
                 continue; // stale: the worker moved on
             }
             let (delta, output) = engine::step(c.stage, c.microbatch, c.step, &c.input, &node.own[m]);
-            if std::env::var_os("DEBUG_SIM").is_some() && c.microbatch == 0 {
+            if self.trace && c.microbatch == 0 {
                 eprintln!(
                     "t{} compute node {} stage {} step {} input {:x} held {} out {:x}",
                     now,
@@ -683,7 +686,7 @@ impl Sim {
                     self.report.recomputed_tokens += 1
                 }
                 Output::Plan(plan) => {
-                    if std::env::var_os("DEBUG_SIM").is_some() {
+                    if self.trace {
                         eprintln!("t{} plan {plan:?} marks {:?}", self.now, self.marks);
                     }
                     self.report.plans += 1;
