@@ -374,10 +374,53 @@ impl Sim {
             self.step();
             let done = self.controller.as_ref().is_some_and(Controller::finished);
             if done && self.now > self.cfg.chaos_ticks {
+                self.check_replication_settles();
                 break;
             }
         }
         self.finish()
+    }
+
+    /// Once the faults have healed and every token is delivered, every stage must come to hold all
+    /// of its KV, and its successor all of it as a replica, within a bounded time: replication keeps
+    /// up, it is not merely reported (a recovery that starts after the last token recomputes first).
+    fn check_replication_settles(&mut self) {
+        let deadline = self.now + 300;
+        let full = vec![self.cfg.tokens; self.cfg.microbatches as usize];
+        let settled = |sim: &Sim| -> Result<(), String> {
+            let c = sim.controller.as_ref().ok_or("controller down")?;
+            if !c.running() {
+                return Err("controller still recovering".into());
+            }
+            let owners = c.owners();
+            let d = owners.len();
+            for s in 0..d {
+                let (Some(own), Some(succ)) = (owners[s], owners[(s + 1) % d]) else {
+                    return Err(format!("stage {s} has no owner"));
+                };
+                let (Some(w), Some(r)) = (sim.worker(own), sim.worker(succ)) else {
+                    return Err(format!("stage {s} or its successor is down"));
+                };
+                if w.kv_len() != &full[..] || r.replica_len() != &full[..] {
+                    return Err(format!(
+                        "stage {s} holds {:?} steps, its successor replicates {:?}",
+                        w.kv_len(),
+                        r.replica_len()
+                    ));
+                }
+            }
+            Ok(())
+        };
+        loop {
+            match settled(self) {
+                Ok(()) => return,
+                Err(why) if self.now >= deadline => {
+                    self.violation(format!("replication did not catch up after healing: {why}"));
+                    return;
+                }
+                Err(_) => self.step(),
+            }
+        }
     }
 
     /// Ends the run: checks that every request finished with the reference tokens.
