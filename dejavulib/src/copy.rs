@@ -224,42 +224,68 @@ const PREFETCH_AHEAD: usize = 64;
 /// # Safety
 /// Every run of the nest rooted at (`src`, `dst`) is valid to read and write.
 unsafe fn walk_small_runs(src: *const u8, dst: *mut u8, axes: &[Axis], run: usize) {
-    macro_rules! fixed {
-        ($ty:ty) => {
-            // SAFETY: forwarded contract; each run is exactly size_of::<$ty>() bytes.
-            unsafe {
-                walk_rows(src, dst, axes, size_of::<$ty>(), &|s: *const u8, d: *mut u8| {
-                    std::ptr::write_unaligned(d as *mut $ty, std::ptr::read_unaligned(s as *const $ty))
-                })
-            }
-        };
+    // SAFETY: forwarded contract; in every arm the mover moves exactly `run` bytes.
+    unsafe {
+        match run {
+            4 => walk_rows(src, dst, axes, run, &Fixed::<u32>::new()),
+            8 => walk_rows(src, dst, axes, run, &Fixed::<u64>::new()),
+            16 => walk_rows(src, dst, axes, run, &Fixed::<u128>::new()),
+            32 => walk_rows(src, dst, axes, run, &Fixed::<[u128; 2]>::new()),
+            64 => walk_rows(src, dst, axes, run, &Fixed::<[u128; 4]>::new()),
+            _ => walk_rows(src, dst, axes, run, &Bytes(run)),
+        }
     }
-    match run {
-        4 => fixed!(u32),
-        8 => fixed!(u64),
-        16 => fixed!(u128),
-        32 => fixed!([u128; 2]),
-        64 => fixed!([u128; 4]),
-        // SAFETY: forwarded contract; each run is `run` bytes and never overlaps its destination.
-        _ => unsafe { walk_rows(src, dst, axes, run, &|s, d| std::ptr::copy_nonoverlapping(s, d, run)) },
+}
+
+/// Moves one run of a fixed length.
+trait MoveRun {
+    /// Copies the run at `src` to `dst`.
+    ///
+    /// # Safety
+    /// 1. `src` is valid for reads and `dst` for writes of the run's length.
+    /// 2. The two ranges do not overlap.
+    unsafe fn move_run(&self, src: *const u8, dst: *mut u8);
+}
+
+/// A run the size of `T`, moved as one unaligned load and store.
+struct Fixed<T>(std::marker::PhantomData<T>);
+
+impl<T> Fixed<T> {
+    fn new() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<T: Copy> MoveRun for Fixed<T> {
+    #[inline(always)]
+    unsafe fn move_run(&self, src: *const u8, dst: *mut u8) {
+        // SAFETY: both ranges hold size_of::<T>() valid bytes (contract 1); unaligned access is
+        // allowed for any T: Copy.
+        unsafe { std::ptr::write_unaligned(dst as *mut T, std::ptr::read_unaligned(src as *const T)) }
+    }
+}
+
+/// A run of any length, moved with `memcpy`.
+struct Bytes(usize);
+
+impl MoveRun for Bytes {
+    #[inline(always)]
+    unsafe fn move_run(&self, src: *const u8, dst: *mut u8) {
+        // SAFETY: contracts 1 and 2 of `move_run` are those of `copy_nonoverlapping`.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, self.0) }
     }
 }
 
 /// Peels outer axes until two remain, then runs [`rows`].
 ///
 /// # Safety
-/// Every run of the nest is valid; `copy` moves exactly one run from its first to its second
-/// argument.
-unsafe fn walk_rows(
-    src: *const u8,
-    dst: *mut u8,
-    axes: &[Axis],
-    run: usize,
-    copy: &impl Fn(*const u8, *mut u8),
-) {
+/// Every run of the nest is valid to read and write, runs never overlap their destinations, and
+/// `copy` moves exactly `run` bytes.
+unsafe fn walk_rows(src: *const u8, dst: *mut u8, axes: &[Axis], run: usize, copy: &impl MoveRun) {
     let one = Axis { count: 1, src_stride: 0, dst_stride: 0 };
     match axes {
-        [] => copy(src, dst),
+        // SAFETY: the single run is valid (forwarded contract).
+        [] => unsafe { copy.move_run(src, dst) },
         // SAFETY: forwarded contract.
         [row] => unsafe { rows(src, dst, &one, row, run, copy) },
         // SAFETY: forwarded contract.
@@ -284,16 +310,10 @@ unsafe fn walk_rows(
 /// Two nested loops of runs, with a prefetch cursor running `PREFETCH_AHEAD` runs ahead.
 ///
 /// # Safety
-/// Every run of the nest is valid; `copy` moves exactly one run.
+/// Every run of the nest is valid to read and write, runs never overlap their destinations, and
+/// `copy` moves exactly `run` bytes.
 #[inline(always)]
-unsafe fn rows(
-    src: *const u8,
-    dst: *mut u8,
-    outer: &Axis,
-    row: &Axis,
-    run: usize,
-    copy: &impl Fn(*const u8, *mut u8),
-) {
+unsafe fn rows(src: *const u8, dst: *mut u8, outer: &Axis, row: &Axis, run: usize, copy: &impl MoveRun) {
     let (n0, s0, d0) = (outer.count as usize, outer.src_stride as usize, outer.dst_stride as usize);
     let (n1, s1, d1) = (row.count as usize, row.src_stride as usize, row.dst_stride as usize);
     // The prefetch cursor (pi, pj) starts PREFETCH_AHEAD runs in; it only computes addresses.
@@ -314,8 +334,8 @@ unsafe fn rows(
                     ahead = ahead.wrapping_add(s1);
                 }
             }
-            // SAFETY: run (i, j) lies within the nest.
-            unsafe { copy(s.add(j * s1), d.add(j * d1)) };
+            // SAFETY: run (i, j) lies within the nest (forwarded contract).
+            unsafe { copy.move_run(s.add(j * s1), d.add(j * d1)) };
         }
     }
 }

@@ -240,8 +240,14 @@ fn serve(conn: TcpStream, config: &PeerConfig, stats: &PeerStats, mut store: Hos
     let mut w = BufWriter::with_capacity(1 << 20, conn);
     match server_handshake(&mut r, &mut w, config) {
         Ok(()) => stats.authenticated.fetch_add(1, Ordering::Relaxed),
-        Err(_) => {
+        Err(e) => {
+            // Counted before the client can hear of it.
             stats.refused.fetch_add(1, Ordering::Relaxed);
+            if let PeerError::Auth(_) = e {
+                let reason = b"authentication failed: wrong cluster secret";
+                let _ = write_frame(&mut w, &FrameHeader::new(Kind::Error, config.node, 0, 0), reason)
+                    .and_then(|()| w.flush());
+            }
             let _ = w.get_ref().shutdown(Shutdown::Both);
             return;
         }
@@ -333,9 +339,6 @@ fn server_handshake(r: &mut impl io::Read, w: &mut impl Write, config: &PeerConf
     w.flush()?;
     let proof = expect(read_frame(r, 64)?, Kind::Proof)?;
     if !verify_mac(&config.secret, b"client", &ours, &hello.payload, &proof.payload) {
-        let reason = b"authentication failed: wrong cluster secret";
-        write_frame(w, &FrameHeader::new(Kind::Error, config.node, 0, 0), reason)?;
-        w.flush()?;
         return Err(PeerError::Auth("client does not know the cluster secret".into()));
     }
     write_frame(w, &FrameHeader::new(Kind::Welcome, config.node, 0, 0), &[])?;
