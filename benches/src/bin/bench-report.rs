@@ -176,7 +176,73 @@ fn main() {
         higher_is_better: false,
     });
 
+    // A 64 MiB chunk flushed to an authenticated TCP peer against a raw TCP send of the same bytes.
+    let (peer_time, raw_time, chunk_len) = tcp_comparison(&w);
+    rows.push(Row {
+        name: "64 MiB chunk to a TCP peer (verify + store)",
+        value: gbps(chunk_len, peer_time),
+        unit: "GB/s",
+        limit_name: "raw TCP send of the same bytes (loopback)",
+        limit: gbps(chunk_len, raw_time),
+        target: 0.0,
+        higher_is_better: true,
+    });
+
     print_report(&rows, json, &format!("{geometry:?}"), store.backend_name(), decode_len, touched);
+}
+
+/// Times a chunk put to a [`PeerServer`] and a raw TCP send of the same payload to a sink that
+/// answers one byte, both over loopback.
+fn tcp_comparison(w: &Workload) -> (Duration, Duration, u64) {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+
+    use dejavulib::peer::{PeerConfig, PeerServer, PeerStore};
+    use dejavulib::{HostStore, KvRegion};
+
+    let geometry_layers = w.cache.layout().spec().layers();
+    // Tokens 0..100 of slot 0, all layers and heads: 81.9 MB in the 13B workload; scaled down to
+    // 64 MiB or less by taking fewer layers.
+    let layers = geometry_layers.min(32);
+    let region = KvRegion::new(0..layers, 0..1, 0..w.cache.layout().spec().kv_heads(), 0..100);
+    let len = w.cache.packed_len(&region);
+    let mut payload = vec![0u8; len as usize];
+    w.cache.gather(&region, w.packing(), &mut payload).expect("gather");
+    let descriptor = w.descriptor(&region);
+
+    let server = PeerServer::bind("127.0.0.1:0", PeerConfig::new(b"bench".to_vec(), 1), HostStore::new()).expect("peer");
+    let mut store = PeerStore::new(server.addr(), PeerConfig::new(b"bench".to_vec(), 2));
+    let peer_time = median(5, || store.put(&descriptor, &payload).expect("put"));
+
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let expected = len as usize;
+    let sink = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().expect("accept");
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let mut got = 0;
+            while got < expected {
+                match conn.read(&mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => got += n,
+                }
+            }
+            if conn.write_all(&[1]).is_err() {
+                return;
+            }
+        }
+    });
+    let mut conn = TcpStream::connect(addr).expect("connect");
+    conn.set_nodelay(true).expect("nodelay");
+    let raw_time = median(5, || {
+        conn.write_all(&payload).expect("send");
+        let mut ack = [0u8; 1];
+        conn.read_exact(&mut ack).expect("ack");
+    });
+    drop(conn);
+    let _ = sink.join();
+    (peer_time, raw_time, len)
 }
 
 fn print_report(rows: &[Row], json: bool, workload: &str, backend: &str, decode_len: u64, touched: u64) {
