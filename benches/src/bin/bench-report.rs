@@ -210,7 +210,8 @@ fn tcp_comparison(w: &Workload) -> (Duration, Duration, u64) {
     w.cache.gather(&region, w.packing(), &mut payload).expect("gather");
     let descriptor = w.descriptor(&region);
 
-    let server = PeerServer::bind("127.0.0.1:0", PeerConfig::new(b"bench".to_vec(), 1), HostStore::new()).expect("peer");
+    let server = PeerServer::bind("127.0.0.1:0", PeerConfig::new(b"bench".to_vec(), 1), HostStore::new())
+        .expect("peer");
     let mut store = PeerStore::new(server.addr(), PeerConfig::new(b"bench".to_vec(), 2));
     let peer_time = median(5, || store.put(&descriptor, &payload).expect("put"));
 
