@@ -191,7 +191,7 @@ fn main() {
     print_report(&rows, json, &format!("{geometry:?}"), store.backend_name(), decode_len, touched);
 }
 
-/// Times a chunk put to a [`PeerServer`] and a raw TCP send of the same payload to a sink that
+/// Times a chunk put to a [`dejavulib::peer::PeerServer`] and a raw TCP send of the same payload to a sink that
 /// answers one byte, both over loopback.
 fn tcp_comparison(w: &Workload) -> (Duration, Duration, u64) {
     use std::io::{Read, Write};
