@@ -455,9 +455,26 @@ impl Controller {
     }
 
     /// Failed stages whose successor failed too: their KV is lost.
+    /// A replacement that already installed its own KV in an earlier attempt keeps it (the worker
+    /// keeps restored state across epochs while its stage stays the same), so that stage is not lost.
     fn unrecoverable(&self) -> Vec<u32> {
         let d = self.cfg.depth;
-        self.failed.iter().copied().filter(|&s| self.failed.contains(&((s + 1) % d))).collect()
+        self.failed
+            .iter()
+            .copied()
+            .filter(|&s| self.failed.contains(&((s + 1) % d)))
+            .filter(|&s| !self.already_restored(s))
+            .collect()
+    }
+
+    /// Whether the owner of `stage` last reported its own KV restored while owning that stage.
+    fn already_restored(&self, stage: u32) -> bool {
+        let Some(node) = self.owners[stage as usize] else { return false };
+        let Some(m) = self.members.get(&node) else { return false };
+        m.alive
+            && m.status
+                .as_ref()
+                .is_some_and(|s| s.stage == Some(stage) && s.own_restored && s.epoch > Epoch(0))
     }
 
     fn persist(&mut self) {
