@@ -27,7 +27,9 @@ use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
 use crate::placement::WorkerId;
 use crate::region::KvRegion;
 use crate::store::{ChunkStore, HostStore, StoreError};
-use crate::wire::{read_frame, write_frame, Frame, FrameError, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD};
+use crate::wire::{
+    read_frame, write_frame, write_frame_parts, Frame, FrameError, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD,
+};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -278,9 +280,15 @@ fn serve(conn: TcpStream, config: &PeerConfig, stats: &PeerStats, mut store: Hos
                     let mut payload = Vec::new();
                     match store.get(&key, &mut payload) {
                         Ok(descriptor) => {
-                            let mut bytes = descriptor.encode_header(&payload).to_vec();
-                            bytes.extend_from_slice(&payload);
-                            (FrameHeader::new(Kind::GetReply, config.node, 0, request), bytes)
+                            // The chunk header and payload go out as two parts, not joined.
+                            let chunk_header = descriptor.encode_header(&payload);
+                            let header = FrameHeader::new(Kind::GetReply, config.node, 0, request);
+                            let sent = write_frame_parts(&mut w, &header, &[&chunk_header, &payload])
+                                .and_then(|()| w.flush());
+                            if sent.is_err() {
+                                return;
+                            }
+                            continue;
                         }
                         Err(e) => (
                             FrameHeader::new(Kind::Error, config.node, 0, request),
@@ -391,7 +399,7 @@ impl PeerStore {
     }
 
     /// Sends one request and reads its reply, reconnecting with backoff on connection failures.
-    fn call(&mut self, kind: Kind, payload: &[u8], reply: Kind) -> Result<Frame, PeerError> {
+    fn call(&mut self, kind: Kind, payload: &[&[u8]], reply: Kind) -> Result<Frame, PeerError> {
         let mut delay = Duration::from_millis(10);
         let mut attempt = 0;
         loop {
@@ -416,7 +424,7 @@ impl PeerStore {
         }
     }
 
-    fn try_call(&mut self, kind: Kind, payload: &[u8], reply: Kind) -> Result<Frame, PeerError> {
+    fn try_call(&mut self, kind: Kind, payload: &[&[u8]], reply: Kind) -> Result<Frame, PeerError> {
         if self.conn.is_none() {
             self.conn = Some(self.connect()?);
         }
@@ -425,7 +433,7 @@ impl PeerStore {
         let header = FrameHeader::new(kind, self.config.node, 0, request);
         let max = self.config.max_payload;
         let (r, w) = self.conn.as_mut().expect("connected above");
-        write_frame(w, &header, payload)?;
+        write_frame_parts(w, &header, payload)?;
         w.flush()?;
         let frame = expect(read_frame(r, max)?, reply)?;
         if frame.header.request != request {
@@ -439,10 +447,7 @@ impl PeerStore {
 impl ChunkStore for PeerStore {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         let header = descriptor.encode_header(payload);
-        let mut bytes = Vec::with_capacity(HEADER_LEN + payload.len());
-        bytes.extend_from_slice(&header);
-        bytes.extend_from_slice(payload);
-        let ack = self.call(Kind::Put, &bytes, Kind::PutAck)?;
+        let ack = self.call(Kind::Put, &[&header, payload], Kind::PutAck)?;
         let sum = ack.header.ids[0] as u64 | (ack.header.ids[1] as u64) << 32;
         if sum != xxhash_rust::xxh3::xxh3_64(payload) {
             return Err(PeerError::Protocol("the peer acknowledged another checksum".into()).into());
@@ -451,7 +456,7 @@ impl ChunkStore for PeerStore {
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
-        let reply = self.call(Kind::Get, &encode_key(key), Kind::GetReply);
+        let reply = self.call(Kind::Get, &[&encode_key(key)], Kind::GetReply);
         let frame = match reply {
             Err(PeerError::Refused(m)) if m.starts_with("no chunk") => {
                 return Err(StoreError::NotFound(Box::new(key.clone())))

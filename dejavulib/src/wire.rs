@@ -27,7 +27,7 @@
 use std::io::{self, Read, Write};
 
 use thiserror::Error;
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 /// Magic bytes of every frame.
 pub const FRAME_MAGIC: [u8; 4] = *b"DJVF";
@@ -168,6 +168,17 @@ impl FrameHeader {
 
     /// Encodes the header for `payload`.
     pub fn encode(&self, payload: &[u8]) -> [u8; FRAME_HEADER_LEN] {
+        self.encode_parts(&[payload])
+    }
+
+    /// Encodes the header for a payload made of `parts` in order (no need to join them first).
+    pub fn encode_parts(&self, parts: &[&[u8]]) -> [u8; FRAME_HEADER_LEN] {
+        let mut hasher = Xxh3::new();
+        let mut len = 0u64;
+        for part in parts {
+            hasher.update(part);
+            len += part.len() as u64;
+        }
         let mut h = [0u8; FRAME_HEADER_LEN];
         h[0..4].copy_from_slice(&FRAME_MAGIC);
         h[4..6].copy_from_slice(&FRAME_VERSION.to_le_bytes());
@@ -178,8 +189,8 @@ impl FrameHeader {
         for (i, id) in self.ids.iter().enumerate() {
             h[32 + 4 * i..36 + 4 * i].copy_from_slice(&id.to_le_bytes());
         }
-        h[48..56].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-        h[56..64].copy_from_slice(&xxh3_64(payload).to_le_bytes());
+        h[48..56].copy_from_slice(&len.to_le_bytes());
+        h[56..64].copy_from_slice(&hasher.digest().to_le_bytes());
         let sum = xxh3_64(&h[..64]);
         h[64..72].copy_from_slice(&sum.to_le_bytes());
         h
@@ -218,9 +229,16 @@ impl FrameHeader {
 
 /// Writes one frame (header and payload) to `w`.
 pub fn write_frame(w: &mut impl Write, header: &FrameHeader, payload: &[u8]) -> io::Result<()> {
-    let h = header.encode(payload);
-    w.write_all(&h)?;
-    w.write_all(payload)
+    write_frame_parts(w, header, &[payload])
+}
+
+/// Writes one frame whose payload is `parts` in order, without copying them together.
+pub fn write_frame_parts(w: &mut impl Write, header: &FrameHeader, parts: &[&[u8]]) -> io::Result<()> {
+    w.write_all(&header.encode_parts(parts))?;
+    for part in parts {
+        w.write_all(part)?;
+    }
+    Ok(())
 }
 
 /// Reads exactly `buf.len()` bytes, reporting how far it got on a clean end of stream.
@@ -299,6 +317,16 @@ mod tests {
         assert_eq!(a.header.ids, [1, 2, 3, 4]);
         assert!(read_frame(&mut r, 1024).unwrap().unwrap().payload.is_empty());
         assert!(read_frame(&mut r, 1024).unwrap().is_none(), "clean end of stream");
+    }
+
+    #[test]
+    fn a_frame_written_in_parts_reads_back_whole() {
+        let header = FrameHeader::new(Kind::GetReply, 2, 1, 5);
+        let mut out = Vec::new();
+        write_frame_parts(&mut out, &header, &[b"head", b"", b"er and payload"]).unwrap();
+        let frame = read_frame(&mut &out[..], 64).unwrap().unwrap();
+        assert_eq!(frame.payload, b"header and payload");
+        assert_eq!(header.encode_parts(&[b"head", b"er and payload"]), header.encode(b"header and payload"));
     }
 
     #[test]
