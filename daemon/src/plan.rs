@@ -12,7 +12,7 @@ use dejavulib::planner::{
     check_stage_memory, plan_disaggregation, prompt_transfer, swapping_pays, DisaggregationInput,
     DisaggregationPlan, KvSizing, Link, PlanError, StageMemory, SwapInput, SwapVerdict, TransferEstimate,
 };
-use dejavulib::{DType, KvSpec, ScaleMode, Setup, StageSpec};
+use dejavulib::{DType, KvSpec, ScaleMode, Setup, StageSpec, WorkerId};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use thiserror::Error;
@@ -202,6 +202,9 @@ pub struct PlanReport {
     pub transfers: Vec<(String, TransferEstimate)>,
     /// Memory per stage, when a split is given.
     pub memory: Vec<StageMemory>,
+    /// KV bytes per token of one request held by the fullest rank of each stage, when a split is
+    /// given (its layers and its head shard).
+    pub stage_kv_per_token: Vec<u64>,
 }
 
 /// Reads `path` (TOML, or JSON by extension), applies the calibration file then the flags, and plans.
@@ -355,8 +358,8 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanCliError> {
         }
     }
 
-    let memory_report = if input.stages.is_empty() {
-        Vec::new()
+    let (memory_report, stage_kv_per_token) = if input.stages.is_empty() {
+        (Vec::new(), Vec::new())
     } else {
         let mut start = 0;
         let mut stages = Vec::new();
@@ -369,7 +372,15 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanCliError> {
         let per_stage: Vec<f64> =
             input.stages.iter().map(|s| s.memory_gb.unwrap_or(input.cluster.memory_gb) * 1e9).collect();
         let tokens = (w.prompt_tokens + w.output_tokens) as u64;
-        check_stage_memory(&setup, m.weights_per_layer, tokens, &per_stage)?
+        let kv: Vec<u64> = (0..setup.stages().len() as u32)
+            .map(|stage| {
+                (0..setup.stages()[stage as usize].tp)
+                    .filter_map(|rank| KvSizing::worker_bytes_per_token(&setup, WorkerId { stage, rank }))
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        (check_stage_memory(&setup, m.weights_per_layer, tokens, &per_stage)?, kv)
     };
 
     Ok(PlanReport {
@@ -381,6 +392,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanReport, PlanCliError> {
         swapping,
         transfers,
         memory: memory_report,
+        stage_kv_per_token,
     })
 }
 
@@ -458,8 +470,9 @@ impl PlanReport {
             out["memory"] = self
                 .memory
                 .iter()
-                .map(|m| {
-                    json!({"stage": m.stage, "needed_bytes": m.needed, "available_bytes": m.available, "fits": m.fits(), "shortfall_bytes": m.shortfall()})
+                .zip(&self.stage_kv_per_token)
+                .map(|(m, kv)| {
+                    json!({"stage": m.stage, "kv_bytes_per_token": kv, "needed_bytes": m.needed, "available_bytes": m.available, "fits": m.fits(), "shortfall_bytes": m.shortfall()})
                 })
                 .collect();
         }
@@ -539,7 +552,7 @@ impl PlanReport {
         }
         if !self.memory.is_empty() {
             let _ = writeln!(o, "\nMemory per stage (fullest rank)");
-            for m in &self.memory {
+            for (m, kv) in self.memory.iter().zip(&self.stage_kv_per_token) {
                 let verdict = if m.fits() {
                     "fits".to_string()
                 } else {
@@ -547,7 +560,7 @@ impl PlanReport {
                 };
                 let _ = writeln!(
                     o,
-                    "  stage {:<3} needs {:.3} GB of {:.3} GB: {verdict}",
+                    "  stage {:<3} KV {kv} B/token; needs {:.3} GB of {:.3} GB: {verdict}",
                     m.stage,
                     gb(m.needed),
                     gb(m.available)

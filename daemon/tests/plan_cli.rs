@@ -34,6 +34,8 @@ fn shipped_example_reproduces_the_paper_vector() {
     assert_eq!(d["recommendation"]["kind"], "disaggregate");
     assert_eq!(d["recommendation"]["prompt_machines"], 1);
     assert_eq!(v["memory"].as_array().unwrap().len(), 4);
+    // 10 of 40 layers at TP 1: a quarter of 819,200 B per token.
+    assert_eq!(v["memory"][0]["kv_bytes_per_token"], 204_800);
     assert_eq!(v["transfers"].as_array().unwrap().len(), 2);
 
     let table = dejavud(&["plan", path.to_str().unwrap()]);
