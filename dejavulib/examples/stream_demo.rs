@@ -12,6 +12,7 @@ use std::time::Instant;
 use dejavulib::file_io::FileBackend;
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder};
 use dejavulib::peer::{PeerConfig, PeerServer, PeerStore};
+use dejavulib::placement::Holding;
 use dejavulib::reshard::StreamStats;
 use dejavulib::streamer::{Shutdown, StreamerConfig};
 use dejavulib::{
@@ -100,6 +101,31 @@ fn vector(spec: &KvSpec, part: Part, layer: u32, request: u32, head: u32, token:
 
 type Caches = Vec<(WorkerId, Vec<KvCache>)>;
 
+/// Writes every vector of local `layer` of `cache` (slot `s` holding global request
+/// `first_request + s`) with the value function of its global coordinates.
+fn fill_layer(
+    cache: &KvCache,
+    holding: &Holding,
+    layer: u32,
+    first_request: u32,
+    tokens: u32,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let local = *cache.layout().spec();
+    for slot in 0..cache.layout().slots() {
+        for head in 0..local.kv_heads() {
+            for t in 0..tokens {
+                for &part in local.parts() {
+                    let global_layer = holding.layers.start + layer;
+                    let global_head = holding.heads.start + head;
+                    let data = vector(&local, part, global_layer, first_request + slot, global_head, t);
+                    cache.write_vector(part, Coord { layer, slot, head, token: t }, &data)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn build_prompt_caches(setup: &Setup, tokens: u32) -> Result<Caches, Box<dyn std::error::Error>> {
     let started = Instant::now();
     let mut out = Vec::new();
@@ -110,24 +136,7 @@ fn build_prompt_caches(setup: &Setup, tokens: u32) -> Result<Caches, Box<dyn std
         for m in 0..setup.microbatches() {
             let cache = KvCache::new(KvLayout::faster_transformer(local, setup.microbatch_slots(), tokens)?)?;
             for layer in 0..local.layers() {
-                for slot in 0..setup.microbatch_slots() {
-                    for head in 0..local.kv_heads() {
-                        for t in 0..tokens {
-                            for &part in local.parts() {
-                                let request = m * setup.microbatch_slots() + slot;
-                                let data = vector(
-                                    &local,
-                                    part,
-                                    holding.layers.start + layer,
-                                    request,
-                                    holding.heads.start + head,
-                                    t,
-                                );
-                                cache.write_vector(part, Coord { layer, slot, head, token: t }, &data)?;
-                            }
-                        }
-                    }
-                }
+                fill_layer(&cache, &holding, layer, m * setup.microbatch_slots(), tokens)?;
             }
             caches.push(cache);
         }
@@ -276,23 +285,7 @@ fn layer_by_layer(a: &Setup, b: &Setup, tokens: u32) -> Result<(), Box<dyn std::
     let mut pending = Vec::new();
     for layer in 0..local.layers() {
         // "Compute" the layer: write its KV, then hand it to the streamer and go on.
-        for slot in 0..a.microbatch_slots() {
-            for head in 0..local.kv_heads() {
-                for t in 0..tokens {
-                    for &part in local.parts() {
-                        let data = vector(
-                            &local,
-                            part,
-                            holding.layers.start + layer,
-                            slot,
-                            holding.heads.start + head,
-                            t,
-                        );
-                        cache.write_vector(part, Coord { layer, slot, head, token: t }, &data)?;
-                    }
-                }
-            }
-        }
+        fill_layer(&cache, &holding, layer, 0, tokens)?;
         pending.extend(streamer.layer_ready(&cache, &plan, 0, layer, 0..tokens)?);
     }
     let compute = started.elapsed();

@@ -100,11 +100,13 @@ pub struct ChunkKey {
 }
 
 impl ChunkKey {
-    /// A name safe for file systems.
-    pub fn file_name(&self) -> String {
+    /// Bytes of [`ChunkKey::encode`].
+    pub const ENCODED_LEN: usize = 44;
+
+    /// The eleven numbers that identify the chunk, in a fixed order.
+    fn words(&self) -> [u32; 11] {
         let r = &self.region;
-        format!(
-            "w{}.{}-m{}-l{}_{}-s{}_{}-h{}_{}-t{}_{}.djv",
+        [
             self.destination.stage,
             self.destination.rank,
             self.microbatch,
@@ -115,8 +117,33 @@ impl ChunkKey {
             r.heads.start,
             r.heads.end,
             r.tokens.start,
-            r.tokens.end
-        )
+            r.tokens.end,
+        ]
+    }
+
+    /// A name safe for file systems.
+    pub fn file_name(&self) -> String {
+        let [stage, rank, mb, l0, l1, s0, s1, h0, h1, t0, t1] = self.words();
+        format!("w{stage}.{rank}-m{mb}-l{l0}_{l1}-s{s0}_{s1}-h{h0}_{h1}-t{t0}_{t1}.djv")
+    }
+
+    /// The key as little-endian bytes, for the wire.
+    pub fn encode(&self) -> Vec<u8> {
+        self.words().iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+
+    /// Inverse of [`ChunkKey::encode`]; `None` for bytes of the wrong length.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != Self::ENCODED_LEN {
+            return None;
+        }
+        let v: Vec<u32> =
+            bytes.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+        Some(Self {
+            destination: WorkerId { stage: v[0], rank: v[1] },
+            microbatch: v[2],
+            region: KvRegion::new(v[3]..v[4], v[5]..v[6], v[7]..v[8], v[9]..v[10]),
+        })
     }
 }
 

@@ -24,8 +24,6 @@ use sha2::Sha256;
 use thiserror::Error;
 
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
-use crate::placement::WorkerId;
-use crate::region::KvRegion;
 use crate::store::{ChunkStore, HostStore, StoreError};
 use crate::wire::{
     read_frame, write_frame, write_frame_parts, Frame, FrameError, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD,
@@ -86,41 +84,6 @@ fn verify_mac(secret: &[u8], role: &[u8], a: &[u8], b: &[u8], tag: &[u8]) -> boo
     m.update(a);
     m.update(b);
     m.verify_slice(tag).is_ok()
-}
-
-/// Encodes a chunk key as 12 little-endian u32s.
-fn encode_key(key: &ChunkKey) -> Vec<u8> {
-    let r = &key.region;
-    [
-        key.destination.stage,
-        key.destination.rank,
-        key.microbatch,
-        r.layers.start,
-        r.layers.end,
-        r.slots.start,
-        r.slots.end,
-        r.heads.start,
-        r.heads.end,
-        r.tokens.start,
-        r.tokens.end,
-        0,
-    ]
-    .iter()
-    .flat_map(|v| v.to_le_bytes())
-    .collect()
-}
-
-fn decode_key(bytes: &[u8]) -> Option<ChunkKey> {
-    if bytes.len() != 48 {
-        return None;
-    }
-    let v: Vec<u32> =
-        bytes.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
-    Some(ChunkKey {
-        destination: WorkerId { stage: v[0], rank: v[1] },
-        microbatch: v[2],
-        region: KvRegion::new(v[3]..v[4], v[5]..v[6], v[7]..v[8], v[9]..v[10]),
-    })
 }
 
 /// Settings of a peer server.
@@ -275,7 +238,7 @@ fn serve(conn: TcpStream, config: &PeerConfig, stats: &PeerStats, mut store: Hos
                 }
                 Err(e) => (FrameHeader::new(Kind::Error, config.node, 0, request), e.into_bytes()),
             },
-            Kind::Get => match decode_key(&frame.payload) {
+            Kind::Get => match ChunkKey::decode(&frame.payload) {
                 Some(key) => {
                     let mut payload = Vec::new();
                     match store.get(&key, &mut payload) {
@@ -456,7 +419,7 @@ impl ChunkStore for PeerStore {
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
-        let reply = self.call(Kind::Get, &[&encode_key(key)], Kind::GetReply);
+        let reply = self.call(Kind::Get, &[&key.encode()], Kind::GetReply);
         let frame = match reply {
             Err(PeerError::Refused(m)) if m.starts_with("no chunk") => {
                 return Err(StoreError::NotFound(Box::new(key.clone())))
@@ -487,6 +450,8 @@ impl ChunkStore for PeerStore {
 mod tests {
     use super::*;
     use crate::layout::Packing;
+    use crate::placement::WorkerId;
+    use crate::region::KvRegion;
     use crate::spec::{DType, KvSpec};
 
     fn chunk_bytes() -> Vec<u8> {
@@ -528,7 +493,7 @@ mod tests {
             microbatch: 7,
             region: KvRegion::new(1..4, 0..8, 2..6, 100..101),
         };
-        assert_eq!(decode_key(&encode_key(&key)), Some(key));
-        assert_eq!(decode_key(&[0u8; 47]), None);
+        assert_eq!(ChunkKey::decode(&key.encode()), Some(key));
+        assert_eq!(ChunkKey::decode(&[0u8; 43]), None);
     }
 }
