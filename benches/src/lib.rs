@@ -4,6 +4,8 @@
 //! batch 8) in FasterTransformer's layout, where a decode step writes one 16-byte K piece per
 //! 64-byte cache line.
 
+pub mod net;
+
 use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::plan::CopyPlan;
 use dejavulib::{DType, KvCache, KvLayout, KvRegion, KvSpec, Packing, WorkerId};
@@ -119,4 +121,18 @@ pub fn source_lines_bytes(plan: &CopyPlan) -> u64 {
 /// A plain copy of `src` into `dst`: the memcpy limit.
 pub fn memcpy(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);
+}
+
+/// Median wall time of `runs` calls of `f` after one warm-up call.
+pub fn median_of(runs: usize, mut f: impl FnMut()) -> std::time::Duration {
+    f();
+    let mut times: Vec<_> = (0..runs.max(1))
+        .map(|_| {
+            let start = std::time::Instant::now();
+            f();
+            start.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[times.len() / 2]
 }

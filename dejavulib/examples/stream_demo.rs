@@ -11,7 +11,8 @@ use std::time::Instant;
 
 use dejavulib::file_io::FileBackend;
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder};
-use dejavulib::peer::{PeerConfig, PeerServer, PeerStore};
+use dejavulib::net::tcp::TcpTransport;
+use dejavulib::net::{ClientConfig, PeerServer, PeerStore, ServerConfig};
 use dejavulib::placement::Holding;
 use dejavulib::reshard::StreamStats;
 use dejavulib::streamer::{Shutdown, StreamerConfig};
@@ -50,12 +51,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::remove_dir_all(&dir)?;
 
     println!("\n[peer host buffer over TCP] authenticated peer on 127.0.0.1");
-    let peer = PeerServer::bind(
-        "127.0.0.1:0",
-        PeerConfig::new(b"demo cluster secret".to_vec(), 100),
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let transport = std::sync::Arc::new(TcpTransport::plain());
+    let secret = b"demo cluster secret".to_vec();
+    let peer = runtime.block_on(PeerServer::bind(
+        &*transport,
+        "127.0.0.1:0".parse()?,
+        ServerConfig::new(secret.clone(), 100),
         HostStore::new(),
-    )?;
-    let remote = PeerStore::new(peer.addr(), PeerConfig::new(b"demo cluster secret".to_vec(), 0));
+    ))?;
+    let remote =
+        PeerStore::new(runtime.handle().clone(), transport, peer.addr(), ClientConfig::new(secret, 0));
     run_transfer(&prompt, &token, &sources, tokens, &pool, Box::new(remote), kv_bytes)?;
 
     println!("\n[layer-by-layer streaming] prompt worker (0,0) streams each layer as it is computed");

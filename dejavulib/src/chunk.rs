@@ -271,6 +271,12 @@ impl ChunkDescriptor {
     }
 }
 
+/// The payload checksum recorded in an encoded chunk header (bytes 88..96), read without checking
+/// the header: callers must have checked the header's integrity already.
+pub fn header_payload_checksum(header: &[u8; HEADER_LEN]) -> u64 {
+    u64::from_le_bytes(header[88..96].try_into().expect("8 bytes"))
+}
+
 /// Checks `payload` against the checksum from its header.
 pub fn verify_payload(payload: &[u8], expected: u64) -> Result<(), ChunkError> {
     let actual = xxh3_64(payload);

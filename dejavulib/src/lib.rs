@@ -8,7 +8,8 @@
 //!   bytes, and turns a region copy into a few strided loops of contiguous runs;
 //! - **buffered copies** ([`cache`], [`copy`], [`memory`]): gather many small KV pieces into one
 //!   staging buffer from a reusable pool, then move that buffer once;
-//! - **flush / fetch** ([`chunk`], [`store`]): checksummed chunks to host memory or files;
+//! - **flush / fetch** ([`chunk`], [`store`], [`net`]): checksummed chunks to host memory, files or a
+//!   remote peer over TCP, TLS or QUIC ([`wire`] frames, cluster authentication, backpressure);
 //! - **resharding** ([`placement`], [`reshard`]): `stream_out` / `stream_in` between pipeline setups of
 //!   different depth, tensor-parallel degree, microbatch size and layer split;
 //! - a background **streamer** ([`streamer`]) that moves layer `l` while the engine computes `l + 1`.
@@ -47,7 +48,7 @@ pub mod copy;
 pub mod file_io;
 pub mod layout;
 pub mod memory;
-pub mod peer;
+pub mod net;
 pub mod placement;
 pub mod plan;
 pub mod planner;

@@ -75,9 +75,16 @@ fn check_payload(descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), Sto
 
 #[derive(Default)]
 struct HostInner {
-    chunks: HashMap<ChunkKey, (Vec<u8>, Vec<u8>)>,
+    /// Each chunk encoded as on disk and on the wire: header, then payload.
+    chunks: HashMap<ChunkKey, Arc<Vec<u8>>>,
     log: Vec<ChunkKey>,
+    /// Buffers of replaced chunks, kept for the next chunks received: a fresh allocation of tens of
+    /// MiB costs a page fault per 4 KiB when first written, more than the network transfer itself.
+    spare: Vec<Vec<u8>>,
 }
+
+/// Replaced buffers a [`HostStore`] keeps for reuse.
+const SPARE_BUFFERS: usize = 4;
 
 /// Chunks in host memory (a peer's buffer, a swap space). Clones share the same store.
 #[derive(Clone, Default)]
@@ -106,10 +113,15 @@ impl HostStore {
         self.len() == 0
     }
 
+    /// Bytes held (headers and payloads).
+    pub fn bytes(&self) -> u64 {
+        self.inner.lock().chunks.values().map(|c| c.len() as u64).sum()
+    }
+
     /// Flips one payload byte of a held chunk (for fault tests): the next `get` must report it.
     pub fn corrupt(&self, key: &ChunkKey, byte: usize) -> bool {
         let mut inner = self.inner.lock();
-        match inner.chunks.get_mut(key).and_then(|(_, p)| p.get_mut(byte)) {
+        match inner.chunks.get_mut(key).and_then(|c| Arc::make_mut(c).get_mut(HEADER_LEN + byte)) {
             Some(b) => {
                 *b ^= 0x5a;
                 true
@@ -117,25 +129,57 @@ impl HostStore {
             None => false,
         }
     }
+
+    /// Keeps an encoded chunk (header and payload) the caller has verified, without copying it.
+    pub(crate) fn insert_encoded(&self, key: ChunkKey, encoded: Vec<u8>) {
+        let mut inner = self.inner.lock();
+        inner.log.push(key.clone());
+        let replaced = inner.chunks.insert(key, Arc::new(encoded));
+        // A buffer still being sent to a reader is not reusable; it is freed when the send ends.
+        if let Some(buffer) = replaced.and_then(|old| Arc::try_unwrap(old).ok()) {
+            if inner.spare.len() == SPARE_BUFFERS {
+                inner.spare.remove(0);
+            }
+            inner.spare.push(buffer);
+        }
+    }
+
+    /// An empty buffer with room for `len` bytes: a kept one of a replaced chunk if one fits
+    /// without wasting more than half of it, otherwise a new one.
+    pub(crate) fn buffer_for(&self, len: usize) -> Vec<u8> {
+        let mut inner = self.inner.lock();
+        let fits = inner.spare.iter().position(|b| b.capacity() >= len && b.capacity() / 2 <= len);
+        match fits {
+            Some(i) => {
+                let mut buffer = inner.spare.swap_remove(i);
+                buffer.clear();
+                buffer
+            }
+            None => Vec::with_capacity(len),
+        }
+    }
+
+    /// The encoded chunk under `key`, shared rather than copied (not verified: readers check it).
+    pub(crate) fn encoded(&self, key: &ChunkKey) -> Option<Arc<Vec<u8>>> {
+        self.inner.lock().chunks.get(key).cloned()
+    }
 }
 
 impl ChunkStore for HostStore {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         check_payload(descriptor, payload)?;
-        let header = descriptor.encode_header(payload).to_vec();
-        let key = descriptor.key();
-        let mut inner = self.inner.lock();
-        inner.log.push(key.clone());
-        inner.chunks.insert(key, (header, payload.to_vec()));
+        let mut encoded = Vec::with_capacity(HEADER_LEN + payload.len());
+        encoded.extend_from_slice(&descriptor.encode_header(payload));
+        encoded.extend_from_slice(payload);
+        self.insert_encoded(descriptor.key(), encoded);
         Ok(())
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
-        let inner = self.inner.lock();
-        let (header, payload) =
-            inner.chunks.get(key).ok_or_else(|| StoreError::NotFound(Box::new(key.clone())))?;
+        let chunk = self.encoded(key).ok_or_else(|| StoreError::NotFound(Box::new(key.clone())))?;
         let corrupt = |source| StoreError::Chunk { key: key.file_name(), source };
-        let (descriptor, _, sum) = ChunkDescriptor::decode_header(header).map_err(corrupt)?;
+        let (descriptor, _, sum) = ChunkDescriptor::decode_header(&chunk[..HEADER_LEN]).map_err(corrupt)?;
+        let payload = &chunk[HEADER_LEN..];
         verify_payload(payload, sum).map_err(corrupt)?;
         out.clear();
         out.extend_from_slice(payload);

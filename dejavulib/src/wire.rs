@@ -23,11 +23,19 @@
 //! A reader checks the header checksum before trusting any field, rejects a payload length above
 //! its maximum before allocating, and checks the payload checksum before handing the frame on: a
 //! malformed, truncated, oversized or corrupted frame is a typed error, never a partial payload.
+//!
+//! One flag is defined: [`FLAG_CHUNK`] marks a payload that is a whole chunk (its 104-byte header,
+//! then its bytes). The chunk header already carries a checksum of the bytes after it, so the frame's
+//! payload checksum covers only the chunk header, and readers check the rest against the checksum
+//! the chunk header records: a chunk frame is checked end to end like any other, and each side hashes
+//! the KV bytes once, not twice.
 
 use std::io::{self, Read, Write};
 
 use thiserror::Error;
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+
+use crate::chunk::HEADER_LEN as CHUNK_HEADER_LEN;
 
 /// Magic bytes of every frame.
 pub const FRAME_MAGIC: [u8; 4] = *b"DJVF";
@@ -35,6 +43,8 @@ pub const FRAME_MAGIC: [u8; 4] = *b"DJVF";
 pub const FRAME_VERSION: u16 = 1;
 /// Bytes of a frame header.
 pub const FRAME_HEADER_LEN: usize = 72;
+/// Flag: the payload is a chunk, and the payload checksum covers only the chunk's header.
+pub const FLAG_CHUNK: u32 = 1;
 /// Default maximum payload: 1 GiB (a layer of a large model's prompt KV fits).
 pub const DEFAULT_MAX_PAYLOAD: u64 = 1 << 30;
 
@@ -86,6 +96,39 @@ impl Kind {
     }
 }
 
+/// Why a peer refused a request: carried in `ids[0]` of a [`Kind::Error`] frame (the payload holds
+/// the reason in words).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum ErrorCode {
+    /// Anything not listed below.
+    Other = 0,
+    /// The handshake failed.
+    Auth = 1,
+    /// The request's epoch is older than the peer's.
+    StaleEpoch = 2,
+    /// No chunk under the key asked for.
+    NotFound = 3,
+    /// The chunk failed verification and was not stored.
+    BadChunk = 4,
+    /// A frame kind the peer does not serve.
+    Unexpected = 5,
+}
+
+impl ErrorCode {
+    /// The code numbered `code` (unknown numbers read as [`ErrorCode::Other`]).
+    pub fn from_code(code: u32) -> Self {
+        match code {
+            1 => ErrorCode::Auth,
+            2 => ErrorCode::StaleEpoch,
+            3 => ErrorCode::NotFound,
+            4 => ErrorCode::BadChunk,
+            5 => ErrorCode::Unexpected,
+            _ => ErrorCode::Other,
+        }
+    }
+}
+
 /// Errors reading or checking a frame. After any of them the connection must be closed.
 #[derive(Debug, Error)]
 pub enum FrameError {
@@ -101,6 +144,9 @@ pub enum FrameError {
     /// Flags this build does not know.
     #[error("unknown frame flags {0:#x}")]
     UnknownFlags(u32),
+    /// A frame flagged as carrying a chunk is shorter than a chunk header.
+    #[error("chunk frame of {0} bytes is shorter than a chunk header")]
+    ChunkTooShort(u64),
     /// The header checksum does not match.
     #[error("frame header checksum mismatch")]
     HeaderCorrupt,
@@ -149,6 +195,8 @@ pub struct FrameHeader {
     pub request: u64,
     /// Kind-specific ids.
     pub ids: [u32; 4],
+    /// Flags ([`FLAG_CHUNK`] or 0).
+    pub flags: u32,
 }
 
 /// A checked frame.
@@ -163,7 +211,16 @@ pub struct Frame {
 impl FrameHeader {
     /// A header of `kind` with zero ids.
     pub fn new(kind: Kind, sender: u32, epoch: u64, request: u64) -> Self {
-        Self { kind, sender, epoch, request, ids: [0; 4] }
+        Self { kind, sender, epoch, request, ids: [0; 4], flags: 0 }
+    }
+
+    /// Bytes of the payload the payload checksum covers, for a payload of `len` bytes.
+    pub fn checksummed_len(&self, len: u64) -> u64 {
+        if self.flags & FLAG_CHUNK != 0 {
+            len.min(CHUNK_HEADER_LEN as u64)
+        } else {
+            len
+        }
     }
 
     /// Encodes the header for `payload`.
@@ -173,16 +230,19 @@ impl FrameHeader {
 
     /// Encodes the header for a payload made of `parts` in order (no need to join them first).
     pub fn encode_parts(&self, parts: &[&[u8]]) -> [u8; FRAME_HEADER_LEN] {
+        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
         let mut hasher = Xxh3::new();
-        let mut len = 0u64;
+        let mut left = self.checksummed_len(len) as usize;
         for part in parts {
-            hasher.update(part);
-            len += part.len() as u64;
+            let n = part.len().min(left);
+            hasher.update(&part[..n]);
+            left -= n;
         }
         let mut h = [0u8; FRAME_HEADER_LEN];
         h[0..4].copy_from_slice(&FRAME_MAGIC);
         h[4..6].copy_from_slice(&FRAME_VERSION.to_le_bytes());
         h[6..8].copy_from_slice(&(self.kind as u16).to_le_bytes());
+        h[8..12].copy_from_slice(&self.flags.to_le_bytes());
         h[12..16].copy_from_slice(&self.sender.to_le_bytes());
         h[16..24].copy_from_slice(&self.epoch.to_le_bytes());
         h[24..32].copy_from_slice(&self.request.to_le_bytes());
@@ -213,8 +273,13 @@ impl FrameHeader {
             return Err(FrameError::UnsupportedVersion(version));
         }
         let kind = Kind::from_code(u16_at(6)).ok_or(FrameError::UnknownKind(u16_at(6)))?;
-        if u32_at(8) != 0 {
-            return Err(FrameError::UnknownFlags(u32_at(8)));
+        let flags = u32_at(8);
+        if flags & !FLAG_CHUNK != 0 {
+            return Err(FrameError::UnknownFlags(flags));
+        }
+        let len = u64_at(48);
+        if flags & FLAG_CHUNK != 0 && len < CHUNK_HEADER_LEN as u64 {
+            return Err(FrameError::ChunkTooShort(len));
         }
         let header = FrameHeader {
             kind,
@@ -222,8 +287,9 @@ impl FrameHeader {
             epoch: u64_at(16),
             request: u64_at(24),
             ids: [u32_at(32), u32_at(36), u32_at(40), u32_at(44)],
+            flags,
         };
-        Ok((header, u64_at(48), u64_at(56)))
+        Ok((header, len, u64_at(56)))
     }
 }
 
@@ -280,10 +346,33 @@ pub fn read_frame(r: &mut impl Read, max_payload: u64) -> Result<Option<Frame>, 
         }
         Err((_, e)) => return Err(e.into()),
     }
-    if xxh3_64(&payload) != sum {
+    let covered = header.checksummed_len(len) as usize;
+    let body_sum = (covered < payload.len()).then(|| xxh3_64(&payload[covered..]));
+    verify_sums(&header, &payload[..covered], xxh3_64(&payload[..covered]), sum, body_sum)?;
+    Ok(Some(Frame { header, payload }))
+}
+
+/// Checks a payload's checksums: `covered_sum` (of the bytes the header's checksum covers,
+/// `covered`) against the header's `sum`, and for a chunk frame `body_sum` (of the bytes after the
+/// chunk header) against the checksum the chunk header records.
+pub(crate) fn verify_sums(
+    header: &FrameHeader,
+    covered: &[u8],
+    covered_sum: u64,
+    sum: u64,
+    body_sum: Option<u64>,
+) -> Result<(), FrameError> {
+    if covered_sum != sum {
         return Err(FrameError::PayloadCorrupt);
     }
-    Ok(Some(Frame { header, payload }))
+    if header.flags & FLAG_CHUNK != 0 {
+        let chunk_header: &[u8; CHUNK_HEADER_LEN] = covered.try_into().expect("a whole chunk header");
+        let body = body_sum.unwrap_or_else(|| xxh3_64(&[]));
+        if body != crate::chunk::header_payload_checksum(chunk_header) {
+            return Err(FrameError::PayloadCorrupt);
+        }
+    }
+    Ok(())
 }
 
 /// Rejects a frame from an epoch older than `current` (fencing at the transport).

@@ -2,7 +2,7 @@
 //!
 //! `cargo run --release -p dejavu-benches --bin bench-report [-- --json] [--quick]`
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dejavu_benches::{memcpy, source_lines_bytes, Geometry, Workload};
 use dejavulib::baseline::flush_per_extent;
@@ -12,10 +12,10 @@ use dejavulib::StagingPool;
 
 /// One line of the report.
 struct Row {
-    name: &'static str,
+    name: String,
     value: f64,
     unit: &'static str,
-    limit_name: &'static str,
+    limit_name: String,
     limit: f64,
     target: f64,
     higher_is_better: bool,
@@ -34,18 +34,8 @@ impl Row {
     }
 }
 
-/// Median wall time of `runs` calls after one warm-up.
-fn median(runs: usize, mut f: impl FnMut()) -> Duration {
-    f();
-    let mut times: Vec<Duration> = (0..runs)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed()
-        })
-        .collect();
-    times.sort();
-    times[times.len() / 2]
+fn median(runs: usize, f: impl FnMut()) -> Duration {
+    dejavu_benches::median_of(runs, f)
 }
 
 fn gbps(bytes: u64, d: Duration) -> f64 {
@@ -91,28 +81,28 @@ fn main() {
     let dram = gbps(big as u64, t_big);
     let useful_fraction = decode_len as f64 / touched as f64;
     rows.push(Row {
-        name: "gather decode step (FT, 16 B K pieces), all cores",
+        name: "gather decode step (FT, 16 B K pieces), all cores".into(),
         value: gbps(decode_len, t_gather_par),
         unit: "GB/s",
-        limit_name: "cache-line limit (DRAM memcpy x useful/touched)",
+        limit_name: "cache-line limit (DRAM memcpy x useful/touched)".into(),
         limit: dram * useful_fraction,
         target: 0.8,
         higher_is_better: true,
     });
     rows.push(Row {
-        name: "gather decode step, one thread",
+        name: "gather decode step, one thread".into(),
         value: gbps(decode_len, t_gather),
         unit: "GB/s",
-        limit_name: "cache-line limit (DRAM memcpy x useful/touched)",
+        limit_name: "cache-line limit (DRAM memcpy x useful/touched)".into(),
         limit: dram * useful_fraction,
         target: 0.0,
         higher_is_better: true,
     });
     rows.push(Row {
-        name: "gather decode step, one thread",
+        name: "gather decode step, one thread".into(),
         value: gbps(decode_len, t_gather),
         unit: "GB/s",
-        limit_name: "memcpy of the same bytes (cache-resident)",
+        limit_name: "memcpy of the same bytes (cache-resident)".into(),
         limit: gbps(decode_len, t_memcpy_small),
         target: 0.0,
         higher_is_better: true,
@@ -129,10 +119,10 @@ fn main() {
     let prompt_src = vec![9u8; prompt_len];
     let t_prompt_memcpy = median(7, || memcpy(&mut prompt_out, &prompt_src));
     rows.push(Row {
-        name: "gather 1000-token prompt",
+        name: "gather 1000-token prompt".into(),
         value: gbps(prompt_len as u64, t_prompt),
         unit: "GB/s",
-        limit_name: "memcpy of the same bytes",
+        limit_name: "memcpy of the same bytes".into(),
         limit: gbps(prompt_len as u64, t_prompt_memcpy),
         target: 0.8,
         higher_is_better: true,
@@ -158,92 +148,52 @@ fn main() {
     let raw_path = dir.path().join("raw.bin");
     let t_raw = median(11, || std::fs::write(&raw_path, &src).expect("write"));
     rows.push(Row {
-        name: "decode step to file, buffered (gather + 1 write)",
+        name: "decode step to file, buffered (gather + 1 write)".into(),
         value: t_buffered.as_secs_f64() * 1e3,
         unit: "ms",
-        limit_name: "one write per extent (paper's baseline)",
+        limit_name: "one write per extent (paper's baseline)".into(),
         limit: t_per_extent.as_secs_f64() * 1e3,
         target: 50.0,
         higher_is_better: false,
     });
     rows.push(Row {
-        name: "decode step to file, buffered",
+        name: "decode step to file, buffered".into(),
         value: t_buffered.as_secs_f64() * 1e3,
         unit: "ms",
-        limit_name: "raw sequential write of the same bytes",
+        limit_name: "raw sequential write of the same bytes".into(),
         limit: t_raw.as_secs_f64() * 1e3,
         target: 0.0,
         higher_is_better: false,
     });
 
-    // A 65.5 MB chunk flushed to an authenticated TCP peer against a raw TCP send of the same bytes.
-    let (peer_time, raw_time, chunk_len) = tcp_comparison(&w);
+    // A decode step to a remote peer: buffered against one put per KV vector.
+    let (t_remote, t_per_vector, vectors) =
+        dejavu_benches::net::remote_decode_step(&w, if quick { 1 } else { 3 });
     rows.push(Row {
-        name: "65.5 MB chunk to a TCP peer (verify + store)",
-        value: gbps(chunk_len, peer_time),
-        unit: "GB/s",
-        limit_name: "raw TCP send of the same bytes (loopback)",
-        limit: gbps(chunk_len, raw_time),
-        target: 0.0,
-        higher_is_better: true,
+        name: "decode step to a TCP peer, buffered (gather + 1 put)".into(),
+        value: t_remote.as_secs_f64() * 1e3,
+        unit: "ms",
+        limit_name: format!("one put per KV vector ({vectors} puts)"),
+        limit: t_per_vector.as_secs_f64() * 1e3,
+        target: 50.0,
+        higher_is_better: false,
     });
+
+    // The transports against raw streams moving the same bytes.
+    for c in dejavu_benches::net::compare_transports(if quick { 1 } else { 3 }) {
+        let raw = if c.transport == "tcp" { "raw tokio TCP" } else { "raw quinn stream" };
+        rows.push(Row {
+            name: format!("{} transport, {} ({} in flight)", c.transport, c.case.name, c.case.window),
+            value: gbps(c.bytes(), c.peer),
+            unit: "GB/s",
+            limit_name: format!("{raw}, same bytes and acks"),
+            limit: gbps(c.bytes(), c.raw),
+            target: 0.9,
+            higher_is_better: true,
+        });
+    }
 
     print_report(&rows, json, &format!("{geometry:?}"), store.backend_name(), decode_len, touched);
-}
-
-/// Times a chunk put to a [`dejavulib::peer::PeerServer`] and a raw TCP send of the same payload to a sink that
-/// answers one byte, both over loopback.
-fn tcp_comparison(w: &Workload) -> (Duration, Duration, u64) {
-    use std::io::{Read, Write};
-    use std::net::{TcpListener, TcpStream};
-
-    use dejavulib::peer::{PeerConfig, PeerServer, PeerStore};
-    use dejavulib::{HostStore, KvRegion};
-
-    let geometry_layers = w.cache.layout().spec().layers();
-    // Tokens 0..100 of slot 0, all layers and heads: 81.9 MB in the 13B workload; scaled down to
-    // 32 layers at most: 65.5 MB.
-    let layers = geometry_layers.min(32);
-    let region = KvRegion::new(0..layers, 0..1, 0..w.cache.layout().spec().kv_heads(), 0..100);
-    let len = w.cache.packed_len(&region);
-    let mut payload = vec![0u8; len as usize];
-    w.cache.gather(&region, w.packing(), &mut payload).expect("gather");
-    let descriptor = w.descriptor(&region);
-
-    let server = PeerServer::bind("127.0.0.1:0", PeerConfig::new(b"bench".to_vec(), 1), HostStore::new())
-        .expect("peer");
-    let mut store = PeerStore::new(server.addr(), PeerConfig::new(b"bench".to_vec(), 2));
-    let peer_time = median(5, || store.put(&descriptor, &payload).expect("put"));
-
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let expected = len as usize;
-    let sink = std::thread::spawn(move || {
-        let (mut conn, _) = listener.accept().expect("accept");
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let mut got = 0;
-            while got < expected {
-                match conn.read(&mut buf) {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => got += n,
-                }
-            }
-            if conn.write_all(&[1]).is_err() {
-                return;
-            }
-        }
-    });
-    let mut conn = TcpStream::connect(addr).expect("connect");
-    conn.set_nodelay(true).expect("nodelay");
-    let raw_time = median(5, || {
-        conn.write_all(&payload).expect("send");
-        let mut ack = [0u8; 1];
-        conn.read_exact(&mut ack).expect("ack");
-    });
-    drop(conn);
-    let _ = sink.join();
-    (peer_time, raw_time, len)
 }
 
 fn print_report(rows: &[Row], json: bool, workload: &str, backend: &str, decode_len: u64, touched: u64) {

@@ -1,0 +1,339 @@
+//! The calling side of remote flush / fetch: many requests in flight on one connection.
+//!
+//! Requests are written whole, one at a time, on the connection and carry ids; a reader task hands
+//! each reply to the request waiting for it. Bytes of puts in flight are bounded by a budget (a
+//! put waits for room, so a fast producer cannot queue without bound), and fetches in flight by a
+//! count. A request that gets no reply in time fails with [`PeerError::Timeout`]. When the
+//! connection breaks, every request in flight fails with [`PeerError::ConnectionLost`] and the next
+//! request reconnects, retrying with exponential backoff.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::io::{ReadHalf, WriteHalf};
+use tokio::sync::{oneshot, Semaphore};
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::auth::{client_handshake, expect};
+use super::codec::{read_frame, write_frame};
+use super::{PeerError, Stream, Transport};
+use crate::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
+use crate::wire::{Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD, FLAG_CHUNK};
+
+/// Settings of a peer client.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// The shared cluster secret.
+    pub secret: Vec<u8>,
+    /// This node's id (sent in every frame).
+    pub node: u32,
+    /// The epoch requests carry at first (see [`PeerClient::set_epoch`]).
+    pub epoch: u64,
+    /// Largest reply payload accepted.
+    pub max_payload: u64,
+    /// Bytes of puts in flight at most (a single larger put still goes, alone).
+    pub max_put_bytes_in_flight: u64,
+    /// Fetches in flight at most.
+    pub max_gets_in_flight: u32,
+    /// Time allowed for a connection attempt, handshakes included.
+    pub connect_timeout: Duration,
+    /// Time allowed for a request's reply.
+    pub request_timeout: Duration,
+    /// Connection attempts per request before giving up.
+    pub connect_attempts: u32,
+    /// Wait after the first failed attempt; doubles after each.
+    pub backoff: Duration,
+}
+
+impl ClientConfig {
+    /// Defaults for `secret` and `node`: 256 MiB of puts in flight, 3 s to connect, 10 s for a
+    /// reply, 6 connection attempts from 10 ms apart, doubling (about 0.3 s of backoff in all).
+    pub fn new(secret: impl Into<Vec<u8>>, node: u32) -> Self {
+        Self {
+            secret: secret.into(),
+            node,
+            epoch: 0,
+            max_payload: DEFAULT_MAX_PAYLOAD,
+            max_put_bytes_in_flight: 256 << 20,
+            max_gets_in_flight: 8,
+            connect_timeout: Duration::from_secs(3),
+            request_timeout: Duration::from_secs(10),
+            connect_attempts: 6,
+            backoff: Duration::from_millis(10),
+        }
+    }
+}
+
+/// Replies awaited on one connection.
+#[derive(Default)]
+struct Waiting {
+    replies: HashMap<u64, oneshot::Sender<Result<Frame, PeerError>>>,
+    /// Why the connection closed, once it has.
+    closed: Option<String>,
+}
+
+struct Connection {
+    writer: tokio::sync::Mutex<WriteHalf<Stream>>,
+    waiting: Mutex<Waiting>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Connection {
+    fn close(&self, reason: &str) {
+        let mut waiting = self.waiting.lock();
+        waiting.closed.get_or_insert_with(|| reason.to_owned());
+        for (_, reply) in waiting.replies.drain() {
+            let _ = reply.send(Err(PeerError::ConnectionLost(reason.to_owned())));
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        self.waiting.lock().closed.is_some()
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+/// Hands each reply to the request waiting for it, until the connection fails.
+async fn read_replies(mut reader: ReadHalf<Stream>, connection: std::sync::Weak<Connection>, max: u64) {
+    loop {
+        let result = read_frame(&mut reader, max).await;
+        let Some(connection) = connection.upgrade() else { return };
+        match result {
+            Ok(Some(frame)) => {
+                // A reply nobody waits for any more (its request timed out) is dropped.
+                if let Some(reply) = connection.waiting.lock().replies.remove(&frame.header.request) {
+                    let _ = reply.send(Ok(frame));
+                }
+            }
+            Ok(None) => return connection.close("the peer closed the connection"),
+            Err(e) => return connection.close(&e.to_string()),
+        }
+    }
+}
+
+struct Inner {
+    transport: Arc<dyn Transport>,
+    addr: SocketAddr,
+    config: ClientConfig,
+    epoch: AtomicU64,
+    next_request: AtomicU64,
+    put_budget: Semaphore,
+    get_slots: Semaphore,
+    connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
+    connects: AtomicU64,
+}
+
+/// A client of one [`super::PeerServer`]. Clones share the connection; calls may run concurrently.
+#[derive(Clone)]
+pub struct PeerClient {
+    inner: Arc<Inner>,
+}
+
+/// A chunk fetched and verified: its descriptor and its bytes as they travelled (header first).
+pub struct Fetched {
+    /// What the chunk holds.
+    pub descriptor: ChunkDescriptor,
+    encoded: Vec<u8>,
+}
+
+impl Fetched {
+    /// The chunk's payload.
+    pub fn payload(&self) -> &[u8] {
+        &self.encoded[HEADER_LEN..]
+    }
+}
+
+/// Semaphore permits for `bytes` of puts, clamped so that one put larger than the whole budget
+/// still goes (alone).
+fn put_permits(bytes: u64, budget: u64) -> u32 {
+    bytes.clamp(1, budget.min(u32::MAX as u64)) as u32
+}
+
+impl PeerClient {
+    /// A client of the peer at `addr`; it connects on first use.
+    pub fn new(transport: Arc<dyn Transport>, addr: SocketAddr, config: ClientConfig) -> Self {
+        let budget = put_permits(config.max_put_bytes_in_flight, config.max_put_bytes_in_flight) as usize;
+        Self {
+            inner: Arc::new(Inner {
+                transport,
+                addr,
+                epoch: AtomicU64::new(config.epoch),
+                next_request: AtomicU64::new(1),
+                put_budget: Semaphore::new(budget),
+                get_slots: Semaphore::new(config.max_gets_in_flight.max(1) as usize),
+                connection: tokio::sync::Mutex::new(None),
+                connects: AtomicU64::new(0),
+                config,
+            }),
+        }
+    }
+
+    /// The peer's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// Sets the epoch later requests carry (the control plane moves it on after a recovery).
+    pub fn set_epoch(&self, epoch: u64) {
+        self.inner.epoch.store(epoch, Ordering::SeqCst);
+    }
+
+    /// Connections made so far (reconnections included).
+    pub fn connects(&self) -> u64 {
+        self.inner.connects.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of puts that may still be sent before a put must wait.
+    pub fn put_budget_left(&self) -> u64 {
+        self.inner.put_budget.available_permits() as u64
+    }
+
+    /// Pushes a chunk into the peer; returns once the peer has verified and stored it and
+    /// acknowledged its checksum.
+    pub async fn put(&self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), PeerError> {
+        if payload.len() as u64 != descriptor.payload_len() {
+            return Err(PeerError::Protocol(format!(
+                "payload of {} bytes, the descriptor needs {}",
+                payload.len(),
+                descriptor.payload_len()
+            )));
+        }
+        let sum = xxh3_64(payload);
+        let header = descriptor.encode_header_with_checksum(payload.len() as u64, sum);
+        let permits = put_permits(payload.len() as u64, self.inner.config.max_put_bytes_in_flight);
+        let _room = self.inner.put_budget.acquire_many(permits).await.expect("the budget is never closed");
+        let ack = self.request(Kind::Put, FLAG_CHUNK, &[&header, payload], Kind::PutAck).await?;
+        let acked = ack.header.ids[0] as u64 | (ack.header.ids[1] as u64) << 32;
+        if acked != sum {
+            return Err(PeerError::Protocol("the peer acknowledged another checksum".into()));
+        }
+        Ok(())
+    }
+
+    /// Pulls the chunk under `key` and verifies it end to end.
+    pub async fn get(&self, key: &ChunkKey) -> Result<Fetched, PeerError> {
+        let _slot = self.inner.get_slots.acquire().await.expect("the slots are never closed");
+        let reply = self.request(Kind::Get, 0, &[&key.encode()], Kind::GetReply).await?;
+        let corrupt = |why: String| PeerError::Protocol(format!("fetched chunk: {why}"));
+        // Only a chunk frame has had its payload checked against the chunk's own checksum.
+        if reply.header.flags & FLAG_CHUNK == 0 {
+            return Err(corrupt("not sent as a chunk frame".into()));
+        }
+        let encoded = reply.payload;
+        let (descriptor, len, _) =
+            ChunkDescriptor::decode_header(&encoded[..HEADER_LEN]).map_err(|e| corrupt(e.to_string()))?;
+        if (encoded.len() - HEADER_LEN) as u64 != len || descriptor.key() != *key {
+            return Err(corrupt("the peer returned another chunk".into()));
+        }
+        Ok(Fetched { descriptor, encoded })
+    }
+
+    /// Round-trip time of a heartbeat.
+    pub async fn ping(&self) -> Result<Duration, PeerError> {
+        let start = Instant::now();
+        self.request(Kind::Heartbeat, 0, &[], Kind::Heartbeat).await?;
+        Ok(start.elapsed())
+    }
+
+    /// Sends one request and waits for its reply.
+    async fn request(
+        &self,
+        kind: Kind,
+        flags: u32,
+        parts: &[&[u8]],
+        reply: Kind,
+    ) -> Result<Frame, PeerError> {
+        let connection = self.connection().await?;
+        let request = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut waiting = connection.waiting.lock();
+            if let Some(reason) = &waiting.closed {
+                return Err(PeerError::ConnectionLost(reason.clone()));
+            }
+            waiting.replies.insert(request, tx);
+        }
+        let mut header =
+            FrameHeader::new(kind, self.inner.config.node, self.inner.epoch.load(Ordering::SeqCst), request);
+        header.flags = flags;
+        let timeout = self.inner.config.request_timeout;
+        let sent = tokio::time::timeout(timeout, async {
+            let mut writer = connection.writer.lock().await;
+            write_frame(&mut *writer, &header, parts).await
+        })
+        .await;
+        match sent {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                connection.close(&e.to_string());
+                return Err(PeerError::ConnectionLost(e.to_string()));
+            }
+            Err(_) => {
+                // Part of a frame may have gone out: the connection is unusable.
+                connection.close("a request could not be written in time");
+                return Err(PeerError::Timeout(timeout));
+            }
+        }
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(result)) => expect(Some(result?), reply),
+            Ok(Err(_)) => Err(PeerError::ConnectionLost("the connection closed".into())),
+            Err(_) => {
+                connection.waiting.lock().replies.remove(&request);
+                Err(PeerError::Timeout(timeout))
+            }
+        }
+    }
+
+    /// The open connection, or a new one (retrying with exponential backoff).
+    async fn connection(&self) -> Result<Arc<Connection>, PeerError> {
+        let mut slot = self.inner.connection.lock().await;
+        if let Some(connection) = slot.as_ref().filter(|c| !c.is_closed()) {
+            return Ok(connection.clone());
+        }
+        *slot = None;
+        let config = &self.inner.config;
+        let mut delay = config.backoff;
+        let attempts = config.connect_attempts.max(1);
+        let mut last = String::new();
+        for attempt in 1..=attempts {
+            match tokio::time::timeout(config.connect_timeout, self.connect_once()).await {
+                Ok(Ok(connection)) => {
+                    self.inner.connects.fetch_add(1, Ordering::Relaxed);
+                    *slot = Some(connection.clone());
+                    return Ok(connection);
+                }
+                // The secret or certificate is wrong: retrying cannot help.
+                Ok(Err(e @ PeerError::Auth(_))) => return Err(e),
+                Ok(Err(e)) => last = e.to_string(),
+                Err(_) => last = format!("no connection within {:?}", config.connect_timeout),
+            }
+            if attempt < attempts {
+                tokio::time::sleep(delay).await;
+                delay *= 2;
+            }
+        }
+        Err(PeerError::Unreachable { attempts, last })
+    }
+
+    async fn connect_once(&self) -> Result<Arc<Connection>, PeerError> {
+        let config = &self.inner.config;
+        let mut stream =
+            self.inner.transport.connect(self.inner.addr).await.map_err(|e| PeerError::Io(e).at_connect())?;
+        client_handshake(&mut stream, &config.secret, config.node).await.map_err(PeerError::at_connect)?;
+        let (reader, writer) = tokio::io::split(stream);
+        Ok(Arc::new_cyclic(|weak| Connection {
+            writer: tokio::sync::Mutex::new(writer),
+            waiting: Mutex::new(Waiting::default()),
+            reader: tokio::spawn(read_replies(reader, weak.clone(), config.max_payload)),
+        }))
+    }
+}

@@ -1,0 +1,187 @@
+//! QUIC (quinn) with mutual TLS: both ends present a certificate of the cluster's authority.
+//!
+//! A connection carries one bidirectional stream, which the peer protocol multiplexes by request
+//! id exactly as it does a TCP connection.
+
+use std::io;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{Connection, Endpoint, RecvStream, SendStream, TransportConfig, VarInt};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use super::tls::{NodeIdentity, SERVER_NAME};
+use super::{Accepted, BoxFuture, Listener, PeerError, Stream, Transport};
+
+/// Flow-control windows large enough for a 64 MiB chunk in flight on a fast link.
+fn transport_config() -> Arc<TransportConfig> {
+    let mut config = TransportConfig::default();
+    config.stream_receive_window(VarInt::from_u32(32 << 20));
+    config.receive_window(VarInt::from_u32(64 << 20));
+    config.send_window(64 << 20);
+    config.keep_alive_interval(Some(Duration::from_secs(2)));
+    config.max_idle_timeout(Some(Duration::from_secs(10).try_into().expect("10 s is a valid idle timeout")));
+    Arc::new(config)
+}
+
+/// The quinn server and client configurations this transport uses: TLS 1.3 with the cluster's
+/// certificates, and flow-control windows sized for large chunks. Public so that benchmarks can
+/// compare against a raw quinn stream set up exactly alike.
+pub fn endpoint_configs(
+    identity: &NodeIdentity,
+    client: rustls::ClientConfig,
+) -> Result<(quinn::ServerConfig, quinn::ClientConfig), PeerError> {
+    let tls = |e: &dyn std::fmt::Display| PeerError::Tls(e.to_string());
+    let server_crypto = QuicServerConfig::try_from(identity.server_config()?).map_err(|e| tls(&e))?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
+    server.transport_config(transport_config());
+    let client_crypto = QuicClientConfig::try_from(client).map_err(|e| tls(&e))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
+    client.transport_config(transport_config());
+    Ok((server, client))
+}
+
+/// The QUIC transport.
+pub struct QuicTransport {
+    server: quinn::ServerConfig,
+    client: quinn::ClientConfig,
+    /// One client endpoint (one UDP socket) per address family, made on first use.
+    endpoints: Mutex<[Option<Endpoint>; 2]>,
+}
+
+impl QuicTransport {
+    /// A transport that presents `identity` and accepts only peers of the same cluster.
+    pub fn new(identity: &NodeIdentity) -> Result<Self, PeerError> {
+        Self::with_client(identity, identity.client_config()?)
+    }
+
+    /// The server side of `identity` with an explicit client configuration (tests use it to connect
+    /// without a certificate or with another cluster's).
+    pub fn with_client(identity: &NodeIdentity, client: rustls::ClientConfig) -> Result<Self, PeerError> {
+        let (server, client) = endpoint_configs(identity, client)?;
+        Ok(Self { server, client, endpoints: Mutex::new([None, None]) })
+    }
+
+    fn endpoint(&self, peer: SocketAddr) -> io::Result<Endpoint> {
+        let mut endpoints = self.endpoints.lock();
+        let slot = &mut endpoints[usize::from(peer.is_ipv6())];
+        if let Some(endpoint) = slot {
+            return Ok(endpoint.clone());
+        }
+        let any: SocketAddr = if peer.is_ipv6() {
+            (Ipv6Addr::UNSPECIFIED, 0).into()
+        } else {
+            (Ipv4Addr::UNSPECIFIED, 0).into()
+        };
+        let endpoint = Endpoint::client(any)?;
+        *slot = Some(endpoint.clone());
+        Ok(endpoint)
+    }
+}
+
+impl Transport for QuicTransport {
+    fn name(&self) -> &'static str {
+        "quic"
+    }
+
+    fn connect(&self, addr: SocketAddr) -> BoxFuture<'_, io::Result<Stream>> {
+        Box::pin(async move {
+            let endpoint = self.endpoint(addr)?;
+            let connecting =
+                endpoint.connect_with(self.client.clone(), addr, SERVER_NAME).map_err(io::Error::other)?;
+            let connection = connecting.await.map_err(io::Error::other)?;
+            let (send, recv) = connection.open_bi().await.map_err(io::Error::other)?;
+            Ok(Box::new(QuicStream { send, recv, connection }) as Stream)
+        })
+    }
+
+    fn listen(&self, addr: SocketAddr) -> BoxFuture<'_, io::Result<Box<dyn Listener>>> {
+        Box::pin(async move {
+            let endpoint = Endpoint::server(self.server.clone(), addr)?;
+            Ok(Box::new(QuicListener { endpoint }) as Box<dyn Listener>)
+        })
+    }
+}
+
+struct QuicListener {
+    endpoint: Endpoint,
+}
+
+impl Listener for QuicListener {
+    fn local_addr(&self) -> SocketAddr {
+        self.endpoint.local_addr().expect("a bound endpoint has an address")
+    }
+
+    fn accept(&mut self) -> BoxFuture<'_, io::Result<Accepted>> {
+        Box::pin(async move {
+            let incoming = self.endpoint.accept().await.ok_or(io::ErrorKind::NotConnected)?;
+            Ok(Box::pin(async move {
+                let connection = incoming.await.map_err(io::Error::other)?;
+                let (send, recv) = connection.accept_bi().await.map_err(io::Error::other)?;
+                Ok(Box::new(QuicStream { send, recv, connection }) as Stream)
+            }) as Accepted)
+        })
+    }
+}
+
+impl Drop for QuicListener {
+    fn drop(&mut self) {
+        // Like a process exit: peers learn at once instead of after the idle timeout.
+        self.endpoint.close(VarInt::from_u32(0), b"listener closed");
+    }
+}
+
+/// One bidirectional QUIC stream, keeping its connection open.
+struct QuicStream {
+    send: SendStream,
+    recv: RecvStream,
+    connection: Connection,
+}
+
+/// How long a dropped stream keeps its connection open for the peer to receive what was written.
+const LINGER: Duration = Duration::from_secs(2);
+
+impl Drop for QuicStream {
+    fn drop(&mut self) {
+        // Closing a QUIC connection abandons data not yet delivered (a refusal, a last reply), so
+        // finish the stream and let the connection live until the peer has it, as TCP's close does.
+        let _ = self.send.finish();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let delivered = self.send.stopped();
+            let connection = self.connection.clone();
+            runtime.spawn(async move {
+                let _ = tokio::time::timeout(LINGER, delivered).await;
+                drop(connection);
+            });
+        }
+    }
+}
+
+impl AsyncRead for QuicStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.recv).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for QuicStream {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        AsyncWrite::poll_write(Pin::new(&mut self.send), cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        AsyncWrite::poll_flush(Pin::new(&mut self.send), cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        AsyncWrite::poll_shutdown(Pin::new(&mut self.send), cx)
+    }
+}

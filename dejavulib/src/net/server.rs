@@ -1,0 +1,286 @@
+//! The serving side of remote flush / fetch: a peer that keeps chunks pushed to it.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+
+use super::auth::server_handshake;
+use super::codec::{read_frame_into, write_frame};
+use super::{Listener, Stream, Transport};
+use crate::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
+use crate::store::HostStore;
+use crate::wire::{ErrorCode, Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD, FLAG_CHUNK};
+
+/// Settings of a peer server.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The shared cluster secret.
+    pub secret: Vec<u8>,
+    /// This node's id (sent in every frame).
+    pub node: u32,
+    /// Largest frame payload accepted; a longer one is refused before allocation and closes the
+    /// connection.
+    pub max_payload: u64,
+    /// Time a new connection has to finish its transport and cluster handshakes.
+    pub handshake_timeout: Duration,
+}
+
+impl ServerConfig {
+    /// Defaults for `secret` and `node`: 1 GiB frames, 10 s handshakes.
+    pub fn new(secret: impl Into<Vec<u8>>, node: u32) -> Self {
+        Self {
+            secret: secret.into(),
+            node,
+            max_payload: DEFAULT_MAX_PAYLOAD,
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Counters of a peer server.
+#[derive(Debug, Default)]
+pub struct PeerStats {
+    /// Connections that passed the handshake.
+    pub authenticated: AtomicU64,
+    /// Connections refused at the transport or cluster handshake.
+    pub refused: AtomicU64,
+    /// Chunks stored.
+    pub puts: AtomicU64,
+    /// Chunks served.
+    pub gets: AtomicU64,
+    /// Chunks refused because their header does not describe a valid chunk of the bytes sent.
+    pub bad_chunks: AtomicU64,
+    /// Requests refused because their epoch was stale.
+    pub stale: AtomicU64,
+    /// Connections closed on a malformed, corrupted or oversized frame.
+    pub bad_frames: AtomicU64,
+}
+
+struct Shared {
+    config: ServerConfig,
+    stats: PeerStats,
+    store: HostStore,
+    epoch: AtomicU64,
+}
+
+/// A peer that keeps chunks flushed to it in host memory (a replica holder, a swap space).
+///
+/// Dropping it stops accepting and closes every connection, as a process exit would.
+pub struct PeerServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl PeerServer {
+    /// Listens at `addr` on `transport` (port 0 picks one) and serves `store`. Must be called from
+    /// within a tokio runtime, which runs the server's tasks.
+    pub async fn bind(
+        transport: &dyn Transport,
+        addr: SocketAddr,
+        config: ServerConfig,
+        store: HostStore,
+    ) -> io::Result<Self> {
+        let listener = transport.listen(addr).await?;
+        let addr = listener.local_addr();
+        let shared =
+            Arc::new(Shared { config, stats: PeerStats::default(), store, epoch: AtomicU64::new(0) });
+        let accept = tokio::spawn(accept_loop(listener, shared.clone()));
+        Ok(Self { addr, shared, accept })
+    }
+
+    /// The address it listens at.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> &PeerStats {
+        &self.shared.stats
+    }
+
+    /// The chunks it holds.
+    pub fn store(&self) -> &HostStore {
+        &self.shared.store
+    }
+
+    /// Fences senders: from now on requests from an epoch below `epoch` are refused.
+    pub fn set_epoch(&self, epoch: u64) {
+        self.shared.epoch.fetch_max(epoch, Ordering::SeqCst);
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.shared.epoch.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for PeerServer {
+    fn drop(&mut self) {
+        // Aborting the accept task drops its listener and its set of connection tasks.
+        self.accept.abort();
+    }
+}
+
+async fn accept_loop(mut listener: Box<dyn Listener>, shared: Arc<Shared>) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(setup) => {
+                    connections.spawn(serve(setup, shared.clone()));
+                }
+                // A listener error (out of descriptors) is not a reason to stop serving.
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+}
+
+async fn serve(setup: super::Accepted, shared: Arc<Shared>) {
+    let config = &shared.config;
+    let refused = || shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+    let mut stream = match tokio::time::timeout(config.handshake_timeout, setup).await {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(_)) | Err(_) => {
+            refused();
+            return;
+        }
+    };
+    let proven = server_handshake(&mut stream, &config.secret, config.node);
+    if !matches!(tokio::time::timeout(config.handshake_timeout, proven).await, Ok(Ok(()))) {
+        // Counted before the stream closes, so a refused client never sees the count behind.
+        refused();
+        return;
+    }
+    shared.stats.authenticated.fetch_add(1, Ordering::Relaxed);
+    loop {
+        let frame = match read_frame_into(&mut stream, config.max_payload, |len| shared.store.buffer_for(len))
+            .await
+        {
+            Ok(Some(frame)) => frame,
+            Ok(None) => return,
+            Err(_) => {
+                shared.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        };
+        if answer(&mut stream, frame, &shared).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Serves one request.
+async fn answer(stream: &mut Stream, frame: Frame, shared: &Shared) -> io::Result<()> {
+    let node = shared.config.node;
+    let epoch = shared.epoch.load(Ordering::SeqCst);
+    let request = frame.header.request;
+    let refuse = |code: ErrorCode, reason: String| {
+        let mut header = FrameHeader::new(Kind::Error, node, frame.header.epoch, request);
+        header.ids[0] = code as u32;
+        (header, reason)
+    };
+    let (header, reason) = match frame.header.kind {
+        Kind::Put | Kind::Get if frame.header.epoch < epoch => {
+            shared.stats.stale.fetch_add(1, Ordering::Relaxed);
+            refuse(ErrorCode::StaleEpoch, format!("epoch {} is older than {epoch}", frame.header.epoch))
+        }
+        Kind::Put => {
+            let stored = if frame.header.flags & FLAG_CHUNK == 0 {
+                Err("a put must carry a chunk".to_owned())
+            } else {
+                store_chunk(frame.payload, &shared.store)
+            };
+            match stored {
+                Ok(sum) => {
+                    shared.stats.puts.fetch_add(1, Ordering::Relaxed);
+                    let mut ack = FrameHeader::new(Kind::PutAck, node, epoch, request);
+                    ack.ids = [sum as u32, (sum >> 32) as u32, 0, 0];
+                    return write_frame(stream, &ack, &[]).await;
+                }
+                Err(reason) => {
+                    shared.stats.bad_chunks.fetch_add(1, Ordering::Relaxed);
+                    refuse(ErrorCode::BadChunk, reason)
+                }
+            }
+        }
+        Kind::Get => match ChunkKey::decode(&frame.payload).and_then(|key| shared.store.encoded(&key)) {
+            Some(chunk) => {
+                shared.stats.gets.fetch_add(1, Ordering::Relaxed);
+                let mut reply = FrameHeader::new(Kind::GetReply, node, epoch, request);
+                reply.flags = FLAG_CHUNK;
+                // The stored chunk is shared, not copied, while it is written out.
+                return write_frame(stream, &reply, &[&chunk[..]]).await;
+            }
+            None => refuse(ErrorCode::NotFound, "no such chunk".into()),
+        },
+        Kind::Heartbeat => {
+            return write_frame(stream, &FrameHeader::new(Kind::Heartbeat, node, epoch, request), &[]).await
+        }
+        other => refuse(ErrorCode::Unexpected, format!("unexpected {other:?}")),
+    };
+    write_frame(stream, &header, &[reason.as_bytes()]).await
+}
+
+/// Keeps an encoded chunk (header and payload) from a chunk frame; returns the payload checksum.
+/// The codec has already checked the payload against the checksum the chunk header records; this
+/// checks that the header describes a valid chunk of exactly the bytes that came.
+fn store_chunk(encoded: Vec<u8>, store: &HostStore) -> Result<u64, String> {
+    if encoded.len() < HEADER_LEN {
+        return Err("chunk shorter than its header".into());
+    }
+    let (descriptor, len, sum) =
+        ChunkDescriptor::decode_header(&encoded[..HEADER_LEN]).map_err(|e| e.to_string())?;
+    let payload_len = (encoded.len() - HEADER_LEN) as u64;
+    if payload_len != len {
+        return Err(format!("chunk payload of {payload_len} bytes, its header says {len}"));
+    }
+    store.insert_encoded(descriptor.key(), encoded);
+    Ok(sum)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::Packing;
+    use crate::placement::WorkerId;
+    use crate::region::KvRegion;
+    use crate::spec::{DType, KvSpec};
+
+    fn chunk_bytes() -> Vec<u8> {
+        let spec = KvSpec::new(1, 1, 8, DType::F16).unwrap();
+        let descriptor = ChunkDescriptor {
+            source: WorkerId { stage: 0, rank: 0 },
+            destination: WorkerId { stage: 1, rank: 0 },
+            microbatch: 0,
+            region: KvRegion::new(0..1, 0..1, 0..1, 0..2),
+            spec,
+            packing: Packing::token_major(&spec),
+        };
+        let payload = vec![5u8; descriptor.payload_len() as usize];
+        let mut bytes = descriptor.encode_header(&payload).to_vec();
+        bytes.extend_from_slice(&payload);
+        bytes
+    }
+
+    #[test]
+    fn a_chunk_is_stored_only_if_its_header_describes_the_bytes_that_came() {
+        let good = chunk_bytes();
+        assert!(store_chunk(good.clone(), &HostStore::new()).is_ok());
+        let mut bad_header = good.clone();
+        bad_header[20] ^= 1;
+        let mut truncated = good.clone();
+        truncated.pop();
+        let fresh = HostStore::new();
+        assert!(store_chunk(bad_header, &fresh).is_err());
+        assert!(store_chunk(truncated, &fresh).is_err());
+        assert!(store_chunk(good[..50].to_vec(), &fresh).is_err());
+        assert!(fresh.is_empty());
+    }
+}
