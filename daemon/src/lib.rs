@@ -1,6 +1,7 @@
 //! # dejavud
 //!
-//! The DéjàVu daemon. Today it carries the planner (`dejavud plan`); the sidecar and controller
-//! subcommands join it as they are built.
+//! The DéjàVu daemon. Today it carries the planner (`dejavud plan`) and the cluster certificate
+//! tool (`dejavud certs`); the sidecar and controller subcommands join them as they are built.
 
+pub mod certs;
 pub mod plan;

@@ -5,9 +5,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use dejavud::certs;
 use dejavud::plan::{self, Overrides};
 
-/// The DéjàVu daemon: planner today; sidecar and controller next.
+/// The DéjàVu daemon: planner and cluster certificates today; sidecar and controller next.
 #[derive(Debug, Parser)]
 #[command(name = "dejavud", version, about)]
 struct Cli {
@@ -39,6 +40,24 @@ enum Command {
         #[arg(long)]
         streaming_overhead: Option<f64>,
     },
+    /// Create a cluster's certificate authority (or reuse the one in OUT) and issue a certificate
+    /// to each node. Nodes trust only that authority: QUIC and TLS peers without one of its
+    /// certificates are refused.
+    Certs {
+        /// The cluster's name (written into the authority's certificate).
+        #[arg(long)]
+        cluster: String,
+        /// Directory for `ca.pem`, `ca.key` and one `<node>.pem` / `<node>.key` per node (keys are
+        /// written with mode 0600).
+        #[arg(long)]
+        out: PathBuf,
+        /// Replace node certificates that already exist.
+        #[arg(long)]
+        force: bool,
+        /// Node names (DNS labels: lowercase letters, digits and '-', at most 63 characters).
+        #[arg(required = true)]
+        nodes: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -64,5 +83,15 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::Certs { cluster, out, force, nodes } => match certs::issue(&cluster, &out, &nodes, force) {
+            Ok(report) => {
+                print!("{report}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("dejavud certs: {e}");
+                ExitCode::from(2)
+            }
+        },
     }
 }

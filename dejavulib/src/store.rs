@@ -5,7 +5,7 @@
 //! corrupted chunk is reported and never handed to a scatter. Remote peers implement the same trait
 //! over a transport.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -77,11 +77,15 @@ fn check_payload(descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), Sto
 struct HostInner {
     /// Each chunk encoded as on disk and on the wire: header, then payload.
     chunks: HashMap<ChunkKey, Arc<Vec<u8>>>,
-    log: Vec<ChunkKey>,
+    /// The most recent [`PUT_LOG_LEN`] keys put.
+    log: VecDeque<ChunkKey>,
     /// Buffers of replaced chunks, kept for the next chunks received: a fresh allocation of tens of
     /// MiB costs a page fault per 4 KiB when first written, more than the network transfer itself.
     spare: Vec<Vec<u8>>,
 }
+
+/// Keys a [`HostStore`] remembers in its put log.
+pub const PUT_LOG_LEN: usize = 1 << 16;
 
 /// Replaced buffers a [`HostStore`] keeps for reuse.
 const SPARE_BUFFERS: usize = 4;
@@ -98,9 +102,10 @@ impl HostStore {
         Self::default()
     }
 
-    /// Keys in the order they were put (a key put twice appears twice).
+    /// Keys in the order they were put (a key put twice appears twice), the most recent
+    /// [`PUT_LOG_LEN`] of them.
     pub fn put_log(&self) -> Vec<ChunkKey> {
-        self.inner.lock().log.clone()
+        self.inner.lock().log.iter().cloned().collect()
     }
 
     /// Number of chunks held.
@@ -111,6 +116,11 @@ impl HostStore {
     /// Whether the store is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Bytes of the chunk under `key` (header and payload), if held.
+    pub fn encoded_len(&self, key: &ChunkKey) -> Option<usize> {
+        self.inner.lock().chunks.get(key).map(|c| c.len())
     }
 
     /// Bytes held (headers and payloads).
@@ -133,7 +143,10 @@ impl HostStore {
     /// Keeps an encoded chunk (header and payload) the caller has verified, without copying it.
     pub(crate) fn insert_encoded(&self, key: ChunkKey, encoded: Vec<u8>) {
         let mut inner = self.inner.lock();
-        inner.log.push(key.clone());
+        if inner.log.len() == PUT_LOG_LEN {
+            inner.log.pop_front();
+        }
+        inner.log.push_back(key.clone());
         let replaced = inner.chunks.insert(key, Arc::new(encoded));
         // A buffer still being sent to a reader is not reusable; it is freed when the send ends.
         if let Some(buffer) = replaced.and_then(|old| Arc::try_unwrap(old).ok()) {

@@ -360,6 +360,69 @@ async fn the_blocking_store_flushes_and_fetches(net: Net) {
     .unwrap();
 }
 
+async fn a_request_abandoned_mid_write_does_not_wedge_the_connection(net: Net) {
+    let server = net.serve(ServerConfig::new(SECRET, 1)).await;
+    let client = net.client(server.addr(), ClientConfig::new(SECRET, 2));
+    client.ping().await.unwrap();
+    let (descriptor, payload) = chunk(64 << 20, 1, 0);
+    // The caller gives up on a large put while its frame is still going out.
+    let abandoned = tokio::time::timeout(Duration::from_micros(200), client.put(&descriptor, &payload)).await;
+    let (small, small_payload) = chunk(4096, 2, 1);
+    for _ in 0..3 {
+        client.ping().await.unwrap();
+    }
+    client.put(&small, &small_payload).await.unwrap();
+    if abandoned.is_err() {
+        assert_eq!(client.connects(), 2, "the half-written connection was replaced");
+    }
+    assert_eq!(server.store().encoded_len(&small.key()), Some(4096 + dejavulib::chunk::HEADER_LEN));
+}
+
+async fn a_peer_that_stops_answering_is_replaced_after_a_timeout(net: Net) {
+    // A peer that completes the handshake, reads everything and never answers.
+    let mut listener = net.server.listen(net.any_port()).await.unwrap();
+    let addr = listener.local_addr();
+    let mute = tokio::spawn(async move {
+        let mut stream = listener.accept().await.unwrap().await.unwrap();
+        server_handshake(&mut stream, SECRET, 1).await.unwrap();
+        let mut sink = tokio::io::sink();
+        let _ = tokio::io::copy(&mut stream, &mut sink).await;
+        drop(listener);
+    });
+    let mut config = ClientConfig::new(SECRET, 2);
+    config.request_timeout = Duration::from_millis(300);
+    config.connect_timeout = Duration::from_millis(300);
+    config.connect_attempts = 1;
+    let client = net.client(addr, config);
+    assert!(matches!(client.ping().await, Err(PeerError::Timeout(_))));
+    // The stuck connection was closed: the next request dials again instead of timing out on it.
+    let next = client.ping().await;
+    assert!(!matches!(next, Err(PeerError::Timeout(_)) if client.connects() == 1), "{next:?}");
+    mute.abort();
+}
+
+async fn requests_queued_behind_a_failed_connect_fail_together(net: Net) {
+    // Nobody listens here any more.
+    let addr = net.server.listen(net.any_port()).await.unwrap().local_addr();
+    let mut config = ClientConfig::new(SECRET, 2);
+    config.connect_timeout = Duration::from_millis(200);
+    config.connect_attempts = 3;
+    config.max_put_bytes_in_flight = 0;
+    let client = net.client(addr, config);
+    let start = std::time::Instant::now();
+    let pings: Vec<_> = (0..4)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move { client.ping().await })
+        })
+        .collect();
+    for ping in pings {
+        assert!(matches!(ping.await.unwrap(), Err(PeerError::Unreachable { .. })));
+    }
+    // One round of attempts (3 x at most 200 ms, plus 30 ms of backoff), not four in turn.
+    assert!(start.elapsed() < Duration::from_millis(1500), "{:?}", start.elapsed());
+}
+
 macro_rules! conformance {
     ($($test:ident),* $(,)?) => {
         mod memory {
@@ -399,6 +462,9 @@ conformance!(
     stale_epochs_are_fenced,
     bad_frames_close_the_connection_and_bad_chunks_are_not_stored,
     the_blocking_store_flushes_and_fetches,
+    a_request_abandoned_mid_write_does_not_wedge_the_connection,
+    a_peer_that_stops_answering_is_replaced_after_a_timeout,
+    requests_queued_behind_a_failed_connect_fail_together,
 );
 
 /// Certificates: a node of another cluster, or one with no certificate at all, is refused by TLS

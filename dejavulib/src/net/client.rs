@@ -128,7 +128,7 @@ struct Inner {
     next_request: AtomicU64,
     put_budget: Semaphore,
     get_slots: Semaphore,
-    connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
+    slot: tokio::sync::Mutex<Slot>,
     connects: AtomicU64,
 }
 
@@ -155,7 +155,47 @@ impl Fetched {
 /// Semaphore permits for `bytes` of puts, clamped so that one put larger than the whole budget
 /// still goes (alone).
 fn put_permits(bytes: u64, budget: u64) -> u32 {
-    bytes.clamp(1, budget.min(u32::MAX as u64)) as u32
+    bytes.clamp(1, budget.clamp(1, u32::MAX as u64)) as u32
+}
+
+/// Closes a connection and forgets a request's waiter unless disarmed: a request future dropped
+/// mid-write (its caller gave up) would otherwise leave half a frame on the stream, and the peer
+/// would read the next request's bytes as the rest of it.
+struct InFlight<'a> {
+    connection: &'a Connection,
+    request: u64,
+    writing: bool,
+    waiting: bool,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if self.writing {
+            self.connection.close("a request was abandoned while it was being written");
+        } else if self.waiting {
+            self.connection.waiting.lock().replies.remove(&self.request);
+        }
+    }
+}
+
+/// The outcome of the last round of connection attempts, shared with the requests that queued
+/// behind it so they fail at once instead of each retrying in turn.
+struct Slot {
+    connection: Option<Arc<Connection>>,
+    failed: Option<(Instant, PeerError)>,
+}
+
+impl PeerError {
+    /// A copy of a connection failure for a request that shared the attempt.
+    fn shared(&self) -> PeerError {
+        match self {
+            PeerError::Auth(m) => PeerError::Auth(m.clone()),
+            PeerError::Unreachable { attempts, last } => {
+                PeerError::Unreachable { attempts: *attempts, last: last.clone() }
+            }
+            other => PeerError::Unreachable { attempts: 0, last: other.to_string() },
+        }
+    }
 }
 
 impl PeerClient {
@@ -170,7 +210,7 @@ impl PeerClient {
                 next_request: AtomicU64::new(1),
                 put_budget: Semaphore::new(budget),
                 get_slots: Semaphore::new(config.max_gets_in_flight.max(1) as usize),
-                connection: tokio::sync::Mutex::new(None),
+                slot: tokio::sync::Mutex::new(Slot { connection: None, failed: None }),
                 connects: AtomicU64::new(0),
                 config,
             }),
@@ -245,6 +285,9 @@ impl PeerClient {
     }
 
     /// Sends one request and waits for its reply.
+    ///
+    /// A reply that does not come in time closes the connection (a peer that misses a deadline is
+    /// presumed stuck; the other requests on it fail with `ConnectionLost` and the next reconnects).
     async fn request(
         &self,
         kind: Kind,
@@ -255,51 +298,59 @@ impl PeerClient {
         let connection = self.connection().await?;
         let request = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        {
-            let mut waiting = connection.waiting.lock();
-            if let Some(reason) = &waiting.closed {
-                return Err(PeerError::ConnectionLost(reason.clone()));
-            }
-            waiting.replies.insert(request, tx);
-        }
         let mut header =
             FrameHeader::new(kind, self.inner.config.node, self.inner.epoch.load(Ordering::SeqCst), request);
         header.flags = flags;
         let timeout = self.inner.config.request_timeout;
-        let sent = tokio::time::timeout(timeout, async {
+        let mut guard = InFlight { connection: &connection, request, writing: true, waiting: true };
+        {
+            // Waiting for the writer is bounded by the current writer's own timeout.
             let mut writer = connection.writer.lock().await;
-            write_frame(&mut *writer, &header, parts).await
-        })
-        .await;
-        match sent {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                connection.close(&e.to_string());
-                return Err(PeerError::ConnectionLost(e.to_string()));
+            {
+                let mut waiting = connection.waiting.lock();
+                if let Some(reason) = &waiting.closed {
+                    guard.writing = false;
+                    return Err(PeerError::ConnectionLost(reason.clone()));
+                }
+                waiting.replies.insert(request, tx);
             }
-            Err(_) => {
-                // Part of a frame may have gone out: the connection is unusable.
-                connection.close("a request could not be written in time");
-                return Err(PeerError::Timeout(timeout));
+            match tokio::time::timeout(timeout, write_frame(&mut *writer, &header, parts)).await {
+                Ok(Ok(())) => guard.writing = false,
+                Ok(Err(e)) => {
+                    guard.writing = false;
+                    connection.close(&e.to_string());
+                    return Err(PeerError::ConnectionLost(e.to_string()));
+                }
+                // The guard closes the connection: part of the frame may have gone out.
+                Err(_) => return Err(PeerError::Timeout(timeout)),
             }
         }
-        match tokio::time::timeout(timeout, rx).await {
+        let result = match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(result)) => expect(Some(result?), reply),
             Ok(Err(_)) => Err(PeerError::ConnectionLost("the connection closed".into())),
             Err(_) => {
-                connection.waiting.lock().replies.remove(&request);
+                connection.close("a reply did not come in time");
                 Err(PeerError::Timeout(timeout))
             }
-        }
+        };
+        guard.waiting = false;
+        result
     }
 
-    /// The open connection, or a new one (retrying with exponential backoff).
+    /// The open connection, or a new one (retrying with exponential backoff). Requests that queued
+    /// while a round of attempts ran share its failure instead of starting rounds of their own.
     async fn connection(&self) -> Result<Arc<Connection>, PeerError> {
-        let mut slot = self.inner.connection.lock().await;
-        if let Some(connection) = slot.as_ref().filter(|c| !c.is_closed()) {
+        let asked = Instant::now();
+        let mut slot = self.inner.slot.lock().await;
+        if let Some(connection) = slot.connection.as_ref().filter(|c| !c.is_closed()) {
             return Ok(connection.clone());
         }
-        *slot = None;
+        if let Some((when, error)) = &slot.failed {
+            if *when >= asked {
+                return Err(error.shared());
+            }
+        }
+        slot.connection = None;
         let config = &self.inner.config;
         let mut delay = config.backoff;
         let attempts = config.connect_attempts.max(1);
@@ -308,11 +359,15 @@ impl PeerClient {
             match tokio::time::timeout(config.connect_timeout, self.connect_once()).await {
                 Ok(Ok(connection)) => {
                     self.inner.connects.fetch_add(1, Ordering::Relaxed);
-                    *slot = Some(connection.clone());
+                    slot.connection = Some(connection.clone());
+                    slot.failed = None;
                     return Ok(connection);
                 }
                 // The secret or certificate is wrong: retrying cannot help.
-                Ok(Err(e @ PeerError::Auth(_))) => return Err(e),
+                Ok(Err(e @ PeerError::Auth(_))) => {
+                    slot.failed = Some((Instant::now(), e.shared()));
+                    return Err(e);
+                }
                 Ok(Err(e)) => last = e.to_string(),
                 Err(_) => last = format!("no connection within {:?}", config.connect_timeout),
             }
@@ -321,7 +376,9 @@ impl PeerClient {
                 delay *= 2;
             }
         }
-        Err(PeerError::Unreachable { attempts, last })
+        let error = PeerError::Unreachable { attempts, last };
+        slot.failed = Some((Instant::now(), error.shared()));
+        Err(error)
     }
 
     async fn connect_once(&self) -> Result<Arc<Connection>, PeerError> {

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::RwLock;
 use tokio::task::JoinSet;
 
 use super::auth::server_handshake;
@@ -27,16 +28,19 @@ pub struct ServerConfig {
     pub max_payload: u64,
     /// Time a new connection has to finish its transport and cluster handshakes.
     pub handshake_timeout: Duration,
+    /// Connections served at once; more are closed as they arrive (and counted as refused).
+    pub max_connections: usize,
 }
 
 impl ServerConfig {
-    /// Defaults for `secret` and `node`: 1 GiB frames, 10 s handshakes.
+    /// Defaults for `secret` and `node`: 1 GiB frames, 10 s handshakes, 1024 connections.
     pub fn new(secret: impl Into<Vec<u8>>, node: u32) -> Self {
         Self {
             secret: secret.into(),
             node,
             max_payload: DEFAULT_MAX_PAYLOAD,
             handshake_timeout: Duration::from_secs(10),
+            max_connections: 1024,
         }
     }
 }
@@ -64,7 +68,8 @@ struct Shared {
     config: ServerConfig,
     stats: PeerStats,
     store: HostStore,
-    epoch: AtomicU64,
+    /// The fence: requests from older epochs are refused (see [`decide`]).
+    epoch: RwLock<u64>,
 }
 
 /// A peer that keeps chunks flushed to it in host memory (a replica holder, a swap space).
@@ -87,8 +92,7 @@ impl PeerServer {
     ) -> io::Result<Self> {
         let listener = transport.listen(addr).await?;
         let addr = listener.local_addr();
-        let shared =
-            Arc::new(Shared { config, stats: PeerStats::default(), store, epoch: AtomicU64::new(0) });
+        let shared = Arc::new(Shared { config, stats: PeerStats::default(), store, epoch: RwLock::new(0) });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         Ok(Self { addr, shared, accept })
     }
@@ -110,12 +114,13 @@ impl PeerServer {
 
     /// Fences senders: from now on requests from an epoch below `epoch` are refused.
     pub fn set_epoch(&self, epoch: u64) {
-        self.shared.epoch.fetch_max(epoch, Ordering::SeqCst);
+        let mut fence = self.shared.epoch.write();
+        *fence = (*fence).max(epoch);
     }
 
     /// The current epoch.
     pub fn epoch(&self) -> u64 {
-        self.shared.epoch.load(Ordering::SeqCst)
+        *self.shared.epoch.read()
     }
 }
 
@@ -131,8 +136,12 @@ async fn accept_loop(mut listener: Box<dyn Listener>, shared: Arc<Shared>) {
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok(setup) => {
+                Ok(setup) if connections.len() < shared.config.max_connections => {
                     connections.spawn(serve(setup, shared.clone()));
+                }
+                Ok(setup) => {
+                    drop(setup);
+                    shared.stats.refused.fetch_add(1, Ordering::Relaxed);
                 }
                 // A listener error (out of descriptors) is not a reason to stop serving.
                 Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
@@ -176,17 +185,34 @@ async fn serve(setup: super::Accepted, shared: Arc<Shared>) {
     }
 }
 
+/// A reply: a frame with a byte payload, or a stored chunk sent as it is kept.
+enum Reply {
+    Bytes(FrameHeader, Vec<u8>),
+    Chunk(FrameHeader, Arc<Vec<u8>>),
+}
+
 /// Serves one request.
 async fn answer(stream: &mut Stream, frame: Frame, shared: &Shared) -> io::Result<()> {
+    match decide(frame, shared) {
+        Reply::Bytes(header, payload) => write_frame(stream, &header, &[&payload]).await,
+        // The stored chunk is shared, not copied, while it is written out.
+        Reply::Chunk(header, chunk) => write_frame(stream, &header, &[&chunk[..]]).await,
+    }
+}
+
+/// What to answer to `frame`. Runs without awaiting: the epoch fence is held from the check to the
+/// store, so once [`PeerServer::set_epoch`] has returned no stale put can still be stored.
+fn decide(frame: Frame, shared: &Shared) -> Reply {
     let node = shared.config.node;
-    let epoch = shared.epoch.load(Ordering::SeqCst);
+    let fence = shared.epoch.read();
+    let epoch = *fence;
     let request = frame.header.request;
     let refuse = |code: ErrorCode, reason: String| {
         let mut header = FrameHeader::new(Kind::Error, node, frame.header.epoch, request);
         header.ids[0] = code as u32;
-        (header, reason)
+        Reply::Bytes(header, reason.into_bytes())
     };
-    let (header, reason) = match frame.header.kind {
+    match frame.header.kind {
         Kind::Put | Kind::Get if frame.header.epoch < epoch => {
             shared.stats.stale.fetch_add(1, Ordering::Relaxed);
             refuse(ErrorCode::StaleEpoch, format!("epoch {} is older than {epoch}", frame.header.epoch))
@@ -202,7 +228,7 @@ async fn answer(stream: &mut Stream, frame: Frame, shared: &Shared) -> io::Resul
                     shared.stats.puts.fetch_add(1, Ordering::Relaxed);
                     let mut ack = FrameHeader::new(Kind::PutAck, node, epoch, request);
                     ack.ids = [sum as u32, (sum >> 32) as u32, 0, 0];
-                    return write_frame(stream, &ack, &[]).await;
+                    Reply::Bytes(ack, Vec::new())
                 }
                 Err(reason) => {
                     shared.stats.bad_chunks.fetch_add(1, Ordering::Relaxed);
@@ -215,17 +241,13 @@ async fn answer(stream: &mut Stream, frame: Frame, shared: &Shared) -> io::Resul
                 shared.stats.gets.fetch_add(1, Ordering::Relaxed);
                 let mut reply = FrameHeader::new(Kind::GetReply, node, epoch, request);
                 reply.flags = FLAG_CHUNK;
-                // The stored chunk is shared, not copied, while it is written out.
-                return write_frame(stream, &reply, &[&chunk[..]]).await;
+                Reply::Chunk(reply, chunk)
             }
             None => refuse(ErrorCode::NotFound, "no such chunk".into()),
         },
-        Kind::Heartbeat => {
-            return write_frame(stream, &FrameHeader::new(Kind::Heartbeat, node, epoch, request), &[]).await
-        }
+        Kind::Heartbeat => Reply::Bytes(FrameHeader::new(Kind::Heartbeat, node, epoch, request), Vec::new()),
         other => refuse(ErrorCode::Unexpected, format!("unexpected {other:?}")),
-    };
-    write_frame(stream, &header, &[reason.as_bytes()]).await
+    }
 }
 
 /// Keeps an encoded chunk (header and payload) from a chunk frame; returns the payload checksum.
