@@ -30,6 +30,9 @@ pub enum CacheError {
     /// A gather plan made by another cache.
     #[error("the gather plan was made by another cache")]
     ForeignPlan,
+    /// Buffers handed to [`KvCache::from_raw_buffers`] do not fit the layout.
+    #[error("engine buffers do not fit the layout: {0}")]
+    Buffers(String),
     /// A staging or vector buffer has the wrong size.
     #[error("buffer of {len} bytes, {needed} needed")]
     WrongLength {
@@ -118,6 +121,47 @@ impl KvCache {
         let layer_locks = (0..layout.spec().layers()).map(|_| RwLock::new(())).collect();
         let id = NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed);
         Ok(Self { id, layout, buffers, layer_locks, gather_threads: AtomicUsize::new(1) })
+    }
+
+    /// A cache over buffers someone else owns (an engine's KV tensors), used in place: one
+    /// `(pointer, length)` per buffer of `layout`, in [`KvLayout::buffer_sizes`] order, each at
+    /// least as long as the layout needs.
+    ///
+    /// # Safety
+    ///
+    /// Every `(pointer, length)` pair must satisfy [`HostBuffer::borrowed`]'s conditions for as long
+    /// as the cache lives: valid for reads and writes, initialised, and not accessed by others
+    /// while the cache's copies run except as the caller orders it.
+    pub unsafe fn from_raw_buffers(
+        layout: KvLayout,
+        buffers: &[(*mut u8, usize)],
+    ) -> Result<Self, CacheError> {
+        if !layout.layers_are_disjoint() {
+            return Err(CacheError::LayersOverlap);
+        }
+        let needed = layout.buffer_sizes();
+        if buffers.len() != needed.len() {
+            return Err(CacheError::Buffers(format!(
+                "{} buffers given, the layout has {}",
+                buffers.len(),
+                needed.len()
+            )));
+        }
+        let mut owned = Vec::with_capacity(buffers.len());
+        for (i, (&(ptr, len), &need)) in buffers.iter().zip(needed).enumerate() {
+            if (len as u64) < need {
+                return Err(CacheError::Buffers(format!(
+                    "buffer {i} has {len} bytes, the layout needs {need}"
+                )));
+            }
+            // SAFETY: the caller guarantees `HostBuffer::borrowed`'s conditions for each pair.
+            let buffer = unsafe { HostBuffer::borrowed(ptr, need as usize) }
+                .ok_or_else(|| CacheError::Buffers(format!("buffer {i} is a null pointer")))?;
+            owned.push(buffer);
+        }
+        let layer_locks = (0..layout.spec().layers()).map(|_| RwLock::new(())).collect();
+        let id = NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(Self { id, layout, buffers: owned, layer_locks, gather_threads: AtomicUsize::new(1) })
     }
 
     /// Lets gathers of at least [`copy::PARALLEL_MIN_BYTES`] use up to `threads` threads (1, the

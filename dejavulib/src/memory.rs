@@ -22,6 +22,8 @@ enum Backing {
     /// An anonymous mapping aligned to [`HUGE_PAGE`] and advised to use huge pages: a KV cache's
     /// scattered small reads then cost one TLB entry per 2 MiB instead of per 4 KiB.
     Mapped { kept_len: usize },
+    /// Memory someone else owns (an engine's tensor); never freed here.
+    Borrowed,
 }
 
 /// A zero-initialised, page-aligned host allocation. Buffers of at least [`HUGE_PAGE`] bytes are
@@ -100,6 +102,20 @@ impl HostBuffer {
         })
     }
 
+    /// A buffer over `len` bytes at `ptr` that the caller owns (an engine's tensor): it is read
+    /// and written in place and never freed.
+    ///
+    /// # Safety
+    ///
+    /// 1. `ptr` is valid for reads and writes of `len` bytes, which are initialised, for as long as
+    ///    the returned buffer (and anything made from it, such as a [`crate::KvCache`]) lives.
+    /// 2. No one else accesses those bytes while a copy through this buffer runs, except as the
+    ///    owner of this buffer synchronises (a cache's layer locks order its own copies; an engine
+    ///    writing the same bytes concurrently must order itself against them).
+    pub unsafe fn borrowed(ptr: *mut u8, len: usize) -> Option<Self> {
+        Some(Self { ptr: NonNull::new(ptr)?, len, backing: Backing::Borrowed })
+    }
+
     fn layout(len: usize) -> Layout {
         Layout::from_size_align(len, HOST_ALIGN).expect("buffer length overflows isize")
     }
@@ -131,6 +147,7 @@ impl Drop for HostBuffer {
     fn drop(&mut self) {
         match self.backing {
             _ if self.len == 0 => {}
+            Backing::Borrowed => {}
             Backing::Heap => {
                 // SAFETY: allocated in `zeroed` with this exact layout.
                 unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };

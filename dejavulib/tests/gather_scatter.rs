@@ -564,3 +564,31 @@ fn a_region_whose_packed_size_overflows_is_out_of_bounds_not_a_panic() {
         assert!(cache.snapshot() == snap);
     }
 }
+
+#[test]
+fn a_cache_over_engine_buffers_works_in_place() {
+    let spec = KvSpec::new(2, 2, 16, DType::F16).unwrap();
+    let layout = KvLayout::per_layer(spec, 2, 8, dejavulib::layout::PerLayerOrder::Bhsd).unwrap();
+    let mut engine: Vec<Vec<u8>> = layout.buffer_sizes().iter().map(|&n| vec![0u8; n as usize]).collect();
+    let raw: Vec<(*mut u8, usize)> = engine.iter_mut().map(|b| (b.as_mut_ptr(), b.len())).collect();
+    // SAFETY: the vectors outlive the cache and nothing else touches them while it lives.
+    let cache = unsafe { KvCache::from_raw_buffers(layout.clone(), &raw) }.unwrap();
+    let region = KvRegion::new(0..2, 0..2, 0..2, 0..8);
+    let packing = layout.preferred_packing();
+    let input: Vec<u8> = (0..cache.packed_len(&region)).map(|i| (i % 251) as u8).collect();
+    cache.scatter(&region, packing, &input).unwrap();
+    let mut back = vec![0u8; input.len()];
+    cache.gather(&region, packing, &mut back).unwrap();
+    assert_eq!(back, input);
+    drop(cache);
+    assert!(engine.iter().all(|b| b.iter().any(|&x| x != 0)), "the engine's own buffers were written");
+
+    // Wrong count, short buffers and null pointers are typed errors.
+    let short: Vec<(*mut u8, usize)> = raw.iter().map(|&(p, n)| (p, n - 1)).collect();
+    let null: Vec<(*mut u8, usize)> = raw.iter().map(|&(_, n)| (std::ptr::null_mut(), n)).collect();
+    for bad in [&raw[..1], &short[..], &null[..]] {
+        // SAFETY: every non-null pointer is valid as above; the calls must fail before using any.
+        let result = unsafe { KvCache::from_raw_buffers(layout.clone(), bad) };
+        assert!(matches!(result, Err(dejavulib::CacheError::Buffers(_))), "{result:?}");
+    }
+}

@@ -1,0 +1,630 @@
+//! The C interface of `dejavulib`: opaque handles, status codes and a thread-local error message.
+//!
+//! Every function returns a [`DjvStatus`] (or a plain value that cannot fail). On an error,
+//! [`djv_last_error`] returns a message for the calling thread until its next failing call. No Rust
+//! panic crosses the boundary: one is caught and reported as [`DjvStatus::Panic`]. Handles are
+//! created by `djv_*_new` / `_open` / layout builders and released by the matching `_free`; passing
+//! NULL where a handle or output pointer is required is [`DjvStatus::InvalidArgument`].
+//!
+//! The header `include/dejavu.h` is generated from this file by cbindgen (see `cbindgen.toml`); a
+//! test fails when it is out of date.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use dejavulib::file_io::FileBackend;
+use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
+use dejavulib::reshard::{receive, send, LocalRegion, StreamError};
+use dejavulib::store::StoreError;
+use dejavulib::{
+    CacheError, DType, FileStore, KvCache, KvLayout, KvRegion, KvSpec, StagingPool, Transfer, WorkerId,
+};
+
+/// Outcome of a call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DjvStatus {
+    /// Success.
+    Ok = 0,
+    /// A NULL pointer, a wrong length or an out-of-range value.
+    InvalidArgument = 1,
+    /// The layout or region is invalid for the cache.
+    Layout = 2,
+    /// An I/O error (disk full, permissions).
+    Io = 3,
+    /// A chunk failed verification (truncated, corrupted, not the one expected).
+    Corrupt = 4,
+    /// No chunk under the key asked for.
+    NotFound = 5,
+    /// A bug inside the library (a caught panic).
+    Panic = 6,
+}
+
+/// Element type of the KV cache.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub enum DjvElement {
+    /// IEEE 754 single precision.
+    F32,
+    /// IEEE 754 half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// 8-bit float (e4m3).
+    Fp8E4m3,
+    /// Signed 8-bit integer.
+    Int8,
+}
+
+/// Axis order of per-layer tensors.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub enum DjvPerLayerOrder {
+    /// `[B][H][S][D]` (HF transformers).
+    Bhsd,
+    /// `[B][S][H][D]` (flash-attention style).
+    Bshd,
+}
+
+/// Order within a paged block.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub enum DjvPagedOrder {
+    /// `[block_size][H][D]`.
+    Nhd,
+    /// `[H][block_size][D]`.
+    Hnd,
+}
+
+/// A region of a cache: half-open ranges of layers, batch slots, KV heads and tokens.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DjvRegion {
+    /// First layer.
+    pub layers_start: u32,
+    /// One past the last layer.
+    pub layers_end: u32,
+    /// First slot.
+    pub slots_start: u32,
+    /// One past the last slot.
+    pub slots_end: u32,
+    /// First KV head.
+    pub heads_start: u32,
+    /// One past the last KV head.
+    pub heads_end: u32,
+    /// First token.
+    pub tokens_start: u32,
+    /// One past the last token.
+    pub tokens_end: u32,
+}
+
+/// A worker of a pipeline: stage and tensor-parallel rank.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DjvWorker {
+    /// Pipeline stage.
+    pub stage: u32,
+    /// Rank within the stage.
+    pub rank: u32,
+}
+
+/// A KV layout (opaque).
+pub struct DjvLayout(KvLayout);
+
+/// A KV cache, over library or engine memory (opaque).
+pub struct DjvCache {
+    cache: KvCache,
+    pool: StagingPool,
+}
+
+/// A directory of chunk files (opaque).
+pub struct DjvFileStore(FileStore);
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Why a call failed: a status and a message.
+struct Failure(DjvStatus, String);
+
+impl Failure {
+    fn invalid(message: impl Into<String>) -> Self {
+        Failure(DjvStatus::InvalidArgument, message.into())
+    }
+}
+
+impl From<CacheError> for Failure {
+    fn from(e: CacheError) -> Self {
+        let status = match e {
+            CacheError::WrongLength { .. } | CacheError::Buffers(_) => DjvStatus::InvalidArgument,
+            _ => DjvStatus::Layout,
+        };
+        Failure(status, e.to_string())
+    }
+}
+
+impl From<StoreError> for Failure {
+    fn from(e: StoreError) -> Self {
+        let status = match e {
+            StoreError::NotFound(_) => DjvStatus::NotFound,
+            StoreError::Chunk { .. } => DjvStatus::Corrupt,
+            StoreError::PayloadLength { .. } => DjvStatus::InvalidArgument,
+            StoreError::Io { .. } => DjvStatus::Io,
+        };
+        Failure(status, e.to_string())
+    }
+}
+
+impl From<StreamError> for Failure {
+    fn from(e: StreamError) -> Self {
+        match e {
+            StreamError::Cache(e) => e.into(),
+            StreamError::Store(e) => e.into(),
+            StreamError::Unexpected(m) => Failure(DjvStatus::Corrupt, m),
+            other => Failure(DjvStatus::InvalidArgument, other.to_string()),
+        }
+    }
+}
+
+/// Runs `body`, turning its error or panic into a status and the thread's last error message.
+fn call(body: impl FnOnce() -> Result<(), Failure>) -> DjvStatus {
+    let failure = match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => return DjvStatus::Ok,
+        Ok(Err(failure)) => failure,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown".into());
+            Failure(DjvStatus::Panic, format!("internal error (panic): {what}"))
+        }
+    };
+    let message = CString::new(failure.1.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = message);
+    failure.0
+}
+
+/// A shared reference from a handle pointer, or an error if it is NULL.
+///
+/// # Safety
+///
+/// `ptr` is NULL or points to a live `T` made by this library and not freed.
+unsafe fn handle<'a, T>(ptr: *const T, what: &str) -> Result<&'a T, Failure> {
+    // SAFETY: per the contract, a non-null `ptr` points to a live `T`.
+    unsafe { ptr.as_ref() }.ok_or_else(|| Failure::invalid(format!("{what} is NULL")))
+}
+
+/// Stores a new handle in `*out`.
+///
+/// # Safety
+///
+/// `out` is NULL (an error) or valid for a write of a pointer.
+unsafe fn give<T>(out: *mut *mut T, value: T) -> Result<(), Failure> {
+    if out.is_null() {
+        return Err(Failure::invalid("the output pointer is NULL"));
+    }
+    // SAFETY: `out` is non-null and, per the contract, valid for writes.
+    unsafe { out.write(Box::into_raw(Box::new(value))) };
+    Ok(())
+}
+
+fn dtype(d: DjvElement) -> DType {
+    match d {
+        DjvElement::F32 => DType::F32,
+        DjvElement::F16 => DType::F16,
+        DjvElement::Bf16 => DType::BF16,
+        DjvElement::Fp8E4m3 => DType::Fp8E4M3,
+        DjvElement::Int8 => DType::Int8,
+    }
+}
+
+fn spec(layers: u32, kv_heads: u32, head_dim: u32, d: DjvElement) -> Result<KvSpec, Failure> {
+    KvSpec::new(layers, kv_heads, head_dim, dtype(d)).map_err(|e| Failure::invalid(e.to_string()))
+}
+
+fn layout_err(e: impl std::fmt::Display) -> Failure {
+    Failure(DjvStatus::Layout, e.to_string())
+}
+
+fn region(r: &DjvRegion) -> KvRegion {
+    KvRegion::new(
+        r.layers_start..r.layers_end,
+        r.slots_start..r.slots_end,
+        r.heads_start..r.heads_end,
+        r.tokens_start..r.tokens_end,
+    )
+}
+
+/// The message of the calling thread's last failed call ("" if none). Valid until that thread's
+/// next failing call; never NULL.
+#[no_mangle]
+pub extern "C" fn djv_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// A FasterTransformer layout: K `[L][B][H][D/x][S][x]` (x = 16 bytes of elements) and V
+/// `[L][B][H][S][D]`.
+///
+/// # Safety
+///
+/// `out` must be valid for a write of a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn djv_layout_faster_transformer(
+    layers: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    dtype: DjvElement,
+    slots: u32,
+    max_tokens: u32,
+    out: *mut *mut DjvLayout,
+) -> DjvStatus {
+    call(|| {
+        let layout =
+            KvLayout::faster_transformer(spec(layers, kv_heads, head_dim, dtype)?, slots, max_tokens)
+                .map_err(layout_err)?;
+        // SAFETY: the caller passes a writable `out`.
+        unsafe { give(out, DjvLayout(layout)) }
+    })
+}
+
+/// Per-layer tensors, one K and one V buffer per layer, in `order`.
+///
+/// # Safety
+///
+/// `out` must be valid for a write of a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn djv_layout_per_layer(
+    layers: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    dtype: DjvElement,
+    slots: u32,
+    max_tokens: u32,
+    order: DjvPerLayerOrder,
+    out: *mut *mut DjvLayout,
+) -> DjvStatus {
+    call(|| {
+        let order = match order {
+            DjvPerLayerOrder::Bhsd => PerLayerOrder::Bhsd,
+            DjvPerLayerOrder::Bshd => PerLayerOrder::Bshd,
+        };
+        let layout = KvLayout::per_layer(spec(layers, kv_heads, head_dim, dtype)?, slots, max_tokens, order)
+            .map_err(layout_err)?;
+        // SAFETY: the caller passes a writable `out`.
+        unsafe { give(out, DjvLayout(layout)) }
+    })
+}
+
+/// vLLM-style paged blocks per layer, addressed through a block table per slot:
+/// `block_tables[slot * blocks_per_slot + i]` is the physical block of the slot's `i`-th block.
+///
+/// # Safety
+///
+/// `block_tables` must point to `slots * blocks_per_slot` readable `uint32_t` (or be NULL when that
+/// product is 0); `out` must be valid for a write of a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn djv_layout_paged(
+    layers: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    dtype: DjvElement,
+    slots: u32,
+    block_size: u32,
+    num_blocks: u32,
+    order: DjvPagedOrder,
+    interleaved: bool,
+    block_tables: *const u32,
+    blocks_per_slot: u32,
+    out: *mut *mut DjvLayout,
+) -> DjvStatus {
+    call(|| {
+        let count = slots as usize * blocks_per_slot as usize;
+        let flat: &[u32] = match (block_tables.is_null(), count) {
+            (_, 0) => &[],
+            (true, _) => return Err(Failure::invalid("block_tables is NULL")),
+            // SAFETY: the caller passes `count` readable values.
+            (false, _) => unsafe { std::slice::from_raw_parts(block_tables, count) },
+        };
+        let tables = flat.chunks(blocks_per_slot.max(1) as usize).map(<[u32]>::to_vec).collect::<Vec<_>>();
+        let tables = (count > 0).then(|| BlockTables::from_tables(tables));
+        let config = PagedConfig {
+            block_size,
+            num_blocks,
+            order: match order {
+                DjvPagedOrder::Nhd => PagedOrder::Nhd,
+                DjvPagedOrder::Hnd => PagedOrder::Hnd,
+            },
+            interleave: if interleaved { KvInterleave::Interleaved } else { KvInterleave::Separate },
+        };
+        let layout = KvLayout::paged(spec(layers, kv_heads, head_dim, dtype)?, slots, config, tables)
+            .map_err(layout_err)?;
+        // SAFETY: the caller passes a writable `out`.
+        unsafe { give(out, DjvLayout(layout)) }
+    })
+}
+
+/// Number of buffers a cache of `layout` has (0 if `layout` is NULL).
+///
+/// # Safety
+///
+/// `layout` is NULL or a live layout.
+#[no_mangle]
+pub unsafe extern "C" fn djv_layout_buffer_count(layout: *const DjvLayout) -> usize {
+    // SAFETY: per the contract.
+    unsafe { layout.as_ref() }.map_or(0, |l| l.0.buffer_sizes().len())
+}
+
+/// Bytes of buffer `index` of a cache of `layout` (0 if out of range or NULL).
+///
+/// # Safety
+///
+/// `layout` is NULL or a live layout.
+#[no_mangle]
+pub unsafe extern "C" fn djv_layout_buffer_size(layout: *const DjvLayout, index: usize) -> u64 {
+    // SAFETY: per the contract.
+    unsafe { layout.as_ref() }.and_then(|l| l.0.buffer_sizes().get(index).copied()).unwrap_or(0)
+}
+
+/// Releases a layout (NULL is ignored).
+///
+/// # Safety
+///
+/// `layout` is NULL or a live layout, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn djv_layout_free(layout: *mut DjvLayout) {
+    if !layout.is_null() {
+        // SAFETY: made by `Box::into_raw` in `give`, freed once per the contract.
+        drop(unsafe { Box::from_raw(layout) });
+    }
+}
+
+/// A cache of `layout` over zeroed memory the library allocates.
+///
+/// # Safety
+///
+/// `layout` is a live layout; `out` is valid for a write of a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn djv_cache_new(layout: *const DjvLayout, out: *mut *mut DjvCache) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract.
+        let layout = unsafe { handle(layout, "layout") }?;
+        let cache = KvCache::new(layout.0.clone())?;
+        // SAFETY: the caller passes a writable `out`.
+        unsafe { give(out, DjvCache { cache, pool: StagingPool::default() }) }
+    })
+}
+
+/// A cache of `layout` over the engine's own buffers, used in place: `count` buffers (as many as
+/// [`djv_layout_buffer_count`] says), buffer `i` at `buffers[i]` with `lens[i]` bytes (at least
+/// [`djv_layout_buffer_size`]).
+///
+/// # Safety
+///
+/// `layout` is a live layout; `buffers` and `lens` point to `count` readable elements; each buffer
+/// is valid for reads and writes of its length for as long as the cache lives, and the engine does
+/// not write the bytes a copy is reading or writing while that copy runs. `out` is valid for a
+/// write of a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn djv_cache_wrap(
+    layout: *const DjvLayout,
+    buffers: *const *mut u8,
+    lens: *const usize,
+    count: usize,
+    out: *mut *mut DjvCache,
+) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract.
+        let layout = unsafe { handle(layout, "layout") }?;
+        if count > 0 && (buffers.is_null() || lens.is_null()) {
+            return Err(Failure::invalid("buffers or lens is NULL"));
+        }
+        let raw: Vec<(*mut u8, usize)> = (0..count)
+            // SAFETY: both arrays hold `count` readable elements per the contract.
+            .map(|i| unsafe { (*buffers.add(i), *lens.add(i)) })
+            .collect();
+        // SAFETY: the caller guarantees the buffers' validity for the cache's life.
+        let cache = unsafe { KvCache::from_raw_buffers(layout.0.clone(), &raw) }?;
+        // SAFETY: the caller passes a writable `out`.
+        unsafe { give(out, DjvCache { cache, pool: StagingPool::default() }) }
+    })
+}
+
+/// Releases a cache (NULL is ignored). Engine buffers it wrapped are left alone.
+///
+/// # Safety
+///
+/// `cache` is NULL or a live cache, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn djv_cache_free(cache: *mut DjvCache) {
+    if !cache.is_null() {
+        // SAFETY: made by `Box::into_raw` in `give`, freed once per the contract.
+        drop(unsafe { Box::from_raw(cache) });
+    }
+}
+
+/// Bytes a gather of `region` produces (the staging buffer size), in `*len`.
+///
+/// # Safety
+///
+/// `cache` is a live cache; `region` and `len` are valid pointers.
+#[no_mangle]
+pub unsafe extern "C" fn djv_packed_len(
+    cache: *const DjvCache,
+    region: *const DjvRegion,
+    len: *mut u64,
+) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract.
+        let (cache, r) = unsafe { (handle(cache, "cache")?, handle(region, "region")?) };
+        let r = crate::region(r);
+        cache.cache.layout().check_region(&r).map_err(CacheError::from)?;
+        if len.is_null() {
+            return Err(Failure::invalid("len is NULL"));
+        }
+        // SAFETY: non-null and writable per the contract.
+        unsafe { len.write(cache.cache.packed_len(&r)) };
+        Ok(())
+    })
+}
+
+/// Gathers `region` of `cache` into `out` (`out_len` bytes, exactly [`djv_packed_len`]), packed in
+/// the cache's preferred packing: many small KV pieces into one buffer.
+///
+/// # Safety
+///
+/// `cache` is a live cache; `region` is valid; `out` is valid for writes of `out_len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn djv_gather(
+    cache: *const DjvCache,
+    region: *const DjvRegion,
+    out: *mut u8,
+    out_len: usize,
+) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract.
+        let (cache, r) = unsafe { (handle(cache, "cache")?, handle(region, "region")?) };
+        if out.is_null() {
+            return Err(Failure::invalid("out is NULL"));
+        }
+        // SAFETY: `out` is valid for `out_len` writable bytes per the contract.
+        let out = unsafe { std::slice::from_raw_parts_mut(out, out_len) };
+        cache.cache.gather(&crate::region(r), cache.cache.layout().preferred_packing(), out)?;
+        Ok(())
+    })
+}
+
+/// Scatters `input` (`input_len` bytes, packed as [`djv_gather`] packs) into `region` of `cache`.
+///
+/// # Safety
+///
+/// `cache` is a live cache; `region` is valid; `input` is valid for reads of `input_len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn djv_scatter(
+    cache: *const DjvCache,
+    region: *const DjvRegion,
+    input: *const u8,
+    input_len: usize,
+) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract.
+        let (cache, r) = unsafe { (handle(cache, "cache")?, handle(region, "region")?) };
+        if input.is_null() {
+            return Err(Failure::invalid("input is NULL"));
+        }
+        // SAFETY: `input` is valid for `input_len` readable bytes per the contract.
+        let input = unsafe { std::slice::from_raw_parts(input, input_len) };
+        cache.cache.scatter(&crate::region(r), cache.cache.layout().preferred_packing(), input)?;
+        Ok(())
+    })
+}
+
+/// Opens (creating it if needed) a directory of chunk files, with io_uring where the kernel has it.
+///
+/// # Safety
+///
+/// `dir` is a NUL-terminated path; `out` is valid for a write of a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn djv_file_store_open(dir: *const c_char, out: *mut *mut DjvFileStore) -> DjvStatus {
+    call(|| {
+        if dir.is_null() {
+            return Err(Failure::invalid("dir is NULL"));
+        }
+        // SAFETY: a NUL-terminated string per the contract.
+        let dir =
+            unsafe { CStr::from_ptr(dir) }.to_str().map_err(|_| Failure::invalid("dir is not UTF-8"))?;
+        let store = FileStore::open(dir, FileBackend::Auto)?;
+        // SAFETY: the caller passes a writable `out`.
+        unsafe { give(out, DjvFileStore(store)) }
+    })
+}
+
+/// Releases a file store (NULL is ignored); its files stay.
+///
+/// # Safety
+///
+/// `store` is NULL or a live store, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn djv_file_store_free(store: *mut DjvFileStore) {
+    if !store.is_null() {
+        // SAFETY: made by `Box::into_raw` in `give`, freed once per the contract.
+        drop(unsafe { Box::from_raw(store) });
+    }
+}
+
+fn transfer(r: &DjvRegion, source: DjvWorker, destination: DjvWorker, microbatch: u32) -> Transfer {
+    let local = LocalRegion {
+        microbatch,
+        layers: r.layers_start..r.layers_end,
+        slots: r.slots_start..r.slots_end,
+        heads: r.heads_start..r.heads_end,
+    };
+    Transfer {
+        source: WorkerId { stage: source.stage, rank: source.rank },
+        destination: WorkerId { stage: destination.stage, rank: destination.rank },
+        from: local.clone(),
+        to: local,
+    }
+}
+
+/// Flushes `region` of `cache` to `store` as one checksummed chunk (a gather into a staging buffer,
+/// then one write), keyed by `destination`, `microbatch` and the region.
+///
+/// # Safety
+///
+/// `store` and `cache` are live handles; `region` is valid.
+#[no_mangle]
+pub unsafe extern "C" fn djv_flush(
+    store: *mut DjvFileStore,
+    cache: *const DjvCache,
+    region: *const DjvRegion,
+    source: DjvWorker,
+    destination: DjvWorker,
+    microbatch: u32,
+) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract; the store is used through this exclusive borrow only.
+        let (store, cache, r) = unsafe {
+            (
+                store.as_mut().ok_or_else(|| Failure::invalid("store is NULL"))?,
+                handle(cache, "cache")?,
+                handle(region, "region")?,
+            )
+        };
+        let t = transfer(r, source, destination, microbatch);
+        send(&cache.cache, &t, r.tokens_start..r.tokens_end, &cache.pool, &mut store.0)?;
+        Ok(())
+    })
+}
+
+/// Fetches the chunk [`djv_flush`] wrote for the same region, source, destination and microbatch,
+/// verifies it, and scatters it into `region` of `cache`.
+///
+/// # Safety
+///
+/// `store` and `cache` are live handles; `region` is valid.
+#[no_mangle]
+pub unsafe extern "C" fn djv_fetch(
+    store: *mut DjvFileStore,
+    cache: *const DjvCache,
+    region: *const DjvRegion,
+    source: DjvWorker,
+    destination: DjvWorker,
+    microbatch: u32,
+) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract; the store is used through this exclusive borrow only.
+        let (store, cache, r) = unsafe {
+            (
+                store.as_mut().ok_or_else(|| Failure::invalid("store is NULL"))?,
+                handle(cache, "cache")?,
+                handle(region, "region")?,
+            )
+        };
+        let t = transfer(r, source, destination, microbatch);
+        let mut payload = Vec::new();
+        receive(&cache.cache, &t, r.tokens_start..r.tokens_end, &mut store.0, &mut payload)?;
+        Ok(())
+    })
+}
