@@ -1,0 +1,66 @@
+"""DéjàVu KV-cache streaming for fault-tolerant LLM serving.
+
+Layouts of the KV caches engines use, buffered gather/scatter (many small KV pieces into one
+staging buffer), flush/fetch of checksummed chunks to files or host memory, and resharding between
+pipeline setups (``stream_out`` / ``stream_in``). Arrays and tensors are used in place: numpy
+arrays, CPU torch tensors, bytearrays. Copies and I/O release the GIL.
+
+Example::
+
+    import numpy as np, dejavu
+    spec = dejavu.KvSpec(layers=4, kv_heads=2, head_dim=64, dtype="float16")
+    layout = dejavu.KvLayout.per_layer(spec, slots=2, max_tokens=128)
+    tensors = [np.zeros(n // 2, dtype=np.float16) for n in layout.buffer_sizes]
+    cache = dejavu.KvCache.wrap(layout, tensors)          # the engine's own memory
+    step = dejavu.KvRegion(layers=range(4), slots=range(2), heads=range(2), tokens=range(7, 8))
+    staged = cache.gather(step)                            # one contiguous buffer
+"""
+
+from ._dejavu import (
+    CorruptChunkError,
+    Error,
+    KvCache,
+    KvLayout,
+    KvRegion,
+    KvSpec,
+    LayoutError,
+    NotFoundError,
+    Setup,
+    Store,
+    StoreError,
+    fetch,
+    flush,
+    stream_in,
+    stream_out,
+)
+
+
+def FileStore(path):
+    """A directory of chunk files (created if needed); same as ``Store.file(path)``."""
+    return Store.file(path)
+
+
+def HostStore():
+    """Chunks kept in this process's memory; same as ``Store.host()``."""
+    return Store.host()
+
+
+__all__ = [
+    "CorruptChunkError",
+    "Error",
+    "FileStore",
+    "HostStore",
+    "KvCache",
+    "KvLayout",
+    "KvRegion",
+    "KvSpec",
+    "LayoutError",
+    "NotFoundError",
+    "Setup",
+    "Store",
+    "StoreError",
+    "fetch",
+    "flush",
+    "stream_in",
+    "stream_out",
+]

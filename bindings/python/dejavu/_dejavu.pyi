@@ -1,0 +1,129 @@
+"""Type stubs of the native module ``dejavu._dejavu`` (re-exported by ``dejavu``)."""
+
+from os import PathLike
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+RangeLike = Union[range, Tuple[int, int], int]
+Worker = Tuple[int, int]
+Buffer = Any  # numpy array, CPU torch tensor, bytearray (or bytes where only read)
+
+class Error(Exception):
+    """Base class of the errors dejavu raises."""
+
+class LayoutError(Error):
+    """A layout, region or cache buffer does not fit."""
+
+class StoreError(Error):
+    """Flush or fetch failed (I/O, disk full)."""
+
+class CorruptChunkError(StoreError):
+    """A chunk failed verification (truncated, corrupted, not the one expected)."""
+
+class NotFoundError(StoreError):
+    """No chunk under the key asked for."""
+
+class KvSpec:
+    """The shape of a model's KV cache."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: str = "float16") -> None:
+        """``dtype``: "float32", "float16", "bfloat16", "float8_e4m3" or "int8"."""
+    @property
+    def layers(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes across all layers and heads."""
+
+class KvLayout:
+    """Where every KV element of a cache lives."""
+
+    @staticmethod
+    def faster_transformer(spec: KvSpec, slots: int, max_tokens: int) -> "KvLayout":
+        """K ``[L][B][H][D/x][S][x]`` (x = 16 bytes of elements), V ``[L][B][H][S][D]``; 2 buffers."""
+    @staticmethod
+    def per_layer(spec: KvSpec, slots: int, max_tokens: int, order: str = "bhsd") -> "KvLayout":
+        """One K and one V tensor per layer, ``[B][H][S][D]`` or ``[B][S][H][D]`` ("bshd")."""
+    @staticmethod
+    def paged(
+        spec: KvSpec,
+        slots: int,
+        block_size: int,
+        num_blocks: int,
+        order: str = "nhd",
+        interleaved: bool = False,
+        block_tables: Optional[List[List[int]]] = None,
+    ) -> "KvLayout":
+        """vLLM-style paged blocks per layer; ``block_tables[slot]`` lists a sequence's blocks."""
+    @property
+    def buffer_sizes(self) -> List[int]:
+        """Bytes of each buffer a cache of this layout has, in order."""
+    @property
+    def spec(self) -> KvSpec: ...
+    @property
+    def slots(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+
+class KvRegion:
+    """Layers x slots x heads x tokens of a cache (half-open ranges)."""
+
+    def __init__(self, layers: RangeLike, slots: RangeLike, heads: RangeLike, tokens: RangeLike) -> None: ...
+    @property
+    def layers(self) -> Tuple[int, int]: ...
+    @property
+    def slots(self) -> Tuple[int, int]: ...
+    @property
+    def heads(self) -> Tuple[int, int]: ...
+    @property
+    def tokens(self) -> Tuple[int, int]: ...
+
+class KvCache:
+    """A KV cache over library memory, or over the engine's own arrays (``KvCache.wrap``)."""
+
+    def __init__(self, layout: KvLayout) -> None:
+        """Zeroed memory allocated by the library."""
+    @staticmethod
+    def wrap(layout: KvLayout, buffers: Sequence[Buffer]) -> "KvCache":
+        """The engine's buffers (one per ``layout.buffer_sizes`` entry, contiguous, writable, at
+        least as large), used in place. Do not resize or free them while the cache lives."""
+    @property
+    def layout(self) -> KvLayout: ...
+    def packed_len(self, region: KvRegion) -> int:
+        """Bytes a gather of ``region`` produces."""
+    def gather(self, region: KvRegion, out: Optional[Buffer] = None) -> Buffer:
+        """Gathers ``region`` into ``out`` (exactly ``packed_len`` bytes) or a new bytearray."""
+    def scatter(self, region: KvRegion, data: Buffer) -> None:
+        """Scatters ``data`` (as ``gather`` packs it) into ``region``."""
+
+class Store:
+    """Where chunks go: ``Store.file(path)`` or ``Store.host()``."""
+
+    @staticmethod
+    def file(path: Union[str, PathLike]) -> "Store": ...
+    @staticmethod
+    def host() -> "Store": ...
+
+class Setup:
+    """A pipeline: KV spec, stages ``[(layers, tp), ...]``, slots per microbatch, microbatches."""
+
+    def __init__(self, spec: KvSpec, stages: Sequence[Tuple[RangeLike, int]], microbatch_slots: int, microbatches: int) -> None: ...
+    def workers(self) -> List[Worker]: ...
+    def local_spec(self, worker: Worker) -> KvSpec:
+        """The spec of the layers and heads ``worker`` holds, to build its caches with."""
+    def holding(self, worker: Worker) -> dict:
+        """``{"layers": (a, b), "heads": (a, b), "primary": bool}`` in global coordinates."""
+
+def flush(store: Store, cache: KvCache, region: KvRegion, source: Worker = (0, 0), destination: Worker = (0, 0), microbatch: int = 0) -> int:
+    """Flushes ``region`` as one checksummed chunk; returns the bytes flushed."""
+
+def fetch(store: Store, cache: KvCache, region: KvRegion, source: Worker = (0, 0), destination: Worker = (0, 0), microbatch: int = 0) -> int:
+    """Fetches and verifies the chunk ``flush`` wrote, scatters it into ``region``."""
+
+def stream_out(a: Setup, source: Worker, b: Setup, caches: Sequence[KvCache], tokens: RangeLike, store: Store) -> dict:
+    """Streams ``tokens`` of worker ``source`` of setup ``a`` toward the workers of setup ``b``."""
+
+def stream_in(a: Setup, b: Setup, destination: Worker, caches: Sequence[KvCache], tokens: RangeLike, store: Store) -> dict:
+    """Receives into worker ``destination`` of setup ``b`` what ``stream_out`` sent it."""

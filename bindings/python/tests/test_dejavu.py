@@ -1,0 +1,197 @@
+"""The Python package against the library: every layout, resharding, file flush/fetch, errors."""
+
+import os
+
+import numpy as np
+import pytest
+
+import dejavu
+
+SPEC = dejavu.KvSpec(layers=3, kv_heads=3, head_dim=40, dtype="float16")  # odd heads, unaligned sizes
+SLOTS, TOKENS = 2, 48
+
+
+def layouts():
+    blocks = [[5, 0, 3], [1, 4, 2]]  # 3 blocks of 16 tokens per sequence, out of order
+    return {
+        "faster_transformer": dejavu.KvLayout.faster_transformer(SPEC, SLOTS, TOKENS),
+        "per_layer_bhsd": dejavu.KvLayout.per_layer(SPEC, SLOTS, TOKENS, "bhsd"),
+        "per_layer_bshd": dejavu.KvLayout.per_layer(SPEC, SLOTS, TOKENS, "bshd"),
+        "paged_nhd": dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "nhd", False, blocks),
+        "paged_hnd_interleaved": dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "hnd", True, blocks),
+    }
+
+
+def engine_buffers(layout, seed):
+    """The engine's own tensors, filled with noise (not zeros)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=n, dtype=np.uint8) for n in layout.buffer_sizes]
+
+
+REGION = dejavu.KvRegion(layers=range(3), slots=range(2), heads=range(3), tokens=range(5, 37))
+
+
+@pytest.mark.parametrize("name", list(layouts()))
+def test_gather_scatter_round_trip_in_place(name):
+    layout = layouts()[name]
+    buffers = engine_buffers(layout, 1)
+    engine = dejavu.KvCache.wrap(layout, buffers)
+    staged = engine.gather(REGION)
+    assert isinstance(staged, bytearray) and len(staged) == engine.packed_len(REGION)
+
+    # Into a numpy array given as the destination, without a copy on the way back.
+    out = np.empty(engine.packed_len(REGION), dtype=np.uint8)
+    assert engine.gather(REGION, out) is out
+    assert bytes(out) == bytes(staged)
+
+    # Scattered into another engine's tensors, the bytes land in those tensors themselves.
+    other_buffers = [np.zeros(n, dtype=np.uint8) for n in layout.buffer_sizes]
+    other = dejavu.KvCache.wrap(layout, other_buffers)
+    other.scatter(REGION, out)
+    assert sum(int(b.astype(bool).sum()) for b in other_buffers) > 0
+    assert bytes(other.gather(REGION)) == bytes(staged)
+
+
+@pytest.mark.parametrize("name", [n for n in layouts() if n != "faster_transformer"])
+def test_flush_and_fetch_across_layouts(tmp_path, name):
+    """FasterTransformer -> another layout -> FasterTransformer through chunk files: every byte back."""
+    ft = layouts()["faster_transformer"]
+    source = dejavu.KvCache.wrap(ft, engine_buffers(ft, 2))
+    store = dejavu.FileStore(tmp_path)
+    assert dejavu.flush(store, source, REGION, (0, 0), (1, 0), 0) == source.packed_len(REGION)
+    middle = dejavu.KvCache(layouts()[name])
+    dejavu.fetch(store, middle, REGION, (0, 0), (1, 0), 0)
+    dejavu.flush(store, middle, REGION, (1, 0), (2, 0), 0)
+    back = dejavu.KvCache(ft)
+    dejavu.fetch(store, back, REGION, (1, 0), (2, 0), 0)
+    assert bytes(back.gather(REGION)) == bytes(source.gather(REGION))
+
+
+def test_torch_cpu_tensors_are_used_in_place():
+    torch = pytest.importorskip("torch")
+    layout = layouts()["per_layer_bhsd"]
+    tensors = [torch.zeros(n // 2, dtype=torch.float16) for n in layout.buffer_sizes]
+    cache = dejavu.KvCache.wrap(layout, tensors)
+    cache.scatter(REGION, bytes(range(256)) * (cache.packed_len(REGION) // 256) + bytes(cache.packed_len(REGION) % 256))
+    assert any(bool(t.ne(0).any()) for t in tensors)
+
+
+def test_torch_cuda_tensors_are_refused_clearly():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    layout = layouts()["per_layer_bhsd"]
+    tensors = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in layout.buffer_sizes]
+    with pytest.raises(TypeError, match="GPU memory|device"):
+        dejavu.KvCache.wrap(layout, tensors)
+
+
+def test_resharding_between_two_setups_and_back():
+    spec = dejavu.KvSpec(layers=4, kv_heads=4, head_dim=16, dtype="bfloat16")
+    prompt = dejavu.Setup(spec, [(range(0, 2), 2), (range(2, 4), 2)], microbatch_slots=4, microbatches=1)
+    token = dejavu.Setup(spec, [(range(0, 1), 1), (range(1, 4), 1)], microbatch_slots=2, microbatches=2)
+    tokens = range(0, 24)
+
+    def caches(setup, seed=None):
+        out = {}
+        for w in setup.workers():
+            layout = dejavu.KvLayout.faster_transformer(setup.local_spec(w), 4 if setup is prompt else 2, 32)
+            out[w] = [
+                dejavu.KvCache.wrap(layout, engine_buffers(layout, seed + i)) if seed is not None else dejavu.KvCache(layout)
+                for i in range(1 if setup is prompt else 2)
+            ]
+        return out
+
+    source, middle, back = caches(prompt, seed=10), caches(token), caches(prompt)
+    store = dejavu.HostStore()
+    sent = sum(dejavu.stream_out(prompt, w, token, source[w], tokens, store)["bytes"] for w in prompt.workers())
+    got = sum(dejavu.stream_in(prompt, token, w, middle[w], tokens, store)["bytes"] for w in token.workers())
+    assert sent == got > 0
+    store = dejavu.HostStore()
+    for w in token.workers():
+        dejavu.stream_out(token, w, prompt, middle[w], tokens, store)
+    for w in prompt.workers():
+        dejavu.stream_in(token, prompt, w, back[w], tokens, store)
+    for w in prompt.workers():
+        h = prompt.holding(w)
+        region = dejavu.KvRegion(range(h["layers"][1] - h["layers"][0]), range(4), range(h["heads"][1] - h["heads"][0]), tokens)
+        assert bytes(back[w][0].gather(region)) == bytes(source[w][0].gather(region)), w
+
+
+def test_corrupted_and_missing_chunks_are_typed_errors(tmp_path):
+    layout = layouts()["per_layer_bshd"]
+    cache = dejavu.KvCache.wrap(layout, engine_buffers(layout, 3))
+    store = dejavu.FileStore(tmp_path)
+    dejavu.flush(store, cache, REGION)
+    (chunk,) = [p for p in tmp_path.iterdir()]
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(dejavu.CorruptChunkError):
+        dejavu.fetch(store, dejavu.KvCache(layout), REGION)
+    with pytest.raises(dejavu.NotFoundError):
+        dejavu.fetch(store, dejavu.KvCache(layout), REGION, microbatch=7)
+    assert issubclass(dejavu.NotFoundError, dejavu.StoreError) and issubclass(dejavu.StoreError, dejavu.Error)
+
+
+def test_bad_input_raises_clear_exceptions():
+    layout = layouts()["per_layer_bhsd"]
+    with pytest.raises(ValueError, match="dtype"):
+        dejavu.KvSpec(2, 2, 64, dtype="float64")
+    with pytest.raises(ValueError, match="order"):
+        dejavu.KvLayout.per_layer(SPEC, 2, 8, "shdb")
+    buffers = engine_buffers(layout, 4)
+    with pytest.raises(dejavu.LayoutError, match="buffers"):
+        dejavu.KvCache.wrap(layout, buffers[:-1])
+    with pytest.raises(dejavu.LayoutError, match="bytes"):
+        dejavu.KvCache.wrap(layout, [b[:-1] for b in buffers])
+    strided = [np.zeros(2 * n, dtype=np.uint8)[::2] for n in layout.buffer_sizes]
+    with pytest.raises(ValueError, match="contiguous"):
+        dejavu.KvCache.wrap(layout, strided)
+    with pytest.raises(TypeError, match="numpy array"):
+        dejavu.KvCache.wrap(layout, ["not a buffer"] * len(buffers))
+    cache = dejavu.KvCache.wrap(layout, buffers)
+    frozen = np.zeros(cache.packed_len(REGION), dtype=np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        cache.gather(REGION, frozen)
+    with pytest.raises(TypeError, match="writable"):
+        cache.gather(REGION, bytes(cache.packed_len(REGION)))
+    with pytest.raises(ValueError, match="needed"):
+        cache.gather(REGION, np.zeros(10, dtype=np.uint8))
+    past_the_end = dejavu.KvRegion(range(3), range(2), range(3), range(40, 60))
+    with pytest.raises(dejavu.LayoutError):
+        cache.gather(past_the_end)
+    with pytest.raises(ValueError, match="before start"):
+        dejavu.KvRegion((0, 3), (0, 2), (0, 3), (9, 4))
+    with pytest.raises(ValueError):
+        dejavu.Setup(SPEC, [(range(0, 2), 1)], 2, 1)  # stages must cover every layer
+
+
+def test_copies_release_the_gil():
+    """This thread keeps running Python code while a gather runs on another thread."""
+    import threading
+    import time
+
+    ft = dejavu.KvLayout.faster_transformer(dejavu.KvSpec(16, 8, 128), 8, 512)
+    cache = dejavu.KvCache(ft)
+    region = dejavu.KvRegion(range(16), range(8), range(8), range(512))  # 134 MB
+    out = np.empty(cache.packed_len(region), dtype=np.uint8)
+    spans, done = [], threading.Event()
+
+    def work():
+        for _ in range(3):
+            start = time.perf_counter()
+            cache.gather(region, out)
+            spans.append((start, time.perf_counter()))
+        done.set()
+
+    samples = []
+    t = threading.Thread(target=work)
+    t.start()
+    while not done.is_set():
+        samples.append(time.perf_counter())
+    t.join()
+    # Holding the GIL through a gather would leave (almost) no samples inside the gathers.
+    inside = sum(1 for x in samples if any(a < x < b for a, b in spans))
+    assert inside > 100, (inside, spans)
