@@ -17,6 +17,7 @@ Example::
 """
 
 from ._dejavu import (
+    Completion,
     CorruptChunkError,
     Error,
     KvCache,
@@ -28,6 +29,7 @@ from ._dejavu import (
     Setup,
     Store,
     StoreError,
+    Streamer,
     fetch,
     flush,
     stream_in,
@@ -46,6 +48,7 @@ def HostStore():
 
 
 __all__ = [
+    "Completion",
     "CorruptChunkError",
     "Error",
     "FileStore",
@@ -59,6 +62,7 @@ __all__ = [
     "Setup",
     "Store",
     "StoreError",
+    "Streamer",
     "fetch",
     "flush",
     "stream_in",

@@ -116,6 +116,22 @@ class Setup:
     def holding(self, worker: Worker) -> dict:
         """``{"layers": (a, b), "heads": (a, b), "primary": bool}`` in global coordinates."""
 
+class Completion:
+    """One job handed to a ``Streamer``."""
+
+    def wait(self, timeout: Optional[float] = None) -> dict:
+        """Waits (GIL released) for the job; ``{"bytes", "copy_seconds", "io_seconds"}``, or raises its
+        error; ``TimeoutError`` after ``timeout`` seconds (the job goes on)."""
+
+class Streamer:
+    """A background thread that gathers and flushes KV regions while the engine computes."""
+
+    def __init__(self, store: Store, queue_depth: int = 64) -> None: ...
+    def layer_ready(self, a: Setup, source: Worker, b: Setup, cache: KvCache, microbatch: int, layer: int, tokens: RangeLike) -> List[Completion]:
+        """Local ``layer`` of ``microbatch`` is written: queue its part of every transfer toward ``b``."""
+    def shutdown(self, cancel: bool = False) -> dict:
+        """Runs (or cancels) queued jobs, stops the thread; ``{"completed", "failed", "cancelled", "bytes"}``."""
+
 def flush(store: Store, cache: KvCache, region: KvRegion, source: Worker = (0, 0), destination: Worker = (0, 0), microbatch: int = 0) -> int:
     """Flushes ``region`` as one checksummed chunk; returns the bytes flushed."""
 

@@ -1,19 +1,22 @@
 //! `dejavu._dejavu`: the native half of the Python package `dejavu` (see `dejavu/__init__.py` and
 //! `dejavu/_dejavu.pyi` for the documented API).
 //!
-//! Buffers pass without copies (see [`buffer`]); copies and file I/O run with the GIL released.
+//! Buffers pass without copies (see the `buffer` module); copies and file I/O run with the GIL released.
 //! Library errors become `dejavu.Error` subclasses, argument errors `ValueError` / `TypeError`.
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Duration;
 
 use dejavulib::file_io::FileBackend;
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
 use dejavulib::reshard::{receive, send, LocalRegion, StreamError, StreamStats};
 use dejavulib::store::StoreError as ChunkStoreError;
+use dejavulib::streamer::{Completion, Shutdown, StreamerError};
 use dejavulib::{
     plan_stream_in, plan_stream_out, stream_in, stream_out, CacheError, ChunkStore, DType, FileStore,
-    HostStore, KvCache, KvLayout, KvRegion, KvSpec, Setup, StageSpec, StagingPool, Transfer, WorkerId,
+    HostStore, KvCache, KvLayout, KvRegion, KvSpec, Setup, StageSpec, StagingPool, Streamer, StreamerConfig,
+    Transfer, WorkerId,
 };
 use parking_lot::Mutex;
 use pyo3::create_exception;
@@ -362,10 +365,32 @@ impl PyCache {
     }
 }
 
+/// A store shared by Python calls and a streamer thread, each use under the lock.
+#[derive(Clone)]
+struct SharedStore(Arc<Mutex<Box<dyn ChunkStore>>>);
+
+impl ChunkStore for SharedStore {
+    fn put(
+        &mut self,
+        descriptor: &dejavulib::chunk::ChunkDescriptor,
+        payload: &[u8],
+    ) -> Result<(), ChunkStoreError> {
+        self.0.lock().put(descriptor, payload)
+    }
+
+    fn get(
+        &mut self,
+        key: &dejavulib::chunk::ChunkKey,
+        out: &mut Vec<u8>,
+    ) -> Result<dejavulib::chunk::ChunkDescriptor, ChunkStoreError> {
+        self.0.lock().get(key, out)
+    }
+}
+
 /// Where chunks are flushed to and fetched from: `Store.file(path)` or `Store.host()`.
 #[pyclass(name = "Store", module = "dejavu", frozen)]
 struct PyStore {
-    inner: Mutex<Box<dyn ChunkStore>>,
+    inner: SharedStore,
     kind: &'static str,
 }
 
@@ -375,13 +400,13 @@ impl PyStore {
     #[staticmethod]
     fn file(path: std::path::PathBuf) -> PyResult<Self> {
         let store = FileStore::open(path, FileBackend::Auto).map_err(store_err)?;
-        Ok(Self { inner: Mutex::new(Box::new(store)), kind: "file" })
+        Ok(Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(store)))), kind: "file" })
     }
 
     /// Chunks in this process's memory.
     #[staticmethod]
     fn host() -> Self {
-        Self { inner: Mutex::new(Box::new(HostStore::new())), kind: "host" }
+        Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(HostStore::new())))), kind: "host" }
     }
 
     fn __repr__(&self) -> String {
@@ -433,7 +458,7 @@ fn flush(
     let transfer = local_transfer(&region.0, source, destination, microbatch);
     let tokens = region.0.tokens.clone();
     let receipt = py
-        .detach(|| send(&cache.cache, &transfer, tokens, &cache.pool, &mut **store.inner.lock()))
+        .detach(|| send(&cache.cache, &transfer, tokens, &cache.pool, &mut store.inner.clone()))
         .map_err(stream_err)?;
     Ok(receipt.bytes)
 }
@@ -457,7 +482,7 @@ fn fetch(
     let receipt = py
         .detach(|| {
             let mut payload = Vec::new();
-            receive(&cache.cache, &transfer, tokens, &mut **store.inner.lock(), &mut payload)
+            receive(&cache.cache, &transfer, tokens, &mut store.inner.clone(), &mut payload)
         })
         .map_err(stream_err)?;
     Ok(receipt.bytes)
@@ -531,7 +556,7 @@ fn py_stream_out<'py>(
     let s = py
         .detach(|| {
             let refs: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
-            stream_out(&refs, &transfers, tokens, &pool, &mut **store.inner.lock())
+            stream_out(&refs, &transfers, tokens, &pool, &mut store.inner.clone())
         })
         .map_err(stream_err)?;
     stats(py, s)
@@ -556,10 +581,118 @@ fn py_stream_in<'py>(
     let s = py
         .detach(|| {
             let refs: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
-            stream_in(&refs, &transfers, tokens, &mut **store.inner.lock())
+            stream_in(&refs, &transfers, tokens, &mut store.inner.clone())
         })
         .map_err(stream_err)?;
     stats(py, s)
+}
+
+fn streamer_err(e: StreamerError) -> PyErr {
+    match e {
+        StreamerError::Stream(e) => stream_err(e),
+        StreamerError::Timeout => pyo3::exceptions::PyTimeoutError::new_err("the job has not finished"),
+        other => Error::new_err(other.to_string()),
+    }
+}
+
+/// One job handed to a `Streamer`.
+#[pyclass(name = "Completion", module = "dejavu")]
+struct PyCompletion {
+    inner: Mutex<Completion>,
+    /// The job's outcome once known: bytes, copy and I/O seconds, or its error.
+    outcome: Option<Result<(u64, f64, f64), PyErr>>,
+}
+
+#[pymethods]
+impl PyCompletion {
+    /// Waits (GIL released) until the job has run, at most `timeout` seconds if given (then
+    /// `TimeoutError`, and the job goes on). Returns `{"bytes", "copy_seconds", "io_seconds"}` or
+    /// raises the job's error.
+    #[pyo3(signature = (timeout = None))]
+    fn wait<'py>(&mut self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        if self.outcome.is_none() {
+            let inner = &self.inner;
+            let limit = Duration::from_secs_f64(timeout.unwrap_or(365.0 * 86400.0).max(0.0));
+            match py.detach(|| inner.lock().wait_timeout(limit)) {
+                Err(StreamerError::Timeout) => return Err(streamer_err(StreamerError::Timeout)),
+                Ok(r) => {
+                    self.outcome = Some(Ok((r.bytes, r.copy_time.as_secs_f64(), r.io_time.as_secs_f64())))
+                }
+                Err(e) => self.outcome = Some(Err(streamer_err(e))),
+            }
+        }
+        match self.outcome.as_ref().expect("set above") {
+            Ok((bytes, copy, io)) => {
+                let d = PyDict::new(py);
+                d.set_item("bytes", bytes)?;
+                d.set_item("copy_seconds", copy)?;
+                d.set_item("io_seconds", io)?;
+                Ok(d)
+            }
+            Err(e) => Err(e.clone_ref(py)),
+        }
+    }
+}
+
+/// A background thread that gathers and flushes KV regions while the engine computes:
+/// `layer_ready` queues a layer as soon as the engine has written it.
+#[pyclass(name = "Streamer", module = "dejavu", frozen)]
+struct PyStreamer {
+    inner: Mutex<Option<Streamer>>,
+}
+
+#[pymethods]
+impl PyStreamer {
+    /// Starts the thread; it flushes to `store`. `submit`-style calls block (GIL released) once
+    /// `queue_depth` jobs wait.
+    #[new]
+    #[pyo3(signature = (store, queue_depth = 64))]
+    fn new(store: &PyStore, queue_depth: usize) -> PyResult<Self> {
+        let config = StreamerConfig { queue_depth, ..StreamerConfig::default() };
+        let streamer = Streamer::spawn(config, Box::new(store.inner.clone()))
+            .map_err(|e| Error::new_err(e.to_string()))?;
+        Ok(Self { inner: Mutex::new(Some(streamer)) })
+    }
+
+    /// Layer `layer` (local index) of microbatch `microbatch` of worker `source` of setup `a` is
+    /// ready in `cache`: queues its part of every transfer toward setup `b`. Returns one
+    /// `Completion` per chunk.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_ready(
+        &self,
+        py: Python<'_>,
+        a: &PySetup,
+        source: (u32, u32),
+        b: &PySetup,
+        cache: &PyCache,
+        microbatch: u32,
+        layer: u32,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<PyCompletion>> {
+        let tokens = range_arg(tokens, "tokens")?;
+        let plan = plan_stream_out(&a.0, worker(source), &b.0).map_err(stream_err)?;
+        let guard = self.inner.lock();
+        let streamer = guard.as_ref().ok_or_else(|| Error::new_err("the streamer is shut down"))?;
+        let completions = py
+            .detach(|| streamer.layer_ready(&cache.cache, &plan, microbatch, layer, tokens))
+            .map_err(streamer_err)?;
+        Ok(completions.into_iter().map(|c| PyCompletion { inner: Mutex::new(c), outcome: None }).collect())
+    }
+
+    /// Stops the thread after running (or, with `cancel=True`, cancelling) the queued jobs.
+    /// Returns `{"completed", "failed", "cancelled", "bytes"}`.
+    #[pyo3(signature = (cancel = false))]
+    fn shutdown<'py>(&self, py: Python<'py>, cancel: bool) -> PyResult<Bound<'py, PyDict>> {
+        let streamer = self.inner.lock().take().ok_or_else(|| Error::new_err("the streamer is shut down"))?;
+        let mode = if cancel { Shutdown::Cancel } else { Shutdown::Drain };
+        let stats = py.detach(|| streamer.shutdown(mode)).map_err(streamer_err)?;
+        let d = PyDict::new(py);
+        d.set_item("completed", stats.completed)?;
+        d.set_item("failed", stats.failed)?;
+        d.set_item("cancelled", stats.cancelled)?;
+        d.set_item("bytes", stats.bytes)?;
+        Ok(d)
+    }
 }
 
 #[pymodule]
@@ -576,6 +709,8 @@ fn _dejavu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCache>()?;
     m.add_class::<PyStore>()?;
     m.add_class::<PySetup>()?;
+    m.add_class::<PyStreamer>()?;
+    m.add_class::<PyCompletion>()?;
     m.add_function(wrap_pyfunction!(flush, m)?)?;
     m.add_function(wrap_pyfunction!(fetch, m)?)?;
     m.add_function(wrap_pyfunction!(py_stream_out, m)?)?;

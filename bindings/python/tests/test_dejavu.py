@@ -195,3 +195,32 @@ def test_copies_release_the_gil():
     # Holding the GIL through a gather would leave (almost) no samples inside the gathers.
     inside = sum(1 for x in samples if any(a < x < b for a, b in spans))
     assert inside > 100, (inside, spans)
+
+
+def test_layer_by_layer_streaming_on_a_background_thread():
+    spec = dejavu.KvSpec(layers=4, kv_heads=2, head_dim=32)
+    prompt = dejavu.Setup(spec, [(range(0, 4), 1)], microbatch_slots=2, microbatches=1)
+    token = dejavu.Setup(spec, [(range(0, 2), 1), (range(2, 4), 1)], microbatch_slots=2, microbatches=1)
+    layout = dejavu.KvLayout.faster_transformer(spec, 2, 16)
+    engine = dejavu.KvCache.wrap(layout, engine_buffers(layout, 7))
+    store = dejavu.HostStore()
+    streamer = dejavu.Streamer(store, queue_depth=4)
+    completions = []
+    for layer in range(4):  # the engine finishes layer `layer`, the streamer takes it from there
+        completions += streamer.layer_ready(prompt, (0, 0), token, engine, 0, layer, range(0, 16))
+    assert len(completions) == 4
+    assert sum(c.wait(timeout=10)["bytes"] for c in completions) == spec.bytes_per_token * 2 * 16
+    stats = streamer.shutdown()
+    assert stats["completed"] == 4 and stats["failed"] == 0
+    with pytest.raises(dejavu.Error, match="shut down"):
+        streamer.layer_ready(prompt, (0, 0), token, engine, 0, 0, range(0, 16))
+    # Each layer went as its own chunk, keyed in the destination's coordinates.
+    for w in token.workers():
+        local = dejavu.KvCache(dejavu.KvLayout.faster_transformer(token.local_spec(w), 2, 16))
+        for layer in range(2):
+            one = dejavu.KvRegion(range(layer, layer + 1), range(2), range(2), range(16))
+            dejavu.fetch(store, local, one, source=(0, 0), destination=w, microbatch=0)
+        h = token.holding(w)
+        at_source = dejavu.KvRegion(range(*h["layers"]), range(2), range(2), range(16))
+        at_destination = dejavu.KvRegion(range(2), range(2), range(2), range(16))
+        assert bytes(local.gather(at_destination)) == bytes(engine.gather(at_source)), w
