@@ -553,6 +553,23 @@ pub unsafe extern "C" fn djv_file_store_free(store: *mut DjvFileStore) {
     }
 }
 
+/// The handles of a flush or fetch.
+///
+/// # Safety
+///
+/// Each pointer is NULL (an error) or points to a live handle of this library; the store is used
+/// through the returned exclusive borrow only, for the duration of the call.
+unsafe fn operands<'a>(
+    store: *mut DjvFileStore,
+    cache: *const DjvCache,
+    region: *const DjvRegion,
+) -> Result<(&'a mut DjvFileStore, &'a DjvCache, &'a DjvRegion), Failure> {
+    // SAFETY: per the contract.
+    let store = unsafe { store.as_mut() }.ok_or_else(|| Failure::invalid("store is NULL"))?;
+    // SAFETY: per the contract.
+    unsafe { Ok((store, handle(cache, "cache")?, handle(region, "region")?)) }
+}
+
 fn transfer(r: &DjvRegion, source: DjvWorker, destination: DjvWorker, microbatch: u32) -> Transfer {
     let local = LocalRegion {
         microbatch,
@@ -584,14 +601,8 @@ pub unsafe extern "C" fn djv_flush(
     microbatch: u32,
 ) -> DjvStatus {
     call(|| {
-        // SAFETY: per the contract; the store is used through this exclusive borrow only.
-        let (store, cache, r) = unsafe {
-            (
-                store.as_mut().ok_or_else(|| Failure::invalid("store is NULL"))?,
-                handle(cache, "cache")?,
-                handle(region, "region")?,
-            )
-        };
+        // SAFETY: per the contract.
+        let (store, cache, r) = unsafe { operands(store, cache, region) }?;
         let t = transfer(r, source, destination, microbatch);
         send(&cache.cache, &t, r.tokens_start..r.tokens_end, &cache.pool, &mut store.0)?;
         Ok(())
@@ -614,14 +625,8 @@ pub unsafe extern "C" fn djv_fetch(
     microbatch: u32,
 ) -> DjvStatus {
     call(|| {
-        // SAFETY: per the contract; the store is used through this exclusive borrow only.
-        let (store, cache, r) = unsafe {
-            (
-                store.as_mut().ok_or_else(|| Failure::invalid("store is NULL"))?,
-                handle(cache, "cache")?,
-                handle(region, "region")?,
-            )
-        };
+        // SAFETY: per the contract.
+        let (store, cache, r) = unsafe { operands(store, cache, region) }?;
         let t = transfer(r, source, destination, microbatch);
         let mut payload = Vec::new();
         receive(&cache.cache, &t, r.tokens_start..r.tokens_end, &mut store.0, &mut payload)?;

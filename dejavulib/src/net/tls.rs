@@ -171,28 +171,33 @@ impl NodeIdentity {
 
     /// TLS 1.3 client side: trusts only the cluster's authority and presents this node's certificate.
     pub fn client_config(&self) -> Result<rustls::ClientConfig, PeerError> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(tls_err)?
-            .with_root_certificates(self.roots()?)
+        let config = self
+            .client_builder()?
             .with_client_auth_cert(vec![self.cert.clone()], self.key.clone_key())
             .map_err(tls_err)?;
-        config.alpn_protocols = vec![ALPN.to_vec()];
-        Ok(config)
+        Ok(with_alpn(config))
     }
 
     /// A client configuration that presents no certificate (to test that servers refuse it).
     pub fn anonymous_client_config(&self) -> Result<rustls::ClientConfig, PeerError> {
+        Ok(with_alpn(self.client_builder()?.with_no_client_auth()))
+    }
+
+    /// A TLS 1.3 client trusting only the cluster's authority, before its own certificate is chosen.
+    fn client_builder(
+        &self,
+    ) -> Result<rustls::ConfigBuilder<rustls::ClientConfig, rustls::client::WantsClientCert>, PeerError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        Ok(rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(tls_err)?
-            .with_root_certificates(self.roots()?)
-            .with_no_client_auth();
-        config.alpn_protocols = vec![ALPN.to_vec()];
-        Ok(config)
+            .with_root_certificates(self.roots()?))
     }
+}
+
+fn with_alpn(mut config: rustls::ClientConfig) -> rustls::ClientConfig {
+    config.alpn_protocols = vec![ALPN.to_vec()];
+    config
 }
 
 #[cfg(test)]
