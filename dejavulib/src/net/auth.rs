@@ -18,7 +18,7 @@ use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::codec::{read_frame, write_frame};
-use super::PeerError;
+use super::error::PeerError;
 use crate::wire::{ErrorCode, Frame, FrameHeader, Kind};
 
 type HmacSha256 = Hmac<Sha256>;

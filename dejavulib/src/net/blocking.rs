@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use tokio::runtime::{Handle, Runtime};
 
-use super::{ClientConfig, PeerClient, PeerError, Transport};
+use super::client::{ClientConfig, PeerClient};
+use super::error::PeerError;
+use super::transport::Transport;
 use crate::chunk::{ChunkDescriptor, ChunkKey};
 use crate::store::{ChunkStore, StoreError};
 

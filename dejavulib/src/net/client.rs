@@ -20,7 +20,8 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::auth::{client_handshake, expect};
 use super::codec::{read_frame, write_frame};
-use super::{PeerError, Stream, Transport};
+use super::error::PeerError;
+use super::transport::{Stream, Transport};
 use crate::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
 use crate::wire::{Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD, FLAG_CHUNK};
 

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 use tokio::io::DuplexStream;
 use tokio::sync::mpsc;
 
-use super::{Accepted, BoxFuture, Listener, Stream, Transport};
+use super::transport::{Accepted, BoxFuture, Listener, Stream, Transport};
 
 /// Bytes a pipe buffers in each direction by default.
 const DEFAULT_PIPE_BYTES: usize = 4 << 20;

@@ -15,8 +15,9 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Connection, Endpoint, RecvStream, SendStream, TransportConfig, VarInt};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use super::error::PeerError;
 use super::tls::{NodeIdentity, SERVER_NAME};
-use super::{Accepted, BoxFuture, Listener, PeerError, Stream, Transport};
+use super::transport::{Accepted, BoxFuture, Listener, Stream, Transport};
 
 /// Flow-control windows large enough for a 64 MiB chunk in flight on a fast link.
 fn transport_config() -> Arc<TransportConfig> {

@@ -11,7 +11,7 @@ use tokio::task::JoinSet;
 
 use super::auth::server_handshake;
 use super::codec::{read_frame_into, write_frame};
-use super::{Listener, Stream, Transport};
+use super::transport::{Accepted, Listener, Stream, Transport};
 use crate::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
 use crate::store::HostStore;
 use crate::wire::{ErrorCode, Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD, FLAG_CHUNK};
@@ -151,7 +151,7 @@ async fn accept_loop(mut listener: Box<dyn Listener>, shared: Arc<Shared>) {
     }
 }
 
-async fn serve(setup: super::Accepted, shared: Arc<Shared>) {
+async fn serve(setup: Accepted, shared: Arc<Shared>) {
     let config = &shared.config;
     let refused = || shared.stats.refused.fetch_add(1, Ordering::Relaxed);
     let mut stream = match tokio::time::timeout(config.handshake_timeout, setup).await {

@@ -8,8 +8,9 @@ use rustls::pki_types::ServerName;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
+use super::error::PeerError;
 use super::tls::{NodeIdentity, SERVER_NAME};
-use super::{Accepted, BoxFuture, Listener, PeerError, Stream, Transport};
+use super::transport::{Accepted, BoxFuture, Listener, Stream, Transport};
 
 /// The TCP transport.
 #[derive(Clone, Default)]

@@ -19,7 +19,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
 
-use super::PeerError;
+use super::error::PeerError;
 
 /// The name every node certificate carries and every client checks.
 pub const SERVER_NAME: &str = "dejavu";
