@@ -105,6 +105,21 @@ class Store:
     def file(path: Union[str, PathLike]) -> "Store": ...
     @staticmethod
     def host() -> "Store": ...
+    @staticmethod
+    def peer(address: str, secret: bytes, node: int = 0, epoch: int = 0) -> "Store":
+        """Chunks on a ``PeerServer`` at "host:port", over TCP with the cluster's HMAC handshake."""
+
+class PeerServer:
+    """A peer that keeps chunks flushed to it, serving clients that know the cluster secret."""
+
+    def __init__(self, secret: bytes, bind: str = "127.0.0.1:0", node: int = 0) -> None: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def chunks(self) -> int: ...
+    def set_epoch(self, epoch: int) -> None:
+        """Refuses requests from older epochs from now on."""
+    def close(self) -> None: ...
 
 class Setup:
     """A pipeline: KV spec, stages ``[(layers, tp), ...]``, slots per microbatch, microbatches."""

@@ -4,12 +4,15 @@
 //! Buffers pass without copies (see the `buffer` module); copies and file I/O run with the GIL released.
 //! Library errors become `dejavu.Error` subclasses, argument errors `ValueError` / `TypeError`.
 
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use dejavulib::file_io::FileBackend;
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
+use dejavulib::net::tcp::TcpTransport;
+use dejavulib::net::{ClientConfig, PeerServer, PeerStore, ServerConfig, Transport};
 use dejavulib::reshard::{receive, send, LocalRegion, StreamError, StreamStats};
 use dejavulib::store::StoreError as ChunkStoreError;
 use dejavulib::streamer::{Completion, Shutdown, StreamerError};
@@ -403,6 +406,19 @@ impl PyStore {
         Ok(Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(store)))), kind: "file" })
     }
 
+    /// Chunks on a remote peer (a `PeerServer`, here or in another process) at `address`
+    /// ("host:port"), over TCP with the cluster's HMAC handshake.
+    #[staticmethod]
+    #[pyo3(signature = (address, secret, node = 0, epoch = 0))]
+    fn peer(address: &str, secret: &[u8], node: u32, epoch: u64) -> PyResult<Self> {
+        let addr = resolve(address)?;
+        let mut config = ClientConfig::new(secret.to_vec(), node);
+        config.epoch = epoch;
+        let transport: Arc<dyn Transport> = Arc::new(TcpTransport::plain());
+        let store = PeerStore::new(runtime()?.handle().clone(), transport, addr, config);
+        Ok(Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(store)))), kind: "peer" })
+    }
+
     /// Chunks in this process's memory.
     #[staticmethod]
     fn host() -> Self {
@@ -411,6 +427,82 @@ impl PyStore {
 
     fn __repr__(&self) -> String {
         format!("Store({})", self.kind)
+    }
+}
+
+/// The runtime that drives network I/O for this process's stores and servers.
+fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    static RUNTIME: OnceLock<std::io::Result<tokio::runtime::Runtime>> = OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("dejavu-net")
+                .enable_all()
+                .build()
+        })
+        .as_ref()
+        .map_err(|e| Error::new_err(format!("cannot start the network runtime: {e}")))
+}
+
+fn resolve(address: &str) -> PyResult<SocketAddr> {
+    address
+        .to_socket_addrs()
+        .map_err(|e| PyValueError::new_err(format!("address {address:?}: {e}")))?
+        .next()
+        .ok_or_else(|| PyValueError::new_err(format!("address {address:?} resolves to nothing")))
+}
+
+/// A peer that keeps chunks flushed to it (a replica holder or swap space), serving TCP clients
+/// that know the cluster secret. It stops when closed or garbage-collected.
+#[pyclass(name = "PeerServer", module = "dejavu", frozen)]
+struct PyPeerServer {
+    server: Mutex<Option<PeerServer>>,
+    address: SocketAddr,
+}
+
+#[pymethods]
+impl PyPeerServer {
+    /// Listens at `bind` ("host:port"; port 0 picks one) with the cluster `secret`.
+    #[new]
+    #[pyo3(signature = (secret, bind = "127.0.0.1:0", node = 0))]
+    fn new(py: Python<'_>, secret: &[u8], bind: &str, node: u32) -> PyResult<Self> {
+        let addr = resolve(bind)?;
+        let config = ServerConfig::new(secret.to_vec(), node);
+        let rt = runtime()?;
+        let server = py
+            .detach(|| rt.block_on(PeerServer::bind(&TcpTransport::plain(), addr, config, HostStore::new())))
+            .map_err(|e| Error::new_err(format!("cannot listen at {bind}: {e}")))?;
+        let address = server.addr();
+        Ok(Self { server: Mutex::new(Some(server)), address })
+    }
+
+    /// "host:port" it listens at.
+    #[getter]
+    fn address(&self) -> String {
+        self.address.to_string()
+    }
+
+    /// Chunks it holds.
+    #[getter]
+    fn chunks(&self) -> usize {
+        self.server.lock().as_ref().map_or(0, |s| s.store().len())
+    }
+
+    /// Refuses requests from epochs below `epoch` from now on.
+    fn set_epoch(&self, epoch: u64) {
+        if let Some(server) = self.server.lock().as_ref() {
+            server.set_epoch(epoch);
+        }
+    }
+
+    /// Stops serving and closes every connection.
+    fn close(&self) {
+        if let Some(server) = self.server.lock().take() {
+            // Dropped inside the runtime, which owns its tasks.
+            let _guard = runtime().ok().map(|rt| rt.enter());
+            drop(server);
+        }
     }
 }
 
@@ -710,6 +802,7 @@ fn _dejavu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStore>()?;
     m.add_class::<PySetup>()?;
     m.add_class::<PyStreamer>()?;
+    m.add_class::<PyPeerServer>()?;
     m.add_class::<PyCompletion>()?;
     m.add_function(wrap_pyfunction!(flush, m)?)?;
     m.add_function(wrap_pyfunction!(fetch, m)?)?;

@@ -224,3 +224,31 @@ def test_layer_by_layer_streaming_on_a_background_thread():
         at_source = dejavu.KvRegion(range(*h["layers"]), range(2), range(2), range(16))
         at_destination = dejavu.KvRegion(range(2), range(2), range(2), range(16))
         assert bytes(local.gather(at_destination)) == bytes(engine.gather(at_source)), w
+
+
+def test_flush_and_fetch_through_a_remote_peer():
+    layout = layouts()["faster_transformer"]
+    engine = dejavu.KvCache.wrap(layout, engine_buffers(layout, 9))
+    server = dejavu.PeerServer(b"cluster secret")
+    try:
+        store = dejavu.Store.peer(server.address, b"cluster secret", node=2, epoch=3)
+        dejavu.flush(store, engine, REGION, (0, 0), (1, 0), 0)
+        assert server.chunks == 1
+        replica = dejavu.KvCache(layout)
+        dejavu.fetch(store, replica, REGION, (0, 0), (1, 0), 0)
+        assert bytes(replica.gather(REGION)) == bytes(engine.gather(REGION))
+        with pytest.raises(dejavu.NotFoundError):
+            dejavu.fetch(store, replica, REGION, (0, 0), (1, 0), 5)
+        # Fenced: a request from an older epoch is refused.
+        server.set_epoch(4)
+        with pytest.raises(dejavu.StoreError, match="epoch|fenced"):
+            dejavu.flush(store, engine, REGION, (0, 0), (1, 0), 1)
+        # Outside the cluster: refused before any KV is sent.
+        intruder = dejavu.Store.peer(server.address, b"wrong secret", epoch=9)
+        with pytest.raises(dejavu.StoreError, match="authentication"):
+            dejavu.flush(intruder, engine, REGION, (0, 0), (1, 0), 2)
+        assert server.chunks == 1
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="address"):
+        dejavu.Store.peer("not an address", b"s")
