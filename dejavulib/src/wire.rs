@@ -72,6 +72,9 @@ pub enum Kind {
     Control = 20,
     /// Liveness.
     Heartbeat = 21,
+    /// Pipeline activations or tokens between engine stages (ids: microbatch, slot, position,
+    /// token count).
+    Activation = 22,
     /// The peer refuses a request (payload: UTF-8 reason).
     Error = 30,
 }
@@ -90,6 +93,7 @@ impl Kind {
             13 => Kind::GetReply,
             20 => Kind::Control,
             21 => Kind::Heartbeat,
+            22 => Kind::Activation,
             30 => Kind::Error,
             _ => return None,
         })

@@ -7,13 +7,16 @@
 //! - [`model`]: the configuration and the deterministic weights of each layer;
 //! - [`stage`]: a pipeline stage runs a range of layers over one sequence slot, reading and writing
 //!   its KV cache (a [`dejavulib::KvCache`] in any layout) with buffered gather / scatter;
-//! - [`pipeline`]: stages chained in one process, prompts in microbatches, greedy generation.
+//! - [`pipeline`]: stages chained in one process, prompts in microbatches, greedy generation;
+//! - [`process`]: stages as separate processes passing activations over TCP, replicating their
+//!   KV to a peer and restoring it after a replacement (the `dejavu-engine` binary runs one).
 //!
 //! Everything is plain `f32` arithmetic in a fixed order: the same binary produces the same bits
 //! from run to run, and the split into stages or the cache layout does not change them.
 
 pub mod model;
 pub mod pipeline;
+pub mod process;
 pub mod stage;
 
 mod math;
