@@ -7,10 +7,18 @@
 //! stage, hidden states (`f32`) in between, all little-endian.
 //!
 //! With a replica peer configured, a stage flushes the KV it wrote in each step (the prompt's,
-//! then each token's) to the peer before passing the step on, so a replacement stage can restore a
-//! sequence: a `Control` frame addressed to it (the request id names the stage; ids are microbatch,
-//! slot, prompt length and tokens with KV) makes it fetch those chunks into its cache; the frame
-//! then travels on around the chain to tell the driver.
+//! then each token's) to the peer before passing the step on. `Control` frames travel the same
+//! chain; the request id names the stage they are for, the first payload byte the operation:
+//!
+//! - restore (ids: microbatch, slot, prompt length, tokens with KV): fetch that sequence's KV from
+//!   the replica peer into the cache;
+//! - rewire (payload: the new next address): send to another next stage from now on (its successor
+//!   was replaced).
+//!
+//! Every stage passes a control frame on, so its arrival back at the driver says the chain is whole
+//! and the operation done. A stage whose predecessor goes away accepts the next connection (its
+//! predecessor's replacement); a frame it cannot pass on (its successor died) is dropped, and the
+//! driver sends the step again once the chain is repaired.
 
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -47,7 +55,15 @@ pub enum ProcessError {
     /// A message that does not belong in the chain.
     #[error("protocol: {0}")]
     Protocol(String),
+    /// No reply within the driver's deadline: a stage is presumed dead.
+    #[error("no reply within {0:?}")]
+    Timeout(Duration),
 }
+
+/// Control operation: restore a sequence's KV from the replica peer.
+const OP_RESTORE: u8 = 1;
+/// Control operation: send output to another address from now on.
+const OP_REWIRE: u8 = 2;
 
 /// A replica peer: where a stage flushes its KV, and where a replacement restores it from.
 #[derive(Clone, Debug)]
@@ -197,6 +213,23 @@ impl StageProcess {
         Ok((*header, out))
     }
 
+    /// Carries out a control frame addressed to this stage.
+    fn control(&mut self, header: &FrameHeader, payload: &[u8]) -> Result<(), ProcessError> {
+        if header.request != self.config.index as u64 {
+            return Ok(());
+        }
+        match payload.split_first() {
+            Some((&OP_RESTORE, _)) => self.restore(header),
+            Some((&OP_REWIRE, addr)) => {
+                let addr = std::str::from_utf8(addr).ok().and_then(|a| a.parse().ok());
+                self.config.next =
+                    addr.ok_or_else(|| ProcessError::Protocol("a rewire without an address".into()))?;
+                Ok(())
+            }
+            _ => Err(ProcessError::Protocol("unknown control operation".into())),
+        }
+    }
+
     /// Restores a sequence's KV from the replica peer: the prompt's chunk, then one per token.
     fn restore(&mut self, header: &FrameHeader) -> Result<(), ProcessError> {
         let [microbatch, slot, prompt_len, kv_tokens] = header.ids;
@@ -217,8 +250,8 @@ impl StageProcess {
     }
 }
 
-/// Runs a stage: listens at `listen`, reports the bound address through `ready`, takes one
-/// upstream connection, and serves it until it closes.
+/// Runs a stage: listens at `listen`, reports the bound address through `ready`, then serves one
+/// upstream connection at a time (a predecessor's replacement connects after it) until killed.
 pub fn serve_stage(
     config: StageConfig,
     listen: SocketAddr,
@@ -227,43 +260,67 @@ pub fn serve_stage(
     let mut process = StageProcess::new(config)?;
     let listener = TcpListener::bind(listen)?;
     ready(listener.local_addr()?);
-    let (upstream, _) = listener.accept()?;
-    upstream.set_nodelay(true)?;
-    let downstream = connect(process.config.next, Duration::from_secs(30))?;
-    let mut r = BufReader::with_capacity(1 << 20, upstream);
-    let mut w = BufWriter::with_capacity(1 << 20, downstream);
-    while let Some(frame) = read_frame(&mut r, DEFAULT_MAX_PAYLOAD)? {
-        match frame.header.kind {
-            Kind::Activation => {
-                let (header, out) = process.step(&frame.header, &frame.payload)?;
-                write_frame(&mut w, &header, &out)?;
-            }
-            Kind::Control => {
-                if frame.header.request == process.config.index as u64 {
-                    process.restore(&frame.header)?;
+    let mut downstream: Option<(SocketAddr, BufWriter<TcpStream>)> = None;
+    loop {
+        let (upstream, _) = listener.accept()?;
+        upstream.set_nodelay(true)?;
+        let mut r = BufReader::with_capacity(1 << 20, upstream);
+        // A predecessor that goes away (closed or broken) is replaced by the next connection.
+        while let Ok(Some(frame)) = read_frame(&mut r, DEFAULT_MAX_PAYLOAD) {
+            let (header, out) = match frame.header.kind {
+                Kind::Activation => process.step(&frame.header, &frame.payload)?,
+                Kind::Control => {
+                    process.control(&frame.header, &frame.payload)?;
+                    (frame.header, frame.payload)
                 }
-                write_frame(&mut w, &frame.header, &frame.payload)?;
+                other => return Err(ProcessError::Protocol(format!("unexpected {other:?} frame"))),
+            };
+            let next = process.config.next;
+            if downstream.as_ref().is_some_and(|(addr, _)| *addr != next) {
+                downstream = None;
             }
-            other => return Err(ProcessError::Protocol(format!("unexpected {other:?} frame"))),
+            if downstream.is_none() {
+                downstream = connect(next, Duration::from_secs(2))
+                    .ok()
+                    .map(|s| (next, BufWriter::with_capacity(1 << 20, s)));
+            }
+            if let Some((_, w)) = downstream.as_mut() {
+                if write_frame(w, &header, &out).and_then(|()| w.flush()).is_err() {
+                    // The successor died: the frame is lost until the driver repairs the chain.
+                    downstream = None;
+                }
+            }
         }
-        w.flush()?;
     }
-    Ok(())
 }
 
 /// The driver's end of a chain of stage processes.
 pub struct RemotePipeline {
     to_first: BufWriter<TcpStream>,
+    results: TcpListener,
     from_last: BufReader<TcpStream>,
+    deadline: Duration,
 }
 
 impl RemotePipeline {
-    /// Accepts the last stage's connection on `results` and connects to the first stage at
-    /// `first`.
-    pub fn connect(first: SocketAddr, results: &TcpListener) -> Result<Self, ProcessError> {
-        let to_first = connect(first, Duration::from_secs(30))?;
+    /// Connects to the first stage at `first` and accepts the last stage's connection on
+    /// `results`; a reply slower than `deadline` is a [`ProcessError::Timeout`].
+    pub fn connect(
+        first: SocketAddr,
+        results: TcpListener,
+        deadline: Duration,
+    ) -> Result<Self, ProcessError> {
+        let mut to_first = BufWriter::new(connect(first, Duration::from_secs(30))?);
+        // The last stage connects when it first passes something on: send a no-op through.
+        let mut hello = FrameHeader::new(Kind::Control, u32::MAX, 0, u64::MAX);
+        hello.ids = [u32::MAX; 4];
+        write_frame(&mut to_first, &hello, &[])?;
+        to_first.flush()?;
         let (from_last, _) = results.accept()?;
-        Ok(Self { to_first: BufWriter::new(to_first), from_last: BufReader::new(from_last) })
+        from_last.set_read_timeout(Some(deadline))?;
+        let mut pipeline = Self { to_first, results, from_last: BufReader::new(from_last), deadline };
+        pipeline.reply(Kind::Control, [u32::MAX; 4])?;
+        Ok(pipeline)
     }
 
     /// Sends one frame into the chain and reads what comes out of its end.
@@ -278,12 +335,27 @@ impl RemotePipeline {
         header.ids = ids;
         write_frame(&mut self.to_first, &header, payload)?;
         self.to_first.flush()?;
-        let reply = read_frame(&mut self.from_last, DEFAULT_MAX_PAYLOAD)?
-            .ok_or_else(|| ProcessError::Protocol("the chain closed".into()))?;
-        if reply.header.kind != kind || reply.header.ids != ids {
-            return Err(ProcessError::Protocol(format!("reply {:?} to {kind:?} {ids:?}", reply.header)));
+        self.reply(kind, ids)
+    }
+
+    /// The reply to the frame of `kind` and `ids` just sent, skipping late replies to frames sent
+    /// before (a step that timed out and was sent again).
+    fn reply(&mut self, kind: Kind, ids: [u32; 4]) -> Result<Vec<u8>, ProcessError> {
+        loop {
+            let reply = match read_frame(&mut self.from_last, DEFAULT_MAX_PAYLOAD) {
+                Ok(Some(reply)) => reply,
+                Ok(None) => return Err(ProcessError::Protocol("the chain closed".into())),
+                Err(dejavulib::wire::FrameError::Io(e))
+                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
+                {
+                    return Err(ProcessError::Timeout(self.deadline))
+                }
+                Err(e) => return Err(e.into()),
+            };
+            if reply.header.kind == kind && reply.header.ids == ids {
+                return Ok(reply.payload);
+            }
         }
-        Ok(reply.payload)
     }
 
     /// Runs `tokens` at `position` of `seat` through the chain; returns the next token.
@@ -304,7 +376,40 @@ impl RemotePipeline {
         prompt_len: u32,
         kv_tokens: u32,
     ) -> Result<(), ProcessError> {
-        self.send(Kind::Control, stage as u64, [seat.microbatch, seat.slot, prompt_len, kv_tokens], &[])?;
+        self.send(
+            Kind::Control,
+            stage as u64,
+            [seat.microbatch, seat.slot, prompt_len, kv_tokens],
+            &[OP_RESTORE],
+        )?;
+        Ok(())
+    }
+
+    /// Repairs the chain after stage `stage` was replaced by a process listening at `addr`:
+    /// its predecessor sends there from now on (or, for the first stage, the driver does; for the
+    /// last, the driver takes the replacement's connection). Returns once a frame has gone all the
+    /// way round.
+    pub fn replace(&mut self, stage: u32, addr: SocketAddr, last: bool) -> Result<(), ProcessError> {
+        let ids = [u32::MAX; 4];
+        if stage == 0 {
+            self.to_first = BufWriter::new(connect(addr, Duration::from_secs(30))?);
+        }
+        let mut header = FrameHeader::new(Kind::Control, u32::MAX, 0, stage.saturating_sub(1) as u64);
+        header.ids = ids;
+        let mut payload = vec![OP_REWIRE];
+        payload.extend_from_slice(addr.to_string().as_bytes());
+        if stage == 0 {
+            // No predecessor to rewire: a no-op addressed to nobody proves the chain whole.
+            header.request = u64::MAX;
+        }
+        write_frame(&mut self.to_first, &header, &payload)?;
+        self.to_first.flush()?;
+        if last {
+            let (from_last, _) = self.results.accept()?;
+            from_last.set_read_timeout(Some(self.deadline))?;
+            self.from_last = BufReader::new(from_last);
+        }
+        self.reply(Kind::Control, ids)?;
         Ok(())
     }
 }

@@ -6,6 +6,7 @@
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener};
 use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use dejavu_engine::process::RemotePipeline;
 use dejavu_engine::{CacheLayout, ModelConfig, Pipeline, Seat};
@@ -48,30 +49,42 @@ fn splits() -> Vec<std::ops::Range<u32>> {
     vec![0..2, 2..4, 4..6, 6..8]
 }
 
+/// The arguments of stage `index`, sending to `next`.
+fn stage_args(index: usize, next: SocketAddr, replica: Option<SocketAddr>) -> Vec<String> {
+    let layers = &splits()[index];
+    let mut args = vec![
+        "stage".to_string(),
+        format!("--index={index}"),
+        format!("--layers={}..{}", layers.start, layers.end),
+        format!("--next={next}"),
+        format!("--slots={SLOTS}"),
+        format!("--microbatches={MICROBATCHES}"),
+        format!("--max-tokens={MAX_TOKENS}"),
+    ];
+    if let Some(replica) = replica {
+        args.push(format!("--replica={replica}"));
+    }
+    args
+}
+
 /// Starts a chain of stage processes (last first, so each knows where to send) and connects to it.
-fn chain(replica: Option<SocketAddr>) -> (Vec<Proc>, RemotePipeline) {
+/// Returns the processes in stage order, their addresses and the driver's end.
+fn chain(replica: Option<SocketAddr>) -> (Vec<Proc>, Vec<SocketAddr>, SocketAddr, RemotePipeline) {
     let results = TcpListener::bind("127.0.0.1:0").unwrap();
-    let mut next = results.local_addr().unwrap();
+    let driver = results.local_addr().unwrap();
+    let mut next = driver;
     let mut procs = Vec::new();
-    for (index, layers) in splits().iter().enumerate().rev() {
-        let mut args = vec![
-            "stage".to_string(),
-            format!("--index={index}"),
-            format!("--layers={}..{}", layers.start, layers.end),
-            format!("--next={next}"),
-            format!("--slots={SLOTS}"),
-            format!("--microbatches={MICROBATCHES}"),
-            format!("--max-tokens={MAX_TOKENS}"),
-        ];
-        if let Some(replica) = replica {
-            args.push(format!("--replica={replica}"));
-        }
-        let (proc, addr) = start(&args);
+    let mut addrs = Vec::new();
+    for index in (0..splits().len()).rev() {
+        let (proc, addr) = start(&stage_args(index, next, replica));
         procs.push(proc);
+        addrs.push(addr);
         next = addr;
     }
-    let remote = RemotePipeline::connect(next, &results).unwrap();
-    (procs, remote)
+    addrs.reverse();
+    let remote = RemotePipeline::connect(next, results, Duration::from_secs(1)).unwrap();
+    procs.reverse();
+    (procs, addrs, driver, remote)
 }
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -110,7 +123,7 @@ fn decode(remote: &mut RemotePipeline, i: usize, mut out: Vec<u32>, until: usize
 
 #[test]
 fn stage_processes_produce_the_in_process_tokens() {
-    let (_procs, mut remote) = chain(None);
+    let (_procs, _, _, mut remote) = chain(None);
     let got: Vec<Vec<u32>> = prompts()
         .iter()
         .enumerate()
@@ -126,7 +139,7 @@ fn stage_processes_produce_the_in_process_tokens() {
 fn replacements_restore_replicated_kv_and_continue_bit_identically() {
     let (_replica, replica_addr) = start(&["replica".to_string()]);
     let expected = reference();
-    let (mut procs, mut remote) = chain(Some(replica_addr));
+    let (mut procs, _, _, mut remote) = chain(Some(replica_addr));
     // Every request decodes a few tokens; each stage replicates every step's KV as it goes.
     let done = 4;
     let mut so_far = Vec::new();
@@ -145,13 +158,13 @@ fn replacements_restore_replicated_kv_and_continue_bit_identically() {
 
     // Control: fresh processes that do not restore the KV continue differently.
     {
-        let (_blind, mut remote) = chain(None);
+        let (_blind, _, _, mut remote) = chain(None);
         let astray = decode(&mut remote, 0, so_far[0].clone(), NEW_TOKENS);
         assert_ne!(astray, expected[0], "the check must depend on the restored KV");
     }
 
     // Fresh processes start with empty caches and restore each sequence from the replicas.
-    let (_fresh, mut remote) = chain(Some(replica_addr));
+    let (_fresh, _, _, mut remote) = chain(Some(replica_addr));
     for (i, prompt) in prompts().iter().enumerate() {
         // KV exists for the prompt and every generated token but the last.
         let kv_tokens = (prompt.len() + done - 1) as u32;
@@ -160,5 +173,43 @@ fn replacements_restore_replicated_kv_and_continue_bit_identically() {
         }
         let all = decode(&mut remote, i, so_far[i].clone(), NEW_TOKENS);
         assert_eq!(all, expected[i], "request {i}");
+    }
+}
+
+#[test]
+fn one_killed_stage_is_replaced_and_the_sequence_resumes_bit_identically() {
+    let (_replica, replica_addr) = start(&["replica".to_string()]);
+    let expected = reference();
+    for victim in [2usize, 0, 3] {
+        let (mut procs, addrs, driver, mut remote) = chain(Some(replica_addr));
+        let done = 3;
+        let mut so_far: Vec<Vec<u32>> = prompts()
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| {
+                let first = remote.run(seat(i), prompt, 0).unwrap();
+                decode(&mut remote, i, vec![first], done)
+            })
+            .collect();
+        // SIGKILL one stage; the next step gets no answer.
+        procs[victim].0.kill().unwrap();
+        procs[victim].0.wait().unwrap();
+        let position = (prompts()[0].len() + done - 1) as u32;
+        assert!(remote.run(seat(0), &[so_far[0][done - 1]], position).is_err(), "victim {victim}");
+
+        // A replacement takes the victim's place and restores its KV from the replica peer.
+        let last = victim == splits().len() - 1;
+        let next = if last { driver } else { addrs[victim + 1] };
+        let (replacement, addr) = start(&stage_args(victim, next, Some(replica_addr)));
+        procs[victim] = replacement;
+        remote.replace(victim as u32, addr, last).unwrap();
+        for (i, prompt) in prompts().iter().enumerate() {
+            let kv_tokens = (prompt.len() + done - 1) as u32;
+            remote.restore(victim as u32, seat(i), prompt.len() as u32, kv_tokens).unwrap();
+        }
+        for (i, tokens) in so_far.iter_mut().enumerate() {
+            *tokens = decode(&mut remote, i, tokens.clone(), NEW_TOKENS);
+            assert_eq!(*tokens, expected[i], "victim {victim}, request {i}");
+        }
     }
 }
