@@ -5,10 +5,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use dejavu_engine::cli::{ReplicaArgs, StageArgs};
 use dejavud::certs;
+use dejavud::demo::{self, DemoConfig};
 use dejavud::plan::{self, Overrides};
 
-/// The DéjàVu daemon: planner and cluster certificates today; sidecar and controller next.
+/// The DéjàVu daemon: a fault-tolerance demo, the deployment planner and cluster certificates.
 #[derive(Debug, Parser)]
 #[command(name = "dejavud", version, about)]
 struct Cli {
@@ -18,6 +20,36 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the reference model as a pipeline of stage processes on loopback, SIGKILL one stage in
+    /// the middle of decoding, recover it from replicated KV, and compare with a failure-free run
+    /// and a restart from scratch.
+    Demo {
+        /// Pipeline stages (processes); the model's 8 layers are split evenly.
+        #[arg(long, default_value_t = 4)]
+        stages: u32,
+        /// The stage to kill.
+        #[arg(long, default_value_t = 2)]
+        victim: u32,
+        /// Requests (4 per microbatch).
+        #[arg(long, default_value_t = 8)]
+        requests: u32,
+        /// Prompt tokens per request.
+        #[arg(long, default_value_t = 32)]
+        prompt_tokens: u32,
+        /// Tokens generated per request.
+        #[arg(long, default_value_t = 256)]
+        new_tokens: u32,
+        /// A step with no answer after this many milliseconds means a stage failed.
+        #[arg(long, default_value_t = 300)]
+        deadline_ms: u64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run one stage of the reference engine (started by `demo`).
+    Stage(StageArgs),
+    /// Keep stages' KV replicas (started by `demo`).
+    Replica(ReplicaArgs),
     /// Size KV caches, split machines between prompt and token pipelines, check the swapping
     /// condition, estimate KV transfer costs and check stage memory, from a TOML or JSON file.
     Plan {
@@ -83,6 +115,67 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::Demo { stages, victim, requests, prompt_tokens, new_tokens, deadline_ms, json } => {
+            let exe = match std::env::current_exe() {
+                Ok(exe) => exe,
+                Err(e) => {
+                    eprintln!("dejavud demo: cannot find its own executable: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let config = DemoConfig {
+                stages,
+                victim,
+                requests,
+                prompt_tokens,
+                new_tokens,
+                deadline: std::time::Duration::from_millis(deadline_ms),
+                exe,
+            };
+            if !json {
+                println!(
+                    "DéjàVu demo: the reference model (8 layers, d_model 256, 8 query / 2 KV heads) as {stages} stage \
+processes on loopback, {requests} requests of {prompt_tokens} prompt + {new_tokens} new tokens, \
+each stage's KV replicated every step to a replica peer process"
+                );
+            }
+            match demo::run(&config, |line| {
+                if !json {
+                    println!("  {line}");
+                }
+            }) {
+                Ok(report) => {
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&report).expect("JSON of numbers"));
+                    } else {
+                        print!("{}", report.to_text(&config));
+                    }
+                    if report.matched {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(1)
+                    }
+                }
+                Err(e) => {
+                    eprintln!("dejavud demo: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        Command::Stage(args) => match args.run() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("dejavud stage: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Replica(args) => match args.run() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("dejavud replica: {e}");
+                ExitCode::from(2)
+            }
+        },
         Command::Certs { cluster, out, force, nodes } => match certs::issue(&cluster, &out, &nodes, force) {
             Ok(report) => {
                 print!("{report}");

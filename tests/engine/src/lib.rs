@@ -14,6 +14,7 @@
 //! Everything is plain `f32` arithmetic in a fixed order: the same binary produces the same bits
 //! from run to run, and the split into stages or the cache layout does not change them.
 
+pub mod cli;
 pub mod model;
 pub mod pipeline;
 pub mod process;

@@ -6,12 +6,16 @@
 //! slot, position, token count); the payload is tokens (`u32`) into stage 0 and out of the last
 //! stage, hidden states (`f32`) in between, all little-endian.
 //!
-//! With a replica peer configured, a stage flushes the KV it wrote in each step (the prompt's,
-//! then each token's) to the peer before passing the step on. `Control` frames travel the same
-//! chain; the request id names the stage they are for, the first payload byte the operation:
+//! With a replica peer configured, a stage hands the KV it wrote in each step (the prompt's, then
+//! each token's) to a background streamer that flushes it to the peer, and passes the step on at
+//! once: replication is off the critical path, and may lag behind by a few steps. `Control` frames
+//! travel the same chain; the request id names the stage they are for, the first payload byte the
+//! operation:
 //!
 //! - restore (ids: microbatch, slot, prompt length, tokens with KV): fetch that sequence's KV from
-//!   the replica peer into the cache;
+//!   the replica peer into the cache, in order, as far as the replica has it; the number of tokens
+//!   restored travels on in the payload, and the driver recomputes the steps after it
+//!   ([`RemotePipeline::recover`]);
 //! - rewire (payload: the new next address): send to another next stage from now on (its successor
 //!   was replaced).
 //!
@@ -20,6 +24,7 @@
 //! predecessor's replacement); a frame it cannot pass on (its successor died) is dropped, and the
 //! driver sends the step again once the chain is repaired.
 
+use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
@@ -28,9 +33,11 @@ use std::time::{Duration, Instant};
 
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerStore};
-use dejavulib::reshard::{receive, send, LocalRegion};
+use dejavulib::reshard::{receive, LocalRegion, StreamError};
+use dejavulib::store::StoreError;
+use dejavulib::streamer::{Completion, StreamJob};
 use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD};
-use dejavulib::{ChunkStore, KvCache, StagingPool, Transfer, WorkerId};
+use dejavulib::{ChunkStore, KvCache, Streamer, StreamerConfig, Transfer, WorkerId};
 use thiserror::Error;
 
 use crate::model::ModelConfig;
@@ -133,8 +140,12 @@ struct StageProcess {
     config: StageConfig,
     stage: Stage,
     caches: Vec<Arc<KvCache>>,
+    /// Where a replacement restores from.
     replica: Option<PeerStore>,
-    pool: StagingPool,
+    /// Flushes each step's KV to the replica peer in the background.
+    streamer: Option<Streamer>,
+    /// Replications not known to be done yet.
+    pending: VecDeque<Completion>,
     _runtime: Option<tokio::runtime::Runtime>,
 }
 
@@ -149,22 +160,20 @@ impl StageProcess {
                 ))
             })
             .collect::<Result<Vec<_>, ProcessError>>()?;
-        let (replica, runtime) = match &config.replica {
-            None => (None, None),
+        let (replica, streamer, runtime) = match &config.replica {
+            None => (None, None, None),
             Some(r) => {
                 let runtime =
                     tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-                let transport = Arc::new(TcpTransport::plain());
-                let store = PeerStore::new(
-                    runtime.handle().clone(),
-                    transport,
-                    r.addr,
-                    ClientConfig::new(r.secret.clone(), config.index),
-                );
-                (Some(store), Some(runtime))
+                let store = || {
+                    let client = ClientConfig::new(r.secret.clone(), config.index);
+                    PeerStore::new(runtime.handle().clone(), Arc::new(TcpTransport::plain()), r.addr, client)
+                };
+                let streamer = Streamer::spawn(StreamerConfig::default(), Box::new(store()))?;
+                (Some(store()), Some(streamer), Some(runtime))
             }
         };
-        Ok(Self { config, stage, caches, replica, pool: StagingPool::default(), _runtime: runtime })
+        Ok(Self { config, stage, caches, replica, streamer, pending: VecDeque::new(), _runtime: runtime })
     }
 
     /// The transfer that names this stage's KV of one sequence (kept under its own worker id).
@@ -199,10 +208,20 @@ impl StageProcess {
         }
         let cache = self.cache(seat)?.clone();
         self.stage.forward(&cache, slot, position, &mut hidden)?;
-        let transfer = self.transfer(seat);
-        if let Some(replica) = self.replica.as_mut() {
-            send(&cache, &transfer, position..position + count, &self.pool, replica as &mut dyn ChunkStore)
-                .map_err(|e| ProcessError::Replica(e.to_string()))?;
+        if let Some(streamer) = &self.streamer {
+            let job = StreamJob {
+                cache: cache.clone(),
+                transfer: self.transfer(seat),
+                tokens: position..position + count,
+            };
+            self.pending.push_back(streamer.submit(job).map_err(|e| ProcessError::Replica(e.to_string()))?);
+            // Report failed replications; a replacement recomputes what the replica lacks.
+            while let Some(done) = self.pending.front().and_then(Completion::poll) {
+                self.pending.pop_front();
+                if let Err(e) = done {
+                    eprintln!("stage {}: a replication failed: {e}", self.config.index);
+                }
+            }
         }
         let out = if self.stage.layers().end == self.config.model.layers {
             let d = self.config.model.d_model as usize;
@@ -213,25 +232,31 @@ impl StageProcess {
         Ok((*header, out))
     }
 
-    /// Carries out a control frame addressed to this stage.
-    fn control(&mut self, header: &FrameHeader, payload: &[u8]) -> Result<(), ProcessError> {
+    /// Carries out a control frame addressed to this stage; returns the payload to pass on.
+    fn control(&mut self, header: &FrameHeader, payload: Vec<u8>) -> Result<Vec<u8>, ProcessError> {
         if header.request != self.config.index as u64 {
-            return Ok(());
+            return Ok(payload);
         }
         match payload.split_first() {
-            Some((&OP_RESTORE, _)) => self.restore(header),
+            Some((&OP_RESTORE, _)) => {
+                let restored = self.restore(header)?;
+                let mut reply = vec![OP_RESTORE];
+                reply.extend_from_slice(&restored.to_le_bytes());
+                Ok(reply)
+            }
             Some((&OP_REWIRE, addr)) => {
                 let addr = std::str::from_utf8(addr).ok().and_then(|a| a.parse().ok());
                 self.config.next =
                     addr.ok_or_else(|| ProcessError::Protocol("a rewire without an address".into()))?;
-                Ok(())
+                Ok(payload)
             }
             _ => Err(ProcessError::Protocol("unknown control operation".into())),
         }
     }
 
-    /// Restores a sequence's KV from the replica peer: the prompt's chunk, then one per token.
-    fn restore(&mut self, header: &FrameHeader) -> Result<(), ProcessError> {
+    /// Restores a sequence's KV from the replica peer, the prompt's chunk then one per token, as
+    /// far as the replica has it; returns the number of tokens restored (0 if not even the prompt).
+    fn restore(&mut self, header: &FrameHeader) -> Result<u32, ProcessError> {
         let [microbatch, slot, prompt_len, kv_tokens] = header.ids;
         let seat = Seat { microbatch, slot };
         let transfer = self.transfer(seat);
@@ -241,12 +266,16 @@ impl StageProcess {
             .as_mut()
             .ok_or_else(|| ProcessError::Replica("no replica peer configured".into()))?;
         let mut payload = Vec::new();
+        let mut restored = 0;
         let steps = std::iter::once(0..prompt_len).chain((prompt_len..kv_tokens).map(|t| t..t + 1));
         for tokens in steps {
-            receive(&cache, &transfer, tokens, replica as &mut dyn ChunkStore, &mut payload)
-                .map_err(|e| ProcessError::Replica(e.to_string()))?;
+            match receive(&cache, &transfer, tokens.clone(), replica as &mut dyn ChunkStore, &mut payload) {
+                Ok(_) => restored = tokens.end,
+                Err(StreamError::Store(StoreError::NotFound(_))) => break,
+                Err(e) => return Err(ProcessError::Replica(e.to_string())),
+            }
         }
-        Ok(())
+        Ok(restored)
     }
 }
 
@@ -270,8 +299,8 @@ pub fn serve_stage(
             let (header, out) = match frame.header.kind {
                 Kind::Activation => process.step(&frame.header, &frame.payload)?,
                 Kind::Control => {
-                    process.control(&frame.header, &frame.payload)?;
-                    (frame.header, frame.payload)
+                    let header = frame.header;
+                    (header, process.control(&header, frame.payload)?)
                 }
                 other => return Err(ProcessError::Protocol(format!("unexpected {other:?} frame"))),
             };
@@ -367,22 +396,62 @@ impl RemotePipeline {
         }
     }
 
-    /// Tells stage `stage` to restore `seat`'s KV (prompt of `prompt_len`, KV of `kv_tokens`
-    /// tokens) from its replica peer; returns once it has.
+    /// Tells stage `stage` to restore `seat`'s KV (prompt of `prompt_len`, KV of up to `kv_tokens`
+    /// tokens) from its replica peer; returns how many tokens it restored.
     pub fn restore(
         &mut self,
         stage: u32,
         seat: Seat,
         prompt_len: u32,
         kv_tokens: u32,
-    ) -> Result<(), ProcessError> {
-        self.send(
-            Kind::Control,
-            stage as u64,
-            [seat.microbatch, seat.slot, prompt_len, kv_tokens],
-            &[OP_RESTORE],
-        )?;
-        Ok(())
+    ) -> Result<u32, ProcessError> {
+        let ids = [seat.microbatch, seat.slot, prompt_len, kv_tokens];
+        match self.send(Kind::Control, stage as u64, ids, &[OP_RESTORE])?[..] {
+            [OP_RESTORE, a, b, c, d] => Ok(u32::from_le_bytes([a, b, c, d])),
+            _ => Err(ProcessError::Protocol(format!("stage {stage} did not report a restore"))),
+        }
+    }
+
+    /// Recovers one sequence on replaced `stages`: restores their KV from the replica peer, then
+    /// recomputes the steps the replica lacked (the replication lag; recomputing a step rewrites
+    /// the same KV everywhere), checking that they give the tokens already generated. Returns the
+    /// number of steps recomputed.
+    pub fn recover(
+        &mut self,
+        stages: &[u32],
+        seat: Seat,
+        prompt: &[u32],
+        generated: &[u32],
+    ) -> Result<u64, ProcessError> {
+        if generated.is_empty() {
+            return Ok(0);
+        }
+        let prompt_len = prompt.len() as u32;
+        // KV exists for the prompt and every generated token but the last.
+        let needed = prompt_len + generated.len() as u32 - 1;
+        let mut restored = needed;
+        for &stage in stages {
+            restored = restored.min(self.restore(stage, seat, prompt_len, needed)?);
+        }
+        let mut recomputed = 0;
+        let mismatch = |position| {
+            ProcessError::Protocol(format!("a recomputed step at position {position} gave another token"))
+        };
+        if restored < prompt_len {
+            if self.run(seat, prompt, 0)? != generated[0] {
+                return Err(mismatch(0));
+            }
+            restored = prompt_len;
+            recomputed += 1;
+        }
+        for position in restored..needed {
+            let index = (position - prompt_len) as usize;
+            if self.run(seat, &[generated[index]], position)? != generated[index + 1] {
+                return Err(mismatch(position));
+            }
+            recomputed += 1;
+        }
+        Ok(recomputed)
     }
 
     /// Repairs the chain after stage `stage` was replaced by a process listening at `addr`:

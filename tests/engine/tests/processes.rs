@@ -165,12 +165,9 @@ fn replacements_restore_replicated_kv_and_continue_bit_identically() {
 
     // Fresh processes start with empty caches and restore each sequence from the replicas.
     let (_fresh, _, _, mut remote) = chain(Some(replica_addr));
+    let every_stage: Vec<u32> = (0..splits().len() as u32).collect();
     for (i, prompt) in prompts().iter().enumerate() {
-        // KV exists for the prompt and every generated token but the last.
-        let kv_tokens = (prompt.len() + done - 1) as u32;
-        for stage in 0..splits().len() as u32 {
-            remote.restore(stage, seat(i), prompt.len() as u32, kv_tokens).unwrap();
-        }
+        remote.recover(&every_stage, seat(i), prompt, &so_far[i]).unwrap();
         let all = decode(&mut remote, i, so_far[i].clone(), NEW_TOKENS);
         assert_eq!(all, expected[i], "request {i}");
     }
@@ -204,8 +201,7 @@ fn one_killed_stage_is_replaced_and_the_sequence_resumes_bit_identically() {
         procs[victim] = replacement;
         remote.replace(victim as u32, addr, last).unwrap();
         for (i, prompt) in prompts().iter().enumerate() {
-            let kv_tokens = (prompt.len() + done - 1) as u32;
-            remote.restore(victim as u32, seat(i), prompt.len() as u32, kv_tokens).unwrap();
+            remote.recover(&[victim as u32], seat(i), prompt, &so_far[i]).unwrap();
         }
         for (i, tokens) in so_far.iter_mut().enumerate() {
             *tokens = decode(&mut remote, i, tokens.clone(), NEW_TOKENS);

@@ -1,0 +1,61 @@
+//! `dejavud demo` through the real binary: real stage and replica processes on loopback, a stage
+//! SIGKILLed mid-decode and recovered, tokens identical to the failure-free run, nothing left
+//! running afterwards; bad settings are refused.
+
+use std::process::Command;
+
+fn dejavud(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_dejavud")).args(args).output().expect("run dejavud")
+}
+
+/// Processes started from this test's `dejavud` binary that are still alive.
+fn leftovers() -> Vec<String> {
+    let exe = env!("CARGO_BIN_EXE_dejavud");
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) {
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            if cmdline.starts_with(exe) && (cmdline.contains(" stage ") || cmdline.contains(" replica")) {
+                found.push(cmdline);
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_demo_recovers_a_killed_stage_with_identical_tokens() {
+    for victim in ["0", "2", "3"] {
+        let out = dejavud(&[
+            "demo",
+            "--json",
+            "--victim",
+            victim,
+            "--requests",
+            "5",
+            "--prompt-tokens",
+            "9",
+            "--new-tokens",
+            "12",
+        ]);
+        assert!(out.status.success(), "victim {victim}: {}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+        assert_eq!(report["matched"], true, "{report}");
+        assert_eq!(report["restart_matched"], true, "{report}");
+        assert_eq!(report["tokens"], 60);
+        let recovery = &report["recovery"];
+        assert!(recovery["tokens_recomputed"].as_u64().unwrap() >= 1, "{report}");
+        assert!(recovery["detection_ms"].as_f64().unwrap() > 0.0, "{report}");
+        assert!(report["restart_tokens_recomputed"].as_u64().unwrap() >= 1, "{report}");
+    }
+    assert!(leftovers().is_empty(), "processes left behind: {:?}", leftovers());
+}
+
+#[test]
+fn bad_demo_settings_are_refused() {
+    for args in [&["demo", "--victim", "7"][..], &["demo", "--stages", "0"], &["demo", "--new-tokens", "1"]] {
+        let out = dejavud(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("invalid demo setting"), "{args:?}");
+    }
+}

@@ -1,0 +1,136 @@
+//! Command-line arguments of a stage process and a replica peer, shared by the `dejavu-engine`
+//! binary and `dejavud` (which runs the same processes for its demo).
+
+use std::net::SocketAddr;
+use std::ops::Range;
+
+use clap::{Args, ValueEnum};
+
+use crate::process::{serve_stage, Replica, StageConfig};
+use crate::{CacheLayout, ModelConfig};
+
+/// The KV cache layout of a stage.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Layout {
+    /// FasterTransformer's K `[L][B][H][D/x][S][x]` and V `[L][B][H][S][D]`.
+    Ft,
+    /// One `[B][H][S][D]` tensor per layer and K/V.
+    PerLayer,
+}
+
+/// Run one stage of the reference model.
+#[derive(Clone, Debug, Args)]
+pub struct StageArgs {
+    /// Position of this stage in the chain (0 is the first).
+    #[arg(long)]
+    pub index: u32,
+    /// Global layers it runs, as START..END.
+    #[arg(long, value_parser = parse_layers)]
+    pub layers: Range<u32>,
+    /// Where its output goes: the next stage, or the driver after the last stage.
+    #[arg(long)]
+    pub next: SocketAddr,
+    /// Where it listens for its input (port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// KV cache layout.
+    #[arg(long, value_enum, default_value = "ft")]
+    pub layout: Layout,
+    /// Sequences per microbatch.
+    #[arg(long, default_value_t = 4)]
+    pub slots: u32,
+    /// Microbatches.
+    #[arg(long, default_value_t = 2)]
+    pub microbatches: u32,
+    /// Tokens per sequence at most.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: u32,
+    /// A replica peer to flush each step's KV to (and restore it from).
+    #[arg(long)]
+    pub replica: Option<SocketAddr>,
+    /// The cluster secret shared with the replica peer.
+    #[arg(long, default_value = "dejavu reference cluster")]
+    pub secret: String,
+}
+
+/// Keep stages' KV replicas in memory for them.
+#[derive(Clone, Debug, Args)]
+pub struct ReplicaArgs {
+    /// Where it listens (port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// The cluster secret.
+    #[arg(long, default_value = "dejavu reference cluster")]
+    pub secret: String,
+}
+
+fn parse_layers(s: &str) -> Result<Range<u32>, String> {
+    let (a, b) = s.split_once("..").ok_or("layers are START..END")?;
+    let (a, b) = (a.parse::<u32>().map_err(|e| e.to_string())?, b.parse::<u32>().map_err(|e| e.to_string())?);
+    if a >= b {
+        return Err(format!("empty layer range {a}..{b}"));
+    }
+    Ok(a..b)
+}
+
+/// Prints `listening ADDR`, the line a parent waits for.
+fn announce(addr: SocketAddr) {
+    use std::io::Write;
+    println!("listening {addr}");
+    let _ = std::io::stdout().flush();
+}
+
+/// Asks the kernel to kill this process when its parent dies, so a driver that is killed (or
+/// interrupted) leaves no stage behind.
+fn die_with_parent() {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag of the calling process.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+    }
+}
+
+impl StageArgs {
+    /// Runs the stage until it is killed.
+    pub fn run(self) -> Result<(), String> {
+        die_with_parent();
+        let config = StageConfig {
+            model: ModelConfig::reference(),
+            index: self.index,
+            layers: self.layers,
+            layout: match self.layout {
+                Layout::Ft => CacheLayout::FasterTransformer,
+                Layout::PerLayer => CacheLayout::PerLayer,
+            },
+            slots: self.slots,
+            microbatches: self.microbatches,
+            max_tokens: self.max_tokens,
+            next: self.next,
+            replica: self.replica.map(|addr| Replica { addr, secret: self.secret.into_bytes() }),
+        };
+        serve_stage(config, self.listen, announce).map_err(|e| e.to_string())
+    }
+}
+
+impl ReplicaArgs {
+    /// Serves replicas until killed.
+    pub fn run(self) -> Result<(), String> {
+        use dejavulib::net::tcp::TcpTransport;
+        use dejavulib::net::{PeerServer, ServerConfig};
+        die_with_parent();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        runtime.block_on(async {
+            let config = ServerConfig::new(self.secret.into_bytes(), u32::MAX);
+            let server =
+                PeerServer::bind(&TcpTransport::plain(), self.listen, config, dejavulib::HostStore::new())
+                    .await
+                    .map_err(|e| format!("cannot listen at {}: {e}", self.listen))?;
+            announce(server.addr());
+            std::future::pending::<()>().await;
+            Ok(())
+        })
+    }
+}
