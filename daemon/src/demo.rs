@@ -1,5 +1,6 @@
-//! `dejavud demo`: the reference engine as a pipeline of stage processes on loopback, a replica
-//! peer process keeping every stage's KV, one stage SIGKILLed in the middle of decoding, and its
+//! `dejavud demo`: the reference engine as a pipeline of stage processes on loopback, each with a
+//! sidecar process that keeps a local copy of its KV and a replica of its ring predecessor's; one
+//! worker (engine alone, or engine and sidecar) SIGKILLed in the middle of decoding, and its
 //! replacement restoring the KV and resuming; compared with a failure-free run and with a restart
 //! from scratch, all in the same run.
 
@@ -30,7 +31,9 @@ pub struct DemoConfig {
     pub new_tokens: u32,
     /// A step with no answer after this long means a stage failed.
     pub deadline: Duration,
-    /// The `dejavud` executable to start stage and replica processes with.
+    /// What dies: the victim's engine, or its whole worker (engine and sidecar).
+    pub kill: Kill,
+    /// The `dejavud` executable to start stage and sidecar processes with.
     pub exe: PathBuf,
 }
 
@@ -61,8 +64,9 @@ pub enum DemoError {
 pub struct Recovery {
     /// From the kill to the missed deadline that revealed it.
     pub detection_ms: f64,
-    /// Starting the replacement, repairing the chain, restoring its KV from the replica peer and
-    /// recomputing the steps replication had not kept yet.
+    /// Starting the replacement, repairing the chain, restoring its KV (from its own sidecar, or
+    /// from its successor's when its sidecar died too), recomputing the steps replication had not
+    /// kept yet, and re-replicating the predecessor's KV to a replacement sidecar.
     pub restore_ms: f64,
     /// Running the interrupted step again.
     pub resume_ms: f64,
@@ -87,7 +91,8 @@ pub struct DemoReport {
     pub recovery: Recovery,
     /// Tokens recomputed by the restart from scratch.
     pub restart_tokens_recomputed: u64,
-    /// Bytes of KV replicated per generated token (all stages).
+    /// Bytes of KV replicated to successors' sidecars per generated token (all stages; each stage
+    /// writes as many again to its own sidecar).
     pub kv_bytes_replicated_per_token: u64,
     /// Whether the run with a failure (and the one without replication) produced exactly the
     /// failure-free tokens.
@@ -134,10 +139,20 @@ fn splits(layers: u32, stages: u32) -> Vec<Range<u32>> {
     (0..stages).map(|s| s * layers / stages..(s + 1) * layers / stages).collect()
 }
 
-/// A running pipeline: stage processes, an optional replica process and the driver's end.
+/// What the demo kills.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Kill {
+    /// The engine process alone: its sidecar lives on with the local copy of its KV.
+    Engine,
+    /// The whole worker, engine and sidecar: its KV comes back from its ring successor's sidecar.
+    Worker,
+}
+
+/// A running pipeline: stage processes, their sidecars (when replicating) and the driver's end.
 struct Cluster {
     config: DemoConfig,
-    replica: Option<(Proc, SocketAddr)>,
+    /// One per stage; stage `k` keeps its local copy in sidecar `k` and its replica in `k + 1`.
+    sidecars: Vec<(Proc, SocketAddr)>,
     stages: Vec<Proc>,
     addrs: Vec<SocketAddr>,
     driver: SocketAddr,
@@ -149,13 +164,9 @@ impl Cluster {
         config.requests.min(4)
     }
 
-    fn stage_args(&self, index: usize, next: SocketAddr) -> Vec<String> {
-        Self::args_for(&self.config, self.replica.as_ref().map(|r| r.1), index, next)
-    }
-
     fn args_for(
         config: &DemoConfig,
-        replica: Option<SocketAddr>,
+        sidecars: Option<(SocketAddr, SocketAddr)>,
         index: usize,
         next: SocketAddr,
     ) -> Vec<String> {
@@ -170,23 +181,32 @@ impl Cluster {
             format!("--microbatches={}", config.requests.div_ceil(slots)),
             format!("--max-tokens={}", config.prompt_tokens + config.new_tokens + 1),
         ];
-        if let Some(replica) = replica {
-            args.push(format!("--replica={replica}"));
+        if let Some((local, successor)) = sidecars {
+            args.push(format!("--local={local}"));
+            args.push(format!("--successor={successor}"));
         }
         args
     }
 
+    /// Sidecar addresses of stage `index`: its own and its successor's.
+    fn copies(sidecars: &[(Proc, SocketAddr)], index: usize) -> Option<(SocketAddr, SocketAddr)> {
+        (!sidecars.is_empty()).then(|| (sidecars[index].1, sidecars[(index + 1) % sidecars.len()].1))
+    }
+
     fn start(config: &DemoConfig, replicate: bool) -> Result<Self, DemoError> {
-        let replica = if replicate {
-            Some(start(&config.exe, &["replica".to_owned()], "the replica peer")?)
+        let n = config.stages as usize;
+        let sidecars = if replicate {
+            (0..n)
+                .map(|i| start(&config.exe, &["sidecar".to_owned()], &format!("sidecar {i}")))
+                .collect::<Result<Vec<_>, _>>()?
         } else {
-            None
+            Vec::new()
         };
         let results = TcpListener::bind("127.0.0.1:0")?;
         let driver = results.local_addr()?;
         let (mut stages, mut addrs, mut next) = (Vec::new(), Vec::new(), driver);
-        for index in (0..config.stages as usize).rev() {
-            let args = Self::args_for(config, replica.as_ref().map(|r| r.1), index, next);
+        for index in (0..n).rev() {
+            let args = Self::args_for(config, Self::copies(&sidecars, index), index, next);
             let (proc, addr) = start(&config.exe, &args, &format!("stage {index}"))?;
             stages.push(proc);
             addrs.push(addr);
@@ -195,7 +215,7 @@ impl Cluster {
         stages.reverse();
         addrs.reverse();
         let remote = RemotePipeline::connect(next, results, config.deadline)?;
-        Ok(Self { config: config.clone(), replica, stages, addrs, driver, remote })
+        Ok(Self { config: config.clone(), sidecars, stages, addrs, driver, remote })
     }
 
     fn seat(&self, request: usize) -> Seat {
@@ -203,29 +223,67 @@ impl Cluster {
         Seat { microbatch: (request / slots) as u32, slot: (request % slots) as u32 }
     }
 
-    /// The stage whose process has exited, if any.
+    /// Kills stage `victim`'s engine, and with `Kill::Worker` its sidecar too.
+    fn kill(&mut self, victim: usize, what: Kill) -> Result<(), DemoError> {
+        self.stages[victim].0.kill()?;
+        self.stages[victim].0.wait()?;
+        if what == Kill::Worker {
+            self.sidecars[victim].0 .0.kill()?;
+            self.sidecars[victim].0 .0.wait()?;
+        }
+        Ok(())
+    }
+
+    /// The stage whose engine process has exited, if any.
     fn dead_stage(&mut self) -> Option<usize> {
         self.stages.iter_mut().position(|p| matches!(p.0.try_wait(), Ok(Some(_))))
     }
 
-    /// Replaces dead stage `victim`, restores the KV of every sequence from the replica peer and
-    /// recomputes what replication had not yet kept; returns the steps recomputed.
+    /// Replaces dead stage `victim` (and its sidecar, if that died too), restores the KV of every
+    /// sequence from the surviving copy and recomputes what replication had not yet kept; returns
+    /// the steps recomputed.
     fn replace(
         &mut self,
         victim: usize,
         prompts: &[Vec<u32>],
         progress: &[Vec<u32>],
     ) -> Result<u64, DemoError> {
-        let last = victim + 1 == self.stages.len();
+        let n = self.stages.len();
+        let sidecar_died = matches!(self.sidecars[victim].0 .0.try_wait(), Ok(Some(_)));
+        // 1. Where the KV comes back from: the engine's own sidecar, or its successor's.
+        let from = if sidecar_died {
+            self.sidecars[victim] =
+                start(&self.config.exe, &["sidecar".to_owned()], "a replacement sidecar")?;
+            Some(self.sidecars[(victim + 1) % n].1)
+        } else {
+            None
+        };
+        // 2. A replacement engine joins the chain.
+        let last = victim + 1 == n;
         let next = if last { self.driver } else { self.addrs[victim + 1] };
-        let (proc, addr) = start(&self.config.exe, &self.stage_args(victim, next), "a replacement stage")?;
+        let args = Self::args_for(&self.config, Self::copies(&self.sidecars, victim), victim, next);
+        let (proc, addr) = start(&self.config.exe, &args, "a replacement stage")?;
         self.stages[victim] = proc;
         self.addrs[victim] = addr;
         self.remote.replace(victim as u32, addr, last)?;
+        // 3. It restores every sequence and recomputes the replication lag.
         let mut recomputed = 0;
         for (request, tokens) in progress.iter().enumerate() {
-            recomputed +=
-                self.remote.recover(&[victim as u32], self.seat(request), &prompts[request], tokens)?;
+            let seat = self.seat(request);
+            recomputed += self.remote.recover(&[victim as u32], seat, &prompts[request], tokens, from)?;
+            // 4. The predecessor's replica died with the sidecar: it replicates to the new one.
+            if sidecar_died && !tokens.is_empty() {
+                let prompt_len = prompts[request].len() as u32;
+                let kv_tokens = prompt_len + tokens.len() as u32 - 1;
+                let predecessor = ((victim + n - 1) % n) as u32;
+                self.remote.replicate_to(
+                    predecessor,
+                    seat,
+                    prompt_len,
+                    kv_tokens,
+                    self.sidecars[victim].1,
+                )?;
+            }
         }
         Ok(recomputed)
     }
@@ -269,9 +327,8 @@ fn workload(
                 continue;
             }
             if kill_at == Some(step) && killed_at.is_none() {
-                let victim = &mut cluster.stages[config.victim as usize].0;
-                victim.kill()?;
-                victim.wait()?;
+                let what = if on_failure == OnFailure::Recover { config.kill } else { Kill::Engine };
+                cluster.kill(config.victim as usize, what)?;
                 killed_at = Some(Instant::now());
             }
             step += 1;
@@ -353,8 +410,16 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
     say("failure-free run, KV replicated every step...");
     let (reference, _, failure_free) = workload(config, None, OnFailure::Recover)?;
     say(&format!(
-        "run with stage {} SIGKILLed at step {kill_at} of {steps}, recovered from replicas...",
-        config.victim
+        "run with stage {}'s {} SIGKILLed at step {kill_at} of {steps}, recovered from {}...",
+        config.victim,
+        match config.kill {
+            Kill::Engine => "engine",
+            Kill::Worker => "engine and sidecar",
+        },
+        match config.kill {
+            Kill::Engine => "its own sidecar's copy",
+            Kill::Worker => "its successor's sidecar",
+        },
     ));
     let (recovered, recovery, with_failure) = workload(config, Some(kill_at), OnFailure::Recover)?;
     say("run with the same failure, restarted from scratch...");
@@ -384,7 +449,7 @@ no replication:          {:7.3} s  ({:.0} tokens/s)
 failure-free:            {:7.3} s  ({:.0} tokens/s; replication overhead {:+.1}%)
 one failure, recovered:  {:7.3} s  ({:.2}x)  detection {:.0} ms, restore {:.1} ms, resume {:.1} ms, tokens recomputed {}
 one failure, restarted:  {:7.3} s  ({:.2}x)  tokens recomputed {}
-KV replicated per token: {} bytes (all {} stages)
+KV per token: {} bytes to the successors' sidecars, as many to the local ones (all {} stages)
 output identical to the failure-free run: {} (restart from scratch: {})
 ",
             self.unreplicated_s,

@@ -5,9 +5,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use dejavu_engine::cli::{ReplicaArgs, StageArgs};
+use dejavu_engine::cli::{SidecarArgs, StageArgs};
 use dejavud::certs;
-use dejavud::demo::{self, DemoConfig};
+use dejavud::demo::{self, DemoConfig, Kill};
 use dejavud::plan::{self, Overrides};
 
 /// The DéjàVu daemon: a fault-tolerance demo, the deployment planner and cluster certificates.
@@ -16,6 +16,14 @@ use dejavud::plan::{self, Overrides};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum KillArg {
+    /// The engine and its sidecar: the KV comes back from the successor's sidecar.
+    Worker,
+    /// The engine alone: the KV comes back from its own sidecar.
+    Engine,
 }
 
 #[derive(Debug, Subcommand)]
@@ -42,14 +50,17 @@ enum Command {
         /// A step with no answer after this many milliseconds means a stage failed.
         #[arg(long, default_value_t = 300)]
         deadline_ms: u64,
+        /// What to kill: the victim's whole worker (engine and sidecar) or its engine alone.
+        #[arg(long, value_enum, default_value = "worker")]
+        kill: KillArg,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
     /// Run one stage of the reference engine (started by `demo`).
     Stage(StageArgs),
-    /// Keep stages' KV replicas (started by `demo`).
-    Replica(ReplicaArgs),
+    /// A stage's sidecar: its local KV copy and its predecessor's replica (started by `demo`).
+    Sidecar(SidecarArgs),
     /// Size KV caches, split machines between prompt and token pipelines, check the swapping
     /// condition, estimate KV transfer costs and check stage memory, from a TOML or JSON file.
     Plan {
@@ -115,7 +126,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Demo { stages, victim, requests, prompt_tokens, new_tokens, deadline_ms, json } => {
+        Command::Demo { stages, victim, requests, prompt_tokens, new_tokens, deadline_ms, kill, json } => {
             let exe = match std::env::current_exe() {
                 Ok(exe) => exe,
                 Err(e) => {
@@ -130,13 +141,17 @@ fn main() -> ExitCode {
                 prompt_tokens,
                 new_tokens,
                 deadline: std::time::Duration::from_millis(deadline_ms),
+                kill: match kill {
+                    KillArg::Worker => Kill::Worker,
+                    KillArg::Engine => Kill::Engine,
+                },
                 exe,
             };
             if !json {
                 println!(
                     "DéjàVu demo: the reference model (8 layers, d_model 256, 8 query / 2 KV heads) as {stages} stage \
 processes on loopback, {requests} requests of {prompt_tokens} prompt + {new_tokens} new tokens, \
-each stage's KV replicated every step to a replica peer process"
+each stage's KV copied every step to its own sidecar process and its ring successor's"
                 );
             }
             match demo::run(&config, |line| {
@@ -169,10 +184,10 @@ each stage's KV replicated every step to a replica peer process"
                 ExitCode::from(2)
             }
         },
-        Command::Replica(args) => match args.run() {
+        Command::Sidecar(args) => match args.run() {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                eprintln!("dejavud replica: {e}");
+                eprintln!("dejavud sidecar: {e}");
                 ExitCode::from(2)
             }
         },

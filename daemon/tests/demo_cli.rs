@@ -1,6 +1,6 @@
-//! `dejavud demo` through the real binary: real stage and replica processes on loopback, a stage
-//! SIGKILLed mid-decode and recovered, tokens identical to the failure-free run, nothing left
-//! running afterwards; bad settings are refused.
+//! `dejavud demo` through the real binary: real stage and sidecar processes on loopback, a worker
+//! (engine and sidecar, or engine alone) SIGKILLed mid-decode and recovered, tokens identical to
+//! the failure-free run, nothing left running afterwards; bad settings are refused.
 
 use std::process::Command;
 
@@ -15,7 +15,7 @@ fn leftovers() -> Vec<String> {
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) {
             let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-            if cmdline.starts_with(exe) && (cmdline.contains(" stage ") || cmdline.contains(" replica")) {
+            if cmdline.starts_with(exe) && (cmdline.contains(" stage ") || cmdline.contains(" sidecar")) {
                 found.push(cmdline);
             }
         }

@@ -1,4 +1,4 @@
-//! Command-line arguments of a stage process and a replica peer, shared by the `dejavu-engine`
+//! Command-line arguments of a stage process and a sidecar, shared by the `dejavu-engine`
 //! binary and `dejavud` (which runs the same processes for its demo).
 
 use std::net::SocketAddr;
@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use clap::{Args, ValueEnum};
 
-use crate::process::{serve_stage, Replica, StageConfig};
+use crate::process::{serve_stage, Replication, StageConfig};
 use crate::{CacheLayout, ModelConfig};
 
 /// The KV cache layout of a stage.
@@ -45,17 +45,20 @@ pub struct StageArgs {
     /// Tokens per sequence at most.
     #[arg(long, default_value_t = 256)]
     pub max_tokens: u32,
-    /// A replica peer to flush each step's KV to (and restore it from).
-    #[arg(long)]
-    pub replica: Option<SocketAddr>,
-    /// The cluster secret shared with the replica peer.
+    /// Its own sidecar, which keeps a local copy of each step's KV.
+    #[arg(long, requires = "successor")]
+    pub local: Option<SocketAddr>,
+    /// Its ring successor's sidecar, which keeps a replica of each step's KV.
+    #[arg(long, requires = "local")]
+    pub successor: Option<SocketAddr>,
+    /// The cluster secret shared with the sidecars.
     #[arg(long, default_value = "dejavu reference cluster")]
     pub secret: String,
 }
 
-/// Keep stages' KV replicas in memory for them.
+/// A stage's sidecar: keeps its local KV copy and its predecessor's replica in memory.
 #[derive(Clone, Debug, Args)]
-pub struct ReplicaArgs {
+pub struct SidecarArgs {
     /// Where it listens (port 0 picks one).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
@@ -105,14 +108,18 @@ impl StageArgs {
             microbatches: self.microbatches,
             max_tokens: self.max_tokens,
             next: self.next,
-            replica: self.replica.map(|addr| Replica { addr, secret: self.secret.into_bytes() }),
+            replication: self.local.zip(self.successor).map(|(local, successor)| Replication {
+                local,
+                successor,
+                secret: self.secret.into_bytes(),
+            }),
         };
         serve_stage(config, self.listen, announce).map_err(|e| e.to_string())
     }
 }
 
-impl ReplicaArgs {
-    /// Serves replicas until killed.
+impl SidecarArgs {
+    /// Serves until killed.
     pub fn run(self) -> Result<(), String> {
         use dejavulib::net::tcp::TcpTransport;
         use dejavulib::net::{PeerServer, ServerConfig};

@@ -6,18 +6,22 @@
 //! slot, position, token count); the payload is tokens (`u32`) into stage 0 and out of the last
 //! stage, hidden states (`f32`) in between, all little-endian.
 //!
-//! With a replica peer configured, a stage hands the KV it wrote in each step (the prompt's, then
-//! each token's) to a background streamer that flushes it to the peer, and passes the step on at
-//! once: replication is off the critical path, and may lag behind by a few steps. `Control` frames
-//! travel the same chain; the request id names the stage they are for, the first payload byte the
-//! operation:
+//! With replication configured, a stage hands the KV it wrote in each step (the prompt's, then each
+//! token's) to a background streamer and passes the step on at once (replication is off the
+//! critical path and may lag a few steps). The streamer flushes every chunk twice: to the stage's
+//! own sidecar (a local copy: an engine that dies alone restores from it without the network) and
+//! to its ring successor's sidecar (a replica: a worker that dies with its sidecar restores from
+//! there). `Control` frames travel the same chain; the request id names the stage they are for, the
+//! first payload byte the operation:
 //!
-//! - restore (ids: microbatch, slot, prompt length, tokens with KV): fetch that sequence's KV from
-//!   the replica peer into the cache, in order, as far as the replica has it; the number of tokens
-//!   restored travels on in the payload, and the driver recomputes the steps after it
-//!   ([`RemotePipeline::recover`]);
+//! - restore (ids: microbatch, slot, prompt length, tokens with KV; payload: a peer address, or
+//!   none for the stage's own sidecar): fetch that sequence's KV into the cache, in order, as far as
+//!   the peer has it; the number of tokens restored travels on in the payload, and the driver
+//!   recomputes the steps after it ([`RemotePipeline::recover`]);
 //! - rewire (payload: the new next address): send to another next stage from now on (its successor
-//!   was replaced).
+//!   was replaced);
+//! - replicate to (ids as for restore; payload: the successor's new sidecar): replicate there from
+//!   now on, and flush that sequence's KV so far to it (the replica died with its sidecar).
 //!
 //! Every stage passes a control frame on, so its arrival back at the driver says the chain is whole
 //! and the operation done. A stage whose predecessor goes away accepts the next connection (its
@@ -31,9 +35,10 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerStore};
-use dejavulib::reshard::{receive, LocalRegion, StreamError};
+use dejavulib::reshard::{receive, send, LocalRegion, StreamError};
 use dejavulib::store::StoreError;
 use dejavulib::streamer::{Completion, StreamJob};
 use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD};
@@ -71,12 +76,16 @@ pub enum ProcessError {
 const OP_RESTORE: u8 = 1;
 /// Control operation: send output to another address from now on.
 const OP_REWIRE: u8 = 2;
+/// Control operation: replicate to another successor sidecar, starting with a sequence's KV so far.
+const OP_REPLICATE_TO: u8 = 3;
 
-/// A replica peer: where a stage flushes its KV, and where a replacement restores it from.
+/// Where a stage keeps copies of its KV.
 #[derive(Clone, Debug)]
-pub struct Replica {
-    /// The peer's address.
-    pub addr: SocketAddr,
+pub struct Replication {
+    /// Its own sidecar: the local copy.
+    pub local: SocketAddr,
+    /// Its ring successor's sidecar: the replica.
+    pub successor: SocketAddr,
     /// The cluster secret.
     pub secret: Vec<u8>,
 }
@@ -100,8 +109,8 @@ pub struct StageConfig {
     pub max_tokens: u32,
     /// Where to send its output (the next stage, or the driver after the last stage).
     pub next: SocketAddr,
-    /// Where to keep replicas of its KV, if anywhere.
-    pub replica: Option<Replica>,
+    /// Where to keep copies of its KV, if anywhere.
+    pub replication: Option<Replication>,
 }
 
 fn tokens_payload(tokens: &[u32]) -> Vec<u8> {
@@ -135,18 +144,39 @@ fn connect(addr: SocketAddr, patience: Duration) -> std::io::Result<TcpStream> {
     }
 }
 
-/// A running stage: its layers, caches and replica store.
+/// A store on a peer, shared by the streamer thread and the stage (which swaps it for another
+/// peer when the successor's sidecar is replaced).
+type SharedPeer = Arc<parking_lot::Mutex<PeerStore>>;
+
+/// Flushes each chunk to the local sidecar and to the successor's sidecar.
+struct Tee {
+    local: SharedPeer,
+    successor: SharedPeer,
+}
+
+impl ChunkStore for Tee {
+    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+        self.local.lock().put(descriptor, payload)?;
+        self.successor.lock().put(descriptor, payload)
+    }
+
+    fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
+        self.local.lock().get(key, out)
+    }
+}
+
+/// A running stage: its layers, caches and replication.
 struct StageProcess {
     config: StageConfig,
     stage: Stage,
     caches: Vec<Arc<KvCache>>,
-    /// Where a replacement restores from.
-    replica: Option<PeerStore>,
-    /// Flushes each step's KV to the replica peer in the background.
+    /// Its own sidecar and its successor's, when replicating.
+    peers: Option<(SharedPeer, SharedPeer)>,
+    /// Flushes each step's KV to both sidecars in the background.
     streamer: Option<Streamer>,
     /// Replications not known to be done yet.
     pending: VecDeque<Completion>,
-    _runtime: Option<tokio::runtime::Runtime>,
+    runtime: Option<tokio::runtime::Runtime>,
 }
 
 impl StageProcess {
@@ -160,20 +190,38 @@ impl StageProcess {
                 ))
             })
             .collect::<Result<Vec<_>, ProcessError>>()?;
-        let (replica, streamer, runtime) = match &config.replica {
-            None => (None, None, None),
-            Some(r) => {
-                let runtime =
-                    tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-                let store = || {
-                    let client = ClientConfig::new(r.secret.clone(), config.index);
-                    PeerStore::new(runtime.handle().clone(), Arc::new(TcpTransport::plain()), r.addr, client)
-                };
-                let streamer = Streamer::spawn(StreamerConfig::default(), Box::new(store()))?;
-                (Some(store()), Some(streamer), Some(runtime))
-            }
+        let mut process = Self {
+            config,
+            stage,
+            caches,
+            peers: None,
+            streamer: None,
+            pending: VecDeque::new(),
+            runtime: None,
         };
-        Ok(Self { config, stage, caches, replica, streamer, pending: VecDeque::new(), _runtime: runtime })
+        if let Some(r) = process.config.replication.clone() {
+            let runtime =
+                tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+            process.runtime = Some(runtime);
+            let (local, successor) = (process.peer(r.local), process.peer(r.successor));
+            let tee = Tee { local: local.clone(), successor: successor.clone() };
+            process.streamer = Some(Streamer::spawn(StreamerConfig::default(), Box::new(tee))?);
+            process.peers = Some((local, successor));
+        }
+        Ok(process)
+    }
+
+    /// A store on the peer at `addr`.
+    fn peer(&self, addr: SocketAddr) -> SharedPeer {
+        let runtime = self.runtime.as_ref().expect("replication has a runtime");
+        let secret = self.config.replication.as_ref().map(|r| r.secret.clone()).unwrap_or_default();
+        let client = ClientConfig::new(secret, self.config.index);
+        Arc::new(parking_lot::Mutex::new(PeerStore::new(
+            runtime.handle().clone(),
+            Arc::new(TcpTransport::plain()),
+            addr,
+            client,
+        )))
     }
 
     /// The transfer that names this stage's KV of one sequence (kept under its own worker id).
@@ -237,45 +285,86 @@ impl StageProcess {
         if header.request != self.config.index as u64 {
             return Ok(payload);
         }
+        let address = |bytes: &[u8]| -> Result<Option<SocketAddr>, ProcessError> {
+            if bytes.is_empty() {
+                return Ok(None);
+            }
+            let addr = std::str::from_utf8(bytes).ok().and_then(|a| a.parse().ok());
+            addr.map(Some).ok_or_else(|| ProcessError::Protocol("a control frame with a bad address".into()))
+        };
         match payload.split_first() {
-            Some((&OP_RESTORE, _)) => {
-                let restored = self.restore(header)?;
+            Some((&OP_RESTORE, from)) => {
+                let restored = self.restore(header, address(from)?)?;
                 let mut reply = vec![OP_RESTORE];
                 reply.extend_from_slice(&restored.to_le_bytes());
                 Ok(reply)
             }
-            Some((&OP_REWIRE, addr)) => {
-                let addr = std::str::from_utf8(addr).ok().and_then(|a| a.parse().ok());
-                self.config.next =
-                    addr.ok_or_else(|| ProcessError::Protocol("a rewire without an address".into()))?;
+            Some((&OP_REWIRE, next)) => {
+                self.config.next = address(next)?
+                    .ok_or_else(|| ProcessError::Protocol("a rewire without an address".into()))?;
+                Ok(payload)
+            }
+            Some((&OP_REPLICATE_TO, to)) => {
+                let to = address(to)?
+                    .ok_or_else(|| ProcessError::Protocol("no sidecar to replicate to".into()))?;
+                self.replicate_to(header, to)?;
                 Ok(payload)
             }
             _ => Err(ProcessError::Protocol("unknown control operation".into())),
         }
     }
 
-    /// Restores a sequence's KV from the replica peer, the prompt's chunk then one per token, as
-    /// far as the replica has it; returns the number of tokens restored (0 if not even the prompt).
-    fn restore(&mut self, header: &FrameHeader) -> Result<u32, ProcessError> {
+    /// The chunks a sequence's KV is kept in: the prompt's, then one per token.
+    fn chunks(prompt_len: u32, kv_tokens: u32) -> impl Iterator<Item = Range<u32>> {
+        std::iter::once(0..prompt_len).chain((prompt_len..kv_tokens).map(|t| t..t + 1))
+    }
+
+    /// Restores a sequence's KV from `from` (or the stage's own sidecar), in order, as far as that
+    /// peer has it; returns the number of tokens restored (0 if not even the prompt).
+    fn restore(&mut self, header: &FrameHeader, from: Option<SocketAddr>) -> Result<u32, ProcessError> {
         let [microbatch, slot, prompt_len, kv_tokens] = header.ids;
         let seat = Seat { microbatch, slot };
         let transfer = self.transfer(seat);
         let cache = self.cache(seat)?.clone();
-        let replica = self
-            .replica
-            .as_mut()
-            .ok_or_else(|| ProcessError::Replica("no replica peer configured".into()))?;
+        let (local, _) =
+            self.peers.clone().ok_or_else(|| ProcessError::Replica("no replication configured".into()))?;
+        let source = match from {
+            Some(addr) => self.peer(addr),
+            None => local,
+        };
+        let mut store = source.lock();
         let mut payload = Vec::new();
         let mut restored = 0;
-        let steps = std::iter::once(0..prompt_len).chain((prompt_len..kv_tokens).map(|t| t..t + 1));
-        for tokens in steps {
-            match receive(&cache, &transfer, tokens.clone(), replica as &mut dyn ChunkStore, &mut payload) {
+        for tokens in Self::chunks(prompt_len, kv_tokens) {
+            match receive(&cache, &transfer, tokens.clone(), &mut *store as &mut dyn ChunkStore, &mut payload)
+            {
                 Ok(_) => restored = tokens.end,
                 Err(StreamError::Store(StoreError::NotFound(_))) => break,
                 Err(e) => return Err(ProcessError::Replica(e.to_string())),
             }
         }
         Ok(restored)
+    }
+
+    /// Replicates to the successor sidecar at `to` from now on, and flushes the sequence's KV so
+    /// far there (what the old sidecar held died with it).
+    fn replicate_to(&mut self, header: &FrameHeader, to: SocketAddr) -> Result<(), ProcessError> {
+        let [microbatch, slot, prompt_len, kv_tokens] = header.ids;
+        let seat = Seat { microbatch, slot };
+        let (_, successor) =
+            self.peers.clone().ok_or_else(|| ProcessError::Replica("no replication configured".into()))?;
+        let fresh = self.peer(to);
+        // Swap the store the streamer writes to: later steps go to the new sidecar.
+        std::mem::swap(&mut *successor.lock(), &mut *fresh.lock());
+        let transfer = self.transfer(seat);
+        let cache = self.cache(seat)?.clone();
+        let pool = dejavulib::StagingPool::default();
+        let mut store = successor.lock();
+        for tokens in Self::chunks(prompt_len, kv_tokens) {
+            send(&cache, &transfer, tokens, &pool, &mut *store as &mut dyn ChunkStore)
+                .map_err(|e| ProcessError::Replica(e.to_string()))?;
+        }
+        Ok(())
     }
 }
 
@@ -397,23 +486,50 @@ impl RemotePipeline {
     }
 
     /// Tells stage `stage` to restore `seat`'s KV (prompt of `prompt_len`, KV of up to `kv_tokens`
-    /// tokens) from its replica peer; returns how many tokens it restored.
+    /// tokens) from the sidecar at `from` (`None`: its own); returns how many tokens it restored.
     pub fn restore(
         &mut self,
         stage: u32,
         seat: Seat,
         prompt_len: u32,
         kv_tokens: u32,
+        from: Option<SocketAddr>,
     ) -> Result<u32, ProcessError> {
         let ids = [seat.microbatch, seat.slot, prompt_len, kv_tokens];
-        match self.send(Kind::Control, stage as u64, ids, &[OP_RESTORE])?[..] {
+        let mut payload = vec![OP_RESTORE];
+        if let Some(addr) = from {
+            payload.extend_from_slice(addr.to_string().as_bytes());
+        }
+        match self.send(Kind::Control, stage as u64, ids, &payload)?[..] {
             [OP_RESTORE, a, b, c, d] => Ok(u32::from_le_bytes([a, b, c, d])),
             _ => Err(ProcessError::Protocol(format!("stage {stage} did not report a restore"))),
         }
     }
 
-    /// Recovers one sequence on replaced `stages`: restores their KV from the replica peer, then
-    /// recomputes the steps the replica lacked (the replication lag; recomputing a step rewrites
+    /// Tells stage `stage` to replicate to the sidecar at `to` from now on, and to copy `seat`'s
+    /// KV so far (prompt of `prompt_len`, `kv_tokens` tokens) there.
+    pub fn replicate_to(
+        &mut self,
+        stage: u32,
+        seat: Seat,
+        prompt_len: u32,
+        kv_tokens: u32,
+        to: SocketAddr,
+    ) -> Result<(), ProcessError> {
+        let mut payload = vec![OP_REPLICATE_TO];
+        payload.extend_from_slice(to.to_string().as_bytes());
+        self.send(
+            Kind::Control,
+            stage as u64,
+            [seat.microbatch, seat.slot, prompt_len, kv_tokens],
+            &payload,
+        )?;
+        Ok(())
+    }
+
+    /// Recovers one sequence on replaced `stages`: restores their KV from the sidecar at `from` (or
+    /// each stage's own), then
+    /// recomputes the steps that copy lacked (the replication lag; recomputing a step rewrites
     /// the same KV everywhere), checking that they give the tokens already generated. Returns the
     /// number of steps recomputed.
     pub fn recover(
@@ -422,6 +538,7 @@ impl RemotePipeline {
         seat: Seat,
         prompt: &[u32],
         generated: &[u32],
+        from: Option<SocketAddr>,
     ) -> Result<u64, ProcessError> {
         if generated.is_empty() {
             return Ok(0);
@@ -431,7 +548,7 @@ impl RemotePipeline {
         let needed = prompt_len + generated.len() as u32 - 1;
         let mut restored = needed;
         for &stage in stages {
-            restored = restored.min(self.restore(stage, seat, prompt_len, needed)?);
+            restored = restored.min(self.restore(stage, seat, prompt_len, needed, from)?);
         }
         let mut recomputed = 0;
         let mismatch = |position| {

@@ -1,7 +1,6 @@
 //! The reference engine as separate OS processes on loopback: a chain of stage processes produces
-//! the same tokens as the in-process pipeline, and after every stage process is SIGKILLed mid-decode,
-//! fresh processes restore the KV their predecessors replicated to a replica process and continue
-//! bit-identically.
+//! the same tokens as the in-process pipeline; stages killed mid-decode (engines alone, or with
+//! their sidecars) are replaced, restore their KV from a sidecar and continue bit-identically.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener};
@@ -49,8 +48,9 @@ fn splits() -> Vec<std::ops::Range<u32>> {
     vec![0..2, 2..4, 4..6, 6..8]
 }
 
-/// The arguments of stage `index`, sending to `next`.
-fn stage_args(index: usize, next: SocketAddr, replica: Option<SocketAddr>) -> Vec<String> {
+/// The arguments of stage `index`, sending to `next`, keeping copies in `sidecars` (its own, its
+/// successor's).
+fn stage_args(index: usize, next: SocketAddr, sidecars: Option<(SocketAddr, SocketAddr)>) -> Vec<String> {
     let layers = &splits()[index];
     let mut args = vec![
         "stage".to_string(),
@@ -61,30 +61,69 @@ fn stage_args(index: usize, next: SocketAddr, replica: Option<SocketAddr>) -> Ve
         format!("--microbatches={MICROBATCHES}"),
         format!("--max-tokens={MAX_TOKENS}"),
     ];
-    if let Some(replica) = replica {
-        args.push(format!("--replica={replica}"));
+    if let Some((local, successor)) = sidecars {
+        args.push(format!("--local={local}"));
+        args.push(format!("--successor={successor}"));
     }
     args
 }
 
-/// Starts a chain of stage processes (last first, so each knows where to send) and connects to it.
-/// Returns the processes in stage order, their addresses and the driver's end.
-fn chain(replica: Option<SocketAddr>) -> (Vec<Proc>, Vec<SocketAddr>, SocketAddr, RemotePipeline) {
-    let results = TcpListener::bind("127.0.0.1:0").unwrap();
-    let driver = results.local_addr().unwrap();
-    let mut next = driver;
-    let mut procs = Vec::new();
-    let mut addrs = Vec::new();
-    for index in (0..splits().len()).rev() {
-        let (proc, addr) = start(&stage_args(index, next, replica));
-        procs.push(proc);
-        addrs.push(addr);
-        next = addr;
+fn sidecar() -> (Proc, SocketAddr) {
+    start(&["sidecar".to_string()])
+}
+
+/// A chain of stage processes, their sidecars and the driver's end.
+struct Chain {
+    stages: Vec<Proc>,
+    addrs: Vec<SocketAddr>,
+    sidecars: Vec<(Proc, SocketAddr)>,
+    driver: SocketAddr,
+    remote: RemotePipeline,
+}
+
+impl Chain {
+    /// Starts sidecars (when replicating) and stage processes, last first so each knows where to
+    /// send, and connects to them.
+    fn start(replicate: bool) -> Chain {
+        let n = splits().len();
+        let sidecars: Vec<_> = if replicate { (0..n).map(|_| sidecar()).collect() } else { Vec::new() };
+        let results = TcpListener::bind("127.0.0.1:0").unwrap();
+        let driver = results.local_addr().unwrap();
+        let (mut stages, mut addrs, mut next) = (Vec::new(), Vec::new(), driver);
+        for index in (0..n).rev() {
+            let copies = replicate.then(|| (sidecars[index].1, sidecars[(index + 1) % n].1));
+            let (proc, addr) = start(&stage_args(index, next, copies));
+            stages.push(proc);
+            addrs.push(addr);
+            next = addr;
+        }
+        stages.reverse();
+        addrs.reverse();
+        let remote = RemotePipeline::connect(next, results, Duration::from_secs(1)).unwrap();
+        Chain { stages, addrs, sidecars, driver, remote }
     }
-    addrs.reverse();
-    let remote = RemotePipeline::connect(next, results, Duration::from_secs(1)).unwrap();
-    procs.reverse();
-    (procs, addrs, driver, remote)
+
+    fn next_of(&self, stage: usize) -> SocketAddr {
+        if stage + 1 == self.stages.len() {
+            self.driver
+        } else {
+            self.addrs[stage + 1]
+        }
+    }
+
+    /// Replaces stage `stage` with a new process keeping copies in `sidecars`.
+    fn replace(&mut self, stage: usize, sidecars: (SocketAddr, SocketAddr)) {
+        let (proc, addr) = start(&stage_args(stage, self.next_of(stage), Some(sidecars)));
+        self.stages[stage] = proc;
+        self.addrs[stage] = addr;
+        let last = stage + 1 == self.stages.len();
+        self.remote.replace(stage as u32, addr, last).unwrap();
+    }
+}
+
+fn kill(proc: &mut Proc) {
+    proc.0.kill().unwrap();
+    proc.0.wait().unwrap();
 }
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -121,91 +160,132 @@ fn decode(remote: &mut RemotePipeline, i: usize, mut out: Vec<u32>, until: usize
     out
 }
 
-#[test]
-fn stage_processes_produce_the_in_process_tokens() {
-    let (_procs, _, _, mut remote) = chain(None);
-    let got: Vec<Vec<u32>> = prompts()
+/// Prefills every request and decodes each to `done` tokens.
+fn start_requests(remote: &mut RemotePipeline, done: usize) -> Vec<Vec<u32>> {
+    prompts()
         .iter()
         .enumerate()
         .map(|(i, prompt)| {
             let first = remote.run(seat(i), prompt, 0).unwrap();
-            decode(&mut remote, i, vec![first], NEW_TOKENS)
+            decode(remote, i, vec![first], done)
         })
-        .collect();
-    assert_eq!(got, reference());
+        .collect()
 }
 
 #[test]
-fn replacements_restore_replicated_kv_and_continue_bit_identically() {
-    let (_replica, replica_addr) = start(&["replica".to_string()]);
-    let expected = reference();
-    let (mut procs, _, _, mut remote) = chain(Some(replica_addr));
-    // Every request decodes a few tokens; each stage replicates every step's KV as it goes.
-    let done = 4;
-    let mut so_far = Vec::new();
-    for (i, prompt) in prompts().iter().enumerate() {
-        let first = remote.run(seat(i), prompt, 0).unwrap();
-        let produced = decode(&mut remote, i, vec![first], done);
-        assert_eq!(produced, expected[i][..done]);
-        so_far.push(produced);
-    }
-    // Every stage process is killed (SIGKILL) mid-decode.
-    for proc in procs.iter_mut() {
-        proc.0.kill().unwrap();
-        proc.0.wait().unwrap();
-    }
-    drop(remote);
+fn stage_processes_produce_the_in_process_tokens() {
+    let mut chain = Chain::start(false);
+    assert_eq!(start_requests(&mut chain.remote, NEW_TOKENS), reference());
+}
 
-    // Control: fresh processes that do not restore the KV continue differently.
+#[test]
+fn engines_killed_together_restore_from_their_own_sidecars() {
+    let expected = reference();
+    let mut chain = Chain::start(true);
+    let done = 4;
+    let so_far = start_requests(&mut chain.remote, done);
+    for (i, tokens) in so_far.iter().enumerate() {
+        assert_eq!(*tokens, expected[i][..done]);
+    }
+    // Every engine process is SIGKILLed; the sidecars live on.
+    chain.stages.iter_mut().for_each(kill);
+
+    // Control: fresh engines that do not restore the KV continue differently.
     {
-        let (_blind, _, _, mut remote) = chain(None);
-        let astray = decode(&mut remote, 0, so_far[0].clone(), NEW_TOKENS);
+        let mut blind = Chain::start(false);
+        let astray = decode(&mut blind.remote, 0, so_far[0].clone(), NEW_TOKENS);
         assert_ne!(astray, expected[0], "the check must depend on the restored KV");
     }
 
-    // Fresh processes start with empty caches and restore each sequence from the replicas.
-    let (_fresh, _, _, mut remote) = chain(Some(replica_addr));
-    let every_stage: Vec<u32> = (0..splits().len() as u32).collect();
+    // Fresh engines beside the same sidecars restore from them (no copy comes from elsewhere).
+    let n = splits().len();
+    let sidecars: Vec<SocketAddr> = chain.sidecars.iter().map(|s| s.1).collect();
+    let results = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut next = results.local_addr().unwrap();
+    let mut fresh = Vec::new();
+    for index in (0..n).rev() {
+        let (proc, addr) =
+            start(&stage_args(index, next, Some((sidecars[index], sidecars[(index + 1) % n]))));
+        fresh.push(proc);
+        next = addr;
+    }
+    let mut remote = RemotePipeline::connect(next, results, Duration::from_secs(1)).unwrap();
+    let every_stage: Vec<u32> = (0..n as u32).collect();
     for (i, prompt) in prompts().iter().enumerate() {
-        remote.recover(&every_stage, seat(i), prompt, &so_far[i]).unwrap();
-        let all = decode(&mut remote, i, so_far[i].clone(), NEW_TOKENS);
-        assert_eq!(all, expected[i], "request {i}");
+        remote.recover(&every_stage, seat(i), prompt, &so_far[i], None).unwrap();
+        assert_eq!(decode(&mut remote, i, so_far[i].clone(), NEW_TOKENS), expected[i], "request {i}");
     }
 }
 
 #[test]
-fn one_killed_stage_is_replaced_and_the_sequence_resumes_bit_identically() {
-    let (_replica, replica_addr) = start(&["replica".to_string()]);
+fn a_killed_engine_is_replaced_and_restores_from_its_own_sidecar() {
     let expected = reference();
     for victim in [2usize, 0, 3] {
-        let (mut procs, addrs, driver, mut remote) = chain(Some(replica_addr));
+        let mut chain = Chain::start(true);
         let done = 3;
-        let mut so_far: Vec<Vec<u32>> = prompts()
-            .iter()
-            .enumerate()
-            .map(|(i, prompt)| {
-                let first = remote.run(seat(i), prompt, 0).unwrap();
-                decode(&mut remote, i, vec![first], done)
-            })
-            .collect();
-        // SIGKILL one stage; the next step gets no answer.
-        procs[victim].0.kill().unwrap();
-        procs[victim].0.wait().unwrap();
+        let mut so_far = start_requests(&mut chain.remote, done);
+        kill(&mut chain.stages[victim]);
         let position = (prompts()[0].len() + done - 1) as u32;
-        assert!(remote.run(seat(0), &[so_far[0][done - 1]], position).is_err(), "victim {victim}");
+        assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err(), "victim {victim}");
 
-        // A replacement takes the victim's place and restores its KV from the replica peer.
-        let last = victim == splits().len() - 1;
-        let next = if last { driver } else { addrs[victim + 1] };
-        let (replacement, addr) = start(&stage_args(victim, next, Some(replica_addr)));
-        procs[victim] = replacement;
-        remote.replace(victim as u32, addr, last).unwrap();
+        let n = splits().len();
+        let copies = (chain.sidecars[victim].1, chain.sidecars[(victim + 1) % n].1);
+        chain.replace(victim, copies);
         for (i, prompt) in prompts().iter().enumerate() {
-            remote.recover(&[victim as u32], seat(i), prompt, &so_far[i]).unwrap();
+            chain.remote.recover(&[victim as u32], seat(i), prompt, &so_far[i], None).unwrap();
         }
         for (i, tokens) in so_far.iter_mut().enumerate() {
-            *tokens = decode(&mut remote, i, tokens.clone(), NEW_TOKENS);
+            *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
             assert_eq!(*tokens, expected[i], "victim {victim}, request {i}");
         }
+    }
+}
+
+#[test]
+fn a_killed_worker_restores_from_its_successor_and_replication_goes_on() {
+    let expected = reference();
+    let n = splits().len();
+    let mut chain = Chain::start(true);
+    let done = 3;
+    let mut so_far = start_requests(&mut chain.remote, done);
+
+    // Worker 1 dies whole: its engine and its sidecar (which held worker 0's replica).
+    let victim = 1;
+    kill(&mut chain.stages[victim]);
+    kill(&mut chain.sidecars[victim].0);
+    chain.sidecars[victim] = sidecar();
+    let successor = chain.sidecars[victim + 1].1;
+    chain.replace(victim, (chain.sidecars[victim].1, successor));
+    let kv = |i: usize, tokens: &[u32]| {
+        (prompts()[i].len() as u32, (prompts()[i].len() + tokens.len() - 1) as u32)
+    };
+    for (i, prompt) in prompts().iter().enumerate() {
+        chain.remote.recover(&[victim as u32], seat(i), prompt, &so_far[i], Some(successor)).unwrap();
+        // Worker 0 replicates to the new sidecar, starting with what the old one held.
+        let (prompt_len, kv_tokens) = kv(i, &so_far[i]);
+        chain.remote.replicate_to(0, seat(i), prompt_len, kv_tokens, chain.sidecars[victim].1).unwrap();
+    }
+    let more = done + 3;
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), more);
+        assert_eq!(*tokens, expected[i][..more], "request {i}");
+    }
+
+    // Then worker 0 dies whole: its replica is in the new sidecar of worker 1.
+    kill(&mut chain.stages[0]);
+    kill(&mut chain.sidecars[0].0);
+    chain.sidecars[0] = sidecar();
+    chain.replace(0, (chain.sidecars[0].1, chain.sidecars[1].1));
+    for (i, prompt) in prompts().iter().enumerate() {
+        chain.remote.recover(&[0], seat(i), prompt, &so_far[i], Some(chain.sidecars[1].1)).unwrap();
+        let (prompt_len, kv_tokens) = kv(i, &so_far[i]);
+        chain
+            .remote
+            .replicate_to((n - 1) as u32, seat(i), prompt_len, kv_tokens, chain.sidecars[0].1)
+            .unwrap();
+    }
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "request {i}");
     }
 }
