@@ -4,14 +4,12 @@
 //! replacement restoring the KV and resuming; compared with a failure-free run and with a restart
 //! from scratch, all in the same run.
 
-use std::io::{BufRead, BufReader, Read};
-use std::net::{SocketAddr, TcpListener};
-use std::ops::Range;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use dejavu_engine::process::{ProcessError, RemotePipeline};
+pub use dejavu_engine::cluster::Kill;
+use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError, Sequence};
+use dejavu_engine::process::ProcessError;
 use dejavu_engine::{ModelConfig, Seat};
 use serde::Serialize;
 use thiserror::Error;
@@ -43,20 +41,15 @@ pub enum DemoError {
     /// A setting is out of range.
     #[error("invalid demo setting: {0}")]
     Invalid(String),
-    /// A child process could not start.
-    #[error("cannot start {what}: {why}")]
-    Spawn {
-        /// Which process.
-        what: String,
-        /// Why.
-        why: String,
-    },
+    /// The cluster could not start or recover.
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
     /// The pipeline failed in a way recovery does not cover.
     #[error(transparent)]
     Pipeline(#[from] ProcessError),
-    /// A local socket failed.
-    #[error("i/o: {0}")]
-    Io(#[from] std::io::Error),
+    /// Steps kept timing out but no stage had died.
+    #[error("{0}")]
+    Stuck(String),
 }
 
 /// Timings of one recovery.
@@ -101,193 +94,36 @@ pub struct DemoReport {
     pub restart_matched: bool,
 }
 
-/// A child process, killed when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `exe args...` and waits for its `listening ADDR` line.
-fn start(exe: &Path, args: &[String], what: &str) -> Result<(Proc, SocketAddr), DemoError> {
-    let spawn_err = |why: String| DemoError::Spawn { what: what.to_owned(), why };
-    let mut child = Command::new(exe)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| spawn_err(e.to_string()))?;
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
-    match line.trim().strip_prefix("listening ").and_then(|a| a.parse().ok()) {
-        Some(addr) => Ok((Proc(child), addr)),
-        None => {
-            let mut err = String::new();
-            let _ = child.stderr.take().expect("piped").read_to_string(&mut err);
-            let _ = child.kill();
-            let _ = child.wait();
-            Err(spawn_err(format!("{}{}", line.trim(), err.trim())))
-        }
-    }
-}
-
 /// Even consecutive layer ranges for `stages` stages.
-fn splits(layers: u32, stages: u32) -> Vec<Range<u32>> {
+fn splits(layers: u32, stages: u32) -> Vec<std::ops::Range<u32>> {
     (0..stages).map(|s| s * layers / stages..(s + 1) * layers / stages).collect()
 }
 
-/// What the demo kills.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum Kill {
-    /// The engine process alone: its sidecar lives on with the local copy of its KV.
-    Engine,
-    /// The whole worker, engine and sidecar: its KV comes back from its ring successor's sidecar.
-    Worker,
+/// Sequences per microbatch.
+fn slots(config: &DemoConfig) -> u32 {
+    config.requests.min(4)
 }
 
-/// A running pipeline: stage processes, their sidecars (when replicating) and the driver's end.
-struct Cluster {
-    config: DemoConfig,
-    /// One per stage; stage `k` keeps its local copy in sidecar `k` and its replica in `k + 1`.
-    sidecars: Vec<(Proc, SocketAddr)>,
-    stages: Vec<Proc>,
-    addrs: Vec<SocketAddr>,
-    driver: SocketAddr,
-    remote: RemotePipeline,
+fn seat_of(config: &DemoConfig, request: usize) -> Seat {
+    let slots = slots(config) as usize;
+    Seat { microbatch: (request / slots) as u32, slot: (request % slots) as u32 }
 }
 
-impl Cluster {
-    fn slots(config: &DemoConfig) -> u32 {
-        config.requests.min(4)
-    }
-
-    fn args_for(
-        config: &DemoConfig,
-        sidecars: Option<(SocketAddr, SocketAddr)>,
-        index: usize,
-        next: SocketAddr,
-    ) -> Vec<String> {
-        let layers = &splits(ModelConfig::reference().layers, config.stages)[index];
-        let slots = Self::slots(config);
-        let mut args = vec![
-            "stage".to_owned(),
-            format!("--index={index}"),
-            format!("--layers={}..{}", layers.start, layers.end),
-            format!("--next={next}"),
-            format!("--slots={slots}"),
-            format!("--microbatches={}", config.requests.div_ceil(slots)),
-            format!("--max-tokens={}", config.prompt_tokens + config.new_tokens + 1),
-        ];
-        if let Some((local, successor)) = sidecars {
-            args.push(format!("--local={local}"));
-            args.push(format!("--successor={successor}"));
-        }
-        args
-    }
-
-    /// Sidecar addresses of stage `index`: its own and its successor's.
-    fn copies(sidecars: &[(Proc, SocketAddr)], index: usize) -> Option<(SocketAddr, SocketAddr)> {
-        (!sidecars.is_empty()).then(|| (sidecars[index].1, sidecars[(index + 1) % sidecars.len()].1))
-    }
-
-    fn start(config: &DemoConfig, replicate: bool) -> Result<Self, DemoError> {
-        let n = config.stages as usize;
-        let sidecars = if replicate {
-            (0..n)
-                .map(|i| start(&config.exe, &["sidecar".to_owned()], &format!("sidecar {i}")))
-                .collect::<Result<Vec<_>, _>>()?
-        } else {
-            Vec::new()
-        };
-        let results = TcpListener::bind("127.0.0.1:0")?;
-        let driver = results.local_addr()?;
-        let (mut stages, mut addrs, mut next) = (Vec::new(), Vec::new(), driver);
-        for index in (0..n).rev() {
-            let args = Self::args_for(config, Self::copies(&sidecars, index), index, next);
-            let (proc, addr) = start(&config.exe, &args, &format!("stage {index}"))?;
-            stages.push(proc);
-            addrs.push(addr);
-            next = addr;
-        }
-        stages.reverse();
-        addrs.reverse();
-        let remote = RemotePipeline::connect(next, results, config.deadline)?;
-        Ok(Self { config: config.clone(), sidecars, stages, addrs, driver, remote })
-    }
-
-    fn seat(&self, request: usize) -> Seat {
-        let slots = Self::slots(&self.config) as usize;
-        Seat { microbatch: (request / slots) as u32, slot: (request % slots) as u32 }
-    }
-
-    /// Kills stage `victim`'s engine, and with `Kill::Worker` its sidecar too.
-    fn kill(&mut self, victim: usize, what: Kill) -> Result<(), DemoError> {
-        self.stages[victim].0.kill()?;
-        self.stages[victim].0.wait()?;
-        if what == Kill::Worker {
-            self.sidecars[victim].0 .0.kill()?;
-            self.sidecars[victim].0 .0.wait()?;
-        }
-        Ok(())
-    }
-
-    /// The stage whose engine process has exited, if any.
-    fn dead_stage(&mut self) -> Option<usize> {
-        self.stages.iter_mut().position(|p| matches!(p.0.try_wait(), Ok(Some(_))))
-    }
-
-    /// Replaces dead stage `victim` (and its sidecar, if that died too), restores the KV of every
-    /// sequence from the surviving copy and recomputes what replication had not yet kept; returns
-    /// the steps recomputed.
-    fn replace(
-        &mut self,
-        victim: usize,
-        prompts: &[Vec<u32>],
-        progress: &[Vec<u32>],
-    ) -> Result<u64, DemoError> {
-        let n = self.stages.len();
-        let sidecar_died = matches!(self.sidecars[victim].0 .0.try_wait(), Ok(Some(_)));
-        // 1. Where the KV comes back from: the engine's own sidecar, or its successor's.
-        let from = if sidecar_died {
-            self.sidecars[victim] =
-                start(&self.config.exe, &["sidecar".to_owned()], "a replacement sidecar")?;
-            Some(self.sidecars[(victim + 1) % n].1)
-        } else {
-            None
-        };
-        // 2. A replacement engine joins the chain.
-        let last = victim + 1 == n;
-        let next = if last { self.driver } else { self.addrs[victim + 1] };
-        let args = Self::args_for(&self.config, Self::copies(&self.sidecars, victim), victim, next);
-        let (proc, addr) = start(&self.config.exe, &args, "a replacement stage")?;
-        self.stages[victim] = proc;
-        self.addrs[victim] = addr;
-        self.remote.replace(victim as u32, addr, last)?;
-        // 3. It restores every sequence and recomputes the replication lag.
-        let mut recomputed = 0;
-        for (request, tokens) in progress.iter().enumerate() {
-            let seat = self.seat(request);
-            recomputed += self.remote.recover(&[victim as u32], seat, &prompts[request], tokens, from)?;
-            // 4. The predecessor's replica died with the sidecar: it replicates to the new one.
-            if sidecar_died && !tokens.is_empty() {
-                let prompt_len = prompts[request].len() as u32;
-                let kv_tokens = prompt_len + tokens.len() as u32 - 1;
-                let predecessor = ((victim + n - 1) % n) as u32;
-                self.remote.replicate_to(
-                    predecessor,
-                    seat,
-                    prompt_len,
-                    kv_tokens,
-                    self.sidecars[victim].1,
-                )?;
-            }
-        }
-        Ok(recomputed)
-    }
+fn start_cluster(config: &DemoConfig, replicate: bool) -> Result<Cluster, ClusterError> {
+    let slots = slots(config);
+    Cluster::start(ClusterConfig {
+        exe: config.exe.clone(),
+        splits: splits(ModelConfig::reference().layers, config.stages),
+        slots,
+        microbatches: config.requests.div_ceil(slots),
+        max_tokens: config.prompt_tokens + config.new_tokens + 1,
+        replicate,
+        deadline: config.deadline,
+    })
 }
+
+/// Timeouts of one step with no dead stage before the demo gives up.
+const PATIENCE: u32 = 3;
 
 /// Deterministic prompts.
 fn prompts(config: &DemoConfig) -> Vec<Vec<u32>> {
@@ -316,10 +152,10 @@ fn workload(
     let prompts = prompts(config);
     let prompt_len = config.prompt_tokens;
     let started = Instant::now();
-    let mut cluster = Cluster::start(config, on_failure == OnFailure::Recover)?;
+    let mut cluster = start_cluster(config, on_failure == OnFailure::Recover)?;
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut recovery = Recovery::default();
-    let mut step = 0u64;
+    let (mut step, mut timeouts) = (0u64, 0u32);
     let mut killed_at: Option<Instant> = None;
     'rounds: loop {
         for request in 0..prompts.len() {
@@ -332,49 +168,66 @@ fn workload(
                 killed_at = Some(Instant::now());
             }
             step += 1;
-            let seat = cluster.seat(request);
+            let seat = seat_of(config, request);
             let result = match out[request].last() {
                 None => cluster.remote.run(seat, &prompts[request], 0),
                 Some(&token) => {
                     cluster.remote.run(seat, &[token], prompt_len + out[request].len() as u32 - 1)
                 }
             };
-            match result {
-                Ok(token) => out[request].push(token),
-                Err(_) => {
-                    let detected = Instant::now();
-                    recovery.detection_ms = killed_at.map_or(0.0, |k| (detected - k).as_secs_f64() * 1e3);
-                    let Some(victim) = cluster.dead_stage() else {
-                        // A slow step, not a dead stage: send it again.
-                        continue;
+            let error = match result {
+                Ok(token) => {
+                    out[request].push(token);
+                    timeouts = 0;
+                    continue;
+                }
+                Err(e) => e,
+            };
+            let detected = Instant::now();
+            let Some((victim, what)) = cluster.dead() else {
+                if let Some(sidecar) = cluster.orphaned_engine() {
+                    return Err(DemoError::Stuck(format!("sidecar {sidecar} died while its engine lives")));
+                }
+                // A slow step, not a dead stage: send it again, a few times.
+                timeouts += 1;
+                if timeouts == PATIENCE {
+                    return Err(DemoError::Stuck(format!(
+                        "{PATIENCE} steps in a row failed with no stage dead: {error}"
+                    )));
+                }
+                continue;
+            };
+            recovery.detection_ms = killed_at.map_or(0.0, |k| (detected - k).as_secs_f64() * 1e3);
+            match on_failure {
+                OnFailure::Recover => {
+                    let sequences: Vec<Sequence<'_>> = (0..prompts.len())
+                        .map(|i| Sequence {
+                            seat: seat_of(config, i),
+                            prompt: &prompts[i],
+                            generated: &out[i],
+                        })
+                        .collect();
+                    recovery.tokens_recomputed += cluster.recover(victim, what, &sequences)?;
+                    let restored = Instant::now();
+                    recovery.restore_ms = (restored - detected).as_secs_f64() * 1e3;
+                    // The interrupted step runs again.
+                    recovery.tokens_recomputed += 1;
+                    let token = match out[request].last() {
+                        None => cluster.remote.run(seat, &prompts[request], 0)?,
+                        Some(&t) => {
+                            cluster.remote.run(seat, &[t], prompt_len + out[request].len() as u32 - 1)?
+                        }
                     };
-                    match on_failure {
-                        OnFailure::Recover => {
-                            recovery.tokens_recomputed += cluster.replace(victim, &prompts, &out)?;
-                            let restored = Instant::now();
-                            recovery.restore_ms = (restored - detected).as_secs_f64() * 1e3;
-                            // The interrupted step runs again.
-                            recovery.tokens_recomputed += 1;
-                            let token = match out[request].last() {
-                                None => cluster.remote.run(seat, &prompts[request], 0)?,
-                                Some(&t) => cluster.remote.run(
-                                    seat,
-                                    &[t],
-                                    prompt_len + out[request].len() as u32 - 1,
-                                )?,
-                            };
-                            out[request].push(token);
-                            recovery.resume_ms = restored.elapsed().as_secs_f64() * 1e3;
-                        }
-                        OnFailure::Restart => {
-                            recovery.tokens_recomputed = out.iter().map(|t| t.len() as u64).sum();
-                            drop(cluster);
-                            cluster = Cluster::start(config, false)?;
-                            out.iter_mut().for_each(Vec::clear);
-                            recovery.restore_ms = detected.elapsed().as_secs_f64() * 1e3;
-                            continue 'rounds;
-                        }
-                    }
+                    out[request].push(token);
+                    recovery.resume_ms = restored.elapsed().as_secs_f64() * 1e3;
+                }
+                OnFailure::Restart => {
+                    recovery.tokens_recomputed = out.iter().map(|t| t.len() as u64).sum();
+                    drop(cluster);
+                    cluster = start_cluster(config, false)?;
+                    out.iter_mut().for_each(Vec::clear);
+                    recovery.restore_ms = detected.elapsed().as_secs_f64() * 1e3;
+                    continue 'rounds;
                 }
             }
         }
@@ -390,6 +243,11 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
     let model = ModelConfig::reference();
     if config.stages == 0 || config.stages > model.layers {
         return Err(DemoError::Invalid(format!("stages must be 1..={}", model.layers)));
+    }
+    if config.kill == Kill::Worker && config.stages < 2 {
+        return Err(DemoError::Invalid(
+            "killing a worker needs two stages or more (its KV comes back from its successor)".into(),
+        ));
     }
     if config.victim >= config.stages {
         return Err(DemoError::Invalid(format!(

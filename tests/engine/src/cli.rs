@@ -83,12 +83,17 @@ fn announce(addr: SocketAddr) {
     let _ = std::io::stdout().flush();
 }
 
-/// Asks the kernel to kill this process when its parent dies, so a driver that is killed (or
-/// interrupted) leaves no stage behind.
+/// Asks the kernel to kill this process when the thread that started it exits (for the demo, its
+/// main thread: the demo's end), so a driver that is killed or interrupted leaves no stage behind.
+/// A parent already gone by then (the process was re-parented) means exiting at once.
 fn die_with_parent() {
-    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag of the calling process.
-    unsafe {
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+    // SAFETY: prctl(PR_SET_PDEATHSIG) and getppid only read or set flags of the calling process.
+    let (set, parent) = unsafe { (libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL), libc::getppid()) };
+    if set != 0 {
+        eprintln!("warning: cannot ask to die with the parent process");
+    }
+    if parent == 1 {
+        std::process::exit(1);
     }
 }
 

@@ -8,13 +8,15 @@
 //! - [`stage`]: a pipeline stage runs a range of layers over one sequence slot, reading and writing
 //!   its KV cache (a [`dejavulib::KvCache`] in any layout) with buffered gather / scatter;
 //! - [`pipeline`]: stages chained in one process, prompts in microbatches, greedy generation;
-//! - [`process`]: stages as separate processes passing activations over TCP, replicating their
-//!   KV to a peer and restoring it after a replacement (the `dejavu-engine` binary runs one).
+//! - [`process`]: stages as separate processes passing activations over TCP, copying their KV to
+//!   sidecars and restoring it after a replacement (the `dejavu-engine` binary runs one);
+//! - [`cluster`]: a pipeline of such processes and the recovery procedure for a dead worker.
 //!
 //! Everything is plain `f32` arithmetic in a fixed order: the same binary produces the same bits
 //! from run to run, and the split into stages or the cache layout does not change them.
 
 pub mod cli;
+pub mod cluster;
 pub mod model;
 pub mod pipeline;
 pub mod process;

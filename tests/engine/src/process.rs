@@ -2,31 +2,36 @@
 //!
 //! The stages form a chain: the driver sends a step's tokens to stage 0, each stage runs its layers
 //! and sends the hidden states on, and the last stage sends the next token back to the driver.
-//! Every message is one [`dejavulib::wire`] frame of kind `Activation` whose ids are (microbatch,
-//! slot, position, token count); the payload is tokens (`u32`) into stage 0 and out of the last
-//! stage, hidden states (`f32`) in between, all little-endian.
+//! Every message is one [`dejavulib::wire`] frame. An `Activation` frame's ids are (microbatch,
+//! slot, position, token count); its payload is tokens (`u32`) into stage 0 and out of the last
+//! stage, hidden states (`f32`) in between, all little-endian. The driver numbers every frame it
+//! sends (the request id) and stages pass headers on unchanged, so each reply is matched to its
+//! request exactly.
 //!
 //! With replication configured, a stage hands the KV it wrote in each step (the prompt's, then each
 //! token's) to a background streamer and passes the step on at once (replication is off the
 //! critical path and may lag a few steps). The streamer flushes every chunk twice: to the stage's
-//! own sidecar (a local copy: an engine that dies alone restores from it without the network) and
-//! to its ring successor's sidecar (a replica: a worker that dies with its sidecar restores from
-//! there). `Control` frames travel the same chain; the request id names the stage they are for, the
-//! first payload byte the operation:
+//! own sidecar (a local copy: an engine that dies alone restores from it without involving another
+//! worker) and to its ring successor's sidecar (a replica: a worker that dies with its sidecar
+//! restores from there).
 //!
-//! - restore (ids: microbatch, slot, prompt length, tokens with KV; payload: a peer address, or
-//!   none for the stage's own sidecar): fetch that sequence's KV into the cache, in order, as far as
-//!   the peer has it; the number of tokens restored travels on in the payload, and the driver
+//! `Control` frames travel the same chain. Their payload is an operation byte, the index of the
+//! stage it is for (`u32`), and an argument; ids name a sequence as (microbatch, slot, prompt
+//! length, tokens with KV):
+//!
+//! - restore (argument: a sidecar address, or none for the stage's own): fetch that sequence's KV
+//!   into the cache, in order, as far as the sidecar has it, and copy it into the stage's own
+//!   sidecar if it came from elsewhere; the number of tokens restored travels on, and the driver
 //!   recomputes the steps after it ([`RemotePipeline::recover`]);
-//! - rewire (payload: the new next address): send to another next stage from now on (its successor
-//!   was replaced);
-//! - replicate to (ids as for restore; payload: the successor's new sidecar): replicate there from
-//!   now on, and flush that sequence's KV so far to it (the replica died with its sidecar).
+//! - rewire (argument: the new next address): send to another next stage from now on;
+//! - replicate to (argument: the successor's new sidecar): replicate there from now on and, unless
+//!   the sequence is empty, copy its KV so far there (the old replica died with its sidecar).
 //!
-//! Every stage passes a control frame on, so its arrival back at the driver says the chain is whole
-//! and the operation done. A stage whose predecessor goes away accepts the next connection (its
-//! predecessor's replacement); a frame it cannot pass on (its successor died) is dropped, and the
-//! driver sends the step again once the chain is repaired.
+//! Every stage passes a control frame on, so its arrival back at the driver says the operation is
+//! done and the chain whole. A stage whose predecessor goes away accepts the next connection (the
+//! replacement); a frame it cannot pass on (its successor died) is dropped, and the driver sends it
+//! again once the chain is repaired. A frame a stage cannot carry out is reported on its standard
+//! error and dropped: the driver's deadline notices.
 
 use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Write};
@@ -35,14 +40,16 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerStore};
 use dejavulib::reshard::{receive, send, LocalRegion, StreamError};
 use dejavulib::store::StoreError;
 use dejavulib::streamer::{Completion, StreamJob};
-use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD};
-use dejavulib::{ChunkStore, KvCache, Streamer, StreamerConfig, Transfer, WorkerId};
+use dejavulib::wire::{read_frame, write_frame, Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD};
+use dejavulib::{ChunkStore, KvCache, StagingPool, Streamer, StreamerConfig, Transfer, WorkerId};
+use parking_lot::Mutex;
 use thiserror::Error;
 
 use crate::model::ModelConfig;
@@ -61,23 +68,25 @@ pub enum ProcessError {
     /// A malformed frame.
     #[error(transparent)]
     Frame(#[from] dejavulib::wire::FrameError),
-    /// The replica peer refused or failed.
-    #[error("replica: {0}")]
-    Replica(String),
+    /// A sidecar refused or failed.
+    #[error("sidecar: {0}")]
+    Sidecar(String),
     /// A message that does not belong in the chain.
     #[error("protocol: {0}")]
     Protocol(String),
-    /// No reply within the driver's deadline: a stage is presumed dead.
+    /// No reply within the deadline: a stage is presumed dead.
     #[error("no reply within {0:?}")]
     Timeout(Duration),
 }
 
-/// Control operation: restore a sequence's KV from the replica peer.
+/// Control operation: restore a sequence's KV from a sidecar.
 const OP_RESTORE: u8 = 1;
 /// Control operation: send output to another address from now on.
 const OP_REWIRE: u8 = 2;
 /// Control operation: replicate to another successor sidecar, starting with a sequence's KV so far.
 const OP_REPLICATE_TO: u8 = 3;
+/// Stage index of control frames addressed to no stage (the driver's probes).
+const NO_STAGE: u32 = u32::MAX;
 
 /// Where a stage keeps copies of its KV.
 #[derive(Clone, Debug)]
@@ -129,6 +138,29 @@ fn floats_payload(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
+/// A control frame's payload: operation, target stage, argument.
+fn control_payload(op: u8, stage: u32, argument: &[u8]) -> Vec<u8> {
+    let mut payload = vec![op];
+    payload.extend_from_slice(&stage.to_le_bytes());
+    payload.extend_from_slice(argument);
+    payload
+}
+
+/// Splits a control payload into operation, target stage and argument.
+fn parse_control(payload: &[u8]) -> Option<(u8, u32, &[u8])> {
+    let (&op, rest) = payload.split_first()?;
+    let stage = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?);
+    Some((op, stage, &rest[4..]))
+}
+
+fn parse_address(bytes: &[u8]) -> Result<Option<SocketAddr>, ProcessError> {
+    if bytes.is_empty() {
+        return Ok(None);
+    }
+    let addr = std::str::from_utf8(bytes).ok().and_then(|a| a.parse().ok());
+    addr.map(Some).ok_or_else(|| ProcessError::Protocol("a control frame with a bad address".into()))
+}
+
 /// Connects to `addr`, retrying for up to `patience` while the peer starts.
 fn connect(addr: SocketAddr, patience: Duration) -> std::io::Result<TcpStream> {
     let start = Instant::now();
@@ -144,20 +176,47 @@ fn connect(addr: SocketAddr, patience: Duration) -> std::io::Result<TcpStream> {
     }
 }
 
-/// A store on a peer, shared by the streamer thread and the stage (which swaps it for another
-/// peer when the successor's sidecar is replaced).
-type SharedPeer = Arc<parking_lot::Mutex<PeerStore>>;
+/// Accepts one connection on `listener`, waiting at most `patience`.
+fn accept_within(listener: &TcpListener, patience: Duration) -> Result<TcpStream, ProcessError> {
+    listener.set_nonblocking(true)?;
+    let start = Instant::now();
+    let accepted = loop {
+        match listener.accept() {
+            Ok((stream, _)) => break Ok(stream),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && start.elapsed() < patience => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                break Err(ProcessError::Timeout(patience))
+            }
+            Err(e) => break Err(e.into()),
+        }
+    };
+    listener.set_nonblocking(false)?;
+    let stream = accepted?;
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    Ok(stream)
+}
 
-/// Flushes each chunk to the local sidecar and to the successor's sidecar.
+/// A store on a sidecar, used by one writer at a time.
+type SharedPeer = Arc<Mutex<PeerStore>>;
+
+/// Flushes each chunk to the local sidecar and to the current successor sidecar, which the stage
+/// swaps when the successor's sidecar is replaced. Neither lock is held across the other's I/O,
+/// and the swap never waits for a write to a dead sidecar to give up.
 struct Tee {
     local: SharedPeer,
-    successor: SharedPeer,
+    successor: Arc<Mutex<(SocketAddr, SharedPeer)>>,
 }
 
 impl ChunkStore for Tee {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
-        self.local.lock().put(descriptor, payload)?;
-        self.successor.lock().put(descriptor, payload)
+        // Both copies are attempted: losing one sidecar must not cost the other copy.
+        let local = self.local.lock().put(descriptor, payload);
+        let target = self.successor.lock().1.clone();
+        let replica = target.lock().put(descriptor, payload);
+        local.and(replica)
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
@@ -165,18 +224,63 @@ impl ChunkStore for Tee {
     }
 }
 
+/// The sidecars of a replicating stage.
+struct Sidecars {
+    local: SharedPeer,
+    /// The successor's sidecar: its address and the store on it.
+    successor: Arc<Mutex<(SocketAddr, SharedPeer)>>,
+    secret: Vec<u8>,
+    node: u32,
+    runtime: tokio::runtime::Runtime,
+}
+
+impl Sidecars {
+    fn new(replication: &Replication, node: u32) -> std::io::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+        let secret = replication.secret.clone();
+        let local = sidecar_store(&runtime, &secret, node, replication.local);
+        let successor = sidecar_store(&runtime, &secret, node, replication.successor);
+        Ok(Self {
+            local,
+            successor: Arc::new(Mutex::new((replication.successor, successor))),
+            secret,
+            node,
+            runtime,
+        })
+    }
+
+    /// A store on the sidecar at `addr`.
+    fn peer(&self, addr: SocketAddr) -> SharedPeer {
+        sidecar_store(&self.runtime, &self.secret, self.node, addr)
+    }
+}
+
+/// A store on the sidecar at `addr`, driven by `runtime`; a dead sidecar is given up on quickly
+/// (two connection attempts of at most 500 ms).
+fn sidecar_store(
+    runtime: &tokio::runtime::Runtime,
+    secret: &[u8],
+    node: u32,
+    addr: SocketAddr,
+) -> SharedPeer {
+    let mut client = ClientConfig::new(secret.to_vec(), node);
+    client.connect_attempts = 2;
+    client.connect_timeout = Duration::from_millis(500);
+    let store = PeerStore::new(runtime.handle().clone(), Arc::new(TcpTransport::plain()), addr, client);
+    Arc::new(Mutex::new(store))
+}
+
 /// A running stage: its layers, caches and replication.
 struct StageProcess {
     config: StageConfig,
     stage: Stage,
     caches: Vec<Arc<KvCache>>,
-    /// Its own sidecar and its successor's, when replicating.
-    peers: Option<(SharedPeer, SharedPeer)>,
+    sidecars: Option<Sidecars>,
     /// Flushes each step's KV to both sidecars in the background.
     streamer: Option<Streamer>,
     /// Replications not known to be done yet.
     pending: VecDeque<Completion>,
-    runtime: Option<tokio::runtime::Runtime>,
+    pool: StagingPool,
 }
 
 impl StageProcess {
@@ -184,44 +288,26 @@ impl StageProcess {
         let stage = Stage::new(config.model, config.layers.clone())?;
         let caches = (0..config.microbatches)
             .map(|_| {
-                Ok(Arc::new(
-                    KvCache::new(cache_layout(&stage, config.layout, config.slots, config.max_tokens)?)
-                        .map_err(StageError::from)?,
-                ))
+                let layout = cache_layout(&stage, config.layout, config.slots, config.max_tokens)?;
+                Ok(Arc::new(KvCache::new(layout).map_err(StageError::from)?))
             })
             .collect::<Result<Vec<_>, ProcessError>>()?;
         let mut process = Self {
-            config,
             stage,
             caches,
-            peers: None,
+            sidecars: None,
             streamer: None,
             pending: VecDeque::new(),
-            runtime: None,
+            pool: StagingPool::default(),
+            config,
         };
-        if let Some(r) = process.config.replication.clone() {
-            let runtime =
-                tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-            process.runtime = Some(runtime);
-            let (local, successor) = (process.peer(r.local), process.peer(r.successor));
-            let tee = Tee { local: local.clone(), successor: successor.clone() };
+        if let Some(replication) = &process.config.replication {
+            let sidecars = Sidecars::new(replication, process.config.index)?;
+            let tee = Tee { local: sidecars.local.clone(), successor: sidecars.successor.clone() };
             process.streamer = Some(Streamer::spawn(StreamerConfig::default(), Box::new(tee))?);
-            process.peers = Some((local, successor));
+            process.sidecars = Some(sidecars);
         }
         Ok(process)
-    }
-
-    /// A store on the peer at `addr`.
-    fn peer(&self, addr: SocketAddr) -> SharedPeer {
-        let runtime = self.runtime.as_ref().expect("replication has a runtime");
-        let secret = self.config.replication.as_ref().map(|r| r.secret.clone()).unwrap_or_default();
-        let client = ClientConfig::new(secret, self.config.index);
-        Arc::new(parking_lot::Mutex::new(PeerStore::new(
-            runtime.handle().clone(),
-            Arc::new(TcpTransport::plain()),
-            addr,
-            client,
-        )))
     }
 
     /// The transfer that names this stage's KV of one sequence (kept under its own worker id).
@@ -236,14 +322,15 @@ impl StageProcess {
         Transfer { source: worker, destination: worker, from: local.clone(), to: local }
     }
 
-    fn cache(&self, seat: Seat) -> Result<&Arc<KvCache>, ProcessError> {
+    fn cache(&self, seat: Seat) -> Result<Arc<KvCache>, ProcessError> {
         self.caches
             .get(seat.microbatch as usize)
+            .cloned()
             .ok_or_else(|| ProcessError::Protocol(format!("no microbatch {}", seat.microbatch)))
     }
 
-    /// Runs one step and returns the frame to pass on.
-    fn step(&mut self, header: &FrameHeader, payload: &[u8]) -> Result<(FrameHeader, Vec<u8>), ProcessError> {
+    /// Runs one step and returns the payload to pass on.
+    fn step(&mut self, header: &FrameHeader, payload: &[u8]) -> Result<Vec<u8>, ProcessError> {
         let [microbatch, slot, position, count] = header.ids;
         let seat = Seat { microbatch, slot };
         let mut hidden = if self.stage.layers().start == 0 {
@@ -254,16 +341,12 @@ impl StageProcess {
         if count == 0 || hidden.len() % count as usize != 0 {
             return Err(ProcessError::Protocol(format!("{} values for {count} tokens", hidden.len())));
         }
-        let cache = self.cache(seat)?.clone();
+        let cache = self.cache(seat)?;
         self.stage.forward(&cache, slot, position, &mut hidden)?;
         if let Some(streamer) = &self.streamer {
-            let job = StreamJob {
-                cache: cache.clone(),
-                transfer: self.transfer(seat),
-                tokens: position..position + count,
-            };
-            self.pending.push_back(streamer.submit(job).map_err(|e| ProcessError::Replica(e.to_string()))?);
-            // Report failed replications; a replacement recomputes what the replica lacks.
+            let job = StreamJob { cache, transfer: self.transfer(seat), tokens: position..position + count };
+            self.pending.push_back(streamer.submit(job).map_err(|e| ProcessError::Sidecar(e.to_string()))?);
+            // Report failed replications; a replacement recomputes what the copies lack.
             while let Some(done) = self.pending.front().and_then(Completion::poll) {
                 self.pending.pop_front();
                 if let Err(e) = done {
@@ -271,46 +354,39 @@ impl StageProcess {
                 }
             }
         }
-        let out = if self.stage.layers().end == self.config.model.layers {
+        Ok(if self.stage.layers().end == self.config.model.layers {
             let d = self.config.model.d_model as usize;
             tokens_payload(&[self.stage.next_token(&hidden[hidden.len() - d..])?])
         } else {
             floats_payload(&hidden)
-        };
-        Ok((*header, out))
+        })
     }
 
-    /// Carries out a control frame addressed to this stage; returns the payload to pass on.
+    /// Carries out a control frame if it is addressed to this stage; returns the payload to pass on.
     fn control(&mut self, header: &FrameHeader, payload: Vec<u8>) -> Result<Vec<u8>, ProcessError> {
-        if header.request != self.config.index as u64 {
+        let (op, stage, argument) = parse_control(&payload)
+            .ok_or_else(|| ProcessError::Protocol("a malformed control frame".into()))?;
+        if stage != self.config.index {
             return Ok(payload);
         }
-        let address = |bytes: &[u8]| -> Result<Option<SocketAddr>, ProcessError> {
-            if bytes.is_empty() {
-                return Ok(None);
+        match op {
+            OP_RESTORE => {
+                let from = parse_address(argument)?;
+                let restored = self.restore(header, from);
+                Ok(control_payload(OP_RESTORE, stage, &restored.to_le_bytes()))
             }
-            let addr = std::str::from_utf8(bytes).ok().and_then(|a| a.parse().ok());
-            addr.map(Some).ok_or_else(|| ProcessError::Protocol("a control frame with a bad address".into()))
-        };
-        match payload.split_first() {
-            Some((&OP_RESTORE, from)) => {
-                let restored = self.restore(header, address(from)?)?;
-                let mut reply = vec![OP_RESTORE];
-                reply.extend_from_slice(&restored.to_le_bytes());
-                Ok(reply)
-            }
-            Some((&OP_REWIRE, next)) => {
-                self.config.next = address(next)?
+            OP_REWIRE => {
+                self.config.next = parse_address(argument)?
                     .ok_or_else(|| ProcessError::Protocol("a rewire without an address".into()))?;
                 Ok(payload)
             }
-            Some((&OP_REPLICATE_TO, to)) => {
-                let to = address(to)?
+            OP_REPLICATE_TO => {
+                let to = parse_address(argument)?
                     .ok_or_else(|| ProcessError::Protocol("no sidecar to replicate to".into()))?;
                 self.replicate_to(header, to)?;
                 Ok(payload)
             }
-            _ => Err(ProcessError::Protocol("unknown control operation".into())),
+            other => Err(ProcessError::Protocol(format!("unknown control operation {other}"))),
         }
     }
 
@@ -319,50 +395,76 @@ impl StageProcess {
         std::iter::once(0..prompt_len).chain((prompt_len..kv_tokens).map(|t| t..t + 1))
     }
 
-    /// Restores a sequence's KV from `from` (or the stage's own sidecar), in order, as far as that
-    /// peer has it; returns the number of tokens restored (0 if not even the prompt).
-    fn restore(&mut self, header: &FrameHeader, from: Option<SocketAddr>) -> Result<u32, ProcessError> {
+    /// Restores a sequence's KV from the sidecar at `from` (or the stage's own), in order, as far as
+    /// it has it; returns the number of tokens restored (0 if not even the prompt, or if the sidecar
+    /// cannot be read: the driver then recomputes everything). KV restored from elsewhere is
+    /// copied into the stage's own sidecar, so a later failure of the engine alone finds it there.
+    fn restore(&mut self, header: &FrameHeader, from: Option<SocketAddr>) -> u32 {
         let [microbatch, slot, prompt_len, kv_tokens] = header.ids;
         let seat = Seat { microbatch, slot };
+        let (Some(sidecars), Ok(cache)) = (&self.sidecars, self.cache(seat)) else { return 0 };
         let transfer = self.transfer(seat);
-        let cache = self.cache(seat)?.clone();
-        let (local, _) =
-            self.peers.clone().ok_or_else(|| ProcessError::Replica("no replication configured".into()))?;
         let source = match from {
-            Some(addr) => self.peer(addr),
-            None => local,
+            Some(addr) => sidecars.peer(addr),
+            None => sidecars.local.clone(),
         };
-        let mut store = source.lock();
         let mut payload = Vec::new();
         let mut restored = 0;
         for tokens in Self::chunks(prompt_len, kv_tokens) {
-            match receive(&cache, &transfer, tokens.clone(), &mut *store as &mut dyn ChunkStore, &mut payload)
-            {
+            let fetched = receive(
+                &cache,
+                &transfer,
+                tokens.clone(),
+                &mut *source.lock() as &mut dyn ChunkStore,
+                &mut payload,
+            );
+            match fetched {
                 Ok(_) => restored = tokens.end,
                 Err(StreamError::Store(StoreError::NotFound(_))) => break,
-                Err(e) => return Err(ProcessError::Replica(e.to_string())),
+                Err(e) => {
+                    eprintln!("stage {}: restore stopped: {e}", self.config.index);
+                    break;
+                }
+            }
+            if from.is_some() {
+                let copied = send(
+                    &cache,
+                    &transfer,
+                    tokens,
+                    &self.pool,
+                    &mut *sidecars.local.lock() as &mut dyn ChunkStore,
+                );
+                if let Err(e) = copied {
+                    eprintln!("stage {}: could not copy restored KV to its sidecar: {e}", self.config.index);
+                }
             }
         }
-        Ok(restored)
+        restored
     }
 
-    /// Replicates to the successor sidecar at `to` from now on, and flushes the sequence's KV so
-    /// far there (what the old sidecar held died with it).
+    /// Replicates to the successor sidecar at `to` from now on, and copies the sequence's KV so far
+    /// there (what the old sidecar held died with it).
     fn replicate_to(&mut self, header: &FrameHeader, to: SocketAddr) -> Result<(), ProcessError> {
         let [microbatch, slot, prompt_len, kv_tokens] = header.ids;
+        let sidecars = self
+            .sidecars
+            .as_ref()
+            .ok_or_else(|| ProcessError::Sidecar("no replication configured".into()))?;
+        let target = {
+            let mut current = sidecars.successor.lock();
+            if current.0 != to {
+                *current = (to, sidecars.peer(to));
+            }
+            current.1.clone()
+        };
+        if prompt_len == 0 {
+            return Ok(());
+        }
         let seat = Seat { microbatch, slot };
-        let (_, successor) =
-            self.peers.clone().ok_or_else(|| ProcessError::Replica("no replication configured".into()))?;
-        let fresh = self.peer(to);
-        // Swap the store the streamer writes to: later steps go to the new sidecar.
-        std::mem::swap(&mut *successor.lock(), &mut *fresh.lock());
-        let transfer = self.transfer(seat);
-        let cache = self.cache(seat)?.clone();
-        let pool = dejavulib::StagingPool::default();
-        let mut store = successor.lock();
+        let (transfer, cache) = (self.transfer(seat), self.cache(seat)?);
         for tokens in Self::chunks(prompt_len, kv_tokens) {
-            send(&cache, &transfer, tokens, &pool, &mut *store as &mut dyn ChunkStore)
-                .map_err(|e| ProcessError::Replica(e.to_string()))?;
+            send(&cache, &transfer, tokens, &self.pool, &mut *target.lock() as &mut dyn ChunkStore)
+                .map_err(|e| ProcessError::Sidecar(e.to_string()))?;
         }
         Ok(())
     }
@@ -385,13 +487,18 @@ pub fn serve_stage(
         let mut r = BufReader::with_capacity(1 << 20, upstream);
         // A predecessor that goes away (closed or broken) is replaced by the next connection.
         while let Ok(Some(frame)) = read_frame(&mut r, DEFAULT_MAX_PAYLOAD) {
-            let (header, out) = match frame.header.kind {
-                Kind::Activation => process.step(&frame.header, &frame.payload)?,
-                Kind::Control => {
-                    let header = frame.header;
-                    (header, process.control(&header, frame.payload)?)
+            let Frame { header, payload } = frame;
+            let out = match header.kind {
+                Kind::Activation => process.step(&header, &payload),
+                Kind::Control => process.control(&header, payload),
+                other => Err(ProcessError::Protocol(format!("unexpected {other:?} frame"))),
+            };
+            let out = match out {
+                Ok(out) => out,
+                Err(e) => {
+                    eprintln!("stage {}: dropped a frame: {e}", process.config.index);
+                    continue;
                 }
-                other => return Err(ProcessError::Protocol(format!("unexpected {other:?} frame"))),
             };
             let next = process.config.next;
             if downstream.as_ref().is_some_and(|(addr, _)| *addr != next) {
@@ -412,74 +519,101 @@ pub fn serve_stage(
     }
 }
 
+/// Frames coming out of the last stage, read whole by a thread of their own (a deadline never
+/// leaves half a frame read).
+fn read_replies(stream: TcpStream) -> Receiver<Result<Frame, String>> {
+    let (tx, rx) = crossbeam_channel::bounded(64);
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(stream);
+        loop {
+            let result = match read_frame(&mut r, DEFAULT_MAX_PAYLOAD) {
+                Ok(Some(frame)) => Ok(frame),
+                Ok(None) => Err("the last stage closed its connection".to_owned()),
+                Err(e) => Err(e.to_string()),
+            };
+            let end = result.is_err();
+            if tx.send(result).is_err() || end {
+                return;
+            }
+        }
+    });
+    rx
+}
+
 /// The driver's end of a chain of stage processes.
 pub struct RemotePipeline {
     to_first: BufWriter<TcpStream>,
     results: TcpListener,
-    from_last: BufReader<TcpStream>,
+    replies: Receiver<Result<Frame, String>>,
+    /// Time a step may take.
     deadline: Duration,
+    /// Time a control operation may take (restores and copies move whole sequences).
+    control_deadline: Duration,
+    next_request: u64,
 }
 
 impl RemotePipeline {
-    /// Connects to the first stage at `first` and accepts the last stage's connection on
-    /// `results`; a reply slower than `deadline` is a [`ProcessError::Timeout`].
+    /// Connects to the first stage at `first` and takes the last stage's connection on `results`;
+    /// a step slower than `deadline` is a [`ProcessError::Timeout`].
     pub fn connect(
         first: SocketAddr,
         results: TcpListener,
         deadline: Duration,
     ) -> Result<Self, ProcessError> {
-        let mut to_first = BufWriter::new(connect(first, Duration::from_secs(30))?);
-        // The last stage connects when it first passes something on: send a no-op through.
-        let mut hello = FrameHeader::new(Kind::Control, u32::MAX, 0, u64::MAX);
-        hello.ids = [u32::MAX; 4];
-        write_frame(&mut to_first, &hello, &[])?;
-        to_first.flush()?;
-        let (from_last, _) = results.accept()?;
-        from_last.set_read_timeout(Some(deadline))?;
-        let mut pipeline = Self { to_first, results, from_last: BufReader::new(from_last), deadline };
-        pipeline.reply(Kind::Control, [u32::MAX; 4])?;
+        let to_first = BufWriter::new(connect(first, Duration::from_secs(30))?);
+        let (_, placeholder) = crossbeam_channel::bounded(0);
+        let control_deadline = (deadline * 20).max(Duration::from_secs(10));
+        let mut pipeline =
+            Self { to_first, results, replies: placeholder, deadline, control_deadline, next_request: 1 };
+        // The last stage connects when it first passes something on: send a probe through.
+        let request = pipeline.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?;
+        pipeline.replies = read_replies(accept_within(&pipeline.results, control_deadline)?);
+        pipeline.reply(request, control_deadline)?;
         Ok(pipeline)
     }
 
-    /// Sends one frame into the chain and reads what comes out of its end.
-    fn send(
-        &mut self,
-        kind: Kind,
-        request: u64,
-        ids: [u32; 4],
-        payload: &[u8],
-    ) -> Result<Vec<u8>, ProcessError> {
+    fn write(&mut self, kind: Kind, ids: [u32; 4], payload: &[u8]) -> Result<u64, ProcessError> {
+        let request = self.next_request;
+        self.next_request += 1;
         let mut header = FrameHeader::new(kind, u32::MAX, 0, request);
         header.ids = ids;
         write_frame(&mut self.to_first, &header, payload)?;
         self.to_first.flush()?;
-        self.reply(kind, ids)
+        Ok(request)
     }
 
-    /// The reply to the frame of `kind` and `ids` just sent, skipping late replies to frames sent
-    /// before (a step that timed out and was sent again).
-    fn reply(&mut self, kind: Kind, ids: [u32; 4]) -> Result<Vec<u8>, ProcessError> {
+    /// The payload of the reply to `request`, skipping late replies to earlier requests.
+    fn reply(&mut self, request: u64, deadline: Duration) -> Result<Vec<u8>, ProcessError> {
+        let until = Instant::now() + deadline;
         loop {
-            let reply = match read_frame(&mut self.from_last, DEFAULT_MAX_PAYLOAD) {
-                Ok(Some(reply)) => reply,
-                Ok(None) => return Err(ProcessError::Protocol("the chain closed".into())),
-                Err(dejavulib::wire::FrameError::Io(e))
-                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
-                {
-                    return Err(ProcessError::Timeout(self.deadline))
+            match self.replies.recv_timeout(until.saturating_duration_since(Instant::now())) {
+                Ok(Ok(frame)) if frame.header.request == request => return Ok(frame.payload),
+                Ok(Ok(_late)) => continue,
+                Ok(Err(reason)) => return Err(ProcessError::Protocol(reason)),
+                Err(RecvTimeoutError::Timeout) => return Err(ProcessError::Timeout(deadline)),
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(ProcessError::Protocol("no last stage".into()))
                 }
-                Err(e) => return Err(e.into()),
-            };
-            if reply.header.kind == kind && reply.header.ids == ids {
-                return Ok(reply.payload);
             }
         }
+    }
+
+    fn control(
+        &mut self,
+        op: u8,
+        stage: u32,
+        ids: [u32; 4],
+        argument: &[u8],
+    ) -> Result<Vec<u8>, ProcessError> {
+        let request = self.write(Kind::Control, ids, &control_payload(op, stage, argument))?;
+        self.reply(request, self.control_deadline)
     }
 
     /// Runs `tokens` at `position` of `seat` through the chain; returns the next token.
     pub fn run(&mut self, seat: Seat, tokens: &[u32], position: u32) -> Result<u32, ProcessError> {
         let ids = [seat.microbatch, seat.slot, position, tokens.len() as u32];
-        match tokens_of(&self.send(Kind::Activation, 0, ids, &tokens_payload(tokens))?)[..] {
+        let request = self.write(Kind::Activation, ids, &tokens_payload(tokens))?;
+        match tokens_of(&self.reply(request, self.deadline)?)[..] {
             [token] => Ok(token),
             _ => Err(ProcessError::Protocol("a step's reply is one token".into())),
         }
@@ -495,19 +629,19 @@ impl RemotePipeline {
         kv_tokens: u32,
         from: Option<SocketAddr>,
     ) -> Result<u32, ProcessError> {
+        let argument = from.map(|a| a.to_string()).unwrap_or_default();
         let ids = [seat.microbatch, seat.slot, prompt_len, kv_tokens];
-        let mut payload = vec![OP_RESTORE];
-        if let Some(addr) = from {
-            payload.extend_from_slice(addr.to_string().as_bytes());
-        }
-        match self.send(Kind::Control, stage as u64, ids, &payload)?[..] {
-            [OP_RESTORE, a, b, c, d] => Ok(u32::from_le_bytes([a, b, c, d])),
+        let reply = self.control(OP_RESTORE, stage, ids, argument.as_bytes())?;
+        match parse_control(&reply) {
+            Some((OP_RESTORE, s, count)) if s == stage && count.len() == 4 => {
+                Ok(u32::from_le_bytes(count.try_into().expect("4 bytes")))
+            }
             _ => Err(ProcessError::Protocol(format!("stage {stage} did not report a restore"))),
         }
     }
 
-    /// Tells stage `stage` to replicate to the sidecar at `to` from now on, and to copy `seat`'s
-    /// KV so far (prompt of `prompt_len`, `kv_tokens` tokens) there.
+    /// Tells stage `stage` to replicate to the sidecar at `to` from now on and, unless
+    /// `prompt_len` is 0, to copy `seat`'s KV so far (`kv_tokens` tokens) there.
     pub fn replicate_to(
         &mut self,
         stage: u32,
@@ -516,22 +650,15 @@ impl RemotePipeline {
         kv_tokens: u32,
         to: SocketAddr,
     ) -> Result<(), ProcessError> {
-        let mut payload = vec![OP_REPLICATE_TO];
-        payload.extend_from_slice(to.to_string().as_bytes());
-        self.send(
-            Kind::Control,
-            stage as u64,
-            [seat.microbatch, seat.slot, prompt_len, kv_tokens],
-            &payload,
-        )?;
+        let ids = [seat.microbatch, seat.slot, prompt_len, kv_tokens];
+        self.control(OP_REPLICATE_TO, stage, ids, to.to_string().as_bytes())?;
         Ok(())
     }
 
     /// Recovers one sequence on replaced `stages`: restores their KV from the sidecar at `from` (or
-    /// each stage's own), then
-    /// recomputes the steps that copy lacked (the replication lag; recomputing a step rewrites
-    /// the same KV everywhere), checking that they give the tokens already generated. Returns the
-    /// number of steps recomputed.
+    /// each stage's own), then recomputes the steps that copy lacked (the replication lag;
+    /// recomputing a step rewrites the same KV everywhere), checking that they give the tokens
+    /// already generated. Returns the number of steps recomputed.
     pub fn recover(
         &mut self,
         stages: &[u32],
@@ -571,31 +698,23 @@ impl RemotePipeline {
         Ok(recomputed)
     }
 
-    /// Repairs the chain after stage `stage` was replaced by a process listening at `addr`:
-    /// its predecessor sends there from now on (or, for the first stage, the driver does; for the
-    /// last, the driver takes the replacement's connection). Returns once a frame has gone all the
-    /// way round.
+    /// Repairs the chain after stage `stage` was replaced by a process listening at `addr`: its
+    /// predecessor sends there from now on (or, for the first stage, the driver does; for the last,
+    /// the driver takes the replacement's connection). Returns once a frame has gone all the way
+    /// round.
     pub fn replace(&mut self, stage: u32, addr: SocketAddr, last: bool) -> Result<(), ProcessError> {
-        let ids = [u32::MAX; 4];
-        if stage == 0 {
+        let request = if stage == 0 {
             self.to_first = BufWriter::new(connect(addr, Duration::from_secs(30))?);
-        }
-        let mut header = FrameHeader::new(Kind::Control, u32::MAX, 0, stage.saturating_sub(1) as u64);
-        header.ids = ids;
-        let mut payload = vec![OP_REWIRE];
-        payload.extend_from_slice(addr.to_string().as_bytes());
-        if stage == 0 {
-            // No predecessor to rewire: a no-op addressed to nobody proves the chain whole.
-            header.request = u64::MAX;
-        }
-        write_frame(&mut self.to_first, &header, &payload)?;
-        self.to_first.flush()?;
+            // No predecessor to rewire: a probe addressed to no stage proves the chain whole.
+            self.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?
+        } else {
+            let payload = control_payload(OP_REWIRE, stage - 1, addr.to_string().as_bytes());
+            self.write(Kind::Control, [NO_STAGE; 4], &payload)?
+        };
         if last {
-            let (from_last, _) = self.results.accept()?;
-            from_last.set_read_timeout(Some(self.deadline))?;
-            self.from_last = BufReader::new(from_last);
+            self.replies = read_replies(accept_within(&self.results, self.control_deadline)?);
         }
-        self.reply(Kind::Control, ids)?;
+        self.reply(request, self.control_deadline)?;
         Ok(())
     }
 }

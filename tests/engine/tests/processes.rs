@@ -2,11 +2,10 @@
 //! the same tokens as the in-process pipeline; stages killed mid-decode (engines alone, or with
 //! their sidecars) are replaced, restore their KV from a sidecar and continue bit-identically.
 
-use std::io::{BufRead, BufReader, Read};
-use std::net::{SocketAddr, TcpListener};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
 use std::time::Duration;
 
+use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill, Sequence};
 use dejavu_engine::process::RemotePipeline;
 use dejavu_engine::{CacheLayout, ModelConfig, Pipeline, Seat};
 
@@ -15,115 +14,21 @@ const MICROBATCHES: u32 = 2;
 const MAX_TOKENS: u32 = 64;
 const NEW_TOKENS: usize = 10;
 
-/// A child process, killed when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `dejavu-engine args...` and waits for its `listening ADDR` line.
-fn start(args: &[String]) -> (Proc, SocketAddr) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dejavu-engine"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn dejavu-engine");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let Some(addr) = line.trim().strip_prefix("listening ") else {
-        let mut err = String::new();
-        child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-        panic!("dejavu-engine {args:?} did not start: {line}{err}");
-    };
-    let addr = addr.parse().unwrap();
-    (Proc(child), addr)
-}
-
 fn splits() -> Vec<std::ops::Range<u32>> {
     vec![0..2, 2..4, 4..6, 6..8]
 }
 
-/// The arguments of stage `index`, sending to `next`, keeping copies in `sidecars` (its own, its
-/// successor's).
-fn stage_args(index: usize, next: SocketAddr, sidecars: Option<(SocketAddr, SocketAddr)>) -> Vec<String> {
-    let layers = &splits()[index];
-    let mut args = vec![
-        "stage".to_string(),
-        format!("--index={index}"),
-        format!("--layers={}..{}", layers.start, layers.end),
-        format!("--next={next}"),
-        format!("--slots={SLOTS}"),
-        format!("--microbatches={MICROBATCHES}"),
-        format!("--max-tokens={MAX_TOKENS}"),
-    ];
-    if let Some((local, successor)) = sidecars {
-        args.push(format!("--local={local}"));
-        args.push(format!("--successor={successor}"));
-    }
-    args
-}
-
-fn sidecar() -> (Proc, SocketAddr) {
-    start(&["sidecar".to_string()])
-}
-
-/// A chain of stage processes, their sidecars and the driver's end.
-struct Chain {
-    stages: Vec<Proc>,
-    addrs: Vec<SocketAddr>,
-    sidecars: Vec<(Proc, SocketAddr)>,
-    driver: SocketAddr,
-    remote: RemotePipeline,
-}
-
-impl Chain {
-    /// Starts sidecars (when replicating) and stage processes, last first so each knows where to
-    /// send, and connects to them.
-    fn start(replicate: bool) -> Chain {
-        let n = splits().len();
-        let sidecars: Vec<_> = if replicate { (0..n).map(|_| sidecar()).collect() } else { Vec::new() };
-        let results = TcpListener::bind("127.0.0.1:0").unwrap();
-        let driver = results.local_addr().unwrap();
-        let (mut stages, mut addrs, mut next) = (Vec::new(), Vec::new(), driver);
-        for index in (0..n).rev() {
-            let copies = replicate.then(|| (sidecars[index].1, sidecars[(index + 1) % n].1));
-            let (proc, addr) = start(&stage_args(index, next, copies));
-            stages.push(proc);
-            addrs.push(addr);
-            next = addr;
-        }
-        stages.reverse();
-        addrs.reverse();
-        let remote = RemotePipeline::connect(next, results, Duration::from_secs(1)).unwrap();
-        Chain { stages, addrs, sidecars, driver, remote }
-    }
-
-    fn next_of(&self, stage: usize) -> SocketAddr {
-        if stage + 1 == self.stages.len() {
-            self.driver
-        } else {
-            self.addrs[stage + 1]
-        }
-    }
-
-    /// Replaces stage `stage` with a new process keeping copies in `sidecars`.
-    fn replace(&mut self, stage: usize, sidecars: (SocketAddr, SocketAddr)) {
-        let (proc, addr) = start(&stage_args(stage, self.next_of(stage), Some(sidecars)));
-        self.stages[stage] = proc;
-        self.addrs[stage] = addr;
-        let last = stage + 1 == self.stages.len();
-        self.remote.replace(stage as u32, addr, last).unwrap();
-    }
-}
-
-fn kill(proc: &mut Proc) {
-    proc.0.kill().unwrap();
-    proc.0.wait().unwrap();
+fn cluster(replicate: bool) -> Cluster {
+    Cluster::start(ClusterConfig {
+        exe: PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")),
+        splits: splits(),
+        slots: SLOTS,
+        microbatches: MICROBATCHES,
+        max_tokens: MAX_TOKENS,
+        replicate,
+        deadline: Duration::from_secs(1),
+    })
+    .unwrap()
 }
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -172,118 +77,81 @@ fn start_requests(remote: &mut RemotePipeline, done: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
+fn sequences<'a>(prompts: &'a [Vec<u32>], generated: &'a [Vec<u32>]) -> Vec<Sequence<'a>> {
+    prompts
+        .iter()
+        .zip(generated)
+        .enumerate()
+        .map(|(i, (p, g))| Sequence { seat: seat(i), prompt: p, generated: g })
+        .collect()
+}
+
 #[test]
 fn stage_processes_produce_the_in_process_tokens() {
-    let mut chain = Chain::start(false);
+    let mut chain = cluster(false);
     assert_eq!(start_requests(&mut chain.remote, NEW_TOKENS), reference());
 }
 
 #[test]
-fn engines_killed_together_restore_from_their_own_sidecars() {
+fn without_its_kv_a_replacement_goes_astray() {
+    // The control for the recovery tests: decoding on from the same tokens with blank caches
+    // gives other tokens, so matching tokens prove the KV was restored.
     let expected = reference();
-    let mut chain = Chain::start(true);
-    let done = 4;
-    let so_far = start_requests(&mut chain.remote, done);
-    for (i, tokens) in so_far.iter().enumerate() {
-        assert_eq!(*tokens, expected[i][..done]);
-    }
-    // Every engine process is SIGKILLed; the sidecars live on.
-    chain.stages.iter_mut().for_each(kill);
-
-    // Control: fresh engines that do not restore the KV continue differently.
-    {
-        let mut blind = Chain::start(false);
-        let astray = decode(&mut blind.remote, 0, so_far[0].clone(), NEW_TOKENS);
-        assert_ne!(astray, expected[0], "the check must depend on the restored KV");
-    }
-
-    // Fresh engines beside the same sidecars restore from them (no copy comes from elsewhere).
-    let n = splits().len();
-    let sidecars: Vec<SocketAddr> = chain.sidecars.iter().map(|s| s.1).collect();
-    let results = TcpListener::bind("127.0.0.1:0").unwrap();
-    let mut next = results.local_addr().unwrap();
-    let mut fresh = Vec::new();
-    for index in (0..n).rev() {
-        let (proc, addr) =
-            start(&stage_args(index, next, Some((sidecars[index], sidecars[(index + 1) % n]))));
-        fresh.push(proc);
-        next = addr;
-    }
-    let mut remote = RemotePipeline::connect(next, results, Duration::from_secs(1)).unwrap();
-    let every_stage: Vec<u32> = (0..n as u32).collect();
-    for (i, prompt) in prompts().iter().enumerate() {
-        remote.recover(&every_stage, seat(i), prompt, &so_far[i], None).unwrap();
-        assert_eq!(decode(&mut remote, i, so_far[i].clone(), NEW_TOKENS), expected[i], "request {i}");
-    }
+    let mut chain = cluster(false);
+    let so_far = start_requests(&mut chain.remote, 3);
+    let mut blank = cluster(false);
+    assert_ne!(decode(&mut blank.remote, 0, so_far[0].clone(), NEW_TOKENS), expected[0]);
 }
 
 #[test]
-fn a_killed_engine_is_replaced_and_restores_from_its_own_sidecar() {
+fn a_killed_engine_or_worker_is_replaced_and_sequences_resume_bit_identically() {
     let expected = reference();
-    for victim in [2usize, 0, 3] {
-        let mut chain = Chain::start(true);
+    let prompts = prompts();
+    for (victim, what) in
+        [(2usize, Kill::Engine), (0, Kill::Engine), (3, Kill::Engine), (1, Kill::Worker), (3, Kill::Worker)]
+    {
+        let mut chain = cluster(true);
         let done = 3;
         let mut so_far = start_requests(&mut chain.remote, done);
-        kill(&mut chain.stages[victim]);
-        let position = (prompts()[0].len() + done - 1) as u32;
-        assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err(), "victim {victim}");
+        chain.kill(victim, what).unwrap();
+        let position = (prompts[0].len() + done - 1) as u32;
+        assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err(), "{victim} {what:?}");
+        assert_eq!(chain.dead(), Some((victim, what)));
 
-        let n = splits().len();
-        let copies = (chain.sidecars[victim].1, chain.sidecars[(victim + 1) % n].1);
-        chain.replace(victim, copies);
-        for (i, prompt) in prompts().iter().enumerate() {
-            chain.remote.recover(&[victim as u32], seat(i), prompt, &so_far[i], None).unwrap();
-        }
+        chain.recover(victim, what, &sequences(&prompts, &so_far)).unwrap();
         for (i, tokens) in so_far.iter_mut().enumerate() {
             *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-            assert_eq!(*tokens, expected[i], "victim {victim}, request {i}");
+            assert_eq!(*tokens, expected[i], "{victim} {what:?}, request {i}");
         }
     }
 }
 
 #[test]
-fn a_killed_worker_restores_from_its_successor_and_replication_goes_on() {
+fn after_a_worker_recovery_replication_goes_on_and_survives_a_second_failure() {
     let expected = reference();
-    let n = splits().len();
-    let mut chain = Chain::start(true);
-    let done = 3;
-    let mut so_far = start_requests(&mut chain.remote, done);
+    let prompts = prompts();
+    let mut chain = cluster(true);
+    let mut so_far = start_requests(&mut chain.remote, 3);
 
-    // Worker 1 dies whole: its engine and its sidecar (which held worker 0's replica).
-    let victim = 1;
-    kill(&mut chain.stages[victim]);
-    kill(&mut chain.sidecars[victim].0);
-    chain.sidecars[victim] = sidecar();
-    let successor = chain.sidecars[victim + 1].1;
-    chain.replace(victim, (chain.sidecars[victim].1, successor));
-    let kv = |i: usize, tokens: &[u32]| {
-        (prompts()[i].len() as u32, (prompts()[i].len() + tokens.len() - 1) as u32)
-    };
-    for (i, prompt) in prompts().iter().enumerate() {
-        chain.remote.recover(&[victim as u32], seat(i), prompt, &so_far[i], Some(successor)).unwrap();
-        // Worker 0 replicates to the new sidecar, starting with what the old one held.
-        let (prompt_len, kv_tokens) = kv(i, &so_far[i]);
-        chain.remote.replicate_to(0, seat(i), prompt_len, kv_tokens, chain.sidecars[victim].1).unwrap();
-    }
-    let more = done + 3;
+    // Worker 1 dies whole: its engine and its sidecar, which held worker 0's replica.
+    chain.kill(1, Kill::Worker).unwrap();
+    chain.recover(1, Kill::Worker, &sequences(&prompts, &so_far)).unwrap();
     for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), more);
-        assert_eq!(*tokens, expected[i][..more], "request {i}");
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), 6);
+        assert_eq!(*tokens, expected[i][..6]);
     }
-
-    // Then worker 0 dies whole: its replica is in the new sidecar of worker 1.
-    kill(&mut chain.stages[0]);
-    kill(&mut chain.sidecars[0].0);
-    chain.sidecars[0] = sidecar();
-    chain.replace(0, (chain.sidecars[0].1, chain.sidecars[1].1));
-    for (i, prompt) in prompts().iter().enumerate() {
-        chain.remote.recover(&[0], seat(i), prompt, &so_far[i], Some(chain.sidecars[1].1)).unwrap();
-        let (prompt_len, kv_tokens) = kv(i, &so_far[i]);
-        chain
-            .remote
-            .replicate_to((n - 1) as u32, seat(i), prompt_len, kv_tokens, chain.sidecars[0].1)
-            .unwrap();
-    }
+    // Worker 0 dies whole: its replica is in worker 1's new sidecar.
+    chain.kill(0, Kill::Worker).unwrap();
+    chain.recover(0, Kill::Worker, &sequences(&prompts, &so_far)).unwrap();
+    // Worker 1's engine dies alone: its KV was restored from worker 2's sidecar and copied into
+    // its own new sidecar, so it comes back from there.
+    chain.kill(1, Kill::Engine).unwrap();
+    let recomputed = chain.recover(1, Kill::Engine, &sequences(&prompts, &so_far)).unwrap();
+    let steps: usize = so_far.iter().map(Vec::len).sum();
+    assert!(
+        (recomputed as usize) < steps,
+        "the local copy was found: {recomputed} of {steps} steps recomputed"
+    );
     for (i, tokens) in so_far.iter_mut().enumerate() {
         *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
         assert_eq!(*tokens, expected[i], "request {i}");

@@ -1,0 +1,330 @@
+//! A pipeline of stage and sidecar processes on loopback, started from an executable that has the
+//! `stage` and `sidecar` subcommands of [`crate::cli`] (`dejavu-engine` or `dejavud`), and the
+//! recovery procedure that replaces a dead worker. The demo and the process tests share it.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Read};
+use std::net::{SocketAddr, TcpListener};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use thiserror::Error;
+
+use crate::pipeline::Seat;
+use crate::process::{ProcessError, RemotePipeline};
+
+/// What dies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kill {
+    /// The engine process alone: its sidecar lives on with the local copy of its KV.
+    Engine,
+    /// The whole worker, engine and sidecar: its KV comes back from its ring successor's sidecar.
+    Worker,
+}
+
+/// Errors of starting or repairing a cluster.
+#[derive(Debug, Error)]
+pub enum ClusterError {
+    /// A process did not start.
+    #[error("cannot start {what}: {why}")]
+    Spawn {
+        /// Which process.
+        what: String,
+        /// Why (its standard error, when it said something).
+        why: String,
+    },
+    /// The chain failed in a way recovery does not cover.
+    #[error(transparent)]
+    Pipeline(#[from] ProcessError),
+    /// A local operation failed.
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    /// The cluster cannot do what was asked.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Bytes of a child's standard error kept for error messages.
+const STDERR_TAIL: usize = 8 << 10;
+
+/// A child process, killed and reaped when dropped. Its standard error is drained continuously
+/// (a full pipe would block it) and its last bytes kept for error messages.
+pub struct Proc {
+    child: Child,
+    stderr: Arc<Mutex<VecDeque<u8>>>,
+}
+
+impl Proc {
+    /// Kills it (SIGKILL) and reaps it.
+    pub fn kill(&mut self) -> std::io::Result<()> {
+        self.child.kill()?;
+        self.child.wait().map(|_| ())
+    }
+
+    /// Whether it has exited.
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// The end of what it wrote to standard error.
+    pub fn stderr_tail(&self) -> String {
+        let tail = self.stderr.lock();
+        String::from_utf8_lossy(&tail.iter().copied().collect::<Vec<_>>()).into_owned()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `exe args...` and waits (at most `patience`) for its `listening ADDR` line.
+pub fn spawn(
+    exe: &Path,
+    args: &[String],
+    what: &str,
+    patience: Duration,
+) -> Result<(Proc, SocketAddr), ClusterError> {
+    let fail = |why: String| ClusterError::Spawn { what: what.to_owned(), why };
+    let mut child = Command::new(exe)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| fail(e.to_string()))?;
+    let stderr = Arc::new(Mutex::new(VecDeque::new()));
+    let (mut out, mut err) = (child.stdout.take().expect("piped"), child.stderr.take().expect("piped"));
+    let tail = stderr.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = err.read(&mut buf) {
+            let mut tail = tail.lock();
+            tail.extend(&buf[..n]);
+            let excess = tail.len().saturating_sub(STDERR_TAIL);
+            tail.drain(..excess);
+        }
+    });
+    let mut proc = Proc { child, stderr };
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(&mut out).read_line(&mut line);
+        let _ = tx.send(line);
+        // Keep reading so the child never blocks on a full stdout pipe.
+        let _ = std::io::copy(&mut out, &mut std::io::sink());
+    });
+    let line = rx.recv_timeout(patience).unwrap_or_default();
+    match line.trim().strip_prefix("listening ").and_then(|a| a.parse().ok()) {
+        Some(addr) => Ok((proc, addr)),
+        None => {
+            let _ = proc.kill();
+            Err(fail(format!("{} {}", line.trim(), proc.stderr_tail().trim())))
+        }
+    }
+}
+
+/// What a cluster runs.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    /// The executable with the `stage` and `sidecar` subcommands.
+    pub exe: PathBuf,
+    /// Layers of each stage.
+    pub splits: Vec<Range<u32>>,
+    /// Sequences per microbatch.
+    pub slots: u32,
+    /// Microbatches.
+    pub microbatches: u32,
+    /// Tokens per sequence at most.
+    pub max_tokens: u32,
+    /// Whether stages keep copies of their KV in sidecars.
+    pub replicate: bool,
+    /// Time a step may take before a stage is presumed dead.
+    pub deadline: Duration,
+}
+
+/// One sequence as the driver knows it.
+#[derive(Clone, Copy, Debug)]
+pub struct Sequence<'a> {
+    /// Where it lives.
+    pub seat: Seat,
+    /// Its prompt.
+    pub prompt: &'a [u32],
+    /// The tokens generated so far.
+    pub generated: &'a [u32],
+}
+
+impl Sequence<'_> {
+    /// Prompt length and tokens with KV (the prompt and every generated token but the last).
+    fn kv(&self) -> (u32, u32) {
+        let prompt_len = self.prompt.len() as u32;
+        (prompt_len, prompt_len + self.generated.len().saturating_sub(1) as u32)
+    }
+}
+
+/// A running pipeline: stage processes, their sidecars (when replicating) and the driver's end.
+pub struct Cluster {
+    config: ClusterConfig,
+    /// One per stage; stage `k` keeps its local copy in sidecar `k` and its replica in `k + 1`.
+    sidecars: Vec<(Proc, SocketAddr)>,
+    stages: Vec<Proc>,
+    addrs: Vec<SocketAddr>,
+    driver: SocketAddr,
+    /// The driver's end of the chain.
+    pub remote: RemotePipeline,
+}
+
+/// Time a process has to start listening.
+const START: Duration = Duration::from_secs(30);
+
+impl Cluster {
+    /// Starts sidecars (when replicating), then the stages last first (so each knows where to
+    /// send), and connects to them.
+    pub fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
+        let n = config.splits.len();
+        let mut sidecars = Vec::new();
+        if config.replicate {
+            for i in 0..n {
+                sidecars.push(spawn(&config.exe, &["sidecar".to_owned()], &format!("sidecar {i}"), START)?);
+            }
+        }
+        let results = TcpListener::bind("127.0.0.1:0")?;
+        let driver = results.local_addr()?;
+        let (mut stages, mut addrs, mut next) = (Vec::new(), Vec::new(), driver);
+        for index in (0..n).rev() {
+            let args = Self::stage_args(&config, Self::copies(&sidecars, index), index, next);
+            let (proc, addr) = spawn(&config.exe, &args, &format!("stage {index}"), START)?;
+            stages.push(proc);
+            addrs.push(addr);
+            next = addr;
+        }
+        stages.reverse();
+        addrs.reverse();
+        let remote = RemotePipeline::connect(next, results, config.deadline)?;
+        Ok(Self { config, sidecars, stages, addrs, driver, remote })
+    }
+
+    fn stage_args(
+        config: &ClusterConfig,
+        sidecars: Option<(SocketAddr, SocketAddr)>,
+        index: usize,
+        next: SocketAddr,
+    ) -> Vec<String> {
+        let layers = &config.splits[index];
+        let mut args = vec![
+            "stage".to_owned(),
+            format!("--index={index}"),
+            format!("--layers={}..{}", layers.start, layers.end),
+            format!("--next={next}"),
+            format!("--slots={}", config.slots),
+            format!("--microbatches={}", config.microbatches),
+            format!("--max-tokens={}", config.max_tokens),
+        ];
+        if let Some((local, successor)) = sidecars {
+            args.push(format!("--local={local}"));
+            args.push(format!("--successor={successor}"));
+        }
+        args
+    }
+
+    /// Stage `index`'s sidecars: its own and its ring successor's.
+    fn copies(sidecars: &[(Proc, SocketAddr)], index: usize) -> Option<(SocketAddr, SocketAddr)> {
+        (!sidecars.is_empty()).then(|| (sidecars[index].1, sidecars[(index + 1) % sidecars.len()].1))
+    }
+
+    /// Stages.
+    pub fn len(&self) -> usize {
+        self.stages.len()
+    }
+
+    /// Whether it has no stage (never: a cluster has at least one).
+    pub fn is_empty(&self) -> bool {
+        self.stages.is_empty()
+    }
+
+    /// Kills stage `victim`'s engine, and with [`Kill::Worker`] its sidecar too.
+    pub fn kill(&mut self, victim: usize, what: Kill) -> Result<(), ClusterError> {
+        if what == Kill::Worker && (self.sidecars.is_empty() || self.len() < 2) {
+            return Err(ClusterError::Invalid(
+                "killing a worker needs replication and two stages or more".into(),
+            ));
+        }
+        self.stages[victim].kill()?;
+        if what == Kill::Worker {
+            self.sidecars[victim].0.kill()?;
+        }
+        Ok(())
+    }
+
+    /// The first stage whose engine has exited, and whether its sidecar exited too.
+    pub fn dead(&mut self) -> Option<(usize, Kill)> {
+        let stage = self.stages.iter_mut().position(Proc::exited)?;
+        let sidecar_dead = self.sidecars.get_mut(stage).is_some_and(|s| s.0.exited());
+        Some((stage, if sidecar_dead { Kill::Worker } else { Kill::Engine }))
+    }
+
+    /// Whether some sidecar died while its engine lives (not a failure this cluster recovers from).
+    pub fn orphaned_engine(&mut self) -> Option<usize> {
+        self.sidecars.iter_mut().position(|s| s.0.exited())
+    }
+
+    /// Replaces dead stage `victim` and recovers every sequence on it:
+    ///
+    /// 1. a replacement sidecar starts if the old one died;
+    /// 2. a replacement engine starts and the chain is repaired around it;
+    /// 3. if the sidecar died, the predecessor replicates to the new one from now on, starting
+    ///    with each sequence's KV so far (before anything is recomputed, so the recomputed steps'
+    ///    copies land there too);
+    /// 4. the replacement restores each sequence's KV, from its own sidecar if that survived or
+    ///    from its successor's, and the steps the copy lacked are recomputed.
+    ///
+    /// Returns the steps recomputed.
+    pub fn recover(
+        &mut self,
+        victim: usize,
+        what: Kill,
+        sequences: &[Sequence<'_>],
+    ) -> Result<u64, ClusterError> {
+        let n = self.len();
+        if self.sidecars.is_empty() {
+            return Err(ClusterError::Invalid("recovery needs replication".into()));
+        }
+        let successor = (victim + 1) % n;
+        if what == Kill::Worker {
+            self.sidecars[victim] =
+                spawn(&self.config.exe, &["sidecar".to_owned()], "a replacement sidecar", START)?;
+        }
+        let last = victim + 1 == n;
+        let next = if last { self.driver } else { self.addrs[victim + 1] };
+        let args = Self::stage_args(&self.config, Self::copies(&self.sidecars, victim), victim, next);
+        let (proc, addr) = spawn(&self.config.exe, &args, "a replacement stage", START)?;
+        self.stages[victim] = proc;
+        self.addrs[victim] = addr;
+        self.remote.replace(victim as u32, addr, last)?;
+        let from = match what {
+            Kill::Engine => None,
+            Kill::Worker => {
+                let predecessor = ((victim + n - 1) % n) as u32;
+                let new_sidecar = self.sidecars[victim].1;
+                for s in sequences.iter().filter(|s| !s.generated.is_empty()) {
+                    let (prompt_len, kv_tokens) = s.kv();
+                    self.remote.replicate_to(predecessor, s.seat, prompt_len, kv_tokens, new_sidecar)?;
+                }
+                // Retarget even when no sequence has started.
+                self.remote.replicate_to(predecessor, Seat { microbatch: 0, slot: 0 }, 0, 0, new_sidecar)?;
+                Some(self.sidecars[successor].1)
+            }
+        };
+        let mut recomputed = 0;
+        for s in sequences {
+            recomputed += self.remote.recover(&[victim as u32], s.seat, s.prompt, s.generated, from)?;
+        }
+        Ok(recomputed)
+    }
+}
