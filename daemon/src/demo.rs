@@ -238,28 +238,37 @@ fn workload(
     Ok((out, recovery, started.elapsed()))
 }
 
+impl DemoConfig {
+    /// Checks the settings before anything starts.
+    pub fn validate(&self) -> Result<(), DemoError> {
+        let model = ModelConfig::reference();
+        if self.stages == 0 || self.stages > model.layers {
+            return Err(DemoError::Invalid(format!("stages must be 1..={}", model.layers)));
+        }
+        if self.kill == Kill::Worker && self.stages < 2 {
+            return Err(DemoError::Invalid(
+                "killing a worker needs two stages or more (its KV comes back from its successor)".into(),
+            ));
+        }
+        if self.victim >= self.stages {
+            return Err(DemoError::Invalid(format!(
+                "victim {} is not one of {} stages",
+                self.victim, self.stages
+            )));
+        }
+        if self.requests == 0 || self.prompt_tokens == 0 || self.new_tokens < 2 {
+            return Err(DemoError::Invalid(
+                "requests and prompt tokens must be positive, new tokens at least 2".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Runs the demo, reporting progress through `say`.
 pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport, DemoError> {
+    config.validate()?;
     let model = ModelConfig::reference();
-    if config.stages == 0 || config.stages > model.layers {
-        return Err(DemoError::Invalid(format!("stages must be 1..={}", model.layers)));
-    }
-    if config.kill == Kill::Worker && config.stages < 2 {
-        return Err(DemoError::Invalid(
-            "killing a worker needs two stages or more (its KV comes back from its successor)".into(),
-        ));
-    }
-    if config.victim >= config.stages {
-        return Err(DemoError::Invalid(format!(
-            "victim {} is not one of {} stages",
-            config.victim, config.stages
-        )));
-    }
-    if config.requests == 0 || config.prompt_tokens == 0 || config.new_tokens < 2 {
-        return Err(DemoError::Invalid(
-            "requests and prompt tokens must be positive, new tokens at least 2".into(),
-        ));
-    }
     let steps = config.requests as u64 * config.new_tokens as u64;
     let kill_at = steps / 2;
 

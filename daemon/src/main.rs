@@ -147,6 +147,10 @@ fn main() -> ExitCode {
                 },
                 exe,
             };
+            if let Err(e) = config.validate() {
+                eprintln!("dejavud demo: {e}");
+                return ExitCode::from(2);
+            }
             if !json {
                 println!(
                     "DéjàVu demo: the reference model (8 layers, d_model 256, 8 query / 2 KV heads) as {stages} stage \

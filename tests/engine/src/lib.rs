@@ -13,7 +13,9 @@
 //! - [`cluster`]: a pipeline of such processes and the recovery procedure for a dead worker.
 //!
 //! Everything is plain `f32` arithmetic in a fixed order: the same binary produces the same bits
-//! from run to run, and the split into stages or the cache layout does not change them.
+//! from run to run, and the split into stages or the cache layout does not change them. (`exp`,
+//! `powf` and `sin_cos` come from the platform's math library, so two different machines may
+//! disagree in the last bits; the processes of one run share a machine and a binary.)
 
 pub mod cli;
 pub mod cluster;

@@ -43,6 +43,7 @@ impl ModelConfig {
     /// Checks that the shape is usable.
     pub fn validate(&self) -> Result<(), String> {
         let ok = self.layers > 0
+            && self.d_model > 0
             && self.vocab > 0
             && self.ffn > 0
             && self.q_heads > 0
