@@ -1,0 +1,221 @@
+//! Stores (files, host memory, a remote peer), the peer server, and flush / fetch.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::{Arc, OnceLock};
+
+use dejavulib::file_io::FileBackend;
+use dejavulib::net::tcp::TcpTransport;
+use dejavulib::net::{ClientConfig, PeerServer, PeerStore, ServerConfig, Transport};
+use dejavulib::reshard::{receive, send, LocalRegion};
+use dejavulib::store::StoreError as ChunkStoreError;
+use dejavulib::{ChunkStore, FileStore, HostStore, KvRegion, Transfer, WorkerId};
+use parking_lot::Mutex;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::cache::PyCache;
+use crate::errors::*;
+use crate::layout::*;
+
+/// A store shared by Python calls and a streamer thread, each use under the lock.
+#[derive(Clone)]
+pub(crate) struct SharedStore(pub(crate) Arc<Mutex<Box<dyn ChunkStore>>>);
+
+impl ChunkStore for SharedStore {
+    fn put(
+        &mut self,
+        descriptor: &dejavulib::chunk::ChunkDescriptor,
+        payload: &[u8],
+    ) -> Result<(), ChunkStoreError> {
+        self.0.lock().put(descriptor, payload)
+    }
+
+    fn get(
+        &mut self,
+        key: &dejavulib::chunk::ChunkKey,
+        out: &mut Vec<u8>,
+    ) -> Result<dejavulib::chunk::ChunkDescriptor, ChunkStoreError> {
+        self.0.lock().get(key, out)
+    }
+}
+
+/// Where chunks are flushed to and fetched from: `Store.file(path)` or `Store.host()`.
+#[pyclass(name = "Store", module = "dejavu", frozen)]
+pub(crate) struct PyStore {
+    pub(crate) inner: SharedStore,
+    pub(crate) kind: &'static str,
+}
+
+#[pymethods]
+impl PyStore {
+    /// Chunk files in `path` (created if needed): io_uring where available, write-then-rename.
+    #[staticmethod]
+    fn file(path: std::path::PathBuf) -> PyResult<Self> {
+        let store = FileStore::open(path, FileBackend::Auto).map_err(store_err)?;
+        Ok(Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(store)))), kind: "file" })
+    }
+
+    /// Chunks on a remote peer (a `PeerServer`, here or in another process) at `address`
+    /// ("host:port"), over TCP with the cluster's HMAC handshake.
+    #[staticmethod]
+    #[pyo3(signature = (address, secret, node = 0, epoch = 0))]
+    fn peer(address: &str, secret: &[u8], node: u32, epoch: u64) -> PyResult<Self> {
+        let addr = resolve(address)?;
+        let mut config = ClientConfig::new(secret.to_vec(), node);
+        config.epoch = epoch;
+        let transport: Arc<dyn Transport> = Arc::new(TcpTransport::plain());
+        let store = PeerStore::new(runtime()?.handle().clone(), transport, addr, config);
+        Ok(Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(store)))), kind: "peer" })
+    }
+
+    /// Chunks in this process's memory.
+    #[staticmethod]
+    fn host() -> Self {
+        Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(HostStore::new())))), kind: "host" }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Store({})", self.kind)
+    }
+}
+
+/// The runtime that drives network I/O for this process's stores and servers.
+pub(crate) fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    static RUNTIME: OnceLock<std::io::Result<tokio::runtime::Runtime>> = OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("dejavu-net")
+                .enable_all()
+                .build()
+        })
+        .as_ref()
+        .map_err(|e| Error::new_err(format!("cannot start the network runtime: {e}")))
+}
+
+pub(crate) fn resolve(address: &str) -> PyResult<SocketAddr> {
+    address
+        .to_socket_addrs()
+        .map_err(|e| PyValueError::new_err(format!("address {address:?}: {e}")))?
+        .next()
+        .ok_or_else(|| PyValueError::new_err(format!("address {address:?} resolves to nothing")))
+}
+
+/// A peer that keeps chunks flushed to it (a replica holder or swap space), serving TCP clients
+/// that know the cluster secret. It stops when closed or garbage-collected.
+#[pyclass(name = "PeerServer", module = "dejavu", frozen)]
+pub(crate) struct PyPeerServer {
+    pub(crate) server: Mutex<Option<PeerServer>>,
+    pub(crate) address: SocketAddr,
+}
+
+#[pymethods]
+impl PyPeerServer {
+    /// Listens at `bind` ("host:port"; port 0 picks one) with the cluster `secret`.
+    #[new]
+    #[pyo3(signature = (secret, bind = "127.0.0.1:0", node = 0))]
+    fn new(py: Python<'_>, secret: &[u8], bind: &str, node: u32) -> PyResult<Self> {
+        let addr = resolve(bind)?;
+        let config = ServerConfig::new(secret.to_vec(), node);
+        let rt = runtime()?;
+        let server = py
+            .detach(|| rt.block_on(PeerServer::bind(&TcpTransport::plain(), addr, config, HostStore::new())))
+            .map_err(|e| Error::new_err(format!("cannot listen at {bind}: {e}")))?;
+        let address = server.addr();
+        Ok(Self { server: Mutex::new(Some(server)), address })
+    }
+
+    /// "host:port" it listens at.
+    #[getter]
+    fn address(&self) -> String {
+        self.address.to_string()
+    }
+
+    /// Chunks it holds.
+    #[getter]
+    fn chunks(&self) -> usize {
+        self.server.lock().as_ref().map_or(0, |s| s.store().len())
+    }
+
+    /// Refuses requests from epochs below `epoch` from now on.
+    fn set_epoch(&self, epoch: u64) {
+        if let Some(server) = self.server.lock().as_ref() {
+            server.set_epoch(epoch);
+        }
+    }
+
+    /// Stops serving and closes every connection.
+    fn close(&self) {
+        if let Some(server) = self.server.lock().take() {
+            // Dropped inside the runtime, which owns its tasks.
+            let _guard = runtime().ok().map(|rt| rt.enter());
+            drop(server);
+        }
+    }
+}
+
+pub(crate) fn worker(w: (u32, u32)) -> WorkerId {
+    WorkerId { stage: w.0, rank: w.1 }
+}
+
+pub(crate) fn local_transfer(
+    region: &KvRegion,
+    source: (u32, u32),
+    destination: (u32, u32),
+    microbatch: u32,
+) -> Transfer {
+    let local = LocalRegion {
+        microbatch,
+        layers: region.layers.clone(),
+        slots: region.slots.clone(),
+        heads: region.heads.clone(),
+    };
+    Transfer { source: worker(source), destination: worker(destination), from: local.clone(), to: local }
+}
+
+/// Flushes `region` of `cache` to `store` as one checksummed chunk (gathered into one staging
+/// buffer, written once). Returns the bytes flushed.
+#[pyfunction]
+#[pyo3(signature = (store, cache, region, source = (0, 0), destination = (0, 0), microbatch = 0))]
+pub(crate) fn flush(
+    py: Python<'_>,
+    store: &PyStore,
+    cache: &PyCache,
+    region: &PyRegion,
+    source: (u32, u32),
+    destination: (u32, u32),
+    microbatch: u32,
+) -> PyResult<u64> {
+    let transfer = local_transfer(&region.0, source, destination, microbatch);
+    let tokens = region.0.tokens.clone();
+    let receipt = py
+        .detach(|| send(&cache.cache, &transfer, tokens, &cache.pool, &mut store.inner.clone()))
+        .map_err(stream_err)?;
+    Ok(receipt.bytes)
+}
+
+/// Fetches the chunk `flush` wrote for the same region, source, destination and microbatch,
+/// verifies it and scatters it into `region` of `cache` (which may use another layout). Returns
+/// the bytes fetched.
+#[pyfunction]
+#[pyo3(signature = (store, cache, region, source = (0, 0), destination = (0, 0), microbatch = 0))]
+pub(crate) fn fetch(
+    py: Python<'_>,
+    store: &PyStore,
+    cache: &PyCache,
+    region: &PyRegion,
+    source: (u32, u32),
+    destination: (u32, u32),
+    microbatch: u32,
+) -> PyResult<u64> {
+    let transfer = local_transfer(&region.0, source, destination, microbatch);
+    let tokens = region.0.tokens.clone();
+    let receipt = py
+        .detach(|| {
+            let mut payload = Vec::new();
+            receive(&cache.cache, &transfer, tokens, &mut store.inner.clone(), &mut payload)
+        })
+        .map_err(stream_err)?;
+    Ok(receipt.bytes)
+}

@@ -1,0 +1,115 @@
+//! The background streamer and its completions.
+
+use std::time::Duration;
+
+use dejavulib::streamer::{Completion, Shutdown, StreamerError};
+use dejavulib::{plan_stream_out, Streamer, StreamerConfig};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::cache::PyCache;
+use crate::errors::*;
+use crate::layout::*;
+use crate::reshard::PySetup;
+use crate::store::{worker, PyStore};
+
+/// One job handed to a `Streamer`.
+#[pyclass(name = "Completion", module = "dejavu")]
+pub(crate) struct PyCompletion {
+    pub(crate) inner: Mutex<Completion>,
+    /// The job's outcome once known: bytes, copy and I/O seconds, or its error.
+    pub(crate) outcome: Option<Result<(u64, f64, f64), PyErr>>,
+}
+
+#[pymethods]
+impl PyCompletion {
+    /// Waits (GIL released) until the job has run, at most `timeout` seconds if given (then
+    /// `TimeoutError`, and the job goes on). Returns `{"bytes", "copy_seconds", "io_seconds"}` or
+    /// raises the job's error.
+    #[pyo3(signature = (timeout = None))]
+    fn wait<'py>(&mut self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        if self.outcome.is_none() {
+            let inner = &self.inner;
+            let limit = Duration::from_secs_f64(timeout.unwrap_or(365.0 * 86400.0).max(0.0));
+            match py.detach(|| inner.lock().wait_timeout(limit)) {
+                Err(StreamerError::Timeout) => return Err(streamer_err(StreamerError::Timeout)),
+                Ok(r) => {
+                    self.outcome = Some(Ok((r.bytes, r.copy_time.as_secs_f64(), r.io_time.as_secs_f64())))
+                }
+                Err(e) => self.outcome = Some(Err(streamer_err(e))),
+            }
+        }
+        match self.outcome.as_ref().expect("set above") {
+            Ok((bytes, copy, io)) => {
+                let d = PyDict::new(py);
+                d.set_item("bytes", bytes)?;
+                d.set_item("copy_seconds", copy)?;
+                d.set_item("io_seconds", io)?;
+                Ok(d)
+            }
+            Err(e) => Err(e.clone_ref(py)),
+        }
+    }
+}
+
+/// A background thread that gathers and flushes KV regions while the engine computes:
+/// `layer_ready` queues a layer as soon as the engine has written it.
+#[pyclass(name = "Streamer", module = "dejavu", frozen)]
+pub(crate) struct PyStreamer {
+    pub(crate) inner: Mutex<Option<Streamer>>,
+}
+
+#[pymethods]
+impl PyStreamer {
+    /// Starts the thread; it flushes to `store`. `submit`-style calls block (GIL released) once
+    /// `queue_depth` jobs wait.
+    #[new]
+    #[pyo3(signature = (store, queue_depth = 64))]
+    fn new(store: &PyStore, queue_depth: usize) -> PyResult<Self> {
+        let config = StreamerConfig { queue_depth, ..StreamerConfig::default() };
+        let streamer = Streamer::spawn(config, Box::new(store.inner.clone()))
+            .map_err(|e| Error::new_err(e.to_string()))?;
+        Ok(Self { inner: Mutex::new(Some(streamer)) })
+    }
+
+    /// Layer `layer` (local index) of microbatch `microbatch` of worker `source` of setup `a` is
+    /// ready in `cache`: queues its part of every transfer toward setup `b`. Returns one
+    /// `Completion` per chunk.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_ready(
+        &self,
+        py: Python<'_>,
+        a: &PySetup,
+        source: (u32, u32),
+        b: &PySetup,
+        cache: &PyCache,
+        microbatch: u32,
+        layer: u32,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<PyCompletion>> {
+        let tokens = range_arg(tokens, "tokens")?;
+        let plan = plan_stream_out(&a.0, worker(source), &b.0).map_err(stream_err)?;
+        let guard = self.inner.lock();
+        let streamer = guard.as_ref().ok_or_else(|| Error::new_err("the streamer is shut down"))?;
+        let completions = py
+            .detach(|| streamer.layer_ready(&cache.cache, &plan, microbatch, layer, tokens))
+            .map_err(streamer_err)?;
+        Ok(completions.into_iter().map(|c| PyCompletion { inner: Mutex::new(c), outcome: None }).collect())
+    }
+
+    /// Stops the thread after running (or, with `cancel=True`, cancelling) the queued jobs.
+    /// Returns `{"completed", "failed", "cancelled", "bytes"}`.
+    #[pyo3(signature = (cancel = false))]
+    fn shutdown<'py>(&self, py: Python<'py>, cancel: bool) -> PyResult<Bound<'py, PyDict>> {
+        let streamer = self.inner.lock().take().ok_or_else(|| Error::new_err("the streamer is shut down"))?;
+        let mode = if cancel { Shutdown::Cancel } else { Shutdown::Drain };
+        let stats = py.detach(|| streamer.shutdown(mode)).map_err(streamer_err)?;
+        let d = PyDict::new(py);
+        d.set_item("completed", stats.completed)?;
+        d.set_item("failed", stats.failed)?;
+        d.set_item("cancelled", stats.cancelled)?;
+        d.set_item("bytes", stats.bytes)?;
+        Ok(d)
+    }
+}
