@@ -35,6 +35,84 @@ pub struct DemoConfig {
     pub exe: PathBuf,
 }
 
+/// What to kill, as a setting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KillSetting {
+    /// The engine and its sidecar: the KV comes back from the successor's sidecar.
+    Worker,
+    /// The engine alone: the KV comes back from its own sidecar.
+    Engine,
+}
+
+/// The demo's settings, from flags or a TOML file with the same names (`stages = 4`,
+/// `kill = "engine"`, `deadline_ms = 300`, ...); a flag overrides the file.
+#[derive(Clone, Debug, Default, clap::Args, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DemoSettings {
+    /// Pipeline stages (processes); the model's 8 layers are split evenly [default: 4].
+    #[arg(long)]
+    pub stages: Option<u32>,
+    /// The stage to kill [default: 2].
+    #[arg(long)]
+    pub victim: Option<u32>,
+    /// What to kill: the victim's whole worker (engine and sidecar) or its engine alone
+    /// [default: worker].
+    #[arg(long, value_enum)]
+    pub kill: Option<KillSetting>,
+    /// Requests, 4 per microbatch [default: 8].
+    #[arg(long)]
+    pub requests: Option<u32>,
+    /// Prompt tokens per request [default: 32].
+    #[arg(long)]
+    pub prompt_tokens: Option<u32>,
+    /// Tokens generated per request [default: 256].
+    #[arg(long)]
+    pub new_tokens: Option<u32>,
+    /// A step with no answer after this many milliseconds means a stage failed [default: 300].
+    #[arg(long)]
+    pub deadline_ms: Option<u64>,
+}
+
+impl DemoSettings {
+    /// Settings from a TOML file; unknown keys and wrong types are errors that name them.
+    pub fn load(path: &std::path::Path) -> Result<Self, DemoError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| DemoError::Invalid(format!("cannot read {}: {e}", path.display())))?;
+        toml::from_str(&text).map_err(|e| DemoError::Invalid(format!("{}: {}", path.display(), e.message())))
+    }
+
+    /// These settings, falling back to `base` for the ones not given.
+    pub fn or(self, base: DemoSettings) -> DemoSettings {
+        DemoSettings {
+            stages: self.stages.or(base.stages),
+            victim: self.victim.or(base.victim),
+            kill: self.kill.or(base.kill),
+            requests: self.requests.or(base.requests),
+            prompt_tokens: self.prompt_tokens.or(base.prompt_tokens),
+            new_tokens: self.new_tokens.or(base.new_tokens),
+            deadline_ms: self.deadline_ms.or(base.deadline_ms),
+        }
+    }
+
+    /// The configuration, with defaults for what is not given, starting processes from `exe`.
+    pub fn resolve(self, exe: PathBuf) -> DemoConfig {
+        DemoConfig {
+            stages: self.stages.unwrap_or(4),
+            victim: self.victim.unwrap_or(2),
+            requests: self.requests.unwrap_or(8),
+            prompt_tokens: self.prompt_tokens.unwrap_or(32),
+            new_tokens: self.new_tokens.unwrap_or(256),
+            deadline: Duration::from_millis(self.deadline_ms.unwrap_or(300)),
+            kill: match self.kill.unwrap_or(KillSetting::Worker) {
+                KillSetting::Worker => Kill::Worker,
+                KillSetting::Engine => Kill::Engine,
+            },
+            exe,
+        }
+    }
+}
+
 /// Why the demo could not run.
 #[derive(Debug, Error)]
 pub enum DemoError {

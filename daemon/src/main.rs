@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 
 use dejavu_engine::cli::{SidecarArgs, StageArgs};
 use dejavud::certs;
-use dejavud::demo::{self, DemoConfig, Kill};
+use dejavud::demo::{self, DemoConfig, DemoSettings};
 use dejavud::plan::{self, Overrides};
 
 /// The DéjàVu daemon: a fault-tolerance demo, the deployment planner and cluster certificates.
@@ -18,41 +18,17 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-enum KillArg {
-    /// The engine and its sidecar: the KV comes back from the successor's sidecar.
-    Worker,
-    /// The engine alone: the KV comes back from its own sidecar.
-    Engine,
-}
-
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the reference model as a pipeline of stage processes on loopback, SIGKILL one stage in
     /// the middle of decoding, recover it from replicated KV, and compare with a failure-free run
     /// and a restart from scratch.
     Demo {
-        /// Pipeline stages (processes); the model's 8 layers are split evenly.
-        #[arg(long, default_value_t = 4)]
-        stages: u32,
-        /// The stage to kill.
-        #[arg(long, default_value_t = 2)]
-        victim: u32,
-        /// Requests (4 per microbatch).
-        #[arg(long, default_value_t = 8)]
-        requests: u32,
-        /// Prompt tokens per request.
-        #[arg(long, default_value_t = 32)]
-        prompt_tokens: u32,
-        /// Tokens generated per request.
-        #[arg(long, default_value_t = 256)]
-        new_tokens: u32,
-        /// A step with no answer after this many milliseconds means a stage failed.
-        #[arg(long, default_value_t = 300)]
-        deadline_ms: u64,
-        /// What to kill: the victim's whole worker (engine and sidecar) or its engine alone.
-        #[arg(long, value_enum, default_value = "worker")]
-        kill: KillArg,
+        #[command(flatten)]
+        settings: DemoSettings,
+        /// A TOML file of the same settings (`stages = 4`, `kill = "engine"`, ...); flags override it.
+        #[arg(long)]
+        config: Option<PathBuf>,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -126,7 +102,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Demo { stages, victim, requests, prompt_tokens, new_tokens, deadline_ms, kill, json } => {
+        Command::Demo { settings, config, json } => {
             let exe = match std::env::current_exe() {
                 Ok(exe) => exe,
                 Err(e) => {
@@ -134,19 +110,15 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let config = DemoConfig {
-                stages,
-                victim,
-                requests,
-                prompt_tokens,
-                new_tokens,
-                deadline: std::time::Duration::from_millis(deadline_ms),
-                kill: match kill {
-                    KillArg::Worker => Kill::Worker,
-                    KillArg::Engine => Kill::Engine,
-                },
-                exe,
+            let file = match config.as_deref().map(DemoSettings::load).transpose() {
+                Ok(file) => file.unwrap_or_default(),
+                Err(e) => {
+                    eprintln!("dejavud demo: {e}");
+                    return ExitCode::from(2);
+                }
             };
+            let config = settings.or(file).resolve(exe);
+            let DemoConfig { stages, requests, prompt_tokens, new_tokens, .. } = config;
             if let Err(e) = config.validate() {
                 eprintln!("dejavud demo: {e}");
                 return ExitCode::from(2);

@@ -59,3 +59,45 @@ fn bad_demo_settings_are_refused() {
         assert!(String::from_utf8_lossy(&out.stderr).contains("invalid demo setting"), "{args:?}");
     }
 }
+
+#[test]
+fn settings_come_from_a_toml_file_and_flags_override_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("demo.toml");
+    std::fs::write(
+        &file,
+        "stages = 3\nkill = \"engine\"\nvictim = 0\nrequests = 3\nprompt_tokens = 5\nnew_tokens = 9\n",
+    )
+    .unwrap();
+    let out = dejavud(&[
+        "demo",
+        "--json",
+        "--config",
+        file.to_str().unwrap(),
+        "--victim",
+        "2",
+        "--new-tokens",
+        "6",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["tokens"], 18, "3 requests from the file x 6 tokens from the flag");
+    assert_eq!(report["matched"], true);
+
+    for (text, complaint) in [
+        ("stagez = 4\n", "unknown field"),
+        ("stages = \"four\"\n", "invalid type"),
+        ("kill = \"all\"\n", "unknown variant"),
+    ] {
+        std::fs::write(&file, text).unwrap();
+        let out = dejavud(&["demo", "--config", file.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(2), "{text}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(complaint),
+            "{text}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let missing = dejavud(&["demo", "--config", "/nonexistent/demo.toml"]);
+    assert_eq!(missing.status.code(), Some(2));
+}
