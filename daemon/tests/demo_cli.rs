@@ -101,3 +101,19 @@ fn settings_come_from_a_toml_file_and_flags_override_it() {
     let missing = dejavud(&["demo", "--config", "/nonexistent/demo.toml"]);
     assert_eq!(missing.status.code(), Some(2));
 }
+
+#[test]
+fn a_port_in_use_is_a_clear_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let next = "127.0.0.1:9".to_string();
+    for args in [
+        vec!["sidecar", "--listen", &addr],
+        vec!["stage", "--index", "0", "--layers", "0..8", "--next", &next, "--listen", &addr],
+    ] {
+        let out = dejavud(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("in use"), "{args:?}: {err}");
+    }
+}
