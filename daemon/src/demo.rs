@@ -27,8 +27,10 @@ pub struct DemoConfig {
     pub prompt_tokens: u32,
     /// Tokens generated per request.
     pub new_tokens: u32,
-    /// A step with no answer after this long means a stage failed.
+    /// A step with no answer after this long makes the driver look for a dead stage.
     pub deadline: Duration,
+    /// Time between heartbeats; a process silent for three is dead.
+    pub heartbeat: Duration,
     /// What dies: the victim's engine, or its whole worker (engine and sidecar).
     pub kill: Kill,
     /// The `dejavud` executable to start stage and sidecar processes with.
@@ -69,9 +71,13 @@ pub struct DemoSettings {
     /// Tokens generated per request [default: 256].
     #[arg(long)]
     pub new_tokens: Option<u32>,
-    /// A step with no answer after this many milliseconds means a stage failed [default: 300].
+    /// A step with no answer after this many milliseconds makes the driver look for a dead
+    /// stage [default: 300].
     #[arg(long)]
     pub deadline_ms: Option<u64>,
+    /// Milliseconds between heartbeats; a process silent for three is dead [default: 100].
+    #[arg(long)]
+    pub heartbeat_ms: Option<u64>,
 }
 
 impl DemoSettings {
@@ -92,6 +98,7 @@ impl DemoSettings {
             prompt_tokens: self.prompt_tokens.or(base.prompt_tokens),
             new_tokens: self.new_tokens.or(base.new_tokens),
             deadline_ms: self.deadline_ms.or(base.deadline_ms),
+            heartbeat_ms: self.heartbeat_ms.or(base.heartbeat_ms),
         }
     }
 
@@ -104,6 +111,7 @@ impl DemoSettings {
             prompt_tokens: self.prompt_tokens.unwrap_or(32),
             new_tokens: self.new_tokens.unwrap_or(256),
             deadline: Duration::from_millis(self.deadline_ms.unwrap_or(300)),
+            heartbeat: Duration::from_millis(self.heartbeat_ms.unwrap_or(100)),
             kill: match self.kill.unwrap_or(KillSetting::Worker) {
                 KillSetting::Worker => Kill::Worker,
                 KillSetting::Engine => Kill::Engine,
@@ -133,7 +141,7 @@ pub enum DemoError {
 /// Timings of one recovery.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Recovery {
-    /// From the kill to the missed deadline that revealed it.
+    /// From the kill to the heartbeat monitor declaring the process dead.
     pub detection_ms: f64,
     /// Starting the replacement, repairing the chain, restoring its KV (from its own sidecar, or
     /// from its successor's when its sidecar died too), recomputing the steps replication had not
@@ -197,6 +205,7 @@ fn start_cluster(config: &DemoConfig, replicate: bool) -> Result<Cluster, Cluste
         max_tokens: config.prompt_tokens + config.new_tokens + 1,
         replicate,
         deadline: config.deadline,
+        heartbeat: config.heartbeat,
     })
 }
 
@@ -261,8 +270,10 @@ fn workload(
                 }
                 Err(e) => e,
             };
+            // The heartbeat monitor says whether a stage died (three silent intervals).
+            let found = cluster.detect(config.heartbeat * 6);
             let detected = Instant::now();
-            let Some((victim, what)) = cluster.dead() else {
+            let Some((victim, what)) = found else {
                 if let Some(sidecar) = cluster.orphaned_engine() {
                     return Err(DemoError::Stuck(format!("sidecar {sidecar} died while its engine lives")));
                 }
@@ -333,6 +344,11 @@ impl DemoConfig {
                 "victim {} is not one of {} stages",
                 self.victim, self.stages
             )));
+        }
+        if self.heartbeat.is_zero() || self.deadline.is_zero() {
+            return Err(DemoError::Invalid(
+                "the deadline and the heartbeat interval must be positive".into(),
+            ));
         }
         if self.requests == 0 || self.prompt_tokens == 0 || self.new_tokens < 2 {
             return Err(DemoError::Invalid(

@@ -3,9 +3,11 @@
 
 use std::net::SocketAddr;
 use std::ops::Range;
+use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
+use crate::heartbeat::{beat, Role};
 use crate::process::{serve_stage, Replication, StageConfig};
 use crate::{CacheLayout, ModelConfig};
 
@@ -54,17 +56,32 @@ pub struct StageArgs {
     /// The cluster secret shared with the sidecars.
     #[arg(long, default_value = "dejavu reference cluster")]
     pub secret: String,
+    /// Where to send heartbeats (a monitor's UDP address), if anywhere.
+    #[arg(long)]
+    pub heartbeat: Option<SocketAddr>,
+    /// Milliseconds between heartbeats.
+    #[arg(long, default_value_t = 100)]
+    pub heartbeat_ms: u64,
 }
 
 /// A stage's sidecar: keeps its local KV copy and its predecessor's replica in memory.
 #[derive(Clone, Debug, Args)]
 pub struct SidecarArgs {
+    /// The stage it belongs to.
+    #[arg(long, default_value_t = 0)]
+    pub index: u32,
     /// Where it listens (port 0 picks one).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
     /// The cluster secret.
     #[arg(long, default_value = "dejavu reference cluster")]
     pub secret: String,
+    /// Where to send heartbeats (a monitor's UDP address), if anywhere.
+    #[arg(long)]
+    pub heartbeat: Option<SocketAddr>,
+    /// Milliseconds between heartbeats.
+    #[arg(long, default_value_t = 100)]
+    pub heartbeat_ms: u64,
 }
 
 fn parse_layers(s: &str) -> Result<Range<u32>, String> {
@@ -101,6 +118,10 @@ impl StageArgs {
     /// Runs the stage until it is killed.
     pub fn run(self) -> Result<(), String> {
         die_with_parent();
+        if let Some(monitor) = self.heartbeat {
+            beat(monitor, Role::Engine, self.index, Duration::from_millis(self.heartbeat_ms))
+                .map_err(|e| e.to_string())?;
+        }
         let config = StageConfig {
             model: ModelConfig::reference(),
             index: self.index,
@@ -129,6 +150,10 @@ impl SidecarArgs {
         use dejavulib::net::tcp::TcpTransport;
         use dejavulib::net::{PeerServer, ServerConfig};
         die_with_parent();
+        if let Some(monitor) = self.heartbeat {
+            beat(monitor, Role::Sidecar, self.index, Duration::from_millis(self.heartbeat_ms))
+                .map_err(|e| e.to_string())?;
+        }
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()

@@ -1,6 +1,7 @@
 //! A pipeline of stage and sidecar processes on loopback, started from an executable that has the
-//! `stage` and `sidecar` subcommands of [`crate::cli`] (`dejavu-engine` or `dejavud`), and the
-//! recovery procedure that replaces a dead worker. The demo and the process tests share it.
+//! `stage` and `sidecar` subcommands of [`crate::cli`] (`dejavu-engine` or `dejavud`), a heartbeat
+//! monitor that says which of them died, and the recovery procedure that replaces a dead worker.
+//! The demo and the process tests share it.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read};
@@ -14,6 +15,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use thiserror::Error;
 
+use crate::heartbeat::{Monitor, Role};
 use crate::pipeline::Seat;
 use crate::process::{ProcessError, RemotePipeline};
 
@@ -145,8 +147,10 @@ pub struct ClusterConfig {
     pub max_tokens: u32,
     /// Whether stages keep copies of their KV in sidecars.
     pub replicate: bool,
-    /// Time a step may take before a stage is presumed dead.
+    /// Time a step may take before the driver looks for a dead stage.
     pub deadline: Duration,
+    /// Time between heartbeats; a process silent for three is dead.
+    pub heartbeat: Duration,
 }
 
 /// One sequence as the driver knows it.
@@ -176,6 +180,7 @@ pub struct Cluster {
     stages: Vec<Proc>,
     addrs: Vec<SocketAddr>,
     driver: SocketAddr,
+    monitor: Monitor,
     /// The driver's end of the chain.
     pub remote: RemotePipeline,
 }
@@ -188,17 +193,19 @@ impl Cluster {
     /// send), and connects to them.
     pub fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
         let n = config.splits.len();
+        let monitor = Monitor::start(config.heartbeat * 3)?;
         let mut sidecars = Vec::new();
         if config.replicate {
             for i in 0..n {
-                sidecars.push(spawn(&config.exe, &["sidecar".to_owned()], &format!("sidecar {i}"), START)?);
+                let args = Self::sidecar_args(&config, &monitor, i);
+                sidecars.push(spawn(&config.exe, &args, &format!("sidecar {i}"), START)?);
             }
         }
         let results = TcpListener::bind("127.0.0.1:0")?;
         let driver = results.local_addr()?;
         let (mut stages, mut addrs, mut next) = (Vec::new(), Vec::new(), driver);
         for index in (0..n).rev() {
-            let args = Self::stage_args(&config, Self::copies(&sidecars, index), index, next);
+            let args = Self::stage_args(&config, &monitor, Self::copies(&sidecars, index), index, next);
             let (proc, addr) = spawn(&config.exe, &args, &format!("stage {index}"), START)?;
             stages.push(proc);
             addrs.push(addr);
@@ -206,12 +213,32 @@ impl Cluster {
         }
         stages.reverse();
         addrs.reverse();
+        // Every process beats before the cluster is up, so silence later means death.
+        for index in 0..n as u32 {
+            let roles: &[Role] =
+                if config.replicate { &[Role::Engine, Role::Sidecar] } else { &[Role::Engine] };
+            for &role in roles {
+                if !monitor.wait_alive(role, index, START) {
+                    return Err(ClusterError::Invalid(format!("{role:?} {index} never sent a heartbeat")));
+                }
+            }
+        }
         let remote = RemotePipeline::connect(next, results, config.deadline)?;
-        Ok(Self { config, sidecars, stages, addrs, driver, remote })
+        Ok(Self { config, sidecars, stages, addrs, driver, monitor, remote })
+    }
+
+    fn sidecar_args(config: &ClusterConfig, monitor: &Monitor, index: usize) -> Vec<String> {
+        vec![
+            "sidecar".to_owned(),
+            format!("--index={index}"),
+            format!("--heartbeat={}", monitor.addr()),
+            format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
+        ]
     }
 
     fn stage_args(
         config: &ClusterConfig,
+        monitor: &Monitor,
         sidecars: Option<(SocketAddr, SocketAddr)>,
         index: usize,
         next: SocketAddr,
@@ -225,6 +252,8 @@ impl Cluster {
             format!("--slots={}", config.slots),
             format!("--microbatches={}", config.microbatches),
             format!("--max-tokens={}", config.max_tokens),
+            format!("--heartbeat={}", monitor.addr()),
+            format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
         ];
         if let Some((local, successor)) = sidecars {
             args.push(format!("--local={local}"));
@@ -262,21 +291,39 @@ impl Cluster {
         Ok(())
     }
 
-    /// The first stage whose engine has exited, and whether its sidecar exited too.
-    pub fn dead(&mut self) -> Option<(usize, Kill)> {
-        let stage = self.stages.iter_mut().position(Proc::exited)?;
-        let sidecar_dead = self.sidecars.get_mut(stage).is_some_and(|s| s.0.exited());
+    /// The first stage whose engine has fallen silent, and whether its sidecar has too.
+    pub fn dead(&self) -> Option<(usize, Kill)> {
+        let stage = (0..self.len()).find(|&i| self.monitor.is_dead(Role::Engine, i as u32))?;
+        let sidecar_dead = self.config.replicate && self.monitor.is_dead(Role::Sidecar, stage as u32);
         Some((stage, if sidecar_dead { Kill::Worker } else { Kill::Engine }))
     }
 
-    /// Whether some sidecar died while its engine lives (not a failure this cluster recovers from).
-    pub fn orphaned_engine(&mut self) -> Option<usize> {
-        self.sidecars.iter_mut().position(|s| s.0.exited())
+    /// Waits at most `patience` for a dead stage to show (a heartbeat timeout takes a few
+    /// intervals), as [`Cluster::dead`] reports it.
+    pub fn detect(&self, patience: Duration) -> Option<(usize, Kill)> {
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(dead) = self.dead() {
+                return Some(dead);
+            }
+            if start.elapsed() >= patience {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// A sidecar that fell silent while its engine lives (not a failure this cluster recovers from).
+    pub fn orphaned_engine(&self) -> Option<usize> {
+        (0..self.sidecars.len()).find(|&i| {
+            self.monitor.is_dead(Role::Sidecar, i as u32) && !self.monitor.is_dead(Role::Engine, i as u32)
+        })
     }
 
     /// Replaces dead stage `victim` and recovers every sequence on it:
     ///
-    /// 1. a replacement sidecar starts if the old one died;
+    /// 1. the presumed-dead processes are killed (fenced), and a replacement sidecar starts if the
+    ///    old one died;
     /// 2. a replacement engine starts and the chain is repaired around it;
     /// 3. if the sidecar died, the predecessor replicates to the new one from now on, starting
     ///    with each sequence's KV so far (before anything is recomputed, so the recomputed steps'
@@ -296,16 +343,26 @@ impl Cluster {
             return Err(ClusterError::Invalid("recovery needs replication".into()));
         }
         let successor = (victim + 1) % n;
+        let index = victim as u32;
+        // Fencing: a process presumed dead may only be slow; make sure it is gone before its
+        // replacement takes its place.
+        let _ = self.stages[victim].kill();
         if what == Kill::Worker {
-            self.sidecars[victim] =
-                spawn(&self.config.exe, &["sidecar".to_owned()], "a replacement sidecar", START)?;
+            let _ = self.sidecars[victim].0.kill();
+        }
+        if what == Kill::Worker {
+            let args = Self::sidecar_args(&self.config, &self.monitor, victim);
+            self.sidecars[victim] = spawn(&self.config.exe, &args, "a replacement sidecar", START)?;
+            self.monitor.wait_alive(Role::Sidecar, index, START);
         }
         let last = victim + 1 == n;
         let next = if last { self.driver } else { self.addrs[victim + 1] };
-        let args = Self::stage_args(&self.config, Self::copies(&self.sidecars, victim), victim, next);
+        let copies = Self::copies(&self.sidecars, victim);
+        let args = Self::stage_args(&self.config, &self.monitor, copies, victim, next);
         let (proc, addr) = spawn(&self.config.exe, &args, "a replacement stage", START)?;
         self.stages[victim] = proc;
         self.addrs[victim] = addr;
+        self.monitor.wait_alive(Role::Engine, index, START);
         self.remote.replace(victim as u32, addr, last)?;
         let from = match what {
             Kill::Engine => None,

@@ -10,6 +10,7 @@
 //! - [`pipeline`]: stages chained in one process, prompts in microbatches, greedy generation;
 //! - [`process`]: stages as separate processes passing activations over TCP, copying their KV to
 //!   sidecars and restoring it after a replacement (the `dejavu-engine` binary runs one);
+//! - [`heartbeat`]: processes beat every interval; the driver's monitor declares the silent dead;
 //! - [`cluster`]: a pipeline of such processes and the recovery procedure for a dead worker.
 //!
 //! Everything is plain `f32` arithmetic in a fixed order: the same binary produces the same bits
@@ -19,6 +20,7 @@
 
 pub mod cli;
 pub mod cluster;
+pub mod heartbeat;
 pub mod model;
 pub mod pipeline;
 pub mod process;
