@@ -347,13 +347,15 @@ impl Cluster {
         // Fencing: a process presumed dead may only be slow; make sure it is gone before its
         // replacement takes its place.
         let _ = self.stages[victim].kill();
+        let silent =
+            |role| ClusterError::Invalid(format!("the replacement {role:?} {index} sends no heartbeat"));
         if what == Kill::Worker {
             let _ = self.sidecars[victim].0.kill();
-        }
-        if what == Kill::Worker {
             let args = Self::sidecar_args(&self.config, &self.monitor, victim);
             self.sidecars[victim] = spawn(&self.config.exe, &args, "a replacement sidecar", START)?;
-            self.monitor.wait_alive(Role::Sidecar, index, START);
+            if !self.monitor.wait_alive(Role::Sidecar, index, START) {
+                return Err(silent(Role::Sidecar));
+            }
         }
         let last = victim + 1 == n;
         let next = if last { self.driver } else { self.addrs[victim + 1] };
@@ -362,8 +364,10 @@ impl Cluster {
         let (proc, addr) = spawn(&self.config.exe, &args, "a replacement stage", START)?;
         self.stages[victim] = proc;
         self.addrs[victim] = addr;
-        self.monitor.wait_alive(Role::Engine, index, START);
-        self.remote.replace(victim as u32, addr, last)?;
+        if !self.monitor.wait_alive(Role::Engine, index, START) {
+            return Err(silent(Role::Engine));
+        }
+        self.remote.replace(index, addr, last)?;
         let from = match what {
             Kill::Engine => None,
             Kill::Worker => {
