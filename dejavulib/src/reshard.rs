@@ -76,6 +76,21 @@ pub struct Transfer {
     pub to: LocalRegion,
 }
 
+impl Transfer {
+    /// A transfer that keeps its coordinates: `region`'s layers, slots and heads of microbatch
+    /// `microbatch`, from `source` to `destination` (tokens are chosen at each send). What a
+    /// flush to a store and the fetch back into the same place use.
+    pub fn in_place(source: WorkerId, destination: WorkerId, microbatch: u32, region: &KvRegion) -> Self {
+        let local = LocalRegion {
+            microbatch,
+            layers: region.layers.clone(),
+            slots: region.slots.clone(),
+            heads: region.heads.clone(),
+        };
+        Self { source, destination, from: local.clone(), to: local }
+    }
+}
+
 fn intersect(a: &Range<u32>, b: &Range<u32>) -> Option<Range<u32>> {
     let r = a.start.max(b.start)..a.end.min(b.end);
     (r.start < r.end).then_some(r)

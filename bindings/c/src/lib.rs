@@ -15,7 +15,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use dejavulib::file_io::FileBackend;
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
-use dejavulib::reshard::{receive, send, LocalRegion, StreamError};
+use dejavulib::reshard::{receive, send, StreamError};
 use dejavulib::store::StoreError;
 use dejavulib::{
     CacheError, DType, FileStore, KvCache, KvLayout, KvRegion, KvSpec, StagingPool, Transfer, WorkerId,
@@ -571,18 +571,8 @@ unsafe fn operands<'a>(
 }
 
 fn transfer(r: &DjvRegion, source: DjvWorker, destination: DjvWorker, microbatch: u32) -> Transfer {
-    let local = LocalRegion {
-        microbatch,
-        layers: r.layers_start..r.layers_end,
-        slots: r.slots_start..r.slots_end,
-        heads: r.heads_start..r.heads_end,
-    };
-    Transfer {
-        source: WorkerId { stage: source.stage, rank: source.rank },
-        destination: WorkerId { stage: destination.stage, rank: destination.rank },
-        from: local.clone(),
-        to: local,
-    }
+    let worker = |w: DjvWorker| WorkerId { stage: w.stage, rank: w.rank };
+    Transfer::in_place(worker(source), worker(destination), microbatch, &region(r))
 }
 
 /// Flushes `region` of `cache` to `store` as one checksummed chunk (a gather into a staging buffer,

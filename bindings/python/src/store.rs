@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 use dejavulib::file_io::FileBackend;
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerServer, PeerStore, ServerConfig, Transport};
-use dejavulib::reshard::{receive, send, LocalRegion};
+use dejavulib::reshard::{receive, send};
 use dejavulib::store::StoreError as ChunkStoreError;
 use dejavulib::{ChunkStore, FileStore, HostStore, KvRegion, Transfer, WorkerId};
 use parking_lot::Mutex;
@@ -165,13 +165,7 @@ pub(crate) fn local_transfer(
     destination: (u32, u32),
     microbatch: u32,
 ) -> Transfer {
-    let local = LocalRegion {
-        microbatch,
-        layers: region.layers.clone(),
-        slots: region.slots.clone(),
-        heads: region.heads.clone(),
-    };
-    Transfer { source: worker(source), destination: worker(destination), from: local.clone(), to: local }
+    Transfer::in_place(worker(source), worker(destination), microbatch, region)
 }
 
 /// Flushes `region` of `cache` to `store` as one checksummed chunk (gathered into one staging

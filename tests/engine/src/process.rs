@@ -44,11 +44,11 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerStore};
-use dejavulib::reshard::{receive, send, LocalRegion, StreamError};
+use dejavulib::reshard::{receive, send, StreamError};
 use dejavulib::store::StoreError;
 use dejavulib::streamer::{Completion, StreamJob};
 use dejavulib::wire::{read_frame, write_frame, Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD};
-use dejavulib::{ChunkStore, KvCache, StagingPool, Streamer, StreamerConfig, Transfer, WorkerId};
+use dejavulib::{ChunkStore, KvCache, KvRegion, StagingPool, Streamer, StreamerConfig, Transfer, WorkerId};
 use parking_lot::Mutex;
 use thiserror::Error;
 
@@ -313,13 +313,9 @@ impl StageProcess {
     /// The transfer that names this stage's KV of one sequence (kept under its own worker id).
     fn transfer(&self, seat: Seat) -> Transfer {
         let worker = WorkerId { stage: self.config.index, rank: 0 };
-        let local = LocalRegion {
-            microbatch: seat.microbatch,
-            layers: 0..self.config.layers.len() as u32,
-            slots: seat.slot..seat.slot + 1,
-            heads: 0..self.config.model.kv_heads,
-        };
-        Transfer { source: worker, destination: worker, from: local.clone(), to: local }
+        let layers = self.config.layers.len() as u32;
+        let region = KvRegion::new(0..layers, seat.slot..seat.slot + 1, 0..self.config.model.kv_heads, 0..0);
+        Transfer::in_place(worker, worker, seat.microbatch, &region)
     }
 
     fn cache(&self, seat: Seat) -> Result<Arc<KvCache>, ProcessError> {

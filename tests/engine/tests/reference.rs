@@ -8,8 +8,8 @@ use std::ops::Range;
 
 use dejavu_engine::{CacheLayout, ModelConfig, Pipeline, StageError};
 use dejavulib::file_io::FileBackend;
-use dejavulib::reshard::{receive, send, LocalRegion};
-use dejavulib::{FileStore, StagingPool, Transfer, WorkerId};
+use dejavulib::reshard::{receive, send};
+use dejavulib::{FileStore, KvRegion, StagingPool, Transfer, WorkerId};
 
 const NEW_TOKENS: usize = 12;
 const MAX_TOKENS: u32 = 64;
@@ -85,15 +85,11 @@ fn a_sequence_restored_from_flushed_kv_continues_bit_identically() {
     let mut store = FileStore::open(dir.path(), FileBackend::Auto).unwrap();
     let pool = StagingPool::default();
     let transfer = |stage: usize, p: &Pipeline| {
-        let layers = p.stages()[stage].layers();
-        let local = LocalRegion {
-            microbatch: seat.microbatch,
-            layers: 0..layers.len() as u32,
-            slots: seat.slot..seat.slot + 1,
-            heads: 0..ModelConfig::reference().kv_heads,
-        };
+        let layers = p.stages()[stage].layers().len() as u32;
+        let region =
+            KvRegion::new(0..layers, seat.slot..seat.slot + 1, 0..ModelConfig::reference().kv_heads, 0..0);
         let worker = WorkerId { stage: stage as u32, rank: 0 };
-        Transfer { source: worker, destination: worker, from: local.clone(), to: local }
+        Transfer::in_place(worker, worker, seat.microbatch, &region)
     };
     for stage in 0..splits.len() {
         let cache = &original.caches(stage)[seat.microbatch as usize];
