@@ -3,6 +3,9 @@
 //! `stream_in` into a token pipeline of another shape (3 unequal stages, microbatches of 2,
 //! per-layer tensors), which decodes; the tokens equal those of one colocated pipeline.
 
+// Layer splits are lists of ranges; a one-stage pipeline is a list of one range.
+#![allow(clippy::single_range_in_vec_init)]
+
 use std::ops::Range;
 
 use dejavu_engine::pipeline::CacheLayout;
