@@ -123,11 +123,6 @@ impl HostStore {
         self.inner.lock().chunks.get(key).map(|c| c.len())
     }
 
-    /// Bytes held (headers and payloads).
-    pub fn bytes(&self) -> u64 {
-        self.inner.lock().chunks.values().map(|c| c.len() as u64).sum()
-    }
-
     /// Flips one payload byte of a held chunk (for fault tests): the next `get` must report it.
     pub fn corrupt(&self, key: &ChunkKey, byte: usize) -> bool {
         let mut inner = self.inner.lock();

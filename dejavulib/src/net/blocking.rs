@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use tokio::runtime::{Handle, Runtime};
+use tokio::runtime::Handle;
 
 use super::client::{ClientConfig, PeerClient};
 use super::error::PeerError;
@@ -19,7 +19,6 @@ use crate::store::{ChunkStore, StoreError};
 pub struct PeerStore {
     client: PeerClient,
     runtime: Handle,
-    _owned: Option<Arc<Runtime>>,
 }
 
 impl PeerStore {
@@ -30,12 +29,7 @@ impl PeerStore {
         addr: SocketAddr,
         config: ClientConfig,
     ) -> Self {
-        Self { client: PeerClient::new(transport, addr, config), runtime, _owned: None }
-    }
-
-    /// A store over an existing client, driven by `runtime` (which it keeps alive).
-    pub fn with_runtime(runtime: Arc<Runtime>, client: PeerClient) -> Self {
-        Self { client, runtime: runtime.handle().clone(), _owned: Some(runtime) }
+        Self { client: PeerClient::new(transport, addr, config), runtime }
     }
 
     /// The client underneath (for concurrent async use, epochs and counters).

@@ -67,11 +67,6 @@ impl Proc {
         self.child.wait().map(|_| ())
     }
 
-    /// Whether it has exited.
-    pub fn exited(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(Some(_)))
-    }
-
     /// The end of what it wrote to standard error.
     pub fn stderr_tail(&self) -> String {
         let tail = self.stderr.lock();
