@@ -4,17 +4,21 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The directory cargo put this crate's libraries in (`target/<profile>`).
-fn library_dir() -> PathBuf {
+/// This crate's static library. `cargo test` leaves it beside the test executable in
+/// `target/<profile>/deps`; only `cargo build` also copies it up to `target/<profile>`.
+fn static_library() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable");
-    exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>").to_path_buf()
+    let deps = exe.parent().expect("target/<profile>/deps/<test>");
+    let candidates = [deps.join("libdejavu.a"), deps.parent().expect("target/<profile>").join("libdejavu.a")];
+    candidates.iter().find(|path| path.exists()).cloned().unwrap_or_else(|| {
+        panic!("libdejavu.a was not built (looked for {candidates:?})");
+    })
 }
 
 #[test]
 fn the_c_example_round_trips_through_a_file() {
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let lib = library_dir().join("libdejavu.a");
-    assert!(lib.exists(), "{} was not built", lib.display());
+    let lib = static_library();
     let work = tempfile::tempdir().unwrap();
     let exe = work.path().join("roundtrip");
     let compiled = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
