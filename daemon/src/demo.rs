@@ -5,12 +5,12 @@
 //! from scratch, all in the same run.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use dejavu_engine::cluster::Kill;
-use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError, Sequence};
-use dejavu_engine::process::ProcessError;
-use dejavu_engine::{ModelConfig, Seat};
+use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError};
+use dejavu_engine::driver::{drive, DriveError, DriverConfig, OnFailure, Run, Workload};
+use dejavu_engine::ModelConfig;
 use serde::Serialize;
 use thiserror::Error;
 
@@ -127,15 +127,9 @@ pub enum DemoError {
     /// A setting is out of range.
     #[error("invalid demo setting: {0}")]
     Invalid(String),
-    /// The cluster could not start or recover.
+    /// The cluster could not start, recover or go on.
     #[error(transparent)]
-    Cluster(#[from] ClusterError),
-    /// The pipeline failed in a way recovery does not cover.
-    #[error(transparent)]
-    Pipeline(#[from] ProcessError),
-    /// Steps kept timing out but no stage had died.
-    #[error("{0}")]
-    Stuck(String),
+    Run(#[from] DriveError),
 }
 
 /// Timings of one recovery.
@@ -185,146 +179,61 @@ fn splits(layers: u32, stages: u32) -> Vec<std::ops::Range<u32>> {
     (0..stages).map(|s| s * layers / stages..(s + 1) * layers / stages).collect()
 }
 
-/// Sequences per microbatch.
-fn slots(config: &DemoConfig) -> u32 {
-    config.requests.min(4)
+/// The demo's requests: deterministic prompts, 4 per microbatch.
+fn workload(config: &DemoConfig) -> Workload {
+    Workload::synthetic(
+        config.requests,
+        config.prompt_tokens,
+        config.new_tokens,
+        4,
+        ModelConfig::reference().vocab,
+    )
 }
 
-fn seat_of(config: &DemoConfig, request: usize) -> Seat {
-    let slots = slots(config) as usize;
-    Seat { microbatch: (request / slots) as u32, slot: (request % slots) as u32 }
-}
-
-fn start_cluster(config: &DemoConfig, replicate: bool) -> Result<Cluster, ClusterError> {
-    let slots = slots(config);
+fn start_cluster(config: &DemoConfig, workload: &Workload, replicate: bool) -> Result<Cluster, ClusterError> {
     Cluster::start(ClusterConfig {
-        exe: config.exe.clone(),
         splits: splits(ModelConfig::reference().layers, config.stages),
-        slots,
-        microbatches: config.requests.div_ceil(slots),
-        max_tokens: config.prompt_tokens + config.new_tokens + 1,
+        slots: workload.slots,
+        microbatches: workload.microbatches(),
+        max_tokens: workload.max_tokens(),
         replicate,
         deadline: config.deadline,
         heartbeat: config.heartbeat,
+        ..ClusterConfig::new(config.exe.clone())
     })
 }
 
-/// Timeouts of one step with no dead stage before the demo gives up.
-const PATIENCE: u32 = 3;
+/// Failed attempts at one step with no dead stage before the demo gives up.
+const RETRIES: u32 = 2;
 
-/// Deterministic prompts.
-fn prompts(config: &DemoConfig) -> Vec<Vec<u32>> {
-    let vocab = ModelConfig::reference().vocab;
-    (0..config.requests)
-        .map(|r| (0..config.prompt_tokens).map(|t| (r * 7919 + t * 104_729 + 13) % vocab).collect())
-        .collect()
+/// Runs the workload, recovering or restarting after a failure. With `kill_at`, the victim is
+/// SIGKILLed before that step.
+fn run_once(config: &DemoConfig, kill_at: Option<u64>, on_failure: OnFailure) -> Result<Run, DemoError> {
+    let workload = workload(config);
+    let replicate = on_failure == OnFailure::Recover;
+    let driver = DriverConfig { on_failure, detect_patience: config.heartbeat * 6, retries: RETRIES };
+    // Without replication there is no sidecar to kill: the engine dies alone.
+    let what = if replicate { config.kill } else { Kill::Engine };
+    let mut killed = false;
+    let mut inject = |step: u64, cluster: &mut Cluster| {
+        if kill_at == Some(step) && !killed {
+            killed = true;
+            cluster.kill(config.victim as usize, what)?;
+        }
+        Ok(())
+    };
+    Ok(drive(&workload, &driver, &mut || start_cluster(config, &workload, replicate), &mut inject)?)
 }
 
-/// What happens when a step fails.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum OnFailure {
-    /// Replace the dead stage and restore its KV (DéjàVu).
-    Recover,
-    /// Start everything again from the first token.
-    Restart,
-}
-
-/// Runs the workload: every prompt, then one token per request per round. With `kill_at`, the
-/// victim is SIGKILLed before that step.
-fn workload(
-    config: &DemoConfig,
-    kill_at: Option<u64>,
-    on_failure: OnFailure,
-) -> Result<(Vec<Vec<u32>>, Recovery, Duration), DemoError> {
-    let prompts = prompts(config);
-    let prompt_len = config.prompt_tokens;
-    let started = Instant::now();
-    let mut cluster = start_cluster(config, on_failure == OnFailure::Recover)?;
-    let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
-    let mut recovery = Recovery::default();
-    let (mut step, mut timeouts) = (0u64, 0u32);
-    let mut killed_at: Option<Instant> = None;
-    'rounds: loop {
-        for request in 0..prompts.len() {
-            if out[request].len() == config.new_tokens as usize {
-                continue;
-            }
-            if kill_at == Some(step) && killed_at.is_none() {
-                let what = if on_failure == OnFailure::Recover { config.kill } else { Kill::Engine };
-                cluster.kill(config.victim as usize, what)?;
-                killed_at = Some(Instant::now());
-            }
-            step += 1;
-            let seat = seat_of(config, request);
-            let result = match out[request].last() {
-                None => cluster.remote.run(seat, &prompts[request], 0),
-                Some(&token) => {
-                    cluster.remote.run(seat, &[token], prompt_len + out[request].len() as u32 - 1)
-                }
-            };
-            let error = match result {
-                Ok(token) => {
-                    out[request].push(token);
-                    timeouts = 0;
-                    continue;
-                }
-                Err(e) => e,
-            };
-            // The heartbeat monitor says whether a stage died (three silent intervals).
-            let found = cluster.detect(config.heartbeat * 6);
-            let detected = Instant::now();
-            let Some((victim, what)) = found else {
-                if let Some(sidecar) = cluster.orphaned_engine() {
-                    return Err(DemoError::Stuck(format!("sidecar {sidecar} died while its engine lives")));
-                }
-                // A slow step, not a dead stage: send it again, a few times.
-                timeouts += 1;
-                if timeouts == PATIENCE {
-                    return Err(DemoError::Stuck(format!(
-                        "{PATIENCE} steps in a row failed with no stage dead: {error}"
-                    )));
-                }
-                continue;
-            };
-            recovery.detection_ms = killed_at.map_or(0.0, |k| (detected - k).as_secs_f64() * 1e3);
-            match on_failure {
-                OnFailure::Recover => {
-                    let sequences: Vec<Sequence<'_>> = (0..prompts.len())
-                        .map(|i| Sequence {
-                            seat: seat_of(config, i),
-                            prompt: &prompts[i],
-                            generated: &out[i],
-                        })
-                        .collect();
-                    recovery.tokens_recomputed += cluster.recover(victim, what, &sequences)?;
-                    let restored = Instant::now();
-                    recovery.restore_ms = (restored - detected).as_secs_f64() * 1e3;
-                    // The interrupted step runs again.
-                    recovery.tokens_recomputed += 1;
-                    let token = match out[request].last() {
-                        None => cluster.remote.run(seat, &prompts[request], 0)?,
-                        Some(&t) => {
-                            cluster.remote.run(seat, &[t], prompt_len + out[request].len() as u32 - 1)?
-                        }
-                    };
-                    out[request].push(token);
-                    recovery.resume_ms = restored.elapsed().as_secs_f64() * 1e3;
-                }
-                OnFailure::Restart => {
-                    recovery.tokens_recomputed = out.iter().map(|t| t.len() as u64).sum();
-                    drop(cluster);
-                    cluster = start_cluster(config, false)?;
-                    out.iter_mut().for_each(Vec::clear);
-                    recovery.restore_ms = detected.elapsed().as_secs_f64() * 1e3;
-                    continue 'rounds;
-                }
-            }
-        }
-        if out.iter().all(|t| t.len() == config.new_tokens as usize) {
-            break;
-        }
-    }
-    Ok((out, recovery, started.elapsed()))
+/// The demo's summary of a run's one recovery (zeros if none happened).
+fn recovery_of(run: &Run) -> Recovery {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    run.recoveries.first().map_or_else(Recovery::default, |r| Recovery {
+        detection_ms: ms(r.detection),
+        restore_ms: ms(r.restore),
+        resume_ms: ms(r.resume),
+        tokens_recomputed: r.recomputed,
+    })
 }
 
 impl DemoConfig {
@@ -367,9 +276,9 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
     let kill_at = steps / 2;
 
     say("failure-free run without replication...");
-    let (unreplicated_tokens, _, unreplicated) = workload(config, None, OnFailure::Restart)?;
+    let unreplicated = run_once(config, None, OnFailure::Restart)?;
     say("failure-free run, KV replicated every step...");
-    let (reference, _, failure_free) = workload(config, None, OnFailure::Recover)?;
+    let reference = run_once(config, None, OnFailure::Recover)?;
     say(&format!(
         "run with stage {}'s {} SIGKILLed at step {kill_at} of {steps}, recovered from {}...",
         config.victim,
@@ -382,20 +291,20 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
             Kill::Worker => "its successor's sidecar",
         },
     ));
-    let (recovered, recovery, with_failure) = workload(config, Some(kill_at), OnFailure::Recover)?;
+    let recovered = run_once(config, Some(kill_at), OnFailure::Recover)?;
     say("run with the same failure, restarted from scratch...");
-    let (restarted, restart, restart_time) = workload(config, Some(kill_at), OnFailure::Restart)?;
+    let restarted = run_once(config, Some(kill_at), OnFailure::Restart)?;
     Ok(DemoReport {
         tokens: steps,
-        unreplicated_s: unreplicated.as_secs_f64(),
-        failure_free_s: failure_free.as_secs_f64(),
-        with_failure_s: with_failure.as_secs_f64(),
-        restart_s: restart_time.as_secs_f64(),
-        recovery,
-        restart_tokens_recomputed: restart.tokens_recomputed,
+        unreplicated_s: unreplicated.elapsed.as_secs_f64(),
+        failure_free_s: reference.elapsed.as_secs_f64(),
+        with_failure_s: recovered.elapsed.as_secs_f64(),
+        restart_s: restarted.elapsed.as_secs_f64(),
+        recovery: recovery_of(&recovered),
+        restart_tokens_recomputed: recovery_of(&restarted).tokens_recomputed,
         kv_bytes_replicated_per_token: model.kv_spec().bytes_per_token(),
-        matched: recovered == reference && unreplicated_tokens == reference,
-        restart_matched: restarted == reference,
+        matched: recovered.tokens == reference.tokens && unreplicated.tokens == reference.tokens,
+        restart_matched: restarted.tokens == reference.tokens,
     })
 }
 

@@ -62,6 +62,10 @@ pub struct StageArgs {
     /// Milliseconds between heartbeats.
     #[arg(long, default_value_t = 100)]
     pub heartbeat_ms: u64,
+    /// Breaks replication on purpose (copies to the successor are skipped but reported done), so
+    /// that tests can prove the chaos harness catches lost KV. Never use it otherwise.
+    #[arg(long, hide = true)]
+    pub test_only_skip_replicas: bool,
 }
 
 /// A stage's sidecar: keeps its local KV copy and its predecessor's replica in memory.
@@ -138,6 +142,7 @@ impl StageArgs {
                 local,
                 successor,
                 secret: self.secret.into_bytes(),
+                skip_replicas: self.test_only_skip_replicas,
             }),
         };
         serve_stage(config, self.listen, announce).map_err(|e| e.to_string())

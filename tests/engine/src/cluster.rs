@@ -67,6 +67,20 @@ impl Proc {
         self.child.wait().map(|_| ())
     }
 
+    /// Sends it `signal` (`libc::SIGSTOP`, `libc::SIGCONT`, ...), unless it was already reaped.
+    pub fn signal(&mut self, signal: i32) -> std::io::Result<()> {
+        if self.child.try_wait()?.is_some() {
+            return Ok(());
+        }
+        let pid = self.child.id() as libc::pid_t;
+        // SAFETY: kill(2) takes plain integers; the child is not reaped yet (checked just above,
+        // and only this handle reaps it), so `pid` is still this child's and cannot be reused.
+        if unsafe { libc::kill(pid, signal) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// The end of what it wrote to standard error.
     pub fn stderr_tail(&self) -> String {
         let tail = self.stderr.lock();
@@ -127,6 +141,29 @@ pub fn spawn(
     }
 }
 
+/// A connection between the processes of a cluster that something (a fault-injecting proxy) may be
+/// put on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Link {
+    /// Activations from stage `from` to stage `from + 1`.
+    Activation {
+        /// The sending stage.
+        from: u32,
+    },
+    /// KV copies from stage `from` to its ring successor's sidecar (and, after a replacement, the
+    /// restore from it).
+    Replica {
+        /// The sending stage.
+        from: u32,
+    },
+}
+
+/// Says which address a process is given for a link: the target's own, or one in front of it.
+pub trait Interpose: Send + Sync + std::fmt::Debug {
+    /// The address to connect to for `link` to reach `target`.
+    fn route(&self, link: Link, target: SocketAddr) -> SocketAddr;
+}
+
 /// What a cluster runs.
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
@@ -146,6 +183,35 @@ pub struct ClusterConfig {
     pub deadline: Duration,
     /// Time between heartbeats; a process silent for three is dead.
     pub heartbeat: Duration,
+    /// What stands between processes, if anything (see [`Link`]).
+    pub interpose: Option<Arc<dyn Interpose>>,
+    /// For testing fault checkers only: stages skip the copy to their successor's sidecar while
+    /// still claiming to replicate, so a worker failure loses KV the recovery expects.
+    pub sabotage_replicas: bool,
+}
+
+impl ClusterConfig {
+    /// One replicated stage of the whole reference model, 4 slots in one microbatch, started from
+    /// `exe`; the fields are public for the rest.
+    pub fn new(exe: PathBuf) -> Self {
+        Self {
+            exe,
+            splits: std::iter::once(0..crate::ModelConfig::reference().layers).collect(),
+            slots: 4,
+            microbatches: 1,
+            max_tokens: 256,
+            replicate: true,
+            deadline: Duration::from_millis(300),
+            heartbeat: Duration::from_millis(100),
+            interpose: None,
+            sabotage_replicas: false,
+        }
+    }
+
+    /// The address to give a process for `link` to reach `target`.
+    fn route(&self, link: Link, target: SocketAddr) -> SocketAddr {
+        self.interpose.as_ref().map_or(target, |i| i.route(link, target))
+    }
 }
 
 /// One sequence as the driver knows it.
@@ -239,6 +305,9 @@ impl Cluster {
         next: SocketAddr,
     ) -> Vec<String> {
         let layers = &config.splits[index];
+        let last = index + 1 == config.splits.len();
+        // The link to the driver is its own: faults go between processes of the cluster.
+        let next = if last { next } else { config.route(Link::Activation { from: index as u32 }, next) };
         let mut args = vec![
             "stage".to_owned(),
             format!("--index={index}"),
@@ -251,8 +320,12 @@ impl Cluster {
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
         ];
         if let Some((local, successor)) = sidecars {
+            let successor = config.route(Link::Replica { from: index as u32 }, successor);
             args.push(format!("--local={local}"));
             args.push(format!("--successor={successor}"));
+        }
+        if config.sabotage_replicas {
+            args.push("--test-only-skip-replicas".to_owned());
         }
         args
     }
@@ -284,6 +357,17 @@ impl Cluster {
             self.sidecars[victim].0.kill()?;
         }
         Ok(())
+    }
+
+    /// Sends `signal` to stage `stage`'s engine or sidecar (a pause with `SIGSTOP`, a resume with
+    /// `SIGCONT`); a process already dead is left alone.
+    pub fn signal(&mut self, stage: usize, role: Role, signal: i32) -> Result<(), ClusterError> {
+        let proc = match role {
+            Role::Engine => self.stages.get_mut(stage),
+            Role::Sidecar => self.sidecars.get_mut(stage).map(|(proc, _)| proc),
+        };
+        let proc = proc.ok_or_else(|| ClusterError::Invalid(format!("no {role:?} {stage}")))?;
+        Ok(proc.signal(signal)?)
     }
 
     /// The first stage whose engine has fallen silent, and whether its sidecar has too.
@@ -362,19 +446,22 @@ impl Cluster {
         if !self.monitor.wait_alive(Role::Engine, index, START) {
             return Err(silent(Role::Engine));
         }
-        self.remote.replace(index, addr, last)?;
+        let reach =
+            if victim == 0 { addr } else { self.config.route(Link::Activation { from: index - 1 }, addr) };
+        self.remote.replace(index, reach, last)?;
         let from = match what {
             Kill::Engine => None,
             Kill::Worker => {
                 let predecessor = ((victim + n - 1) % n) as u32;
-                let new_sidecar = self.sidecars[victim].1;
+                let new_sidecar =
+                    self.config.route(Link::Replica { from: predecessor }, self.sidecars[victim].1);
                 for s in sequences.iter().filter(|s| !s.generated.is_empty()) {
                     let (prompt_len, kv_tokens) = s.kv();
                     self.remote.replicate_to(predecessor, s.seat, prompt_len, kv_tokens, new_sidecar)?;
                 }
                 // Retarget even when no sequence has started.
                 self.remote.replicate_to(predecessor, Seat { microbatch: 0, slot: 0 }, 0, 0, new_sidecar)?;
-                Some(self.sidecars[successor].1)
+                Some(self.config.route(Link::Replica { from: index }, self.sidecars[successor].1))
             }
         };
         let mut recomputed = 0;

@@ -11,7 +11,9 @@
 //! - [`process`]: stages as separate processes passing activations over TCP, copying their KV to
 //!   sidecars and restoring it after a replacement (the `dejavu-engine` binary runs one);
 //! - [`heartbeat`]: processes beat every interval; the driver's monitor declares the silent dead;
-//! - [`cluster`]: a pipeline of such processes and the recovery procedure for a dead worker.
+//! - [`cluster`]: a pipeline of such processes and the recovery procedure for a dead worker;
+//! - [`driver`]: the loop that runs requests through a cluster, injects faults, and recovers or
+//!   restarts after a failure, recording every token and every recovery.
 //!
 //! Everything is plain `f32` arithmetic in a fixed order: the same binary produces the same bits
 //! from run to run, and the split into stages or the cache layout does not change them. (`exp`,
@@ -20,6 +22,7 @@
 
 pub mod cli;
 pub mod cluster;
+pub mod driver;
 pub mod heartbeat;
 pub mod model;
 pub mod pipeline;

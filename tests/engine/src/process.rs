@@ -97,6 +97,8 @@ pub struct Replication {
     pub successor: SocketAddr,
     /// The cluster secret.
     pub secret: Vec<u8>,
+    /// For testing fault checkers only: skip the copy to the successor while reporting success.
+    pub skip_replicas: bool,
 }
 
 /// What one stage process runs.
@@ -208,12 +210,17 @@ type SharedPeer = Arc<Mutex<PeerStore>>;
 struct Tee {
     local: SharedPeer,
     successor: Arc<Mutex<(SocketAddr, SharedPeer)>>,
+    /// See [`Replication::skip_replicas`].
+    skip_replicas: bool,
 }
 
 impl ChunkStore for Tee {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         // Both copies are attempted: losing one sidecar must not cost the other copy.
         let local = self.local.lock().put(descriptor, payload);
+        if self.skip_replicas {
+            return local;
+        }
         let target = self.successor.lock().1.clone();
         let replica = target.lock().put(descriptor, payload);
         local.and(replica)
@@ -303,7 +310,11 @@ impl StageProcess {
         };
         if let Some(replication) = &process.config.replication {
             let sidecars = Sidecars::new(replication, process.config.index)?;
-            let tee = Tee { local: sidecars.local.clone(), successor: sidecars.successor.clone() };
+            let tee = Tee {
+                local: sidecars.local.clone(),
+                successor: sidecars.successor.clone(),
+                skip_replicas: replication.skip_replicas,
+            };
             process.streamer = Some(Streamer::spawn(StreamerConfig::default(), Box::new(tee))?);
             process.sidecars = Some(sidecars);
         }

@@ -20,14 +20,13 @@ fn splits() -> Vec<std::ops::Range<u32>> {
 
 fn cluster(replicate: bool) -> Cluster {
     Cluster::start(ClusterConfig {
-        exe: PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")),
         splits: splits(),
         slots: SLOTS,
         microbatches: MICROBATCHES,
         max_tokens: MAX_TOKENS,
         replicate,
         deadline: Duration::from_secs(1),
-        heartbeat: Duration::from_millis(100),
+        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
     })
     .unwrap()
 }

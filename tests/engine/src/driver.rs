@@ -1,0 +1,274 @@
+//! The driver's loop: runs a workload of requests through a [`Cluster`] (every prompt, then one
+//! token per request per round), lets an [`Injector`] act on the cluster before each step, and
+//! when a step fails asks the heartbeat monitor whether a stage died. A dead stage is either
+//! recovered (DéjàVu: replaced, its KV restored, the steps its copy lacked recomputed) or the
+//! whole pipeline restarts from the first token. Every token delivered and every recovery is
+//! recorded, so callers (the demo, the chaos harness) can check and report them.
+
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+use crate::cluster::{Cluster, ClusterError, Kill, Sequence};
+use crate::process::ProcessError;
+use crate::Seat;
+
+/// Requests and how many tokens each generates.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    /// One prompt per request.
+    pub prompts: Vec<Vec<u32>>,
+    /// Tokens generated per request (at least 1).
+    pub new_tokens: u32,
+    /// Sequences per microbatch: request `r` sits in microbatch `r / slots`, slot `r % slots`.
+    pub slots: u32,
+}
+
+impl Workload {
+    /// Deterministic prompts of `prompt_tokens` tokens from a vocabulary of `vocab`, `slots` per
+    /// microbatch (fewer when there are fewer requests).
+    pub fn synthetic(requests: u32, prompt_tokens: u32, new_tokens: u32, slots: u32, vocab: u32) -> Self {
+        let prompts = (0..requests)
+            .map(|r| (0..prompt_tokens).map(|t| (r * 7919 + t * 104_729 + 13) % vocab).collect())
+            .collect();
+        Self { prompts, new_tokens, slots: slots.min(requests).max(1) }
+    }
+
+    /// Where request `request` lives.
+    pub fn seat(&self, request: usize) -> Seat {
+        let slots = self.slots as usize;
+        Seat { microbatch: (request / slots) as u32, slot: (request % slots) as u32 }
+    }
+
+    /// Microbatches the requests fill.
+    pub fn microbatches(&self) -> u32 {
+        (self.prompts.len() as u32).div_ceil(self.slots)
+    }
+
+    /// Steps of a failure-free run (one per generated token).
+    pub fn steps(&self) -> u64 {
+        self.prompts.len() as u64 * self.new_tokens as u64
+    }
+
+    /// Tokens a sequence of this workload holds at most.
+    pub fn max_tokens(&self) -> u32 {
+        self.prompts.iter().map(|p| p.len() as u32).max().unwrap_or(0) + self.new_tokens + 1
+    }
+}
+
+/// What happens when a stage dies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnFailure {
+    /// Replace the dead stage and restore its KV (DéjàVu).
+    Recover,
+    /// Start everything again from the first token.
+    Restart,
+}
+
+/// How the driver reacts to failed steps.
+#[derive(Clone, Debug)]
+pub struct DriverConfig {
+    /// Recover or restart.
+    pub on_failure: OnFailure,
+    /// How long to wait for the monitor to name a dead stage after a step failed.
+    pub detect_patience: Duration,
+    /// Failed attempts at one step with no stage dead before the driver gives up (a slow or
+    /// partitioned link: the step is sent again each time; re-running a step rewrites the same KV).
+    pub retries: u32,
+}
+
+/// Acts on the cluster before a step: kills, pauses, network faults. `step` counts the steps the
+/// driver sends, from 0, repeated ones included (the steps a recovery recomputes are not counted).
+pub trait Injector {
+    /// Called before step `step`.
+    fn before_step(&mut self, step: u64, cluster: &mut Cluster) -> Result<(), ClusterError>;
+}
+
+impl<F: FnMut(u64, &mut Cluster) -> Result<(), ClusterError>> Injector for F {
+    fn before_step(&mut self, step: u64, cluster: &mut Cluster) -> Result<(), ClusterError> {
+        self(step, cluster)
+    }
+}
+
+/// No faults.
+pub fn no_faults(_: u64, _: &mut Cluster) -> Result<(), ClusterError> {
+    Ok(())
+}
+
+/// One token handed to a client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Delivery {
+    /// The request.
+    pub request: u32,
+    /// Its position among the request's generated tokens.
+    pub index: u32,
+    /// The token.
+    pub token: u32,
+}
+
+/// One recovery (or, with [`OnFailure::Restart`], one restart).
+#[derive(Clone, Debug)]
+pub struct RecoveryRecord {
+    /// The stage that died.
+    pub stage: usize,
+    /// What of it died.
+    pub what: Kill,
+    /// The step that failed.
+    pub step: u64,
+    /// From sending the step that failed to the monitor naming the dead stage.
+    pub detection: Duration,
+    /// Replacing the processes, repairing the chain, restoring KV and recomputing what the copies
+    /// lacked.
+    pub restore: Duration,
+    /// Running the interrupted step again.
+    pub resume: Duration,
+    /// Steps computed twice: the ones the copies lacked, plus the interrupted one.
+    pub recomputed: u64,
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Default)]
+pub struct Run {
+    /// The tokens of each request.
+    pub tokens: Vec<Vec<u32>>,
+    /// Every token delivered, in order (after a restart, the tokens are delivered again).
+    pub deliveries: Vec<Delivery>,
+    /// Every recovery or restart.
+    pub recoveries: Vec<RecoveryRecord>,
+    /// Attempts at a step that failed with no stage dead (slow or broken links).
+    pub repeated_steps: u64,
+    /// Wall time, from starting the cluster to the last token.
+    pub elapsed: Duration,
+}
+
+/// Why a run stopped.
+#[derive(Debug, Error)]
+pub enum DriveError {
+    /// The cluster could not start or recover.
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    /// The pipeline failed in a way recovery does not cover.
+    #[error(transparent)]
+    Pipeline(#[from] ProcessError),
+    /// Steps kept failing but no stage had died.
+    #[error("{0}")]
+    Stuck(String),
+}
+
+/// Runs `workload` on clusters made by `start` (a new one after each restart).
+pub fn drive(
+    workload: &Workload,
+    config: &DriverConfig,
+    start: &mut dyn FnMut() -> Result<Cluster, ClusterError>,
+    injector: &mut dyn Injector,
+) -> Result<Run, DriveError> {
+    let started = Instant::now();
+    let mut cluster = start()?;
+    let mut run = Run { tokens: vec![Vec::new(); workload.prompts.len()], ..Run::default() };
+    let (mut step, mut failures) = (0u64, 0u32);
+    let mut failing_since: Option<Instant> = None;
+    'rounds: loop {
+        for request in 0..workload.prompts.len() {
+            if run.tokens[request].len() == workload.new_tokens as usize {
+                continue;
+            }
+            injector.before_step(step, &mut cluster)?;
+            let sent = Instant::now();
+            let result = next_token(&mut cluster, workload, &run.tokens, request);
+            step += 1;
+            let error = match result {
+                Ok(token) => {
+                    run.deliver(request, token);
+                    failures = 0;
+                    failing_since = None;
+                    continue;
+                }
+                Err(e) => e,
+            };
+            let first_failure = *failing_since.get_or_insert(sent);
+            let Some((stage, what)) = cluster.detect(config.detect_patience) else {
+                if let Some(sidecar) = cluster.orphaned_engine() {
+                    return Err(DriveError::Stuck(format!("sidecar {sidecar} died while its engine lives")));
+                }
+                run.repeated_steps += 1;
+                failures += 1;
+                if failures > config.retries {
+                    return Err(DriveError::Stuck(format!(
+                        "{failures} attempts at a step failed with no stage dead: {error}"
+                    )));
+                }
+                // The next round sends this request's step again.
+                continue;
+            };
+            let detected = Instant::now();
+            let mut record = RecoveryRecord {
+                stage,
+                what,
+                step,
+                detection: detected - first_failure,
+                restore: Duration::ZERO,
+                resume: Duration::ZERO,
+                recomputed: 0,
+            };
+            failures = 0;
+            failing_since = None;
+            match config.on_failure {
+                OnFailure::Recover => {
+                    let sequences: Vec<Sequence<'_>> = (0..workload.prompts.len())
+                        .map(|i| Sequence {
+                            seat: workload.seat(i),
+                            prompt: &workload.prompts[i],
+                            generated: &run.tokens[i],
+                        })
+                        .collect();
+                    record.recomputed = cluster.recover(stage, what, &sequences)?;
+                    let restored = Instant::now();
+                    record.restore = restored - detected;
+                    record.recomputed += 1;
+                    let token = next_token(&mut cluster, workload, &run.tokens, request)?;
+                    step += 1;
+                    run.deliver(request, token);
+                    record.resume = restored.elapsed();
+                    run.recoveries.push(record);
+                }
+                OnFailure::Restart => {
+                    record.recomputed = run.tokens.iter().map(|t| t.len() as u64).sum();
+                    drop(cluster);
+                    cluster = start()?;
+                    run.tokens.iter_mut().for_each(Vec::clear);
+                    record.restore = detected.elapsed();
+                    run.recoveries.push(record);
+                    continue 'rounds;
+                }
+            }
+        }
+        if run.tokens.iter().all(|t| t.len() == workload.new_tokens as usize) {
+            break;
+        }
+    }
+    run.elapsed = started.elapsed();
+    Ok(run)
+}
+
+/// Runs request `request`'s next step: its prompt, or its last token.
+fn next_token(
+    cluster: &mut Cluster,
+    workload: &Workload,
+    tokens: &[Vec<u32>],
+    request: usize,
+) -> Result<u32, ProcessError> {
+    let seat = workload.seat(request);
+    let prompt = &workload.prompts[request];
+    match tokens[request].last() {
+        None => cluster.remote.run(seat, prompt, 0),
+        Some(&token) => cluster.remote.run(seat, &[token], (prompt.len() + tokens[request].len()) as u32 - 1),
+    }
+}
+
+impl Run {
+    fn deliver(&mut self, request: usize, token: u32) {
+        let index = self.tokens[request].len() as u32;
+        self.tokens[request].push(token);
+        self.deliveries.push(Delivery { request: request as u32, index, token });
+    }
+}
