@@ -10,12 +10,14 @@ use super::error::PeerError;
 use super::transport::Transport;
 use crate::chunk::{ChunkDescriptor, ChunkKey};
 use crate::store::{ChunkStore, StoreError};
+use crate::wire::ErrorCode;
 
 /// A [`ChunkStore`] whose chunks live on a [`super::PeerServer`]: remote flush and fetch.
 ///
 /// Its calls block the calling thread on `runtime`; call them from outside the runtime's worker
-/// threads (the streamer thread, a plain thread). A request cut off by a broken connection is
-/// retried once on a new connection: puts and gets are idempotent.
+/// threads (the streamer thread, a plain thread). A request cut off by a broken connection, or a
+/// put whose chunk the peer found corrupted on arrival, is tried once more: puts and gets are
+/// idempotent.
 pub struct PeerStore {
     client: PeerClient,
     runtime: Handle,
@@ -41,7 +43,9 @@ impl PeerStore {
 impl ChunkStore for PeerStore {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         let result = match self.runtime.block_on(self.client.put(descriptor, payload)) {
-            Err(PeerError::ConnectionLost(_)) => self.runtime.block_on(self.client.put(descriptor, payload)),
+            Err(PeerError::ConnectionLost(_) | PeerError::Refused { code: ErrorCode::BadChunk, .. }) => {
+                self.runtime.block_on(self.client.put(descriptor, payload))
+            }
             other => other,
         };
         result.map_err(StoreError::from)

@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener};
 use std::ops::Range;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -15,7 +16,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use thiserror::Error;
 
-use crate::heartbeat::{Monitor, Role};
+use crate::heartbeat::Monitor;
+pub use crate::heartbeat::Role;
 use crate::pipeline::Seat;
 use crate::process::{ProcessError, RemotePipeline};
 
@@ -78,6 +80,40 @@ impl Proc {
         if unsafe { libc::kill(pid, signal) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
+        Ok(())
+    }
+
+    /// Stops it (`SIGSTOP`) and resumes it (`SIGCONT`) after `pause`, from a thread of its own,
+    /// unless it has been killed by then. The resume goes through a pidfd opened while the child
+    /// is known to be alive, so it can never reach another process that reused the pid.
+    pub fn pause(&mut self, pause: Duration) -> std::io::Result<()> {
+        if self.child.try_wait()?.is_some() {
+            return Ok(());
+        }
+        let pid = self.child.id() as libc::pid_t;
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; the child
+        // is not reaped yet (checked above, and only this handle reaps it), so `pid` is this child.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: the descriptor was just returned by pidfd_open and is owned by nobody else.
+        let pidfd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+        self.signal(libc::SIGSTOP)?;
+        std::thread::Builder::new().name("resume".into()).spawn(move || {
+            std::thread::sleep(pause);
+            // SAFETY: pidfd_send_signal with a valid pidfd, a signal number, no siginfo and no
+            // flags; a process that died meanwhile makes it fail with ESRCH, which is fine.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    pidfd.as_raw_fd(),
+                    libc::SIGCONT,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                )
+            };
+        })?;
         Ok(())
     }
 
@@ -359,15 +395,25 @@ impl Cluster {
         Ok(())
     }
 
-    /// Sends `signal` to stage `stage`'s engine or sidecar (a pause with `SIGSTOP`, a resume with
-    /// `SIGCONT`); a process already dead is left alone.
-    pub fn signal(&mut self, stage: usize, role: Role, signal: i32) -> Result<(), ClusterError> {
+    /// Stage `stage`'s engine or sidecar.
+    fn process(&mut self, stage: usize, role: Role) -> Result<&mut Proc, ClusterError> {
         let proc = match role {
             Role::Engine => self.stages.get_mut(stage),
             Role::Sidecar => self.sidecars.get_mut(stage).map(|(proc, _)| proc),
         };
-        let proc = proc.ok_or_else(|| ClusterError::Invalid(format!("no {role:?} {stage}")))?;
-        Ok(proc.signal(signal)?)
+        proc.ok_or_else(|| ClusterError::Invalid(format!("no {role:?} {stage}")))
+    }
+
+    /// Sends `signal` to stage `stage`'s engine or sidecar; a process already dead is left alone.
+    pub fn signal(&mut self, stage: usize, role: Role, signal: i32) -> Result<(), ClusterError> {
+        Ok(self.process(stage, role)?.signal(signal)?)
+    }
+
+    /// Stops stage `stage`'s engine or sidecar for `pause` (see [`Proc::pause`]): shorter than the
+    /// heartbeat timeout it is a slow process, longer it is declared dead and replaced (and killed,
+    /// so it cannot come back).
+    pub fn pause(&mut self, stage: usize, role: Role, pause: Duration) -> Result<(), ClusterError> {
+        Ok(self.process(stage, role)?.pause(pause)?)
     }
 
     /// The first stage whose engine has fallen silent, and whether its sidecar has too.

@@ -104,6 +104,8 @@ pub struct Delivery {
     pub index: u32,
     /// The token.
     pub token: u32,
+    /// The step that produced it.
+    pub step: u64,
 }
 
 /// One recovery (or, with [`OnFailure::Restart`], one restart).
@@ -178,7 +180,7 @@ pub fn drive(
             step += 1;
             let error = match result {
                 Ok(token) => {
-                    run.deliver(request, token);
+                    run.deliver(request, token, step - 1);
                     failures = 0;
                     failing_since = None;
                     continue;
@@ -204,7 +206,7 @@ pub fn drive(
             let mut record = RecoveryRecord {
                 stage,
                 what,
-                step,
+                step: step - 1,
                 detection: detected - first_failure,
                 restore: Duration::ZERO,
                 resume: Duration::ZERO,
@@ -226,8 +228,8 @@ pub fn drive(
                     record.restore = restored - detected;
                     record.recomputed += 1;
                     let token = next_token(&mut cluster, workload, &run.tokens, request)?;
+                    run.deliver(request, token, step);
                     step += 1;
-                    run.deliver(request, token);
                     record.resume = restored.elapsed();
                     run.recoveries.push(record);
                 }
@@ -266,9 +268,9 @@ fn next_token(
 }
 
 impl Run {
-    fn deliver(&mut self, request: usize, token: u32) {
+    fn deliver(&mut self, request: usize, token: u32, step: u64) {
         let index = self.tokens[request].len() as u32;
         self.tokens[request].push(token);
-        self.deliveries.push(Delivery { request: request as u32, index, token });
+        self.deliveries.push(Delivery { request: request as u32, index, token, step });
     }
 }

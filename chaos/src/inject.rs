@@ -1,0 +1,189 @@
+//! The fault plan of a run (the scheduled faults and those drawn from the seed, by step) and the
+//! injector that carries it out on a cluster before each step, recording what it did and when.
+
+use std::time::{Duration, Instant};
+
+use dejavu_engine::cluster::{Cluster, ClusterError, Kill, Link, Role};
+use dejavu_engine::driver::{Injector, OnFailure};
+use serde::Serialize;
+
+use crate::proxy::{NetFault, Proxies};
+use crate::rng::SplitMix;
+use crate::scenario::{Fault, FaultKind, LinkKind, Scenario};
+
+/// A fault and the step it comes before.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PlannedFault {
+    /// The step.
+    pub step: u64,
+    /// The fault.
+    pub fault: Fault,
+}
+
+/// The faults of a scenario with `seed`, by step: the scheduled ones, and for each of `steps`
+/// steps one drawn with the random rate (process faults at least `min_gap_steps` apart).
+pub fn plan(scenario: &Scenario, seed: u64, steps: u64) -> Vec<PlannedFault> {
+    let mut faults: Vec<PlannedFault> =
+        scenario.faults.iter().map(|f| PlannedFault { step: f.at_step, fault: f.fault() }).collect();
+    if let Some(random) = &scenario.random {
+        let mut rng = SplitMix::new(seed);
+        let stages = scenario.cluster.stages as u64;
+        let mut last_process_fault: Option<u64> = None;
+        for step in 0..steps {
+            if !rng.chance(random.rate) {
+                continue;
+            }
+            let kind = random.kinds[rng.below(random.kinds.len() as u64) as usize];
+            if kind.is_process_fault() && last_process_fault.is_some_and(|s| step - s < random.min_gap_steps)
+            {
+                continue;
+            }
+            let link = if rng.chance(0.5) { LinkKind::Activation } else { LinkKind::Replica };
+            // The last stage's activations go to the driver, not over a cluster link.
+            let senders =
+                if !kind.is_process_fault() && link == LinkKind::Activation { stages - 1 } else { stages };
+            let stage = rng.below(senders) as u32;
+            if kind.is_process_fault() {
+                last_process_fault = Some(step);
+            }
+            let fault = Fault {
+                kind,
+                stage,
+                link,
+                duration_ms: random.duration_ms,
+                delay_ms: 5,
+                jitter_ms: 5,
+                bytes_per_s: 1 << 20,
+            };
+            faults.push(PlannedFault { step, fault });
+        }
+    }
+    faults.sort_by_key(|f| f.step);
+    faults
+}
+
+/// A fault as it was carried out.
+#[derive(Clone, Debug, Serialize)]
+pub struct Injected {
+    /// The step it came before.
+    pub step: u64,
+    /// Milliseconds from the run's start.
+    pub at_ms: f64,
+    /// The fault.
+    pub fault: Fault,
+    /// How it was carried out, when not as planned (in a restart-from-scratch run there are no
+    /// sidecars and no replica links).
+    pub note: Option<String>,
+}
+
+/// Carries out a plan before each step.
+pub struct ChaosInjector<'a> {
+    plan: &'a [PlannedFault],
+    next: usize,
+    proxies: &'a Proxies,
+    on_failure: OnFailure,
+    started: Instant,
+    /// What was done, in order.
+    pub injected: Vec<Injected>,
+}
+
+impl<'a> ChaosInjector<'a> {
+    /// An injector of `plan` through `proxies`, for a run that recovers or restarts.
+    pub fn new(plan: &'a [PlannedFault], proxies: &'a Proxies, on_failure: OnFailure) -> Self {
+        Self { plan, next: 0, proxies, on_failure, started: Instant::now(), injected: Vec::new() }
+    }
+
+    fn apply(&mut self, step: u64, fault: Fault, cluster: &mut Cluster) -> Result<(), ClusterError> {
+        let stage = fault.stage as usize;
+        let lasting = Duration::from_millis(fault.duration_ms);
+        let mut note = None;
+        let link = match fault.link {
+            LinkKind::Activation => Link::Activation { from: fault.stage },
+            LinkKind::Replica => Link::Replica { from: fault.stage },
+        };
+        let restarting = self.on_failure == OnFailure::Restart;
+        match fault.kind {
+            FaultKind::KillEngine => cluster.kill(stage, Kill::Engine)?,
+            FaultKind::KillWorker if restarting => {
+                note = Some("no sidecars without replication: the engine alone".to_owned());
+                cluster.kill(stage, Kill::Engine)?;
+            }
+            FaultKind::KillWorker => cluster.kill(stage, Kill::Worker)?,
+            FaultKind::PauseEngine => cluster.pause(stage, Role::Engine, lasting)?,
+            _ if restarting && fault.link == LinkKind::Replica => {
+                note = Some("no replica links without replication: skipped".to_owned());
+            }
+            kind => self.proxies.inject(link, net_fault(kind, &fault, lasting)),
+        }
+        self.injected.push(Injected { step, at_ms: self.started.elapsed().as_secs_f64() * 1e3, fault, note });
+        Ok(())
+    }
+}
+
+fn net_fault(kind: FaultKind, fault: &Fault, lasting: Duration) -> NetFault {
+    match kind {
+        FaultKind::Delay => NetFault::Delay {
+            delay: Duration::from_millis(fault.delay_ms),
+            jitter: Duration::from_millis(fault.jitter_ms),
+            lasting,
+        },
+        FaultKind::Bandwidth => NetFault::Bandwidth { bytes_per_s: fault.bytes_per_s, lasting },
+        FaultKind::Partition => NetFault::Stall { both: true, lasting },
+        FaultKind::OneWayPartition => NetFault::Stall { both: false, lasting },
+        FaultKind::Reset => NetFault::Reset,
+        FaultKind::Corrupt => NetFault::Corrupt,
+        FaultKind::Truncate => NetFault::Truncate,
+        FaultKind::KillEngine | FaultKind::KillWorker | FaultKind::PauseEngine => {
+            unreachable!("process faults are not network faults")
+        }
+    }
+}
+
+impl Injector for ChaosInjector<'_> {
+    fn before_step(&mut self, step: u64, cluster: &mut Cluster) -> Result<(), ClusterError> {
+        while let Some(&planned) = self.plan.get(self.next).filter(|p| p.step <= step) {
+            self.next += 1;
+            self.apply(step, planned.fault, cluster)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SCENARIO: &str = r#"
+        name = "t"
+        [cluster]
+        stages = 3
+        [[fault]]
+        at_step = 5
+        kind = "kill-worker"
+        stage = 1
+        [random]
+        rate = 0.3
+        kinds = ["kill-engine", "reset", "corrupt"]
+        min_gap_steps = 4
+    "#;
+
+    #[test]
+    fn a_plan_is_reproducible_from_its_seed_and_keeps_its_rules() {
+        let scenario = Scenario::parse(SCENARIO).unwrap();
+        let plan = super::plan(&scenario, 9, 200);
+        assert_eq!(plan, super::plan(&scenario, 9, 200));
+        assert_ne!(plan, super::plan(&scenario, 10, 200));
+        assert!(plan.windows(2).all(|w| w[0].step <= w[1].step));
+        assert!(plan.iter().any(|p| p.step == 5 && p.fault.kind == FaultKind::KillWorker));
+        for p in &plan {
+            assert!(p.fault.stage < 3);
+            if p.fault.link == LinkKind::Activation && !p.fault.kind.is_process_fault() {
+                assert!(p.fault.stage < 2, "no activation link out of the last stage");
+            }
+        }
+        let kills: Vec<u64> =
+            plan.iter().filter(|p| p.fault.kind == FaultKind::KillEngine).map(|p| p.step).collect();
+        assert!(kills.len() > 3);
+        assert!(kills.windows(2).all(|w| w[1] - w[0] >= 4));
+    }
+}

@@ -1,0 +1,78 @@
+//! `dejavu-chaos`: runs chaos scenarios against real DéjàVu processes.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use dejavu_chaos::{Options, Scenario};
+use dejavu_engine::cli::{SidecarArgs, StageArgs};
+
+/// Chaos harness: real multi-process DéjàVu clusters under injected faults, invariants checked.
+/// Exits with 1 when an invariant was violated, 2 when the scenario or the harness failed.
+#[derive(Debug, Parser)]
+#[command(name = "dejavu-chaos", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a scenario (a TOML file; see chaos/scenarios and docs/operations.md).
+    Run {
+        /// The scenario file.
+        scenario: PathBuf,
+        /// Seed for the random faults (overrides the scenario's).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Print the report as JSON (with every fault injected) instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// The executable to start stage and sidecar processes with (`dejavud`); by default this
+        /// harness's own binary, which has the same subcommands.
+        #[arg(long)]
+        exe: Option<PathBuf>,
+    },
+    /// One stage of the reference engine (started by `run`).
+    #[command(hide = true)]
+    Stage(StageArgs),
+    /// A stage's sidecar (started by `run`).
+    #[command(hide = true)]
+    Sidecar(SidecarArgs),
+}
+
+fn main() -> ExitCode {
+    let failed = |e: String| {
+        eprintln!("dejavu-chaos: {e}");
+        ExitCode::from(2)
+    };
+    match Cli::parse().command {
+        Command::Run { scenario, seed, json, exe } => {
+            let scenario = match Scenario::load(&scenario) {
+                Ok(s) => s,
+                Err(e) => return failed(e.to_string()),
+            };
+            let exe = match exe.map_or_else(std::env::current_exe, Ok) {
+                Ok(exe) => exe,
+                Err(e) => return failed(format!("cannot find this executable: {e}")),
+            };
+            let report =
+                match dejavu_chaos::run(&scenario, &Options { seed, exe }, |line| eprintln!("  {line}")) {
+                    Ok(report) => report,
+                    Err(e) => return failed(e.to_string()),
+                };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report).expect("a report serializes"));
+            } else {
+                print!("{}", report.to_text());
+            }
+            if report.passed {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Command::Stage(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
+        Command::Sidecar(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
+    }
+}

@@ -1,0 +1,288 @@
+//! What a chaos run reports: per fault class what was injected, survived and violated; recovery
+//! times as percentiles; recompute, slowdowns, false detections; as a table or JSON.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use dejavu_engine::driver::{RecoveryRecord, Run};
+use serde::Serialize;
+
+use crate::check::Violation;
+use crate::inject::Injected;
+use crate::scenario::FaultKind;
+
+/// Percentiles of a set of durations, in milliseconds (nearest rank).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Percentiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+impl Percentiles {
+    /// Of `values` (all zeros when empty).
+    pub fn of(values: impl IntoIterator<Item = Duration>) -> Self {
+        let mut ms: Vec<f64> = values.into_iter().map(|d| d.as_secs_f64() * 1e3).collect();
+        if ms.is_empty() {
+            return Self::default();
+        }
+        ms.sort_by(f64::total_cmp);
+        let rank = |p: f64| ms[((p * ms.len() as f64).ceil() as usize).clamp(1, ms.len()) - 1];
+        Self { p50: rank(0.50), p90: rank(0.90), p99: rank(0.99), max: ms[ms.len() - 1] }
+    }
+}
+
+/// One fault class.
+#[derive(Clone, Debug, Serialize)]
+pub struct ClassRow {
+    /// The class.
+    pub class: FaultKind,
+    /// Faults of this class injected.
+    pub injected: u64,
+    /// Of those, how many no violation was blamed on.
+    pub survived: u64,
+    /// Of those, how many a violation was blamed on.
+    pub violated: u64,
+}
+
+/// A violation and the fault it is blamed on (the last one injected at or before its step).
+#[derive(Clone, Debug, Serialize)]
+pub struct Blamed {
+    /// The violation.
+    #[serde(flatten)]
+    pub violation: Violation,
+    /// The fault class blamed, if any fault came before it.
+    pub blamed: Option<FaultKind>,
+}
+
+/// Everything a chaos run found.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// The scenario's name.
+    pub scenario: String,
+    /// The seed of its random faults (rerun with `--seed` to reproduce a violation).
+    pub seed: u64,
+    /// Pipeline stages.
+    pub stages: u32,
+    /// Tokens generated per run.
+    pub tokens: u64,
+    /// Per fault class.
+    pub classes: Vec<ClassRow>,
+    /// Recoveries carried out.
+    pub recoveries: usize,
+    /// From the failed step to the dead stage named.
+    pub detection_ms: Percentiles,
+    /// From detection to the KV restored and the lagging steps recomputed.
+    pub restore_ms: Percentiles,
+    /// Running the interrupted step again.
+    pub resume_ms: Percentiles,
+    /// The three together.
+    pub recovery_ms: Percentiles,
+    /// Steps recomputed per failure, mean.
+    pub recomputed_mean: f64,
+    /// Steps recomputed per failure, most.
+    pub recomputed_max: u64,
+    /// Steps the copies lacked at a failure (the replication lag), most.
+    pub replication_lag_max: u64,
+    /// Recoveries of a stage no fault had hit since its last recovery.
+    pub false_detections: u64,
+    /// Steps sent again because a link lost them (no stage died).
+    pub repeated_steps: u64,
+    /// Failure-free run, seconds.
+    pub failure_free_s: f64,
+    /// The run with faults, recovered, seconds.
+    pub with_faults_s: f64,
+    /// The same faults with restart from scratch, seconds (when that baseline ran).
+    pub restart_s: Option<f64>,
+    /// Every violation.
+    pub violations: Vec<Blamed>,
+    /// Every fault carried out in the run with recovery.
+    pub injected: Vec<Injected>,
+    /// Whether no invariant was violated.
+    pub passed: bool,
+}
+
+/// The fault blamed for something seen at `step`: the last one injected at or before it (with no
+/// step, the last one injected).
+fn blame(injected: &[Injected], step: Option<u64>) -> Option<&Injected> {
+    injected.iter().rev().find(|i| step.is_none_or(|s| i.step <= s))
+}
+
+/// Recoveries of a stage that no kill or pause (not yet answered by a recovery) had hit.
+fn false_detections(recoveries: &[RecoveryRecord], injected: &[Injected]) -> u64 {
+    let mut answered = vec![false; injected.len()];
+    let mut false_ones = 0;
+    for r in recoveries {
+        let cause = injected.iter().enumerate().position(|(i, f)| {
+            !answered[i]
+                && f.fault.kind.is_process_fault()
+                && f.fault.stage as usize == r.stage
+                && f.step <= r.step
+        });
+        match cause {
+            Some(i) => answered[i] = true,
+            None => false_ones += 1,
+        }
+    }
+    false_ones
+}
+
+/// The runs of one scenario.
+pub struct Runs<'a> {
+    /// The failure-free reference.
+    pub reference: &'a Run,
+    /// The run with faults and recovery (`Err` with why it did not finish).
+    pub faulty: Result<&'a Run, String>,
+    /// What was injected into it.
+    pub injected: Vec<Injected>,
+    /// The restart-from-scratch baseline, if it ran and finished.
+    pub restart: Option<&'a Run>,
+}
+
+impl Report {
+    /// Assembles the report of `runs` and their `violations`.
+    pub fn new(scenario: &str, seed: u64, stages: u32, runs: Runs<'_>, violations: Vec<Violation>) -> Self {
+        let empty = Run::default();
+        let faulty = runs.faulty.as_ref().copied().unwrap_or(&empty);
+        let recoveries = &faulty.recoveries;
+        let blamed: Vec<Blamed> = violations
+            .into_iter()
+            .map(|violation| {
+                let blamed = blame(&runs.injected, violation.step).map(|i| i.fault.kind);
+                Blamed { violation, blamed }
+            })
+            .collect();
+        let classes = FaultKind::ALL
+            .iter()
+            .filter_map(|&class| {
+                let injected = runs.injected.iter().filter(|i| i.fault.kind == class).count() as u64;
+                let violated =
+                    (blamed.iter().filter(|b| b.blamed == Some(class)).count() as u64).min(injected);
+                (injected > 0).then_some(ClassRow {
+                    class,
+                    injected,
+                    survived: injected - violated,
+                    violated,
+                })
+            })
+            .collect();
+        let recomputed: Vec<u64> = recoveries.iter().map(|r| r.recomputed).collect();
+        Self {
+            scenario: scenario.to_owned(),
+            seed,
+            stages,
+            tokens: runs.reference.deliveries.len() as u64,
+            classes,
+            recoveries: recoveries.len(),
+            detection_ms: Percentiles::of(recoveries.iter().map(|r| r.detection)),
+            restore_ms: Percentiles::of(recoveries.iter().map(|r| r.restore)),
+            resume_ms: Percentiles::of(recoveries.iter().map(|r| r.resume)),
+            recovery_ms: Percentiles::of(recoveries.iter().map(|r| r.detection + r.restore + r.resume)),
+            recomputed_mean: if recomputed.is_empty() {
+                0.0
+            } else {
+                recomputed.iter().sum::<u64>() as f64 / recomputed.len() as f64
+            },
+            recomputed_max: recomputed.iter().copied().max().unwrap_or(0),
+            // Every recovery runs the interrupted step again; the rest is what the copies lacked.
+            replication_lag_max: recomputed.iter().map(|r| r.saturating_sub(1)).max().unwrap_or(0),
+            false_detections: false_detections(recoveries, &runs.injected),
+            repeated_steps: faulty.repeated_steps,
+            failure_free_s: runs.reference.elapsed.as_secs_f64(),
+            with_faults_s: faulty.elapsed.as_secs_f64(),
+            restart_s: runs.restart.map(|r| r.elapsed.as_secs_f64()),
+            passed: blamed.is_empty(),
+            violations: blamed,
+            injected: runs.injected,
+        }
+    }
+
+    /// The report as a table.
+    pub fn to_text(&self) -> String {
+        let mut t = String::new();
+        let _ = writeln!(
+            t,
+            "scenario {:?}, seed {}, {} stages, {} tokens",
+            self.scenario, self.seed, self.stages, self.tokens
+        );
+        let _ = writeln!(t, "\n{:<20} {:>9} {:>9} {:>9}", "fault class", "injected", "survived", "violated");
+        for row in &self.classes {
+            let _ = writeln!(
+                t,
+                "{:<20} {:>9} {:>9} {:>9}",
+                row.class.name(),
+                row.injected,
+                row.survived,
+                row.violated
+            );
+        }
+        let p = |p: &Percentiles| format!("{:8.1} {:8.1} {:8.1} {:8.1}", p.p50, p.p90, p.p99, p.max);
+        let _ = writeln!(t, "\nrecoveries: {}", self.recoveries);
+        let _ = writeln!(t, "{:<20} {:>8} {:>8} {:>8} {:>8}", "ms", "p50", "p90", "p99", "max");
+        let _ = writeln!(t, "{:<20} {}", "detection", p(&self.detection_ms));
+        let _ = writeln!(t, "{:<20} {}", "restore", p(&self.restore_ms));
+        let _ = writeln!(t, "{:<20} {}", "resume", p(&self.resume_ms));
+        let _ = writeln!(t, "{:<20} {}", "total", p(&self.recovery_ms));
+        let _ = writeln!(
+            t,
+            "\nsteps recomputed per failure: mean {:.1}, max {} (replication lag at a failure: max {} steps)",
+            self.recomputed_mean, self.recomputed_max, self.replication_lag_max
+        );
+        let _ = writeln!(
+            t,
+            "false failure detections: {}; steps sent again after a lost frame: {}",
+            self.false_detections, self.repeated_steps
+        );
+        let slowdown = self.with_faults_s / self.failure_free_s;
+        let _ = write!(
+            t,
+            "time: failure-free {:.2} s, with faults and recovery {:.2} s ({slowdown:.2}x)",
+            self.failure_free_s, self.with_faults_s
+        );
+        match self.restart_s {
+            Some(r) => {
+                let _ = writeln!(
+                    t,
+                    ", with faults and restart from scratch {r:.2} s ({:.2}x)",
+                    r / self.failure_free_s
+                );
+            }
+            None => t.push('\n'),
+        }
+        if self.violations.is_empty() {
+            let _ = writeln!(t, "\nno invariant violated");
+        } else {
+            let _ = writeln!(t, "\n{} VIOLATIONS (seed {}):", self.violations.len(), self.seed);
+            for b in &self.violations {
+                let _ = writeln!(
+                    t,
+                    "  {}: {} (step {}, blamed on {})",
+                    b.violation.invariant,
+                    b.violation.detail,
+                    b.violation.step.map_or("?".into(), |s| s.to_string()),
+                    b.blamed.map_or("no fault", FaultKind::name)
+                );
+            }
+        }
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_by_nearest_rank() {
+        let p = Percentiles::of((1..=100).map(Duration::from_millis));
+        assert_eq!((p.p50, p.p90, p.p99, p.max), (50.0, 90.0, 99.0, 100.0));
+        let one = Percentiles::of([Duration::from_millis(7)]);
+        assert_eq!((one.p50, one.max), (7.0, 7.0));
+        assert_eq!(Percentiles::of([]).max, 0.0);
+    }
+}

@@ -1,0 +1,383 @@
+//! Scenarios: a cluster shape, a workload and faults, read from TOML.
+//!
+//! ```toml
+//! name = "short mixed"
+//! seed = 7
+//!
+//! [cluster]
+//! stages = 4
+//!
+//! [workload]
+//! requests = 4
+//! new_tokens = 40
+//!
+//! [[fault]]             # scheduled: before step 30, stage 2's engine and sidecar are SIGKILLed
+//! at_step = 30
+//! kind = "kill-worker"
+//! stage = 2
+//!
+//! [random]              # drawn from the seed: a fault before each step with this probability
+//! rate = 0.02
+//! kinds = ["kill-engine", "reset", "delay"]
+//! ```
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// A scenario that cannot run, with what is wrong in words.
+#[derive(Debug, Error)]
+#[error("{0}")]
+pub struct ScenarioError(pub String);
+
+/// Everything a chaos run needs.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Its name, for reports.
+    pub name: String,
+    /// The seed random faults are drawn from (`--seed` overrides it).
+    #[serde(default = "defaults::seed")]
+    pub seed: u64,
+    /// The cluster.
+    #[serde(default)]
+    pub cluster: ClusterShape,
+    /// The requests.
+    #[serde(default)]
+    pub workload: WorkloadShape,
+    /// Faults at given steps.
+    #[serde(default, rename = "fault")]
+    pub faults: Vec<ScheduledFault>,
+    /// Faults drawn from the seed.
+    #[serde(default)]
+    pub random: Option<RandomFaults>,
+    /// The bounds the checkers hold the run to.
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+/// The cluster: a pipeline of the reference model, each stage an engine process with a sidecar
+/// process, on loopback, a fault-injecting proxy on every link between them.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterShape {
+    /// Pipeline stages (2 to 8; the model's 8 layers are split evenly).
+    pub stages: u32,
+    /// Milliseconds between heartbeats; a process silent for three is dead.
+    pub heartbeat_ms: u64,
+    /// A step with no answer after this many milliseconds makes the driver look for a dead stage.
+    pub deadline_ms: u64,
+    /// For testing the checkers only: stages skip their replicas while claiming to keep them.
+    pub test_only_sabotage_replicas: bool,
+}
+
+impl Default for ClusterShape {
+    fn default() -> Self {
+        Self { stages: 4, heartbeat_ms: 100, deadline_ms: 300, test_only_sabotage_replicas: false }
+    }
+}
+
+/// The requests.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkloadShape {
+    /// Requests (4 per microbatch).
+    pub requests: u32,
+    /// Prompt tokens per request.
+    pub prompt_tokens: u32,
+    /// Tokens generated per request.
+    pub new_tokens: u32,
+}
+
+impl Default for WorkloadShape {
+    fn default() -> Self {
+        Self { requests: 4, prompt_tokens: 16, new_tokens: 32 }
+    }
+}
+
+/// What a fault does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FaultKind {
+    /// SIGKILL a stage's engine; its sidecar keeps the local copy of its KV.
+    KillEngine,
+    /// SIGKILL a stage's engine and sidecar; its KV comes back from its successor's sidecar.
+    KillWorker,
+    /// SIGSTOP a stage's engine for `duration_ms`, then SIGCONT (longer than the heartbeat timeout:
+    /// declared dead, fenced and replaced).
+    PauseEngine,
+    /// Add `delay_ms` plus up to `jitter_ms` to every write on a link, for `duration_ms`.
+    Delay,
+    /// Limit a link to `bytes_per_s`, for `duration_ms`.
+    Bandwidth,
+    /// Hold all bytes on a link in both directions for `duration_ms` (a two-way partition, or a
+    /// stall).
+    Partition,
+    /// Hold the bytes going towards the link's target for `duration_ms` (one-way).
+    OneWayPartition,
+    /// Close every connection on a link at once.
+    Reset,
+    /// Flip one byte in the next write on a link (below the framing layer).
+    Corrupt,
+    /// Forward half of the next write on a link, then close the connection.
+    Truncate,
+}
+
+impl FaultKind {
+    /// Every kind, in report order.
+    pub const ALL: [FaultKind; 10] = [
+        FaultKind::KillEngine,
+        FaultKind::KillWorker,
+        FaultKind::PauseEngine,
+        FaultKind::Delay,
+        FaultKind::Bandwidth,
+        FaultKind::Partition,
+        FaultKind::OneWayPartition,
+        FaultKind::Reset,
+        FaultKind::Corrupt,
+        FaultKind::Truncate,
+    ];
+
+    /// Whether it acts on a process (the others act on a link).
+    pub fn is_process_fault(self) -> bool {
+        matches!(self, FaultKind::KillEngine | FaultKind::KillWorker | FaultKind::PauseEngine)
+    }
+
+    /// Its name in scenarios and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::KillEngine => "kill-engine",
+            FaultKind::KillWorker => "kill-worker",
+            FaultKind::PauseEngine => "pause-engine",
+            FaultKind::Delay => "delay",
+            FaultKind::Bandwidth => "bandwidth",
+            FaultKind::Partition => "partition",
+            FaultKind::OneWayPartition => "one-way-partition",
+            FaultKind::Reset => "reset",
+            FaultKind::Corrupt => "corrupt",
+            FaultKind::Truncate => "truncate",
+        }
+    }
+}
+
+/// Which link of a stage a network fault acts on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LinkKind {
+    /// Activations from the stage to the next one.
+    #[default]
+    Activation,
+    /// KV copies from the stage to its ring successor's sidecar.
+    Replica,
+}
+
+/// One fault.
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    /// What it does.
+    pub kind: FaultKind,
+    /// The stage it hits (for a network fault, the sending end of the link).
+    pub stage: u32,
+    /// For a network fault: which of the stage's links.
+    #[serde(default)]
+    pub link: LinkKind,
+    /// How long a pause, delay, bandwidth limit or partition lasts.
+    #[serde(default = "defaults::duration_ms")]
+    pub duration_ms: u64,
+    /// Added delay per write.
+    #[serde(default = "defaults::delay_ms")]
+    pub delay_ms: u64,
+    /// Up to this much more delay, drawn per write.
+    #[serde(default = "defaults::jitter_ms")]
+    pub jitter_ms: u64,
+    /// Bandwidth limit.
+    #[serde(default = "defaults::bytes_per_s")]
+    pub bytes_per_s: u64,
+}
+
+/// A fault before a given step.
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduledFault {
+    /// The step (counted from 0 over every step the driver sends) it comes before.
+    pub at_step: u64,
+    /// What it does.
+    pub kind: FaultKind,
+    /// The stage it hits.
+    pub stage: u32,
+    /// For a network fault: which link.
+    #[serde(default)]
+    pub link: LinkKind,
+    /// See [`Fault::duration_ms`].
+    #[serde(default = "defaults::duration_ms")]
+    pub duration_ms: u64,
+    /// See [`Fault::delay_ms`].
+    #[serde(default = "defaults::delay_ms")]
+    pub delay_ms: u64,
+    /// See [`Fault::jitter_ms`].
+    #[serde(default = "defaults::jitter_ms")]
+    pub jitter_ms: u64,
+    /// See [`Fault::bytes_per_s`].
+    #[serde(default = "defaults::bytes_per_s")]
+    pub bytes_per_s: u64,
+}
+
+impl ScheduledFault {
+    /// The fault itself.
+    pub fn fault(&self) -> Fault {
+        Fault {
+            kind: self.kind,
+            stage: self.stage,
+            link: self.link,
+            duration_ms: self.duration_ms,
+            delay_ms: self.delay_ms,
+            jitter_ms: self.jitter_ms,
+            bytes_per_s: self.bytes_per_s,
+        }
+    }
+}
+
+/// Faults drawn from the seed: before each step, one with probability `rate`, of a kind drawn from
+/// `kinds`, on a stage (and link) drawn uniformly.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RandomFaults {
+    /// Probability of a fault before each step.
+    pub rate: f64,
+    /// The kinds to draw from.
+    pub kinds: Vec<FaultKind>,
+    /// Steps at least between two process faults (each costs a recovery).
+    #[serde(default = "defaults::min_gap_steps")]
+    pub min_gap_steps: u64,
+    /// Duration of timed faults.
+    #[serde(default = "defaults::duration_ms")]
+    pub duration_ms: u64,
+}
+
+/// What the checkers hold a run to.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Steps one recovery may recompute at most: the replication lag the stages allow (the
+    /// streamer's queue of 64 plus the job in flight) plus the interrupted step.
+    pub max_recompute: u64,
+    /// Milliseconds from the failed step to the dead stage named.
+    pub max_detection_ms: u64,
+    /// Milliseconds from detection to the interrupted step done again.
+    pub max_recovery_ms: u64,
+    /// Failed attempts at one step with no stage dead before the run counts as stuck.
+    pub retries: u32,
+    /// Whether to also run the faults with restart-from-scratch instead of recovery, for the
+    /// slowdown comparison.
+    pub restart_baseline: bool,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_recompute: 66,
+            max_detection_ms: 2_000,
+            max_recovery_ms: 10_000,
+            retries: 8,
+            restart_baseline: true,
+        }
+    }
+}
+
+mod defaults {
+    pub fn seed() -> u64 {
+        1
+    }
+    pub fn duration_ms() -> u64 {
+        400
+    }
+    pub fn delay_ms() -> u64 {
+        5
+    }
+    pub fn jitter_ms() -> u64 {
+        5
+    }
+    pub fn bytes_per_s() -> u64 {
+        1 << 20
+    }
+    pub fn min_gap_steps() -> u64 {
+        10
+    }
+}
+
+impl Scenario {
+    /// Reads and checks a scenario file.
+    pub fn load(path: &Path) -> Result<Self, ScenarioError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ScenarioError(format!("cannot read {}: {e}", path.display())))?;
+        Self::parse(&text).map_err(|e| ScenarioError(format!("{}: {e}", path.display())))
+    }
+
+    /// Parses and checks a scenario.
+    pub fn parse(text: &str) -> Result<Self, ScenarioError> {
+        let scenario: Scenario = toml::from_str(text).map_err(|e| ScenarioError(e.message().to_owned()))?;
+        scenario.validate()?;
+        Ok(scenario)
+    }
+
+    /// Checks ranges and that every fault names a stage and link that exist.
+    pub fn validate(&self) -> Result<(), ScenarioError> {
+        let fail = |why: String| Err(ScenarioError(why));
+        let c = &self.cluster;
+        if !(2..=8).contains(&c.stages) {
+            return fail(format!("cluster.stages must be 2..=8, not {}", c.stages));
+        }
+        if c.heartbeat_ms == 0 || c.deadline_ms == 0 {
+            return fail("cluster.heartbeat_ms and cluster.deadline_ms must be positive".into());
+        }
+        let w = &self.workload;
+        if w.requests == 0 || w.prompt_tokens == 0 || w.new_tokens < 2 {
+            return fail(
+                "workload: requests and prompt_tokens must be positive, new_tokens at least 2".into(),
+            );
+        }
+        for f in &self.faults {
+            self.check_fault(&f.fault())
+                .or_else(|why| fail(format!("fault at step {}: {why}", f.at_step)))?;
+        }
+        if let Some(r) = &self.random {
+            if !(0.0..=1.0).contains(&r.rate) {
+                return fail(format!("random.rate must be in 0..=1, not {}", r.rate));
+            }
+            if r.kinds.is_empty() {
+                return fail("random.kinds is empty".into());
+            }
+        }
+        Ok(())
+    }
+
+    fn check_fault(&self, fault: &Fault) -> Result<(), String> {
+        let stages = self.cluster.stages;
+        if fault.stage >= stages {
+            return Err(format!("stage {} is not one of {stages}", fault.stage));
+        }
+        let timed = matches!(
+            fault.kind,
+            FaultKind::PauseEngine
+                | FaultKind::Delay
+                | FaultKind::Bandwidth
+                | FaultKind::Partition
+                | FaultKind::OneWayPartition
+        );
+        if timed && fault.duration_ms == 0 {
+            return Err(format!("{} needs a positive duration_ms", fault.kind.name()));
+        }
+        if fault.kind == FaultKind::Bandwidth && fault.bytes_per_s == 0 {
+            return Err("bandwidth needs a positive bytes_per_s".into());
+        }
+        if !fault.kind.is_process_fault() && fault.link == LinkKind::Activation && fault.stage + 1 == stages {
+            return Err(format!(
+                "the last stage ({}) sends its activations to the driver, not over a cluster link",
+                fault.stage
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,103 @@
+//! The harness end to end, with real processes: the shipped CI scenario survives every fault
+//! class; a deliberately broken build (replicas skipped while claimed) is caught; a bad scenario
+//! is refused with a clear message.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn chaos(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dejavu-chaos")).args(args).output().expect("run dejavu-chaos")
+}
+
+fn scenario(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios").join(name).display().to_string()
+}
+
+fn report(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!("no JSON report ({e}):\n{}", String::from_utf8_lossy(&out.stderr));
+    })
+}
+
+#[test]
+fn the_ci_scenario_survives_every_fault_class() {
+    let out = chaos(&["run", &scenario("ci-mixed.toml"), "--json"]);
+    let report = report(&out);
+    assert_eq!(out.status.code(), Some(0), "{report:#}");
+    assert_eq!(report["passed"], true);
+    let classes = report["classes"].as_array().unwrap();
+    assert_eq!(classes.len(), 10, "every fault class injected: {classes:#?}");
+    for class in classes {
+        assert!(class["injected"].as_u64().unwrap() >= 1);
+        assert_eq!(class["violated"], 0);
+    }
+    // Three faults kill or stop a process: three recoveries, none of them recomputing much.
+    assert_eq!(report["recoveries"], 3);
+    assert!(report["recomputed_max"].as_u64().unwrap() <= 66);
+    assert_eq!(report["false_detections"], 0);
+}
+
+#[test]
+fn a_build_that_loses_replicas_is_caught() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sabotaged.toml");
+    std::fs::write(
+        &path,
+        r#"
+name = "sabotaged replication"
+[cluster]
+stages = 3
+test_only_sabotage_replicas = true
+[workload]
+requests = 4
+prompt_tokens = 8
+new_tokens = 40
+[limits]
+restart_baseline = false
+[[fault]]
+at_step = 120
+kind = "kill-worker"
+stage = 1
+"#,
+    )
+    .unwrap();
+    let out = chaos(&["run", path.to_str().unwrap(), "--json"]);
+    let report = report(&out);
+    assert_eq!(out.status.code(), Some(1), "a violation exits with 1: {report:#}");
+    assert_eq!(report["passed"], false);
+    let violations = report["violations"].as_array().unwrap();
+    assert!(
+        violations.iter().any(|v| v["invariant"] == "bounded recompute" && v["blamed"] == "kill-worker"),
+        "{violations:#?}"
+    );
+    // Recomputing everything still gives the right tokens: only the recompute bound catches it.
+    assert!(violations.iter().all(|v| v["invariant"] != "bit-identical output"));
+}
+
+#[test]
+fn a_bad_scenario_is_refused_with_a_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("name = \"x\"\n[cluster]\nstages = 1\n", "cluster.stages must be 2..=8"),
+        (
+            "name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"explode\"\nstage = 0\n",
+            "unknown variant `explode`",
+        ),
+        (
+            "name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"reset\"\nstage = 3\n",
+            "sends its activations to the driver",
+        ),
+        ("name = \"x\"\nstages = 4\n", "unknown field `stages`"),
+    ];
+    for (i, (text, message)) in cases.iter().enumerate() {
+        let path = dir.path().join(format!("{i}.toml"));
+        std::fs::write(&path, text).unwrap();
+        let out = chaos(&["run", path.to_str().unwrap()]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(message), "{message:?} not in {stderr}");
+    }
+    let out = chaos(&["run", "/nonexistent/scenario.toml"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
+}
