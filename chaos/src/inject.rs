@@ -109,6 +109,12 @@ impl<'a> ChaosInjector<'a> {
                 cluster.kill(stage, Kill::Engine)?;
             }
             FaultKind::KillWorker => cluster.kill(stage, Kill::Worker)?,
+            FaultKind::KillAdjacent => {
+                let what = if restarting { Kill::Engine } else { Kill::Worker };
+                for hit in stages_hit(&fault, cluster.len() as u32) {
+                    cluster.kill(hit, what)?;
+                }
+            }
             FaultKind::PauseEngine => cluster.pause(stage, Role::Engine, lasting)?,
             _ if restarting && fault.link == LinkKind::Replica => {
                 note = Some("no replica links without replication: skipped".to_owned());
@@ -117,6 +123,14 @@ impl<'a> ChaosInjector<'a> {
         }
         self.injected.push(Injected { step, at_ms: self.started.elapsed().as_secs_f64() * 1e3, fault, note });
         Ok(())
+    }
+}
+
+/// The stages a process fault hits.
+pub fn stages_hit(fault: &Fault, stages: u32) -> Vec<usize> {
+    match fault.kind {
+        FaultKind::KillAdjacent => vec![fault.stage as usize, ((fault.stage + 1) % stages) as usize],
+        _ => vec![fault.stage as usize],
     }
 }
 
@@ -133,7 +147,7 @@ fn net_fault(kind: FaultKind, fault: &Fault, lasting: Duration) -> NetFault {
         FaultKind::Reset => NetFault::Reset,
         FaultKind::Corrupt => NetFault::Corrupt,
         FaultKind::Truncate => NetFault::Truncate,
-        FaultKind::KillEngine | FaultKind::KillWorker | FaultKind::PauseEngine => {
+        FaultKind::KillEngine | FaultKind::KillWorker | FaultKind::KillAdjacent | FaultKind::PauseEngine => {
             unreachable!("process faults are not network faults")
         }
     }

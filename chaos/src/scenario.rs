@@ -104,6 +104,9 @@ pub enum FaultKind {
     KillEngine,
     /// SIGKILL a stage's engine and sidecar; its KV comes back from its successor's sidecar.
     KillWorker,
+    /// SIGKILL the workers of a stage and of its ring successor together: the first's copies die
+    /// with the second, so the ring cannot restore it and its sequences are recomputed.
+    KillAdjacent,
     /// SIGSTOP a stage's engine for `duration_ms`, then SIGCONT (longer than the heartbeat timeout:
     /// declared dead, fenced and replaced).
     PauseEngine,
@@ -126,9 +129,10 @@ pub enum FaultKind {
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 10] = [
+    pub const ALL: [FaultKind; 11] = [
         FaultKind::KillEngine,
         FaultKind::KillWorker,
+        FaultKind::KillAdjacent,
         FaultKind::PauseEngine,
         FaultKind::Delay,
         FaultKind::Bandwidth,
@@ -141,7 +145,10 @@ impl FaultKind {
 
     /// Whether it acts on a process (the others act on a link).
     pub fn is_process_fault(self) -> bool {
-        matches!(self, FaultKind::KillEngine | FaultKind::KillWorker | FaultKind::PauseEngine)
+        matches!(
+            self,
+            FaultKind::KillEngine | FaultKind::KillWorker | FaultKind::KillAdjacent | FaultKind::PauseEngine
+        )
     }
 
     /// Its name in scenarios and reports.
@@ -149,6 +156,7 @@ impl FaultKind {
         match self {
             FaultKind::KillEngine => "kill-engine",
             FaultKind::KillWorker => "kill-worker",
+            FaultKind::KillAdjacent => "kill-adjacent",
             FaultKind::PauseEngine => "pause-engine",
             FaultKind::Delay => "delay",
             FaultKind::Bandwidth => "bandwidth",

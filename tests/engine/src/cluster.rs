@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use thiserror::Error;
@@ -416,23 +416,37 @@ impl Cluster {
         Ok(self.process(stage, role)?.pause(pause)?)
     }
 
-    /// The first stage whose engine has fallen silent, and whether its sidecar has too.
-    pub fn dead(&self) -> Option<(usize, Kill)> {
-        let stage = (0..self.len()).find(|&i| self.monitor.is_dead(Role::Engine, i as u32))?;
-        let sidecar_dead = self.config.replicate && self.monitor.is_dead(Role::Sidecar, stage as u32);
-        Some((stage, if sidecar_dead { Kill::Worker } else { Kill::Engine }))
+    /// Every stage whose engine has fallen silent, and whether its sidecar has too.
+    pub fn dead(&self) -> Vec<(usize, Kill)> {
+        (0..self.len())
+            .filter(|&i| self.monitor.is_dead(Role::Engine, i as u32))
+            .map(|stage| {
+                let sidecar_dead = self.config.replicate && self.monitor.is_dead(Role::Sidecar, stage as u32);
+                (stage, if sidecar_dead { Kill::Worker } else { Kill::Engine })
+            })
+            .collect()
     }
 
-    /// Waits at most `patience` for a dead stage to show (a heartbeat timeout takes a few
-    /// intervals), as [`Cluster::dead`] reports it.
-    pub fn detect(&self, patience: Duration) -> Option<(usize, Kill)> {
-        let start = std::time::Instant::now();
+    /// Waits at most `patience` for dead stages to show (a heartbeat timeout takes a few
+    /// intervals), as [`Cluster::dead`] reports them; empty if none did. Once one has, processes
+    /// that have been silent for half the timeout get the rest of it to beat again or be declared
+    /// dead too, so that workers that died together are recovered together.
+    pub fn detect(&self, patience: Duration) -> Vec<(usize, Kill)> {
+        let start = Instant::now();
+        let mut first: Option<Instant> = None;
         loop {
-            if let Some(dead) = self.dead() {
-                return Some(dead);
-            }
-            if start.elapsed() >= patience {
-                return None;
+            let dead = self.dead();
+            if !dead.is_empty() {
+                let since = *first.get_or_insert_with(Instant::now);
+                let dying = (0..self.len() as u32).any(|i| {
+                    let suspect = |role| self.monitor.is_suspect(role, i) && !self.monitor.is_dead(role, i);
+                    suspect(Role::Engine) || (self.config.replicate && suspect(Role::Sidecar))
+                });
+                if !dying || since.elapsed() >= self.config.heartbeat * 3 {
+                    return dead;
+                }
+            } else if start.elapsed() >= patience {
+                return dead;
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -445,75 +459,149 @@ impl Cluster {
         })
     }
 
-    /// Replaces dead stage `victim` and recovers every sequence on it:
-    ///
-    /// 1. the presumed-dead processes are killed (fenced), and a replacement sidecar starts if the
-    ///    old one died;
-    /// 2. a replacement engine starts and the chain is repaired around it;
-    /// 3. if the sidecar died, the predecessor replicates to the new one from now on, starting
-    ///    with each sequence's KV so far (before anything is recomputed, so the recomputed steps'
-    ///    copies land there too);
-    /// 4. the replacement restores each sequence's KV, from its own sidecar if that survived or
-    ///    from its successor's, and the steps the copy lacked are recomputed.
-    ///
-    /// Returns the steps recomputed.
+    /// Replaces dead stage `victim` and recovers every sequence on it; see
+    /// [`Cluster::recover_all`]. Returns the steps recomputed.
     pub fn recover(
         &mut self,
         victim: usize,
         what: Kill,
         sequences: &[Sequence<'_>],
     ) -> Result<u64, ClusterError> {
+        Ok(self.recover_all(&[(victim, what)], sequences)?.recomputed)
+    }
+
+    /// Replaces the dead stages `victims` and recovers every sequence on them:
+    ///
+    /// 1. the presumed-dead processes are killed (fenced), and replacement sidecars start for the
+    ///    ones that died;
+    /// 2. replacement engines start (the last first, so each knows where to send) and the chain is
+    ///    repaired around them;
+    /// 3. a live predecessor of a replaced sidecar replicates to the new one from now on, starting
+    ///    with each sequence's KV so far (before anything is recomputed, so the recomputed steps'
+    ///    copies land there too);
+    /// 4. each replacement restores each sequence's KV, from its own sidecar if that survived or
+    ///    from its successor's, and the steps the copies lacked are recomputed. When the successor
+    ///    died too (adjacent workers), that copy is gone: the ring cannot restore the stage, and
+    ///    its sequences are recomputed from their prompts ([`Recovered::copies_lost`] says so);
+    /// 5. a replaced predecessor of a replaced sidecar copies its restored KV there.
+    pub fn recover_all(
+        &mut self,
+        victims: &[(usize, Kill)],
+        sequences: &[Sequence<'_>],
+    ) -> Result<Recovered, ClusterError> {
         let n = self.len();
         if self.sidecars.is_empty() {
             return Err(ClusterError::Invalid("recovery needs replication".into()));
         }
-        let successor = (victim + 1) % n;
-        let index = victim as u32;
+        let mut victims = victims.to_vec();
+        victims.sort_by_key(|&(stage, _)| stage);
+        victims.dedup_by_key(|&mut (stage, _)| stage);
+        if victims.iter().any(|&(stage, _)| stage >= n) {
+            return Err(ClusterError::Invalid(format!("no such stage in {victims:?}")));
+        }
+        let died = |stage: usize, what: Kill| victims.contains(&(stage, what));
+        let replaced = |stage: usize| victims.iter().any(|&(s, _)| s == stage);
+        let silent = |role: Role, index: usize| {
+            ClusterError::Invalid(format!("the replacement {role:?} {index} sends no heartbeat"))
+        };
         // Fencing: a process presumed dead may only be slow; make sure it is gone before its
         // replacement takes its place.
-        let _ = self.stages[victim].kill();
-        let silent =
-            |role| ClusterError::Invalid(format!("the replacement {role:?} {index} sends no heartbeat"));
-        if what == Kill::Worker {
-            let _ = self.sidecars[victim].0.kill();
+        for &(victim, what) in &victims {
+            let _ = self.stages[victim].kill();
+            if what == Kill::Worker {
+                let _ = self.sidecars[victim].0.kill();
+            }
+        }
+        for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
             let args = Self::sidecar_args(&self.config, &self.monitor, victim);
             self.sidecars[victim] = spawn(&self.config.exe, &args, "a replacement sidecar", START)?;
-            if !self.monitor.wait_alive(Role::Sidecar, index, START) {
-                return Err(silent(Role::Sidecar));
+            if !self.monitor.wait_alive(Role::Sidecar, victim as u32, START) {
+                return Err(silent(Role::Sidecar, victim));
             }
         }
-        let last = victim + 1 == n;
-        let next = if last { self.driver } else { self.addrs[victim + 1] };
-        let copies = Self::copies(&self.sidecars, victim);
-        let args = Self::stage_args(&self.config, &self.monitor, copies, victim, next);
-        let (proc, addr) = spawn(&self.config.exe, &args, "a replacement stage", START)?;
-        self.stages[victim] = proc;
-        self.addrs[victim] = addr;
-        if !self.monitor.wait_alive(Role::Engine, index, START) {
-            return Err(silent(Role::Engine));
-        }
-        let reach =
-            if victim == 0 { addr } else { self.config.route(Link::Activation { from: index - 1 }, addr) };
-        self.remote.replace(index, reach, last)?;
-        let from = match what {
-            Kill::Engine => None,
-            Kill::Worker => {
-                let predecessor = ((victim + n - 1) % n) as u32;
-                let new_sidecar =
-                    self.config.route(Link::Replica { from: predecessor }, self.sidecars[victim].1);
-                for s in sequences.iter().filter(|s| !s.generated.is_empty()) {
-                    let (prompt_len, kv_tokens) = s.kv();
-                    self.remote.replicate_to(predecessor, s.seat, prompt_len, kv_tokens, new_sidecar)?;
-                }
-                // Retarget even when no sequence has started.
-                self.remote.replicate_to(predecessor, Seat { microbatch: 0, slot: 0 }, 0, 0, new_sidecar)?;
-                Some(self.config.route(Link::Replica { from: index }, self.sidecars[successor].1))
+        for &(victim, _) in victims.iter().rev() {
+            let next = if victim + 1 == n { self.driver } else { self.addrs[victim + 1] };
+            let copies = Self::copies(&self.sidecars, victim);
+            let args = Self::stage_args(&self.config, &self.monitor, copies, victim, next);
+            let (proc, addr) = spawn(&self.config.exe, &args, "a replacement stage", START)?;
+            self.stages[victim] = proc;
+            self.addrs[victim] = addr;
+            if !self.monitor.wait_alive(Role::Engine, victim as u32, START) {
+                return Err(silent(Role::Engine, victim));
             }
-        };
+        }
+        let reachable: Vec<(u32, SocketAddr)> = victims
+            .iter()
+            .map(|&(victim, _)| {
+                let (index, addr) = (victim as u32, self.addrs[victim]);
+                let reach = if victim == 0 {
+                    addr
+                } else {
+                    self.config.route(Link::Activation { from: index - 1 }, addr)
+                };
+                (index, reach)
+            })
+            .collect();
+        self.remote.replace_all(&reachable, replaced(n - 1))?;
+        // Where each replaced sidecar's replica comes from: its predecessor, now or once restored.
+        let mut copy_later = Vec::new();
+        for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
+            let predecessor = (victim + n - 1) % n;
+            let to = self.config.route(Link::Replica { from: predecessor as u32 }, self.sidecars[victim].1);
+            if replaced(predecessor) {
+                copy_later.push((predecessor, to));
+            } else {
+                self.copy_kv_to(predecessor, to, sequences)?;
+            }
+        }
+        let mut copies_lost = Vec::new();
+        let sources: Vec<(u32, Option<SocketAddr>)> = victims
+            .iter()
+            .map(|&(victim, what)| {
+                let from = (what == Kill::Worker).then(|| {
+                    let successor = (victim + 1) % n;
+                    if died(successor, Kill::Worker) {
+                        copies_lost.push(victim);
+                    }
+                    self.config.route(Link::Replica { from: victim as u32 }, self.sidecars[successor].1)
+                });
+                (victim as u32, from)
+            })
+            .collect();
         let mut recomputed = 0;
         for s in sequences {
-            recomputed += self.remote.recover(&[victim as u32], s.seat, s.prompt, s.generated, from)?;
+            recomputed += self.remote.recover(&sources, s.seat, s.prompt, s.generated)?;
         }
-        Ok(recomputed)
+        for (predecessor, to) in copy_later {
+            self.copy_kv_to(predecessor, to, sequences)?;
+        }
+        Ok(Recovered { recomputed, copies_lost })
     }
+
+    /// Makes stage `stage` replicate to the sidecar at `to` from now on, starting with every
+    /// sequence's KV so far.
+    fn copy_kv_to(
+        &mut self,
+        stage: usize,
+        to: SocketAddr,
+        sequences: &[Sequence<'_>],
+    ) -> Result<(), ClusterError> {
+        for s in sequences.iter().filter(|s| !s.generated.is_empty()) {
+            let (prompt_len, kv_tokens) = s.kv();
+            self.remote.replicate_to(stage as u32, s.seat, prompt_len, kv_tokens, to)?;
+        }
+        // Retarget even when no sequence has started.
+        self.remote.replicate_to(stage as u32, Seat { microbatch: 0, slot: 0 }, 0, 0, to)?;
+        Ok(())
+    }
+}
+
+/// What a recovery did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Recovered {
+    /// Steps recomputed (the replication lag, summed over the sequences).
+    pub recomputed: u64,
+    /// Replaced stages whose copies died with them (their successor's worker died too): their
+    /// sequences were recomputed from the prompt, as the ring cannot restore them.
+    pub copies_lost: Vec<usize>,
 }

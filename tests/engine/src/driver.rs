@@ -111,10 +111,10 @@ pub struct Delivery {
 /// One recovery (or, with [`OnFailure::Restart`], one restart).
 #[derive(Clone, Debug)]
 pub struct RecoveryRecord {
-    /// The stage that died.
-    pub stage: usize,
-    /// What of it died.
-    pub what: Kill,
+    /// The stages that died, and what of each.
+    pub victims: Vec<(usize, Kill)>,
+    /// Stages whose copies died with them (adjacent workers): recomputed from the prompts.
+    pub copies_lost: Vec<usize>,
     /// The step that failed.
     pub step: u64,
     /// From sending the step that failed to the monitor naming the dead stage.
@@ -188,7 +188,8 @@ pub fn drive(
                 Err(e) => e,
             };
             let first_failure = *failing_since.get_or_insert(sent);
-            let Some((stage, what)) = cluster.detect(config.detect_patience) else {
+            let victims = cluster.detect(config.detect_patience);
+            if victims.is_empty() {
                 if let Some(sidecar) = cluster.orphaned_engine() {
                     return Err(DriveError::Stuck(format!("sidecar {sidecar} died while its engine lives")));
                 }
@@ -201,11 +202,11 @@ pub fn drive(
                 }
                 // The next round sends this request's step again.
                 continue;
-            };
+            }
             let detected = Instant::now();
             let mut record = RecoveryRecord {
-                stage,
-                what,
+                victims,
+                copies_lost: Vec::new(),
                 step: step - 1,
                 detection: detected - first_failure,
                 restore: Duration::ZERO,
@@ -223,7 +224,9 @@ pub fn drive(
                             generated: &run.tokens[i],
                         })
                         .collect();
-                    record.recomputed = cluster.recover(stage, what, &sequences)?;
+                    let recovered = cluster.recover_all(&record.victims, &sequences)?;
+                    record.recomputed = recovered.recomputed;
+                    record.copies_lost = recovered.copies_lost;
                     let restored = Instant::now();
                     record.restore = restored - detected;
                     record.recomputed += 1;

@@ -79,6 +79,11 @@ impl Monitor {
         self.seen.lock().get(&(role, index)).is_none_or(|last| last.elapsed() >= self.timeout)
     }
 
+    /// Whether (`role`, `index`) has been silent for half the timeout or more: perhaps dying.
+    pub fn is_suspect(&self, role: Role, index: u32) -> bool {
+        self.seen.lock().get(&(role, index)).is_none_or(|last| last.elapsed() >= self.timeout / 2)
+    }
+
     /// Forgets (`role`, `index`), so that its replacement counts as alive only once it beats.
     pub fn forget(&self, role: Role, index: u32) {
         self.seen.lock().remove(&(role, index));

@@ -662,17 +662,16 @@ impl RemotePipeline {
         Ok(())
     }
 
-    /// Recovers one sequence on replaced `stages`: restores their KV from the sidecar at `from` (or
-    /// each stage's own), then recomputes the steps that copy lacked (the replication lag;
-    /// recomputing a step rewrites the same KV everywhere), checking that they give the tokens
-    /// already generated. Returns the number of steps recomputed.
+    /// Recovers one sequence on replaced stages: restores each stage's KV from the sidecar its
+    /// `sources` entry names (`None`: the stage's own), then recomputes the steps the copies
+    /// lacked (the replication lag; recomputing a step rewrites the same KV everywhere), checking
+    /// that they give the tokens already generated. Returns the number of steps recomputed.
     pub fn recover(
         &mut self,
-        stages: &[u32],
+        sources: &[(u32, Option<SocketAddr>)],
         seat: Seat,
         prompt: &[u32],
         generated: &[u32],
-        from: Option<SocketAddr>,
     ) -> Result<u64, ProcessError> {
         if generated.is_empty() {
             return Ok(0);
@@ -681,7 +680,7 @@ impl RemotePipeline {
         // KV exists for the prompt and every generated token but the last.
         let needed = prompt_len + generated.len() as u32 - 1;
         let mut restored = needed;
-        for &stage in stages {
+        for &(stage, from) in sources {
             restored = restored.min(self.restore(stage, seat, prompt_len, needed, from)?);
         }
         let mut recomputed = 0;
@@ -710,18 +709,38 @@ impl RemotePipeline {
     /// the driver takes the replacement's connection). Returns once a frame has gone all the way
     /// round.
     pub fn replace(&mut self, stage: u32, addr: SocketAddr, last: bool) -> Result<(), ProcessError> {
-        let request = if stage == 0 {
+        self.replace_all(&[(stage, addr)], last)
+    }
+
+    /// Repairs the chain after several stages were replaced at once (`replaced`: each stage and
+    /// its replacement's address, `last_replaced`: whether the last stage is among them), in the
+    /// only order that works: the driver connects to a new first stage, then each rewire travels
+    /// the chain, then the driver takes a new last stage's connection, then every reply is awaited.
+    pub fn replace_all(
+        &mut self,
+        replaced: &[(u32, SocketAddr)],
+        last_replaced: bool,
+    ) -> Result<(), ProcessError> {
+        let mut requests = Vec::new();
+        if let Some(&(_, addr)) = replaced.iter().find(|(stage, _)| *stage == 0) {
             self.to_first = BufWriter::new(connect(addr, Duration::from_secs(30))?);
-            // No predecessor to rewire: a probe addressed to no stage proves the chain whole.
-            self.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?
-        } else {
+        }
+        // Each rewire takes effect at its stage before it is passed on, so it goes round the
+        // repaired chain; a probe sent before the rewires would be lost at a stale link.
+        for &(stage, addr) in replaced.iter().filter(|(stage, _)| *stage != 0) {
             let payload = control_payload(OP_REWIRE, stage - 1, addr.to_string().as_bytes());
-            self.write(Kind::Control, [NO_STAGE; 4], &payload)?
-        };
-        if last {
+            requests.push(self.write(Kind::Control, [NO_STAGE; 4], &payload)?);
+        }
+        if requests.is_empty() {
+            // Only the first stage was replaced: a probe addressed to no stage proves the chain.
+            requests.push(self.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?);
+        }
+        if last_replaced {
             self.replies = read_replies(accept_within(&self.results, self.control_deadline)?);
         }
-        self.reply(request, self.control_deadline)?;
+        for request in requests {
+            self.reply(request, self.control_deadline)?;
+        }
         Ok(())
     }
 }
