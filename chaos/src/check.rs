@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use dejavu_engine::driver::{RecoveryRecord, Run};
+use dejavu_engine::driver::{Delivery, Run};
 use serde::Serialize;
 
 use crate::scenario::Limits;
@@ -19,28 +19,32 @@ pub struct Violation {
     pub step: Option<u64>,
 }
 
-/// Every violation in `run` (or in its failure to finish), judged against `reference`.
-pub fn check(reference: &Run, run: Result<&Run, String>, limits: &Limits) -> Vec<Violation> {
-    let run = match run {
-        Ok(run) => run,
-        Err(why) => {
-            return vec![Violation { invariant: "run completes", detail: why, step: None }];
-        }
-    };
+/// Every violation in `run`, judged against `reference`; `failure` says why the run stopped early,
+/// if it did (what it delivered until then is still checked).
+pub fn check(reference: &Run, run: &Run, failure: Option<&str>, limits: &Limits) -> Vec<Violation> {
     let mut violations = Vec::new();
-    output_is_identical(reference, run, &mut violations);
+    if let Some(why) = failure {
+        // The run broke after the last step it recorded: blame what came before that.
+        let last = run.deliveries.iter().map(|d| d.step).chain(run.recoveries.iter().map(|r| r.step)).max();
+        violations.push(Violation {
+            invariant: "run completes",
+            detail: why.to_owned(),
+            step: Some(last.map_or(0, |s| s + 1)),
+        });
+    }
+    output_is_identical(reference, run, failure.is_some(), &mut violations);
     each_position_delivered_once(run, &mut violations);
     recompute_is_bounded(run, limits, &mut violations);
     recovery_is_bounded(run, limits, &mut violations);
     violations
 }
 
-/// Bit-identical output: every request's tokens equal the reference's.
-fn output_is_identical(reference: &Run, run: &Run, out: &mut Vec<Violation>) {
+/// Bit-identical output: every request's tokens equal the reference's (of a run that stopped
+/// early, the tokens it delivered).
+fn output_is_identical(reference: &Run, run: &Run, stopped_early: bool, out: &mut Vec<Violation>) {
     for (request, (got, want)) in run.tokens.iter().zip(&reference.tokens).enumerate() {
-        let Some(index) = (0..got.len().max(want.len())).find(|&i| got.get(i) != want.get(i)) else {
-            continue;
-        };
+        let compared = if stopped_early { got.len() } else { got.len().max(want.len()) };
+        let Some(index) = (0..compared).find(|&i| got.get(i) != want.get(i)) else { continue };
         let step = run
             .deliveries
             .iter()
@@ -65,46 +69,53 @@ fn output_is_identical(reference: &Run, run: &Run, out: &mut Vec<Violation>) {
     }
 }
 
-/// Exactly-once delivery: each request's tokens were delivered once each, in order.
+/// Exactly-once delivery, from what the last stage reported with each token: all of a request's
+/// tokens come from one sequence slot that no other request uses, and each step extended that
+/// sequence's KV by exactly one position past the previous delivery's (a position computed twice
+/// and delivered twice, or skipped, breaks the chain).
 fn each_position_delivered_once(run: &Run, out: &mut Vec<Violation>) {
-    let mut next = vec![0u32; run.tokens.len()];
+    let mut last: Vec<Option<&Delivery>> = vec![None; run.tokens.len()];
+    let mut owner = std::collections::HashMap::new();
     for d in &run.deliveries {
-        let Some(expected) = next.get_mut(d.request as usize) else {
-            out.push(Violation {
-                invariant: "exactly-once delivery",
-                detail: format!("a token for request {} that does not exist", d.request),
-                step: Some(d.step),
-            });
+        let mut fail = |detail: String| {
+            out.push(Violation { invariant: "exactly-once delivery", detail, step: Some(d.step) });
+        };
+        let Some(previous) = last.get_mut(d.request as usize) else {
+            fail(format!("a token for request {}, which does not exist", d.request));
             continue;
         };
-        if d.index != *expected {
-            out.push(Violation {
-                invariant: "exactly-once delivery",
-                detail: format!(
-                    "request {}: position {} delivered where {} was next",
-                    d.request, d.index, expected
-                ),
-                step: Some(d.step),
-            });
+        let seat = (d.seat.microbatch, d.seat.slot);
+        if let Some(other) = owner.insert(seat, d.request).filter(|&o| o != d.request) {
+            fail(format!("requests {other} and {} both got tokens from slot {seat:?}", d.request));
         }
-        *expected = d.index + 1;
+        if let Some(p) = previous.filter(|p| d.kv_end != p.kv_end + 1) {
+            fail(format!(
+                "request {}: a token computed through position {} after one through {}",
+                d.request, d.kv_end, p.kv_end
+            ));
+        }
+        *previous = Some(d);
     }
 }
 
-/// Bounded recompute: no recovery recomputes more than the replication lag allows, except one
-/// that lost a stage's copies with its ring successor (adjacent workers): the ring cannot restore
-/// that, and the recovery says it recomputed from the prompts instead.
+/// Bounded recompute: for every victim of a recovery, the steps its copies lacked, plus the
+/// interrupted step, within what replication allows; except a victim whose copies died with its
+/// ring successor (adjacent workers), which the ring cannot restore and the recovery reports.
 fn recompute_is_bounded(run: &Run, limits: &Limits, out: &mut Vec<Violation>) {
-    let over = |r: &&RecoveryRecord| r.recomputed > limits.max_recompute && r.copies_lost.is_empty();
-    for r in run.recoveries.iter().filter(over) {
-        out.push(Violation {
-            invariant: "bounded recompute",
-            detail: format!(
-                "recovering {:?} recomputed {} steps, more than the {} replication allows",
-                r.victims, r.recomputed, limits.max_recompute
-            ),
-            step: Some(r.step),
-        });
+    for r in &run.recoveries {
+        for &(stage, lag) in r.lag.iter().filter(|(stage, _)| !r.copies_lost.contains(stage)) {
+            if lag + 1 > limits.max_recompute {
+                out.push(Violation {
+                    invariant: "bounded recompute",
+                    detail: format!(
+                        "stage {stage}'s copies lacked {lag} steps at a failure of {:?}; replication allows {}",
+                        r.victims,
+                        limits.max_recompute - 1
+                    ),
+                    step: Some(r.step),
+                });
+            }
+        }
     }
 }
 
@@ -133,10 +144,12 @@ fn recovery_is_bounded(run: &Run, limits: &Limits, out: &mut Vec<Violation>) {
 #[cfg(test)]
 mod tests {
     use dejavu_engine::cluster::Kill;
-    use dejavu_engine::driver::Delivery;
+    use dejavu_engine::driver::RecoveryRecord;
+    use dejavu_engine::Seat;
 
     use super::*;
 
+    /// A run that delivered `tokens`, request `r` in slot `r`, prompts of 4 tokens.
     fn run(tokens: &[&[u32]]) -> Run {
         let mut run = Run { tokens: tokens.iter().map(|t| t.to_vec()).collect(), ..Run::default() };
         let mut step = 0;
@@ -144,7 +157,8 @@ mod tests {
             for (request, t) in tokens.iter().enumerate() {
                 if let Some(&token) = t.get(index) {
                     let (request, index) = (request as u32, index as u32);
-                    run.deliveries.push(Delivery { request, index, token, step });
+                    let seat = Seat { microbatch: 0, slot: request };
+                    run.deliveries.push(Delivery { request, index, token, step, seat, kv_end: 4 + index });
                     step += 1;
                 }
             }
@@ -152,15 +166,16 @@ mod tests {
         run
     }
 
-    fn recovery(recomputed: u64, detection_ms: u64) -> RecoveryRecord {
+    fn recovery(lag: u64, detection_ms: u64) -> RecoveryRecord {
         RecoveryRecord {
             victims: vec![(1, Kill::Worker)],
             copies_lost: Vec::new(),
+            lag: vec![(1, lag)],
             step: 3,
             detection: Duration::from_millis(detection_ms),
             restore: Duration::from_millis(50),
             resume: Duration::from_millis(1),
-            recomputed,
+            recomputed: lag + 1,
         }
     }
 
@@ -169,41 +184,61 @@ mod tests {
         let reference = run(&[&[1, 2, 3], &[4, 5, 6]]);
         let mut same = reference.clone();
         same.recoveries.push(recovery(2, 300));
-        assert_eq!(check(&reference, Ok(&same), &Limits::default()), vec![]);
+        assert_eq!(check(&reference, &same, None, &Limits::default()), vec![]);
     }
 
     #[test]
     fn each_invariant_can_fail() {
         let reference = run(&[&[1, 2, 3], &[4, 5, 6]]);
         let limits = Limits::default();
+        // The invariants broken, each named once.
         let invariants = |r: &Run| -> Vec<&str> {
-            check(&reference, Ok(r), &limits).iter().map(|v| v.invariant).collect()
+            let mut names: Vec<&str> =
+                check(&reference, r, None, &limits).iter().map(|v| v.invariant).collect();
+            names.dedup();
+            names
         };
-
         let wrong = run(&[&[1, 2, 3], &[4, 9, 6]]);
-        let found = check(&reference, Ok(&wrong), &limits);
+        let found = check(&reference, &wrong, None, &limits);
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].invariant, "bit-identical output");
         assert_eq!(found[0].step, Some(3), "blamed on the step that delivered it");
 
+        // A position computed and delivered twice, and one skipped.
         let mut twice = reference.clone();
-        let again = twice.deliveries[0];
-        twice.deliveries.push(again);
+        twice.deliveries[2].kv_end -= 1;
         assert_eq!(invariants(&twice), ["exactly-once delivery"]);
+        let mut skipped = reference.clone();
+        skipped.deliveries[4].kv_end += 1;
+        assert_eq!(invariants(&skipped), ["exactly-once delivery"]);
+        // Two requests answered from one slot.
+        let mut shared = reference.clone();
+        shared.deliveries[1].seat.slot = 0;
+        assert_eq!(invariants(&shared), ["exactly-once delivery"]);
 
         let mut lagging = reference.clone();
-        lagging.recoveries.push(recovery(limits.max_recompute + 1, 300));
+        lagging.recoveries.push(recovery(limits.max_recompute, 300));
         assert_eq!(invariants(&lagging), ["bounded recompute"]);
-        // Unless the copies died too, which the recovery says.
-        lagging.recoveries[0].victims.push((2, Kill::Worker));
-        lagging.recoveries[0].copies_lost.push(1);
+        // Unless that stage's copies died with its successor, which the recovery says; the
+        // successor itself is still held to the bound.
+        let r = &mut lagging.recoveries[0];
+        r.victims.push((2, Kill::Worker));
+        r.copies_lost.push(1);
+        r.lag.push((2, 3));
         assert!(invariants(&lagging).is_empty());
+        lagging.recoveries[0].lag[1].1 = limits.max_recompute;
+        assert_eq!(invariants(&lagging), ["bounded recompute"]);
 
         let mut slow = reference.clone();
         slow.recoveries.push(recovery(1, limits.max_detection_ms + 1));
         assert_eq!(invariants(&slow), ["bounded recovery"]);
 
-        let failed = check(&reference, Err("stuck".into()), &limits);
-        assert_eq!(failed[0].invariant, "run completes");
+        let mut cut = run(&[&[1, 2], &[4, 5]]);
+        let failed = check(&reference, &cut, Some("stuck"), &limits);
+        assert_eq!(failed.iter().map(|v| v.invariant).collect::<Vec<_>>(), ["run completes"]);
+        assert_eq!(failed[0].step, Some(4), "after the last step it recorded");
+        cut.tokens[1][1] = 7;
+        let failed = check(&reference, &cut, Some("stuck"), &limits);
+        assert_eq!(failed[1].invariant, "bit-identical output", "what it delivered is still checked");
     }
 }

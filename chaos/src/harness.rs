@@ -4,14 +4,14 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError};
-use dejavu_engine::driver::{drive, no_faults, DriveError, DriverConfig, OnFailure, Workload};
+use dejavu_engine::cluster::{Cluster, ClusterConfig};
+use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
 use dejavu_engine::ModelConfig;
 
 use crate::check::{check, Violation};
-use crate::inject::{plan, ChaosInjector};
+use crate::inject::{plan, ChaosInjector, Injected, PlannedFault};
 use crate::proxy::Proxies;
 use crate::report::{Report, Runs};
 use crate::scenario::Scenario;
@@ -26,50 +26,39 @@ pub struct Options {
 }
 
 /// Runs `scenario`, reporting progress through `say`. An error means the harness itself could not
-/// run (a cluster that never started); faults that break the cluster are violations in the report.
-pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) -> Result<Report, DriveError> {
+/// run (the failure-free reference did not finish); faults that break the cluster are violations
+/// in the report.
+pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) -> Result<Report, Failed> {
     let seed = options.seed.unwrap_or(scenario.seed);
     let model = ModelConfig::reference();
     let w = &scenario.workload;
     let workload = Workload::synthetic(w.requests, w.prompt_tokens, w.new_tokens, 4, model.vocab);
     let faults = plan(scenario, seed, workload.steps());
-    let driver = |on_failure| DriverConfig {
-        on_failure,
-        detect_patience: Duration::from_millis(scenario.cluster.heartbeat_ms * 6),
-        retries: scenario.limits.retries,
-    };
     let mut leaks = Vec::new();
+    let baseline = Resources::now();
 
     say("failure-free reference run...");
-    let proxies = Arc::new(Proxies::new(seed));
-    let config = cluster_config(scenario, options, &workload, &proxies, true);
-    let reference = drive(&workload, &driver(OnFailure::Recover), &mut starter(&config), &mut no_faults)?;
-    drop(proxies);
-    leaks.extend(leaked("the failure-free run"));
+    let (reference, _) = one_run(scenario, options, &workload, &[], OnFailure::Recover);
+    let reference = reference?;
+    leaks.extend(baseline.leaked_by("the failure-free run"));
 
     say(&format!("run with {} faults, recovered...", faults.len()));
-    let proxies = Arc::new(Proxies::new(seed));
-    let mut config = cluster_config(scenario, options, &workload, &proxies, true);
-    config.sabotage_replicas = scenario.cluster.test_only_sabotage_replicas;
-    let mut injector = ChaosInjector::new(&faults, &proxies, OnFailure::Recover);
-    let faulty = drive(&workload, &driver(OnFailure::Recover), &mut starter(&config), &mut injector);
-    let injected = injector.injected;
-    drop(proxies);
-    leaks.extend(leaked("the run with faults"));
+    let (faulty, injected) = one_run(scenario, options, &workload, &faults, OnFailure::Recover);
+    leaks.extend(baseline.leaked_by("the run with faults"));
 
     let restart =
         if scenario.limits.restart_baseline && faults.iter().any(|f| f.fault.kind.is_process_fault()) {
             say("the same faults, restarted from scratch...");
-            let proxies = Arc::new(Proxies::new(seed));
-            let config = cluster_config(scenario, options, &workload, &proxies, false);
-            let mut injector = ChaosInjector::new(&faults, &proxies, OnFailure::Restart);
-            let restart = drive(&workload, &driver(OnFailure::Restart), &mut starter(&config), &mut injector);
-            drop(proxies);
-            leaks.extend(leaked("the restart baseline"));
+            let (restart, _) = one_run(scenario, options, &workload, &faults, OnFailure::Restart);
+            leaks.extend(baseline.leaked_by("the restart baseline"));
             match restart {
                 Ok(run) => Some(run),
                 Err(e) => {
-                    say(&format!("the restart baseline did not finish: {e}"));
+                    leaks.push(Violation {
+                        invariant: "run completes",
+                        detail: format!("the restart-from-scratch baseline did not finish: {e}"),
+                        step: None,
+                    });
                     None
                 }
             }
@@ -77,11 +66,39 @@ pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) ->
             None
         };
 
-    let faulty_result = faulty.as_ref().map_err(|e| e.to_string());
-    let mut violations = check(&reference, faulty_result.clone(), &scenario.limits);
+    let (faulty, failure) = match faulty {
+        Ok(run) => (run, None),
+        Err(Failed { error, run }) => (*run, Some(error.to_string())),
+    };
+    let mut violations = check(&reference, &faulty, failure.as_deref(), &scenario.limits);
+    // Findings about the harness's runs as a whole carry no step: no fault is blamed for them.
     violations.extend(leaks);
-    let runs = Runs { reference: &reference, faulty: faulty_result, injected, restart: restart.as_ref() };
+    let runs = Runs { reference: &reference, faulty: &faulty, injected, restart: restart.as_ref() };
     Ok(Report::new(&scenario.name, seed, scenario.cluster.stages, runs, violations))
+}
+
+/// One run on fresh proxies and clusters, with `faults` (none for the reference); everything it
+/// started is gone when it returns.
+fn one_run(
+    scenario: &Scenario,
+    options: &Options,
+    workload: &Workload,
+    faults: &[PlannedFault],
+    on_failure: OnFailure,
+) -> (Result<Run, Failed>, Vec<Injected>) {
+    let proxies = Arc::new(Proxies::new(options.seed.unwrap_or(scenario.seed)));
+    let replicate = on_failure == OnFailure::Recover;
+    let mut config = cluster_config(scenario, options, workload, &proxies, replicate);
+    config.sabotage_replicas =
+        !faults.is_empty() && replicate && scenario.cluster.test_only_sabotage_replicas;
+    let driver = DriverConfig {
+        on_failure,
+        detect_patience: Duration::from_millis(scenario.cluster.heartbeat_ms * 6),
+        retries: scenario.limits.retries,
+    };
+    let mut injector = ChaosInjector::new(faults, &proxies, on_failure);
+    let result = drive(workload, &driver, &mut || Cluster::start(config.clone()), &mut injector);
+    (result, injector.injected)
 }
 
 fn cluster_config(
@@ -105,21 +122,46 @@ fn cluster_config(
     }
 }
 
-fn starter(config: &ClusterConfig) -> impl FnMut() -> Result<Cluster, ClusterError> + '_ {
-    move || Cluster::start(config.clone())
+/// What a run must give back: child processes and open file descriptors (threads, sockets,
+/// pidfds, proxies).
+struct Resources {
+    descriptors: usize,
 }
 
-/// A violation for each child process still alive after a run's cluster was dropped.
-fn leaked(run: &str) -> Vec<Violation> {
-    let children = children_of(std::process::id());
-    if children.is_empty() {
-        return Vec::new();
+impl Resources {
+    fn now() -> Self {
+        Self { descriptors: open_descriptors() }
     }
-    vec![Violation {
-        invariant: "no leaks",
-        detail: format!("{} processes left behind by {run}: {children:?}", children.len()),
-        step: None,
-    }]
+
+    /// A violation if, after a run, child processes are still alive or this process holds more
+    /// descriptors than before it (given a second for the threads that close them to notice).
+    fn leaked_by(&self, run: &str) -> Option<Violation> {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        loop {
+            let (children, descriptors) = (children_of(std::process::id()), open_descriptors());
+            if children.is_empty() && descriptors <= self.descriptors {
+                return None;
+            }
+            if Instant::now() >= deadline {
+                return Some(Violation {
+                    invariant: "no leaks",
+                    detail: format!(
+                        "after {run}: {} child processes alive {children:?}, {descriptors} descriptors open \
+                         (before: {})",
+                        children.len(),
+                        self.descriptors
+                    ),
+                    step: None,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Descriptors this process has open.
+fn open_descriptors() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
 }
 
 /// The live (not zombie) children of process `parent`, from /proc.

@@ -95,8 +95,8 @@ struct Treatment {
 pub struct LinkState {
     faults: Mutex<Faults>,
     rng: Mutex<SplitMix>,
-    /// Both ends of every connection opened, to close on a reset.
-    connections: Mutex<Vec<TcpStream>>,
+    /// Both ends of every open connection, by number, to close on a reset.
+    connections: Mutex<HashMap<u64, [TcpStream; 2]>>,
     /// Counters.
     pub stats: LinkStats,
 }
@@ -126,10 +126,10 @@ impl LinkState {
             NetFault::Reset => {
                 drop(f);
                 let open = std::mem::take(&mut *self.connections.lock());
-                self.stats.reset.fetch_add(open.len() as u64 / 2, Ordering::Relaxed);
-                for stream in open {
+                self.stats.reset.fetch_add(open.len() as u64, Ordering::Relaxed);
+                open.values().flatten().for_each(|stream| {
                     let _ = stream.shutdown(Shutdown::Both);
-                }
+                });
             }
             NetFault::Corrupt => f.corrupt += 1,
             NetFault::Truncate => f.truncate += 1,
@@ -239,7 +239,7 @@ impl Drop for Proxies {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
         for state in self.shared.links.lock().values() {
-            for stream in state.connections.lock().drain(..) {
+            for stream in state.connections.lock().drain().flat_map(|(_, ends)| ends) {
                 let _ = stream.shutdown(Shutdown::Both);
             }
         }
@@ -267,15 +267,17 @@ fn accept_loop(listener: TcpListener, target: SocketAddr, shared: &Shared, state
             (|| Ok::<_, std::io::Error>((client.try_clone()?, server.try_clone()?, client.try_clone()?)))();
         let Ok((client_out, server_in, client_kept)) = clones else { continue };
         let Ok(server_kept) = server.try_clone() else { continue };
-        state.connections.lock().extend([client_kept, server_kept]);
-        state.stats.connections.fetch_add(1, Ordering::Relaxed);
+        let id = state.stats.connections.fetch_add(1, Ordering::Relaxed);
+        state.connections.lock().insert(id, [client_kept, server_kept]);
         for (from, to, direction) in
             [(client, server_in, Direction::Forward), (server, client_out, Direction::Backward)]
         {
             let state = state.clone();
-            let _ = std::thread::Builder::new()
-                .name("proxy pump".into())
-                .spawn(move || pump(from, to, direction, &state));
+            let _ = std::thread::Builder::new().name("proxy pump".into()).spawn(move || {
+                pump(from, to, direction, &state);
+                // The first pump to finish closes the connection; either may forget it.
+                state.connections.lock().remove(&id);
+            });
         }
     }
 }
@@ -348,7 +350,13 @@ mod tests {
         let mut s = TcpStream::connect(proxies.start(LINK, echo()).unwrap()).unwrap();
         let data: Vec<u8> = (0..200_000u32).map(|i| (i * 31 % 251) as u8).collect();
         assert_eq!(round_trip(&mut s, &data).unwrap(), data);
-        assert_eq!(proxies.link(LINK).stats.bytes.load(Ordering::Relaxed), 2 * data.len() as u64);
+        // The pumps count after each write, which may land after the echo is read back.
+        let counted = || proxies.link(LINK).stats.bytes.load(Ordering::Relaxed);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while counted() < 2 * data.len() as u64 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(counted(), 2 * data.len() as u64);
     }
 
     #[test]

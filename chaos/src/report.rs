@@ -50,7 +50,8 @@ pub struct ClassRow {
     pub violated: u64,
 }
 
-/// A violation and the fault it is blamed on (the last one injected at or before its step).
+/// A violation and the fault it is blamed on (the last one injected at or before its step; none
+/// for findings about a whole run, such as leaks).
 #[derive(Clone, Debug, Serialize)]
 pub struct Blamed {
     /// The violation.
@@ -87,8 +88,8 @@ pub struct Report {
     pub recomputed_mean: f64,
     /// Steps recomputed per failure, most.
     pub recomputed_max: u64,
-    /// Steps the copies lacked at a failure (the replication lag), most, over the recoveries whose
-    /// copies survived.
+    /// Steps a stage's copies lacked at a failure (its replication lag, summed over its
+    /// sequences), most, over the stages whose copies survived.
     pub replication_lag_max: u64,
     /// Recoveries of a stage no fault had hit since its last recovery.
     pub false_detections: u64,
@@ -111,10 +112,11 @@ pub struct Report {
     pub passed: bool,
 }
 
-/// The fault blamed for something seen at `step`: the last one injected at or before it (with no
-/// step, the last one injected).
-fn blame(injected: &[Injected], step: Option<u64>) -> Option<&Injected> {
-    injected.iter().rev().find(|i| step.is_none_or(|s| i.step <= s))
+/// The fault blamed for something seen at `step`: the last one injected at or before it, by its
+/// position among the faults injected (nothing is blamed for what has no step).
+fn blame(injected: &[Injected], step: Option<u64>) -> Option<usize> {
+    let step = step?;
+    injected.iter().rposition(|i| i.step <= step)
 }
 
 /// Stages recovered that no kill or pause (not yet answered by a recovery) had hit.
@@ -142,8 +144,8 @@ fn false_detections(recoveries: &[RecoveryRecord], injected: &[Injected], stages
 pub struct Runs<'a> {
     /// The failure-free reference.
     pub reference: &'a Run,
-    /// The run with faults and recovery (`Err` with why it did not finish).
-    pub faulty: Result<&'a Run, String>,
+    /// The run with faults and recovery (as far as it went).
+    pub faulty: &'a Run,
     /// What was injected into it.
     pub injected: Vec<Injected>,
     /// The restart-from-scratch baseline, if it ran and finished.
@@ -153,22 +155,29 @@ pub struct Runs<'a> {
 impl Report {
     /// Assembles the report of `runs` and their `violations`.
     pub fn new(scenario: &str, seed: u64, stages: u32, runs: Runs<'_>, violations: Vec<Violation>) -> Self {
-        let empty = Run::default();
-        let faulty = runs.faulty.as_ref().copied().unwrap_or(&empty);
+        let faulty = runs.faulty;
         let recoveries = &faulty.recoveries;
+        let blamed_faults: Vec<Option<usize>> =
+            violations.iter().map(|v| blame(&runs.injected, v.step)).collect();
         let blamed: Vec<Blamed> = violations
             .into_iter()
-            .map(|violation| {
-                let blamed = blame(&runs.injected, violation.step).map(|i| i.fault.kind);
-                Blamed { violation, blamed }
+            .zip(&blamed_faults)
+            .map(|(violation, &fault)| Blamed {
+                violation,
+                blamed: fault.map(|i| runs.injected[i].fault.kind),
             })
             .collect();
         let classes = FaultKind::ALL
             .iter()
             .filter_map(|&class| {
+                let of_class = |i: &usize| runs.injected[*i].fault.kind == class;
                 let injected = runs.injected.iter().filter(|i| i.fault.kind == class).count() as u64;
-                let violated =
-                    (blamed.iter().filter(|b| b.blamed == Some(class)).count() as u64).min(injected);
+                // Faults, not violations: one fault blamed twice counts once.
+                let mut violated: Vec<usize> =
+                    blamed_faults.iter().flatten().copied().filter(of_class).collect();
+                violated.sort_unstable();
+                violated.dedup();
+                let violated = violated.len() as u64;
                 (injected > 0).then_some(ClassRow {
                     class,
                     injected,
@@ -198,8 +207,8 @@ impl Report {
             // Every recovery runs the interrupted step again; the rest is what the copies lacked.
             replication_lag_max: recoveries
                 .iter()
-                .filter(|r| r.copies_lost.is_empty())
-                .map(|r| r.recomputed.saturating_sub(1))
+                .flat_map(|r| r.lag.iter().filter(|(stage, _)| !r.copies_lost.contains(stage)))
+                .map(|&(_, lag)| lag)
                 .max()
                 .unwrap_or(0),
             false_detections: false_detections(recoveries, &runs.injected, stages),

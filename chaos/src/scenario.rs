@@ -294,6 +294,9 @@ impl Default for Limits {
     }
 }
 
+/// The longest time any setting may name, in milliseconds (ten minutes).
+const MAX_MS: u64 = 600_000;
+
 mod defaults {
     pub fn seed() -> u64 {
         1
@@ -337,8 +340,8 @@ impl Scenario {
         if !(2..=8).contains(&c.stages) {
             return fail(format!("cluster.stages must be 2..=8, not {}", c.stages));
         }
-        if c.heartbeat_ms == 0 || c.deadline_ms == 0 {
-            return fail("cluster.heartbeat_ms and cluster.deadline_ms must be positive".into());
+        if !(1..=MAX_MS).contains(&c.heartbeat_ms) || !(1..=MAX_MS).contains(&c.deadline_ms) {
+            return fail(format!("cluster.heartbeat_ms and cluster.deadline_ms must be 1..={MAX_MS}"));
         }
         let w = &self.workload;
         if w.requests == 0 || w.prompt_tokens == 0 || w.new_tokens < 2 {
@@ -356,6 +359,9 @@ impl Scenario {
             }
             if r.kinds.is_empty() {
                 return fail("random.kinds is empty".into());
+            }
+            if !(1..=MAX_MS).contains(&r.duration_ms) {
+                return fail(format!("random.duration_ms must be 1..={MAX_MS}"));
             }
         }
         Ok(())
@@ -376,6 +382,13 @@ impl Scenario {
         );
         if timed && fault.duration_ms == 0 {
             return Err(format!("{} needs a positive duration_ms", fault.kind.name()));
+        }
+        for (name, ms) in
+            [("duration_ms", fault.duration_ms), ("delay_ms", fault.delay_ms), ("jitter_ms", fault.jitter_ms)]
+        {
+            if ms > MAX_MS {
+                return Err(format!("{name} must be at most {MAX_MS}"));
+            }
         }
         if fault.kind == FaultKind::Bandwidth && fault.bytes_per_s == 0 {
             return Err("bandwidth needs a positive bytes_per_s".into());

@@ -91,6 +91,11 @@ fn a_bad_scenario_is_refused_with_a_clear_message() {
             "sends its activations to the driver",
         ),
         ("name = \"x\"\nstages = 4\n", "unknown field `stages`"),
+        ("name = \"x\"\n[cluster]\nheartbeat_ms = 9000000000000\n", "must be 1..=600000"),
+        (
+            "name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"delay\"\nstage = 0\ndelay_ms = 99999999\n",
+            "delay_ms must be",
+        ),
     ];
     for (i, (text, message)) in cases.iter().enumerate() {
         let path = dir.path().join(format!("{i}.toml"));

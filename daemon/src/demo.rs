@@ -9,7 +9,7 @@ use std::time::Duration;
 
 pub use dejavu_engine::cluster::Kill;
 use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError};
-use dejavu_engine::driver::{drive, DriveError, DriverConfig, OnFailure, Run, Workload};
+use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
 use dejavu_engine::ModelConfig;
 use serde::Serialize;
 use thiserror::Error;
@@ -129,13 +129,14 @@ pub enum DemoError {
     Invalid(String),
     /// The cluster could not start, recover or go on.
     #[error(transparent)]
-    Run(#[from] DriveError),
+    Run(#[from] Failed),
 }
 
 /// Timings of one recovery.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Recovery {
-    /// From the kill to the heartbeat monitor declaring the process dead.
+    /// From sending the step the kill broke (the kill comes just before it) to the heartbeat
+    /// monitor declaring the process dead.
     pub detection_ms: f64,
     /// Starting the replacement, repairing the chain, restoring its KV (from its own sidecar, or
     /// from its successor's when its sidecar died too), recomputing the steps replication had not

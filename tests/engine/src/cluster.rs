@@ -99,7 +99,7 @@ impl Proc {
         }
         // SAFETY: the descriptor was just returned by pidfd_open and is owned by nobody else.
         let pidfd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
-        self.signal(libc::SIGSTOP)?;
+        // The resume is scheduled before the stop, so a process is never left stopped.
         std::thread::Builder::new().name("resume".into()).spawn(move || {
             std::thread::sleep(pause);
             // SAFETY: pidfd_send_signal with a valid pidfd, a signal number, no siginfo and no
@@ -114,7 +114,7 @@ impl Proc {
                 )
             };
         })?;
-        Ok(())
+        self.signal(libc::SIGSTOP)
     }
 
     /// The end of what it wrote to standard error.
@@ -508,8 +508,10 @@ impl Cluster {
         // replacement takes its place.
         for &(victim, what) in &victims {
             let _ = self.stages[victim].kill();
+            self.monitor.forget(Role::Engine, victim as u32);
             if what == Kill::Worker {
                 let _ = self.sidecars[victim].0.kill();
+                self.monitor.forget(Role::Sidecar, victim as u32);
             }
         }
         for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
@@ -568,14 +570,22 @@ impl Cluster {
                 (victim as u32, from)
             })
             .collect();
-        let mut recomputed = 0;
+        let mut recovered = Recovered {
+            recomputed: 0,
+            lag: victims.iter().map(|&(victim, _)| (victim, 0)).collect(),
+            copies_lost,
+        };
         for s in sequences {
-            recomputed += self.remote.recover(&sources, s.seat, s.prompt, s.generated)?;
+            let sequence = self.remote.recover(&sources, s.seat, s.prompt, s.generated)?;
+            recovered.recomputed += sequence.recomputed;
+            for (total, lacked) in recovered.lag.iter_mut().zip(sequence.lacked) {
+                total.1 += lacked;
+            }
         }
         for (predecessor, to) in copy_later {
             self.copy_kv_to(predecessor, to, sequences)?;
         }
-        Ok(Recovered { recomputed, copies_lost })
+        Ok(recovered)
     }
 
     /// Makes stage `stage` replicate to the sidecar at `to` from now on, starting with every
@@ -599,8 +609,11 @@ impl Cluster {
 /// What a recovery did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Recovered {
-    /// Steps recomputed (the replication lag, summed over the sequences).
+    /// Steps recomputed (the largest replication lag among the victims, summed over the
+    /// sequences).
     pub recomputed: u64,
+    /// Each victim and the steps its copies lacked, summed over the sequences.
+    pub lag: Vec<(usize, u64)>,
     /// Replaced stages whose copies died with them (their successor's worker died too): their
     /// sequences were recomputed from the prompt, as the ring cannot restore them.
     pub copies_lost: Vec<usize>,

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
-use crate::cluster::{Cluster, ClusterError, Kill, Sequence};
-use crate::process::ProcessError;
+use crate::cluster::{Cluster, ClusterError, Kill, Recovered, Sequence};
+use crate::process::{ProcessError, StepReply};
 use crate::Seat;
 
 /// Requests and how many tokens each generates.
@@ -106,6 +106,11 @@ pub struct Delivery {
     pub token: u32,
     /// The step that produced it.
     pub step: u64,
+    /// The sequence the last stage says the step ran for.
+    pub seat: Seat,
+    /// Tokens of the sequence with KV after the step, as the last stage reports it: one more
+    /// with each token of a request, if each position is computed and delivered once.
+    pub kv_end: u32,
 }
 
 /// One recovery (or, with [`OnFailure::Restart`], one restart).
@@ -115,9 +120,11 @@ pub struct RecoveryRecord {
     pub victims: Vec<(usize, Kill)>,
     /// Stages whose copies died with them (adjacent workers): recomputed from the prompts.
     pub copies_lost: Vec<usize>,
+    /// Each victim and the steps its copies lacked (its replication lag), summed over sequences.
+    pub lag: Vec<(usize, u64)>,
     /// The step that failed.
     pub step: u64,
-    /// From sending the step that failed to the monitor naming the dead stage.
+    /// From sending the step that failed to the monitor naming the dead stages.
     pub detection: Duration,
     /// Replacing the processes, repairing the chain, restoring KV and recomputing what the copies
     /// lacked.
@@ -157,18 +164,45 @@ pub enum DriveError {
     Stuck(String),
 }
 
+/// A run that stopped early: why, and what it had done until then.
+#[derive(Debug, Error)]
+#[error("{error}")]
+pub struct Failed {
+    /// Why it stopped.
+    pub error: DriveError,
+    /// Its history until then.
+    pub run: Box<Run>,
+}
+
+/// Attempts at one recovery before the run gives up (a fault can hit the recovery itself).
+const RECOVERY_ATTEMPTS: u32 = 3;
+
 /// Runs `workload` on clusters made by `start` (a new one after each restart).
 pub fn drive(
     workload: &Workload,
     config: &DriverConfig,
     start: &mut dyn FnMut() -> Result<Cluster, ClusterError>,
     injector: &mut dyn Injector,
-) -> Result<Run, DriveError> {
+) -> Result<Run, Failed> {
     let started = Instant::now();
-    let mut cluster = start()?;
     let mut run = Run { tokens: vec![Vec::new(); workload.prompts.len()], ..Run::default() };
+    let result = drive_into(&mut run, workload, config, start, injector);
+    run.elapsed = started.elapsed();
+    match result {
+        Ok(()) => Ok(run),
+        Err(error) => Err(Failed { error, run: Box::new(run) }),
+    }
+}
+
+fn drive_into(
+    run: &mut Run,
+    workload: &Workload,
+    config: &DriverConfig,
+    start: &mut dyn FnMut() -> Result<Cluster, ClusterError>,
+    injector: &mut dyn Injector,
+) -> Result<(), DriveError> {
+    let mut cluster = start()?;
     let (mut step, mut failures) = (0u64, 0u32);
-    let mut failing_since: Option<Instant> = None;
     'rounds: loop {
         for request in 0..workload.prompts.len() {
             if run.tokens[request].len() == workload.new_tokens as usize {
@@ -179,15 +213,13 @@ pub fn drive(
             let result = next_token(&mut cluster, workload, &run.tokens, request);
             step += 1;
             let error = match result {
-                Ok(token) => {
-                    run.deliver(request, token, step - 1);
+                Ok(reply) => {
+                    run.deliver(request, reply, step - 1);
                     failures = 0;
-                    failing_since = None;
                     continue;
                 }
                 Err(e) => e,
             };
-            let first_failure = *failing_since.get_or_insert(sent);
             let victims = cluster.detect(config.detect_patience);
             if victims.is_empty() {
                 if let Some(sidecar) = cluster.orphaned_engine() {
@@ -207,34 +239,31 @@ pub fn drive(
             let mut record = RecoveryRecord {
                 victims,
                 copies_lost: Vec::new(),
+                lag: Vec::new(),
                 step: step - 1,
-                detection: detected - first_failure,
+                detection: detected - sent,
                 restore: Duration::ZERO,
                 resume: Duration::ZERO,
                 recomputed: 0,
             };
             failures = 0;
-            failing_since = None;
             match config.on_failure {
                 OnFailure::Recover => {
-                    let sequences: Vec<Sequence<'_>> = (0..workload.prompts.len())
-                        .map(|i| Sequence {
-                            seat: workload.seat(i),
-                            prompt: &workload.prompts[i],
-                            generated: &run.tokens[i],
-                        })
-                        .collect();
-                    let recovered = cluster.recover_all(&record.victims, &sequences)?;
-                    record.recomputed = recovered.recomputed;
+                    let recovered = recover(&mut cluster, workload, run, &mut record.victims)?;
+                    record.recomputed = recovered.recomputed + 1;
                     record.copies_lost = recovered.copies_lost;
+                    record.lag = recovered.lag;
                     let restored = Instant::now();
                     record.restore = restored - detected;
-                    record.recomputed += 1;
-                    let token = next_token(&mut cluster, workload, &run.tokens, request)?;
-                    run.deliver(request, token, step);
-                    step += 1;
+                    // The interrupted step again; if it fails, the next round handles it as any
+                    // failed step.
+                    let resumed = next_token(&mut cluster, workload, &run.tokens, request);
                     record.resume = restored.elapsed();
                     run.recoveries.push(record);
+                    if let Ok(reply) = resumed {
+                        run.deliver(request, reply, step);
+                    }
+                    step += 1;
                 }
                 OnFailure::Restart => {
                     record.recomputed = run.tokens.iter().map(|t| t.len() as u64).sum();
@@ -248,11 +277,37 @@ pub fn drive(
             }
         }
         if run.tokens.iter().all(|t| t.len() == workload.new_tokens as usize) {
-            break;
+            return Ok(());
         }
     }
-    run.elapsed = started.elapsed();
-    Ok(run)
+}
+
+/// Recovers `victims` on `cluster`, trying again (with any stage found dead meanwhile added to
+/// `victims`) when a fault hits the recovery itself.
+fn recover(
+    cluster: &mut Cluster,
+    workload: &Workload,
+    run: &Run,
+    victims: &mut Vec<(usize, Kill)>,
+) -> Result<Recovered, DriveError> {
+    let sequences: Vec<Sequence<'_>> = (0..workload.prompts.len())
+        .map(|i| Sequence { seat: workload.seat(i), prompt: &workload.prompts[i], generated: &run.tokens[i] })
+        .collect();
+    let mut attempt = 1;
+    loop {
+        match cluster.recover_all(victims, &sequences) {
+            Ok(recovered) => return Ok(recovered),
+            Err(e) if attempt == RECOVERY_ATTEMPTS => return Err(e.into()),
+            Err(_) => {
+                attempt += 1;
+                for dead in cluster.dead() {
+                    if !victims.iter().any(|v| v.0 == dead.0) {
+                        victims.push(dead);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Runs request `request`'s next step: its prompt, or its last token.
@@ -261,19 +316,28 @@ fn next_token(
     workload: &Workload,
     tokens: &[Vec<u32>],
     request: usize,
-) -> Result<u32, ProcessError> {
+) -> Result<StepReply, ProcessError> {
     let seat = workload.seat(request);
     let prompt = &workload.prompts[request];
     match tokens[request].last() {
-        None => cluster.remote.run(seat, prompt, 0),
-        Some(&token) => cluster.remote.run(seat, &[token], (prompt.len() + tokens[request].len()) as u32 - 1),
+        None => cluster.remote.step(seat, prompt, 0),
+        Some(&token) => {
+            cluster.remote.step(seat, &[token], (prompt.len() + tokens[request].len()) as u32 - 1)
+        }
     }
 }
 
 impl Run {
-    fn deliver(&mut self, request: usize, token: u32, step: u64) {
+    fn deliver(&mut self, request: usize, reply: StepReply, step: u64) {
         let index = self.tokens[request].len() as u32;
-        self.tokens[request].push(token);
-        self.deliveries.push(Delivery { request: request as u32, index, token, step });
+        self.tokens[request].push(reply.token);
+        self.deliveries.push(Delivery {
+            request: request as u32,
+            index,
+            token: reply.token,
+            step,
+            seat: reply.seat,
+            kv_end: reply.kv_end,
+        });
     }
 }

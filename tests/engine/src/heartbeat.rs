@@ -4,7 +4,9 @@
 //! parent.
 
 use std::collections::HashMap;
+use std::io::ErrorKind;
 use std::net::{SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,6 +46,14 @@ pub struct Monitor {
     seen: Seen,
     /// Silence after which a process is dead.
     timeout: Duration,
+    /// Tells the listening thread to end (it then closes its socket).
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
 
 impl Monitor {
@@ -51,11 +61,19 @@ impl Monitor {
     pub fn start(timeout: Duration) -> std::io::Result<Self> {
         let socket = UdpSocket::bind(("127.0.0.1", 0))?;
         let addr = socket.local_addr()?;
+        // Wake up now and then to see whether the monitor was dropped.
+        socket.set_read_timeout(Some(Duration::from_millis(50)))?;
         let seen: Seen = Arc::default();
-        let record = seen.clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (record, stopped) = (seen.clone(), stop.clone());
         std::thread::Builder::new().name("heartbeat-monitor".into()).spawn(move || {
             let mut buf = [0u8; FRAME_HEADER_LEN];
-            while let Ok(n) = socket.recv(&mut buf) {
+            while !stopped.load(Ordering::Relaxed) {
+                let n = match socket.recv(&mut buf) {
+                    Ok(n) => n,
+                    Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
+                    Err(_) => return,
+                };
                 let Ok(h) = <&[u8; FRAME_HEADER_LEN]>::try_from(&buf[..n]) else { continue };
                 let Ok((header, 0, _)) = FrameHeader::decode(h) else { continue };
                 let role = match header.ids[0] {
@@ -66,7 +84,7 @@ impl Monitor {
                 record.lock().insert((role, header.ids[1]), Instant::now());
             }
         })?;
-        Ok(Self { addr, seen, timeout })
+        Ok(Self { addr, seen, timeout, stop })
     }
 
     /// Where processes send their heartbeats.

@@ -547,6 +547,26 @@ fn read_replies(stream: TcpStream) -> Receiver<Result<Frame, String>> {
     rx
 }
 
+/// A step's result as the last stage reported it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepReply {
+    /// The next token.
+    pub token: u32,
+    /// The sequence the step ran for.
+    pub seat: Seat,
+    /// Tokens of the sequence with KV after the step (its position plus its token count).
+    pub kv_end: u32,
+}
+
+/// What recovering one sequence took.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SequenceRecovery {
+    /// Steps recomputed: what the copy that lacked most did not have.
+    pub recomputed: u64,
+    /// For each source, in order, the steps its copy lacked (its replication lag).
+    pub lacked: Vec<u64>,
+}
+
 /// The driver's end of a chain of stage processes.
 pub struct RemotePipeline {
     to_first: BufWriter<TcpStream>,
@@ -589,12 +609,12 @@ impl RemotePipeline {
         Ok(request)
     }
 
-    /// The payload of the reply to `request`, skipping late replies to earlier requests.
-    fn reply(&mut self, request: u64, deadline: Duration) -> Result<Vec<u8>, ProcessError> {
+    /// The reply to `request`, skipping late replies to earlier requests.
+    fn reply(&mut self, request: u64, deadline: Duration) -> Result<Frame, ProcessError> {
         let until = Instant::now() + deadline;
         loop {
             match self.replies.recv_timeout(until.saturating_duration_since(Instant::now())) {
-                Ok(Ok(frame)) if frame.header.request == request => return Ok(frame.payload),
+                Ok(Ok(frame)) if frame.header.request == request => return Ok(frame),
                 Ok(Ok(_late)) => continue,
                 Ok(Err(reason)) => return Err(ProcessError::Protocol(reason)),
                 Err(RecvTimeoutError::Timeout) => return Err(ProcessError::Timeout(deadline)),
@@ -613,15 +633,23 @@ impl RemotePipeline {
         argument: &[u8],
     ) -> Result<Vec<u8>, ProcessError> {
         let request = self.write(Kind::Control, ids, &control_payload(op, stage, argument))?;
-        self.reply(request, self.control_deadline)
+        Ok(self.reply(request, self.control_deadline)?.payload)
     }
 
     /// Runs `tokens` at `position` of `seat` through the chain; returns the next token.
     pub fn run(&mut self, seat: Seat, tokens: &[u32], position: u32) -> Result<u32, ProcessError> {
+        Ok(self.step(seat, tokens, position)?.token)
+    }
+
+    /// Runs `tokens` at `position` of `seat` through the chain; returns the next token with what
+    /// the last stage says it computed.
+    pub fn step(&mut self, seat: Seat, tokens: &[u32], position: u32) -> Result<StepReply, ProcessError> {
         let ids = [seat.microbatch, seat.slot, position, tokens.len() as u32];
         let request = self.write(Kind::Activation, ids, &tokens_payload(tokens))?;
-        match tokens_of(&self.reply(request, self.deadline)?)[..] {
-            [token] => Ok(token),
+        let Frame { header, payload } = self.reply(request, self.deadline)?;
+        let [microbatch, slot, position, count] = header.ids;
+        match tokens_of(&payload)[..] {
+            [token] => Ok(StepReply { token, seat: Seat { microbatch, slot }, kv_end: position + count }),
             _ => Err(ProcessError::Protocol("a step's reply is one token".into())),
         }
     }
@@ -665,25 +693,35 @@ impl RemotePipeline {
     /// Recovers one sequence on replaced stages: restores each stage's KV from the sidecar its
     /// `sources` entry names (`None`: the stage's own), then recomputes the steps the copies
     /// lacked (the replication lag; recomputing a step rewrites the same KV everywhere), checking
-    /// that they give the tokens already generated. Returns the number of steps recomputed.
+    /// that they give the tokens already generated.
     pub fn recover(
         &mut self,
         sources: &[(u32, Option<SocketAddr>)],
         seat: Seat,
         prompt: &[u32],
         generated: &[u32],
-    ) -> Result<u64, ProcessError> {
+    ) -> Result<SequenceRecovery, ProcessError> {
+        let mut recovery = SequenceRecovery { recomputed: 0, lacked: vec![0; sources.len()] };
         if generated.is_empty() {
-            return Ok(0);
+            return Ok(recovery);
         }
         let prompt_len = prompt.len() as u32;
         // KV exists for the prompt and every generated token but the last.
         let needed = prompt_len + generated.len() as u32 - 1;
+        // Steps that rebuild KV up to `needed` from `restored` tokens (the prompt is one step).
+        let steps_from = |restored: u32| {
+            if restored < prompt_len {
+                1 + u64::from(needed - prompt_len)
+            } else {
+                u64::from(needed - restored)
+            }
+        };
         let mut restored = needed;
-        for &(stage, from) in sources {
-            restored = restored.min(self.restore(stage, seat, prompt_len, needed, from)?);
+        for (i, &(stage, from)) in sources.iter().enumerate() {
+            let this = self.restore(stage, seat, prompt_len, needed, from)?;
+            recovery.lacked[i] = steps_from(this);
+            restored = restored.min(this);
         }
-        let mut recomputed = 0;
         let mismatch = |position| {
             ProcessError::Protocol(format!("a recomputed step at position {position} gave another token"))
         };
@@ -692,16 +730,16 @@ impl RemotePipeline {
                 return Err(mismatch(0));
             }
             restored = prompt_len;
-            recomputed += 1;
+            recovery.recomputed += 1;
         }
         for position in restored..needed {
             let index = (position - prompt_len) as usize;
             if self.run(seat, &[generated[index]], position)? != generated[index + 1] {
                 return Err(mismatch(position));
             }
-            recomputed += 1;
+            recovery.recomputed += 1;
         }
-        Ok(recomputed)
+        Ok(recovery)
     }
 
     /// Repairs the chain after stage `stage` was replaced by a process listening at `addr`: its
