@@ -11,10 +11,10 @@ use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workloa
 use dejavu_engine::ModelConfig;
 
 use crate::check::{check, Violation};
-use crate::inject::{plan, ChaosInjector, Injected, PlannedFault};
+use crate::inject::{plan, ChaosInjector, Injected};
 use crate::proxy::Proxies;
 use crate::report::{Report, Runs};
-use crate::scenario::Scenario;
+use crate::scenario::{Fault, Scenario};
 
 /// How to run a scenario.
 #[derive(Clone, Debug)]
@@ -46,25 +46,24 @@ pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) ->
     let (faulty, injected) = one_run(scenario, options, &workload, &faults, OnFailure::Recover);
     leaks.extend(baseline.leaked_by("the run with faults"));
 
-    let restart =
-        if scenario.limits.restart_baseline && faults.iter().any(|f| f.fault.kind.is_process_fault()) {
-            say("the same faults, restarted from scratch...");
-            let (restart, _) = one_run(scenario, options, &workload, &faults, OnFailure::Restart);
-            leaks.extend(baseline.leaked_by("the restart baseline"));
-            match restart {
-                Ok(run) => Some(run),
-                Err(e) => {
-                    leaks.push(Violation {
-                        invariant: "run completes",
-                        detail: format!("the restart-from-scratch baseline did not finish: {e}"),
-                        step: None,
-                    });
-                    None
-                }
+    let restart = if scenario.limits.restart_baseline && faults.iter().any(|f| f.kind.is_process_fault()) {
+        say("the same faults, restarted from scratch...");
+        let (restart, _) = one_run(scenario, options, &workload, &faults, OnFailure::Restart);
+        leaks.extend(baseline.leaked_by("the restart baseline"));
+        match restart {
+            Ok(run) => Some(run),
+            Err(e) => {
+                leaks.push(Violation {
+                    invariant: "run completes",
+                    detail: format!("the restart-from-scratch baseline did not finish: {e}"),
+                    step: None,
+                });
+                None
             }
-        } else {
-            None
-        };
+        }
+    } else {
+        None
+    };
 
     let (faulty, failure) = match faulty {
         Ok(run) => (run, None),
@@ -83,7 +82,7 @@ fn one_run(
     scenario: &Scenario,
     options: &Options,
     workload: &Workload,
-    faults: &[PlannedFault],
+    faults: &[Fault],
     on_failure: OnFailure,
 ) -> (Result<Run, Failed>, Vec<Injected>) {
     let proxies = Arc::new(Proxies::new(options.seed.unwrap_or(scenario.seed)));

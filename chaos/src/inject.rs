@@ -11,20 +11,10 @@ use crate::proxy::{NetFault, Proxies};
 use crate::rng::SplitMix;
 use crate::scenario::{Fault, FaultKind, LinkKind, Scenario};
 
-/// A fault and the step it comes before.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct PlannedFault {
-    /// The step.
-    pub step: u64,
-    /// The fault.
-    pub fault: Fault,
-}
-
 /// The faults of a scenario with `seed`, by step: the scheduled ones, and for each of `steps`
 /// steps one drawn with the random rate (process faults at least `min_gap_steps` apart).
-pub fn plan(scenario: &Scenario, seed: u64, steps: u64) -> Vec<PlannedFault> {
-    let mut faults: Vec<PlannedFault> =
-        scenario.faults.iter().map(|f| PlannedFault { step: f.at_step, fault: f.fault() }).collect();
+pub fn plan(scenario: &Scenario, seed: u64, steps: u64) -> Vec<Fault> {
+    let mut faults = scenario.faults.clone();
     if let Some(random) = &scenario.random {
         let mut rng = SplitMix::new(seed);
         let stages = scenario.cluster.stages as u64;
@@ -46,7 +36,8 @@ pub fn plan(scenario: &Scenario, seed: u64, steps: u64) -> Vec<PlannedFault> {
             if kind.is_process_fault() {
                 last_process_fault = Some(step);
             }
-            let fault = Fault {
+            faults.push(Fault {
+                at_step: step,
                 kind,
                 stage,
                 link,
@@ -54,18 +45,17 @@ pub fn plan(scenario: &Scenario, seed: u64, steps: u64) -> Vec<PlannedFault> {
                 delay_ms: 5,
                 jitter_ms: 5,
                 bytes_per_s: 1 << 20,
-            };
-            faults.push(PlannedFault { step, fault });
+            });
         }
     }
-    faults.sort_by_key(|f| f.step);
+    faults.sort_by_key(|f| f.at_step);
     faults
 }
 
 /// A fault as it was carried out.
 #[derive(Clone, Debug, Serialize)]
 pub struct Injected {
-    /// The step it came before.
+    /// The step it came before (its planned step, or the first step sent after it).
     pub step: u64,
     /// Milliseconds from the run's start.
     pub at_ms: f64,
@@ -78,7 +68,7 @@ pub struct Injected {
 
 /// Carries out a plan before each step.
 pub struct ChaosInjector<'a> {
-    plan: &'a [PlannedFault],
+    plan: &'a [Fault],
     next: usize,
     proxies: &'a Proxies,
     on_failure: OnFailure,
@@ -89,7 +79,7 @@ pub struct ChaosInjector<'a> {
 
 impl<'a> ChaosInjector<'a> {
     /// An injector of `plan` through `proxies`, for a run that recovers or restarts.
-    pub fn new(plan: &'a [PlannedFault], proxies: &'a Proxies, on_failure: OnFailure) -> Self {
+    pub fn new(plan: &'a [Fault], proxies: &'a Proxies, on_failure: OnFailure) -> Self {
         Self { plan, next: 0, proxies, on_failure, started: Instant::now(), injected: Vec::new() }
     }
 
@@ -155,9 +145,9 @@ fn net_fault(kind: FaultKind, fault: &Fault, lasting: Duration) -> NetFault {
 
 impl Injector for ChaosInjector<'_> {
     fn before_step(&mut self, step: u64, cluster: &mut Cluster) -> Result<(), ClusterError> {
-        while let Some(&planned) = self.plan.get(self.next).filter(|p| p.step <= step) {
+        while let Some(&fault) = self.plan.get(self.next).filter(|f| f.at_step <= step) {
             self.next += 1;
-            self.apply(step, planned.fault, cluster)?;
+            self.apply(step, fault, cluster)?;
         }
         Ok(())
     }
@@ -187,16 +177,16 @@ mod tests {
         let plan = super::plan(&scenario, 9, 200);
         assert_eq!(plan, super::plan(&scenario, 9, 200));
         assert_ne!(plan, super::plan(&scenario, 10, 200));
-        assert!(plan.windows(2).all(|w| w[0].step <= w[1].step));
-        assert!(plan.iter().any(|p| p.step == 5 && p.fault.kind == FaultKind::KillWorker));
-        for p in &plan {
-            assert!(p.fault.stage < 3);
-            if p.fault.link == LinkKind::Activation && !p.fault.kind.is_process_fault() {
-                assert!(p.fault.stage < 2, "no activation link out of the last stage");
+        assert!(plan.windows(2).all(|w| w[0].at_step <= w[1].at_step));
+        assert!(plan.iter().any(|f| f.at_step == 5 && f.kind == FaultKind::KillWorker));
+        for f in &plan {
+            assert!(f.stage < 3);
+            if f.link == LinkKind::Activation && !f.kind.is_process_fault() {
+                assert!(f.stage < 2, "no activation link out of the last stage");
             }
         }
         let kills: Vec<u64> =
-            plan.iter().filter(|p| p.fault.kind == FaultKind::KillEngine).map(|p| p.step).collect();
+            plan.iter().filter(|f| f.kind == FaultKind::KillEngine).map(|f| f.at_step).collect();
         assert!(kills.len() > 3);
         assert!(kills.windows(2).all(|w| w[1] - w[0] >= 4));
     }

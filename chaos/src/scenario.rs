@@ -48,7 +48,7 @@ pub struct Scenario {
     pub workload: WorkloadShape,
     /// Faults at given steps.
     #[serde(default, rename = "fault")]
-    pub faults: Vec<ScheduledFault>,
+    pub faults: Vec<Fault>,
     /// Faults drawn from the seed.
     #[serde(default)]
     pub random: Option<RandomFaults>,
@@ -184,6 +184,9 @@ pub enum LinkKind {
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Fault {
+    /// The step it comes before (counted from 0 over every step the driver sends, repeated ones
+    /// included).
+    pub at_step: u64,
     /// What it does.
     pub kind: FaultKind,
     /// The stage it hits (for a network fault, the sending end of the link).
@@ -203,48 +206,6 @@ pub struct Fault {
     /// Bandwidth limit.
     #[serde(default = "defaults::bytes_per_s")]
     pub bytes_per_s: u64,
-}
-
-/// A fault before a given step.
-#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ScheduledFault {
-    /// The step (counted from 0 over every step the driver sends) it comes before.
-    pub at_step: u64,
-    /// What it does.
-    pub kind: FaultKind,
-    /// The stage it hits.
-    pub stage: u32,
-    /// For a network fault: which link.
-    #[serde(default)]
-    pub link: LinkKind,
-    /// See [`Fault::duration_ms`].
-    #[serde(default = "defaults::duration_ms")]
-    pub duration_ms: u64,
-    /// See [`Fault::delay_ms`].
-    #[serde(default = "defaults::delay_ms")]
-    pub delay_ms: u64,
-    /// See [`Fault::jitter_ms`].
-    #[serde(default = "defaults::jitter_ms")]
-    pub jitter_ms: u64,
-    /// See [`Fault::bytes_per_s`].
-    #[serde(default = "defaults::bytes_per_s")]
-    pub bytes_per_s: u64,
-}
-
-impl ScheduledFault {
-    /// The fault itself.
-    pub fn fault(&self) -> Fault {
-        Fault {
-            kind: self.kind,
-            stage: self.stage,
-            link: self.link,
-            duration_ms: self.duration_ms,
-            delay_ms: self.delay_ms,
-            jitter_ms: self.jitter_ms,
-            bytes_per_s: self.bytes_per_s,
-        }
-    }
 }
 
 /// Faults drawn from the seed: before each step, one with probability `rate`, of a kind drawn from
@@ -350,8 +311,7 @@ impl Scenario {
             );
         }
         for f in &self.faults {
-            self.check_fault(&f.fault())
-                .or_else(|why| fail(format!("fault at step {}: {why}", f.at_step)))?;
+            self.check_fault(f).or_else(|why| fail(format!("fault at step {}: {why}", f.at_step)))?;
         }
         if let Some(r) = &self.random {
             if !(0.0..=1.0).contains(&r.rate) {
