@@ -34,26 +34,27 @@ pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) ->
     let w = &scenario.workload;
     let workload = Workload::synthetic(w.requests, w.prompt_tokens, w.new_tokens, 4, model.vocab);
     let faults = plan(scenario, seed, workload.steps());
-    let mut leaks = Vec::new();
+    // Findings about whole runs (leaks, a baseline that did not finish): no fault is blamed.
+    let mut whole_runs = Vec::new();
     let baseline = Resources::now();
 
     say("failure-free reference run...");
-    let (reference, _) = one_run(scenario, options, &workload, &[], OnFailure::Recover);
+    let (reference, _) = one_run(scenario, options, seed, &workload, &[], OnFailure::Recover);
     let reference = reference?;
-    leaks.extend(baseline.leaked_by("the failure-free run"));
+    whole_runs.extend(baseline.leaked_by("the failure-free run"));
 
     say(&format!("run with {} faults, recovered...", faults.len()));
-    let (faulty, injected) = one_run(scenario, options, &workload, &faults, OnFailure::Recover);
-    leaks.extend(baseline.leaked_by("the run with faults"));
+    let (faulty, injected) = one_run(scenario, options, seed, &workload, &faults, OnFailure::Recover);
+    whole_runs.extend(baseline.leaked_by("the run with faults"));
 
     let restart = if scenario.limits.restart_baseline && faults.iter().any(|f| f.kind.is_process_fault()) {
         say("the same faults, restarted from scratch...");
-        let (restart, _) = one_run(scenario, options, &workload, &faults, OnFailure::Restart);
-        leaks.extend(baseline.leaked_by("the restart baseline"));
+        let (restart, _) = one_run(scenario, options, seed, &workload, &faults, OnFailure::Restart);
+        whole_runs.extend(baseline.leaked_by("the restart baseline"));
         match restart {
             Ok(run) => Some(run),
             Err(e) => {
-                leaks.push(Violation {
+                whole_runs.push(Violation {
                     invariant: "run completes",
                     detail: format!("the restart-from-scratch baseline did not finish: {e}"),
                     step: None,
@@ -70,8 +71,7 @@ pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) ->
         Err(Failed { error, run }) => (*run, Some(error.to_string())),
     };
     let mut violations = check(&reference, &faulty, failure.as_deref(), &scenario.limits);
-    // Findings about the harness's runs as a whole carry no step: no fault is blamed for them.
-    violations.extend(leaks);
+    violations.extend(whole_runs);
     let runs = Runs { reference: &reference, faulty: &faulty, injected, restart: restart.as_ref() };
     Ok(Report::new(&scenario.name, seed, scenario.cluster.stages, runs, violations))
 }
@@ -81,11 +81,12 @@ pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) ->
 fn one_run(
     scenario: &Scenario,
     options: &Options,
+    seed: u64,
     workload: &Workload,
     faults: &[Fault],
     on_failure: OnFailure,
 ) -> (Result<Run, Failed>, Vec<Injected>) {
-    let proxies = Arc::new(Proxies::new(options.seed.unwrap_or(scenario.seed)));
+    let proxies = Arc::new(Proxies::new(seed));
     let replicate = on_failure == OnFailure::Recover;
     let mut config = cluster_config(scenario, options, workload, &proxies, replicate);
     config.sabotage_replicas =

@@ -263,12 +263,12 @@ fn accept_loop(listener: TcpListener, target: SocketAddr, shared: &Shared, state
         }
         let _ = (client.set_nodelay(true), server.set_nodelay(true));
         // One handle per pump, and one per end kept for resets.
-        let clones =
-            (|| Ok::<_, std::io::Error>((client.try_clone()?, server.try_clone()?, client.try_clone()?)))();
-        let Ok((client_out, server_in, client_kept)) = clones else { continue };
-        let Ok(server_kept) = server.try_clone() else { continue };
+        let clones = || -> std::io::Result<_> {
+            Ok((client.try_clone()?, server.try_clone()?, [client.try_clone()?, server.try_clone()?]))
+        };
+        let Ok((client_out, server_in, kept)) = clones() else { continue };
         let id = state.stats.connections.fetch_add(1, Ordering::Relaxed);
-        state.connections.lock().insert(id, [client_kept, server_kept]);
+        state.connections.lock().insert(id, kept);
         for (from, to, direction) in
             [(client, server_in, Direction::Forward), (server, client_out, Direction::Backward)]
         {
