@@ -36,6 +36,7 @@ pub fn check(reference: &Run, run: &Run, failure: Option<&str>, limits: &Limits)
     each_position_delivered_once(run, &mut violations);
     recompute_is_bounded(run, limits, &mut violations);
     recovery_is_bounded(run, limits, &mut violations);
+    epochs_only_grow(run, &mut violations);
     violations
 }
 
@@ -141,6 +142,26 @@ fn recovery_is_bounded(run: &Run, limits: &Limits, out: &mut Vec<Violation>) {
     }
 }
 
+/// Fencing: each recovery runs in an epoch of its own, above every earlier one, even when the
+/// controller crashed and was replaced in between (an epoch handed out twice would let a fenced
+/// process pass for a live one).
+fn epochs_only_grow(run: &Run, out: &mut Vec<Violation>) {
+    let mut last = 0;
+    for r in &run.recoveries {
+        if r.epoch <= last {
+            out.push(Violation {
+                invariant: "fenced epochs",
+                detail: format!(
+                    "the recovery of {:?} ran in epoch {} after epoch {last}",
+                    r.victims, r.epoch
+                ),
+                step: Some(r.step),
+            });
+        }
+        last = last.max(r.epoch);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use dejavu_engine::cluster::Kill;
@@ -169,6 +190,7 @@ mod tests {
     fn recovery(lag: u64, detection_ms: u64) -> RecoveryRecord {
         RecoveryRecord {
             victims: vec![(1, Kill::Worker)],
+            epoch: 1,
             copies_lost: Vec::new(),
             lag: vec![(1, lag)],
             step: 3,
@@ -228,6 +250,12 @@ mod tests {
         assert!(invariants(&lagging).is_empty());
         lagging.recoveries[0].lag[1].1 = limits.max_recompute;
         assert_eq!(invariants(&lagging), ["bounded recompute"]);
+
+        let mut reused = reference.clone();
+        reused.recoveries.extend([recovery(1, 300), recovery(1, 300)]);
+        assert_eq!(invariants(&reused), ["fenced epochs"], "two recoveries in epoch 1");
+        reused.recoveries[1].epoch = 2;
+        assert!(invariants(&reused).is_empty());
 
         let mut slow = reference.clone();
         slow.recoveries.push(recovery(1, limits.max_detection_ms + 1));

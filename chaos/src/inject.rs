@@ -24,16 +24,16 @@ pub fn plan(scenario: &Scenario, seed: u64, steps: u64) -> Vec<Fault> {
                 continue;
             }
             let kind = random.kinds[rng.below(random.kinds.len() as u64) as usize];
-            if kind.is_process_fault() && last_process_fault.is_some_and(|s| step - s < random.min_gap_steps)
+            if !kind.is_network_fault() && last_process_fault.is_some_and(|s| step - s < random.min_gap_steps)
             {
                 continue;
             }
             let link = if rng.chance(0.5) { LinkKind::Activation } else { LinkKind::Replica };
             // The last stage's activations go to the driver, not over a cluster link.
             let senders =
-                if !kind.is_process_fault() && link == LinkKind::Activation { stages - 1 } else { stages };
+                if kind.is_network_fault() && link == LinkKind::Activation { stages - 1 } else { stages };
             let stage = rng.below(senders) as u32;
-            if kind.is_process_fault() {
+            if !kind.is_network_fault() {
                 last_process_fault = Some(step);
             }
             faults.push(Fault {
@@ -106,6 +106,9 @@ impl<'a> ChaosInjector<'a> {
                 }
             }
             FaultKind::PauseEngine => cluster.pause(stage, Role::Engine, lasting)?,
+            FaultKind::KillController => cluster.kill_controller()?,
+            FaultKind::PauseController => cluster.pause_controller(lasting)?,
+            FaultKind::KillControllerInRecovery => cluster.crash_controller_in_next_recovery(),
             _ if restarting && fault.link == LinkKind::Replica => {
                 note = Some("no replica links without replication: skipped".to_owned());
             }
@@ -137,9 +140,7 @@ fn net_fault(kind: FaultKind, fault: &Fault, lasting: Duration) -> NetFault {
         FaultKind::Reset => NetFault::Reset,
         FaultKind::Corrupt => NetFault::Corrupt,
         FaultKind::Truncate => NetFault::Truncate,
-        FaultKind::KillEngine | FaultKind::KillWorker | FaultKind::KillAdjacent | FaultKind::PauseEngine => {
-            unreachable!("process faults are not network faults")
-        }
+        kind => unreachable!("{} is not a network fault", kind.name()),
     }
 }
 
@@ -181,7 +182,7 @@ mod tests {
         assert!(plan.iter().any(|f| f.at_step == 5 && f.kind == FaultKind::KillWorker));
         for f in &plan {
             assert!(f.stage < 3);
-            if f.link == LinkKind::Activation && !f.kind.is_process_fault() {
+            if f.link == LinkKind::Activation && f.kind.is_network_fault() {
                 assert!(f.stage < 2, "no activation link out of the last stage");
             }
         }

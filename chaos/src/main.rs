@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use dejavu_chaos::{Options, Scenario};
-use dejavu_engine::cli::{SidecarArgs, StageArgs};
+use dejavu_engine::cli::{ControllerArgs, SidecarArgs, StageArgs};
 
 /// Chaos harness: real multi-process DéjàVu clusters under injected faults, invariants checked.
 /// Exits with 1 when an invariant was violated, 2 when the scenario or the harness failed.
@@ -39,6 +39,9 @@ enum Command {
     /// A stage's sidecar (started by `run`).
     #[command(hide = true)]
     Sidecar(SidecarArgs),
+    /// The cluster's controller (started by `run`).
+    #[command(hide = true)]
+    Controller(ControllerArgs),
 }
 
 fn main() -> ExitCode {
@@ -74,5 +77,6 @@ fn main() -> ExitCode {
         }
         Command::Stage(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
         Command::Sidecar(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
+        Command::Controller(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
     }
 }

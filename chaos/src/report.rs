@@ -98,6 +98,8 @@ pub struct Report {
     pub copies_lost: usize,
     /// Steps sent again because a link lost them (no stage died).
     pub repeated_steps: u64,
+    /// Controllers started to replace one that died or stopped answering.
+    pub controller_restarts: u64,
     /// Failure-free run, seconds.
     pub failure_free_s: f64,
     /// The run with faults, recovered, seconds.
@@ -214,6 +216,7 @@ impl Report {
             false_detections: false_detections(recoveries, &runs.injected, stages),
             copies_lost: recoveries.iter().filter(|r| !r.copies_lost.is_empty()).count(),
             repeated_steps: faulty.repeated_steps,
+            controller_restarts: faulty.controller_restarts,
             failure_free_s: runs.reference.elapsed.as_secs_f64(),
             with_faults_s: faulty.elapsed.as_secs_f64(),
             restart_s: runs.restart.map(|r| r.elapsed.as_secs_f64()),
@@ -231,11 +234,11 @@ impl Report {
             "scenario {:?}, seed {}, {} stages, {} tokens",
             self.scenario, self.seed, self.stages, self.tokens
         );
-        let _ = writeln!(t, "\n{:<20} {:>9} {:>9} {:>9}", "fault class", "injected", "survived", "violated");
+        let _ = writeln!(t, "\n{:<28} {:>9} {:>9} {:>9}", "fault class", "injected", "survived", "violated");
         for row in &self.classes {
             let _ = writeln!(
                 t,
-                "{:<20} {:>9} {:>9} {:>9}",
+                "{:<28} {:>9} {:>9} {:>9}",
                 row.class.name(),
                 row.injected,
                 row.survived,
@@ -256,8 +259,8 @@ impl Report {
         );
         let _ = writeln!(
             t,
-            "false failure detections: {}; steps sent again after a lost frame: {}",
-            self.false_detections, self.repeated_steps
+            "false failure detections: {}; steps sent again after a lost frame: {}; controllers replaced: {}",
+            self.false_detections, self.repeated_steps, self.controller_restarts
         );
         if self.copies_lost > 0 {
             let _ = writeln!(

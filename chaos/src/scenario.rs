@@ -125,11 +125,19 @@ pub enum FaultKind {
     Corrupt,
     /// Forward half of the next write on a link, then close the connection.
     Truncate,
+    /// SIGKILL the controller; the cluster starts another on the same state file when it next
+    /// needs it.
+    KillController,
+    /// SIGSTOP the controller for `duration_ms`, then SIGCONT (longer than the time it has to
+    /// answer, and asked something meanwhile: killed and replaced).
+    PauseController,
+    /// SIGKILL the controller in the middle of the next recovery, right after it fenced the dead.
+    KillControllerInRecovery,
 }
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 11] = [
+    pub const ALL: [FaultKind; 14] = [
         FaultKind::KillEngine,
         FaultKind::KillWorker,
         FaultKind::KillAdjacent,
@@ -141,14 +149,30 @@ impl FaultKind {
         FaultKind::Reset,
         FaultKind::Corrupt,
         FaultKind::Truncate,
+        FaultKind::KillController,
+        FaultKind::PauseController,
+        FaultKind::KillControllerInRecovery,
     ];
 
-    /// Whether it acts on a process (the others act on a link).
+    /// Whether it acts on a stage's processes.
     pub fn is_process_fault(self) -> bool {
         matches!(
             self,
             FaultKind::KillEngine | FaultKind::KillWorker | FaultKind::KillAdjacent | FaultKind::PauseEngine
         )
+    }
+
+    /// Whether it acts on the controller.
+    pub fn is_controller_fault(self) -> bool {
+        matches!(
+            self,
+            FaultKind::KillController | FaultKind::PauseController | FaultKind::KillControllerInRecovery
+        )
+    }
+
+    /// Whether it acts on a link (neither a stage's processes nor the controller).
+    pub fn is_network_fault(self) -> bool {
+        !self.is_process_fault() && !self.is_controller_fault()
     }
 
     /// Its name in scenarios and reports.
@@ -165,6 +189,9 @@ impl FaultKind {
             FaultKind::Reset => "reset",
             FaultKind::Corrupt => "corrupt",
             FaultKind::Truncate => "truncate",
+            FaultKind::KillController => "kill-controller",
+            FaultKind::PauseController => "pause-controller",
+            FaultKind::KillControllerInRecovery => "kill-controller-in-recovery",
         }
     }
 }
@@ -335,6 +362,7 @@ impl Scenario {
         let timed = matches!(
             fault.kind,
             FaultKind::PauseEngine
+                | FaultKind::PauseController
                 | FaultKind::Delay
                 | FaultKind::Bandwidth
                 | FaultKind::Partition
@@ -353,7 +381,7 @@ impl Scenario {
         if fault.kind == FaultKind::Bandwidth && fault.bytes_per_s == 0 {
             return Err("bandwidth needs a positive bytes_per_s".into());
         }
-        if !fault.kind.is_process_fault() && fault.link == LinkKind::Activation && fault.stage + 1 == stages {
+        if fault.kind.is_network_fault() && fault.link == LinkKind::Activation && fault.stage + 1 == stages {
             return Err(format!(
                 "the last stage ({}) sends its activations to the driver, not over a cluster link",
                 fault.stage

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use dejavu_engine::cli::{SidecarArgs, StageArgs};
+use dejavu_engine::cli::{ControllerArgs, SidecarArgs, StageArgs};
 use dejavud::certs;
 use dejavud::demo::{self, DemoConfig, DemoSettings};
 use dejavud::plan::{self, Overrides};
@@ -37,6 +37,10 @@ enum Command {
     Stage(StageArgs),
     /// A stage's sidecar: its local KV copy and its predecessor's replica (started by `demo`).
     Sidecar(SidecarArgs),
+    /// The cluster's controller: receives every process's heartbeats, declares the silent dead
+    /// and issues the epoch of each recovery, kept in a state file that survives its crashes
+    /// (started by `demo`).
+    Controller(ControllerArgs),
     /// Size KV caches, split machines between prompt and token pipelines, check the swapping
     /// condition, estimate KV transfer costs and check stage memory, from a TOML or JSON file.
     Plan {
@@ -164,6 +168,13 @@ each stage's KV copied every step to its own sidecar process and its ring succes
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("dejavud sidecar: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Controller(args) => match args.run() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("dejavud controller: {e}");
                 ExitCode::from(2)
             }
         },

@@ -56,6 +56,10 @@ pub struct PeerStats {
     pub puts: AtomicU64,
     /// Chunks served.
     pub gets: AtomicU64,
+    /// Bytes of the chunks stored (chunk headers included).
+    pub bytes_stored: AtomicU64,
+    /// Bytes of the chunks served (chunk headers included).
+    pub bytes_served: AtomicU64,
     /// Chunks refused because their header does not describe a valid chunk of the bytes sent.
     pub bad_chunks: AtomicU64,
     /// Requests refused because their epoch was stale.
@@ -218,6 +222,7 @@ fn decide(frame: Frame, shared: &Shared) -> Reply {
             refuse(ErrorCode::StaleEpoch, format!("epoch {} is older than {epoch}", frame.header.epoch))
         }
         Kind::Put => {
+            let bytes = frame.payload.len() as u64;
             let stored = if frame.header.flags & FLAG_CHUNK == 0 {
                 Err("a put must carry a chunk".to_owned())
             } else {
@@ -226,6 +231,7 @@ fn decide(frame: Frame, shared: &Shared) -> Reply {
             match stored {
                 Ok(sum) => {
                     shared.stats.puts.fetch_add(1, Ordering::Relaxed);
+                    shared.stats.bytes_stored.fetch_add(bytes, Ordering::Relaxed);
                     let mut ack = FrameHeader::new(Kind::PutAck, node, epoch, request);
                     ack.ids = [sum as u32, (sum >> 32) as u32, 0, 0];
                     Reply::Bytes(ack, Vec::new())
@@ -239,6 +245,7 @@ fn decide(frame: Frame, shared: &Shared) -> Reply {
         Kind::Get => match ChunkKey::decode(&frame.payload).and_then(|key| shared.store.encoded(&key)) {
             Some(chunk) => {
                 shared.stats.gets.fetch_add(1, Ordering::Relaxed);
+                shared.stats.bytes_served.fetch_add(chunk.len() as u64, Ordering::Relaxed);
                 let mut reply = FrameHeader::new(Kind::GetReply, node, epoch, request);
                 reply.flags = FLAG_CHUNK;
                 Reply::Chunk(reply, chunk)

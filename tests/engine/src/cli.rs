@@ -3,11 +3,14 @@
 
 use std::net::SocketAddr;
 use std::ops::Range;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
-use crate::heartbeat::{beat, Role};
+use crate::controller::{serve_controller, ControllerConfig};
+use crate::heartbeat::{beat, Heartbeat, Role};
+use crate::metrics::{Exposition, MetricType};
 use crate::process::{serve_stage, Replication, StageConfig};
 use crate::{CacheLayout, ModelConfig};
 
@@ -56,12 +59,15 @@ pub struct StageArgs {
     /// The cluster secret shared with the sidecars.
     #[arg(long, default_value = "dejavu reference cluster")]
     pub secret: String,
-    /// Where to send heartbeats (a monitor's UDP address), if anywhere.
+    /// Where to send heartbeats (the controller's address), if anywhere.
     #[arg(long)]
     pub heartbeat: Option<SocketAddr>,
     /// Milliseconds between heartbeats.
     #[arg(long, default_value_t = 100)]
     pub heartbeat_ms: u64,
+    /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
+    #[arg(long)]
+    pub metrics: Option<SocketAddr>,
     /// Breaks replication on purpose (copies to the successor are skipped but reported done), so
     /// that tests can prove the chaos harness catches lost KV. Never use it otherwise.
     #[arg(long, hide = true)]
@@ -80,12 +86,37 @@ pub struct SidecarArgs {
     /// The cluster secret.
     #[arg(long, default_value = "dejavu reference cluster")]
     pub secret: String,
-    /// Where to send heartbeats (a monitor's UDP address), if anywhere.
+    /// Where to send heartbeats (the controller's address), if anywhere.
     #[arg(long)]
     pub heartbeat: Option<SocketAddr>,
     /// Milliseconds between heartbeats.
     #[arg(long, default_value_t = 100)]
     pub heartbeat_ms: u64,
+    /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
+    #[arg(long)]
+    pub metrics: Option<SocketAddr>,
+}
+
+/// The controller: receives heartbeats, says who fell silent, and issues the epoch of each
+/// recovery, kept in a state file that survives its crashes.
+#[derive(Clone, Debug, Args)]
+pub struct ControllerArgs {
+    /// Where it listens: UDP for heartbeats and TCP for queries, on one port (0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Its state file (epoch, members, fenced processes), created if missing; a restarted
+    /// controller given the same file goes on where the last one stopped.
+    #[arg(long)]
+    pub state: PathBuf,
+    /// Milliseconds of silence after which a process is declared dead.
+    #[arg(long, default_value_t = 300)]
+    pub timeout_ms: u64,
+    /// Milliseconds between the members' heartbeats (to count missed ones).
+    #[arg(long, default_value_t = 100)]
+    pub heartbeat_ms: u64,
+    /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
+    #[arg(long)]
+    pub metrics: Option<SocketAddr>,
 }
 
 fn parse_layers(s: &str) -> Result<Range<u32>, String> {
@@ -97,11 +128,28 @@ fn parse_layers(s: &str) -> Result<Range<u32>, String> {
     Ok(a..b)
 }
 
-/// Prints `listening ADDR`, the line a parent waits for.
-fn announce(addr: SocketAddr) {
+/// Prints `metrics ADDR` (when metrics are served) and then `listening ADDR`, the line a parent
+/// waits for.
+fn announce(addr: SocketAddr, metrics: Option<SocketAddr>) {
     use std::io::Write;
+    if let Some(metrics) = metrics {
+        println!("metrics {metrics}");
+    }
     println!("listening {addr}");
     let _ = std::io::stdout().flush();
+}
+
+/// Starts beating to `controller`, if given.
+fn start_heartbeat(
+    controller: Option<SocketAddr>,
+    role: Role,
+    index: u32,
+    interval_ms: u64,
+) -> Result<Option<Heartbeat>, String> {
+    controller
+        .map(|to| beat(to, role, index, Duration::from_millis(interval_ms)))
+        .transpose()
+        .map_err(|e| format!("cannot send heartbeats: {e}"))
 }
 
 /// Asks the kernel to kill this process when the thread that started it exits (for the demo, its
@@ -122,10 +170,7 @@ impl StageArgs {
     /// Runs the stage until it is killed.
     pub fn run(self) -> Result<(), String> {
         die_with_parent();
-        if let Some(monitor) = self.heartbeat {
-            beat(monitor, Role::Engine, self.index, Duration::from_millis(self.heartbeat_ms))
-                .map_err(|e| e.to_string())?;
-        }
+        let _heartbeat = start_heartbeat(self.heartbeat, Role::Engine, self.index, self.heartbeat_ms)?;
         let config = StageConfig {
             model: ModelConfig::reference(),
             index: self.index,
@@ -145,7 +190,7 @@ impl StageArgs {
                 skip_replicas: self.test_only_skip_replicas,
             }),
         };
-        serve_stage(config, self.listen, announce).map_err(|e| e.to_string())
+        serve_stage(config, self.listen, self.metrics, announce).map_err(|e| e.to_string())
     }
 }
 
@@ -155,10 +200,7 @@ impl SidecarArgs {
         use dejavulib::net::tcp::TcpTransport;
         use dejavulib::net::{PeerServer, ServerConfig};
         die_with_parent();
-        if let Some(monitor) = self.heartbeat {
-            beat(monitor, Role::Sidecar, self.index, Duration::from_millis(self.heartbeat_ms))
-                .map_err(|e| e.to_string())?;
-        }
+        let _heartbeat = start_heartbeat(self.heartbeat, Role::Sidecar, self.index, self.heartbeat_ms)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -170,9 +212,74 @@ impl SidecarArgs {
                 PeerServer::bind(&TcpTransport::plain(), self.listen, config, dejavulib::HostStore::new())
                     .await
                     .map_err(|e| format!("cannot listen at {}: {e}", self.listen))?;
-            announce(server.addr());
+            let server = std::sync::Arc::new(server);
+            let metrics = match self.metrics {
+                Some(at) => {
+                    let (server, index) = (server.clone(), self.index);
+                    let page = move || render_sidecar(&server, index);
+                    Some(crate::metrics::serve(at, page).map_err(|e| format!("cannot serve metrics: {e}"))?)
+                }
+                None => None,
+            };
+            announce(server.addr(), metrics);
             std::future::pending::<()>().await;
             Ok(())
         })
+    }
+}
+
+/// A sidecar's metrics page.
+fn render_sidecar(server: &dejavulib::net::PeerServer, index: u32) -> String {
+    use std::sync::atomic::Ordering::Relaxed;
+    let stats = server.stats();
+    let index = index.to_string();
+    let label = [("stage", index.as_str())];
+    let mut page = Exposition::new();
+    let counters = [
+        ("dejavu_sidecar_chunks_stored_total", "KV chunks stored (local copies and replicas).", &stats.puts),
+        ("dejavu_sidecar_bytes_stored_total", "Bytes of the KV chunks stored.", &stats.bytes_stored),
+        ("dejavu_sidecar_chunks_served_total", "KV chunks served to restores.", &stats.gets),
+        ("dejavu_sidecar_bytes_served_total", "Bytes of the KV chunks served.", &stats.bytes_served),
+        (
+            "dejavu_sidecar_connections_total",
+            "Connections that passed the cluster handshake.",
+            &stats.authenticated,
+        ),
+        ("dejavu_sidecar_refused_total", "Connections refused at the handshake.", &stats.refused),
+        (
+            "dejavu_sidecar_bad_chunks_total",
+            "Chunks refused as inconsistent with their header.",
+            &stats.bad_chunks,
+        ),
+        ("dejavu_sidecar_stale_total", "Requests refused for a stale epoch.", &stats.stale),
+        (
+            "dejavu_sidecar_bad_frames_total",
+            "Connections closed on a malformed or corrupted frame.",
+            &stats.bad_frames,
+        ),
+    ];
+    for (name, help, counter) in counters {
+        page.family(name, MetricType::Counter, help).sample(name, &label, counter.load(Relaxed) as f64);
+    }
+    page.family("dejavu_sidecar_chunks_held", MetricType::Gauge, "KV chunks held in memory.").sample(
+        "dejavu_sidecar_chunks_held",
+        &label,
+        server.store().len() as f64,
+    );
+    page.finish()
+}
+
+impl ControllerArgs {
+    /// Serves until killed.
+    pub fn run(self) -> Result<(), String> {
+        die_with_parent();
+        let config = ControllerConfig {
+            listen: self.listen,
+            state: self.state,
+            timeout: Duration::from_millis(self.timeout_ms),
+            interval: Duration::from_millis(self.heartbeat_ms),
+            metrics: self.metrics,
+        };
+        serve_controller(config, announce).map_err(|e| e.to_string())
     }
 }

@@ -1,24 +1,22 @@
 //! A pipeline of stage and sidecar processes on loopback, started from an executable that has the
-//! `stage` and `sidecar` subcommands of [`crate::cli`] (`dejavu-engine` or `dejavud`), a heartbeat
-//! monitor that says which of them died, and the recovery procedure that replaces a dead worker.
-//! The demo and the process tests share it.
+//! `stage`, `sidecar` and `controller` subcommands of [`crate::cli`] (`dejavu-engine` or
+//! `dejavud`), the controller process that says which of them died, and the recovery procedure
+//! that replaces a dead worker. The demo, the chaos harness and the process tests share it.
 
-use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener};
 use std::ops::Range;
-use std::os::fd::{AsRawFd, FromRawFd};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
 use thiserror::Error;
 
-use crate::heartbeat::Monitor;
+use crate::controller::{Census, ControllerClient, ControllerError, Member};
 pub use crate::heartbeat::Role;
 use crate::pipeline::Seat;
+use crate::proc::{spawn, Spawned};
+pub use crate::proc::{Proc, SpawnError};
 use crate::process::{ProcessError, RemotePipeline};
 
 /// What dies.
@@ -34,13 +32,11 @@ pub enum Kill {
 #[derive(Debug, Error)]
 pub enum ClusterError {
     /// A process did not start.
-    #[error("cannot start {what}: {why}")]
-    Spawn {
-        /// Which process.
-        what: String,
-        /// Why (its standard error, when it said something).
-        why: String,
-    },
+    #[error(transparent)]
+    Spawn(#[from] SpawnError),
+    /// The controller failed, and so did its replacement.
+    #[error(transparent)]
+    Controller(#[from] ControllerError),
     /// The chain failed in a way recovery does not cover.
     #[error(transparent)]
     Pipeline(#[from] ProcessError),
@@ -50,131 +46,6 @@ pub enum ClusterError {
     /// The cluster cannot do what was asked.
     #[error("{0}")]
     Invalid(String),
-}
-
-/// Bytes of a child's standard error kept for error messages.
-const STDERR_TAIL: usize = 8 << 10;
-
-/// A child process, killed and reaped when dropped. Its standard error is drained continuously
-/// (a full pipe would block it) and its last bytes kept for error messages.
-pub struct Proc {
-    child: Child,
-    stderr: Arc<Mutex<VecDeque<u8>>>,
-}
-
-impl Proc {
-    /// Kills it (SIGKILL) and reaps it.
-    pub fn kill(&mut self) -> std::io::Result<()> {
-        self.child.kill()?;
-        self.child.wait().map(|_| ())
-    }
-
-    /// Sends it `signal` (`libc::SIGSTOP`, `libc::SIGCONT`, ...), unless it was already reaped.
-    pub fn signal(&mut self, signal: i32) -> std::io::Result<()> {
-        if self.child.try_wait()?.is_some() {
-            return Ok(());
-        }
-        let pid = self.child.id() as libc::pid_t;
-        // SAFETY: kill(2) takes plain integers; the child is not reaped yet (checked just above,
-        // and only this handle reaps it), so `pid` is still this child's and cannot be reused.
-        if unsafe { libc::kill(pid, signal) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    /// Stops it (`SIGSTOP`) and resumes it (`SIGCONT`) after `pause`, from a thread of its own,
-    /// unless it has been killed by then. The resume goes through a pidfd opened while the child
-    /// is known to be alive, so it can never reach another process that reused the pid.
-    pub fn pause(&mut self, pause: Duration) -> std::io::Result<()> {
-        if self.child.try_wait()?.is_some() {
-            return Ok(());
-        }
-        let pid = self.child.id() as libc::pid_t;
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; the child
-        // is not reaped yet (checked above, and only this handle reaps it), so `pid` is this child.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: the descriptor was just returned by pidfd_open and is owned by nobody else.
-        let pidfd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
-        // The resume is scheduled before the stop, so a process is never left stopped.
-        std::thread::Builder::new().name("resume".into()).spawn(move || {
-            std::thread::sleep(pause);
-            // SAFETY: pidfd_send_signal with a valid pidfd, a signal number, no siginfo and no
-            // flags; a process that died meanwhile makes it fail with ESRCH, which is fine.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_pidfd_send_signal,
-                    pidfd.as_raw_fd(),
-                    libc::SIGCONT,
-                    std::ptr::null::<libc::siginfo_t>(),
-                    0,
-                )
-            };
-        })?;
-        self.signal(libc::SIGSTOP)
-    }
-
-    /// The end of what it wrote to standard error.
-    pub fn stderr_tail(&self) -> String {
-        let tail = self.stderr.lock();
-        String::from_utf8_lossy(&tail.iter().copied().collect::<Vec<_>>()).into_owned()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `exe args...` and waits (at most `patience`) for its `listening ADDR` line.
-pub fn spawn(
-    exe: &Path,
-    args: &[String],
-    what: &str,
-    patience: Duration,
-) -> Result<(Proc, SocketAddr), ClusterError> {
-    let fail = |why: String| ClusterError::Spawn { what: what.to_owned(), why };
-    let mut child = Command::new(exe)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| fail(e.to_string()))?;
-    let stderr = Arc::new(Mutex::new(VecDeque::new()));
-    let (mut out, mut err) = (child.stdout.take().expect("piped"), child.stderr.take().expect("piped"));
-    let tail = stderr.clone();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 4096];
-        while let Ok(n @ 1..) = err.read(&mut buf) {
-            let mut tail = tail.lock();
-            tail.extend(&buf[..n]);
-            let excess = tail.len().saturating_sub(STDERR_TAIL);
-            tail.drain(..excess);
-        }
-    });
-    let mut proc = Proc { child, stderr };
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(&mut out).read_line(&mut line);
-        let _ = tx.send(line);
-        // Keep reading so the child never blocks on a full stdout pipe.
-        let _ = std::io::copy(&mut out, &mut std::io::sink());
-    });
-    let line = rx.recv_timeout(patience).unwrap_or_default();
-    match line.trim().strip_prefix("listening ").and_then(|a| a.parse().ok()) {
-        Some(addr) => Ok((proc, addr)),
-        None => {
-            let _ = proc.kill();
-            Err(fail(format!("{} {}", line.trim(), proc.stderr_tail().trim())))
-        }
-    }
 }
 
 /// A connection between the processes of a cluster that something (a fault-injecting proxy) may be
@@ -269,15 +140,48 @@ impl Sequence<'_> {
     }
 }
 
-/// A running pipeline: stage processes, their sidecars (when replicating) and the driver's end.
+/// The controller process and the cluster's connection to it. A controller that dies or stops
+/// answering is replaced on the same port with the same state file, and goes on where it stopped.
+struct Supervised {
+    proc: Proc,
+    metrics: Option<SocketAddr>,
+    client: ControllerClient,
+    args: Vec<String>,
+    /// Holds the state file; removed with the cluster.
+    _dir: StateDir,
+    restarts: u64,
+    /// Whether to kill the controller in the middle of the next recovery.
+    crash_in_recovery: bool,
+}
+
+/// A directory of its own under the system's temporary directory, removed when dropped.
+struct StateDir(PathBuf);
+
+impl StateDir {
+    fn create() -> std::io::Result<Self> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name = format!("dejavu-cluster-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let dir = std::env::temp_dir().join(name);
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self(dir))
+    }
+}
+
+impl Drop for StateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running pipeline: stage processes, their sidecars (when replicating), the controller and the
+/// driver's end.
 pub struct Cluster {
     config: ClusterConfig,
     /// One per stage; stage `k` keeps its local copy in sidecar `k` and its replica in `k + 1`.
-    sidecars: Vec<(Proc, SocketAddr)>,
-    stages: Vec<Proc>,
-    addrs: Vec<SocketAddr>,
+    sidecars: Vec<Spawned>,
+    stages: Vec<Spawned>,
     driver: SocketAddr,
-    monitor: Monitor,
+    controller: Supervised,
     /// The driver's end of the chain.
     pub remote: RemotePipeline,
 }
@@ -286,56 +190,122 @@ pub struct Cluster {
 const START: Duration = Duration::from_secs(30);
 
 impl Cluster {
-    /// Starts sidecars (when replicating), then the stages last first (so each knows where to
-    /// send), and connects to them.
+    /// Starts the controller, sidecars (when replicating), then the stages last first (so each
+    /// knows where to send), and connects to them.
     pub fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
         let n = config.splits.len();
-        let monitor = Monitor::start(config.heartbeat * 3)?;
+        let controller = Self::start_controller(&config)?;
+        let heartbeat = controller.client.addr();
         let mut sidecars = Vec::new();
         if config.replicate {
             for i in 0..n {
-                let args = Self::sidecar_args(&config, &monitor, i);
+                let args = Self::sidecar_args(&config, heartbeat, i);
                 sidecars.push(spawn(&config.exe, &args, &format!("sidecar {i}"), START)?);
             }
         }
         let results = TcpListener::bind("127.0.0.1:0")?;
         let driver = results.local_addr()?;
-        let (mut stages, mut addrs, mut next) = (Vec::new(), Vec::new(), driver);
+        let (mut stages, mut next) = (Vec::new(), driver);
         for index in (0..n).rev() {
-            let args = Self::stage_args(&config, &monitor, Self::copies(&sidecars, index), index, next);
-            let (proc, addr) = spawn(&config.exe, &args, &format!("stage {index}"), START)?;
-            stages.push(proc);
-            addrs.push(addr);
-            next = addr;
+            let copies = Self::copies(&sidecars, index);
+            let args = Self::stage_args(&config, heartbeat, copies, index, next);
+            let stage = spawn(&config.exe, &args, &format!("stage {index}"), START)?;
+            next = stage.addr;
+            stages.push(stage);
         }
         stages.reverse();
-        addrs.reverse();
+        let remote = RemotePipeline::connect(next, results, config.deadline)?;
+        let mut cluster = Self { config, sidecars, stages, driver, controller, remote };
         // Every process beats before the cluster is up, so silence later means death.
-        for index in 0..n as u32 {
-            let roles: &[Role] =
-                if config.replicate { &[Role::Engine, Role::Sidecar] } else { &[Role::Engine] };
-            for &role in roles {
-                if !monitor.wait_alive(role, index, START) {
-                    return Err(ClusterError::Invalid(format!("{role:?} {index} never sent a heartbeat")));
-                }
+        for index in 0..n {
+            cluster.wait_alive((Role::Engine, index as u32))?;
+            if cluster.config.replicate {
+                cluster.wait_alive((Role::Sidecar, index as u32))?;
             }
         }
-        let remote = RemotePipeline::connect(next, results, config.deadline)?;
-        Ok(Self { config, sidecars, stages, addrs, driver, monitor, remote })
+        Ok(cluster)
     }
 
-    fn sidecar_args(config: &ClusterConfig, monitor: &Monitor, index: usize) -> Vec<String> {
+    fn start_controller(config: &ClusterConfig) -> Result<Supervised, ClusterError> {
+        let dir = StateDir::create()?;
+        let timeout = config.heartbeat * 3;
+        let mut args = vec![
+            "controller".to_owned(),
+            format!("--state={}", dir.0.join("controller.state").display()),
+            format!("--timeout-ms={}", timeout.as_millis()),
+            format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
+            "--metrics=127.0.0.1:0".to_owned(),
+        ];
+        let started = spawn(&config.exe, &args, "the controller", START)?;
+        // Its replacements take the same port, which every process beats to.
+        args.push(format!("--listen={}", started.addr));
+        // A controller that takes this long to answer is presumed dead and replaced.
+        let patience = (config.heartbeat * 5).max(Duration::from_millis(200));
+        Ok(Supervised {
+            proc: started.proc,
+            metrics: started.metrics,
+            client: ControllerClient::new(started.addr, patience),
+            args,
+            _dir: dir,
+            restarts: 0,
+            crash_in_recovery: false,
+        })
+    }
+
+    /// Replaces the controller (killing it first: it may only be stopped).
+    fn restart_controller(&mut self) -> Result<(), ClusterError> {
+        let _ = self.controller.proc.kill();
+        let started = spawn(&self.config.exe, &self.controller.args, "a replacement controller", START)?;
+        self.controller.proc = started.proc;
+        self.controller.metrics = started.metrics;
+        self.controller.restarts += 1;
+        Ok(())
+    }
+
+    /// Asks the controller, replacing it once if it does not answer.
+    fn ask<T>(
+        &mut self,
+        mut call: impl FnMut(&mut ControllerClient) -> Result<T, ControllerError>,
+    ) -> Result<T, ClusterError> {
+        match call(&mut self.controller.client) {
+            Ok(answer) => Ok(answer),
+            Err(_) => {
+                self.restart_controller()?;
+                Ok(call(&mut self.controller.client)?)
+            }
+        }
+    }
+
+    /// Who is alive, as the controller says.
+    pub fn census(&mut self) -> Result<Census, ClusterError> {
+        self.ask(ControllerClient::census)
+    }
+
+    /// Waits until `member` has beaten, at most [`START`].
+    fn wait_alive(&mut self, member: Member) -> Result<(), ClusterError> {
+        let start = Instant::now();
+        while self.census()?.is_dead(member) {
+            if start.elapsed() > START {
+                return Err(ClusterError::Invalid(format!("{member:?} sends no heartbeat")));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(())
+    }
+
+    fn sidecar_args(config: &ClusterConfig, heartbeat: SocketAddr, index: usize) -> Vec<String> {
         vec![
             "sidecar".to_owned(),
             format!("--index={index}"),
-            format!("--heartbeat={}", monitor.addr()),
+            format!("--heartbeat={heartbeat}"),
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
+            "--metrics=127.0.0.1:0".to_owned(),
         ]
     }
 
     fn stage_args(
         config: &ClusterConfig,
-        monitor: &Monitor,
+        heartbeat: SocketAddr,
         sidecars: Option<(SocketAddr, SocketAddr)>,
         index: usize,
         next: SocketAddr,
@@ -352,8 +322,9 @@ impl Cluster {
             format!("--slots={}", config.slots),
             format!("--microbatches={}", config.microbatches),
             format!("--max-tokens={}", config.max_tokens),
-            format!("--heartbeat={}", monitor.addr()),
+            format!("--heartbeat={heartbeat}"),
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
+            "--metrics=127.0.0.1:0".to_owned(),
         ];
         if let Some((local, successor)) = sidecars {
             let successor = config.route(Link::Replica { from: index as u32 }, successor);
@@ -367,8 +338,8 @@ impl Cluster {
     }
 
     /// Stage `index`'s sidecars: its own and its ring successor's.
-    fn copies(sidecars: &[(Proc, SocketAddr)], index: usize) -> Option<(SocketAddr, SocketAddr)> {
-        (!sidecars.is_empty()).then(|| (sidecars[index].1, sidecars[(index + 1) % sidecars.len()].1))
+    fn copies(sidecars: &[Spawned], index: usize) -> Option<(SocketAddr, SocketAddr)> {
+        (!sidecars.is_empty()).then(|| (sidecars[index].addr, sidecars[(index + 1) % sidecars.len()].addr))
     }
 
     /// Stages.
@@ -388,41 +359,83 @@ impl Cluster {
                 "killing a worker needs replication and two stages or more".into(),
             ));
         }
-        self.stages[victim].kill()?;
+        self.stages[victim].proc.kill()?;
         if what == Kill::Worker {
-            self.sidecars[victim].0.kill()?;
+            self.sidecars[victim].proc.kill()?;
         }
         Ok(())
     }
 
     /// Stage `stage`'s engine or sidecar.
-    fn process(&mut self, stage: usize, role: Role) -> Result<&mut Proc, ClusterError> {
-        let proc = match role {
+    fn process(&mut self, stage: usize, role: Role) -> Result<&mut Spawned, ClusterError> {
+        let spawned = match role {
             Role::Engine => self.stages.get_mut(stage),
-            Role::Sidecar => self.sidecars.get_mut(stage).map(|(proc, _)| proc),
+            Role::Sidecar => self.sidecars.get_mut(stage),
         };
-        proc.ok_or_else(|| ClusterError::Invalid(format!("no {role:?} {stage}")))
+        spawned.ok_or_else(|| ClusterError::Invalid(format!("no {role:?} {stage}")))
     }
 
     /// Sends `signal` to stage `stage`'s engine or sidecar; a process already dead is left alone.
     pub fn signal(&mut self, stage: usize, role: Role, signal: i32) -> Result<(), ClusterError> {
-        Ok(self.process(stage, role)?.signal(signal)?)
+        Ok(self.process(stage, role)?.proc.signal(signal)?)
     }
 
     /// Stops stage `stage`'s engine or sidecar for `pause` (see [`Proc::pause`]): shorter than the
     /// heartbeat timeout it is a slow process, longer it is declared dead and replaced (and killed,
     /// so it cannot come back).
     pub fn pause(&mut self, stage: usize, role: Role, pause: Duration) -> Result<(), ClusterError> {
-        Ok(self.process(stage, role)?.pause(pause)?)
+        Ok(self.process(stage, role)?.proc.pause(pause)?)
+    }
+
+    /// The metrics page of stage `stage`'s engine or sidecar.
+    pub fn metrics(&mut self, stage: usize, role: Role) -> Result<String, ClusterError> {
+        let at = self.process(stage, role)?.metrics;
+        let at = at.ok_or_else(|| ClusterError::Invalid(format!("{role:?} {stage} serves no metrics")))?;
+        Ok(crate::metrics::scrape(at)?)
+    }
+
+    /// The controller's metrics page.
+    pub fn controller_metrics(&self) -> Result<String, ClusterError> {
+        let at =
+            self.controller.metrics.ok_or_else(|| ClusterError::Invalid("no controller metrics".into()))?;
+        Ok(crate::metrics::scrape(at)?)
+    }
+
+    /// SIGKILLs the controller. The cluster notices when it next asks it something (after a
+    /// failed step, or in a recovery) and starts another on the same state.
+    pub fn kill_controller(&mut self) -> Result<(), ClusterError> {
+        Ok(self.controller.proc.kill()?)
+    }
+
+    /// Stops the controller for `pause`: a pause longer than the time it has to answer gets it
+    /// replaced, if the cluster asks it something meanwhile.
+    pub fn pause_controller(&mut self, pause: Duration) -> Result<(), ClusterError> {
+        Ok(self.controller.proc.pause(pause)?)
+    }
+
+    /// Makes the next recovery SIGKILL the controller right after it has fenced the dead
+    /// processes, before their replacements have beaten.
+    pub fn crash_controller_in_next_recovery(&mut self) {
+        self.controller.crash_in_recovery = true;
+    }
+
+    /// Controllers started to replace one that died or stopped answering.
+    pub fn controller_restarts(&self) -> u64 {
+        self.controller.restarts
     }
 
     /// Every stage whose engine has fallen silent, and whether its sidecar has too.
-    pub fn dead(&self) -> Vec<(usize, Kill)> {
-        (0..self.len())
-            .filter(|&i| self.monitor.is_dead(Role::Engine, i as u32))
+    pub fn dead(&mut self) -> Result<Vec<(usize, Kill)>, ClusterError> {
+        let census = self.census()?;
+        Ok(self.dead_in(&census))
+    }
+
+    fn dead_in(&self, census: &Census) -> Vec<(usize, Kill)> {
+        (0..self.len() as u32)
+            .filter(|&i| census.is_dead((Role::Engine, i)))
             .map(|stage| {
-                let sidecar_dead = self.config.replicate && self.monitor.is_dead(Role::Sidecar, stage as u32);
-                (stage, if sidecar_dead { Kill::Worker } else { Kill::Engine })
+                let sidecar_dead = self.config.replicate && census.is_dead((Role::Sidecar, stage));
+                (stage as usize, if sidecar_dead { Kill::Worker } else { Kill::Engine })
             })
             .collect()
     }
@@ -431,32 +444,34 @@ impl Cluster {
     /// intervals), as [`Cluster::dead`] reports them; empty if none did. Once one has, processes
     /// that have been silent for half the timeout get the rest of it to beat again or be declared
     /// dead too, so that workers that died together are recovered together.
-    pub fn detect(&self, patience: Duration) -> Vec<(usize, Kill)> {
+    pub fn detect(&mut self, patience: Duration) -> Result<Vec<(usize, Kill)>, ClusterError> {
         let start = Instant::now();
         let mut first: Option<Instant> = None;
         loop {
-            let dead = self.dead();
+            let census = self.census()?;
+            let dead = self.dead_in(&census);
             if !dead.is_empty() {
                 let since = *first.get_or_insert_with(Instant::now);
                 let dying = (0..self.len() as u32).any(|i| {
-                    let suspect = |role| self.monitor.is_suspect(role, i) && !self.monitor.is_dead(role, i);
-                    suspect(Role::Engine) || (self.config.replicate && suspect(Role::Sidecar))
+                    census.is_suspect((Role::Engine, i))
+                        || (self.config.replicate && census.is_suspect((Role::Sidecar, i)))
                 });
                 if !dying || since.elapsed() >= self.config.heartbeat * 3 {
-                    return dead;
+                    return Ok(dead);
                 }
             } else if start.elapsed() >= patience {
-                return dead;
+                return Ok(dead);
             }
             std::thread::sleep(Duration::from_millis(5));
         }
     }
 
     /// A sidecar that fell silent while its engine lives (not a failure this cluster recovers from).
-    pub fn orphaned_engine(&self) -> Option<usize> {
-        (0..self.sidecars.len()).find(|&i| {
-            self.monitor.is_dead(Role::Sidecar, i as u32) && !self.monitor.is_dead(Role::Engine, i as u32)
-        })
+    pub fn orphaned_engine(&mut self) -> Result<Option<usize>, ClusterError> {
+        let census = self.census()?;
+        Ok((0..self.sidecars.len() as u32)
+            .find(|&i| census.is_dead((Role::Sidecar, i)) && !census.is_dead((Role::Engine, i)))
+            .map(|i| i as usize))
     }
 
     /// Replaces dead stage `victim` and recovers every sequence on it; see
@@ -472,8 +487,9 @@ impl Cluster {
 
     /// Replaces the dead stages `victims` and recovers every sequence on them:
     ///
-    /// 1. the presumed-dead processes are killed (fenced), and replacement sidecars start for the
-    ///    ones that died;
+    /// 1. the controller fences the presumed-dead processes in a new epoch (durably, so a
+    ///    controller crash cannot undo it), they are killed, and replacement sidecars start for
+    ///    the ones that died;
     /// 2. replacement engines start (the last first, so each knows where to send) and the chain is
     ///    repaired around them;
     /// 3. a live predecessor of a replaced sidecar replicates to the new one from now on, starting
@@ -501,41 +517,43 @@ impl Cluster {
         }
         let died = |stage: usize, what: Kill| victims.contains(&(stage, what));
         let replaced = |stage: usize| victims.iter().any(|&(s, _)| s == stage);
-        let silent = |role: Role, index: usize| {
-            ClusterError::Invalid(format!("the replacement {role:?} {index} sends no heartbeat"))
-        };
-        // Fencing: a process presumed dead may only be slow; make sure it is gone before its
-        // replacement takes its place.
+        // Fencing: the controller opens a new epoch in which the presumed-dead processes are
+        // ignored, durably, before anything else happens; a process presumed dead may only be
+        // slow, so it is also killed before its replacement takes its place.
+        let mut fenced: Vec<Member> = Vec::new();
         for &(victim, what) in &victims {
-            let _ = self.stages[victim].kill();
-            self.monitor.forget(Role::Engine, victim as u32);
+            fenced.push((Role::Engine, victim as u32));
             if what == Kill::Worker {
-                let _ = self.sidecars[victim].0.kill();
-                self.monitor.forget(Role::Sidecar, victim as u32);
+                fenced.push((Role::Sidecar, victim as u32));
             }
         }
-        for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
-            let args = Self::sidecar_args(&self.config, &self.monitor, victim);
-            self.sidecars[victim] = spawn(&self.config.exe, &args, "a replacement sidecar", START)?;
-            if !self.monitor.wait_alive(Role::Sidecar, victim as u32, START) {
-                return Err(silent(Role::Sidecar, victim));
+        let epoch = self.ask(|client| client.fence(&fenced))?;
+        for &(victim, what) in &victims {
+            let _ = self.stages[victim].proc.kill();
+            if what == Kill::Worker {
+                let _ = self.sidecars[victim].proc.kill();
             }
+        }
+        if std::mem::take(&mut self.controller.crash_in_recovery) {
+            let _ = self.controller.proc.kill();
+        }
+        let heartbeat = self.controller.client.addr();
+        for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
+            let args = Self::sidecar_args(&self.config, heartbeat, victim);
+            self.sidecars[victim] = spawn(&self.config.exe, &args, "a replacement sidecar", START)?;
+            self.wait_alive((Role::Sidecar, victim as u32))?;
         }
         for &(victim, _) in victims.iter().rev() {
-            let next = if victim + 1 == n { self.driver } else { self.addrs[victim + 1] };
+            let next = if victim + 1 == n { self.driver } else { self.stages[victim + 1].addr };
             let copies = Self::copies(&self.sidecars, victim);
-            let args = Self::stage_args(&self.config, &self.monitor, copies, victim, next);
-            let (proc, addr) = spawn(&self.config.exe, &args, "a replacement stage", START)?;
-            self.stages[victim] = proc;
-            self.addrs[victim] = addr;
-            if !self.monitor.wait_alive(Role::Engine, victim as u32, START) {
-                return Err(silent(Role::Engine, victim));
-            }
+            let args = Self::stage_args(&self.config, heartbeat, copies, victim, next);
+            self.stages[victim] = spawn(&self.config.exe, &args, "a replacement stage", START)?;
+            self.wait_alive((Role::Engine, victim as u32))?;
         }
         let reachable: Vec<(u32, SocketAddr)> = victims
             .iter()
             .map(|&(victim, _)| {
-                let (index, addr) = (victim as u32, self.addrs[victim]);
+                let (index, addr) = (victim as u32, self.stages[victim].addr);
                 let reach = if victim == 0 {
                     addr
                 } else {
@@ -549,7 +567,8 @@ impl Cluster {
         let mut copy_later = Vec::new();
         for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
             let predecessor = (victim + n - 1) % n;
-            let to = self.config.route(Link::Replica { from: predecessor as u32 }, self.sidecars[victim].1);
+            let to =
+                self.config.route(Link::Replica { from: predecessor as u32 }, self.sidecars[victim].addr);
             if replaced(predecessor) {
                 copy_later.push((predecessor, to));
             } else {
@@ -565,12 +584,13 @@ impl Cluster {
                     if died(successor, Kill::Worker) {
                         copies_lost.push(victim);
                     }
-                    self.config.route(Link::Replica { from: victim as u32 }, self.sidecars[successor].1)
+                    self.config.route(Link::Replica { from: victim as u32 }, self.sidecars[successor].addr)
                 });
                 (victim as u32, from)
             })
             .collect();
         let mut recovered = Recovered {
+            epoch,
             recomputed: 0,
             lag: victims.iter().map(|&(victim, _)| (victim, 0)).collect(),
             copies_lost,
@@ -609,6 +629,8 @@ impl Cluster {
 /// What a recovery did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Recovered {
+    /// The epoch the controller opened for it.
+    pub epoch: u64,
     /// Steps recomputed (the largest replication lag among the victims, summed over the
     /// sequences).
     pub recomputed: u64,

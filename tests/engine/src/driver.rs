@@ -1,6 +1,6 @@
 //! The driver's loop: runs a workload of requests through a [`Cluster`] (every prompt, then one
 //! token per request per round), lets an [`Injector`] act on the cluster before each step, and
-//! when a step fails asks the heartbeat monitor whether a stage died. A dead stage is either
+//! when a step fails asks the controller whether a stage died. A dead stage is either
 //! recovered (DéjàVu: replaced, its KV restored, the steps its copy lacked recomputed) or the
 //! whole pipeline restarts from the first token. Every token delivered and every recovery is
 //! recorded, so callers (the demo, the chaos harness) can check and report them.
@@ -118,6 +118,8 @@ pub struct Delivery {
 pub struct RecoveryRecord {
     /// The stages that died, and what of each.
     pub victims: Vec<(usize, Kill)>,
+    /// The epoch the controller opened for the recovery (0 for a restart).
+    pub epoch: u64,
     /// Stages whose copies died with them (adjacent workers): recomputed from the prompts.
     pub copies_lost: Vec<usize>,
     /// Each victim and the steps its copies lacked (its replication lag), summed over sequences.
@@ -146,6 +148,9 @@ pub struct Run {
     pub recoveries: Vec<RecoveryRecord>,
     /// Attempts at a step that failed with no stage dead (slow or broken links).
     pub repeated_steps: u64,
+    /// Controllers started to replace one that died or stopped answering (counted when a
+    /// cluster finishes or is restarted, not in a run that stopped early).
+    pub controller_restarts: u64,
     /// Wall time, from starting the cluster to the last token.
     pub elapsed: Duration,
 }
@@ -220,9 +225,9 @@ fn drive_into(
                 }
                 Err(e) => e,
             };
-            let victims = cluster.detect(config.detect_patience);
+            let victims = cluster.detect(config.detect_patience)?;
             if victims.is_empty() {
-                if let Some(sidecar) = cluster.orphaned_engine() {
+                if let Some(sidecar) = cluster.orphaned_engine()? {
                     return Err(DriveError::Stuck(format!("sidecar {sidecar} died while its engine lives")));
                 }
                 run.repeated_steps += 1;
@@ -238,6 +243,7 @@ fn drive_into(
             let detected = Instant::now();
             let mut record = RecoveryRecord {
                 victims,
+                epoch: 0,
                 copies_lost: Vec::new(),
                 lag: Vec::new(),
                 step: step - 1,
@@ -251,6 +257,7 @@ fn drive_into(
                 OnFailure::Recover => {
                     let recovered = recover(&mut cluster, workload, run, &mut record.victims)?;
                     record.recomputed = recovered.recomputed + 1;
+                    record.epoch = recovered.epoch;
                     record.copies_lost = recovered.copies_lost;
                     record.lag = recovered.lag;
                     let restored = Instant::now();
@@ -267,6 +274,7 @@ fn drive_into(
                 }
                 OnFailure::Restart => {
                     record.recomputed = run.tokens.iter().map(|t| t.len() as u64).sum();
+                    run.controller_restarts += cluster.controller_restarts();
                     drop(cluster);
                     cluster = start()?;
                     run.tokens.iter_mut().for_each(Vec::clear);
@@ -277,6 +285,7 @@ fn drive_into(
             }
         }
         if run.tokens.iter().all(|t| t.len() == workload.new_tokens as usize) {
+            run.controller_restarts += cluster.controller_restarts();
             return Ok(());
         }
     }
@@ -300,7 +309,7 @@ fn recover(
             Err(e) if attempt == RECOVERY_ATTEMPTS => return Err(e.into()),
             Err(_) => {
                 attempt += 1;
-                for dead in cluster.dead() {
+                for dead in cluster.dead()? {
                     if !victims.iter().any(|v| v.0 == dead.0) {
                         victims.push(dead);
                     }

@@ -10,7 +10,10 @@
 //! - [`pipeline`]: stages chained in one process, prompts in microbatches, greedy generation;
 //! - [`process`]: stages as separate processes passing activations over TCP, copying their KV to
 //!   sidecars and restoring it after a replacement (the `dejavu-engine` binary runs one);
-//! - [`heartbeat`]: processes beat every interval; the driver's monitor declares the silent dead;
+//! - [`heartbeat`]: processes beat every interval to the controller;
+//! - [`controller`]: a process that declares the silent dead and issues the epoch of each
+//!   recovery, with a state file that survives its crashes;
+//! - [`metrics`]: each process's counters on a Prometheus text endpoint;
 //! - [`cluster`]: a pipeline of such processes and the recovery procedure for a dead worker;
 //! - [`driver`]: the loop that runs requests through a cluster, injects faults, and recovers or
 //!   restarts after a failure, recording every token and every recovery.
@@ -22,10 +25,13 @@
 
 pub mod cli;
 pub mod cluster;
+pub mod controller;
 pub mod driver;
 pub mod heartbeat;
+pub mod metrics;
 pub mod model;
 pub mod pipeline;
+pub mod proc;
 pub mod process;
 pub mod stage;
 

@@ -37,6 +37,7 @@ use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,7 @@ use dejavulib::{ChunkStore, KvCache, KvRegion, StagingPool, Streamer, StreamerCo
 use parking_lot::Mutex;
 use thiserror::Error;
 
+use crate::metrics::{Exposition, MetricType};
 use crate::model::ModelConfig;
 use crate::pipeline::{cache_layout, CacheLayout, Seat};
 use crate::stage::{Stage, StageError};
@@ -201,6 +203,100 @@ fn accept_within(listener: &TcpListener, patience: Duration) -> Result<TcpStream
     Ok(stream)
 }
 
+/// Counters of a stage process, read by its metrics page.
+#[derive(Debug, Default)]
+pub struct StageStats {
+    /// Steps computed (prompts and tokens).
+    pub steps: AtomicU64,
+    /// Tokens computed (a prompt counts its length).
+    pub tokens: AtomicU64,
+    /// Chunks copied to the stage's own sidecar, and their payload bytes.
+    pub local_chunks: AtomicU64,
+    /// See [`StageStats::local_chunks`].
+    pub local_bytes: AtomicU64,
+    /// Chunks replicated to the ring successor's sidecar, and their payload bytes.
+    pub replica_chunks: AtomicU64,
+    /// See [`StageStats::replica_chunks`].
+    pub replica_bytes: AtomicU64,
+    /// Steps whose replication failed (the copies lack them until a replacement recomputes them).
+    pub replication_failures: AtomicU64,
+    /// Steps handed to the streamer whose replication is not known to be done.
+    pub replication_pending: AtomicU64,
+    /// Restores carried out, from the stage's own sidecar and from a peer's.
+    pub local_restores: AtomicU64,
+    /// See [`StageStats::local_restores`].
+    pub peer_restores: AtomicU64,
+    /// Tokens of KV restored from the stage's own sidecar and from a peer's.
+    pub local_restored_tokens: AtomicU64,
+    /// See [`StageStats::local_restored_tokens`].
+    pub peer_restored_tokens: AtomicU64,
+}
+
+impl StageStats {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The stage's metrics page.
+    pub fn render(&self, stage: u32) -> String {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64;
+        let stage = stage.to_string();
+        let label = [("stage", stage.as_str())];
+        let mut page = Exposition::new();
+        let mut single = |name: &str, kind, help: &str, value: f64| {
+            page.family(name, kind, help).sample(name, &label, value);
+        };
+        single("dejavu_stage_steps_total", MetricType::Counter, "Steps computed.", get(&self.steps));
+        single("dejavu_stage_tokens_total", MetricType::Counter, "Tokens computed.", get(&self.tokens));
+        single(
+            "dejavu_stage_replication_failures_total",
+            MetricType::Counter,
+            "Steps whose KV could not be copied to both sidecars.",
+            get(&self.replication_failures),
+        );
+        single(
+            "dejavu_stage_replication_lag_steps",
+            MetricType::Gauge,
+            "Steps whose KV copies are not known to be done.",
+            get(&self.replication_pending),
+        );
+        // Each of these is counted apart for the stage's own sidecar (local) and its successor's
+        // or another peer's (peer).
+        let split = [
+            (
+                "dejavu_stage_copied_chunks_total",
+                "KV chunks copied to a sidecar.",
+                &self.local_chunks,
+                &self.replica_chunks,
+            ),
+            (
+                "dejavu_stage_copied_bytes_total",
+                "KV bytes copied to a sidecar.",
+                &self.local_bytes,
+                &self.replica_bytes,
+            ),
+            (
+                "dejavu_stage_restores_total",
+                "Sequence restores from a sidecar.",
+                &self.local_restores,
+                &self.peer_restores,
+            ),
+            (
+                "dejavu_stage_restored_tokens_total",
+                "Tokens of KV restored from a sidecar.",
+                &self.local_restored_tokens,
+                &self.peer_restored_tokens,
+            ),
+        ];
+        for (name, help, local, peer) in split {
+            page.family(name, MetricType::Counter, help)
+                .sample(name, &[("stage", stage.as_str()), ("target", "local")], get(local))
+                .sample(name, &[("stage", stage.as_str()), ("target", "peer")], get(peer));
+        }
+        page.finish()
+    }
+}
+
 /// A store on a sidecar, used by one writer at a time.
 type SharedPeer = Arc<Mutex<PeerStore>>;
 
@@ -212,17 +308,27 @@ struct Tee {
     successor: Arc<Mutex<(SocketAddr, SharedPeer)>>,
     /// See [`Replication::skip_replicas`].
     skip_replicas: bool,
+    stats: Arc<StageStats>,
 }
 
 impl ChunkStore for Tee {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         // Both copies are attempted: losing one sidecar must not cost the other copy.
+        let bytes = payload.len() as u64;
         let local = self.local.lock().put(descriptor, payload);
+        if local.is_ok() {
+            StageStats::add(&self.stats.local_chunks, 1);
+            StageStats::add(&self.stats.local_bytes, bytes);
+        }
         if self.skip_replicas {
             return local;
         }
         let target = self.successor.lock().1.clone();
         let replica = target.lock().put(descriptor, payload);
+        if replica.is_ok() {
+            StageStats::add(&self.stats.replica_chunks, 1);
+            StageStats::add(&self.stats.replica_bytes, bytes);
+        }
         local.and(replica)
     }
 
@@ -288,6 +394,7 @@ struct StageProcess {
     /// Replications not known to be done yet.
     pending: VecDeque<Completion>,
     pool: StagingPool,
+    stats: Arc<StageStats>,
 }
 
 impl StageProcess {
@@ -306,6 +413,7 @@ impl StageProcess {
             streamer: None,
             pending: VecDeque::new(),
             pool: StagingPool::default(),
+            stats: Arc::default(),
             config,
         };
         if let Some(replication) = &process.config.replication {
@@ -314,6 +422,7 @@ impl StageProcess {
                 local: sidecars.local.clone(),
                 successor: sidecars.successor.clone(),
                 skip_replicas: replication.skip_replicas,
+                stats: process.stats.clone(),
             };
             process.streamer = Some(Streamer::spawn(StreamerConfig::default(), Box::new(tee))?);
             process.sidecars = Some(sidecars);
@@ -350,6 +459,8 @@ impl StageProcess {
         }
         let cache = self.cache(seat)?;
         self.stage.forward(&cache, slot, position, &mut hidden)?;
+        StageStats::add(&self.stats.steps, 1);
+        StageStats::add(&self.stats.tokens, count as u64);
         if let Some(streamer) = &self.streamer {
             let job = StreamJob { cache, transfer: self.transfer(seat), tokens: position..position + count };
             self.pending.push_back(streamer.submit(job).map_err(|e| ProcessError::Sidecar(e.to_string()))?);
@@ -357,9 +468,11 @@ impl StageProcess {
             while let Some(done) = self.pending.front().and_then(Completion::poll) {
                 self.pending.pop_front();
                 if let Err(e) = done {
+                    StageStats::add(&self.stats.replication_failures, 1);
                     eprintln!("stage {}: a replication failed: {e}", self.config.index);
                 }
             }
+            self.stats.replication_pending.store(self.pending.len() as u64, Ordering::Relaxed);
         }
         Ok(if self.stage.layers().end == self.config.model.layers {
             let d = self.config.model.d_model as usize;
@@ -446,6 +559,12 @@ impl StageProcess {
                 }
             }
         }
+        let (restores, tokens) = match from {
+            None => (&self.stats.local_restores, &self.stats.local_restored_tokens),
+            Some(_) => (&self.stats.peer_restores, &self.stats.peer_restored_tokens),
+        };
+        StageStats::add(restores, 1);
+        StageStats::add(tokens, restored as u64);
         restored
     }
 
@@ -477,16 +596,25 @@ impl StageProcess {
     }
 }
 
-/// Runs a stage: listens at `listen`, reports the bound address through `ready`, then serves one
-/// upstream connection at a time (a predecessor's replacement connects after it) until killed.
+/// Runs a stage: listens at `listen` (and serves its metrics at `metrics`, if given), reports the
+/// bound addresses through `ready`, then serves one upstream connection at a time (a
+/// predecessor's replacement connects after it) until killed.
 pub fn serve_stage(
     config: StageConfig,
     listen: SocketAddr,
-    ready: impl FnOnce(SocketAddr),
+    metrics: Option<SocketAddr>,
+    ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
 ) -> Result<(), ProcessError> {
     let mut process = StageProcess::new(config)?;
     let listener = TcpListener::bind(listen)?;
-    ready(listener.local_addr()?);
+    let metrics = match metrics {
+        Some(at) => {
+            let (stats, index) = (process.stats.clone(), process.config.index);
+            Some(crate::metrics::serve(at, move || stats.render(index))?)
+        }
+        None => None,
+    };
+    ready(listener.local_addr()?, metrics);
     let mut downstream: Option<(SocketAddr, BufWriter<TcpStream>)> = None;
     loop {
         let (upstream, _) = listener.accept()?;

@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill, Sequence};
+use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill, Role, Sequence};
+use dejavu_engine::metrics::value_of;
 use dejavu_engine::process::RemotePipeline;
 use dejavu_engine::{CacheLayout, ModelConfig, Pipeline, Seat};
 
@@ -117,13 +118,79 @@ fn a_killed_engine_or_worker_is_replaced_and_sequences_resume_bit_identically() 
         let position = (prompts[0].len() + done - 1) as u32;
         assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err(), "{victim} {what:?}");
         // The heartbeats say who died, and how much of the worker.
-        assert_eq!(chain.detect(Duration::from_secs(3)), [(victim, what)]);
+        assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(victim, what)]);
 
+        let successor = (victim + 1) % splits().len();
+        let served = |chain: &mut Cluster, stage| {
+            let page = chain.metrics(stage, Role::Sidecar).unwrap();
+            value_of(&page, "dejavu_sidecar_chunks_served_total", &[]).unwrap()
+        };
+        let successor_served = served(&mut chain, successor);
         chain.recover(victim, what, &sequences(&prompts, &so_far)).unwrap();
+        // The metrics say where the KV came from: an engine that died alone restores from its
+        // own sidecar, with nothing over the network; a whole worker from its successor's.
+        let page = chain.metrics(victim, Role::Engine).unwrap();
+        let restored =
+            |target| value_of(&page, "dejavu_stage_restored_tokens_total", &[("target", target)]).unwrap();
+        let successor_served_now = served(&mut chain, successor);
+        match what {
+            Kill::Engine => {
+                assert!(restored("local") > 0.0, "{page}");
+                assert_eq!(restored("peer"), 0.0, "{page}");
+                assert_eq!(successor_served_now, successor_served, "no network restore");
+            }
+            Kill::Worker => {
+                assert!(restored("peer") > 0.0, "{page}");
+                assert!(successor_served_now > successor_served, "restored from the successor");
+            }
+        }
+        let controller = chain.controller_metrics().unwrap();
+        assert_eq!(value_of(&controller, "dejavu_controller_epoch", &[]), Some(1.0), "{controller}");
+        assert_eq!(value_of(&controller, "dejavu_controller_fences_total", &[]), Some(1.0));
+
         for (i, tokens) in so_far.iter_mut().enumerate() {
             *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
             assert_eq!(*tokens, expected[i], "{victim} {what:?}, request {i}");
         }
+    }
+}
+
+#[test]
+fn a_controller_crash_loses_no_failure_and_never_reuses_an_epoch() {
+    let expected = reference();
+    let prompts = prompts();
+    let mut chain = cluster(true);
+    let done = 3;
+    let mut so_far = start_requests(&mut chain.remote, done);
+
+    // The controller dies, then an engine: the replacement controller, started when the failed
+    // step sends the cluster to it, finds that engine silent and no one else.
+    chain.kill_controller().unwrap();
+    chain.kill(2, Kill::Engine).unwrap();
+    let position = (prompts[0].len() + done - 1) as u32;
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(2, Kill::Engine)]);
+    assert_eq!(chain.controller_restarts(), 1);
+
+    // It dies again in the middle of the recovery, right after fencing: its replacement keeps the
+    // epoch and the fence, and the recovery goes on.
+    chain.crash_controller_in_next_recovery();
+    let first = chain.recover_all(&[(2, Kill::Engine)], &sequences(&prompts, &so_far)).unwrap();
+    assert_eq!(first.epoch, 1);
+    assert_eq!(chain.controller_restarts(), 2);
+
+    // A later failure gets the next epoch, never one handed out before.
+    chain.kill(1, Kill::Worker).unwrap();
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
+    let second = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
+    assert_eq!(second.epoch, 2);
+    let controller = chain.controller_metrics().unwrap();
+    assert_eq!(value_of(&controller, "dejavu_controller_incarnation", &[]), Some(3.0), "{controller}");
+
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "request {i}");
     }
 }
 

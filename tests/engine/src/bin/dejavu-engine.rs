@@ -1,10 +1,10 @@
 //! `dejavu-engine`: one pipeline stage of the reference engine as its own process, or a stage's
-//! sidecar that keeps copies of KV. Each prints `listening ADDR` once it accepts connections.
+//! sidecar that keeps copies of KV, or the cluster's controller. Each prints `listening ADDR` once it accepts connections.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use dejavu_engine::cli::{SidecarArgs, StageArgs};
+use dejavu_engine::cli::{ControllerArgs, SidecarArgs, StageArgs};
 
 #[derive(Debug, Parser)]
 #[command(name = "dejavu-engine", about = "Reference engine stage or sidecar")]
@@ -19,12 +19,15 @@ enum Command {
     Stage(StageArgs),
     /// Keep a stage's local KV copy and its predecessor's replica.
     Sidecar(SidecarArgs),
+    /// Watch heartbeats, declare the silent dead and issue recovery epochs.
+    Controller(ControllerArgs),
 }
 
 fn main() -> ExitCode {
     let result = match Cli::parse().command {
         Command::Stage(args) => args.run(),
         Command::Sidecar(args) => args.run(),
+        Command::Controller(args) => args.run(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

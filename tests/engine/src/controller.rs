@@ -1,0 +1,744 @@
+//! The controller: a process of its own that every stage and sidecar heartbeats to, which says who
+//! fell silent and issues the epoch of each recovery.
+//!
+//! - Heartbeats are datagrams to the controller's UDP port ([`crate::heartbeat::beat`]); each
+//!   carries the sender's pid. Queries come over TCP on the same port number, in framed,
+//!   checksummed messages ([`dejavulib::wire`]): a [`Census`] of who is alive, suspect or dead,
+//!   and a fence that opens a new epoch and forgets the fenced processes.
+//! - A fence is written to the state file (write, fsync, rename) before it is answered, so a
+//!   controller that crashes and restarts never hands out an epoch twice, still waits for the
+//!   fenced processes' replacements, and ignores heartbeats from the fenced processes (the pids
+//!   are kept).
+//! - A restarted controller has heard from no one yet: each member it knew gets a full timeout
+//!   from the restart to beat, so a controller crash is never a false failure detection.
+//!
+//! [`ControllerClient`] is the other end, used by [`crate::cluster`].
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::io::{BufReader, BufWriter, ErrorKind, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind, FRAME_HEADER_LEN};
+use parking_lot::Mutex;
+use thiserror::Error;
+
+use crate::heartbeat::Role;
+use crate::metrics::{Exposition, MetricType};
+
+/// A process of the cluster, as the controller knows it.
+pub type Member = (Role, u32);
+
+/// What the controller says of a member.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Health {
+    /// Beat within half the timeout.
+    Alive,
+    /// Silent for half the timeout or more: perhaps dying.
+    Suspect,
+    /// Silent for the timeout, never heard from, or fenced and not yet replaced.
+    Dead,
+}
+
+/// Errors of the controller and of talking to it.
+#[derive(Debug, Error)]
+pub enum ControllerError {
+    /// Its state file cannot be read or written.
+    #[error("controller state {path}: {why}")]
+    State {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// A socket failed.
+    #[error("controller i/o: {0}")]
+    Io(#[from] std::io::Error),
+    /// It answered something that makes no sense, or refused the request.
+    #[error("controller protocol: {0}")]
+    Protocol(String),
+}
+
+/// What survives a controller crash.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct State {
+    /// The last epoch handed out (0: none yet).
+    pub epoch: u64,
+    /// How many controllers have run on this state, this one included.
+    pub incarnation: u64,
+    /// Every member heard from, and whether it was fenced and its replacement not yet heard.
+    pub members: BTreeMap<Member, bool>,
+    /// Pids of fenced processes, whose heartbeats are ignored.
+    pub fenced_pids: BTreeSet<u32>,
+}
+
+/// Fenced pids remembered at most (the oldest are forgotten first; pids are handed out in
+/// increasing order until they wrap).
+const MAX_FENCED_PIDS: usize = 4096;
+
+impl State {
+    /// Reads the state at `path`; a missing file is a fresh cluster.
+    pub fn load(path: &Path) -> Result<Self, ControllerError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Self::default()),
+            Err(e) => return Err(state_error(path, e.to_string())),
+        };
+        Self::parse(&text).map_err(|why| state_error(path, why))
+    }
+
+    fn parse(text: &str) -> Result<Self, String> {
+        let mut state = Self::default();
+        for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let bad = || format!("line {}: cannot read {line:?}", n + 1);
+            let words: Vec<&str> = line.split_whitespace().collect();
+            match words.as_slice() {
+                ["epoch", e] => state.epoch = e.parse().map_err(|_| bad())?,
+                ["incarnation", i] => state.incarnation = i.parse().map_err(|_| bad())?,
+                ["member", role, index, status] => {
+                    let role = match *role {
+                        "engine" => Role::Engine,
+                        "sidecar" => Role::Sidecar,
+                        _ => return Err(bad()),
+                    };
+                    let awaiting = match *status {
+                        "awaiting" => true,
+                        "live" => false,
+                        _ => return Err(bad()),
+                    };
+                    state.members.insert((role, index.parse().map_err(|_| bad())?), awaiting);
+                }
+                ["fenced", pid] => {
+                    state.fenced_pids.insert(pid.parse().map_err(|_| bad())?);
+                }
+                _ => return Err(bad()),
+            }
+        }
+        Ok(state)
+    }
+
+    /// Writes the state to `path` atomically and durably: a crash leaves the old state or the new.
+    pub fn save(&self, path: &Path) -> Result<(), ControllerError> {
+        let fail = |e: std::io::Error| state_error(path, e.to_string());
+        let partial = path.with_extension("partial");
+        let mut file = std::fs::File::create(&partial).map_err(fail)?;
+        file.write_all(self.to_string().as_bytes()).map_err(fail)?;
+        file.sync_all().map_err(fail)?;
+        std::fs::rename(&partial, path).map_err(fail)?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(fail)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for State {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "epoch {}", self.epoch)?;
+        writeln!(f, "incarnation {}", self.incarnation)?;
+        for (&(role, index), &awaiting) in &self.members {
+            let status = if awaiting { "awaiting" } else { "live" };
+            writeln!(f, "member {} {index} {status}", role_name(role))?;
+        }
+        self.fenced_pids.iter().try_for_each(|pid| writeln!(f, "fenced {pid}"))
+    }
+}
+
+fn state_error(path: &Path, why: String) -> ControllerError {
+    ControllerError::State { path: path.to_owned(), why }
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Engine => "engine",
+        Role::Sidecar => "sidecar",
+    }
+}
+
+/// When a member was last heard from, and from which process.
+#[derive(Clone, Copy, Debug)]
+struct Seen {
+    at: Instant,
+    /// 0 until a heartbeat after a controller restart names it.
+    pid: u32,
+}
+
+/// The controller's tables, shared by its heartbeat, query and metrics threads.
+struct Tables {
+    state: State,
+    path: PathBuf,
+    seen: HashMap<Member, Seen>,
+    timeout: Duration,
+    interval: Duration,
+}
+
+/// Counters for the metrics page.
+#[derive(Default)]
+struct Counters {
+    heartbeats: AtomicU64,
+    stale_heartbeats: AtomicU64,
+    missed_heartbeats: AtomicU64,
+    fences: AtomicU64,
+    queries: AtomicU64,
+}
+
+impl Tables {
+    fn health(&self, member: Member) -> Health {
+        if self.state.members.get(&member) == Some(&true) {
+            return Health::Dead;
+        }
+        match self.seen.get(&member) {
+            None => Health::Dead,
+            Some(seen) if seen.at.elapsed() >= self.timeout => Health::Dead,
+            Some(seen) if seen.at.elapsed() >= self.timeout / 2 => Health::Suspect,
+            Some(_) => Health::Alive,
+        }
+    }
+
+    /// Records a heartbeat; returns whether the member is new or replaced (the state changed).
+    fn heard(&mut self, member: Member, pid: u32, counters: &Counters) -> bool {
+        if self.state.fenced_pids.contains(&pid) {
+            counters.stale_heartbeats.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        counters.heartbeats.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        if let Some(previous) = self.seen.insert(member, Seen { at: now, pid }) {
+            let gap = now - previous.at;
+            // A beat is missed when the gap holds more than one interval (with some slack).
+            let missed = (gap.as_secs_f64() / self.interval.as_secs_f64() - 0.5).floor().max(1.0) - 1.0;
+            counters.missed_heartbeats.fetch_add(missed as u64, Ordering::Relaxed);
+        }
+        self.state.members.insert(member, false) != Some(false)
+    }
+
+    /// Opens a new epoch in which `members` are fenced; returns it once it is durable.
+    fn fence(&mut self, members: &[Member]) -> Result<u64, ControllerError> {
+        let mut next = self.state.clone();
+        next.epoch += 1;
+        for &member in members {
+            if let Some(seen) = self.seen.get(&member).filter(|s| s.pid != 0) {
+                next.fenced_pids.insert(seen.pid);
+            }
+            next.members.insert(member, true);
+        }
+        while next.fenced_pids.len() > MAX_FENCED_PIDS {
+            next.fenced_pids.pop_first();
+        }
+        next.save(&self.path)?;
+        for member in members {
+            self.seen.remove(member);
+        }
+        self.state = next;
+        Ok(self.state.epoch)
+    }
+}
+
+/// How a controller runs.
+#[derive(Clone, Debug)]
+pub struct ControllerConfig {
+    /// Where it listens: UDP for heartbeats and TCP for queries, on the same port (0 picks one).
+    pub listen: SocketAddr,
+    /// Its state file.
+    pub state: PathBuf,
+    /// Silence after which a member is dead.
+    pub timeout: Duration,
+    /// The interval members beat at (to count missed beats).
+    pub interval: Duration,
+    /// Where to serve metrics, if anywhere.
+    pub metrics: Option<SocketAddr>,
+}
+
+/// Query operations (the first id of a control frame).
+const OP_CENSUS: u32 = 1;
+const OP_FENCE: u32 = 2;
+
+/// Attempts at binding a UDP and a TCP socket to one free port before giving up.
+const BIND_ATTEMPTS: usize = 16;
+
+/// Binds a UDP and a TCP socket on the same port of `addr` (a free one if its port is 0).
+fn bind_pair(addr: SocketAddr) -> std::io::Result<(UdpSocket, TcpListener)> {
+    let mut last = None;
+    for _ in 0..BIND_ATTEMPTS {
+        let udp = UdpSocket::bind(addr)?;
+        match TcpListener::bind(udp.local_addr()?) {
+            Ok(tcp) => return Ok((udp, tcp)),
+            // Someone holds the TCP side of the port picked: try another.
+            Err(e) if addr.port() == 0 => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("no port")))
+}
+
+/// Runs a controller until the process is killed. `ready` gets the address it listens at (and of
+/// its metrics page) once it answers queries.
+pub fn serve_controller(
+    config: ControllerConfig,
+    ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
+) -> Result<(), ControllerError> {
+    let mut state = State::load(&config.state)?;
+    let (udp, tcp) = bind_pair(config.listen)?;
+    let addr = tcp.local_addr()?;
+    state.incarnation += 1;
+    state.save(&config.state)?;
+    // A restarted controller gives every live member it knew a full timeout from now.
+    let start = Instant::now();
+    let seen = state
+        .members
+        .iter()
+        .filter(|&(_, &awaiting)| !awaiting)
+        .map(|(&member, _)| (member, Seen { at: start, pid: 0 }))
+        .collect();
+    let tables = Arc::new(Mutex::new(Tables {
+        state,
+        path: config.state.clone(),
+        seen,
+        timeout: config.timeout,
+        interval: config.interval,
+    }));
+    let counters = Arc::new(Counters::default());
+    {
+        let (tables, counters) = (tables.clone(), counters.clone());
+        std::thread::Builder::new()
+            .name("heartbeats".into())
+            .spawn(move || listen_heartbeats(udp, &tables, &counters))?;
+    }
+    let metrics = match config.metrics {
+        Some(at) => {
+            let (tables, counters) = (tables.clone(), counters.clone());
+            Some(crate::metrics::serve(at, move || render(&tables.lock(), &counters))?)
+        }
+        None => None,
+    };
+    ready(addr, metrics);
+    for stream in tcp.incoming() {
+        let Ok(stream) = stream else { continue };
+        let (tables, counters) = (tables.clone(), counters.clone());
+        std::thread::Builder::new().name("query".into()).spawn(move || {
+            if let Err(e) = answer_queries(stream, &tables, &counters) {
+                eprintln!("controller: query connection closed: {e}");
+            }
+        })?;
+    }
+    Ok(())
+}
+
+/// Records every heartbeat that arrives on `socket`; a member heard for the first time (or a
+/// replacement) is written to the state file.
+fn listen_heartbeats(socket: UdpSocket, tables: &Mutex<Tables>, counters: &Counters) {
+    let mut buf = [0u8; FRAME_HEADER_LEN];
+    loop {
+        let n = match socket.recv(&mut buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => {
+                eprintln!("controller: heartbeat socket failed: {e}");
+                return;
+            }
+        };
+        let Some((member, pid)) = crate::heartbeat::decode(&buf[..n]) else { continue };
+        let mut tables = tables.lock();
+        if tables.heard(member, pid, counters) {
+            if let Err(e) = tables.state.save(&tables.path) {
+                eprintln!("controller: {e}");
+            }
+        }
+    }
+}
+
+/// Answers queries on one connection until it closes.
+fn answer_queries(
+    stream: TcpStream,
+    tables: &Mutex<Tables>,
+    counters: &Counters,
+) -> Result<(), ControllerError> {
+    stream.set_nodelay(true)?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut writer = BufWriter::new(stream);
+    while let Some(frame) =
+        read_frame(&mut reader, 1 << 20).map_err(|e| ControllerError::Protocol(e.to_string()))?
+    {
+        counters.queries.fetch_add(1, Ordering::Relaxed);
+        let request = frame.header.request;
+        let reply = match (frame.header.kind, frame.header.ids[0]) {
+            (Kind::Control, OP_CENSUS) => {
+                let tables = tables.lock();
+                Ok((tables.state.epoch, encode_census(&tables)))
+            }
+            (Kind::Control, OP_FENCE) => decode_members(&frame.payload).and_then(|members| {
+                let epoch = tables.lock().fence(&members)?;
+                counters.fences.fetch_add(1, Ordering::Relaxed);
+                Ok((epoch, Vec::new()))
+            }),
+            (kind, op) => Err(ControllerError::Protocol(format!("unknown request {kind:?} {op}"))),
+        };
+        match reply {
+            Ok((epoch, payload)) => {
+                write_frame(&mut writer, &FrameHeader::new(Kind::Control, 0, epoch, request), &payload)?
+            }
+            Err(e) => write_frame(
+                &mut writer,
+                &FrameHeader::new(Kind::Error, 0, 0, request),
+                e.to_string().as_bytes(),
+            )?,
+        }
+        writer.flush()?;
+    }
+    Ok(())
+}
+
+const MEMBER_LEN: usize = 5;
+
+fn encode_member(out: &mut Vec<u8>, (role, index): Member) {
+    out.push(role as u8);
+    out.extend_from_slice(&index.to_le_bytes());
+}
+
+fn decode_member(bytes: &[u8]) -> Option<Member> {
+    let role = match bytes[0] {
+        0 => Role::Engine,
+        1 => Role::Sidecar,
+        _ => return None,
+    };
+    Some((role, u32::from_le_bytes(bytes[1..MEMBER_LEN].try_into().ok()?)))
+}
+
+fn decode_members(payload: &[u8]) -> Result<Vec<Member>, ControllerError> {
+    if payload.len() % MEMBER_LEN != 0 {
+        return Err(ControllerError::Protocol("a member list of a partial member".into()));
+    }
+    payload
+        .chunks_exact(MEMBER_LEN)
+        .map(|m| decode_member(m).ok_or_else(|| ControllerError::Protocol("an unknown role".into())))
+        .collect()
+}
+
+fn encode_census(tables: &Tables) -> Vec<u8> {
+    let mut out = Vec::new();
+    for &member in tables.state.members.keys() {
+        encode_member(&mut out, member);
+        out.push(tables.health(member) as u8);
+    }
+    out
+}
+
+fn render(tables: &Tables, counters: &Counters) -> String {
+    let mut page = Exposition::new();
+    let get = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64;
+    page.single(
+        "dejavu_controller_epoch",
+        MetricType::Gauge,
+        "The last epoch handed out.",
+        tables.state.epoch as f64,
+    )
+    .single(
+        "dejavu_controller_incarnation",
+        MetricType::Gauge,
+        "Controllers that have run on this state file, this one included.",
+        tables.state.incarnation as f64,
+    )
+    .single(
+        "dejavu_controller_heartbeats_total",
+        MetricType::Counter,
+        "Heartbeats received.",
+        get(&counters.heartbeats),
+    )
+    .single(
+        "dejavu_controller_heartbeats_missed_total",
+        MetricType::Counter,
+        "Heartbeat intervals that passed without a beat from a member that beat again later.",
+        get(&counters.missed_heartbeats),
+    )
+    .single(
+        "dejavu_controller_stale_heartbeats_total",
+        MetricType::Counter,
+        "Heartbeats ignored because they came from a fenced process.",
+        get(&counters.stale_heartbeats),
+    )
+    .single(
+        "dejavu_controller_fences_total",
+        MetricType::Counter,
+        "Epochs opened to fence failed members.",
+        get(&counters.fences),
+    )
+    .single(
+        "dejavu_controller_queries_total",
+        MetricType::Counter,
+        "Queries answered.",
+        get(&counters.queries),
+    );
+    page.family("dejavu_controller_members", MetricType::Gauge, "Members by health.");
+    for (health, name) in [(Health::Alive, "alive"), (Health::Suspect, "suspect"), (Health::Dead, "dead")] {
+        let count = tables.state.members.keys().filter(|&&m| tables.health(m) == health).count();
+        page.sample("dejavu_controller_members", &[("health", name)], count as f64);
+    }
+    page.finish()
+}
+
+/// Who is alive, as the controller said at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Census {
+    /// The last epoch handed out.
+    pub epoch: u64,
+    /// Every member it knows of.
+    pub members: BTreeMap<Member, Health>,
+}
+
+impl Census {
+    /// The health of `member` (dead if the controller never heard of it).
+    pub fn health(&self, member: Member) -> Health {
+        self.members.get(&member).copied().unwrap_or(Health::Dead)
+    }
+
+    /// Whether `member` is dead.
+    pub fn is_dead(&self, member: Member) -> bool {
+        self.health(member) == Health::Dead
+    }
+
+    /// Whether `member` is suspect (silent for half the timeout, not yet dead).
+    pub fn is_suspect(&self, member: Member) -> bool {
+        self.health(member) == Health::Suspect
+    }
+}
+
+/// A connection to a controller; every call has a deadline, and a broken connection is
+/// re-established by the next call.
+pub struct ControllerClient {
+    addr: SocketAddr,
+    deadline: Duration,
+    connection: Option<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
+    next_request: u64,
+}
+
+impl ControllerClient {
+    /// A client of the controller at `addr`; a call slower than `deadline` fails.
+    pub fn new(addr: SocketAddr, deadline: Duration) -> Self {
+        Self { addr, deadline, connection: None, next_request: 1 }
+    }
+
+    /// The controller's address (also where heartbeats go).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Who is alive.
+    pub fn census(&mut self) -> Result<Census, ControllerError> {
+        let (epoch, payload) = self.call(OP_CENSUS, &[])?;
+        let mut members = BTreeMap::new();
+        if payload.len() % (MEMBER_LEN + 1) != 0 {
+            return Err(ControllerError::Protocol("a census of a partial member".into()));
+        }
+        for entry in payload.chunks_exact(MEMBER_LEN + 1) {
+            let member =
+                decode_member(entry).ok_or_else(|| ControllerError::Protocol("an unknown role".into()))?;
+            let health = match entry[MEMBER_LEN] {
+                0 => Health::Alive,
+                1 => Health::Suspect,
+                2 => Health::Dead,
+                h => return Err(ControllerError::Protocol(format!("an unknown health {h}"))),
+            };
+            members.insert(member, health);
+        }
+        Ok(Census { epoch, members })
+    }
+
+    /// Fences `members` in a new epoch, which it returns once the controller has made it durable.
+    /// Their heartbeats are ignored from then on; they count as dead until a replacement beats.
+    pub fn fence(&mut self, members: &[Member]) -> Result<u64, ControllerError> {
+        let mut payload = Vec::with_capacity(members.len() * MEMBER_LEN);
+        members.iter().for_each(|&m| encode_member(&mut payload, m));
+        Ok(self.call(OP_FENCE, &payload)?.0)
+    }
+
+    fn call(&mut self, op: u32, payload: &[u8]) -> Result<(u64, Vec<u8>), ControllerError> {
+        let result = self.try_call(op, payload);
+        if result.is_err() {
+            // The connection may hold half an exchange: start over next time.
+            self.connection = None;
+        }
+        result
+    }
+
+    fn try_call(&mut self, op: u32, payload: &[u8]) -> Result<(u64, Vec<u8>), ControllerError> {
+        if self.connection.is_none() {
+            let stream = TcpStream::connect_timeout(&self.addr, self.deadline)?;
+            stream.set_nodelay(true)?;
+            stream.set_read_timeout(Some(self.deadline))?;
+            stream.set_write_timeout(Some(self.deadline))?;
+            self.connection = Some((BufReader::new(stream.try_clone()?), BufWriter::new(stream)));
+        }
+        let (reader, writer) = self.connection.as_mut().expect("connected above");
+        let request = self.next_request;
+        self.next_request += 1;
+        let mut header = FrameHeader::new(Kind::Control, u32::MAX, 0, request);
+        header.ids[0] = op;
+        write_frame(writer, &header, payload)?;
+        writer.flush()?;
+        let frame = read_frame(reader, 1 << 20)
+            .map_err(|e| ControllerError::Protocol(e.to_string()))?
+            .ok_or_else(|| ControllerError::Protocol("the controller closed the connection".into()))?;
+        match frame.header.kind {
+            _ if frame.header.request != request => {
+                Err(ControllerError::Protocol(format!("a reply to {} for {request}", frame.header.request)))
+            }
+            Kind::Control => Ok((frame.header.epoch, frame.payload)),
+            Kind::Error => {
+                Err(ControllerError::Protocol(String::from_utf8_lossy(&frame.payload).into_owned()))
+            }
+            other => Err(ControllerError::Protocol(format!("an unexpected {other:?}"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::heartbeat::beat_as;
+
+    fn start(state: &Path, listen: SocketAddr, timeout_ms: u64) -> SocketAddr {
+        let config = ControllerConfig {
+            listen,
+            state: state.to_owned(),
+            timeout: Duration::from_millis(timeout_ms),
+            interval: Duration::from_millis(20),
+            metrics: None,
+        };
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        std::thread::spawn(move || serve_controller(config, |addr, _| tx.send(addr).unwrap()));
+        rx.recv_timeout(Duration::from_secs(5)).unwrap()
+    }
+
+    fn wait_for(client: &mut ControllerClient, member: Member, health: Health) -> Census {
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            let census = client.census().unwrap();
+            if census.health(member) == health || Instant::now() > until {
+                return census;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn the_state_file_round_trips_and_bad_files_are_refused() {
+        let mut state = State { epoch: 7, incarnation: 2, ..State::default() };
+        state.members.insert((Role::Engine, 0), false);
+        state.members.insert((Role::Sidecar, 3), true);
+        state.fenced_pids.insert(4242);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("controller.state");
+        assert_eq!(State::load(&path).unwrap(), State::default(), "no file: a fresh cluster");
+        state.save(&path).unwrap();
+        assert_eq!(State::load(&path).unwrap(), state);
+        assert!(!path.with_extension("partial").exists(), "the partial file was renamed");
+        for bad in ["epoch x\n", "member engine 0 maybe\n", "member gpu 0 live\n", "epoch\n", "nonsense 1\n"]
+        {
+            std::fs::write(&path, bad).unwrap();
+            let error = State::load(&path).unwrap_err().to_string();
+            assert!(error.contains("line 1"), "{bad:?}: {error}");
+        }
+    }
+
+    #[test]
+    fn silence_is_suspect_then_dead_and_a_fence_waits_for_the_replacement() {
+        let dir = tempfile::tempdir().unwrap();
+        let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
+        let mut client = ControllerClient::new(addr, Duration::from_secs(2));
+        assert!(client.census().unwrap().is_dead((Role::Engine, 0)), "never heard from");
+        // A member that beats is alive; garbage on the port changes nothing.
+        let stop = beat_as(100, addr, Role::Engine, 0, Duration::from_millis(20)).unwrap();
+        assert_eq!(
+            wait_for(&mut client, (Role::Engine, 0), Health::Alive).health((Role::Engine, 0)),
+            Health::Alive
+        );
+        UdpSocket::bind("127.0.0.1:0").unwrap().send_to(b"not a heartbeat", addr).unwrap();
+        // Silence: suspect, then dead.
+        stop.stop();
+        let census = wait_for(&mut client, (Role::Engine, 0), Health::Suspect);
+        assert_eq!(census.health((Role::Engine, 0)), Health::Suspect);
+        assert_eq!(
+            wait_for(&mut client, (Role::Engine, 0), Health::Dead).health((Role::Engine, 0)),
+            Health::Dead
+        );
+        // A fence opens a new epoch; the member stays dead until a replacement beats.
+        let epoch = client.fence(&[(Role::Engine, 0)]).unwrap();
+        assert_eq!(epoch, 1);
+        assert_eq!(client.census().unwrap().epoch, 1);
+        let _replacement = beat_as(101, addr, Role::Engine, 0, Duration::from_millis(20)).unwrap();
+        assert!(!wait_for(&mut client, (Role::Engine, 0), Health::Alive).is_dead((Role::Engine, 0)));
+        assert_eq!(client.fence(&[]).unwrap(), 2, "epochs only grow");
+    }
+
+    #[test]
+    fn a_fenced_process_is_ignored_when_it_beats_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
+        let mut client = ControllerClient::new(addr, Duration::from_secs(2));
+        // This process beats as sidecar 1, is fenced, and beats again (a stale worker rejoining).
+        let first = beat_as(200, addr, Role::Sidecar, 1, Duration::from_millis(20)).unwrap();
+        wait_for(&mut client, (Role::Sidecar, 1), Health::Alive);
+        client.fence(&[(Role::Sidecar, 1)]).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(client.census().unwrap().is_dead((Role::Sidecar, 1)), "its beats are refused");
+        drop(first);
+    }
+
+    #[test]
+    fn a_restarted_controller_keeps_its_epochs_and_fences_and_waits_before_declaring_deaths() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        // The first controller hears from engines 0 and 1, then fences engine 1.
+        let first = start(&path, "127.0.0.1:0".parse().unwrap(), 300);
+        let mut client = ControllerClient::new(first, Duration::from_secs(2));
+        let _beats = beat_as(300, first, Role::Engine, 0, Duration::from_millis(20)).unwrap();
+        let one = beat_as(301, first, Role::Engine, 1, Duration::from_millis(20)).unwrap();
+        wait_for(&mut client, (Role::Engine, 1), Health::Alive);
+        wait_for(&mut client, (Role::Engine, 0), Health::Alive);
+        assert_eq!(client.fence(&[(Role::Engine, 1)]).unwrap(), 1);
+        one.stop();
+        // A second controller on the same state (another port: the first one's thread lives on in
+        // this test process) hears from no one at first.
+        let second = start(&path, "127.0.0.1:0".parse().unwrap(), 300);
+        let mut client = ControllerClient::new(second, Duration::from_secs(2));
+        let census = client.census().unwrap();
+        assert_eq!(census.epoch, 1, "the epoch survived");
+        assert_eq!(census.health((Role::Engine, 0)), Health::Alive, "a live member gets a timeout of grace");
+        assert!(census.is_dead((Role::Engine, 1)), "a fenced member still awaits its replacement");
+        // Engine 0 beats to the first controller only: to the second it falls silent.
+        assert!(wait_for(&mut client, (Role::Engine, 0), Health::Dead).is_dead((Role::Engine, 0)));
+        assert_eq!(client.fence(&[]).unwrap(), 2, "no epoch is handed out twice");
+        assert_eq!(State::load(&path).unwrap().incarnation, 2);
+    }
+
+    #[test]
+    fn malformed_requests_are_refused_and_the_connection_survives() {
+        let dir = tempfile::tempdir().unwrap();
+        let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
+        let mut client = ControllerClient::new(addr, Duration::from_secs(2));
+        let error = client.call(OP_FENCE, &[9, 0, 0, 0, 0]).unwrap_err().to_string();
+        assert!(error.contains("unknown role"), "{error}");
+        let error = client.call(77, &[]).unwrap_err().to_string();
+        assert!(error.contains("unknown request"), "{error}");
+        assert_eq!(client.census().unwrap().epoch, 0, "nothing was fenced");
+    }
+
+    #[test]
+    fn a_busy_port_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+        let config = ControllerConfig {
+            listen: taken.local_addr().unwrap(),
+            state: dir.path().join("state"),
+            timeout: Duration::from_millis(200),
+            interval: Duration::from_millis(20),
+            metrics: None,
+        };
+        let error = serve_controller(config, |_, _| panic!("it cannot be ready")).unwrap_err();
+        assert!(matches!(error, ControllerError::Io(_)), "{error}");
+    }
+}
