@@ -39,7 +39,7 @@ pub fn plan(scenario: &Scenario, seed: u64, steps: u64) -> Vec<Fault> {
             faults.push(Fault {
                 at_step: step,
                 kind,
-                stage,
+                stage: (!kind.is_controller_fault()).then_some(stage),
                 link,
                 duration_ms: random.duration_ms,
                 delay_ms: 5,
@@ -84,12 +84,12 @@ impl<'a> ChaosInjector<'a> {
     }
 
     fn apply(&mut self, step: u64, fault: Fault, cluster: &mut Cluster) -> Result<(), ClusterError> {
-        let stage = fault.stage as usize;
+        let stage = fault.stage() as usize;
         let lasting = Duration::from_millis(fault.duration_ms);
         let mut note = None;
         let link = match fault.link {
-            LinkKind::Activation => Link::Activation { from: fault.stage },
-            LinkKind::Replica => Link::Replica { from: fault.stage },
+            LinkKind::Activation => Link::Activation { from: fault.stage() },
+            LinkKind::Replica => Link::Replica { from: fault.stage() },
         };
         let restarting = self.on_failure == OnFailure::Restart;
         match fault.kind {
@@ -122,8 +122,9 @@ impl<'a> ChaosInjector<'a> {
 /// The stages a process fault hits.
 pub fn stages_hit(fault: &Fault, stages: u32) -> Vec<usize> {
     match fault.kind {
-        FaultKind::KillAdjacent => vec![fault.stage as usize, ((fault.stage + 1) % stages) as usize],
-        _ => vec![fault.stage as usize],
+        FaultKind::KillAdjacent => vec![fault.stage() as usize, ((fault.stage() + 1) % stages) as usize],
+        _ if fault.kind.is_controller_fault() => Vec::new(),
+        _ => vec![fault.stage() as usize],
     }
 }
 
@@ -181,9 +182,9 @@ mod tests {
         assert!(plan.windows(2).all(|w| w[0].at_step <= w[1].at_step));
         assert!(plan.iter().any(|f| f.at_step == 5 && f.kind == FaultKind::KillWorker));
         for f in &plan {
-            assert!(f.stage < 3);
+            assert!(f.stage() < 3);
             if f.link == LinkKind::Activation && f.kind.is_network_fault() {
-                assert!(f.stage < 2, "no activation link out of the last stage");
+                assert!(f.stage() < 2, "no activation link out of the last stage");
             }
         }
         let kills: Vec<u64> =

@@ -76,7 +76,7 @@ pub struct Report {
     pub classes: Vec<ClassRow>,
     /// Recoveries carried out.
     pub recoveries: usize,
-    /// From the failed step to the dead stage named.
+    /// From first sending the step that failed to the dead stage named.
     pub detection_ms: Percentiles,
     /// From detection to the KV restored and the lagging steps recomputed.
     pub restore_ms: Percentiles,

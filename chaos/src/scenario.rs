@@ -216,8 +216,10 @@ pub struct Fault {
     pub at_step: u64,
     /// What it does.
     pub kind: FaultKind,
-    /// The stage it hits (for a network fault, the sending end of the link).
-    pub stage: u32,
+    /// The stage it hits (for a network fault, the sending end of the link); required, except
+    /// for a controller fault, which has none.
+    #[serde(default)]
+    pub stage: Option<u32>,
     /// For a network fault: which of the stage's links.
     #[serde(default)]
     pub link: LinkKind,
@@ -233,6 +235,13 @@ pub struct Fault {
     /// Bandwidth limit.
     #[serde(default = "defaults::bytes_per_s")]
     pub bytes_per_s: u64,
+}
+
+impl Fault {
+    /// The stage it hits (0 for a controller fault, which hits none).
+    pub fn stage(&self) -> u32 {
+        self.stage.unwrap_or(0)
+    }
 }
 
 /// Faults drawn from the seed: before each step, one with probability `rate`, of a kind drawn from
@@ -356,8 +365,13 @@ impl Scenario {
 
     fn check_fault(&self, fault: &Fault) -> Result<(), String> {
         let stages = self.cluster.stages;
-        if fault.stage >= stages {
-            return Err(format!("stage {} is not one of {stages}", fault.stage));
+        match (fault.kind.is_controller_fault(), fault.stage) {
+            (true, Some(_)) => return Err(format!("{} acts on no stage: drop `stage`", fault.kind.name())),
+            (false, None) => return Err(format!("{} needs a `stage`", fault.kind.name())),
+            (false, Some(stage)) if stage >= stages => {
+                return Err(format!("stage {stage} is not one of {stages}"))
+            }
+            _ => {}
         }
         let timed = matches!(
             fault.kind,
@@ -381,10 +395,11 @@ impl Scenario {
         if fault.kind == FaultKind::Bandwidth && fault.bytes_per_s == 0 {
             return Err("bandwidth needs a positive bytes_per_s".into());
         }
-        if fault.kind.is_network_fault() && fault.link == LinkKind::Activation && fault.stage + 1 == stages {
+        if fault.kind.is_network_fault() && fault.link == LinkKind::Activation && fault.stage() + 1 == stages
+        {
             return Err(format!(
                 "the last stage ({}) sends its activations to the driver, not over a cluster link",
-                fault.stage
+                fault.stage()
             ));
         }
         Ok(())

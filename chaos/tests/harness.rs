@@ -26,7 +26,7 @@ fn the_ci_scenario_survives_every_fault_class() {
     assert_eq!(out.status.code(), Some(0), "{report:#}");
     assert_eq!(report["passed"], true);
     let classes = report["classes"].as_array().unwrap();
-    assert_eq!(classes.len(), 11, "every fault class injected: {classes:#?}");
+    assert_eq!(classes.len(), 14, "every fault class injected: {classes:#?}");
     for class in classes {
         assert!(class["injected"].as_u64().unwrap() >= 1);
         assert_eq!(class["violated"], 0);
@@ -38,6 +38,9 @@ fn the_ci_scenario_survives_every_fault_class() {
     assert!(report["recoveries"].as_u64().unwrap() >= 4, "{report:#}");
     assert_eq!(report["copies_lost"], 1);
     assert!(report["replication_lag_max"].as_u64().unwrap() <= 65);
+    // The controller was killed, killed in a recovery and stopped past its deadline: each time the
+    // cluster replaced it, and nothing was lost (the checks above).
+    assert!(report["controller_restarts"].as_u64().unwrap() >= 3, "{report:#}");
 }
 
 #[test]
@@ -89,6 +92,11 @@ fn a_bad_scenario_is_refused_with_a_clear_message() {
         (
             "name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"reset\"\nstage = 3\n",
             "sends its activations to the driver",
+        ),
+        ("name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"kill-engine\"\n", "kill-engine needs a `stage`"),
+        (
+            "name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"kill-controller\"\nstage = 1\n",
+            "kill-controller acts on no stage",
         ),
         ("name = \"x\"\nstages = 4\n", "unknown field `stages`"),
         ("name = \"x\"\n[cluster]\nheartbeat_ms = 9000000000000\n", "must be 1..=600000"),

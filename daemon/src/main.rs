@@ -131,7 +131,8 @@ fn main() -> ExitCode {
                 println!(
                     "DéjàVu demo: the reference model (8 layers, d_model 256, 8 query / 2 KV heads) as {stages} stage \
 processes on loopback, {requests} requests of {prompt_tokens} prompt + {new_tokens} new tokens, \
-each stage's KV copied every step to its own sidecar process and its ring successor's"
+each stage's KV copied every step to its own sidecar process and its ring successor's, every \
+process heartbeating to a controller process"
                 );
             }
             match demo::run(&config, |line| {

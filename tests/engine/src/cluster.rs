@@ -443,12 +443,17 @@ impl Cluster {
     /// Waits at most `patience` for dead stages to show (a heartbeat timeout takes a few
     /// intervals), as [`Cluster::dead`] reports them; empty if none did. Once one has, processes
     /// that have been silent for half the timeout get the rest of it to beat again or be declared
-    /// dead too, so that workers that died together are recovered together.
+    /// dead too, so that workers that died together are recovered together. A controller
+    /// replaced meanwhile has heard from no one yet: the patience starts again with it.
     pub fn detect(&mut self, patience: Duration) -> Result<Vec<(usize, Kill)>, ClusterError> {
-        let start = Instant::now();
+        let mut start = Instant::now();
         let mut first: Option<Instant> = None;
         loop {
+            let restarts = self.controller.restarts;
             let census = self.census()?;
+            if self.controller.restarts != restarts {
+                start = Instant::now();
+            }
             let dead = self.dead_in(&census);
             if !dead.is_empty() {
                 let since = *first.get_or_insert_with(Instant::now);

@@ -126,7 +126,8 @@ pub struct RecoveryRecord {
     pub lag: Vec<(usize, u64)>,
     /// The step that failed.
     pub step: u64,
-    /// From sending the step that failed to the monitor naming the dead stages.
+    /// From first sending the step that failed (it may have been sent again before a stage was
+    /// found dead) to the controller naming the dead stages.
     pub detection: Duration,
     /// Replacing the processes, repairing the chain, restoring KV and recomputing what the copies
     /// lacked.
@@ -208,6 +209,8 @@ fn drive_into(
 ) -> Result<(), DriveError> {
     let mut cluster = start()?;
     let (mut step, mut failures) = (0u64, 0u32);
+    // When the step now failing was first sent: detection is timed from there, across attempts.
+    let mut failing_since: Option<Instant> = None;
     'rounds: loop {
         for request in 0..workload.prompts.len() {
             if run.tokens[request].len() == workload.new_tokens as usize {
@@ -220,11 +223,12 @@ fn drive_into(
             let error = match result {
                 Ok(reply) => {
                     run.deliver(request, reply, step - 1);
-                    failures = 0;
+                    (failures, failing_since) = (0, None);
                     continue;
                 }
                 Err(e) => e,
             };
+            let first_sent = *failing_since.get_or_insert(sent);
             let victims = cluster.detect(config.detect_patience)?;
             if victims.is_empty() {
                 if let Some(sidecar) = cluster.orphaned_engine()? {
@@ -247,12 +251,12 @@ fn drive_into(
                 copies_lost: Vec::new(),
                 lag: Vec::new(),
                 step: step - 1,
-                detection: detected - sent,
+                detection: detected - first_sent,
                 restore: Duration::ZERO,
                 resume: Duration::ZERO,
                 recomputed: 0,
             };
-            failures = 0;
+            (failures, failing_since) = (0, None);
             match config.on_failure {
                 OnFailure::Recover => {
                     let recovered = recover(&mut cluster, workload, run, &mut record.victims)?;
