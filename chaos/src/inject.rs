@@ -106,6 +106,10 @@ impl<'a> ChaosInjector<'a> {
                 }
             }
             FaultKind::PauseEngine => cluster.pause(stage, Role::Engine, lasting)?,
+            FaultKind::StaleRejoin => {
+                cluster.pause(stage, Role::Engine, lasting)?;
+                cluster.spare_presumed_dead_in_next_recovery();
+            }
             FaultKind::KillController => cluster.kill_controller()?,
             FaultKind::PauseController => cluster.pause_controller(lasting)?,
             FaultKind::KillControllerInRecovery => cluster.crash_controller_in_next_recovery(),

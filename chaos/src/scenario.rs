@@ -110,6 +110,11 @@ pub enum FaultKind {
     /// SIGSTOP a stage's engine for `duration_ms`, then SIGCONT (longer than the heartbeat timeout:
     /// declared dead, fenced and replaced).
     PauseEngine,
+    /// SIGSTOP a stage's engine for `duration_ms` (longer than the heartbeat timeout), and have the
+    /// recovery fence and replace it without killing it: it comes back, stale, while its
+    /// replacement runs, and must be kept out (heartbeats ignored, connections and KV copies
+    /// refused by epoch).
+    StaleRejoin,
     /// Add `delay_ms` plus up to `jitter_ms` to every write on a link, for `duration_ms`.
     Delay,
     /// Limit a link to `bytes_per_s`, for `duration_ms`.
@@ -137,11 +142,12 @@ pub enum FaultKind {
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 14] = [
+    pub const ALL: [FaultKind; 15] = [
         FaultKind::KillEngine,
         FaultKind::KillWorker,
         FaultKind::KillAdjacent,
         FaultKind::PauseEngine,
+        FaultKind::StaleRejoin,
         FaultKind::Delay,
         FaultKind::Bandwidth,
         FaultKind::Partition,
@@ -158,7 +164,11 @@ impl FaultKind {
     pub fn is_process_fault(self) -> bool {
         matches!(
             self,
-            FaultKind::KillEngine | FaultKind::KillWorker | FaultKind::KillAdjacent | FaultKind::PauseEngine
+            FaultKind::KillEngine
+                | FaultKind::KillWorker
+                | FaultKind::KillAdjacent
+                | FaultKind::PauseEngine
+                | FaultKind::StaleRejoin
         )
     }
 
@@ -182,6 +192,7 @@ impl FaultKind {
             FaultKind::KillWorker => "kill-worker",
             FaultKind::KillAdjacent => "kill-adjacent",
             FaultKind::PauseEngine => "pause-engine",
+            FaultKind::StaleRejoin => "stale-rejoin",
             FaultKind::Delay => "delay",
             FaultKind::Bandwidth => "bandwidth",
             FaultKind::Partition => "partition",
@@ -376,6 +387,7 @@ impl Scenario {
         let timed = matches!(
             fault.kind,
             FaultKind::PauseEngine
+                | FaultKind::StaleRejoin
                 | FaultKind::PauseController
                 | FaultKind::Delay
                 | FaultKind::Bandwidth

@@ -284,6 +284,20 @@ async fn stale_epochs_are_fenced(net: Net) {
     client.put(&descriptor, &payload).await.unwrap();
     assert_eq!(count(&server.stats().stale), 2);
     assert_eq!(count(&server.stats().puts), 2);
+
+    // Sender 2 now runs in epoch 7 (a replacement); an incarnation of it still in epoch 6 (a stale
+    // worker back from a pause) is refused, while another sender in epoch 6 is not.
+    let mut config = ClientConfig::new(SECRET, 2);
+    config.epoch = 7;
+    net.client(server.addr(), config).put(&descriptor, &payload).await.unwrap();
+    client.set_epoch(6);
+    let err = client.put(&descriptor, &payload).await.unwrap_err();
+    assert!(matches!(err, PeerError::StaleEpoch { sent: 6 }), "{err}");
+    let mut config = ClientConfig::new(SECRET, 3);
+    config.epoch = 6;
+    net.client(server.addr(), config).put(&descriptor, &payload).await.unwrap();
+    assert_eq!(count(&server.stats().stale), 3);
+    assert_eq!(count(&server.stats().puts), 4);
 }
 
 async fn bad_frames_close_the_connection_and_bad_chunks_are_not_stored(net: Net) {

@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
 use tokio::task::JoinSet;
 
 use super::auth::server_handshake;
@@ -74,6 +75,8 @@ struct Shared {
     store: HostStore,
     /// The fence: requests from older epochs are refused (see [`decide`]).
     epoch: RwLock<u64>,
+    /// The newest epoch each sender has stored a chunk in (see [`decide`]).
+    senders: Mutex<HashMap<u32, u64>>,
 }
 
 /// A peer that keeps chunks flushed to it in host memory (a replica holder, a swap space).
@@ -96,7 +99,13 @@ impl PeerServer {
     ) -> io::Result<Self> {
         let listener = transport.listen(addr).await?;
         let addr = listener.local_addr();
-        let shared = Arc::new(Shared { config, stats: PeerStats::default(), store, epoch: RwLock::new(0) });
+        let shared = Arc::new(Shared {
+            config,
+            stats: PeerStats::default(),
+            store,
+            epoch: RwLock::new(0),
+            senders: Mutex::default(),
+        });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         Ok(Self { addr, shared, accept })
     }
@@ -206,6 +215,11 @@ async fn answer(stream: &mut Stream, frame: Frame, shared: &Shared) -> io::Resul
 
 /// What to answer to `frame`. Runs without awaiting: the epoch fence is held from the check to the
 /// store, so once [`PeerServer::set_epoch`] has returned no stale put can still be stored.
+///
+/// Besides the fence, each sender's epochs only grow: a put from an epoch older than one the same
+/// sender has already stored a chunk in comes from a fenced incarnation of that sender (a stale
+/// worker back from a pause or a partition, whose replacement runs in a newer epoch), and is
+/// refused as stale.
 fn decide(frame: Frame, shared: &Shared) -> Reply {
     let node = shared.config.node;
     let fence = shared.epoch.read();
@@ -222,6 +236,17 @@ fn decide(frame: Frame, shared: &Shared) -> Reply {
             refuse(ErrorCode::StaleEpoch, format!("epoch {} is older than {epoch}", frame.header.epoch))
         }
         Kind::Put => {
+            let mut senders = shared.senders.lock();
+            let newest = senders.entry(frame.header.sender).or_insert(frame.header.epoch);
+            if frame.header.epoch < *newest {
+                shared.stats.stale.fetch_add(1, Ordering::Relaxed);
+                let reason = format!(
+                    "epoch {} is older than sender {}'s epoch {newest}",
+                    frame.header.epoch, frame.header.sender
+                );
+                return refuse(ErrorCode::StaleEpoch, reason);
+            }
+            *newest = frame.header.epoch;
             let bytes = frame.payload.len() as u64;
             let stored = if frame.header.flags & FLAG_CHUNK == 0 {
                 Err("a put must carry a chunk".to_owned())

@@ -68,6 +68,10 @@ pub struct StageArgs {
     /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
+    /// The epoch it is started in (a replacement: the recovery's). Its connections and KV copies
+    /// carry it; its successor and the sidecars refuse an older one once they have seen it.
+    #[arg(long, default_value_t = 0)]
+    pub epoch: u64,
     /// Breaks replication on purpose (copies to the successor are skipped but reported done), so
     /// that tests can prove the chaos harness catches lost KV. Never use it otherwise.
     #[arg(long, hide = true)]
@@ -189,6 +193,7 @@ impl StageArgs {
                 secret: self.secret.into_bytes(),
                 skip_replicas: self.test_only_skip_replicas,
             }),
+            epoch: self.epoch,
         };
         serve_stage(config, self.listen, self.metrics, announce).map_err(|e| e.to_string())
     }

@@ -182,6 +182,11 @@ pub struct Cluster {
     stages: Vec<Spawned>,
     driver: SocketAddr,
     controller: Supervised,
+    /// Whether the next recovery leaves the processes it fences running (see
+    /// [`Cluster::spare_presumed_dead_in_next_recovery`]).
+    spare_presumed_dead: bool,
+    /// Fenced processes left running; killed with the cluster.
+    spared: Vec<Proc>,
     /// The driver's end of the chain.
     pub remote: RemotePipeline,
 }
@@ -208,14 +213,23 @@ impl Cluster {
         let (mut stages, mut next) = (Vec::new(), driver);
         for index in (0..n).rev() {
             let copies = Self::copies(&sidecars, index);
-            let args = Self::stage_args(&config, heartbeat, copies, index, next);
+            let args = Self::stage_args(&config, heartbeat, copies, (index, 0), next);
             let stage = spawn(&config.exe, &args, &format!("stage {index}"), START)?;
             next = stage.addr;
             stages.push(stage);
         }
         stages.reverse();
         let remote = RemotePipeline::connect(next, results, config.deadline)?;
-        let mut cluster = Self { config, sidecars, stages, driver, controller, remote };
+        let mut cluster = Self {
+            config,
+            sidecars,
+            stages,
+            driver,
+            controller,
+            spare_presumed_dead: false,
+            spared: Vec::new(),
+            remote,
+        };
         // Every process beats before the cluster is up, so silence later means death.
         for index in 0..n {
             cluster.wait_alive((Role::Engine, index as u32))?;
@@ -307,7 +321,7 @@ impl Cluster {
         config: &ClusterConfig,
         heartbeat: SocketAddr,
         sidecars: Option<(SocketAddr, SocketAddr)>,
-        index: usize,
+        (index, epoch): (usize, u64),
         next: SocketAddr,
     ) -> Vec<String> {
         let layers = &config.splits[index];
@@ -325,6 +339,7 @@ impl Cluster {
             format!("--heartbeat={heartbeat}"),
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
             "--metrics=127.0.0.1:0".to_owned(),
+            format!("--epoch={epoch}"),
         ];
         if let Some((local, successor)) = sidecars {
             let successor = config.route(Link::Replica { from: index as u32 }, successor);
@@ -419,6 +434,13 @@ impl Cluster {
         self.controller.crash_in_recovery = true;
     }
 
+    /// Makes the next recovery fence the processes presumed dead without killing them, as with a
+    /// machine cut off from the cluster: if they were only stopped, they come back, stale, while
+    /// their replacements run (a stale worker rejoining). They are killed with the cluster.
+    pub fn spare_presumed_dead_in_next_recovery(&mut self) {
+        self.spare_presumed_dead = true;
+    }
+
     /// Controllers started to replace one that died or stopped answering.
     pub fn controller_restarts(&self) -> u64 {
         self.controller.restarts
@@ -493,8 +515,9 @@ impl Cluster {
     /// Replaces the dead stages `victims` and recovers every sequence on them:
     ///
     /// 1. the controller fences the presumed-dead processes in a new epoch (durably, so a
-    ///    controller crash cannot undo it), they are killed, and replacement sidecars start for
-    ///    the ones that died;
+    ///    controller crash cannot undo it), they are killed (unless spared, see
+    ///    [`Cluster::spare_presumed_dead_in_next_recovery`]: the epoch keeps them out), and
+    ///    replacement sidecars start for the ones that died;
     /// 2. replacement engines start (the last first, so each knows where to send) and the chain is
     ///    repaired around them;
     /// 3. a live predecessor of a replaced sidecar replicates to the new one from now on, starting
@@ -523,8 +546,10 @@ impl Cluster {
         let died = |stage: usize, what: Kill| victims.contains(&(stage, what));
         let replaced = |stage: usize| victims.iter().any(|&(s, _)| s == stage);
         // Fencing: the controller opens a new epoch in which the presumed-dead processes are
-        // ignored, durably, before anything else happens; a process presumed dead may only be
-        // slow, so it is also killed before its replacement takes its place.
+        // ignored, durably, before anything else happens. Replacements start in that epoch, so
+        // their successors and the sidecars refuse the old processes' connections and copies
+        // once they have seen them; a process presumed dead may only be slow, so it is also
+        // killed before its replacement takes its place (when it can be).
         let mut fenced: Vec<Member> = Vec::new();
         for &(victim, what) in &victims {
             fenced.push((Role::Engine, victim as u32));
@@ -533,7 +558,9 @@ impl Cluster {
             }
         }
         let epoch = self.ask(|client| client.fence(&fenced))?;
-        for &(victim, what) in &victims {
+        self.remote.set_epoch(epoch);
+        let spare = std::mem::take(&mut self.spare_presumed_dead);
+        for &(victim, what) in victims.iter().filter(|_| !spare) {
             let _ = self.stages[victim].proc.kill();
             if what == Kill::Worker {
                 let _ = self.sidecars[victim].proc.kill();
@@ -545,14 +572,26 @@ impl Cluster {
         let heartbeat = self.controller.client.addr();
         for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
             let args = Self::sidecar_args(&self.config, heartbeat, victim);
-            self.sidecars[victim] = spawn(&self.config.exe, &args, "a replacement sidecar", START)?;
+            let old = std::mem::replace(
+                &mut self.sidecars[victim],
+                spawn(&self.config.exe, &args, "a replacement sidecar", START)?,
+            );
+            if spare {
+                self.spared.push(old.proc);
+            }
             self.wait_alive((Role::Sidecar, victim as u32))?;
         }
         for &(victim, _) in victims.iter().rev() {
             let next = if victim + 1 == n { self.driver } else { self.stages[victim + 1].addr };
             let copies = Self::copies(&self.sidecars, victim);
-            let args = Self::stage_args(&self.config, heartbeat, copies, victim, next);
-            self.stages[victim] = spawn(&self.config.exe, &args, "a replacement stage", START)?;
+            let args = Self::stage_args(&self.config, heartbeat, copies, (victim, epoch), next);
+            let old = std::mem::replace(
+                &mut self.stages[victim],
+                spawn(&self.config.exe, &args, "a replacement stage", START)?,
+            );
+            if spare {
+                self.spared.push(old.proc);
+            }
             self.wait_alive((Role::Engine, victim as u32))?;
         }
         let reachable: Vec<(u32, SocketAddr)> = victims

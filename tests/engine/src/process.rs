@@ -27,6 +27,14 @@
 //! - replicate to (argument: the successor's new sidecar): replicate there from now on and, unless
 //!   the sequence is empty, copy its KV so far there (the old replica died with its sidecar).
 //!
+//! Every connection on the chain (driver to stage 0, stage to stage, last stage to driver) opens
+//! with a `Hello` frame whose epoch is the one its sender was started in (a replacement's is the
+//! epoch of the recovery that started it). A receiver takes a connection with an epoch at least
+//! that of the one in use, which it then shuts (a replacement takes over), and refuses an older
+//! one: a stage presumed dead and replaced, but back from a pause or a partition, cannot take its
+//! link back. Its KV copies carry its epoch too, and the sidecars refuse them once its replacement
+//! has written in a newer one.
+//!
 //! Every stage passes a control frame on, so its arrival back at the driver says the operation is
 //! done and the chain whole. A stage whose predecessor goes away accepts the next connection (the
 //! replacement); a frame it cannot pass on (its successor died) is dropped, and the driver sends it
@@ -35,7 +43,7 @@
 
 use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -124,6 +132,8 @@ pub struct StageConfig {
     pub next: SocketAddr,
     /// Where to keep copies of its KV, if anywhere.
     pub replication: Option<Replication>,
+    /// The epoch it was started in: its hellos and KV copies carry it.
+    pub epoch: u64,
 }
 
 fn tokens_payload(tokens: &[u32]) -> Vec<u8> {
@@ -180,13 +190,42 @@ fn connect(addr: SocketAddr, patience: Duration) -> std::io::Result<TcpStream> {
     }
 }
 
-/// Accepts one connection on `listener`, waiting at most `patience`.
-fn accept_within(listener: &TcpListener, patience: Duration) -> Result<TcpStream, ProcessError> {
+/// Time a new connection on the chain has to say hello.
+const HELLO_PATIENCE: Duration = Duration::from_secs(2);
+
+/// Opens a connection on the chain: says who sends and the epoch it was started in.
+fn say_hello(stream: &mut impl Write, sender: u32, epoch: u64) -> std::io::Result<()> {
+    write_frame(stream, &FrameHeader::new(Kind::Hello, sender, epoch, 0), &[])?;
+    stream.flush()
+}
+
+/// Reads a new connection's hello (and nothing after it); returns its epoch.
+fn hear_hello(stream: &TcpStream) -> Result<u64, ProcessError> {
+    stream.set_read_timeout(Some(HELLO_PATIENCE))?;
+    let frame = read_frame(&mut &*stream, 0)?
+        .ok_or_else(|| ProcessError::Protocol("a connection closed before its hello".into()))?;
+    stream.set_read_timeout(None)?;
+    match frame.header.kind {
+        Kind::Hello => Ok(frame.header.epoch),
+        other => Err(ProcessError::Protocol(format!("a connection opened with {other:?}, not a hello"))),
+    }
+}
+
+/// Accepts a connection on `listener` whose hello says epoch `epoch` or newer, waiting at most
+/// `patience`; older ones (from fenced processes) are closed.
+fn accept_within(listener: &TcpListener, epoch: u64, patience: Duration) -> Result<TcpStream, ProcessError> {
     listener.set_nonblocking(true)?;
     let start = Instant::now();
     let accepted = loop {
         match listener.accept() {
-            Ok((stream, _)) => break Ok(stream),
+            Ok((stream, _)) => {
+                stream.set_nonblocking(false)?;
+                match hear_hello(&stream) {
+                    Ok(said) if said >= epoch => break Ok(stream),
+                    Ok(said) => eprintln!("refused a connection from epoch {said}, older than {epoch}"),
+                    Err(e) => eprintln!("refused a connection: {e}"),
+                }
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && start.elapsed() < patience => {
                 std::thread::sleep(Duration::from_millis(5))
             }
@@ -198,9 +237,49 @@ fn accept_within(listener: &TcpListener, patience: Duration) -> Result<TcpStream
     };
     listener.set_nonblocking(false)?;
     let stream = accepted?;
-    stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
     Ok(stream)
+}
+
+/// Accepts a stage's input connections from a thread of its own and hands on each one that takes
+/// over: one whose hello says an epoch at least that of the connection in use, which is then shut
+/// so that the stage's read on it ends. A connection from an older epoch is refused and counted.
+fn accept_upstreams(listener: TcpListener, index: u32, stats: Arc<StageStats>) -> Receiver<TcpStream> {
+    let (tx, rx) = crossbeam_channel::unbounded();
+    std::thread::spawn(move || {
+        let mut in_use: Option<(u64, TcpStream)> = None;
+        for stream in listener.incoming() {
+            let stream = match stream {
+                Ok(stream) => stream,
+                Err(_) => {
+                    // Out of descriptors, say: wait rather than spin.
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            let epoch = match hear_hello(&stream) {
+                Ok(epoch) => epoch,
+                Err(e) => {
+                    eprintln!("stage {index}: refused a connection: {e}");
+                    continue;
+                }
+            };
+            if let Some((newest, old)) = &in_use {
+                if epoch < *newest {
+                    StageStats::add(&stats.stale_connections_refused, 1);
+                    eprintln!("stage {index}: refused a predecessor from epoch {epoch}, older than {newest}");
+                    continue;
+                }
+                let _ = old.shutdown(Shutdown::Both);
+            }
+            let Ok(handle) = stream.try_clone() else { continue };
+            in_use = Some((epoch, handle));
+            if tx.send(stream).is_err() {
+                return;
+            }
+        }
+    });
+    rx
 }
 
 /// Counters of a stage process, read by its metrics page.
@@ -230,6 +309,9 @@ pub struct StageStats {
     pub local_restored_tokens: AtomicU64,
     /// See [`StageStats::local_restored_tokens`].
     pub peer_restored_tokens: AtomicU64,
+    /// Input connections refused because their hello came from an older epoch than the one in
+    /// use (a fenced predecessor trying to come back).
+    pub stale_connections_refused: AtomicU64,
 }
 
 impl StageStats {
@@ -253,6 +335,12 @@ impl StageStats {
             MetricType::Counter,
             "Steps whose KV could not be copied to both sidecars.",
             get(&self.replication_failures),
+        );
+        single(
+            "dejavu_stage_stale_connections_refused_total",
+            MetricType::Counter,
+            "Input connections refused as coming from a fenced predecessor (an older epoch).",
+            get(&self.stale_connections_refused),
         );
         single(
             "dejavu_stage_replication_lag_steps",
@@ -342,45 +430,39 @@ struct Sidecars {
     local: SharedPeer,
     /// The successor's sidecar: its address and the store on it.
     successor: Arc<Mutex<(SocketAddr, SharedPeer)>>,
-    secret: Vec<u8>,
-    node: u32,
+    /// How the stage talks to any sidecar: as its node, in its epoch.
+    client: ClientConfig,
     runtime: tokio::runtime::Runtime,
 }
 
 impl Sidecars {
-    fn new(replication: &Replication, node: u32) -> std::io::Result<Self> {
+    fn new(replication: &Replication, node: u32, epoch: u64) -> std::io::Result<Self> {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-        let secret = replication.secret.clone();
-        let local = sidecar_store(&runtime, &secret, node, replication.local);
-        let successor = sidecar_store(&runtime, &secret, node, replication.successor);
+        let mut client = ClientConfig::new(replication.secret.clone(), node);
+        client.epoch = epoch;
+        // A dead sidecar is given up on quickly: two connection attempts of at most 500 ms.
+        client.connect_attempts = 2;
+        client.connect_timeout = Duration::from_millis(500);
+        let local = sidecar_store(&runtime, &client, replication.local);
+        let successor = sidecar_store(&runtime, &client, replication.successor);
         Ok(Self {
             local,
             successor: Arc::new(Mutex::new((replication.successor, successor))),
-            secret,
-            node,
+            client,
             runtime,
         })
     }
 
     /// A store on the sidecar at `addr`.
     fn peer(&self, addr: SocketAddr) -> SharedPeer {
-        sidecar_store(&self.runtime, &self.secret, self.node, addr)
+        sidecar_store(&self.runtime, &self.client, addr)
     }
 }
 
-/// A store on the sidecar at `addr`, driven by `runtime`; a dead sidecar is given up on quickly
-/// (two connection attempts of at most 500 ms).
-fn sidecar_store(
-    runtime: &tokio::runtime::Runtime,
-    secret: &[u8],
-    node: u32,
-    addr: SocketAddr,
-) -> SharedPeer {
-    let mut client = ClientConfig::new(secret.to_vec(), node);
-    client.connect_attempts = 2;
-    client.connect_timeout = Duration::from_millis(500);
-    let store = PeerStore::new(runtime.handle().clone(), Arc::new(TcpTransport::plain()), addr, client);
-    Arc::new(Mutex::new(store))
+/// A store on the sidecar at `addr`, driven by `runtime`.
+fn sidecar_store(runtime: &tokio::runtime::Runtime, client: &ClientConfig, addr: SocketAddr) -> SharedPeer {
+    let transport = Arc::new(TcpTransport::plain());
+    Arc::new(Mutex::new(PeerStore::new(runtime.handle().clone(), transport, addr, client.clone())))
 }
 
 /// A running stage: its layers, caches and replication.
@@ -417,7 +499,7 @@ impl StageProcess {
             config,
         };
         if let Some(replication) = &process.config.replication {
-            let sidecars = Sidecars::new(replication, process.config.index)?;
+            let sidecars = Sidecars::new(replication, process.config.index, process.config.epoch)?;
             let tee = Tee {
                 local: sidecars.local.clone(),
                 successor: sidecars.successor.clone(),
@@ -606,21 +688,25 @@ pub fn serve_stage(
     ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
 ) -> Result<(), ProcessError> {
     let mut process = StageProcess::new(config)?;
+    let (index, epoch) = (process.config.index, process.config.epoch);
     let listener = TcpListener::bind(listen)?;
     let metrics = match metrics {
         Some(at) => {
-            let (stats, index) = (process.stats.clone(), process.config.index);
+            let stats = process.stats.clone();
             Some(crate::metrics::serve(at, move || stats.render(index))?)
         }
         None => None,
     };
     ready(listener.local_addr()?, metrics);
+    let upstreams = accept_upstreams(listener, index, process.stats.clone());
     let mut downstream: Option<(SocketAddr, BufWriter<TcpStream>)> = None;
-    loop {
-        let (upstream, _) = listener.accept()?;
+    while let Ok(upstream) = upstreams.recv() {
+        // Connections that took over meanwhile shut the ones before them: the newest counts.
+        let upstream = upstreams.try_iter().last().unwrap_or(upstream);
         upstream.set_nodelay(true)?;
         let mut r = BufReader::with_capacity(1 << 20, upstream);
-        // A predecessor that goes away (closed or broken) is replaced by the next connection.
+        // A predecessor that goes away (closed, broken or taken over) is replaced by the next
+        // connection.
         while let Ok(Some(frame)) = read_frame(&mut r, DEFAULT_MAX_PAYLOAD) {
             let Frame { header, payload } = frame;
             let out = match header.kind {
@@ -631,7 +717,7 @@ pub fn serve_stage(
             let out = match out {
                 Ok(out) => out,
                 Err(e) => {
-                    eprintln!("stage {}: dropped a frame: {e}", process.config.index);
+                    eprintln!("stage {index}: dropped a frame: {e}");
                     continue;
                 }
             };
@@ -641,8 +727,9 @@ pub fn serve_stage(
             }
             if downstream.is_none() {
                 downstream = connect(next, Duration::from_secs(2))
-                    .ok()
-                    .map(|s| (next, BufWriter::with_capacity(1 << 20, s)));
+                    .map(|s| BufWriter::with_capacity(1 << 20, s))
+                    .and_then(|mut w| say_hello(&mut w, index, epoch).map(|()| (next, w)))
+                    .ok();
             }
             if let Some((_, w)) = downstream.as_mut() {
                 if write_frame(w, &header, &out).and_then(|()| w.flush()).is_err() {
@@ -651,7 +738,11 @@ pub fn serve_stage(
                 }
             }
         }
+        // Shut the connection, not only this handle on it: the acceptor holds another, and the
+        // predecessor must see it end (to connect again after a corrupted frame, say).
+        let _ = r.get_ref().shutdown(Shutdown::Both);
     }
+    Err(ProcessError::Protocol("the stage stopped accepting connections".into()))
 }
 
 /// Frames coming out of the last stage, read whole by a thread of their own (a deadline never
@@ -705,6 +796,9 @@ pub struct RemotePipeline {
     /// Time a control operation may take (restores and copies move whole sequences).
     control_deadline: Duration,
     next_request: u64,
+    /// The cluster's epoch: the driver's hellos carry it, and a new last stage must say it or a
+    /// newer one.
+    epoch: u64,
 }
 
 impl RemotePipeline {
@@ -715,16 +809,35 @@ impl RemotePipeline {
         results: TcpListener,
         deadline: Duration,
     ) -> Result<Self, ProcessError> {
-        let to_first = BufWriter::new(connect(first, Duration::from_secs(30))?);
+        let to_first = Self::connect_first(first, 0)?;
         let (_, placeholder) = crossbeam_channel::bounded(0);
         let control_deadline = (deadline * 20).max(Duration::from_secs(10));
-        let mut pipeline =
-            Self { to_first, results, replies: placeholder, deadline, control_deadline, next_request: 1 };
+        let mut pipeline = Self {
+            to_first,
+            results,
+            replies: placeholder,
+            deadline,
+            control_deadline,
+            next_request: 1,
+            epoch: 0,
+        };
         // The last stage connects when it first passes something on: send a probe through.
         let request = pipeline.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?;
-        pipeline.replies = read_replies(accept_within(&pipeline.results, control_deadline)?);
+        pipeline.replies = read_replies(accept_within(&pipeline.results, 0, control_deadline)?);
         pipeline.reply(request, control_deadline)?;
         Ok(pipeline)
+    }
+
+    fn connect_first(first: SocketAddr, epoch: u64) -> Result<BufWriter<TcpStream>, ProcessError> {
+        let mut to_first = BufWriter::new(connect(first, Duration::from_secs(30))?);
+        say_hello(&mut to_first, u32::MAX, epoch)?;
+        Ok(to_first)
+    }
+
+    /// Moves to a new epoch (a recovery's): replacements are started in it, and from now on a new
+    /// last stage must say it (or a newer one) to be taken.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = self.epoch.max(epoch);
     }
 
     fn write(&mut self, kind: Kind, ids: [u32; 4], payload: &[u8]) -> Result<u64, ProcessError> {
@@ -889,7 +1002,7 @@ impl RemotePipeline {
     ) -> Result<(), ProcessError> {
         let mut requests = Vec::new();
         if let Some(&(_, addr)) = replaced.iter().find(|(stage, _)| *stage == 0) {
-            self.to_first = BufWriter::new(connect(addr, Duration::from_secs(30))?);
+            self.to_first = Self::connect_first(addr, self.epoch)?;
         }
         // Each rewire takes effect at its stage before it is passed on, so it goes round the
         // repaired chain; a probe sent before the rewires would be lost at a stale link.
@@ -902,11 +1015,66 @@ impl RemotePipeline {
             requests.push(self.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?);
         }
         if last_replaced {
-            self.replies = read_replies(accept_within(&self.results, self.control_deadline)?);
+            self.replies = read_replies(accept_within(&self.results, self.epoch, self.control_deadline)?);
         }
         for request in requests {
             self.reply(request, self.control_deadline)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+
+    use super::*;
+
+    fn hello(addr: SocketAddr, epoch: u64) -> TcpStream {
+        let mut stream = TcpStream::connect(addr).unwrap();
+        say_hello(&mut stream, 1, epoch).unwrap();
+        stream
+    }
+
+    /// Whether the stage side closed `stream`: a read ends (at its end, or reset) rather than
+    /// timing out.
+    fn closed(stream: &mut TcpStream) -> bool {
+        stream.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        match stream.read(&mut [0u8; 1]) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+        }
+    }
+
+    #[test]
+    fn a_newer_predecessor_takes_over_and_an_older_one_is_refused() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stats = Arc::new(StageStats::default());
+        let upstreams = accept_upstreams(listener, 2, stats.clone());
+        let wait = || upstreams.recv_timeout(Duration::from_secs(5));
+
+        let mut first = hello(addr, 3);
+        wait().expect("the first predecessor is taken");
+        // One from an older epoch (a fenced predecessor back from a pause) is refused and closed,
+        // and the one in use stays.
+        let mut stale = hello(addr, 2);
+        assert!(closed(&mut stale));
+        assert_eq!(stats.stale_connections_refused.load(Ordering::Relaxed), 1);
+        assert!(upstreams.recv_timeout(Duration::from_millis(200)).is_err());
+        assert!(!closed(&mut first), "the connection in use is untouched");
+        // A connection that does not say hello is refused too.
+        let mut rude = TcpStream::connect(addr).unwrap();
+        rude.write_all(format!("GET / HTTP/1.1\r\nHost: {}\r\n\r\n", "x".repeat(80)).as_bytes()).unwrap();
+        assert!(closed(&mut rude));
+        // The same epoch again (a reconnection after a reset) or a newer one (a replacement)
+        // takes over, and the one before is shut.
+        let _again = hello(addr, 3);
+        wait().expect("a reconnection is taken");
+        assert!(closed(&mut first));
+        let _replacement = hello(addr, 4);
+        wait().expect("a replacement is taken");
+        assert_eq!(stats.stale_connections_refused.load(Ordering::Relaxed), 1);
     }
 }

@@ -225,3 +225,47 @@ fn after_a_worker_recovery_replication_goes_on_and_survives_a_second_failure() {
         assert_eq!(*tokens, expected[i], "request {i}");
     }
 }
+
+#[test]
+fn a_stale_engine_back_from_a_pause_is_fenced_out() {
+    let expected = reference();
+    let prompts = prompts();
+    let mut chain = cluster(true);
+    let done = 3;
+    let mut so_far = start_requests(&mut chain.remote, done);
+
+    // Stage 2's engine stops for longer than the heartbeat timeout: presumed dead, it is fenced and
+    // replaced, but left running, as a machine cut off from the cluster could not be killed.
+    let pause = Duration::from_millis(1500);
+    let paused = std::time::Instant::now();
+    chain.pause(2, Role::Engine, pause).unwrap();
+    let position = (prompts[0].len() + done - 1) as u32;
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(2, Kill::Engine)]);
+    chain.spare_presumed_dead_in_next_recovery();
+    assert_eq!(chain.recover_all(&[(2, Kill::Engine)], &sequences(&prompts, &so_far)).unwrap().epoch, 1);
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), 6);
+    }
+
+    // It comes back: it beats, and it finishes the step it had been sent, copying that KV to the
+    // sidecars, in its old epoch.
+    std::thread::sleep((pause + Duration::from_millis(700)).saturating_sub(paused.elapsed()));
+    let controller = chain.controller_metrics().unwrap();
+    let stale_beats = value_of(&controller, "dejavu_controller_stale_heartbeats_total", &[]).unwrap();
+    assert!(stale_beats > 0.0, "its heartbeats are ignored: {controller}");
+    assert!(!chain.census().unwrap().is_dead((Role::Engine, 2)), "the replacement is what is alive");
+    let stale_copies: f64 = [2, 3]
+        .iter()
+        .map(|&sidecar| {
+            let page = chain.metrics(sidecar, Role::Sidecar).unwrap();
+            value_of(&page, "dejavu_sidecar_stale_total", &[]).unwrap()
+        })
+        .sum();
+    assert!(stale_copies > 0.0, "its KV copies are refused");
+
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "request {i}");
+    }
+}
