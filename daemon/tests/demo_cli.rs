@@ -15,7 +15,8 @@ fn leftovers() -> Vec<String> {
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) {
             let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-            if cmdline.starts_with(exe) && (cmdline.contains(" stage ") || cmdline.contains(" sidecar")) {
+            let ours = [" stage ", " sidecar", " controller"].iter().any(|sub| cmdline.contains(sub));
+            if cmdline.starts_with(exe) && ours {
                 found.push(cmdline);
             }
         }
@@ -107,7 +108,10 @@ fn a_port_in_use_is_a_clear_error() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
     let next = "127.0.0.1:9".to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("controller.state").display().to_string();
     for args in [
+        vec!["controller", "--listen", &addr, "--state", &state],
         vec!["sidecar", "--listen", &addr],
         vec!["stage", "--index", "0", "--layers", "0..8", "--next", &next, "--listen", &addr],
     ] {
@@ -116,4 +120,5 @@ fn a_port_in_use_is_a_clear_error() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("in use"), "{args:?}: {err}");
     }
+    assert!(!dir.path().join("controller.state").exists(), "nothing written when the port is taken");
 }

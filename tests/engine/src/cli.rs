@@ -10,6 +10,7 @@ use clap::{Args, ValueEnum};
 
 use crate::controller::{serve_controller, ControllerConfig};
 use crate::heartbeat::{beat, Heartbeat, Role};
+use crate::logging::LogArgs;
 use crate::metrics::{Exposition, MetricType};
 use crate::process::{serve_stage, Replication, StageConfig};
 use crate::{CacheLayout, ModelConfig};
@@ -68,6 +69,9 @@ pub struct StageArgs {
     /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
+    /// Logging.
+    #[command(flatten)]
+    pub log: LogArgs,
     /// The epoch it is started in (a replacement: the recovery's). Its connections and KV copies
     /// carry it; its successor and the sidecars refuse an older one once they have seen it.
     #[arg(long, default_value_t = 0)]
@@ -99,6 +103,9 @@ pub struct SidecarArgs {
     /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
+    /// Logging.
+    #[command(flatten)]
+    pub log: LogArgs,
 }
 
 /// The controller: receives heartbeats, says who fell silent, and issues the epoch of each
@@ -121,6 +128,9 @@ pub struct ControllerArgs {
     /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
+    /// Logging.
+    #[command(flatten)]
+    pub log: LogArgs,
 }
 
 fn parse_layers(s: &str) -> Result<Range<u32>, String> {
@@ -163,7 +173,7 @@ fn die_with_parent() {
     // SAFETY: prctl(PR_SET_PDEATHSIG) and getppid only read or set flags of the calling process.
     let (set, parent) = unsafe { (libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL), libc::getppid()) };
     if set != 0 {
-        eprintln!("warning: cannot ask to die with the parent process");
+        tracing::warn!("cannot ask to die with the parent process");
     }
     if parent == 1 {
         std::process::exit(1);
@@ -173,6 +183,7 @@ fn die_with_parent() {
 impl StageArgs {
     /// Runs the stage until it is killed.
     pub fn run(self) -> Result<(), String> {
+        self.log.init()?;
         die_with_parent();
         let _heartbeat = start_heartbeat(self.heartbeat, Role::Engine, self.index, self.heartbeat_ms)?;
         let config = StageConfig {
@@ -204,6 +215,7 @@ impl SidecarArgs {
     pub fn run(self) -> Result<(), String> {
         use dejavulib::net::tcp::TcpTransport;
         use dejavulib::net::{PeerServer, ServerConfig};
+        self.log.init()?;
         die_with_parent();
         let _heartbeat = start_heartbeat(self.heartbeat, Role::Sidecar, self.index, self.heartbeat_ms)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -226,6 +238,7 @@ impl SidecarArgs {
                 }
                 None => None,
             };
+            tracing::info!(stage = self.index, addr = %server.addr(), "sidecar listening");
             announce(server.addr(), metrics);
             std::future::pending::<()>().await;
             Ok(())
@@ -277,6 +290,7 @@ fn render_sidecar(server: &dejavulib::net::PeerServer, index: u32) -> String {
 impl ControllerArgs {
     /// Serves until killed.
     pub fn run(self) -> Result<(), String> {
+        self.log.init()?;
         die_with_parent();
         let config = ControllerConfig {
             listen: self.listen,

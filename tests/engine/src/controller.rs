@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind, FRAME_HEADER_LEN};
 use parking_lot::Mutex;
 use thiserror::Error;
+use tracing::{error, info, warn};
 
 use crate::heartbeat::Role;
 use crate::metrics::{Exposition, MetricType};
@@ -233,6 +234,7 @@ impl Tables {
         for member in members {
             self.seen.remove(member);
         }
+        info!(epoch = next.epoch, fenced = ?members, "fenced in a new epoch");
         self.state = next;
         Ok(self.state.epoch)
     }
@@ -315,13 +317,14 @@ pub fn serve_controller(
         }
         None => None,
     };
+    info!(%addr, epoch = tables.lock().state.epoch, "controller listening");
     ready(addr, metrics);
     for stream in tcp.incoming() {
         let Ok(stream) = stream else { continue };
         let (tables, counters) = (tables.clone(), counters.clone());
         std::thread::Builder::new().name("query".into()).spawn(move || {
             if let Err(e) = answer_queries(stream, &tables, &counters) {
-                eprintln!("controller: query connection closed: {e}");
+                warn!(error = %e, "a query connection closed");
             }
         })?;
     }
@@ -337,15 +340,16 @@ fn listen_heartbeats(socket: UdpSocket, tables: &Mutex<Tables>, counters: &Count
             Ok(n) => n,
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => {
-                eprintln!("controller: heartbeat socket failed: {e}");
+                error!(error = %e, "the heartbeat socket failed");
                 return;
             }
         };
         let Some((member, pid)) = crate::heartbeat::decode(&buf[..n]) else { continue };
         let mut tables = tables.lock();
         if tables.heard(member, pid, counters) {
+            info!(role = role_name(member.0), stage = member.1, pid, "a member joined");
             if let Err(e) = tables.state.save(&tables.path) {
-                eprintln!("controller: {e}");
+                error!(error = %e, "cannot record a new member");
             }
         }
     }

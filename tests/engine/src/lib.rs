@@ -14,6 +14,7 @@
 //! - [`controller`]: a process that declares the silent dead and issues the epoch of each
 //!   recovery, with a state file that survives its crashes;
 //! - [`metrics`]: each process's counters on a Prometheus text endpoint;
+//! - [`logging`]: each process's `tracing` events on standard error, as text or JSON;
 //! - [`cluster`]: a pipeline of such processes and the recovery procedure for a dead worker;
 //! - [`driver`]: the loop that runs requests through a cluster, injects faults, and recovers or
 //!   restarts after a failure, recording every token and every recovery.
@@ -28,6 +29,7 @@ pub mod cluster;
 pub mod controller;
 pub mod driver;
 pub mod heartbeat;
+pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod pipeline;

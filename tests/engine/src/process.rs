@@ -60,6 +60,7 @@ use dejavulib::wire::{read_frame, write_frame, Frame, FrameHeader, Kind, DEFAULT
 use dejavulib::{ChunkStore, KvCache, KvRegion, StagingPool, Streamer, StreamerConfig, Transfer, WorkerId};
 use parking_lot::Mutex;
 use thiserror::Error;
+use tracing::{info, warn};
 
 use crate::metrics::{Exposition, MetricType};
 use crate::model::ModelConfig;
@@ -222,8 +223,8 @@ fn accept_within(listener: &TcpListener, epoch: u64, patience: Duration) -> Resu
                 stream.set_nonblocking(false)?;
                 match hear_hello(&stream) {
                     Ok(said) if said >= epoch => break Ok(stream),
-                    Ok(said) => eprintln!("refused a connection from epoch {said}, older than {epoch}"),
-                    Err(e) => eprintln!("refused a connection: {e}"),
+                    Ok(said) => warn!(said, epoch, "refused a last stage from an older epoch"),
+                    Err(e) => warn!(error = %e, "refused a connection to the driver"),
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && start.elapsed() < patience => {
@@ -260,17 +261,18 @@ fn accept_upstreams(listener: TcpListener, index: u32, stats: Arc<StageStats>) -
             let epoch = match hear_hello(&stream) {
                 Ok(epoch) => epoch,
                 Err(e) => {
-                    eprintln!("stage {index}: refused a connection: {e}");
+                    warn!(stage = index, error = %e, "refused a connection");
                     continue;
                 }
             };
             if let Some((newest, old)) = &in_use {
                 if epoch < *newest {
                     StageStats::add(&stats.stale_connections_refused, 1);
-                    eprintln!("stage {index}: refused a predecessor from epoch {epoch}, older than {newest}");
+                    warn!(stage = index, epoch, newest, "refused a predecessor from an older epoch");
                     continue;
                 }
                 let _ = old.shutdown(Shutdown::Both);
+                info!(stage = index, epoch, "a predecessor took over the input");
             }
             let Ok(handle) = stream.try_clone() else { continue };
             in_use = Some((epoch, handle));
@@ -551,7 +553,7 @@ impl StageProcess {
                 self.pending.pop_front();
                 if let Err(e) = done {
                     StageStats::add(&self.stats.replication_failures, 1);
-                    eprintln!("stage {}: a replication failed: {e}", self.config.index);
+                    warn!(stage = self.config.index, error = %e, "a replication failed");
                 }
             }
             self.stats.replication_pending.store(self.pending.len() as u64, Ordering::Relaxed);
@@ -624,7 +626,7 @@ impl StageProcess {
                 Ok(_) => restored = tokens.end,
                 Err(StreamError::Store(StoreError::NotFound(_))) => break,
                 Err(e) => {
-                    eprintln!("stage {}: restore stopped: {e}", self.config.index);
+                    warn!(stage = self.config.index, error = %e, "restore stopped");
                     break;
                 }
             }
@@ -637,7 +639,7 @@ impl StageProcess {
                     &mut *sidecars.local.lock() as &mut dyn ChunkStore,
                 );
                 if let Err(e) = copied {
-                    eprintln!("stage {}: could not copy restored KV to its sidecar: {e}", self.config.index);
+                    warn!(stage = self.config.index, error = %e, "could not copy restored KV to its sidecar");
                 }
             }
         }
@@ -647,6 +649,8 @@ impl StageProcess {
         };
         StageStats::add(restores, 1);
         StageStats::add(tokens, restored as u64);
+        let source = if from.is_some() { "peer" } else { "local" };
+        info!(stage = self.config.index, microbatch, slot, restored, source, "restored a sequence's KV");
         restored
     }
 
@@ -697,7 +701,9 @@ pub fn serve_stage(
         }
         None => None,
     };
-    ready(listener.local_addr()?, metrics);
+    let addr = listener.local_addr()?;
+    info!(stage = index, epoch, %addr, "stage listening");
+    ready(addr, metrics);
     let upstreams = accept_upstreams(listener, index, process.stats.clone());
     let mut downstream: Option<(SocketAddr, BufWriter<TcpStream>)> = None;
     while let Ok(upstream) = upstreams.recv() {
@@ -717,7 +723,7 @@ pub fn serve_stage(
             let out = match out {
                 Ok(out) => out,
                 Err(e) => {
-                    eprintln!("stage {index}: dropped a frame: {e}");
+                    warn!(stage = index, error = %e, "dropped a frame");
                     continue;
                 }
             };

@@ -1,0 +1,47 @@
+//! Logs of the cluster's processes: `tracing` events on standard error, as text for people or as
+//! JSON lines for a log pipeline, filtered by a `tracing` directive (`info`, `warn`,
+//! `dejavu_engine=debug`, ...).
+
+use clap::{Args, ValueEnum};
+use tracing_subscriber::EnvFilter;
+
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// One line of text per event.
+    #[default]
+    Human,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Logging options shared by the stage, sidecar and controller subcommands.
+#[derive(Clone, Debug, Args)]
+pub struct LogArgs {
+    /// Log format on standard error.
+    #[arg(long, value_enum, default_value = "human")]
+    pub log_format: LogFormat,
+    /// Which events to log: a `tracing` filter directive (`info`, `warn`, `dejavu_engine=debug`).
+    #[arg(long, default_value = "info")]
+    pub log: String,
+}
+
+impl Default for LogArgs {
+    fn default() -> Self {
+        Self { log_format: LogFormat::Human, log: "info".to_owned() }
+    }
+}
+
+impl LogArgs {
+    /// Installs the process's log subscriber; a bad filter is an error naming it.
+    pub fn init(&self) -> Result<(), String> {
+        let filter =
+            EnvFilter::try_new(&self.log).map_err(|e| format!("bad --log filter {:?}: {e}", self.log))?;
+        let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+        let installed = match self.log_format {
+            LogFormat::Human => builder.with_ansi(false).try_init(),
+            LogFormat::Json => builder.json().with_current_span(false).try_init(),
+        };
+        installed.map_err(|e| format!("cannot install the logger: {e}"))
+    }
+}
