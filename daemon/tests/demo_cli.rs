@@ -110,9 +110,10 @@ fn a_port_in_use_is_a_clear_error() {
     let next = "127.0.0.1:9".to_string();
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("controller.state").display().to_string();
+    let socket = dir.path().join("sidecar.sock").display().to_string();
     for args in [
         vec!["controller", "--listen", &addr, "--state", &state],
-        vec!["sidecar", "--listen", &addr],
+        vec!["sidecar", "--listen", &addr, "--local", &socket],
         vec!["stage", "--index", "0", "--layers", "0..8", "--next", &next, "--listen", &addr],
     ] {
         let out = dejavud(&args);

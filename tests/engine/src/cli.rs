@@ -11,8 +11,8 @@ use clap::{Args, ValueEnum};
 use crate::controller::{serve_controller, ControllerConfig};
 use crate::heartbeat::{beat, Heartbeat, Role};
 use crate::logging::LogArgs;
-use crate::metrics::{Exposition, MetricType};
 use crate::process::{serve_stage, Replication, StageConfig};
+use crate::sidecar::{serve_sidecar, SidecarConfig};
 use crate::{CacheLayout, ModelConfig};
 
 /// The KV cache layout of a stage.
@@ -51,9 +51,10 @@ pub struct StageArgs {
     /// Tokens per sequence at most.
     #[arg(long, default_value_t = 256)]
     pub max_tokens: u32,
-    /// Its own sidecar, which keeps a local copy of each step's KV.
+    /// Its own sidecar's local socket: each step's KV goes there through shared memory, and the
+    /// sidecar keeps it (the local copy) and forwards it to the successor's sidecar.
     #[arg(long, requires = "successor")]
-    pub local: Option<SocketAddr>,
+    pub local: Option<PathBuf>,
     /// Its ring successor's sidecar, which keeps a replica of each step's KV.
     #[arg(long, requires = "local")]
     pub successor: Option<SocketAddr>,
@@ -76,21 +77,28 @@ pub struct StageArgs {
     /// carry it; its successor and the sidecars refuse an older one once they have seen it.
     #[arg(long, default_value_t = 0)]
     pub epoch: u64,
-    /// Breaks replication on purpose (copies to the successor are skipped but reported done), so
-    /// that tests can prove the chaos harness catches lost KV. Never use it otherwise.
-    #[arg(long, hide = true)]
-    pub test_only_skip_replicas: bool,
 }
 
-/// A stage's sidecar: keeps its local KV copy and its predecessor's replica in memory.
+/// A stage's sidecar: keeps its engine's KV (received through shared memory) and its
+/// predecessor's replica in memory, and forwards its engine's KV to the successor's sidecar.
 #[derive(Clone, Debug, Args)]
 pub struct SidecarArgs {
     /// The stage it belongs to.
     #[arg(long, default_value_t = 0)]
     pub index: u32,
-    /// Where it listens (port 0 picks one).
+    /// Where it listens for replicas and restores over TCP (port 0 picks one).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
+    /// Its local socket, for its engine (created; must not exist).
+    #[arg(long)]
+    pub local: PathBuf,
+    /// Where it creates the memory regions it shares with its engine (each is removed once both
+    /// have mapped it).
+    #[arg(long, default_value = "/dev/shm")]
+    pub shm_dir: PathBuf,
+    /// Bytes of a shared region; the largest chunk (a whole prompt's KV on the stage) must fit.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub region_bytes: usize,
     /// The cluster secret.
     #[arg(long, default_value = "dejavu reference cluster")]
     pub secret: String,
@@ -106,6 +114,11 @@ pub struct SidecarArgs {
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
+    /// Breaks replication on purpose (its engine's KV is kept but never forwarded to the
+    /// successor, while reported done), so that tests can prove the chaos harness catches lost
+    /// KV. Never use it otherwise.
+    #[arg(long, hide = true)]
+    pub test_only_skip_replicas: bool,
 }
 
 /// The controller: receives heartbeats, says who fell silent, and issues the epoch of each
@@ -202,7 +215,6 @@ impl StageArgs {
                 local,
                 successor,
                 secret: self.secret.into_bytes(),
-                skip_replicas: self.test_only_skip_replicas,
             }),
             epoch: self.epoch,
         };
@@ -213,78 +225,20 @@ impl StageArgs {
 impl SidecarArgs {
     /// Serves until killed.
     pub fn run(self) -> Result<(), String> {
-        use dejavulib::net::tcp::TcpTransport;
-        use dejavulib::net::{PeerServer, ServerConfig};
         self.log.init()?;
         die_with_parent();
         let _heartbeat = start_heartbeat(self.heartbeat, Role::Sidecar, self.index, self.heartbeat_ms)?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
-        runtime.block_on(async {
-            let config = ServerConfig::new(self.secret.into_bytes(), u32::MAX);
-            let server =
-                PeerServer::bind(&TcpTransport::plain(), self.listen, config, dejavulib::HostStore::new())
-                    .await
-                    .map_err(|e| format!("cannot listen at {}: {e}", self.listen))?;
-            let server = std::sync::Arc::new(server);
-            let metrics = match self.metrics {
-                Some(at) => {
-                    let (server, index) = (server.clone(), self.index);
-                    let page = move || render_sidecar(&server, index);
-                    Some(crate::metrics::serve(at, page).map_err(|e| format!("cannot serve metrics: {e}"))?)
-                }
-                None => None,
-            };
-            tracing::info!(stage = self.index, addr = %server.addr(), "sidecar listening");
-            announce(server.addr(), metrics);
-            std::future::pending::<()>().await;
-            Ok(())
-        })
+        let config = SidecarConfig {
+            index: self.index,
+            listen: self.listen,
+            local: self.local,
+            shm_dir: self.shm_dir,
+            region_bytes: self.region_bytes,
+            secret: self.secret.into_bytes(),
+            skip_forwarding: self.test_only_skip_replicas,
+        };
+        serve_sidecar(config, self.metrics, announce).map_err(|e| e.to_string())
     }
-}
-
-/// A sidecar's metrics page.
-fn render_sidecar(server: &dejavulib::net::PeerServer, index: u32) -> String {
-    use std::sync::atomic::Ordering::Relaxed;
-    let stats = server.stats();
-    let index = index.to_string();
-    let label = [("stage", index.as_str())];
-    let mut page = Exposition::new();
-    let counters = [
-        ("dejavu_sidecar_chunks_stored_total", "KV chunks stored (local copies and replicas).", &stats.puts),
-        ("dejavu_sidecar_bytes_stored_total", "Bytes of the KV chunks stored.", &stats.bytes_stored),
-        ("dejavu_sidecar_chunks_served_total", "KV chunks served to restores.", &stats.gets),
-        ("dejavu_sidecar_bytes_served_total", "Bytes of the KV chunks served.", &stats.bytes_served),
-        (
-            "dejavu_sidecar_connections_total",
-            "Connections that passed the cluster handshake.",
-            &stats.authenticated,
-        ),
-        ("dejavu_sidecar_refused_total", "Connections refused at the handshake.", &stats.refused),
-        (
-            "dejavu_sidecar_bad_chunks_total",
-            "Chunks refused as inconsistent with their header.",
-            &stats.bad_chunks,
-        ),
-        ("dejavu_sidecar_stale_total", "Requests refused for a stale epoch.", &stats.stale),
-        (
-            "dejavu_sidecar_bad_frames_total",
-            "Connections closed on a malformed or corrupted frame.",
-            &stats.bad_frames,
-        ),
-    ];
-    for (name, help, counter) in counters {
-        page.family(name, MetricType::Counter, help).sample(name, &label, counter.load(Relaxed) as f64);
-    }
-    page.family("dejavu_sidecar_chunks_held", MetricType::Gauge, "KV chunks held in memory.").sample(
-        "dejavu_sidecar_chunks_held",
-        &label,
-        server.store().len() as f64,
-    );
-    page.finish()
 }
 
 impl ControllerArgs {

@@ -147,21 +147,23 @@ struct Supervised {
     metrics: Option<SocketAddr>,
     client: ControllerClient,
     args: Vec<String>,
-    /// Holds the state file; removed with the cluster.
-    _dir: StateDir,
     restarts: u64,
     /// Whether to kill the controller in the middle of the next recovery.
     crash_in_recovery: bool,
 }
 
-/// A directory of its own under the system's temporary directory, removed when dropped.
+/// A directory of the cluster's own, in shared memory (`/dev/shm`) where there is one, else under
+/// the system's temporary directory, removed when dropped: the controller's state file, the
+/// sidecars' local sockets and the memory regions they share with their engines.
 struct StateDir(PathBuf);
 
 impl StateDir {
     fn create() -> std::io::Result<Self> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let name = format!("dejavu-cluster-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-        let dir = std::env::temp_dir().join(name);
+        let shm = std::path::Path::new("/dev/shm");
+        let base = if shm.is_dir() { shm.to_owned() } else { std::env::temp_dir() };
+        let dir = base.join(name);
         std::fs::create_dir_all(&dir)?;
         Ok(Self(dir))
     }
@@ -177,8 +179,12 @@ impl Drop for StateDir {
 /// driver's end.
 pub struct Cluster {
     config: ClusterConfig,
-    /// One per stage; stage `k` keeps its local copy in sidecar `k` and its replica in `k + 1`.
+    /// One per stage; stage `k` keeps its local copy in sidecar `k`, which forwards it to `k + 1`.
     sidecars: Vec<Spawned>,
+    /// Each sidecar's local socket.
+    sockets: Vec<PathBuf>,
+    /// Sidecars started so far (each gets a local socket of its own).
+    sidecar_starts: u64,
     stages: Vec<Spawned>,
     driver: SocketAddr,
     controller: Supervised,
@@ -189,6 +195,9 @@ pub struct Cluster {
     spared: Vec<Proc>,
     /// The driver's end of the chain.
     pub remote: RemotePipeline,
+    /// Holds the controller's state, the local sockets and the shared regions; removed last, once
+    /// every process is gone.
+    dir: StateDir,
 }
 
 /// Time a process has to start listening.
@@ -199,20 +208,23 @@ impl Cluster {
     /// knows where to send), and connects to them.
     pub fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
         let n = config.splits.len();
-        let controller = Self::start_controller(&config)?;
+        let dir = StateDir::create()?;
+        let controller = Self::start_controller(&config, &dir)?;
         let heartbeat = controller.client.addr();
-        let mut sidecars = Vec::new();
+        let (mut sidecars, mut sockets) = (Vec::new(), Vec::new());
         if config.replicate {
             for i in 0..n {
-                let args = Self::sidecar_args(&config, heartbeat, i);
+                let socket = dir.0.join(format!("sidecar-{i}-{i}.sock"));
+                let args = Self::sidecar_args(&config, heartbeat, i, &socket, &dir);
                 sidecars.push(spawn(&config.exe, &args, &format!("sidecar {i}"), START)?);
+                sockets.push(socket);
             }
         }
         let results = TcpListener::bind("127.0.0.1:0")?;
         let driver = results.local_addr()?;
         let (mut stages, mut next) = (Vec::new(), driver);
         for index in (0..n).rev() {
-            let copies = Self::copies(&sidecars, index);
+            let copies = Self::copies(&sidecars, &sockets, index);
             let args = Self::stage_args(&config, heartbeat, copies, (index, 0), next);
             let stage = spawn(&config.exe, &args, &format!("stage {index}"), START)?;
             next = stage.addr;
@@ -222,7 +234,10 @@ impl Cluster {
         let remote = RemotePipeline::connect(next, results, config.deadline)?;
         let mut cluster = Self {
             config,
+            sidecar_starts: sidecars.len() as u64,
             sidecars,
+            sockets,
+            dir,
             stages,
             driver,
             controller,
@@ -240,8 +255,7 @@ impl Cluster {
         Ok(cluster)
     }
 
-    fn start_controller(config: &ClusterConfig) -> Result<Supervised, ClusterError> {
-        let dir = StateDir::create()?;
+    fn start_controller(config: &ClusterConfig, dir: &StateDir) -> Result<Supervised, ClusterError> {
         let timeout = config.heartbeat * 3;
         let mut args = vec![
             "controller".to_owned(),
@@ -260,7 +274,6 @@ impl Cluster {
             metrics: started.metrics,
             client: ControllerClient::new(started.addr, patience),
             args,
-            _dir: dir,
             restarts: 0,
             crash_in_recovery: false,
         })
@@ -307,20 +320,32 @@ impl Cluster {
         Ok(())
     }
 
-    fn sidecar_args(config: &ClusterConfig, heartbeat: SocketAddr, index: usize) -> Vec<String> {
-        vec![
+    fn sidecar_args(
+        config: &ClusterConfig,
+        heartbeat: SocketAddr,
+        index: usize,
+        socket: &std::path::Path,
+        dir: &StateDir,
+    ) -> Vec<String> {
+        let mut args = vec![
             "sidecar".to_owned(),
             format!("--index={index}"),
+            format!("--local={}", socket.display()),
+            format!("--shm-dir={}", dir.0.display()),
             format!("--heartbeat={heartbeat}"),
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
             "--metrics=127.0.0.1:0".to_owned(),
-        ]
+        ];
+        if config.sabotage_replicas {
+            args.push("--test-only-skip-replicas".to_owned());
+        }
+        args
     }
 
     fn stage_args(
         config: &ClusterConfig,
         heartbeat: SocketAddr,
-        sidecars: Option<(SocketAddr, SocketAddr)>,
+        sidecars: Option<(PathBuf, SocketAddr)>,
         (index, epoch): (usize, u64),
         next: SocketAddr,
     ) -> Vec<String> {
@@ -343,18 +368,15 @@ impl Cluster {
         ];
         if let Some((local, successor)) = sidecars {
             let successor = config.route(Link::Replica { from: index as u32 }, successor);
-            args.push(format!("--local={local}"));
+            args.push(format!("--local={}", local.display()));
             args.push(format!("--successor={successor}"));
-        }
-        if config.sabotage_replicas {
-            args.push("--test-only-skip-replicas".to_owned());
         }
         args
     }
 
-    /// Stage `index`'s sidecars: its own and its ring successor's.
-    fn copies(sidecars: &[Spawned], index: usize) -> Option<(SocketAddr, SocketAddr)> {
-        (!sidecars.is_empty()).then(|| (sidecars[index].addr, sidecars[(index + 1) % sidecars.len()].addr))
+    /// Stage `index`'s sidecars: its own (its local socket) and its ring successor's.
+    fn copies(sidecars: &[Spawned], sockets: &[PathBuf], index: usize) -> Option<(PathBuf, SocketAddr)> {
+        (!sidecars.is_empty()).then(|| (sockets[index].clone(), sidecars[(index + 1) % sidecars.len()].addr))
     }
 
     /// Stages.
@@ -571,7 +593,10 @@ impl Cluster {
         }
         let heartbeat = self.controller.client.addr();
         for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
-            let args = Self::sidecar_args(&self.config, heartbeat, victim);
+            let socket = self.dir.0.join(format!("sidecar-{victim}-{}.sock", self.sidecar_starts));
+            self.sidecar_starts += 1;
+            let args = Self::sidecar_args(&self.config, heartbeat, victim, &socket, &self.dir);
+            self.sockets[victim] = socket;
             let old = std::mem::replace(
                 &mut self.sidecars[victim],
                 spawn(&self.config.exe, &args, "a replacement sidecar", START)?,
@@ -583,7 +608,7 @@ impl Cluster {
         }
         for &(victim, _) in victims.iter().rev() {
             let next = if victim + 1 == n { self.driver } else { self.stages[victim + 1].addr };
-            let copies = Self::copies(&self.sidecars, victim);
+            let copies = Self::copies(&self.sidecars, &self.sockets, victim);
             let args = Self::stage_args(&self.config, heartbeat, copies, (victim, epoch), next);
             let old = std::mem::replace(
                 &mut self.stages[victim],

@@ -35,6 +35,8 @@ pub mod model;
 pub mod pipeline;
 pub mod proc;
 pub mod process;
+pub mod shm;
+pub mod sidecar;
 pub mod stage;
 
 mod math;

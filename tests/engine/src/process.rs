@@ -45,6 +45,7 @@ use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -65,6 +66,7 @@ use tracing::{info, warn};
 use crate::metrics::{Exposition, MetricType};
 use crate::model::ModelConfig;
 use crate::pipeline::{cache_layout, CacheLayout, Seat};
+use crate::sidecar::LocalSidecar;
 use crate::stage::{Stage, StageError};
 
 /// Errors of a stage process or the driver.
@@ -102,14 +104,13 @@ const NO_STAGE: u32 = u32::MAX;
 /// Where a stage keeps copies of its KV.
 #[derive(Clone, Debug)]
 pub struct Replication {
-    /// Its own sidecar: the local copy.
-    pub local: SocketAddr,
+    /// Its own sidecar's local socket: the local copy, through shared memory, which the sidecar
+    /// forwards to the successor.
+    pub local: PathBuf,
     /// Its ring successor's sidecar: the replica.
     pub successor: SocketAddr,
     /// The cluster secret.
     pub secret: Vec<u8>,
-    /// For testing fault checkers only: skip the copy to the successor while reporting success.
-    pub skip_replicas: bool,
 }
 
 /// What one stage process runs.
@@ -291,14 +292,10 @@ pub struct StageStats {
     pub steps: AtomicU64,
     /// Tokens computed (a prompt counts its length).
     pub tokens: AtomicU64,
-    /// Chunks copied to the stage's own sidecar, and their payload bytes.
-    pub local_chunks: AtomicU64,
-    /// See [`StageStats::local_chunks`].
-    pub local_bytes: AtomicU64,
-    /// Chunks replicated to the ring successor's sidecar, and their payload bytes.
-    pub replica_chunks: AtomicU64,
-    /// See [`StageStats::replica_chunks`].
-    pub replica_bytes: AtomicU64,
+    /// Chunks handed to the stage's own sidecar through shared memory, and their payload bytes.
+    pub copied_chunks: AtomicU64,
+    /// See [`StageStats::copied_chunks`].
+    pub copied_bytes: AtomicU64,
     /// Steps whose replication failed (the copies lack them until a replacement recomputes them).
     pub replication_failures: AtomicU64,
     /// Steps handed to the streamer whose replication is not known to be done.
@@ -335,8 +332,20 @@ impl StageStats {
         single(
             "dejavu_stage_replication_failures_total",
             MetricType::Counter,
-            "Steps whose KV could not be copied to both sidecars.",
+            "Steps whose KV its sidecar could not keep or forward.",
             get(&self.replication_failures),
+        );
+        single(
+            "dejavu_stage_copied_chunks_total",
+            MetricType::Counter,
+            "KV chunks handed to its sidecar through shared memory.",
+            get(&self.copied_chunks),
+        );
+        single(
+            "dejavu_stage_copied_bytes_total",
+            MetricType::Counter,
+            "KV payload bytes handed to its sidecar through shared memory.",
+            get(&self.copied_bytes),
         );
         single(
             "dejavu_stage_stale_connections_refused_total",
@@ -350,21 +359,8 @@ impl StageStats {
             "Steps whose KV copies are not known to be done.",
             get(&self.replication_pending),
         );
-        // Each of these is counted apart for the stage's own sidecar (local) and its successor's
-        // or another peer's (peer).
+        // Counted apart for the stage's own sidecar (local) and another's (peer).
         let split = [
-            (
-                "dejavu_stage_copied_chunks_total",
-                "KV chunks copied to a sidecar.",
-                &self.local_chunks,
-                &self.replica_chunks,
-            ),
-            (
-                "dejavu_stage_copied_bytes_total",
-                "KV bytes copied to a sidecar.",
-                &self.local_bytes,
-                &self.replica_bytes,
-            ),
             (
                 "dejavu_stage_restores_total",
                 "Sequence restores from a sidecar.",
@@ -388,38 +384,20 @@ impl StageStats {
 }
 
 /// A store on a sidecar, used by one writer at a time.
-type SharedPeer = Arc<Mutex<PeerStore>>;
+type SharedStore = Arc<Mutex<dyn ChunkStore>>;
 
-/// Flushes each chunk to the local sidecar and to the current successor sidecar, which the stage
-/// swaps when the successor's sidecar is replaced. Neither lock is held across the other's I/O,
-/// and the swap never waits for a write to a dead sidecar to give up.
-struct Tee {
-    local: SharedPeer,
-    successor: Arc<Mutex<(SocketAddr, SharedPeer)>>,
-    /// See [`Replication::skip_replicas`].
-    skip_replicas: bool,
+/// The stage's own sidecar as the streamer sees it: every chunk crosses shared memory, counted.
+struct ToSidecar {
+    local: Arc<Mutex<LocalSidecar>>,
     stats: Arc<StageStats>,
 }
 
-impl ChunkStore for Tee {
+impl ChunkStore for ToSidecar {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
-        // Both copies are attempted: losing one sidecar must not cost the other copy.
-        let bytes = payload.len() as u64;
-        let local = self.local.lock().put(descriptor, payload);
-        if local.is_ok() {
-            StageStats::add(&self.stats.local_chunks, 1);
-            StageStats::add(&self.stats.local_bytes, bytes);
-        }
-        if self.skip_replicas {
-            return local;
-        }
-        let target = self.successor.lock().1.clone();
-        let replica = target.lock().put(descriptor, payload);
-        if replica.is_ok() {
-            StageStats::add(&self.stats.replica_chunks, 1);
-            StageStats::add(&self.stats.replica_bytes, bytes);
-        }
-        local.and(replica)
+        self.local.lock().put(descriptor, payload)?;
+        StageStats::add(&self.stats.copied_chunks, 1);
+        StageStats::add(&self.stats.copied_bytes, payload.len() as u64);
+        Ok(())
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
@@ -427,44 +405,34 @@ impl ChunkStore for Tee {
     }
 }
 
-/// The sidecars of a replicating stage.
+/// The sidecars of a replicating stage: its own, through shared memory, and others over the
+/// transport (its successor's, to restore from after a replacement or to copy KV to).
 struct Sidecars {
-    local: SharedPeer,
-    /// The successor's sidecar: its address and the store on it.
-    successor: Arc<Mutex<(SocketAddr, SharedPeer)>>,
-    /// How the stage talks to any sidecar: as its node, in its epoch.
+    local: Arc<Mutex<LocalSidecar>>,
+    /// How the stage talks to another sidecar: as its node, in its epoch.
     client: ClientConfig,
     runtime: tokio::runtime::Runtime,
 }
 
 impl Sidecars {
-    fn new(replication: &Replication, node: u32, epoch: u64) -> std::io::Result<Self> {
+    fn new(replication: &Replication, node: u32, epoch: u64) -> Result<Self, ProcessError> {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
         let mut client = ClientConfig::new(replication.secret.clone(), node);
         client.epoch = epoch;
         // A dead sidecar is given up on quickly: two connection attempts of at most 500 ms.
         client.connect_attempts = 2;
         client.connect_timeout = Duration::from_millis(500);
-        let local = sidecar_store(&runtime, &client, replication.local);
-        let successor = sidecar_store(&runtime, &client, replication.successor);
-        Ok(Self {
-            local,
-            successor: Arc::new(Mutex::new((replication.successor, successor))),
-            client,
-            runtime,
-        })
+        let local = LocalSidecar::connect(&replication.local, epoch, replication.successor)
+            .map_err(|e| ProcessError::Sidecar(format!("{}: {e}", replication.local.display())))?;
+        Ok(Self { local: Arc::new(Mutex::new(local)), client, runtime })
     }
 
-    /// A store on the sidecar at `addr`.
-    fn peer(&self, addr: SocketAddr) -> SharedPeer {
-        sidecar_store(&self.runtime, &self.client, addr)
+    /// A store on the sidecar at `addr`, over the transport.
+    fn peer(&self, addr: SocketAddr) -> SharedStore {
+        let transport = Arc::new(TcpTransport::plain());
+        let store = PeerStore::new(self.runtime.handle().clone(), transport, addr, self.client.clone());
+        Arc::new(Mutex::new(store))
     }
-}
-
-/// A store on the sidecar at `addr`, driven by `runtime`.
-fn sidecar_store(runtime: &tokio::runtime::Runtime, client: &ClientConfig, addr: SocketAddr) -> SharedPeer {
-    let transport = Arc::new(TcpTransport::plain());
-    Arc::new(Mutex::new(PeerStore::new(runtime.handle().clone(), transport, addr, client.clone())))
 }
 
 /// A running stage: its layers, caches and replication.
@@ -502,13 +470,8 @@ impl StageProcess {
         };
         if let Some(replication) = &process.config.replication {
             let sidecars = Sidecars::new(replication, process.config.index, process.config.epoch)?;
-            let tee = Tee {
-                local: sidecars.local.clone(),
-                successor: sidecars.successor.clone(),
-                skip_replicas: replication.skip_replicas,
-                stats: process.stats.clone(),
-            };
-            process.streamer = Some(Streamer::spawn(StreamerConfig::default(), Box::new(tee))?);
+            let to_sidecar = ToSidecar { local: sidecars.local.clone(), stats: process.stats.clone() };
+            process.streamer = Some(Streamer::spawn(StreamerConfig::default(), Box::new(to_sidecar))?);
             process.sidecars = Some(sidecars);
         }
         Ok(process)
@@ -608,7 +571,7 @@ impl StageProcess {
         let seat = Seat { microbatch, slot };
         let (Some(sidecars), Ok(cache)) = (&self.sidecars, self.cache(seat)) else { return 0 };
         let transfer = self.transfer(seat);
-        let source = match from {
+        let source: SharedStore = match from {
             Some(addr) => sidecars.peer(addr),
             None => sidecars.local.clone(),
         };
@@ -662,13 +625,8 @@ impl StageProcess {
             .sidecars
             .as_ref()
             .ok_or_else(|| ProcessError::Sidecar("no replication configured".into()))?;
-        let target = {
-            let mut current = sidecars.successor.lock();
-            if current.0 != to {
-                *current = (to, sidecars.peer(to));
-            }
-            current.1.clone()
-        };
+        sidecars.local.lock().retarget(to).map_err(|e| ProcessError::Sidecar(e.to_string()))?;
+        let target = sidecars.peer(to);
         if prompt_len == 0 {
             return Ok(());
         }

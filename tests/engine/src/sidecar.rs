@@ -1,0 +1,548 @@
+//! A worker's sidecar and the engine's end of it.
+//!
+//! The sidecar is a process beside an engine. It keeps two kinds of copies in host memory (a
+//! [`HostStore`]): the engine's own KV (the local copy, which an engine that dies alone restores
+//! from without any network transfer) and its ring predecessor's (the replica, which the
+//! predecessor's replacement restores from over the transport, a [`PeerServer`]). It forwards
+//! each chunk of its engine's KV to the ring successor's sidecar.
+//!
+//! Engine and sidecar talk over a local Unix socket, in [`dejavulib::wire`] frames, and share a
+//! memory region ([`SharedRegion`]) that the chunks themselves cross:
+//!
+//! - `Hello` (epoch: the engine's; payload: the successor sidecar's address) is answered by
+//!   `Welcome` (ids 0-1: the region's capacity; payload: its file), which the engine maps, then
+//!   `Control` [`OP_MAPPED`], after which the sidecar removes the file (a killed process leaves
+//!   nothing behind). A connection from an older epoch than the one in use is refused: a fenced
+//!   engine back from a pause cannot take its sidecar back.
+//! - `Put` (id 0: length): the engine has written a chunk (header and payload) into the region;
+//!   the sidecar verifies it, keeps it, forwards it to the successor, and answers `PutAck`, or
+//!   `Error` if the forward failed (the local copy is kept).
+//! - `Get` (payload: a chunk key): the sidecar writes the chunk into the region and answers
+//!   `GetReply` (id 0: its length), or `Error` (`NotFound`).
+//! - `Control` [`OP_SUCCESSOR`] (payload: an address): forward to another successor from now on.
+
+use std::io::{BufReader, BufWriter, Write};
+use std::net::SocketAddr;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dejavulib::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
+use dejavulib::net::tcp::TcpTransport;
+use dejavulib::net::{ClientConfig, PeerServer, PeerStore};
+use dejavulib::store::StoreError;
+use dejavulib::wire::{read_frame, write_frame, ErrorCode, Frame, FrameHeader, Kind};
+use dejavulib::{ChunkStore, HostStore};
+use parking_lot::Mutex;
+use thiserror::Error;
+use tracing::{info, warn};
+
+use crate::metrics::{Exposition, MetricType};
+use crate::shm::{SharedRegion, ShmError};
+
+/// Control operation: the engine has mapped the region.
+pub const OP_MAPPED: u32 = 1;
+/// Control operation: forward to another successor sidecar from now on.
+pub const OP_SUCCESSOR: u32 = 2;
+
+/// Largest control frame payload on the local socket (addresses, keys, paths, reasons).
+const MAX_LOCAL_PAYLOAD: u64 = 64 << 10;
+
+/// Errors of a sidecar and of talking to it.
+#[derive(Debug, Error)]
+pub enum SidecarError {
+    /// A socket failed.
+    #[error("local sidecar i/o: {0}")]
+    Io(#[from] std::io::Error),
+    /// It cannot listen where it was told to.
+    #[error("cannot listen at {at}: {source}")]
+    Listen {
+        /// The address or socket path.
+        at: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The shared region is not what was announced.
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    /// A malformed or unexpected frame, or a refusal.
+    #[error("local sidecar protocol: {0}")]
+    Protocol(String),
+    /// The sidecar holds no such chunk.
+    #[error("the sidecar holds no such chunk")]
+    NotFound,
+}
+
+impl From<dejavulib::wire::FrameError> for SidecarError {
+    fn from(e: dejavulib::wire::FrameError) -> Self {
+        Self::Protocol(e.to_string())
+    }
+}
+
+/// How a sidecar runs.
+#[derive(Clone, Debug)]
+pub struct SidecarConfig {
+    /// The stage it belongs to (its node id when it forwards).
+    pub index: u32,
+    /// Where its transport listens for replicas and restores (port 0 picks one).
+    pub listen: SocketAddr,
+    /// Its local socket, for its engine.
+    pub local: PathBuf,
+    /// Where it creates the shared regions.
+    pub shm_dir: PathBuf,
+    /// Data bytes of a shared region: the largest chunk (a whole prompt's KV) must fit.
+    pub region_bytes: usize,
+    /// The cluster secret.
+    pub secret: Vec<u8>,
+    /// For testing fault checkers only: keep chunks but never forward them, while saying they
+    /// were.
+    pub skip_forwarding: bool,
+}
+
+/// Counters of a sidecar, besides its transport's.
+#[derive(Debug, Default)]
+pub struct SidecarStats {
+    /// Chunks of its engine's KV kept (the local copy), and their payload bytes.
+    pub local_chunks: AtomicU64,
+    /// See [`SidecarStats::local_chunks`].
+    pub local_bytes: AtomicU64,
+    /// Chunks forwarded to the successor, and their payload bytes.
+    pub forwarded_chunks: AtomicU64,
+    /// See [`SidecarStats::forwarded_chunks`].
+    pub forwarded_bytes: AtomicU64,
+    /// Forwards that failed (the successor's copy lacks those chunks).
+    pub forward_failures: AtomicU64,
+    /// Chunks handed to its engine through shared memory (local restores).
+    pub local_restores: AtomicU64,
+    /// Engine connections refused for an older epoch than the one in use.
+    pub stale_engines_refused: AtomicU64,
+}
+
+fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
+}
+
+/// What the connections of a sidecar share.
+struct Sidecar {
+    config: SidecarConfig,
+    store: HostStore,
+    stats: SidecarStats,
+    /// The engine connection in use and its epoch.
+    engine: Mutex<Option<(u64, UnixStream)>>,
+    /// Where and as what it forwards: the successor's address and a store on it.
+    successor: Mutex<Option<(SocketAddr, PeerStore)>>,
+    runtime: tokio::runtime::Handle,
+    regions: AtomicU64,
+}
+
+/// Runs a sidecar until the process is killed: its transport, its local socket, and its metrics
+/// (at `metrics`, if given). `ready` gets the transport's address and the metrics page's.
+pub fn serve_sidecar(
+    config: SidecarConfig,
+    metrics: Option<SocketAddr>,
+    ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
+) -> Result<(), SidecarError> {
+    use dejavulib::net::ServerConfig;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let store = HostStore::new();
+    let server = runtime
+        .block_on(PeerServer::bind(
+            &TcpTransport::plain(),
+            config.listen,
+            ServerConfig::new(config.secret.clone(), config.index),
+            store.clone(),
+        ))
+        .map_err(|source| SidecarError::Listen { at: config.listen.to_string(), source })?;
+    let local = UnixListener::bind(&config.local)
+        .map_err(|source| SidecarError::Listen { at: config.local.display().to_string(), source })?;
+    let sidecar = Arc::new(Sidecar {
+        config,
+        store,
+        stats: SidecarStats::default(),
+        engine: Mutex::new(None),
+        successor: Mutex::new(None),
+        runtime: runtime.handle().clone(),
+        regions: AtomicU64::new(0),
+    });
+    let server = Arc::new(server);
+    let metrics = match metrics {
+        Some(at) => {
+            let (sidecar, server) = (sidecar.clone(), server.clone());
+            Some(crate::metrics::serve(at, move || sidecar.render(&server))?)
+        }
+        None => None,
+    };
+    info!(stage = sidecar.config.index, addr = %server.addr(), local = %sidecar.config.local.display(), "sidecar listening");
+    ready(server.addr(), metrics);
+    for stream in local.incoming() {
+        let Ok(stream) = stream else {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
+        let sidecar = sidecar.clone();
+        std::thread::Builder::new().name("engine".into()).spawn(move || {
+            if let Err(e) = sidecar.serve_engine(stream) {
+                warn!(stage = sidecar.config.index, error = %e, "an engine connection ended");
+            }
+        })?;
+    }
+    Ok(())
+}
+
+impl Sidecar {
+    /// Serves one engine connection until it closes or a newer engine takes over.
+    fn serve_engine(&self, stream: UnixStream) -> Result<(), SidecarError> {
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let mut writer = BufWriter::new(stream.try_clone()?);
+        let hello = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)?
+            .ok_or_else(|| SidecarError::Protocol("the engine left before its hello".into()))?;
+        if hello.header.kind != Kind::Hello {
+            return Err(SidecarError::Protocol(format!("an engine opened with {:?}", hello.header.kind)));
+        }
+        let epoch = hello.header.epoch;
+        let successor = parse_addr(&hello.payload)?;
+        {
+            let mut engine = self.engine.lock();
+            if let Some((newest, old)) = engine.as_ref() {
+                if epoch < *newest {
+                    add(&self.stats.stale_engines_refused, 1);
+                    let reason = format!("epoch {epoch} is older than the engine's in use, {newest}");
+                    reply_error(&mut writer, &hello, ErrorCode::StaleEpoch, &reason)?;
+                    return Err(SidecarError::Protocol(reason));
+                }
+                let _ = old.shutdown(std::net::Shutdown::Both);
+            }
+            *engine = Some((epoch, stream));
+        }
+        self.set_successor(successor, epoch);
+        let n = self.regions.fetch_add(1, Ordering::Relaxed);
+        let path = self.config.shm_dir.join(format!(
+            "dejavu-{}-stage{}-region{n}",
+            std::process::id(),
+            self.config.index
+        ));
+        let mut region = SharedRegion::create(&path, self.config.region_bytes, epoch)?;
+        let capacity = region.capacity() as u64;
+        let mut welcome = FrameHeader::new(Kind::Welcome, self.config.index, epoch, hello.header.request);
+        welcome.ids = [capacity as u32, (capacity >> 32) as u32, 0, 0];
+        write_frame(&mut writer, &welcome, path.display().to_string().as_bytes())?;
+        writer.flush()?;
+        info!(stage = self.config.index, epoch, %successor, "an engine connected");
+        while let Some(frame) = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)? {
+            let request = frame.header.request;
+            let answer = |kind: Kind, ids: [u32; 4]| {
+                let mut header = FrameHeader::new(kind, self.config.index, epoch, request);
+                header.ids = ids;
+                header
+            };
+            match (frame.header.kind, frame.header.ids[0]) {
+                (Kind::Control, OP_MAPPED) => {
+                    region.unlink();
+                    write_frame(&mut writer, &answer(Kind::Control, [OP_MAPPED, 0, 0, 0]), &[])?;
+                }
+                (Kind::Control, OP_SUCCESSOR) => {
+                    self.set_successor(parse_addr(&frame.payload)?, epoch);
+                    write_frame(&mut writer, &answer(Kind::Control, [OP_SUCCESSOR, 0, 0, 0]), &[])?;
+                }
+                (Kind::Put, len) => match self.keep_and_forward(region.read(len as usize)?, epoch) {
+                    Ok(()) => write_frame(&mut writer, &answer(Kind::PutAck, [0; 4]), &[])?,
+                    Err(reason) => reply_error(&mut writer, &frame, ErrorCode::Other, &reason)?,
+                },
+                (Kind::Get, _) => {
+                    let Some(key) = ChunkKey::decode(&frame.payload) else {
+                        reply_error(&mut writer, &frame, ErrorCode::Unexpected, "a malformed chunk key")?;
+                        continue;
+                    };
+                    let mut payload = Vec::new();
+                    match self.store.clone().get(&key, &mut payload) {
+                        Ok(descriptor) => {
+                            let header = descriptor.encode_header(&payload);
+                            let len = region.write(&[&header, &payload])?;
+                            add(&self.stats.local_restores, 1);
+                            write_frame(&mut writer, &answer(Kind::GetReply, [len as u32, 0, 0, 0]), &[])?;
+                        }
+                        Err(StoreError::NotFound(_)) => {
+                            reply_error(&mut writer, &frame, ErrorCode::NotFound, "no such chunk")?
+                        }
+                        Err(e) => reply_error(&mut writer, &frame, ErrorCode::Other, &e.to_string())?,
+                    }
+                }
+                (kind, op) => reply_error(
+                    &mut writer,
+                    &frame,
+                    ErrorCode::Unexpected,
+                    &format!("unexpected {kind:?} {op}"),
+                )?,
+            }
+            writer.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Forwards to `successor` from now on, in `epoch`.
+    fn set_successor(&self, successor: SocketAddr, epoch: u64) {
+        let mut current = self.successor.lock();
+        match current.as_ref() {
+            Some((addr, store)) if *addr == successor => store.client().set_epoch(epoch),
+            _ => {
+                let mut client = ClientConfig::new(self.config.secret.clone(), self.config.index);
+                client.epoch = epoch;
+                // A dead successor is given up on quickly: two attempts of at most 500 ms.
+                client.connect_attempts = 2;
+                client.connect_timeout = Duration::from_millis(500);
+                let transport = Arc::new(TcpTransport::plain());
+                *current =
+                    Some((successor, PeerStore::new(self.runtime.clone(), transport, successor, client)));
+            }
+        }
+    }
+
+    /// Verifies and keeps a chunk the engine wrote into the region, then forwards it.
+    fn keep_and_forward(&self, encoded: &[u8], epoch: u64) -> Result<(), String> {
+        if encoded.len() < HEADER_LEN {
+            return Err("a chunk shorter than its header".into());
+        }
+        let (descriptor, _, sum) =
+            ChunkDescriptor::decode_header(&encoded[..HEADER_LEN]).map_err(|e| e.to_string())?;
+        let payload = &encoded[HEADER_LEN..];
+        verify_payload(payload, sum).map_err(|e| e.to_string())?;
+        self.store.clone().put(&descriptor, payload).map_err(|e| e.to_string())?;
+        let bytes = payload.len() as u64;
+        add(&self.stats.local_chunks, 1);
+        add(&self.stats.local_bytes, bytes);
+        if self.config.skip_forwarding {
+            return Ok(());
+        }
+        let mut successor = self.successor.lock();
+        let Some((addr, store)) = successor.as_mut() else { return Err("no successor to forward to".into()) };
+        store.client().set_epoch(epoch);
+        match store.put(&descriptor, payload) {
+            Ok(()) => {
+                add(&self.stats.forwarded_chunks, 1);
+                add(&self.stats.forwarded_bytes, bytes);
+                Ok(())
+            }
+            Err(e) => {
+                add(&self.stats.forward_failures, 1);
+                Err(format!("forwarding to {addr} failed: {e}"))
+            }
+        }
+    }
+
+    /// The sidecar's metrics page.
+    fn render(&self, server: &PeerServer) -> String {
+        let stats = server.stats();
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64;
+        let index = self.config.index.to_string();
+        let label = [("stage", index.as_str())];
+        let mut page = Exposition::new();
+        let counters = [
+            (
+                "dejavu_sidecar_local_chunks_total",
+                "Chunks of its engine's KV kept (the local copy).",
+                &self.stats.local_chunks,
+            ),
+            (
+                "dejavu_sidecar_local_bytes_total",
+                "Payload bytes of its engine's KV kept.",
+                &self.stats.local_bytes,
+            ),
+            (
+                "dejavu_sidecar_forwarded_chunks_total",
+                "Chunks forwarded to the ring successor.",
+                &self.stats.forwarded_chunks,
+            ),
+            (
+                "dejavu_sidecar_forwarded_bytes_total",
+                "Payload bytes forwarded to the ring successor.",
+                &self.stats.forwarded_bytes,
+            ),
+            (
+                "dejavu_sidecar_forward_failures_total",
+                "Forwards to the successor that failed.",
+                &self.stats.forward_failures,
+            ),
+            (
+                "dejavu_sidecar_local_restores_total",
+                "Chunks handed to its engine through shared memory.",
+                &self.stats.local_restores,
+            ),
+            (
+                "dejavu_sidecar_stale_engines_total",
+                "Engine connections refused for an older epoch.",
+                &self.stats.stale_engines_refused,
+            ),
+            (
+                "dejavu_sidecar_chunks_stored_total",
+                "Chunks stored over the transport (replicas, copies).",
+                &stats.puts,
+            ),
+            (
+                "dejavu_sidecar_bytes_stored_total",
+                "Bytes of the chunks stored over the transport.",
+                &stats.bytes_stored,
+            ),
+            (
+                "dejavu_sidecar_chunks_served_total",
+                "Chunks served over the transport (restores).",
+                &stats.gets,
+            ),
+            (
+                "dejavu_sidecar_bytes_served_total",
+                "Bytes of the chunks served over the transport.",
+                &stats.bytes_served,
+            ),
+            (
+                "dejavu_sidecar_connections_total",
+                "Connections that passed the cluster handshake.",
+                &stats.authenticated,
+            ),
+            ("dejavu_sidecar_refused_total", "Connections refused at the handshake.", &stats.refused),
+            (
+                "dejavu_sidecar_bad_chunks_total",
+                "Chunks refused as inconsistent with their header.",
+                &stats.bad_chunks,
+            ),
+            ("dejavu_sidecar_stale_total", "Requests refused for a stale epoch.", &stats.stale),
+            (
+                "dejavu_sidecar_bad_frames_total",
+                "Connections closed on a malformed or corrupted frame.",
+                &stats.bad_frames,
+            ),
+        ];
+        for (name, help, counter) in counters {
+            page.family(name, MetricType::Counter, help).sample(name, &label, get(counter));
+        }
+        page.family("dejavu_sidecar_chunks_held", MetricType::Gauge, "KV chunks held in memory.").sample(
+            "dejavu_sidecar_chunks_held",
+            &label,
+            self.store.len() as f64,
+        );
+        page.finish()
+    }
+}
+
+fn parse_addr(payload: &[u8]) -> Result<SocketAddr, SidecarError> {
+    std::str::from_utf8(payload)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| SidecarError::Protocol("a malformed address".into()))
+}
+
+fn reply_error(w: &mut impl Write, to: &Frame, code: ErrorCode, reason: &str) -> Result<(), SidecarError> {
+    let mut header = FrameHeader::new(Kind::Error, 0, to.header.epoch, to.header.request);
+    header.ids[0] = code as u32;
+    write_frame(w, &header, reason.as_bytes())?;
+    w.flush()?;
+    Ok(())
+}
+
+/// The engine's end: a [`ChunkStore`] whose puts and gets cross the shared region.
+pub struct LocalSidecar {
+    path: PathBuf,
+    channel: Channel,
+    region: SharedRegion,
+}
+
+/// Request and reply frames on the local socket.
+struct Channel {
+    reader: BufReader<UnixStream>,
+    writer: BufWriter<UnixStream>,
+    next_request: u64,
+}
+
+impl Channel {
+    /// Sends a request and returns its reply, which must be of kind `expect` (an `Error` reply is
+    /// an error: `NotFound` as [`SidecarError::NotFound`]).
+    fn call(
+        &mut self,
+        kind: Kind,
+        epoch: u64,
+        ids: [u32; 4],
+        payload: &[u8],
+        expect: Kind,
+    ) -> Result<Frame, SidecarError> {
+        let request = self.next_request;
+        self.next_request += 1;
+        let mut header = FrameHeader::new(kind, 0, epoch, request);
+        header.ids = ids;
+        write_frame(&mut self.writer, &header, payload)?;
+        self.writer.flush()?;
+        let frame = read_frame(&mut self.reader, MAX_LOCAL_PAYLOAD)?
+            .ok_or_else(|| SidecarError::Protocol("the sidecar closed the connection".into()))?;
+        if frame.header.request != request {
+            return Err(SidecarError::Protocol(format!("a reply to {} for {request}", frame.header.request)));
+        }
+        match frame.header.kind {
+            k if k == expect => Ok(frame),
+            Kind::Error if ErrorCode::from_code(frame.header.ids[0]) == ErrorCode::NotFound => {
+                Err(SidecarError::NotFound)
+            }
+            Kind::Error => Err(SidecarError::Protocol(String::from_utf8_lossy(&frame.payload).into_owned())),
+            other => Err(SidecarError::Protocol(format!("an unexpected {other:?}"))),
+        }
+    }
+}
+
+impl LocalSidecar {
+    /// Connects to the sidecar at `path` as an engine of `epoch` whose successor's sidecar is
+    /// `successor`, and maps the region it offers.
+    pub fn connect(path: &Path, epoch: u64, successor: SocketAddr) -> Result<Self, SidecarError> {
+        let stream = UnixStream::connect(path)?;
+        let mut channel = Channel {
+            reader: BufReader::new(stream.try_clone()?),
+            writer: BufWriter::new(stream),
+            next_request: 1,
+        };
+        let welcome =
+            channel.call(Kind::Hello, epoch, [0; 4], successor.to_string().as_bytes(), Kind::Welcome)?;
+        let capacity = welcome.header.ids[0] as u64 | (welcome.header.ids[1] as u64) << 32;
+        let file = String::from_utf8(welcome.payload)
+            .map_err(|_| SidecarError::Protocol("a region path that is not UTF-8".into()))?;
+        let region = SharedRegion::open(Path::new(&file), capacity as usize, epoch)?;
+        channel.call(Kind::Control, epoch, [OP_MAPPED, 0, 0, 0], &[], Kind::Control)?;
+        Ok(Self { path: path.to_owned(), channel, region })
+    }
+
+    /// Has the sidecar forward to `successor` from now on.
+    pub fn retarget(&mut self, successor: SocketAddr) -> Result<(), SidecarError> {
+        let addr = successor.to_string();
+        self.channel.call(Kind::Control, 0, [OP_SUCCESSOR, 0, 0, 0], addr.as_bytes(), Kind::Control)?;
+        Ok(())
+    }
+
+    fn store_error(&self, e: SidecarError) -> StoreError {
+        StoreError::Io { op: "local sidecar", path: self.path.clone(), source: std::io::Error::other(e) }
+    }
+}
+
+impl ChunkStore for LocalSidecar {
+    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+        let header = descriptor.encode_header(payload);
+        let len = self.region.write(&[&header, payload]).map_err(|e| self.store_error(e.into()))?;
+        let acked = self.channel.call(Kind::Put, 0, [len as u32, 0, 0, 0], &[], Kind::PutAck);
+        acked.map_err(|e| self.store_error(e))?;
+        Ok(())
+    }
+
+    fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
+        let reply = match self.channel.call(Kind::Get, 0, [0; 4], &key.encode(), Kind::GetReply) {
+            Ok(reply) => reply,
+            Err(SidecarError::NotFound) => return Err(StoreError::NotFound(Box::new(key.clone()))),
+            Err(e) => return Err(self.store_error(e)),
+        };
+        let corrupt = |source| StoreError::Chunk { key: key.file_name(), source };
+        let encoded =
+            self.region.read(reply.header.ids[0] as usize).map_err(|e| self.store_error(e.into()))?;
+        if encoded.len() < HEADER_LEN {
+            return Err(self.store_error(SidecarError::Protocol("a chunk shorter than its header".into())));
+        }
+        let (descriptor, _, sum) = ChunkDescriptor::decode_header(&encoded[..HEADER_LEN]).map_err(corrupt)?;
+        verify_payload(&encoded[HEADER_LEN..], sum).map_err(corrupt)?;
+        out.clear();
+        out.extend_from_slice(&encoded[HEADER_LEN..]);
+        Ok(descriptor)
+    }
+}

@@ -1,0 +1,153 @@
+//! The sidecar as a real process: an engine's chunks cross shared memory, are kept and forwarded to
+//! a real successor over TCP, come back through shared memory; a newer engine takes the sidecar
+//! over and an older one is refused; a shared-memory file of the wrong size stops an engine with
+//! a clear error.
+
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::net::SocketAddr;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use dejavu_engine::sidecar::{LocalSidecar, SidecarError};
+use dejavulib::chunk::ChunkDescriptor;
+use dejavulib::net::tcp::TcpTransport;
+use dejavulib::net::{PeerServer, ServerConfig};
+use dejavulib::store::StoreError;
+use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
+use dejavulib::{ChunkStore, DType, HostStore, KvRegion, KvSpec, Packing, WorkerId};
+
+const EXE: &str = env!("CARGO_BIN_EXE_dejavu-engine");
+const SECRET: &str = "dejavu reference cluster";
+
+/// A child process, killed when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts a sidecar with its local socket and regions in `dir`, forwarding its engine's KV.
+fn sidecar(dir: &Path) -> (Killed, PathBuf) {
+    let socket = dir.join("sidecar.sock");
+    let mut child = Command::new(EXE)
+        .args(["sidecar", "--index", "1", "--region-bytes", "65536"])
+        .arg(format!("--local={}", socket.display()))
+        .arg(format!("--shm-dir={}", dir.display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.starts_with("listening "), "{line:?}");
+    (Killed(child), socket)
+}
+
+/// A chunk of `tokens` tokens of one layer and head, as stage 1 of microbatch 0 would flush it.
+fn chunk(tokens: u32, seed: u8) -> (ChunkDescriptor, Vec<u8>) {
+    let spec = KvSpec::new(1, 1, 4, DType::F32).unwrap();
+    let descriptor = ChunkDescriptor {
+        source: WorkerId { stage: 1, rank: 0 },
+        destination: WorkerId { stage: 1, rank: 0 },
+        microbatch: 0,
+        region: KvRegion::new(0..1, 0..1, 0..1, 0..tokens),
+        spec,
+        packing: Packing::token_major(&spec),
+    };
+    let len = descriptor.payload_len() as usize;
+    (descriptor, (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect())
+}
+
+#[test]
+fn chunks_cross_shared_memory_are_kept_and_forwarded() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_sidecar, socket) = sidecar(dir.path());
+    // The successor: a real sidecar transport in this process.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let successor_store = HostStore::new();
+    let successor = runtime
+        .block_on(PeerServer::bind(
+            &TcpTransport::plain(),
+            "127.0.0.1:0".parse().unwrap(),
+            ServerConfig::new(SECRET, 2),
+            successor_store.clone(),
+        ))
+        .unwrap();
+
+    let mut engine = LocalSidecar::connect(&socket, 0, successor.addr()).unwrap();
+    let (prompt, prompt_kv) = chunk(100, 1);
+    engine.put(&prompt, &prompt_kv).unwrap();
+    let (token, token_kv) = chunk(1, 2);
+    engine.put(&token, &token_kv).unwrap();
+    // Kept: it comes back through shared memory, byte for byte.
+    let mut out = Vec::new();
+    assert_eq!(engine.get(&prompt.key(), &mut out).unwrap(), prompt);
+    assert_eq!(out, prompt_kv);
+    // Forwarded: the successor holds both.
+    let mut replica = successor_store.clone();
+    assert_eq!(replica.get(&token.key(), &mut out).unwrap(), token);
+    assert_eq!(out, token_kv);
+    assert_eq!(successor_store.len(), 2);
+    // The region file is gone once both sides mapped it.
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(left, ["sidecar.sock"], "{left:?}");
+    // A chunk too large for the region is a typed error, and the connection goes on.
+    let (huge, huge_kv) = chunk(5000, 3);
+    assert!(matches!(engine.put(&huge, &huge_kv), Err(StoreError::Io { .. })));
+    let (missing, _) = chunk(7, 4);
+    assert!(matches!(engine.get(&missing.key(), &mut out), Err(StoreError::NotFound(_))));
+
+    // A replacement engine (a newer epoch) takes the sidecar over, still finds the KV, and the
+    // old engine's connection is closed.
+    let mut replacement = LocalSidecar::connect(&socket, 3, successor.addr()).unwrap();
+    assert_eq!(replacement.get(&prompt.key(), &mut out).unwrap(), prompt);
+    assert!(engine.put(&token, &token_kv).is_err(), "the fenced engine is cut off");
+    // An engine from an older epoch (back from a pause) is refused.
+    match LocalSidecar::connect(&socket, 2, successor.addr()) {
+        Err(SidecarError::Protocol(reason)) => assert!(reason.contains("older"), "{reason}"),
+        other => panic!("a stale engine: {:?}", other.err()),
+    }
+    replacement.put(&token, &token_kv).unwrap();
+}
+
+#[test]
+fn a_shared_memory_file_of_the_wrong_size_stops_the_engine_with_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    // A sidecar that announces a region of 65536 bytes but hands over a shorter file.
+    let socket = dir.path().join("liar.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    let region = dir.path().join("region");
+    std::fs::write(&region, vec![0u8; 1000]).unwrap();
+    let announced = region.clone();
+    let liar = std::thread::spawn(move || {
+        let (stream, _) = listener.accept().unwrap();
+        let mut reader = BufReader::new(stream.try_clone().unwrap());
+        let hello = read_frame(&mut reader, 1 << 16).unwrap().unwrap();
+        assert_eq!(hello.header.kind, Kind::Hello);
+        let mut welcome = FrameHeader::new(Kind::Welcome, 1, hello.header.epoch, hello.header.request);
+        welcome.ids = [65536, 0, 0, 0];
+        let mut writer = BufWriter::new(stream);
+        write_frame(&mut writer, &welcome, announced.display().to_string().as_bytes()).unwrap();
+        writer.flush().unwrap();
+        // Wait for the engine to go away.
+        let _ = read_frame(&mut reader, 1 << 16);
+    });
+    let next: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let out = Command::new(EXE)
+        .args(["stage", "--index", "0", "--layers", "0..8", "--listen", "127.0.0.1:0"])
+        .arg(format!("--next={next}"))
+        .arg(format!("--local={}", socket.display()))
+        .arg("--successor=127.0.0.1:9")
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    liar.join().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is 1000 bytes, not the 65600 announced"), "{err}");
+    assert_eq!(std::fs::read(&region).unwrap(), vec![0u8; 1000], "the file is left as it was");
+}
