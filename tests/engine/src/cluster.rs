@@ -57,8 +57,8 @@ pub enum Link {
         /// The sending stage.
         from: u32,
     },
-    /// KV copies from stage `from` to its ring successor's sidecar (and, after a replacement, the
-    /// restore from it).
+    /// KV copies of stage `from` to its ring successor's sidecar: forwarded by its own sidecar,
+    /// copied by the stage itself in a recovery, and the restore from there after a replacement.
     Replica {
         /// The sending stage.
         from: u32,
@@ -92,8 +92,8 @@ pub struct ClusterConfig {
     pub heartbeat: Duration,
     /// What stands between processes, if anything (see [`Link`]).
     pub interpose: Option<Arc<dyn Interpose>>,
-    /// For testing fault checkers only: stages skip the copy to their successor's sidecar while
-    /// still claiming to replicate, so a worker failure loses KV the recovery expects.
+    /// For testing fault checkers only: sidecars skip the forward to their successor's sidecar
+    /// while still claiming to replicate, so a worker failure loses KV the recovery expects.
     pub sabotage_replicas: bool,
 }
 

@@ -10,10 +10,11 @@
 //!
 //! With replication configured, a stage hands the KV it wrote in each step (the prompt's, then each
 //! token's) to a background streamer and passes the step on at once (replication is off the
-//! critical path and may lag a few steps). The streamer flushes every chunk twice: to the stage's
-//! own sidecar (a local copy: an engine that dies alone restores from it without involving another
-//! worker) and to its ring successor's sidecar (a replica: a worker that dies with its sidecar
-//! restores from there).
+//! critical path and may lag a few steps). The streamer hands every chunk to the stage's own
+//! sidecar through shared memory ([`crate::sidecar`]), which keeps it (a local copy: an engine
+//! that dies alone restores from it, through shared memory again, without any network transfer)
+//! and forwards it to the ring successor's sidecar (a replica: a worker that dies with its sidecar
+//! restores from there, over the transport).
 //!
 //! `Control` frames travel the same chain. Their payload is an operation byte, the index of the
 //! stage it is for (`u32`), and an argument; ids name a sequence as (microbatch, slot, prompt
