@@ -12,7 +12,10 @@
 //!   remote peer over TCP, TLS or QUIC ([`wire`] frames, cluster authentication, backpressure);
 //! - **resharding** ([`placement`], [`reshard`]): `stream_out` / `stream_in` between pipeline setups of
 //!   different depth, tensor-parallel degree, microbatch size and layer split;
-//! - a background **streamer** ([`streamer`]) that moves layer `l` while the engine computes `l + 1`.
+//! - a background **streamer** ([`streamer`]) that moves layer `l` while the engine computes `l + 1`;
+//! - the engine's end of its **sidecar** ([`local`]): chunks through a shared memory region
+//!   ([`shm`]) and a local socket, to a process that keeps them and forwards them to the ring
+//!   successor.
 //!
 //! ```
 //! use dejavulib::{Coord, DType, KvCache, KvLayout, KvRegion, KvSpec, Part};
@@ -47,6 +50,7 @@ pub mod chunk;
 pub mod copy;
 pub mod file_io;
 pub mod layout;
+pub mod local;
 pub mod memory;
 pub mod net;
 pub mod placement;
@@ -54,6 +58,7 @@ pub mod plan;
 pub mod planner;
 pub mod region;
 pub mod reshard;
+pub mod shm;
 pub mod spec;
 pub mod store;
 pub mod streamer;

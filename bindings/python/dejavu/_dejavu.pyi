@@ -99,7 +99,7 @@ class KvCache:
         """Scatters ``data`` (as ``gather`` packs it) into ``region``."""
 
 class Store:
-    """Where chunks go: ``Store.file(path)`` or ``Store.host()``."""
+    """Where chunks go: a file directory, host memory, a remote peer or the local sidecar."""
 
     @staticmethod
     def file(path: Union[str, PathLike]) -> "Store": ...
@@ -108,6 +108,11 @@ class Store:
     @staticmethod
     def peer(address: str, secret: bytes, node: int = 0, epoch: int = 0) -> "Store":
         """Chunks on a ``PeerServer`` at "host:port", over TCP with the cluster's HMAC handshake."""
+    @staticmethod
+    def sidecar(path: Union[str, PathLike], successor: str, epoch: int = 0) -> "Store":
+        """The engine's own ``dejavud sidecar`` at its local socket ``path``: chunks cross shared
+        memory; the sidecar keeps them and forwards them to the sidecar at ``successor``
+        ("host:port"). A newer ``epoch`` takes the sidecar over; an older one is refused."""
 
 class PeerServer:
     """A peer that keeps chunks flushed to it, serving clients that know the cluster secret."""

@@ -4,6 +4,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, OnceLock};
 
 use dejavulib::file_io::FileBackend;
+use dejavulib::local::LocalSidecar;
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerServer, PeerStore, ServerConfig, Transport};
 use dejavulib::reshard::{receive, send};
@@ -39,7 +40,8 @@ impl ChunkStore for SharedStore {
     }
 }
 
-/// Where chunks are flushed to and fetched from: `Store.file(path)` or `Store.host()`.
+/// Where chunks are flushed to and fetched from: `Store.file(path)`, `Store.host()`,
+/// `Store.peer(address, secret)` or `Store.sidecar(path, successor)`.
 #[pyclass(name = "Store", module = "dejavu", frozen)]
 pub(crate) struct PyStore {
     pub(crate) inner: SharedStore,
@@ -66,6 +68,21 @@ impl PyStore {
         let transport: Arc<dyn Transport> = Arc::new(TcpTransport::plain());
         let store = PeerStore::new(runtime()?.handle().clone(), transport, addr, config);
         Ok(Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(store)))), kind: "peer" })
+    }
+
+    /// The engine's own sidecar (a `dejavud sidecar` process) at its local socket `path`: each
+    /// chunk crosses a memory region shared with it; the sidecar keeps it (the local copy, which a
+    /// restarted engine fetches back through shared memory) and forwards it to the sidecar at
+    /// `successor` ("host:port"). `epoch` is the engine's: a newer one takes the sidecar over
+    /// from an older engine, an older one is refused.
+    #[staticmethod]
+    #[pyo3(signature = (path, successor, epoch = 0))]
+    fn sidecar(py: Python<'_>, path: std::path::PathBuf, successor: &str, epoch: u64) -> PyResult<Self> {
+        let addr = resolve(successor)?;
+        let local = py
+            .detach(|| LocalSidecar::connect(&path, epoch, addr))
+            .map_err(|e| Error::new_err(format!("sidecar at {}: {e}", path.display())))?;
+        Ok(Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(local)))), kind: "sidecar" })
     }
 
     /// Chunks in this process's memory.

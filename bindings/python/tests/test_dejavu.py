@@ -252,3 +252,57 @@ def test_flush_and_fetch_through_a_remote_peer():
         server.close()
     with pytest.raises(ValueError, match="address"):
         dejavu.Store.peer("not an address", b"s")
+
+
+def dejavud():
+    """The daemon binary: $DEJAVUD, or the workspace's release or debug build."""
+    if os.environ.get("DEJAVUD"):
+        return os.environ["DEJAVUD"]
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..")
+    for profile in ("release", "debug"):
+        path = os.path.join(root, "target", profile, "dejavud")
+        if os.access(path, os.X_OK):
+            return path
+    raise AssertionError("no dejavud binary: build it (cargo build --release --bin dejavud) or set DEJAVUD")
+
+
+def test_flush_and_fetch_through_the_local_sidecar(tmp_path):
+    import subprocess
+
+    socket = tmp_path / "sidecar.sock"
+    sidecar = subprocess.Popen(
+        [dejavud(), "sidecar", "--index", "1", f"--local={socket}", f"--shm-dir={tmp_path}", "--region-bytes=1048576"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    successor = dejavu.PeerServer(b"dejavu reference cluster")
+    try:
+        assert sidecar.stdout.readline().startswith("listening ")
+        layout = layouts()["per_layer_bhsd"]
+        engine = dejavu.KvCache.wrap(layout, engine_buffers(layout, 11))
+        store = dejavu.Store.sidecar(socket, successor.address, epoch=1)
+        assert repr(store) == "Store(sidecar)"
+        dejavu.flush(store, engine, REGION, (1, 0), (1, 0), 0)
+        # Forwarded to the successor, and kept: it comes back through shared memory.
+        assert successor.chunks == 1
+        restored = dejavu.KvCache(layout)
+        dejavu.fetch(store, restored, REGION, (1, 0), (1, 0), 0)
+        assert bytes(restored.gather(REGION)) == bytes(engine.gather(REGION))
+        with pytest.raises(dejavu.NotFoundError):
+            dejavu.fetch(store, restored, REGION, (1, 0), (1, 0), 7)
+        # The region's file is gone once both sides mapped it.
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["sidecar.sock"]
+        # An engine from an older epoch is refused; a newer one takes over and finds the KV.
+        with pytest.raises(dejavu.Error, match="older"):
+            dejavu.Store.sidecar(socket, successor.address, epoch=0)
+        replacement = dejavu.Store.sidecar(socket, successor.address, epoch=2)
+        dejavu.fetch(replacement, restored, REGION, (1, 0), (1, 0), 0)
+        with pytest.raises(dejavu.StoreError):
+            dejavu.flush(store, engine, REGION, (1, 0), (1, 0), 1)
+    finally:
+        sidecar.kill()
+        sidecar.wait()
+        successor.close()
+    with pytest.raises(dejavu.Error, match="sidecar at"):
+        dejavu.Store.sidecar(tmp_path / "nobody.sock", "127.0.0.1:9")

@@ -10,6 +10,8 @@
 //! - [`pipeline`]: stages chained in one process, prompts in microbatches, greedy generation;
 //! - [`process`]: stages as separate processes passing activations over TCP, copying their KV to
 //!   sidecars and restoring it after a replacement (the `dejavu-engine` binary runs one);
+//! - [`sidecar`]: a worker's sidecar process, which keeps its engine's KV (received through shared
+//!   memory) and its predecessor's replica, and forwards its engine's KV to the successor;
 //! - [`heartbeat`]: processes beat every interval to the controller;
 //! - [`controller`]: a process that declares the silent dead and issues the epoch of each
 //!   recovery, with a state file that survives its crashes;
@@ -35,7 +37,6 @@ pub mod model;
 pub mod pipeline;
 pub mod proc;
 pub mod process;
-pub mod shm;
 pub mod sidecar;
 pub mod stage;
 

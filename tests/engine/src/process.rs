@@ -53,6 +53,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
+use dejavulib::local::LocalSidecar;
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerStore};
 use dejavulib::reshard::{receive, send, StreamError};
@@ -67,7 +68,6 @@ use tracing::{info, warn};
 use crate::metrics::{Exposition, MetricType};
 use crate::model::ModelConfig;
 use crate::pipeline::{cache_layout, CacheLayout, Seat};
-use crate::sidecar::LocalSidecar;
 use crate::stage::{Stage, StageError};
 
 /// Errors of a stage process or the driver.

@@ -1,4 +1,4 @@
-//! A worker's sidecar and the engine's end of it.
+//! A worker's sidecar process (the engine's end is [`dejavulib::local::LocalSidecar`]).
 //!
 //! The sidecar is a process beside an engine. It keeps two kinds of copies in host memory (a
 //! [`HostStore`]): the engine's own KV (the local copy, which an engine that dies alone restores
@@ -6,30 +6,22 @@
 //! predecessor's replacement restores from over the transport, a [`PeerServer`]). It forwards
 //! each chunk of its engine's KV to the ring successor's sidecar.
 //!
-//! Engine and sidecar talk over a local Unix socket, in [`dejavulib::wire`] frames, and share a
-//! memory region ([`SharedRegion`]) that the chunks themselves cross:
-//!
-//! - `Hello` (epoch: the engine's; payload: the successor sidecar's address) is answered by
-//!   `Welcome` (ids 0-1: the region's capacity; payload: its file), which the engine maps, then
-//!   `Control` [`OP_MAPPED`], after which the sidecar removes the file (a killed process leaves
-//!   nothing behind). A connection from an older epoch than the one in use is refused: a fenced
-//!   engine back from a pause cannot take its sidecar back.
-//! - `Put` (id 0: length): the engine has written a chunk (header and payload) into the region;
-//!   the sidecar verifies it, keeps it, forwards it to the successor, and answers `PutAck`, or
-//!   `Error` if the forward failed (the local copy is kept).
-//! - `Get` (payload: a chunk key): the sidecar writes the chunk into the region and answers
-//!   `GetReply` (id 0: its length), or `Error` (`NotFound`).
-//! - `Control` [`OP_SUCCESSOR`] (payload: an address): forward to another successor from now on.
+//! Engine and sidecar talk over a local Unix socket and share a memory region ([`SharedRegion`])
+//! that the chunks themselves cross; [`dejavulib::local`] describes the requests. The sidecar
+//! removes the region's file once the engine has mapped it (a killed process leaves nothing
+//! behind). A connection from an older epoch than the one in use is refused: a fenced engine back
+//! from a pause cannot take its sidecar back.
 
 use std::io::{BufReader, BufWriter, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use dejavulib::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
+use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_MAPPED, OP_SUCCESSOR};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerServer, PeerStore};
 use dejavulib::store::StoreError;
@@ -39,18 +31,11 @@ use parking_lot::Mutex;
 use thiserror::Error;
 use tracing::{info, warn};
 
+use dejavulib::shm::{SharedRegion, ShmError};
+
 use crate::metrics::{Exposition, MetricType};
-use crate::shm::{SharedRegion, ShmError};
 
-/// Control operation: the engine has mapped the region.
-pub const OP_MAPPED: u32 = 1;
-/// Control operation: forward to another successor sidecar from now on.
-pub const OP_SUCCESSOR: u32 = 2;
-
-/// Largest control frame payload on the local socket (addresses, keys, paths, reasons).
-const MAX_LOCAL_PAYLOAD: u64 = 64 << 10;
-
-/// Errors of a sidecar and of talking to it.
+/// Errors of a sidecar.
 #[derive(Debug, Error)]
 pub enum SidecarError {
     /// A socket failed.
@@ -67,12 +52,9 @@ pub enum SidecarError {
     /// The shared region is not what was announced.
     #[error(transparent)]
     Shm(#[from] ShmError),
-    /// A malformed or unexpected frame, or a refusal.
+    /// A malformed or unexpected frame.
     #[error("local sidecar protocol: {0}")]
     Protocol(String),
-    /// The sidecar holds no such chunk.
-    #[error("the sidecar holds no such chunk")]
-    NotFound,
 }
 
 impl From<dejavulib::wire::FrameError> for SidecarError {
@@ -437,112 +419,4 @@ fn reply_error(w: &mut impl Write, to: &Frame, code: ErrorCode, reason: &str) ->
     write_frame(w, &header, reason.as_bytes())?;
     w.flush()?;
     Ok(())
-}
-
-/// The engine's end: a [`ChunkStore`] whose puts and gets cross the shared region.
-pub struct LocalSidecar {
-    path: PathBuf,
-    channel: Channel,
-    region: SharedRegion,
-}
-
-/// Request and reply frames on the local socket.
-struct Channel {
-    reader: BufReader<UnixStream>,
-    writer: BufWriter<UnixStream>,
-    next_request: u64,
-}
-
-impl Channel {
-    /// Sends a request and returns its reply, which must be of kind `expect` (an `Error` reply is
-    /// an error: `NotFound` as [`SidecarError::NotFound`]).
-    fn call(
-        &mut self,
-        kind: Kind,
-        epoch: u64,
-        ids: [u32; 4],
-        payload: &[u8],
-        expect: Kind,
-    ) -> Result<Frame, SidecarError> {
-        let request = self.next_request;
-        self.next_request += 1;
-        let mut header = FrameHeader::new(kind, 0, epoch, request);
-        header.ids = ids;
-        write_frame(&mut self.writer, &header, payload)?;
-        self.writer.flush()?;
-        let frame = read_frame(&mut self.reader, MAX_LOCAL_PAYLOAD)?
-            .ok_or_else(|| SidecarError::Protocol("the sidecar closed the connection".into()))?;
-        if frame.header.request != request {
-            return Err(SidecarError::Protocol(format!("a reply to {} for {request}", frame.header.request)));
-        }
-        match frame.header.kind {
-            k if k == expect => Ok(frame),
-            Kind::Error if ErrorCode::from_code(frame.header.ids[0]) == ErrorCode::NotFound => {
-                Err(SidecarError::NotFound)
-            }
-            Kind::Error => Err(SidecarError::Protocol(String::from_utf8_lossy(&frame.payload).into_owned())),
-            other => Err(SidecarError::Protocol(format!("an unexpected {other:?}"))),
-        }
-    }
-}
-
-impl LocalSidecar {
-    /// Connects to the sidecar at `path` as an engine of `epoch` whose successor's sidecar is
-    /// `successor`, and maps the region it offers.
-    pub fn connect(path: &Path, epoch: u64, successor: SocketAddr) -> Result<Self, SidecarError> {
-        let stream = UnixStream::connect(path)?;
-        let mut channel = Channel {
-            reader: BufReader::new(stream.try_clone()?),
-            writer: BufWriter::new(stream),
-            next_request: 1,
-        };
-        let welcome =
-            channel.call(Kind::Hello, epoch, [0; 4], successor.to_string().as_bytes(), Kind::Welcome)?;
-        let capacity = welcome.header.ids[0] as u64 | (welcome.header.ids[1] as u64) << 32;
-        let file = String::from_utf8(welcome.payload)
-            .map_err(|_| SidecarError::Protocol("a region path that is not UTF-8".into()))?;
-        let region = SharedRegion::open(Path::new(&file), capacity as usize, epoch)?;
-        channel.call(Kind::Control, epoch, [OP_MAPPED, 0, 0, 0], &[], Kind::Control)?;
-        Ok(Self { path: path.to_owned(), channel, region })
-    }
-
-    /// Has the sidecar forward to `successor` from now on.
-    pub fn retarget(&mut self, successor: SocketAddr) -> Result<(), SidecarError> {
-        let addr = successor.to_string();
-        self.channel.call(Kind::Control, 0, [OP_SUCCESSOR, 0, 0, 0], addr.as_bytes(), Kind::Control)?;
-        Ok(())
-    }
-
-    fn store_error(&self, e: SidecarError) -> StoreError {
-        StoreError::Io { op: "local sidecar", path: self.path.clone(), source: std::io::Error::other(e) }
-    }
-}
-
-impl ChunkStore for LocalSidecar {
-    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
-        let header = descriptor.encode_header(payload);
-        let len = self.region.write(&[&header, payload]).map_err(|e| self.store_error(e.into()))?;
-        let acked = self.channel.call(Kind::Put, 0, [len as u32, 0, 0, 0], &[], Kind::PutAck);
-        acked.map_err(|e| self.store_error(e))?;
-        Ok(())
-    }
-
-    fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
-        let reply = match self.channel.call(Kind::Get, 0, [0; 4], &key.encode(), Kind::GetReply) {
-            Ok(reply) => reply,
-            Err(SidecarError::NotFound) => return Err(StoreError::NotFound(Box::new(key.clone()))),
-            Err(e) => return Err(self.store_error(e)),
-        };
-        let corrupt = |source| StoreError::Chunk { key: key.file_name(), source };
-        let encoded =
-            self.region.read(reply.header.ids[0] as usize).map_err(|e| self.store_error(e.into()))?;
-        if encoded.len() < HEADER_LEN {
-            return Err(self.store_error(SidecarError::Protocol("a chunk shorter than its header".into())));
-        }
-        let (descriptor, _, sum) = ChunkDescriptor::decode_header(&encoded[..HEADER_LEN]).map_err(corrupt)?;
-        verify_payload(&encoded[HEADER_LEN..], sum).map_err(corrupt)?;
-        out.clear();
-        out.extend_from_slice(&encoded[HEADER_LEN..]);
-        Ok(descriptor)
-    }
 }

@@ -9,8 +9,8 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use dejavu_engine::sidecar::{LocalSidecar, SidecarError};
 use dejavulib::chunk::ChunkDescriptor;
+use dejavulib::local::{LocalError, LocalSidecar};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{PeerServer, ServerConfig};
 use dejavulib::store::StoreError;
@@ -108,7 +108,7 @@ fn chunks_cross_shared_memory_are_kept_and_forwarded() {
     assert!(engine.put(&token, &token_kv).is_err(), "the fenced engine is cut off");
     // An engine from an older epoch (back from a pause) is refused.
     match LocalSidecar::connect(&socket, 2, successor.addr()) {
-        Err(SidecarError::Protocol(reason)) => assert!(reason.contains("older"), "{reason}"),
+        Err(LocalError::Protocol(reason)) => assert!(reason.contains("older"), "{reason}"),
         other => panic!("a stale engine: {:?}", other.err()),
     }
     replacement.put(&token, &token_kv).unwrap();

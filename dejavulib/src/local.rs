@@ -1,0 +1,164 @@
+//! The engine's end of its sidecar: a [`ChunkStore`] whose chunks cross a memory region shared
+//! with the sidecar process ([`crate::shm`]), with requests on a local Unix socket in
+//! [`crate::wire`] frames, one at a time:
+//!
+//! | request (engine) | reply (sidecar) |
+//! |---|---|
+//! | `Hello`, epoch = the engine's, payload = the successor sidecar's address | `Welcome`, ids 0-1 = the region's capacity, payload = its file; `Error` (`StaleEpoch`) if a newer engine is connected |
+//! | `Control` [`OP_MAPPED`] | `Control`; the sidecar removes the region's file |
+//! | `Put`, id 0 = length of the chunk (header and payload) written into the region | `PutAck` once the sidecar keeps it and has forwarded it to the successor; `Error` otherwise |
+//! | `Get`, payload = a chunk key | `GetReply`, id 0 = length of the chunk written into the region; `Error` (`NotFound`) |
+//! | `Control` [`OP_SUCCESSOR`], payload = an address | `Control`; forwards go there from now on |
+//!
+//! The sidecar itself is a process of the daemon (`dejavud sidecar`).
+
+use std::io::{BufReader, BufWriter, Write};
+use std::net::SocketAddr;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
+use crate::shm::{SharedRegion, ShmError};
+use crate::store::{ChunkStore, StoreError};
+use crate::wire::{read_frame, write_frame, ErrorCode, Frame, FrameError, FrameHeader, Kind};
+
+/// Control operation: the engine has mapped the region.
+pub const OP_MAPPED: u32 = 1;
+/// Control operation: forward to another successor sidecar from now on.
+pub const OP_SUCCESSOR: u32 = 2;
+
+/// Largest payload of a frame on the local socket (addresses, keys, paths, reasons).
+pub const MAX_LOCAL_PAYLOAD: u64 = 64 << 10;
+
+/// Errors of talking to the local sidecar.
+#[derive(Debug, Error)]
+pub enum LocalError {
+    /// The socket failed.
+    #[error("local sidecar i/o: {0}")]
+    Io(#[from] std::io::Error),
+    /// The shared region is not what was announced.
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    /// A malformed or unexpected frame, or a refusal.
+    #[error("local sidecar protocol: {0}")]
+    Protocol(String),
+    /// The sidecar holds no such chunk.
+    #[error("the sidecar holds no such chunk")]
+    NotFound,
+}
+
+impl From<FrameError> for LocalError {
+    fn from(e: FrameError) -> Self {
+        Self::Protocol(e.to_string())
+    }
+}
+
+/// The engine's end of its sidecar: a [`ChunkStore`] whose puts and gets cross the shared region.
+pub struct LocalSidecar {
+    path: PathBuf,
+    channel: Channel,
+    region: SharedRegion,
+}
+
+/// Request and reply frames on the local socket.
+struct Channel {
+    reader: BufReader<UnixStream>,
+    writer: BufWriter<UnixStream>,
+    next_request: u64,
+}
+
+impl Channel {
+    /// Sends a request and returns its reply, which must be of kind `expect` (an `Error` reply is
+    /// an error: `NotFound` as [`LocalError::NotFound`]).
+    fn call(
+        &mut self,
+        kind: Kind,
+        epoch: u64,
+        ids: [u32; 4],
+        payload: &[u8],
+        expect: Kind,
+    ) -> Result<Frame, LocalError> {
+        let request = self.next_request;
+        self.next_request += 1;
+        let mut header = FrameHeader::new(kind, 0, epoch, request);
+        header.ids = ids;
+        write_frame(&mut self.writer, &header, payload)?;
+        self.writer.flush()?;
+        let frame = read_frame(&mut self.reader, MAX_LOCAL_PAYLOAD)?
+            .ok_or_else(|| LocalError::Protocol("the sidecar closed the connection".into()))?;
+        if frame.header.request != request {
+            return Err(LocalError::Protocol(format!("a reply to {} for {request}", frame.header.request)));
+        }
+        match frame.header.kind {
+            k if k == expect => Ok(frame),
+            Kind::Error if ErrorCode::from_code(frame.header.ids[0]) == ErrorCode::NotFound => {
+                Err(LocalError::NotFound)
+            }
+            Kind::Error => Err(LocalError::Protocol(String::from_utf8_lossy(&frame.payload).into_owned())),
+            other => Err(LocalError::Protocol(format!("an unexpected {other:?}"))),
+        }
+    }
+}
+
+impl LocalSidecar {
+    /// Connects to the sidecar at `path` as an engine of `epoch` whose successor's sidecar is
+    /// `successor`, and maps the region it offers.
+    pub fn connect(path: &Path, epoch: u64, successor: SocketAddr) -> Result<Self, LocalError> {
+        let stream = UnixStream::connect(path)?;
+        let mut channel = Channel {
+            reader: BufReader::new(stream.try_clone()?),
+            writer: BufWriter::new(stream),
+            next_request: 1,
+        };
+        let welcome =
+            channel.call(Kind::Hello, epoch, [0; 4], successor.to_string().as_bytes(), Kind::Welcome)?;
+        let capacity = welcome.header.ids[0] as u64 | (welcome.header.ids[1] as u64) << 32;
+        let file = String::from_utf8(welcome.payload)
+            .map_err(|_| LocalError::Protocol("a region path that is not UTF-8".into()))?;
+        let region = SharedRegion::open(Path::new(&file), capacity as usize, epoch)?;
+        channel.call(Kind::Control, epoch, [OP_MAPPED, 0, 0, 0], &[], Kind::Control)?;
+        Ok(Self { path: path.to_owned(), channel, region })
+    }
+
+    /// Has the sidecar forward to `successor` from now on.
+    pub fn retarget(&mut self, successor: SocketAddr) -> Result<(), LocalError> {
+        let addr = successor.to_string();
+        self.channel.call(Kind::Control, 0, [OP_SUCCESSOR, 0, 0, 0], addr.as_bytes(), Kind::Control)?;
+        Ok(())
+    }
+
+    fn store_error(&self, e: LocalError) -> StoreError {
+        StoreError::Io { op: "local sidecar", path: self.path.clone(), source: std::io::Error::other(e) }
+    }
+}
+
+impl ChunkStore for LocalSidecar {
+    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+        let header = descriptor.encode_header(payload);
+        let len = self.region.write(&[&header, payload]).map_err(|e| self.store_error(e.into()))?;
+        let acked = self.channel.call(Kind::Put, 0, [len as u32, 0, 0, 0], &[], Kind::PutAck);
+        acked.map_err(|e| self.store_error(e))?;
+        Ok(())
+    }
+
+    fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
+        let reply = match self.channel.call(Kind::Get, 0, [0; 4], &key.encode(), Kind::GetReply) {
+            Ok(reply) => reply,
+            Err(LocalError::NotFound) => return Err(StoreError::NotFound(Box::new(key.clone()))),
+            Err(e) => return Err(self.store_error(e)),
+        };
+        let corrupt = |source| StoreError::Chunk { key: key.file_name(), source };
+        let encoded =
+            self.region.read(reply.header.ids[0] as usize).map_err(|e| self.store_error(e.into()))?;
+        if encoded.len() < HEADER_LEN {
+            return Err(self.store_error(LocalError::Protocol("a chunk shorter than its header".into())));
+        }
+        let (descriptor, _, sum) = ChunkDescriptor::decode_header(&encoded[..HEADER_LEN]).map_err(corrupt)?;
+        verify_payload(&encoded[HEADER_LEN..], sum).map_err(corrupt)?;
+        out.clear();
+        out.extend_from_slice(&encoded[HEADER_LEN..]);
+        Ok(descriptor)
+    }
+}
