@@ -100,6 +100,8 @@ pub struct Report {
     pub repeated_steps: u64,
     /// Controllers started to replace one that died or stopped answering.
     pub controller_restarts: u64,
+    /// Heartbeats from fenced processes that the controller ignored (stale workers back).
+    pub stale_heartbeats: u64,
     /// Failure-free run, seconds.
     pub failure_free_s: f64,
     /// The run with faults, recovered, seconds.
@@ -217,6 +219,7 @@ impl Report {
             copies_lost: recoveries.iter().filter(|r| !r.copies_lost.is_empty()).count(),
             repeated_steps: faulty.repeated_steps,
             controller_restarts: faulty.controller_restarts,
+            stale_heartbeats: faulty.stale_heartbeats,
             failure_free_s: runs.reference.elapsed.as_secs_f64(),
             with_faults_s: faulty.elapsed.as_secs_f64(),
             restart_s: runs.restart.map(|r| r.elapsed.as_secs_f64()),
@@ -259,8 +262,9 @@ impl Report {
         );
         let _ = writeln!(
             t,
-            "false failure detections: {}; steps sent again after a lost frame: {}; controllers replaced: {}",
-            self.false_detections, self.repeated_steps, self.controller_restarts
+            "false failure detections: {}; steps sent again after a lost frame: {}; controllers replaced: {}; \
+             heartbeats of fenced processes ignored: {}",
+            self.false_detections, self.repeated_steps, self.controller_restarts, self.stale_heartbeats
         );
         if self.copies_lost > 0 {
             let _ = writeln!(

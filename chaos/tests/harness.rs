@@ -41,6 +41,8 @@ fn the_ci_scenario_survives_every_fault_class() {
     // The controller was killed, killed in a recovery and stopped past its deadline: each time the
     // cluster replaced it, and nothing was lost (the checks above).
     assert!(report["controller_restarts"].as_u64().unwrap() >= 3, "{report:#}");
+    // The stale engine came back while its replacement ran, and was kept out.
+    assert!(report["stale_heartbeats"].as_u64().unwrap() >= 1, "{report:#}");
 }
 
 #[test]

@@ -35,7 +35,10 @@ enum Command {
     },
     /// Run one stage of the reference engine (started by `demo`).
     Stage(StageArgs),
-    /// A stage's sidecar: its local KV copy and its predecessor's replica (started by `demo`).
+    /// A worker's sidecar (also `dejavud worker`), beside its engine: keeps the engine's KV,
+    /// received through shared memory, forwards it to the ring successor's sidecar, and keeps its
+    /// predecessor's replica (started by `demo`).
+    #[command(alias = "worker")]
     Sidecar(SidecarArgs),
     /// The cluster's controller: receives every process's heartbeats, declares the silent dead
     /// and issues the epoch of each recovery, kept in a state file that survives its crashes

@@ -1,13 +1,21 @@
 //! The shared-memory region between an engine and its sidecar: a file (under `/dev/shm` by
 //! default) that both map. The engine writes a chunk (header and payload, as on the wire) into it
 //! for its sidecar to keep and forward; the sidecar writes a chunk into it for the engine to
-//! restore. The local control socket orders the requests, one at a time, so the region needs no
-//! locks of its own.
+//! restore. The local control socket orders the requests, one at a time: each side touches the
+//! region only between a request and its reply, so it needs no locks of its own. What one side
+//! reads, it copies and verifies (the chunk's checksum) before trusting it, since the other process
+//! could misbehave; each engine connection gets a region of its own, so a fenced engine can only
+//! write into one nobody reads any more.
+//!
+//! What this cannot defend against: a process that truncates the file while the other has it
+//! mapped makes the other's next access fault (SIGBUS). The file lives in a directory of the
+//! cluster's own and is removed as soon as both sides have mapped it (after which no one can open
+//! it to truncate it); until then, engine and sidecar trust each other not to.
 //!
 //! Layout: a 64-byte header (magic `DJVSHM01`, capacity `u64`, epoch `u64`, little-endian), then
 //! `capacity` bytes. Opening checks the file's size, the magic, the capacity and the epoch
 //! announced over the socket, so a file of the wrong size or another incarnation's file is a
-//! typed error, never a crash.
+//! typed error.
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
@@ -101,9 +109,10 @@ impl SharedRegion {
         if found != expected {
             return Err(ShmError::WrongSize { path: path.to_owned(), expected, found });
         }
-        // SAFETY: the file has the length checked just above. The sidecar that created it never
-        // truncates it; if something else did, accesses past the new end would fault, which is
-        // why each side keeps the file to itself (a directory of the cluster's own).
+        // SAFETY: the file has the length checked just above, and the mapping covers exactly it.
+        // The sidecar that created it never truncates it and removes it once mapped, so nothing
+        // else can (see the module's notes on what a misbehaving process could do). Writes by the
+        // other process follow the request/reply protocol described above.
         let map = unsafe { MmapMut::map_mut(&file) }.map_err(io)?;
         if map[..8] != MAGIC {
             return Err(mismatch("not a DéjàVu shared region (bad magic)".into()));

@@ -99,6 +99,9 @@ pub struct SidecarArgs {
     /// Bytes of a shared region; the largest chunk (a whole prompt's KV on the stage) must fit.
     #[arg(long, default_value_t = 64 << 20)]
     pub region_bytes: usize,
+    /// The epoch it is started in (a replacement: the recovery's); its heartbeats carry it.
+    #[arg(long, default_value_t = 0)]
+    pub epoch: u64,
     /// The cluster secret.
     #[arg(long, default_value = "dejavu reference cluster")]
     pub secret: String,
@@ -169,12 +172,12 @@ fn announce(addr: SocketAddr, metrics: Option<SocketAddr>) {
 /// Starts beating to `controller`, if given.
 fn start_heartbeat(
     controller: Option<SocketAddr>,
-    role: Role,
-    index: u32,
+    member: (Role, u32),
+    epoch: u64,
     interval_ms: u64,
 ) -> Result<Option<Heartbeat>, String> {
     controller
-        .map(|to| beat(to, role, index, Duration::from_millis(interval_ms)))
+        .map(|to| beat(to, member, epoch, Duration::from_millis(interval_ms)))
         .transpose()
         .map_err(|e| format!("cannot send heartbeats: {e}"))
 }
@@ -198,7 +201,8 @@ impl StageArgs {
     pub fn run(self) -> Result<(), String> {
         self.log.init()?;
         die_with_parent();
-        let _heartbeat = start_heartbeat(self.heartbeat, Role::Engine, self.index, self.heartbeat_ms)?;
+        let member = (Role::Engine, self.index);
+        let _heartbeat = start_heartbeat(self.heartbeat, member, self.epoch, self.heartbeat_ms)?;
         let config = StageConfig {
             model: ModelConfig::reference(),
             index: self.index,
@@ -227,7 +231,8 @@ impl SidecarArgs {
     pub fn run(self) -> Result<(), String> {
         self.log.init()?;
         die_with_parent();
-        let _heartbeat = start_heartbeat(self.heartbeat, Role::Sidecar, self.index, self.heartbeat_ms)?;
+        let member = (Role::Sidecar, self.index);
+        let _heartbeat = start_heartbeat(self.heartbeat, member, self.epoch, self.heartbeat_ms)?;
         let config = SidecarConfig {
             index: self.index,
             listen: self.listen,

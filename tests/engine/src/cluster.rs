@@ -192,7 +192,7 @@ pub struct Cluster {
     /// [`Cluster::spare_presumed_dead_in_next_recovery`]).
     spare_presumed_dead: bool,
     /// Fenced processes left running; killed with the cluster.
-    spared: Vec<Proc>,
+    spared: Vec<Spawned>,
     /// The driver's end of the chain.
     pub remote: RemotePipeline,
     /// Holds the controller's state, the local sockets and the shared regions; removed last, once
@@ -215,7 +215,7 @@ impl Cluster {
         if config.replicate {
             for i in 0..n {
                 let socket = dir.0.join(format!("sidecar-{i}-{i}.sock"));
-                let args = Self::sidecar_args(&config, heartbeat, i, &socket, &dir);
+                let args = Self::sidecar_args(&config, heartbeat, (i, 0), &socket, &dir);
                 sidecars.push(spawn(&config.exe, &args, &format!("sidecar {i}"), START)?);
                 sockets.push(socket);
             }
@@ -323,13 +323,14 @@ impl Cluster {
     fn sidecar_args(
         config: &ClusterConfig,
         heartbeat: SocketAddr,
-        index: usize,
+        (index, epoch): (usize, u64),
         socket: &std::path::Path,
         dir: &StateDir,
     ) -> Vec<String> {
         let mut args = vec![
             "sidecar".to_owned(),
             format!("--index={index}"),
+            format!("--epoch={epoch}"),
             format!("--local={}", socket.display()),
             format!("--shm-dir={}", dir.0.display()),
             format!("--heartbeat={heartbeat}"),
@@ -429,6 +430,21 @@ impl Cluster {
         let at = self.process(stage, role)?.metrics;
         let at = at.ok_or_else(|| ClusterError::Invalid(format!("{role:?} {stage} serves no metrics")))?;
         Ok(crate::metrics::scrape(at)?)
+    }
+
+    /// The metrics page of the `i`th process a recovery fenced but left running (see
+    /// [`Cluster::spare_presumed_dead_in_next_recovery`]).
+    pub fn spared_metrics(&self, i: usize) -> Result<String, ClusterError> {
+        let at = self.spared.get(i).and_then(|s| s.metrics);
+        let at = at.ok_or_else(|| ClusterError::Invalid(format!("no spared process {i} with metrics")))?;
+        Ok(crate::metrics::scrape(at)?)
+    }
+
+    /// Heartbeats the current controller ignored as coming from fenced processes (0 if it cannot
+    /// be asked).
+    pub fn stale_heartbeats(&self) -> u64 {
+        let page = self.controller_metrics().unwrap_or_default();
+        crate::metrics::value_of(&page, "dejavu_controller_stale_heartbeats_total", &[]).unwrap_or(0.0) as u64
     }
 
     /// The controller's metrics page.
@@ -595,14 +611,14 @@ impl Cluster {
         for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
             let socket = self.dir.0.join(format!("sidecar-{victim}-{}.sock", self.sidecar_starts));
             self.sidecar_starts += 1;
-            let args = Self::sidecar_args(&self.config, heartbeat, victim, &socket, &self.dir);
+            let args = Self::sidecar_args(&self.config, heartbeat, (victim, epoch), &socket, &self.dir);
             self.sockets[victim] = socket;
             let old = std::mem::replace(
                 &mut self.sidecars[victim],
                 spawn(&self.config.exe, &args, "a replacement sidecar", START)?,
             );
             if spare {
-                self.spared.push(old.proc);
+                self.spared.push(old);
             }
             self.wait_alive((Role::Sidecar, victim as u32))?;
         }
@@ -615,7 +631,7 @@ impl Cluster {
                 spawn(&self.config.exe, &args, "a replacement stage", START)?,
             );
             if spare {
-                self.spared.push(old.proc);
+                self.spared.push(old);
             }
             self.wait_alive((Role::Engine, victim as u32))?;
         }

@@ -2,22 +2,24 @@
 //! fell silent and issues the epoch of each recovery.
 //!
 //! - Heartbeats are datagrams to the controller's UDP port ([`crate::heartbeat::beat`]); each
-//!   carries the sender's pid. Queries come over TCP on the same port number, in framed,
-//!   checksummed messages ([`dejavulib::wire`]): a [`Census`] of who is alive, suspect or dead,
-//!   and a fence that opens a new epoch and forgets the fenced processes.
+//!   carries the epoch its sender was started in. Queries come over TCP on the same port number,
+//!   in framed, checksummed messages ([`dejavulib::wire`]): a [`Census`] of who is alive, suspect
+//!   or dead, and a fence that opens a new epoch in which the fenced members' old processes are
+//!   ignored: a member fenced in epoch `e` counts as dead until a process started in epoch `e` or
+//!   later (its replacement) beats for it, and beats from older processes are stale.
 //! - A fence is written to the state file (write, fsync, rename) before it is answered, so a
 //!   controller that crashes and restarts never hands out an epoch twice, still waits for the
-//!   fenced processes' replacements, and ignores heartbeats from the fenced processes (the pids
-//!   are kept).
+//!   fenced members' replacements, and still ignores their old processes.
 //! - A restarted controller has heard from no one yet: each member it knew gets a full timeout
 //!   from the restart to beat, so a controller crash is never a false failure detection.
 //!
 //! [`ControllerClient`] is the other end, used by [`crate::cluster`].
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::io::{BufReader, BufWriter, ErrorKind, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -71,15 +73,19 @@ pub struct State {
     pub epoch: u64,
     /// How many controllers have run on this state, this one included.
     pub incarnation: u64,
-    /// Every member heard from, and whether it was fenced and its replacement not yet heard.
-    pub members: BTreeMap<Member, bool>,
-    /// Pids of fenced processes, whose heartbeats are ignored.
-    pub fenced_pids: BTreeSet<u32>,
+    /// Every member heard from.
+    pub members: BTreeMap<Member, Membership>,
 }
 
-/// Fenced pids remembered at most (the oldest are forgotten first; pids are handed out in
-/// increasing order until they wrap).
-const MAX_FENCED_PIDS: usize = 4096;
+/// What the controller keeps of a member.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Membership {
+    /// The epoch of its last fence (0: never fenced): only processes started in it or later
+    /// count for the member.
+    pub fenced_in: u64,
+    /// Whether it was fenced and no replacement has beaten since.
+    pub awaiting: bool,
+}
 
 impl State {
     /// Reads the state at `path`; a missing file is a fresh cluster.
@@ -94,13 +100,16 @@ impl State {
 
     fn parse(text: &str) -> Result<Self, String> {
         let mut state = Self::default();
+        let (mut epoch, mut incarnation) = (false, false);
         for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let bad = || format!("line {}: cannot read {line:?}", n + 1);
             let words: Vec<&str> = line.split_whitespace().collect();
             match words.as_slice() {
-                ["epoch", e] => state.epoch = e.parse().map_err(|_| bad())?,
-                ["incarnation", i] => state.incarnation = i.parse().map_err(|_| bad())?,
-                ["member", role, index, status] => {
+                ["epoch", e] => (state.epoch, epoch) = (e.parse().map_err(|_| bad())?, true),
+                ["incarnation", i] => {
+                    (state.incarnation, incarnation) = (i.parse().map_err(|_| bad())?, true)
+                }
+                ["member", role, index, status, fenced_in] => {
                     let role = match *role {
                         "engine" => Role::Engine,
                         "sidecar" => Role::Sidecar,
@@ -111,13 +120,16 @@ impl State {
                         "live" => false,
                         _ => return Err(bad()),
                     };
-                    state.members.insert((role, index.parse().map_err(|_| bad())?), awaiting);
-                }
-                ["fenced", pid] => {
-                    state.fenced_pids.insert(pid.parse().map_err(|_| bad())?);
+                    let fenced_in = fenced_in.parse().map_err(|_| bad())?;
+                    let member = (role, index.parse().map_err(|_| bad())?);
+                    state.members.insert(member, Membership { fenced_in, awaiting });
                 }
                 _ => return Err(bad()),
             }
+        }
+        // A file cut short would otherwise restart the epochs from 0.
+        if !(epoch && incarnation) {
+            return Err("no epoch or incarnation line: not a whole state file".into());
         }
         Ok(state)
     }
@@ -125,7 +137,9 @@ impl State {
     /// Writes the state to `path` atomically and durably: a crash leaves the old state or the new.
     pub fn save(&self, path: &Path) -> Result<(), ControllerError> {
         let fail = |e: std::io::Error| state_error(path, e.to_string());
-        let partial = path.with_extension("partial");
+        let mut partial = path.as_os_str().to_owned();
+        partial.push(".partial");
+        let partial = PathBuf::from(partial);
         let mut file = std::fs::File::create(&partial).map_err(fail)?;
         file.write_all(self.to_string().as_bytes()).map_err(fail)?;
         file.sync_all().map_err(fail)?;
@@ -141,11 +155,11 @@ impl fmt::Display for State {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "epoch {}", self.epoch)?;
         writeln!(f, "incarnation {}", self.incarnation)?;
-        for (&(role, index), &awaiting) in &self.members {
-            let status = if awaiting { "awaiting" } else { "live" };
-            writeln!(f, "member {} {index} {status}", role_name(role))?;
+        for (&(role, index), m) in &self.members {
+            let status = if m.awaiting { "awaiting" } else { "live" };
+            writeln!(f, "member {} {index} {status} {}", role_name(role), m.fenced_in)?;
         }
-        self.fenced_pids.iter().try_for_each(|pid| writeln!(f, "fenced {pid}"))
+        Ok(())
     }
 }
 
@@ -160,19 +174,14 @@ fn role_name(role: Role) -> &'static str {
     }
 }
 
-/// When a member was last heard from, and from which process.
-#[derive(Clone, Copy, Debug)]
-struct Seen {
-    at: Instant,
-    /// 0 until a heartbeat after a controller restart names it.
-    pid: u32,
-}
-
 /// The controller's tables, shared by its heartbeat, query and metrics threads.
 struct Tables {
     state: State,
     path: PathBuf,
-    seen: HashMap<Member, Seen>,
+    /// When each member was last heard from.
+    seen: HashMap<Member, Instant>,
+    /// When each member awaiting a replacement was fenced (by this controller).
+    fenced_at: HashMap<Member, Instant>,
     timeout: Duration,
     interval: Duration,
 }
@@ -185,36 +194,52 @@ struct Counters {
     missed_heartbeats: AtomicU64,
     fences: AtomicU64,
     queries: AtomicU64,
+    /// Replacements heard from after a fence, and the microseconds from fence to first beat.
+    replacements: AtomicU64,
+    replacement_micros: AtomicU64,
 }
 
 impl Tables {
     fn health(&self, member: Member) -> Health {
-        if self.state.members.get(&member) == Some(&true) {
+        if self.state.members.get(&member).is_some_and(|m| m.awaiting) {
             return Health::Dead;
         }
         match self.seen.get(&member) {
             None => Health::Dead,
-            Some(seen) if seen.at.elapsed() >= self.timeout => Health::Dead,
-            Some(seen) if seen.at.elapsed() >= self.timeout / 2 => Health::Suspect,
+            Some(at) if at.elapsed() >= self.timeout => Health::Dead,
+            Some(at) if at.elapsed() >= self.timeout / 2 => Health::Suspect,
             Some(_) => Health::Alive,
         }
     }
 
-    /// Records a heartbeat; returns whether the member is new or replaced (the state changed).
-    fn heard(&mut self, member: Member, pid: u32, counters: &Counters) -> bool {
-        if self.state.fenced_pids.contains(&pid) {
+    /// Records a heartbeat from a process of `member` started in `epoch`; returns whether the
+    /// state file must be written (a new member, or a fenced one's replacement).
+    fn heard(&mut self, member: Member, epoch: u64, counters: &Counters) -> bool {
+        let known = self.state.members.get(&member).copied();
+        if known.is_some_and(|m| epoch < m.fenced_in) {
             counters.stale_heartbeats.fetch_add(1, Ordering::Relaxed);
             return false;
         }
         counters.heartbeats.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
-        if let Some(previous) = self.seen.insert(member, Seen { at: now, pid }) {
-            let gap = now - previous.at;
+        if let Some(previous) = self.seen.insert(member, now) {
+            let gap = now - previous;
             // A beat is missed when the gap holds more than one interval (with some slack).
             let missed = (gap.as_secs_f64() / self.interval.as_secs_f64() - 0.5).floor().max(1.0) - 1.0;
             counters.missed_heartbeats.fetch_add(missed as u64, Ordering::Relaxed);
         }
-        self.state.members.insert(member, false) != Some(false)
+        if let Some(fenced) = self.fenced_at.remove(&member) {
+            counters.replacements.fetch_add(1, Ordering::Relaxed);
+            counters.replacement_micros.fetch_add(fenced.elapsed().as_micros() as u64, Ordering::Relaxed);
+        }
+        match known {
+            Some(m) if !m.awaiting => false,
+            _ => {
+                let fenced_in = known.map_or(0, |m| m.fenced_in);
+                self.state.members.insert(member, Membership { fenced_in, awaiting: false });
+                true
+            }
+        }
     }
 
     /// Opens a new epoch in which `members` are fenced; returns it once it is durable.
@@ -222,21 +247,40 @@ impl Tables {
         let mut next = self.state.clone();
         next.epoch += 1;
         for &member in members {
-            if let Some(seen) = self.seen.get(&member).filter(|s| s.pid != 0) {
-                next.fenced_pids.insert(seen.pid);
-            }
-            next.members.insert(member, true);
-        }
-        while next.fenced_pids.len() > MAX_FENCED_PIDS {
-            next.fenced_pids.pop_first();
+            next.members.insert(member, Membership { fenced_in: next.epoch, awaiting: true });
         }
         next.save(&self.path)?;
-        for member in members {
-            self.seen.remove(member);
+        let now = Instant::now();
+        for &member in members {
+            self.seen.remove(&member);
+            self.fenced_at.insert(member, now);
         }
         info!(epoch = next.epoch, fenced = ?members, "fenced in a new epoch");
         self.state = next;
         Ok(self.state.epoch)
+    }
+
+    /// Takes in the heartbeats waiting on `socket` without blocking, so that a census answered
+    /// right after the controller was stopped (SIGSTOP) counts the beats that came meanwhile
+    /// rather than declaring everyone dead.
+    fn absorb_pending(&mut self, socket: &UdpSocket, counters: &Counters) {
+        let mut buf = [0u8; FRAME_HEADER_LEN];
+        loop {
+            // SAFETY: recv writes at most `buf.len()` bytes into `buf`, a live, writable buffer;
+            // the descriptor belongs to `socket`, open for the whole call; MSG_DONTWAIT makes it
+            // return at once when nothing is waiting.
+            let n = unsafe {
+                libc::recv(socket.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+            };
+            let Ok(n) = usize::try_from(n) else { return };
+            if let Some((member, _, epoch)) = crate::heartbeat::decode(&buf[..n]) {
+                if self.heard(member, epoch, counters) {
+                    if let Err(e) = self.state.save(&self.path) {
+                        error!(error = %e, "cannot record a member");
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -290,25 +334,23 @@ pub fn serve_controller(
     state.save(&config.state)?;
     // A restarted controller gives every live member it knew a full timeout from now.
     let start = Instant::now();
-    let seen = state
-        .members
-        .iter()
-        .filter(|&(_, &awaiting)| !awaiting)
-        .map(|(&member, _)| (member, Seen { at: start, pid: 0 }))
-        .collect();
+    let seen =
+        state.members.iter().filter(|(_, m)| !m.awaiting).map(|(&member, _)| (member, start)).collect();
     let tables = Arc::new(Mutex::new(Tables {
         state,
         path: config.state.clone(),
         seen,
+        fenced_at: HashMap::new(),
         timeout: config.timeout,
         interval: config.interval,
     }));
     let counters = Arc::new(Counters::default());
+    let udp = Arc::new(udp);
     {
-        let (tables, counters) = (tables.clone(), counters.clone());
+        let (tables, counters, udp) = (tables.clone(), counters.clone(), udp.clone());
         std::thread::Builder::new()
             .name("heartbeats".into())
-            .spawn(move || listen_heartbeats(udp, &tables, &counters))?;
+            .spawn(move || listen_heartbeats(&udp, &tables, &counters))?;
     }
     let metrics = match config.metrics {
         Some(at) => {
@@ -320,10 +362,14 @@ pub fn serve_controller(
     info!(%addr, epoch = tables.lock().state.epoch, "controller listening");
     ready(addr, metrics);
     for stream in tcp.incoming() {
-        let Ok(stream) = stream else { continue };
-        let (tables, counters) = (tables.clone(), counters.clone());
+        let Ok(stream) = stream else {
+            // Out of descriptors, say: wait rather than spin.
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
+        let (tables, counters, udp) = (tables.clone(), counters.clone(), udp.clone());
         std::thread::Builder::new().name("query".into()).spawn(move || {
-            if let Err(e) = answer_queries(stream, &tables, &counters) {
+            if let Err(e) = answer_queries(stream, &udp, &tables, &counters) {
                 warn!(error = %e, "a query connection closed");
             }
         })?;
@@ -333,7 +379,7 @@ pub fn serve_controller(
 
 /// Records every heartbeat that arrives on `socket`; a member heard for the first time (or a
 /// replacement) is written to the state file.
-fn listen_heartbeats(socket: UdpSocket, tables: &Mutex<Tables>, counters: &Counters) {
+fn listen_heartbeats(socket: &UdpSocket, tables: &Mutex<Tables>, counters: &Counters) {
     let mut buf = [0u8; FRAME_HEADER_LEN];
     loop {
         let n = match socket.recv(&mut buf) {
@@ -344,10 +390,10 @@ fn listen_heartbeats(socket: UdpSocket, tables: &Mutex<Tables>, counters: &Count
                 return;
             }
         };
-        let Some((member, pid)) = crate::heartbeat::decode(&buf[..n]) else { continue };
+        let Some((member, pid, epoch)) = crate::heartbeat::decode(&buf[..n]) else { continue };
         let mut tables = tables.lock();
-        if tables.heard(member, pid, counters) {
-            info!(role = role_name(member.0), stage = member.1, pid, "a member joined");
+        if tables.heard(member, epoch, counters) {
+            info!(role = role_name(member.0), stage = member.1, pid, epoch, "a member joined");
             if let Err(e) = tables.state.save(&tables.path) {
                 error!(error = %e, "cannot record a new member");
             }
@@ -358,6 +404,7 @@ fn listen_heartbeats(socket: UdpSocket, tables: &Mutex<Tables>, counters: &Count
 /// Answers queries on one connection until it closes.
 fn answer_queries(
     stream: TcpStream,
+    heartbeats: &UdpSocket,
     tables: &Mutex<Tables>,
     counters: &Counters,
 ) -> Result<(), ControllerError> {
@@ -371,7 +418,8 @@ fn answer_queries(
         let request = frame.header.request;
         let reply = match (frame.header.kind, frame.header.ids[0]) {
             (Kind::Control, OP_CENSUS) => {
-                let tables = tables.lock();
+                let mut tables = tables.lock();
+                tables.absorb_pending(heartbeats, counters);
                 Ok((tables.state.epoch, encode_census(&tables)))
             }
             (Kind::Control, OP_FENCE) => decode_members(&frame.payload).and_then(|members| {
@@ -476,6 +524,13 @@ fn render(tables: &Tables, counters: &Counters) -> String {
         "Queries answered.",
         get(&counters.queries),
     );
+    page.family(
+        "dejavu_controller_replacement_seconds",
+        MetricType::Summary,
+        "From fencing a member to its replacement's first heartbeat.",
+    )
+    .sample("dejavu_controller_replacement_seconds_sum", &[], get(&counters.replacement_micros) / 1e6)
+    .sample("dejavu_controller_replacement_seconds_count", &[], get(&counters.replacements));
     page.family("dejavu_controller_members", MetricType::Gauge, "Members by health.");
     for (health, name) in [(Health::Alive, "alive"), (Health::Suspect, "suspect"), (Health::Dead, "dead")] {
         let count = tables.state.members.keys().filter(|&&m| tables.health(m) == health).count();
@@ -602,7 +657,9 @@ impl ControllerClient {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::heartbeat::beat_as;
+    use crate::heartbeat::beat;
+
+    const EVERY: Duration = Duration::from_millis(20);
 
     fn start(state: &Path, listen: SocketAddr, timeout_ms: u64) -> SocketAddr {
         let config = ControllerConfig {
@@ -631,20 +688,31 @@ mod tests {
     #[test]
     fn the_state_file_round_trips_and_bad_files_are_refused() {
         let mut state = State { epoch: 7, incarnation: 2, ..State::default() };
-        state.members.insert((Role::Engine, 0), false);
-        state.members.insert((Role::Sidecar, 3), true);
-        state.fenced_pids.insert(4242);
+        state.members.insert((Role::Engine, 0), Membership { fenced_in: 0, awaiting: false });
+        state.members.insert((Role::Sidecar, 3), Membership { fenced_in: 7, awaiting: true });
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("controller.state");
         assert_eq!(State::load(&path).unwrap(), State::default(), "no file: a fresh cluster");
         state.save(&path).unwrap();
         assert_eq!(State::load(&path).unwrap(), state);
-        assert!(!path.with_extension("partial").exists(), "the partial file was renamed");
-        for bad in ["epoch x\n", "member engine 0 maybe\n", "member gpu 0 live\n", "epoch\n", "nonsense 1\n"]
-        {
+        assert!(!dir.path().join("controller.state.partial").exists(), "the partial file was renamed");
+        for bad in [
+            "epoch x\n",
+            "member engine 0 maybe 0\n",
+            "member gpu 0 live 0\n",
+            "member engine 0 live\n",
+            "epoch\n",
+            "nonsense 1\n",
+        ] {
             std::fs::write(&path, bad).unwrap();
             let error = State::load(&path).unwrap_err().to_string();
             assert!(error.contains("line 1"), "{bad:?}: {error}");
+        }
+        // A file cut short (no epoch) is not a fresh cluster: epochs would start again at 0.
+        for short in ["", "incarnation 3\n", "epoch 4\n"] {
+            std::fs::write(&path, short).unwrap();
+            let error = State::load(&path).unwrap_err().to_string();
+            assert!(error.contains("not a whole state file"), "{short:?}: {error}");
         }
     }
 
@@ -655,7 +723,7 @@ mod tests {
         let mut client = ControllerClient::new(addr, Duration::from_secs(2));
         assert!(client.census().unwrap().is_dead((Role::Engine, 0)), "never heard from");
         // A member that beats is alive; garbage on the port changes nothing.
-        let stop = beat_as(100, addr, Role::Engine, 0, Duration::from_millis(20)).unwrap();
+        let stop = beat(addr, (Role::Engine, 0), 0, EVERY).unwrap();
         assert_eq!(
             wait_for(&mut client, (Role::Engine, 0), Health::Alive).health((Role::Engine, 0)),
             Health::Alive
@@ -673,7 +741,7 @@ mod tests {
         let epoch = client.fence(&[(Role::Engine, 0)]).unwrap();
         assert_eq!(epoch, 1);
         assert_eq!(client.census().unwrap().epoch, 1);
-        let _replacement = beat_as(101, addr, Role::Engine, 0, Duration::from_millis(20)).unwrap();
+        let _replacement = beat(addr, (Role::Engine, 0), epoch, EVERY).unwrap();
         assert!(!wait_for(&mut client, (Role::Engine, 0), Health::Alive).is_dead((Role::Engine, 0)));
         assert_eq!(client.fence(&[]).unwrap(), 2, "epochs only grow");
     }
@@ -683,12 +751,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
         let mut client = ControllerClient::new(addr, Duration::from_secs(2));
-        // This process beats as sidecar 1, is fenced, and beats again (a stale worker rejoining).
-        let first = beat_as(200, addr, Role::Sidecar, 1, Duration::from_millis(20)).unwrap();
+        // Sidecar 1, started in epoch 0, is fenced and beats on (a stale worker rejoining).
+        let first = beat(addr, (Role::Sidecar, 1), 0, EVERY).unwrap();
         wait_for(&mut client, (Role::Sidecar, 1), Health::Alive);
-        client.fence(&[(Role::Sidecar, 1)]).unwrap();
+        let epoch = client.fence(&[(Role::Sidecar, 1)]).unwrap();
         std::thread::sleep(Duration::from_millis(100));
         assert!(client.census().unwrap().is_dead((Role::Sidecar, 1)), "its beats are refused");
+        // Its replacement, started in the fence's epoch, counts; the stale one still does not.
+        let replacement = beat(addr, (Role::Sidecar, 1), epoch, EVERY).unwrap();
+        wait_for(&mut client, (Role::Sidecar, 1), Health::Alive);
+        drop(replacement);
+        assert!(wait_for(&mut client, (Role::Sidecar, 1), Health::Dead).is_dead((Role::Sidecar, 1)));
         drop(first);
     }
 
@@ -699,8 +772,8 @@ mod tests {
         // The first controller hears from engines 0 and 1, then fences engine 1.
         let first = start(&path, "127.0.0.1:0".parse().unwrap(), 300);
         let mut client = ControllerClient::new(first, Duration::from_secs(2));
-        let _beats = beat_as(300, first, Role::Engine, 0, Duration::from_millis(20)).unwrap();
-        let one = beat_as(301, first, Role::Engine, 1, Duration::from_millis(20)).unwrap();
+        let _beats = beat(first, (Role::Engine, 0), 0, EVERY).unwrap();
+        let one = beat(first, (Role::Engine, 1), 0, EVERY).unwrap();
         wait_for(&mut client, (Role::Engine, 1), Health::Alive);
         wait_for(&mut client, (Role::Engine, 0), Health::Alive);
         assert_eq!(client.fence(&[(Role::Engine, 1)]).unwrap(), 1);
@@ -713,6 +786,14 @@ mod tests {
         assert_eq!(census.epoch, 1, "the epoch survived");
         assert_eq!(census.health((Role::Engine, 0)), Health::Alive, "a live member gets a timeout of grace");
         assert!(census.is_dead((Role::Engine, 1)), "a fenced member still awaits its replacement");
+        // The fenced engine, back from a pause, beats to the second controller, which never heard
+        // from it: still ignored, as started before the fence; its replacement counts.
+        let stale = beat(second, (Role::Engine, 1), 0, EVERY).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(client.census().unwrap().is_dead((Role::Engine, 1)), "a stale process after a restart");
+        let _replacement = beat(second, (Role::Engine, 1), 1, EVERY).unwrap();
+        assert!(!wait_for(&mut client, (Role::Engine, 1), Health::Alive).is_dead((Role::Engine, 1)));
+        drop(stale);
         // Engine 0 beats to the first controller only: to the second it falls silent.
         assert!(wait_for(&mut client, (Role::Engine, 0), Health::Dead).is_dead((Role::Engine, 0)));
         assert_eq!(client.fence(&[]).unwrap(), 2, "no epoch is handed out twice");

@@ -152,6 +152,9 @@ pub struct Run {
     /// Controllers started to replace one that died or stopped answering (counted when a
     /// cluster finishes or is restarted, not in a run that stopped early).
     pub controller_restarts: u64,
+    /// Heartbeats from fenced processes that the last controller of each cluster ignored
+    /// (counted as `controller_restarts` is).
+    pub stale_heartbeats: u64,
     /// Wall time, from starting the cluster to the last token.
     pub elapsed: Duration,
 }
@@ -279,6 +282,7 @@ fn drive_into(
                 OnFailure::Restart => {
                     record.recomputed = run.tokens.iter().map(|t| t.len() as u64).sum();
                     run.controller_restarts += cluster.controller_restarts();
+                    run.stale_heartbeats += cluster.stale_heartbeats();
                     drop(cluster);
                     cluster = start()?;
                     run.tokens.iter_mut().for_each(Vec::clear);
@@ -290,6 +294,7 @@ fn drive_into(
         }
         if run.tokens.iter().all(|t| t.len() == workload.new_tokens as usize) {
             run.controller_restarts += cluster.controller_restarts();
+            run.stale_heartbeats += cluster.stale_heartbeats();
             return Ok(());
         }
     }

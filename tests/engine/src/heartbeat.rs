@@ -4,8 +4,9 @@
 //! the processes' parent.
 //!
 //! A heartbeat is a frame header ([`dejavulib::wire`]) of kind `Heartbeat` with no payload: the
-//! sender field holds the process id (so beats from a fenced process can be told from its
-//! replacement's), and the first two ids the role and the stage.
+//! epoch field holds the epoch the process was started in (so beats from a fenced process can be
+//! told from its replacement's), the sender field its process id (for logs), and the first two
+//! ids the role and the stage.
 
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,27 +41,16 @@ impl Drop for Heartbeat {
     }
 }
 
-/// Sends a heartbeat for (`role`, `index`) to `controller` every `interval`, from a thread of its
-/// own, until the returned handle is dropped.
+/// Sends a heartbeat for (`role`, `index`), from a process started in `epoch`, to `controller`
+/// every `interval`, from a thread of its own, until the returned handle is dropped.
 pub fn beat(
     controller: SocketAddr,
-    role: Role,
-    index: u32,
-    interval: Duration,
-) -> std::io::Result<Heartbeat> {
-    beat_as(std::process::id(), controller, role, index, interval)
-}
-
-/// [`beat`] as process `pid` (tests beat as several processes from one).
-pub(crate) fn beat_as(
-    pid: u32,
-    controller: SocketAddr,
-    role: Role,
-    index: u32,
+    (role, index): (Role, u32),
+    epoch: u64,
     interval: Duration,
 ) -> std::io::Result<Heartbeat> {
     let socket = UdpSocket::bind(("127.0.0.1", 0))?;
-    let mut header = FrameHeader::new(Kind::Heartbeat, pid, 0, 0);
+    let mut header = FrameHeader::new(Kind::Heartbeat, std::process::id(), epoch, 0);
     header.ids = [role as u32, index, 0, 0];
     let datagram = header.encode(&[]);
     let stop = Arc::new(AtomicBool::new(false));
@@ -75,8 +65,9 @@ pub(crate) fn beat_as(
     Ok(Heartbeat { stop })
 }
 
-/// The member and the process id a heartbeat datagram names; `None` for anything else.
-pub fn decode(datagram: &[u8]) -> Option<((Role, u32), u32)> {
+/// The member, the process id and the start epoch a heartbeat datagram names; `None` for
+/// anything else.
+pub fn decode(datagram: &[u8]) -> Option<((Role, u32), u32, u64)> {
     let header = <&[u8; FRAME_HEADER_LEN]>::try_from(datagram).ok()?;
     let (header, 0, _) = FrameHeader::decode(header).ok()? else { return None };
     let role = match header.ids[0] {
@@ -84,7 +75,7 @@ pub fn decode(datagram: &[u8]) -> Option<((Role, u32), u32)> {
         1 if header.kind == Kind::Heartbeat => Role::Sidecar,
         _ => return None,
     };
-    Some(((role, header.ids[1]), header.sender))
+    Some(((role, header.ids[1]), header.sender, header.epoch))
 }
 
 #[cfg(test)]
@@ -95,12 +86,11 @@ mod tests {
     fn a_heartbeat_names_its_member_and_process_and_nothing_else_decodes() {
         let receiver = UdpSocket::bind("127.0.0.1:0").unwrap();
         receiver.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let beating =
-            beat_as(4242, receiver.local_addr().unwrap(), Role::Sidecar, 3, Duration::from_millis(10))
-                .unwrap();
+        let to = receiver.local_addr().unwrap();
+        let beating = beat(to, (Role::Sidecar, 3), 7, Duration::from_millis(10)).unwrap();
         let mut buf = [0u8; 256];
         let n = receiver.recv(&mut buf).unwrap();
-        assert_eq!(decode(&buf[..n]), Some(((Role::Sidecar, 3), 4242)));
+        assert_eq!(decode(&buf[..n]), Some(((Role::Sidecar, 3), std::process::id(), 7)));
         beating.stop();
         assert_eq!(decode(b"not a heartbeat"), None);
         let mut other = FrameHeader::new(Kind::Put, 1, 0, 0);

@@ -21,6 +21,8 @@ pub enum MetricType {
     Counter,
     /// Goes up and down.
     Gauge,
+    /// Observations, as a `_sum` and a `_count` sample.
+    Summary,
 }
 
 impl Exposition {
@@ -34,6 +36,7 @@ impl Exposition {
         let kind = match kind {
             MetricType::Counter => "counter",
             MetricType::Gauge => "gauge",
+            MetricType::Summary => "summary",
         };
         let _ = writeln!(self.text, "# HELP {name} {}", escape(help, false));
         let _ = writeln!(self.text, "# TYPE {name} {kind}");

@@ -30,11 +30,12 @@
 //!
 //! Every connection on the chain (driver to stage 0, stage to stage, last stage to driver) opens
 //! with a `Hello` frame whose epoch is the one its sender was started in (a replacement's is the
-//! epoch of the recovery that started it). A receiver takes a connection with an epoch at least
-//! that of the one in use, which it then shuts (a replacement takes over), and refuses an older
-//! one: a stage presumed dead and replaced, but back from a pause or a partition, cannot take its
-//! link back. Its KV copies carry its epoch too, and the sidecars refuse them once its replacement
-//! has written in a newer one.
+//! epoch of the recovery that started it) and whose sender is the stage's predecessor. A receiver
+//! takes a connection with an epoch at least that of the one in use, which it then shuts (a
+//! replacement takes over; it connects as soon as it starts), and refuses an older one: a stage
+//! presumed dead and replaced, but back from a pause or a partition, cannot take its link back.
+//! Its sidecar, taken over by the replacement (a newer epoch on the local socket), has closed its
+//! connection too, so none of its KV is kept.
 //!
 //! Every stage passes a control frame on, so its arrival back at the driver says the operation is
 //! done and the chain whole. A stage whose predecessor goes away accepts the next connection (the
@@ -202,14 +203,14 @@ fn say_hello(stream: &mut impl Write, sender: u32, epoch: u64) -> std::io::Resul
     stream.flush()
 }
 
-/// Reads a new connection's hello (and nothing after it); returns its epoch.
-fn hear_hello(stream: &TcpStream) -> Result<u64, ProcessError> {
+/// Reads a new connection's hello (and nothing after it); returns its sender and epoch.
+fn hear_hello(stream: &TcpStream) -> Result<(u32, u64), ProcessError> {
     stream.set_read_timeout(Some(HELLO_PATIENCE))?;
     let frame = read_frame(&mut &*stream, 0)?
         .ok_or_else(|| ProcessError::Protocol("a connection closed before its hello".into()))?;
     stream.set_read_timeout(None)?;
     match frame.header.kind {
-        Kind::Hello => Ok(frame.header.epoch),
+        Kind::Hello => Ok((frame.header.sender, frame.header.epoch)),
         other => Err(ProcessError::Protocol(format!("a connection opened with {other:?}, not a hello"))),
     }
 }
@@ -224,8 +225,8 @@ fn accept_within(listener: &TcpListener, epoch: u64, patience: Duration) -> Resu
             Ok((stream, _)) => {
                 stream.set_nonblocking(false)?;
                 match hear_hello(&stream) {
-                    Ok(said) if said >= epoch => break Ok(stream),
-                    Ok(said) => warn!(said, epoch, "refused a last stage from an older epoch"),
+                    Ok((_, said)) if said >= epoch => break Ok(stream),
+                    Ok((_, said)) => warn!(said, epoch, "refused a last stage from an older epoch"),
                     Err(e) => warn!(error = %e, "refused a connection to the driver"),
                 }
             }
@@ -245,9 +246,11 @@ fn accept_within(listener: &TcpListener, epoch: u64, patience: Duration) -> Resu
 }
 
 /// Accepts a stage's input connections from a thread of its own and hands on each one that takes
-/// over: one whose hello says an epoch at least that of the connection in use, which is then shut
-/// so that the stage's read on it ends. A connection from an older epoch is refused and counted.
+/// over: one whose hello comes from its predecessor (the stage before it, or the driver before
+/// stage 0) and says an epoch at least that of the connection in use, which is then shut so that
+/// the stage's read on it ends. A connection from an older epoch is refused and counted.
 fn accept_upstreams(listener: TcpListener, index: u32, stats: Arc<StageStats>) -> Receiver<TcpStream> {
+    let predecessor = index.checked_sub(1).unwrap_or(u32::MAX);
     let (tx, rx) = crossbeam_channel::unbounded();
     std::thread::spawn(move || {
         let mut in_use: Option<(u64, TcpStream)> = None;
@@ -261,7 +264,14 @@ fn accept_upstreams(listener: TcpListener, index: u32, stats: Arc<StageStats>) -
                 }
             };
             let epoch = match hear_hello(&stream) {
-                Ok(epoch) => epoch,
+                Ok((sender, epoch)) if sender == predecessor => epoch,
+                Ok((sender, _)) => {
+                    warn!(
+                        stage = index,
+                        sender, "refused a connection from a process that is not its predecessor"
+                    );
+                    continue;
+                }
                 Err(e) => {
                     warn!(stage = index, error = %e, "refused a connection");
                     continue;
@@ -664,7 +674,15 @@ pub fn serve_stage(
     info!(stage = index, epoch, %addr, "stage listening");
     ready(addr, metrics);
     let upstreams = accept_upstreams(listener, index, process.stats.clone());
-    let mut downstream: Option<(SocketAddr, BufWriter<TcpStream>)> = None;
+    // Connect to the next stage at once: a replacement takes its successor's input over from the
+    // process it replaces before that one could send anything more.
+    let connect_next = |next: SocketAddr| {
+        connect(next, Duration::from_secs(2))
+            .map(|s| BufWriter::with_capacity(1 << 20, s))
+            .and_then(|mut w| say_hello(&mut w, index, epoch).map(|()| (next, w)))
+            .ok()
+    };
+    let mut downstream: Option<(SocketAddr, BufWriter<TcpStream>)> = connect_next(process.config.next);
     while let Ok(upstream) = upstreams.recv() {
         // Connections that took over meanwhile shut the ones before them: the newest counts.
         let upstream = upstreams.try_iter().last().unwrap_or(upstream);
@@ -691,10 +709,7 @@ pub fn serve_stage(
                 downstream = None;
             }
             if downstream.is_none() {
-                downstream = connect(next, Duration::from_secs(2))
-                    .map(|s| BufWriter::with_capacity(1 << 20, s))
-                    .and_then(|mut w| say_hello(&mut w, index, epoch).map(|()| (next, w)))
-                    .ok();
+                downstream = connect_next(next);
             }
             if let Some((_, w)) = downstream.as_mut() {
                 if write_frame(w, &header, &out).and_then(|()| w.flush()).is_err() {
@@ -1029,6 +1044,11 @@ mod tests {
         assert_eq!(stats.stale_connections_refused.load(Ordering::Relaxed), 1);
         assert!(upstreams.recv_timeout(Duration::from_millis(200)).is_err());
         assert!(!closed(&mut first), "the connection in use is untouched");
+        // So is one from a process that is not its predecessor, whatever its epoch.
+        let mut stranger = TcpStream::connect(addr).unwrap();
+        say_hello(&mut stranger, 5, 9).unwrap();
+        assert!(closed(&mut stranger));
+        assert!(upstreams.recv_timeout(Duration::from_millis(200)).is_err());
         // A connection that does not say hello is refused too.
         let mut rude = TcpStream::connect(addr).unwrap();
         rude.write_all(format!("GET / HTTP/1.1\r\nHost: {}\r\n\r\n", "x".repeat(80)).as_bytes()).unwrap();

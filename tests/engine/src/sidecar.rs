@@ -112,11 +112,14 @@ struct Sidecar {
     store: HostStore,
     stats: SidecarStats,
     /// The engine connection in use and its epoch.
-    engine: Mutex<Option<(u64, UnixStream)>>,
-    /// Where and as what it forwards: the successor's address and a store on it.
-    successor: Mutex<Option<(SocketAddr, PeerStore)>>,
+    /// The engine connection in use: its epoch, its number and a handle to shut it.
+    engine: Mutex<Option<(u64, u64, UnixStream)>>,
+    /// Where and as what it forwards: the successor's address and a store on it (locked apart,
+    /// so that a retarget never waits for a forward to a dead or partitioned successor).
+    successor: Mutex<Option<(SocketAddr, Arc<Mutex<PeerStore>>)>>,
     runtime: tokio::runtime::Handle,
-    regions: AtomicU64,
+    /// Engine connections so far (numbers them, and their regions).
+    connections: AtomicU64,
 }
 
 /// Runs a sidecar until the process is killed: its transport, its local socket, and its metrics
@@ -146,7 +149,7 @@ pub fn serve_sidecar(
         engine: Mutex::new(None),
         successor: Mutex::new(None),
         runtime: runtime.handle().clone(),
-        regions: AtomicU64::new(0),
+        connections: AtomicU64::new(0),
     });
     let server = Arc::new(server);
     let metrics = match metrics {
@@ -185,9 +188,10 @@ impl Sidecar {
         }
         let epoch = hello.header.epoch;
         let successor = parse_addr(&hello.payload)?;
+        let n = self.connections.fetch_add(1, Ordering::Relaxed);
         {
             let mut engine = self.engine.lock();
-            if let Some((newest, old)) = engine.as_ref() {
+            if let Some((newest, _, old)) = engine.as_ref() {
                 if epoch < *newest {
                     add(&self.stats.stale_engines_refused, 1);
                     let reason = format!("epoch {epoch} is older than the engine's in use, {newest}");
@@ -196,10 +200,9 @@ impl Sidecar {
                 }
                 let _ = old.shutdown(std::net::Shutdown::Both);
             }
-            *engine = Some((epoch, stream));
+            *engine = Some((epoch, n, stream));
         }
         self.set_successor(successor, epoch);
-        let n = self.regions.fetch_add(1, Ordering::Relaxed);
         let path = self.config.shm_dir.join(format!(
             "dejavu-{}-stage{}-region{n}",
             std::process::id(),
@@ -213,6 +216,10 @@ impl Sidecar {
         writer.flush()?;
         info!(stage = self.config.index, epoch, %successor, "an engine connected");
         while let Some(frame) = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)? {
+            // A frame read before a newer engine took over is not acted on.
+            if self.engine.lock().as_ref().map(|e| e.1) != Some(n) {
+                return Ok(());
+            }
             let request = frame.header.request;
             let answer = |kind: Kind, ids: [u32; 4]| {
                 let mut header = FrameHeader::new(kind, self.config.index, epoch, request);
@@ -228,7 +235,9 @@ impl Sidecar {
                     self.set_successor(parse_addr(&frame.payload)?, epoch);
                     write_frame(&mut writer, &answer(Kind::Control, [OP_SUCCESSOR, 0, 0, 0]), &[])?;
                 }
-                (Kind::Put, len) => match self.keep_and_forward(region.read(len as usize)?, epoch) {
+                // Copied out of the region first: the engine's process can write it at any time,
+                // and what is verified must be what is kept.
+                (Kind::Put, len) => match self.keep_and_forward(region.read(len as usize)?.to_vec(), epoch) {
                     Ok(()) => write_frame(&mut writer, &answer(Kind::PutAck, [0; 4]), &[])?,
                     Err(reason) => reply_error(&mut writer, &frame, ErrorCode::Other, &reason)?,
                 },
@@ -266,23 +275,24 @@ impl Sidecar {
     /// Forwards to `successor` from now on, in `epoch`.
     fn set_successor(&self, successor: SocketAddr, epoch: u64) {
         let mut current = self.successor.lock();
-        match current.as_ref() {
-            Some((addr, store)) if *addr == successor => store.client().set_epoch(epoch),
-            _ => {
-                let mut client = ClientConfig::new(self.config.secret.clone(), self.config.index);
-                client.epoch = epoch;
-                // A dead successor is given up on quickly: two attempts of at most 500 ms.
-                client.connect_attempts = 2;
-                client.connect_timeout = Duration::from_millis(500);
-                let transport = Arc::new(TcpTransport::plain());
-                *current =
-                    Some((successor, PeerStore::new(self.runtime.clone(), transport, successor, client)));
-            }
+        if current.as_ref().is_some_and(|(addr, _)| *addr == successor) {
+            return;
         }
+        let mut client = ClientConfig::new(self.config.secret.clone(), self.config.index);
+        client.epoch = epoch;
+        // A dead or cut-off successor is given up on quickly (two connection attempts of at most
+        // 500 ms, 2 s for a reply): the engine waits for the forward, and the copies it lacks are
+        // recomputed if this stage is ever restored from there.
+        client.connect_attempts = 2;
+        client.connect_timeout = Duration::from_millis(500);
+        client.request_timeout = Duration::from_secs(2);
+        let transport = Arc::new(TcpTransport::plain());
+        let store = PeerStore::new(self.runtime.clone(), transport, successor, client);
+        *current = Some((successor, Arc::new(Mutex::new(store))));
     }
 
     /// Verifies and keeps a chunk the engine wrote into the region, then forwards it.
-    fn keep_and_forward(&self, encoded: &[u8], epoch: u64) -> Result<(), String> {
+    fn keep_and_forward(&self, encoded: Vec<u8>, epoch: u64) -> Result<(), String> {
         if encoded.len() < HEADER_LEN {
             return Err("a chunk shorter than its header".into());
         }
@@ -297,8 +307,12 @@ impl Sidecar {
         if self.config.skip_forwarding {
             return Ok(());
         }
-        let mut successor = self.successor.lock();
-        let Some((addr, store)) = successor.as_mut() else { return Err("no successor to forward to".into()) };
+        let Some((addr, store)) = self.successor.lock().clone() else {
+            return Err("no successor to forward to".into());
+        };
+        let mut store = store.lock();
+        // The epoch of the engine this chunk came from: the successor refuses it if a newer
+        // engine of this stage has written there already.
         store.client().set_epoch(epoch);
         match store.put(&descriptor, payload) {
             Ok(()) => {

@@ -236,7 +236,9 @@ fn a_stale_engine_back_from_a_pause_is_fenced_out() {
 
     // Stage 2's engine stops for longer than the heartbeat timeout: presumed dead, it is fenced and
     // replaced, but left running, as a machine cut off from the cluster could not be killed.
-    let pause = Duration::from_millis(1500);
+    let engine = |page: &str, name: &str| value_of(page, name, &[]).unwrap();
+    let before = chain.metrics(2, Role::Engine).unwrap();
+    let pause = Duration::from_millis(2500);
     let paused = std::time::Instant::now();
     chain.pause(2, Role::Engine, pause).unwrap();
     let position = (prompts[0].len() + done - 1) as u32;
@@ -251,6 +253,8 @@ fn a_stale_engine_back_from_a_pause_is_fenced_out() {
         let page = chain.metrics(2, Role::Sidecar).unwrap();
         value_of(&page, "dejavu_sidecar_local_chunks_total", &[]).unwrap()
     };
+    // The replacement's copies trail its steps: let the last ones land.
+    std::thread::sleep(Duration::from_millis(300));
     let kept_before = kept(&mut chain);
 
     // It comes back: it beats, and it finishes the step it had been sent and hands that KV to its
@@ -260,7 +264,15 @@ fn a_stale_engine_back_from_a_pause_is_fenced_out() {
     let stale_beats = value_of(&controller, "dejavu_controller_stale_heartbeats_total", &[]).unwrap();
     assert!(stale_beats > 0.0, "its heartbeats are ignored: {controller}");
     assert!(!chain.census().unwrap().is_dead((Role::Engine, 2)), "the replacement is what is alive");
-    // Its replacement took its sidecar over: nothing it handed over was kept.
+    // It computed the step it had been sent and tried to hand that KV to its sidecar, but its
+    // replacement had taken the sidecar over: nothing it handed over was kept.
+    let stale = chain.spared_metrics(0).unwrap();
+    let computed = engine(&stale, "dejavu_stage_steps_total") - engine(&before, "dejavu_stage_steps_total");
+    assert_eq!(computed, 1.0, "the stale engine ran its last step: {stale}");
+    // Each step hands one chunk over: fewer kept than computed means its last one was refused
+    // (the count of chunks kept lags a step behind, so it cannot be compared with `before`).
+    let copied = engine(&stale, "dejavu_stage_copied_chunks_total");
+    assert!(copied < engine(&stale, "dejavu_stage_steps_total"), "its copy failed: {stale}");
     assert_eq!(kept(&mut chain), kept_before, "its KV copies are refused");
 
     for (i, tokens) in so_far.iter_mut().enumerate() {
