@@ -48,6 +48,10 @@ pub struct StageArgs {
     /// Microbatches.
     #[arg(long, default_value_t = 2)]
     pub microbatches: u32,
+    /// KV caches in "device" memory, if fewer than microbatches: the others' KV is swapped to host
+    /// memory, the next microbatch's prefetched while the rest of the pipeline computes.
+    #[arg(long)]
+    pub device_caches: Option<u32>,
     /// Tokens per sequence at most.
     #[arg(long, default_value_t = 256)]
     pub max_tokens: u32,
@@ -221,6 +225,7 @@ impl StageArgs {
                 secret: self.secret.into_bytes(),
             }),
             epoch: self.epoch,
+            device_caches: self.device_caches,
         };
         serve_stage(config, self.listen, self.metrics, announce).map_err(|e| e.to_string())
     }

@@ -82,6 +82,8 @@ pub struct ClusterConfig {
     pub slots: u32,
     /// Microbatches.
     pub microbatches: u32,
+    /// KV caches each stage keeps in "device" memory, if fewer than microbatches (swapping).
+    pub device_caches: Option<u32>,
     /// Tokens per sequence at most.
     pub max_tokens: u32,
     /// Whether stages keep copies of their KV in sidecars.
@@ -106,6 +108,7 @@ impl ClusterConfig {
             splits: std::iter::once(0..crate::ModelConfig::reference().layers).collect(),
             slots: 4,
             microbatches: 1,
+            device_caches: None,
             max_tokens: 256,
             replicate: true,
             deadline: Duration::from_millis(300),
@@ -367,6 +370,9 @@ impl Cluster {
             "--metrics=127.0.0.1:0".to_owned(),
             format!("--epoch={epoch}"),
         ];
+        if let Some(device) = config.device_caches {
+            args.push(format!("--device-caches={device}"));
+        }
         if let Some((local, successor)) = sidecars {
             let successor = config.route(Link::Replica { from: index as u32 }, successor);
             args.push(format!("--local={}", local.display()));

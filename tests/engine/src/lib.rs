@@ -10,6 +10,7 @@
 //! - [`pipeline`]: stages chained in one process, prompts in microbatches, greedy generation;
 //! - [`process`]: stages as separate processes passing activations over TCP, copying their KV to
 //!   sidecars and restoring it after a replacement (the `dejavu-engine` binary runs one);
+//! - [`swap`]: microbatch swapping, fewer device caches than microbatches, the rest in host memory;
 //! - [`sidecar`]: a worker's sidecar process, which keeps its engine's KV (received through shared
 //!   memory) and its predecessor's replica, and forwards its engine's KV to the successor;
 //! - [`heartbeat`]: processes beat every interval to the controller;
@@ -39,6 +40,7 @@ pub mod proc;
 pub mod process;
 pub mod sidecar;
 pub mod stage;
+pub mod swap;
 
 mod math;
 

@@ -70,6 +70,7 @@ use crate::metrics::{Exposition, MetricType};
 use crate::model::ModelConfig;
 use crate::pipeline::{cache_layout, CacheLayout, Seat};
 use crate::stage::{Stage, StageError};
+use crate::swap::{SwapCaches, SwapStats};
 
 /// Errors of a stage process or the driver.
 #[derive(Debug, Error)]
@@ -138,6 +139,9 @@ pub struct StageConfig {
     pub replication: Option<Replication>,
     /// The epoch it was started in: its hellos and KV copies carry it.
     pub epoch: u64,
+    /// KV caches in "device" memory, if fewer than microbatches: the others are swapped to host
+    /// memory ([`crate::swap`]).
+    pub device_caches: Option<u32>,
 }
 
 fn tokens_payload(tokens: &[u32]) -> Vec<u8> {
@@ -322,6 +326,10 @@ pub struct StageStats {
     /// Input connections refused because their hello came from an older epoch than the one in
     /// use (a fenced predecessor trying to come back).
     pub stale_connections_refused: AtomicU64,
+    /// Bytes of the KV caches in "device" memory (fixed at start).
+    pub device_bytes: AtomicU64,
+    /// Swapping between device caches and host memory.
+    pub swap: Arc<SwapStats>,
 }
 
 impl StageStats {
@@ -357,6 +365,43 @@ impl StageStats {
             MetricType::Counter,
             "KV payload bytes handed to its sidecar through shared memory.",
             get(&self.copied_bytes),
+        );
+        let swap = &self.swap;
+        single(
+            "dejavu_stage_device_kv_bytes",
+            MetricType::Gauge,
+            "Bytes of the KV caches in device memory.",
+            get(&self.device_bytes),
+        );
+        single(
+            "dejavu_stage_host_kv_bytes",
+            MetricType::Gauge,
+            "Bytes of KV swapped out to host memory.",
+            get(&swap.host_bytes),
+        );
+        single(
+            "dejavu_stage_swap_ins_total",
+            MetricType::Counter,
+            "Microbatches swapped in.",
+            get(&swap.swap_ins),
+        );
+        single(
+            "dejavu_stage_swap_in_bytes_total",
+            MetricType::Counter,
+            "Bytes swapped in.",
+            get(&swap.bytes_in),
+        );
+        single(
+            "dejavu_stage_swap_outs_total",
+            MetricType::Counter,
+            "Deltas swapped out.",
+            get(&swap.swap_outs),
+        );
+        single(
+            "dejavu_stage_swap_out_bytes_total",
+            MetricType::Counter,
+            "Bytes swapped out.",
+            get(&swap.bytes_out),
         );
         single(
             "dejavu_stage_stale_connections_refused_total",
@@ -450,7 +495,7 @@ impl Sidecars {
 struct StageProcess {
     config: StageConfig,
     stage: Stage,
-    caches: Vec<Arc<KvCache>>,
+    caches: SwapCaches,
     sidecars: Option<Sidecars>,
     /// Flushes each step's KV to both sidecars in the background.
     streamer: Option<Streamer>,
@@ -463,12 +508,17 @@ struct StageProcess {
 impl StageProcess {
     fn new(config: StageConfig) -> Result<Self, ProcessError> {
         let stage = Stage::new(config.model, config.layers.clone())?;
-        let caches = (0..config.microbatches)
-            .map(|_| {
-                let layout = cache_layout(&stage, config.layout, config.slots, config.max_tokens)?;
-                Ok(Arc::new(KvCache::new(layout).map_err(StageError::from)?))
-            })
-            .collect::<Result<Vec<_>, ProcessError>>()?;
+        let layout = cache_layout(&stage, config.layout, config.slots, config.max_tokens)?;
+        let device_caches =
+            config.device_caches.unwrap_or(config.microbatches).clamp(1, config.microbatches.max(1));
+        let stats = Arc::new(StageStats::default());
+        let bytes: u64 = layout.buffer_sizes().iter().sum();
+        stats.device_bytes.store(bytes * device_caches as u64, Ordering::Relaxed);
+        let layers = config.layers.len() as u32;
+        let region = KvRegion::new(0..layers, 0..config.slots, 0..config.model.kv_heads, 0..0);
+        let make = || KvCache::new(layout.clone()).map_err(|e| e.to_string());
+        let caches = SwapCaches::new(device_caches, config.index, region, make, stats.swap.clone())
+            .map_err(ProcessError::Protocol)?;
         let mut process = Self {
             stage,
             caches,
@@ -476,7 +526,7 @@ impl StageProcess {
             streamer: None,
             pending: VecDeque::new(),
             pool: StagingPool::default(),
-            stats: Arc::default(),
+            stats,
             config,
         };
         if let Some(replication) = &process.config.replication {
@@ -496,11 +546,34 @@ impl StageProcess {
         Transfer::in_place(worker, worker, seat.microbatch, &region)
     }
 
-    fn cache(&self, seat: Seat) -> Result<Arc<KvCache>, ProcessError> {
-        self.caches
-            .get(seat.microbatch as usize)
-            .cloned()
-            .ok_or_else(|| ProcessError::Protocol(format!("no microbatch {}", seat.microbatch)))
+    /// The cache holding `seat`'s microbatch, swapped in if it was not resident.
+    fn cache(&mut self, seat: Seat) -> Result<Arc<KvCache>, ProcessError> {
+        if seat.microbatch >= self.config.microbatches || seat.slot >= self.config.slots {
+            return Err(ProcessError::Protocol(format!("no sequence {seat:?}")));
+        }
+        let (pending, stats) = (&mut self.pending, &self.stats);
+        let cache = self.caches.resident(seat.microbatch, &mut || Self::quiesce(pending, stats));
+        cache.map_err(|e| ProcessError::Sidecar(format!("swapping in microbatch {}: {e}", seat.microbatch)))
+    }
+
+    /// Waits for every copy the streamer has in hand: a cache is about to hold another microbatch.
+    fn quiesce(pending: &mut VecDeque<Completion>, stats: &StageStats) {
+        for done in pending.drain(..) {
+            if done.wait().is_err() {
+                StageStats::add(&stats.replication_failures, 1);
+            }
+        }
+        stats.replication_pending.store(0, Ordering::Relaxed);
+    }
+
+    /// After a step of `microbatch` has been passed on: brings the next microbatch in while the
+    /// rest of the pipeline computes.
+    fn prefetch_after(&mut self, microbatch: u32) {
+        let next = (microbatch + 1) % self.config.microbatches.max(1);
+        let (pending, stats) = (&mut self.pending, &self.stats);
+        if let Err(e) = self.caches.prefetch(next, microbatch, &mut || Self::quiesce(pending, stats)) {
+            warn!(stage = self.config.index, error = %e, "a prefetch failed");
+        }
     }
 
     /// Runs one step and returns the payload to pass on.
@@ -517,6 +590,7 @@ impl StageProcess {
         }
         let cache = self.cache(seat)?;
         self.stage.forward(&cache, slot, position, &mut hidden)?;
+        self.caches.grew(microbatch, slot, position + count);
         StageStats::add(&self.stats.steps, 1);
         StageStats::add(&self.stats.tokens, count as u64);
         if let Some(streamer) = &self.streamer {
@@ -580,7 +654,8 @@ impl StageProcess {
     fn restore(&mut self, header: &FrameHeader, from: Option<SocketAddr>) -> u32 {
         let [microbatch, slot, prompt_len, kv_tokens] = header.ids;
         let seat = Seat { microbatch, slot };
-        let (Some(sidecars), Ok(cache)) = (&self.sidecars, self.cache(seat)) else { return 0 };
+        let Ok(cache) = self.cache(seat) else { return 0 };
+        let Some(sidecars) = &self.sidecars else { return 0 };
         let transfer = self.transfer(seat);
         let source: SharedStore = match from {
             Some(addr) => sidecars.peer(addr),
@@ -623,6 +698,7 @@ impl StageProcess {
         };
         StageStats::add(restores, 1);
         StageStats::add(tokens, restored as u64);
+        self.caches.grew(microbatch, slot, restored);
         let source = if from.is_some() { "peer" } else { "local" };
         info!(stage = self.config.index, microbatch, slot, restored, source, "restored a sequence's KV");
         restored
@@ -632,17 +708,20 @@ impl StageProcess {
     /// there (what the old sidecar held died with it).
     fn replicate_to(&mut self, header: &FrameHeader, to: SocketAddr) -> Result<(), ProcessError> {
         let [microbatch, slot, prompt_len, kv_tokens] = header.ids;
-        let sidecars = self
-            .sidecars
-            .as_ref()
-            .ok_or_else(|| ProcessError::Sidecar("no replication configured".into()))?;
-        sidecars.local.lock().retarget(to).map_err(|e| ProcessError::Sidecar(e.to_string()))?;
-        let target = sidecars.peer(to);
+        let target = {
+            let sidecars = self
+                .sidecars
+                .as_ref()
+                .ok_or_else(|| ProcessError::Sidecar("no replication configured".into()))?;
+            sidecars.local.lock().retarget(to).map_err(|e| ProcessError::Sidecar(e.to_string()))?;
+            sidecars.peer(to)
+        };
         if prompt_len == 0 {
             return Ok(());
         }
         let seat = Seat { microbatch, slot };
-        let (transfer, cache) = (self.transfer(seat), self.cache(seat)?);
+        let cache = self.cache(seat)?;
+        let transfer = self.transfer(seat);
         for tokens in Self::chunks(prompt_len, kv_tokens) {
             send(&cache, &transfer, tokens, &self.pool, &mut *target.lock() as &mut dyn ChunkStore)
                 .map_err(|e| ProcessError::Sidecar(e.to_string()))?;
@@ -716,6 +795,9 @@ pub fn serve_stage(
                     // The successor died: the frame is lost until the driver repairs the chain.
                     downstream = None;
                 }
+            }
+            if header.kind == Kind::Activation {
+                process.prefetch_after(header.ids[0]);
             }
         }
         // Shut the connection, not only this handle on it: the acceptor holds another, and the

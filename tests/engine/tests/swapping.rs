@@ -140,3 +140,69 @@ fn four_microbatches_share_two_device_caches_with_identical_tokens() {
     );
     assert!(!swapper.host.is_empty());
 }
+
+/// The same swapping in stage processes: each keeps two device caches for four microbatches
+/// (`--device-caches 2`), swaps deltas out to host memory and prefetches the next microbatch
+/// while the rest of the pipeline computes; a worker killed mid-decode is replaced, its KV
+/// restored into its own swapped caches, and every token equals the in-process pipeline's.
+#[test]
+fn stage_processes_with_two_device_caches_swap_and_recover_bit_identically() {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill, Role};
+    use dejavu_engine::driver::{drive, DriverConfig, OnFailure, Workload};
+    use dejavu_engine::metrics::value_of;
+
+    let workload = Workload::synthetic(8, 6, NEW_TOKENS as u32, SLOTS, ModelConfig::reference().vocab);
+    assert_eq!(workload.microbatches(), MICROBATCHES);
+    let expected = Pipeline::new(
+        ModelConfig::reference(),
+        &splits(),
+        CacheLayout::FasterTransformer,
+        SLOTS,
+        MICROBATCHES,
+        MAX_TOKENS,
+    )
+    .unwrap()
+    .generate(&workload.prompts, NEW_TOKENS)
+    .unwrap();
+    let config = ClusterConfig {
+        splits: splits(),
+        slots: SLOTS,
+        microbatches: MICROBATCHES,
+        device_caches: Some(DEVICE_CACHES),
+        max_tokens: MAX_TOKENS,
+        deadline: Duration::from_secs(1),
+        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
+    };
+    let driver =
+        DriverConfig { on_failure: OnFailure::Recover, detect_patience: Duration::from_secs(3), retries: 3 };
+    // Metrics of every stage, read just before the cluster goes away.
+    let mut seen = Vec::new();
+    let mut inject = |step: u64, cluster: &mut Cluster| {
+        if step == 20 {
+            cluster.kill(1, Kill::Worker)?;
+        }
+        if step + 1 == workload.steps() {
+            seen = (0..cluster.len())
+                .map(|s| cluster.metrics(s, Role::Engine))
+                .collect::<Result<Vec<_>, _>>()?;
+        }
+        Ok(())
+    };
+    let mut start = || Cluster::start(config.clone());
+    let run = drive(&workload, &driver, &mut start, &mut inject).unwrap();
+    assert_eq!(run.tokens, expected);
+    assert_eq!(run.recoveries.len(), 1);
+
+    let value = |page: &str, name: &str| value_of(page, name, &[]).unwrap();
+    for page in &seen {
+        // The device pool holds two caches, never four; the rest went to host memory and back.
+        let per_cache = value(page, "dejavu_stage_device_kv_bytes") / DEVICE_CACHES as f64;
+        assert!(per_cache > 0.0);
+        assert!(value(page, "dejavu_stage_swap_ins_total") > 0.0, "{page}");
+        assert!(value(page, "dejavu_stage_swap_out_bytes_total") > 0.0, "{page}");
+        assert!(value(page, "dejavu_stage_host_kv_bytes") <= MICROBATCHES as f64 * per_cache, "{page}");
+    }
+}
