@@ -1,9 +1,10 @@
 //! Python objects as raw memory, without copies: anything with `__array_interface__` (numpy
-//! arrays, many array libraries), PyTorch CPU tensors (`data_ptr`), `bytearray` and `bytes`.
+//! arrays, many array libraries), anything with `__dlpack__` (a DLPack capsule: JAX, CuPy's host
+//! arrays, PyTorch, numpy), PyTorch CPU tensors (`data_ptr`), `bytearray` and `bytes`.
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyCapsule, PyCapsuleMethods, PyDict, PyTuple};
 
 /// Memory of a Python object, kept alive by holding the object.
 pub struct RawBuffer {
@@ -108,6 +109,9 @@ pub fn raw_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResul
         }
         return Ok(RawBuffer { ptr: address as *mut u8, len, _owner: obj.clone().unbind() });
     }
+    if obj.hasattr("__dlpack__")? {
+        return dlpack_buffer(obj, what);
+    }
     if obj.hasattr("data_ptr")? && obj.hasattr("is_contiguous")? {
         // A PyTorch tensor.
         let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
@@ -125,7 +129,103 @@ pub fn raw_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResul
         return Ok(RawBuffer { ptr: address as *mut u8, len: numel * item, _owner: obj.clone().unbind() });
     }
     Err(PyTypeError::new_err(format!(
-        "{what} must be a numpy array, a CPU torch tensor, a bytearray or bytes, not {}",
+        "{what} must be a numpy array, a DLPack tensor, a CPU torch tensor, a bytearray or bytes, not {}",
         obj.get_type().name()?
     )))
+}
+
+/// DLPack's device type of host memory (`kDLCPU`); pinned CUDA host memory (`kDLCUDAHost`) is
+/// host memory too.
+const DL_CPU: i32 = 1;
+const DL_CUDA_HOST: i32 = 3;
+
+/// `DLDevice` of the DLPack ABI.
+#[repr(C)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+/// `DLDataType` of the DLPack ABI.
+#[repr(C)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+/// `DLTensor` of the DLPack ABI (the first member of `DLManagedTensor`, which a `"dltensor"`
+/// capsule points to).
+#[repr(C)]
+struct DlTensor {
+    data: *mut std::ffi::c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+/// The memory of an object exporting a DLPack capsule. The capsule is kept (not consumed): its
+/// producer frees the tensor when the capsule is collected, after the buffer is dropped.
+fn dlpack_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<RawBuffer> {
+    if obj.hasattr("__dlpack_device__")? {
+        let (device, _): (i32, i32) = obj.call_method0("__dlpack_device__")?.extract()?;
+        if device != DL_CPU && device != DL_CUDA_HOST {
+            return Err(PyTypeError::new_err(format!(
+                "{what} is on DLPack device type {device}, not host memory; this build of dejavu works on host memory"
+            )));
+        }
+    }
+    let capsule = obj.call_method0("__dlpack__")?;
+    let capsule = capsule
+        .cast::<PyCapsule>()
+        .map_err(|_| PyTypeError::new_err(format!("{what}.__dlpack__() did not return a capsule")))?;
+    let pointer = capsule.pointer_checked(Some(c"dltensor")).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what}.__dlpack__() returned a capsule that is not an unused \"dltensor\""
+        ))
+    })?;
+    // SAFETY: a valid "dltensor" capsule points to a DLManagedTensor, whose first member is the
+    // DLTensor; the capsule is alive (held below) and its producer keeps the tensor until the
+    // capsule is collected. Only the fields are read, here, under the GIL.
+    let tensor = unsafe { pointer.cast::<DlTensor>().as_ref() };
+    if tensor.device.device_type != DL_CPU && tensor.device.device_type != DL_CUDA_HOST {
+        return Err(PyTypeError::new_err(format!(
+            "{what} is on DLPack device type {}, not host memory",
+            tensor.device.device_type
+        )));
+    }
+    let item = (tensor.dtype.bits as usize * tensor.dtype.lanes as usize).div_ceil(8);
+    let ndim = usize::try_from(tensor.ndim)
+        .map_err(|_| PyValueError::new_err(format!("{what} has a negative ndim")))?;
+    let shape: &[i64] = if ndim == 0 {
+        &[]
+    } else {
+        // SAFETY: a DLTensor's shape points to `ndim` int64 values, alive with the tensor.
+        unsafe { std::slice::from_raw_parts(tensor.shape, ndim) }
+    };
+    if tensor.dtype.bits % 8 != 0 || shape.iter().any(|&d| d < 0) {
+        return Err(PyValueError::new_err(format!("{what} has an unsupported DLPack dtype or shape")));
+    }
+    if !tensor.strides.is_null() && ndim > 0 {
+        // SAFETY: non-null strides point to `ndim` int64 values (in elements), alive with the tensor.
+        let strides = unsafe { std::slice::from_raw_parts(tensor.strides, ndim) };
+        let mut expected = 1i64;
+        for (&dim, &stride) in shape.iter().zip(strides).rev() {
+            if dim > 1 && stride != expected {
+                return Err(PyValueError::new_err(format!(
+                    "{what} must be C-contiguous (DLPack strides {strides:?} for shape {shape:?})"
+                )));
+            }
+            expected *= dim;
+        }
+    }
+    let len = shape.iter().product::<i64>() as usize * item;
+    if tensor.data.is_null() && len > 0 {
+        return Err(PyValueError::new_err(format!("{what} has a NULL data pointer")));
+    }
+    let ptr = (tensor.data as *mut u8).wrapping_add(tensor.byte_offset as usize);
+    Ok(RawBuffer { ptr, len, _owner: capsule.clone().into_any().unbind() })
 }

@@ -67,6 +67,36 @@ def test_flush_and_fetch_across_layouts(tmp_path, name):
     assert bytes(back.gather(REGION)) == bytes(source.gather(REGION))
 
 
+class DLPackOnly:
+    """An array seen only through DLPack (as JAX or CuPy host arrays are)."""
+
+    def __init__(self, array, device=(1, 0)):
+        self.array, self.device = array, device
+
+    def __dlpack__(self, stream=None):
+        return self.array.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.device
+
+
+def test_dlpack_tensors_are_used_in_place():
+    layout = layouts()["per_layer_bshd"]
+    buffers = engine_buffers(layout, 5)
+    engine = dejavu.KvCache.wrap(layout, [DLPackOnly(b) for b in buffers])
+    staged = engine.gather(REGION)
+    assert bytes(staged) == bytes(dejavu.KvCache.wrap(layout, buffers).gather(REGION))
+    # Written through DLPack: the engine's own arrays change, no copy in between.
+    target = [np.zeros_like(b) for b in buffers]
+    dejavu.KvCache.wrap(layout, [DLPackOnly(t) for t in target]).scatter(REGION, staged)
+    assert any(t.any() for t in target)
+    assert bytes(dejavu.KvCache.wrap(layout, target).gather(REGION)) == bytes(staged)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dejavu.KvCache.wrap(layout, [DLPackOnly(np.zeros(2 * n, dtype=np.uint8)[::2]) for n in layout.buffer_sizes])
+    with pytest.raises(TypeError, match="host memory"):
+        dejavu.KvCache.wrap(layout, [DLPackOnly(b, device=(2, 0)) for b in buffers])
+
+
 def test_torch_cpu_tensors_are_used_in_place():
     torch = pytest.importorskip("torch")
     layout = layouts()["per_layer_bhsd"]
