@@ -5,7 +5,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 RangeLike = Union[range, Tuple[int, int], int]
 Worker = Tuple[int, int]
-Buffer = Any  # numpy array, CPU torch tensor, bytearray (or bytes where only read)
+Buffer = Any  # numpy array, DLPack tensor in host memory, CPU torch tensor, bytearray (or bytes where only read)
 
 class Error(Exception):
     """Base class of the errors dejavu raises."""
