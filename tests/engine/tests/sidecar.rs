@@ -1,7 +1,7 @@
 //! The sidecar as a real process: an engine's chunks cross shared memory, are kept and forwarded to
 //! a real successor over TCP, come back through shared memory; a newer engine takes the sidecar
-//! over and an older one is refused; a shared-memory file of the wrong size stops an engine with
-//! a clear error.
+//! over and an older one is refused; a successor from another cluster is refused (the local copy
+//! is kept); a shared-memory file of the wrong size stops an engine with a clear error.
 
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::net::SocketAddr;
@@ -112,6 +112,31 @@ fn chunks_cross_shared_memory_are_kept_and_forwarded() {
         other => panic!("a stale engine: {:?}", other.err()),
     }
     replacement.put(&token, &token_kv).unwrap();
+}
+
+#[test]
+fn a_successor_from_another_cluster_is_refused_and_the_local_copy_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_sidecar, socket) = sidecar(dir.path());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let foreign_store = HostStore::new();
+    let foreign = runtime
+        .block_on(PeerServer::bind(
+            &TcpTransport::plain(),
+            "127.0.0.1:0".parse().unwrap(),
+            ServerConfig::new("another cluster's secret", 2),
+            foreign_store.clone(),
+        ))
+        .unwrap();
+    let mut engine = LocalSidecar::connect(&socket, 0, foreign.addr()).unwrap();
+    let (token, token_kv) = chunk(1, 5);
+    let error = engine.put(&token, &token_kv).unwrap_err().to_string();
+    assert!(error.contains("authentication"), "{error}");
+    assert_eq!(foreign_store.len(), 0, "nothing reached the other cluster");
+    // The local copy was kept all the same.
+    let mut out = Vec::new();
+    assert_eq!(engine.get(&token.key(), &mut out).unwrap(), token);
+    assert_eq!(out, token_kv);
 }
 
 #[test]
