@@ -29,7 +29,8 @@ pub fn plan(scenario: &Scenario, seed: u64, steps: u64) -> Vec<Fault> {
                 continue;
             }
             let link = if rng.chance(0.5) { LinkKind::Activation } else { LinkKind::Replica };
-            // The last stage's activations go to the driver, not over a cluster link.
+            // Drawn faults stay between the cluster's processes; the driver's own links (into
+            // stage 0, back from the last stage) take scheduled faults.
             let senders =
                 if kind.is_network_fault() && link == LinkKind::Activation { stages - 1 } else { stages };
             let stage = rng.below(senders) as u32;
@@ -90,6 +91,7 @@ impl<'a> ChaosInjector<'a> {
         let link = match fault.link {
             LinkKind::Activation => Link::Activation { from: fault.stage() },
             LinkKind::Replica => Link::Replica { from: fault.stage() },
+            LinkKind::Input => Link::Input,
         };
         let restarting = self.on_failure == OnFailure::Restart;
         match fault.kind {
@@ -188,7 +190,7 @@ mod tests {
         for f in &plan {
             assert!(f.stage() < 3);
             if f.link == LinkKind::Activation && f.kind.is_network_fault() {
-                assert!(f.stage() < 2, "no activation link out of the last stage");
+                assert!(f.stage() < 2, "no drawn fault on the last stage's link to the driver");
             }
         }
         let kills: Vec<u64> =

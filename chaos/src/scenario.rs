@@ -211,11 +211,14 @@ impl FaultKind {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum LinkKind {
-    /// Activations from the stage to the next one.
+    /// Activations from the stage to the next one (from the last stage: its replies to the
+    /// driver).
     #[default]
     Activation,
     /// KV copies from the stage to its ring successor's sidecar.
     Replica,
+    /// Requests from the driver into stage 0 (its `stage` is 0).
+    Input,
 }
 
 /// One fault.
@@ -407,12 +410,8 @@ impl Scenario {
         if fault.kind == FaultKind::Bandwidth && fault.bytes_per_s == 0 {
             return Err("bandwidth needs a positive bytes_per_s".into());
         }
-        if fault.kind.is_network_fault() && fault.link == LinkKind::Activation && fault.stage() + 1 == stages
-        {
-            return Err(format!(
-                "the last stage ({}) sends its activations to the driver, not over a cluster link",
-                fault.stage()
-            ));
+        if fault.kind.is_network_fault() && fault.link == LinkKind::Input && fault.stage() != 0 {
+            return Err(format!("the input link feeds stage 0, not stage {}", fault.stage()));
         }
         Ok(())
     }

@@ -92,8 +92,8 @@ fn a_bad_scenario_is_refused_with_a_clear_message() {
             "unknown variant `explode`",
         ),
         (
-            "name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"reset\"\nstage = 3\n",
-            "sends its activations to the driver",
+            "name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"reset\"\nstage = 2\nlink = \"input\"\n",
+            "the input link feeds stage 0",
         ),
         ("name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"kill-engine\"\n", "kill-engine needs a `stage`"),
         (

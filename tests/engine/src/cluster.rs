@@ -52,7 +52,10 @@ pub enum ClusterError {
 /// put on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Link {
-    /// Activations from stage `from` to stage `from + 1`.
+    /// Requests from the driver to stage 0.
+    Input,
+    /// Activations from stage `from` to stage `from + 1`, or from the last stage back to the
+    /// driver.
     Activation {
         /// The sending stage.
         from: u32,
@@ -234,7 +237,7 @@ impl Cluster {
             stages.push(stage);
         }
         stages.reverse();
-        let remote = RemotePipeline::connect(next, results, config.deadline)?;
+        let remote = RemotePipeline::connect(config.route(Link::Input, next), results, config.deadline)?;
         let mut cluster = Self {
             config,
             sidecar_starts: sidecars.len() as u64,
@@ -354,9 +357,7 @@ impl Cluster {
         next: SocketAddr,
     ) -> Vec<String> {
         let layers = &config.splits[index];
-        let last = index + 1 == config.splits.len();
-        // The link to the driver is its own: faults go between processes of the cluster.
-        let next = if last { next } else { config.route(Link::Activation { from: index as u32 }, next) };
+        let next = config.route(Link::Activation { from: index as u32 }, next);
         let mut args = vec![
             "stage".to_owned(),
             format!("--index={index}"),
@@ -646,7 +647,7 @@ impl Cluster {
             .map(|&(victim, _)| {
                 let (index, addr) = (victim as u32, self.stages[victim].addr);
                 let reach = if victim == 0 {
-                    addr
+                    self.config.route(Link::Input, addr)
                 } else {
                     self.config.route(Link::Activation { from: index - 1 }, addr)
                 };

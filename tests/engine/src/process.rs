@@ -850,6 +850,8 @@ pub struct SequenceRecovery {
 
 /// The driver's end of a chain of stage processes.
 pub struct RemotePipeline {
+    /// Where the first stage is reached.
+    first: SocketAddr,
     to_first: BufWriter<TcpStream>,
     results: TcpListener,
     replies: Receiver<Result<Frame, String>>,
@@ -858,9 +860,12 @@ pub struct RemotePipeline {
     /// Time a control operation may take (restores and copies move whole sequences).
     control_deadline: Duration,
     next_request: u64,
-    /// The cluster's epoch: the driver's hellos carry it, and a new last stage must say it or a
-    /// newer one.
+    /// The cluster's epoch: the driver's hellos carry it, and a replacement of the last stage must
+    /// say it or a newer one.
     epoch: u64,
+    /// The epoch the last stage in use was started in: a connection from an older one is refused
+    /// (when the same last stage connects again, after a reset, it says the same).
+    last_stage_epoch: u64,
 }
 
 impl RemotePipeline {
@@ -871,10 +876,11 @@ impl RemotePipeline {
         results: TcpListener,
         deadline: Duration,
     ) -> Result<Self, ProcessError> {
-        let to_first = Self::connect_first(first, 0)?;
+        let to_first = Self::connect_first(first, 0, Duration::from_secs(30))?;
         let (_, placeholder) = crossbeam_channel::bounded(0);
         let control_deadline = (deadline * 20).max(Duration::from_secs(10));
         let mut pipeline = Self {
+            first,
             to_first,
             results,
             replies: placeholder,
@@ -882,6 +888,7 @@ impl RemotePipeline {
             control_deadline,
             next_request: 1,
             epoch: 0,
+            last_stage_epoch: 0,
         };
         // The last stage connects when it first passes something on: send a probe through.
         let request = pipeline.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?;
@@ -890,8 +897,12 @@ impl RemotePipeline {
         Ok(pipeline)
     }
 
-    fn connect_first(first: SocketAddr, epoch: u64) -> Result<BufWriter<TcpStream>, ProcessError> {
-        let mut to_first = BufWriter::new(connect(first, Duration::from_secs(30))?);
+    fn connect_first(
+        first: SocketAddr,
+        epoch: u64,
+        patience: Duration,
+    ) -> Result<BufWriter<TcpStream>, ProcessError> {
+        let mut to_first = BufWriter::new(connect(first, patience)?);
         say_hello(&mut to_first, u32::MAX, epoch)?;
         Ok(to_first)
     }
@@ -907,22 +918,36 @@ impl RemotePipeline {
         self.next_request += 1;
         let mut header = FrameHeader::new(kind, u32::MAX, 0, request);
         header.ids = ids;
-        write_frame(&mut self.to_first, &header, payload)?;
-        self.to_first.flush()?;
+        let sent = write_frame(&mut self.to_first, &header, payload).and_then(|()| self.to_first.flush());
+        if sent.is_err() {
+            // The connection broke (a reset, or a first stage that went away): connect again,
+            // once, and send the frame there.
+            self.to_first = Self::connect_first(self.first, self.epoch, self.deadline)?;
+            write_frame(&mut self.to_first, &header, payload)?;
+            self.to_first.flush()?;
+        }
         Ok(request)
     }
 
-    /// The reply to `request`, skipping late replies to earlier requests.
+    /// The reply to `request`, skipping late replies to earlier requests. When the last stage's
+    /// connection breaks (a reset, a corrupted frame), the last stage connects again as it next
+    /// sends something: that connection is taken, within the deadline, and the wait goes on.
     fn reply(&mut self, request: u64, deadline: Duration) -> Result<Frame, ProcessError> {
         let until = Instant::now() + deadline;
         loop {
-            match self.replies.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            let left = until.saturating_duration_since(Instant::now());
+            match self.replies.recv_timeout(left) {
                 Ok(Ok(frame)) if frame.header.request == request => return Ok(frame),
                 Ok(Ok(_late)) => continue,
-                Ok(Err(reason)) => return Err(ProcessError::Protocol(reason)),
                 Err(RecvTimeoutError::Timeout) => return Err(ProcessError::Timeout(deadline)),
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(ProcessError::Protocol("no last stage".into()))
+                Ok(Err(_)) | Err(RecvTimeoutError::Disconnected) => {
+                    let (_, closed) = crossbeam_channel::bounded(0);
+                    self.replies = closed;
+                    match accept_within(&self.results, self.last_stage_epoch, left) {
+                        Ok(stream) => self.replies = read_replies(stream),
+                        Err(ProcessError::Timeout(_)) => return Err(ProcessError::Timeout(deadline)),
+                        Err(e) => return Err(e),
+                    }
                 }
             }
         }
@@ -1064,7 +1089,8 @@ impl RemotePipeline {
     ) -> Result<(), ProcessError> {
         let mut requests = Vec::new();
         if let Some(&(_, addr)) = replaced.iter().find(|(stage, _)| *stage == 0) {
-            self.to_first = Self::connect_first(addr, self.epoch)?;
+            self.to_first = Self::connect_first(addr, self.epoch, Duration::from_secs(30))?;
+            self.first = addr;
         }
         // Each rewire takes effect at its stage before it is passed on, so it goes round the
         // repaired chain; a probe sent before the rewires would be lost at a stale link.
@@ -1078,6 +1104,7 @@ impl RemotePipeline {
         }
         if last_replaced {
             self.replies = read_replies(accept_within(&self.results, self.epoch, self.control_deadline)?);
+            self.last_stage_epoch = self.epoch;
         }
         for request in requests {
             self.reply(request, self.control_deadline)?;
