@@ -45,7 +45,7 @@ int main(int argc, char **argv) {
     uint8_t *staged = malloc(len);
     CHECK(djv_gather(engine, &region, staged, len));
 
-    DjvFileStore *store = NULL;
+    DjvStore *store = NULL;
     CHECK(djv_file_store_open(argv[1], &store));
     DjvWorker source = {0, 0}, destination = {1, 0};
     CHECK(djv_flush(store, engine, &region, source, destination, 3));
@@ -78,7 +78,7 @@ int main(int argc, char **argv) {
     }
     printf("round trip of %llu bytes through %s: every byte in place\n", (unsigned long long)len, argv[1]);
 
-    djv_file_store_free(store);
+    djv_store_free(store);
     djv_cache_free(replica);
     djv_cache_free(engine);
     djv_layout_free(layout);

@@ -61,11 +61,12 @@ typedef enum DjvPagedOrder {
 // A KV cache, over library or engine memory (opaque).
 typedef struct DjvCache DjvCache;
 
-// A directory of chunk files (opaque).
-typedef struct DjvFileStore DjvFileStore;
-
 // A KV layout (opaque).
 typedef struct DjvLayout DjvLayout;
+
+// Where chunks are flushed to and fetched from (opaque): a directory of chunk files, or the
+// engine's own sidecar process.
+typedef struct DjvStore DjvStore;
 
 // A region of a cache: half-open ranges of layers, batch slots, KV heads and tokens.
 typedef struct DjvRegion {
@@ -237,14 +238,28 @@ enum DjvStatus djv_scatter(const struct DjvCache *cache,
 // # Safety
 //
 // `dir` is a NUL-terminated path; `out` is valid for a write of a pointer.
-enum DjvStatus djv_file_store_open(const char *dir, struct DjvFileStore **out);
+enum DjvStatus djv_file_store_open(const char *dir, struct DjvStore **out);
 
-// Releases a file store (NULL is ignored); its files stay.
+// Connects to the engine's own sidecar (a `dejavud sidecar` process) at its local socket
+// `socket`, as an engine started in `epoch`: each chunk flushed crosses a memory region shared
+// with the sidecar, which keeps it and forwards it to the sidecar at `successor` ("ip:port");
+// a fetch comes back through shared memory. A newer epoch takes the sidecar over from an older
+// engine; an older one is refused.
+//
+// # Safety
+//
+// `socket` and `successor` are NUL-terminated strings; `out` is valid for a write of a pointer.
+enum DjvStatus djv_sidecar_store_open(const char *socket,
+                                      const char *successor,
+                                      uint64_t epoch,
+                                      struct DjvStore **out);
+
+// Releases a store (NULL is ignored); a file store's files stay, a sidecar keeps its copies.
 //
 // # Safety
 //
 // `store` is NULL or a live store, not used afterwards.
-void djv_file_store_free(struct DjvFileStore *store);
+void djv_store_free(struct DjvStore *store);
 
 // Flushes `region` of `cache` to `store` as one checksummed chunk (a gather into a staging buffer,
 // then one write), keyed by `destination`, `microbatch` and the region.
@@ -252,7 +267,7 @@ void djv_file_store_free(struct DjvFileStore *store);
 // # Safety
 //
 // `store` and `cache` are live handles; `region` is valid.
-enum DjvStatus djv_flush(struct DjvFileStore *store,
+enum DjvStatus djv_flush(struct DjvStore *store,
                          const struct DjvCache *cache,
                          const struct DjvRegion *region,
                          struct DjvWorker source,
@@ -265,7 +280,7 @@ enum DjvStatus djv_flush(struct DjvFileStore *store,
 // # Safety
 //
 // `store` and `cache` are live handles; `region` is valid.
-enum DjvStatus djv_fetch(struct DjvFileStore *store,
+enum DjvStatus djv_fetch(struct DjvStore *store,
                          const struct DjvCache *cache,
                          const struct DjvRegion *region,
                          struct DjvWorker source,

@@ -15,10 +15,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use dejavulib::file_io::FileBackend;
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
+use dejavulib::local::LocalSidecar;
 use dejavulib::reshard::{receive, send, StreamError};
 use dejavulib::store::StoreError;
 use dejavulib::{
-    CacheError, DType, FileStore, KvCache, KvLayout, KvRegion, KvSpec, StagingPool, Transfer, WorkerId,
+    CacheError, ChunkStore, DType, FileStore, KvCache, KvLayout, KvRegion, KvSpec, StagingPool, Transfer,
+    WorkerId,
 };
 
 /// Outcome of a call.
@@ -118,8 +120,9 @@ pub struct DjvCache {
     pool: StagingPool,
 }
 
-/// A directory of chunk files (opaque).
-pub struct DjvFileStore(FileStore);
+/// Where chunks are flushed to and fetched from (opaque): a directory of chunk files, or the
+/// engine's own sidecar process.
+pub struct DjvStore(Box<dyn ChunkStore>);
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
@@ -526,7 +529,7 @@ pub unsafe extern "C" fn djv_scatter(
 ///
 /// `dir` is a NUL-terminated path; `out` is valid for a write of a pointer.
 #[no_mangle]
-pub unsafe extern "C" fn djv_file_store_open(dir: *const c_char, out: *mut *mut DjvFileStore) -> DjvStatus {
+pub unsafe extern "C" fn djv_file_store_open(dir: *const c_char, out: *mut *mut DjvStore) -> DjvStatus {
     call(|| {
         if dir.is_null() {
             return Err(Failure::invalid("dir is NULL"));
@@ -536,17 +539,52 @@ pub unsafe extern "C" fn djv_file_store_open(dir: *const c_char, out: *mut *mut 
             unsafe { CStr::from_ptr(dir) }.to_str().map_err(|_| Failure::invalid("dir is not UTF-8"))?;
         let store = FileStore::open(dir, FileBackend::Auto)?;
         // SAFETY: the caller passes a writable `out`.
-        unsafe { give(out, DjvFileStore(store)) }
+        unsafe { give(out, DjvStore(Box::new(store))) }
     })
 }
 
-/// Releases a file store (NULL is ignored); its files stay.
+/// Connects to the engine's own sidecar (a `dejavud sidecar` process) at its local socket
+/// `socket`, as an engine started in `epoch`: each chunk flushed crosses a memory region shared
+/// with the sidecar, which keeps it and forwards it to the sidecar at `successor` ("ip:port");
+/// a fetch comes back through shared memory. A newer epoch takes the sidecar over from an older
+/// engine; an older one is refused.
+///
+/// # Safety
+///
+/// `socket` and `successor` are NUL-terminated strings; `out` is valid for a write of a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn djv_sidecar_store_open(
+    socket: *const c_char,
+    successor: *const c_char,
+    epoch: u64,
+    out: *mut *mut DjvStore,
+) -> DjvStatus {
+    call(|| {
+        if socket.is_null() || successor.is_null() {
+            return Err(Failure::invalid("socket or successor is NULL"));
+        }
+        // SAFETY: NUL-terminated strings per the contract.
+        let (socket, successor) = unsafe { (CStr::from_ptr(socket), CStr::from_ptr(successor)) };
+        let socket = socket.to_str().map_err(|_| Failure::invalid("socket is not UTF-8"))?;
+        let successor: std::net::SocketAddr = successor
+            .to_str()
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| Failure::invalid("successor is not an ip:port address"))?;
+        let local = LocalSidecar::connect(std::path::Path::new(socket), epoch, successor)
+            .map_err(|e| Failure(DjvStatus::Io, format!("sidecar at {socket}: {e}")))?;
+        // SAFETY: the caller passes a writable `out`.
+        unsafe { give(out, DjvStore(Box::new(local))) }
+    })
+}
+
+/// Releases a store (NULL is ignored); a file store's files stay, a sidecar keeps its copies.
 ///
 /// # Safety
 ///
 /// `store` is NULL or a live store, not used afterwards.
 #[no_mangle]
-pub unsafe extern "C" fn djv_file_store_free(store: *mut DjvFileStore) {
+pub unsafe extern "C" fn djv_store_free(store: *mut DjvStore) {
     if !store.is_null() {
         // SAFETY: made by `Box::into_raw` in `give`, freed once per the contract.
         drop(unsafe { Box::from_raw(store) });
@@ -560,10 +598,10 @@ pub unsafe extern "C" fn djv_file_store_free(store: *mut DjvFileStore) {
 /// Each pointer is NULL (an error) or points to a live handle of this library; the store is used
 /// through the returned exclusive borrow only, for the duration of the call.
 unsafe fn operands<'a>(
-    store: *mut DjvFileStore,
+    store: *mut DjvStore,
     cache: *const DjvCache,
     region: *const DjvRegion,
-) -> Result<(&'a mut DjvFileStore, &'a DjvCache, &'a DjvRegion), Failure> {
+) -> Result<(&'a mut DjvStore, &'a DjvCache, &'a DjvRegion), Failure> {
     // SAFETY: per the contract.
     let store = unsafe { store.as_mut() }.ok_or_else(|| Failure::invalid("store is NULL"))?;
     // SAFETY: per the contract.
@@ -583,7 +621,7 @@ fn transfer(r: &DjvRegion, source: DjvWorker, destination: DjvWorker, microbatch
 /// `store` and `cache` are live handles; `region` is valid.
 #[no_mangle]
 pub unsafe extern "C" fn djv_flush(
-    store: *mut DjvFileStore,
+    store: *mut DjvStore,
     cache: *const DjvCache,
     region: *const DjvRegion,
     source: DjvWorker,
@@ -594,7 +632,7 @@ pub unsafe extern "C" fn djv_flush(
         // SAFETY: per the contract.
         let (store, cache, r) = unsafe { operands(store, cache, region) }?;
         let t = transfer(r, source, destination, microbatch);
-        send(&cache.cache, &t, r.tokens_start..r.tokens_end, &cache.pool, &mut store.0)?;
+        send(&cache.cache, &t, r.tokens_start..r.tokens_end, &cache.pool, &mut *store.0)?;
         Ok(())
     })
 }
@@ -607,7 +645,7 @@ pub unsafe extern "C" fn djv_flush(
 /// `store` and `cache` are live handles; `region` is valid.
 #[no_mangle]
 pub unsafe extern "C" fn djv_fetch(
-    store: *mut DjvFileStore,
+    store: *mut DjvStore,
     cache: *const DjvCache,
     region: *const DjvRegion,
     source: DjvWorker,
@@ -619,7 +657,7 @@ pub unsafe extern "C" fn djv_fetch(
         let (store, cache, r) = unsafe { operands(store, cache, region) }?;
         let t = transfer(r, source, destination, microbatch);
         let mut payload = Vec::new();
-        receive(&cache.cache, &t, r.tokens_start..r.tokens_end, &mut store.0, &mut payload)?;
+        receive(&cache.cache, &t, r.tokens_start..r.tokens_end, &mut *store.0, &mut payload)?;
         Ok(())
     })
 }
