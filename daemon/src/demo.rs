@@ -33,6 +33,8 @@ pub struct DemoConfig {
     pub heartbeat: Duration,
     /// What dies: the victim's engine, or its whole worker (engine and sidecar).
     pub kill: Kill,
+    /// KV caches each stage keeps in device memory, if fewer than microbatches (swapping).
+    pub device_caches: Option<u32>,
     /// The `dejavud` executable to start stage and sidecar processes with.
     pub exe: PathBuf,
 }
@@ -78,6 +80,10 @@ pub struct DemoSettings {
     /// Milliseconds between heartbeats; a process silent for three is dead [default: 100].
     #[arg(long)]
     pub heartbeat_ms: Option<u64>,
+    /// KV caches each stage keeps in device memory; fewer than the microbatches (requests / 4)
+    /// turns microbatch swapping on [default: one per microbatch].
+    #[arg(long)]
+    pub device_caches: Option<u32>,
 }
 
 impl DemoSettings {
@@ -99,6 +105,7 @@ impl DemoSettings {
             new_tokens: self.new_tokens.or(base.new_tokens),
             deadline_ms: self.deadline_ms.or(base.deadline_ms),
             heartbeat_ms: self.heartbeat_ms.or(base.heartbeat_ms),
+            device_caches: self.device_caches.or(base.device_caches),
         }
     }
 
@@ -116,6 +123,7 @@ impl DemoSettings {
                 KillSetting::Worker => Kill::Worker,
                 KillSetting::Engine => Kill::Engine,
             },
+            device_caches: self.device_caches,
             exe,
         }
     }
@@ -136,7 +144,7 @@ pub enum DemoError {
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Recovery {
     /// From sending the step the kill broke (the kill comes just before it) to the heartbeat
-    /// monitor declaring the process dead.
+    /// controller declaring the process dead.
     pub detection_ms: f64,
     /// Starting the replacement, repairing the chain, restoring its KV (from its own sidecar, or
     /// from its successor's when its sidecar died too), recomputing the steps replication had not
@@ -200,6 +208,7 @@ fn start_cluster(config: &DemoConfig, workload: &Workload, replicate: bool) -> R
         replicate,
         deadline: config.deadline,
         heartbeat: config.heartbeat,
+        device_caches: config.device_caches,
         ..ClusterConfig::new(config.exe.clone())
     })
 }
@@ -265,6 +274,9 @@ impl DemoConfig {
                 "requests and prompt tokens must be positive, new tokens at least 2".into(),
             ));
         }
+        if self.device_caches == Some(0) {
+            return Err(DemoError::Invalid("device caches must be at least 1".into()));
+        }
         Ok(())
     }
 }
@@ -321,7 +333,7 @@ failure-free:            {:7.3} s  ({:.0} tokens/s; replication overhead {:+.1}%
 one failure, recovered:  {:7.3} s  ({:.2}x)  detection {:.0} ms, restore {:.1} ms, resume {:.1} ms, tokens recomputed {}
 one failure, restarted:  {:7.3} s  ({:.2}x)  tokens recomputed {}
 KV per token: {} bytes to the successors' sidecars, as many to the local ones (all {} stages)
-output identical to the failure-free run: {} (restart from scratch: {})
+{}output identical to the failure-free run: {} (restart from scratch: {})
 ",
             self.unreplicated_s,
             tps(self.unreplicated_s),
@@ -339,6 +351,10 @@ output identical to the failure-free run: {} (restart from scratch: {})
             self.restart_tokens_recomputed,
             self.kv_bytes_replicated_per_token,
             config.stages,
+            match config.device_caches {
+                Some(n) => format!("microbatch swapping: {n} device caches per stage\n"),
+                None => String::new(),
+            },
             if self.matched { "yes" } else { "NO" },
             if self.restart_matched { "yes" } else { "NO" },
         )

@@ -25,7 +25,7 @@ fn leftovers() -> Vec<String> {
 }
 
 #[test]
-fn the_demo_recovers_a_killed_stage_with_identical_tokens() {
+fn the_demo_recovers_a_killed_stage_with_identical_tokens_also_when_swapping() {
     for victim in ["0", "2", "3"] {
         let out = dejavud(&[
             "demo",
@@ -49,12 +49,26 @@ fn the_demo_recovers_a_killed_stage_with_identical_tokens() {
         assert!(recovery["detection_ms"].as_f64().unwrap() > 0.0, "{report}");
         assert!(report["restart_tokens_recomputed"].as_u64().unwrap() >= 1, "{report}");
     }
+    // With microbatch swapping on: three microbatches of four requests in two device caches per
+    // stage. (In this test, not another: the check for leftovers sees every demo's processes.)
+    let args = ["demo", "--json", "--requests", "12", "--prompt-tokens", "7", "--new-tokens", "8"];
+    let out = dejavud(&[&args[..], &["--device-caches", "2"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    assert_eq!(report["matched"], true, "{report}");
+    assert_eq!(report["restart_matched"], true, "{report}");
+    assert_eq!(report["tokens"], 96);
     assert!(leftovers().is_empty(), "processes left behind: {:?}", leftovers());
 }
 
 #[test]
 fn bad_demo_settings_are_refused() {
-    for args in [&["demo", "--victim", "7"][..], &["demo", "--stages", "0"], &["demo", "--new-tokens", "1"]] {
+    for args in [
+        &["demo", "--victim", "7"][..],
+        &["demo", "--stages", "0"],
+        &["demo", "--new-tokens", "1"],
+        &["demo", "--device-caches", "0"],
+    ] {
         let out = dejavud(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         assert!(String::from_utf8_lossy(&out.stderr).contains("invalid demo setting"), "{args:?}");
