@@ -499,8 +499,8 @@ struct StageProcess {
     sidecars: Option<Sidecars>,
     /// Flushes each step's KV to both sidecars in the background.
     streamer: Option<Streamer>,
-    /// Replications not known to be done yet.
-    pending: VecDeque<Completion>,
+    /// Replications not known to be done yet, and the cache each reads.
+    pending: VecDeque<(Completion, Arc<KvCache>)>,
     pool: StagingPool,
     stats: Arc<StageStats>,
 }
@@ -552,18 +552,21 @@ impl StageProcess {
             return Err(ProcessError::Protocol(format!("no sequence {seat:?}")));
         }
         let (pending, stats) = (&mut self.pending, &self.stats);
-        let cache = self.caches.resident(seat.microbatch, &mut || Self::quiesce(pending, stats));
+        let cache = self.caches.resident(seat.microbatch, &mut |cache| Self::quiesce(pending, stats, cache));
         cache.map_err(|e| ProcessError::Sidecar(format!("swapping in microbatch {}: {e}", seat.microbatch)))
     }
 
-    /// Waits for every copy the streamer has in hand: a cache is about to hold another microbatch.
-    fn quiesce(pending: &mut VecDeque<Completion>, stats: &StageStats) {
-        for done in pending.drain(..) {
+    /// Waits for the streamer's copies out of `cache`, which is about to hold another microbatch
+    /// (the streamer runs its jobs in order: waiting for the last one that reads it is enough, and
+    /// the ones before it are done by then too).
+    fn quiesce(pending: &mut VecDeque<(Completion, Arc<KvCache>)>, stats: &StageStats, cache: &Arc<KvCache>) {
+        let Some(last) = pending.iter().rposition(|(_, reads)| Arc::ptr_eq(reads, cache)) else { return };
+        for (done, _) in pending.drain(..=last) {
             if done.wait().is_err() {
                 StageStats::add(&stats.replication_failures, 1);
             }
         }
-        stats.replication_pending.store(0, Ordering::Relaxed);
+        stats.replication_pending.store(pending.len() as u64, Ordering::Relaxed);
     }
 
     /// After a step of `microbatch` has been passed on: brings the next microbatch in while the
@@ -571,7 +574,9 @@ impl StageProcess {
     fn prefetch_after(&mut self, microbatch: u32) {
         let next = (microbatch + 1) % self.config.microbatches.max(1);
         let (pending, stats) = (&mut self.pending, &self.stats);
-        if let Err(e) = self.caches.prefetch(next, microbatch, &mut || Self::quiesce(pending, stats)) {
+        if let Err(e) =
+            self.caches.prefetch(next, microbatch, &mut |cache| Self::quiesce(pending, stats, cache))
+        {
             warn!(stage = self.config.index, error = %e, "a prefetch failed");
         }
     }
@@ -594,10 +599,15 @@ impl StageProcess {
         StageStats::add(&self.stats.steps, 1);
         StageStats::add(&self.stats.tokens, count as u64);
         if let Some(streamer) = &self.streamer {
-            let job = StreamJob { cache, transfer: self.transfer(seat), tokens: position..position + count };
-            self.pending.push_back(streamer.submit(job).map_err(|e| ProcessError::Sidecar(e.to_string()))?);
+            let job = StreamJob {
+                cache: cache.clone(),
+                transfer: self.transfer(seat),
+                tokens: position..position + count,
+            };
+            let done = streamer.submit(job).map_err(|e| ProcessError::Sidecar(e.to_string()))?;
+            self.pending.push_back((done, cache));
             // Report failed replications; a replacement recomputes what the copies lack.
-            while let Some(done) = self.pending.front().and_then(Completion::poll) {
+            while let Some(done) = self.pending.front().and_then(|(done, _)| done.poll()) {
                 self.pending.pop_front();
                 if let Err(e) = done {
                     StageStats::add(&self.stats.replication_failures, 1);

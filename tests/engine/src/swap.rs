@@ -99,12 +99,12 @@ impl SwapCaches {
     }
 
     /// The device cache holding `microbatch`, bringing it in first if needed. `quiesce` is called
-    /// before a cache is given to another microbatch: nothing may still be reading it then (the
-    /// streamer's copies of its KV).
+    /// with a cache before it is given to another microbatch: nothing may still be reading it then
+    /// (the streamer's copies of its KV).
     pub fn resident(
         &mut self,
         microbatch: u32,
-        quiesce: &mut dyn FnMut(),
+        quiesce: &mut dyn FnMut(&Arc<KvCache>),
     ) -> Result<Arc<KvCache>, StreamError> {
         self.clock += 1;
         if let Some(i) = self.resident.iter().position(|&r| r == Some(microbatch)) {
@@ -122,7 +122,7 @@ impl SwapCaches {
         &mut self,
         microbatch: u32,
         keep: u32,
-        quiesce: &mut dyn FnMut(),
+        quiesce: &mut dyn FnMut(&Arc<KvCache>),
     ) -> Result<(), StreamError> {
         if self.device.len() < 2 || self.resident.contains(&Some(microbatch)) {
             return Ok(());
@@ -149,11 +149,16 @@ impl SwapCaches {
     }
 
     /// Swaps the occupant of device cache `i` out (its delta) and `microbatch` in.
-    fn bring_in(&mut self, i: usize, microbatch: u32, quiesce: &mut dyn FnMut()) -> Result<(), StreamError> {
+    fn bring_in(
+        &mut self,
+        i: usize,
+        microbatch: u32,
+        quiesce: &mut dyn FnMut(&Arc<KvCache>),
+    ) -> Result<(), StreamError> {
         let cache = self.device[i].clone();
         let slots = self.region.slots.clone();
         if let Some(out) = self.resident[i].take() {
-            quiesce();
+            quiesce(&cache);
             for slot in slots.clone() {
                 let held = self.swapped.get(&(out, slot)).and_then(|r| r.last()).map_or(0, |r| r.end);
                 let len = self.kv_len.get(&(out, slot)).copied().unwrap_or(0);
@@ -227,7 +232,7 @@ mod tests {
         // Each microbatch runs three steps, round-robin, prefetching the next one.
         for token in 0..3 {
             for m in 0..4 {
-                let cache = caches.resident(m, &mut || quiesced += 1).unwrap();
+                let cache = caches.resident(m, &mut |_| quiesced += 1).unwrap();
                 if token > 0 {
                     assert_eq!(
                         read(&cache, token - 1),
@@ -237,11 +242,11 @@ mod tests {
                 }
                 write(&cache, m, token);
                 (0..SLOTS).for_each(|slot| caches.grew(m, slot, token + 1));
-                caches.prefetch((m + 1) % 4, m, &mut || quiesced += 1).unwrap();
+                caches.prefetch((m + 1) % 4, m, &mut |_| quiesced += 1).unwrap();
             }
         }
         for m in 0..4 {
-            let cache = caches.resident(m, &mut || {}).unwrap();
+            let cache = caches.resident(m, &mut |_| {}).unwrap();
             for token in 0..3 {
                 assert_eq!(read(&cache, token), (m * 1000 + token * 10) as f32);
             }
@@ -270,18 +275,18 @@ mod tests {
             cache.read_vector(Part::K, Coord { layer: 0, slot, head: 0, token }, &mut out).unwrap();
             f32::from_le_bytes(out[..4].try_into().unwrap())
         };
-        let cache = caches.resident(0, &mut || {}).unwrap();
+        let cache = caches.resident(0, &mut |_| {}).unwrap();
         write_slot(&cache, 0, 0, 1.0);
         write_slot(&cache, 1, 0, 2.0);
         write_slot(&cache, 0, 1, 3.0);
         caches.grew(0, 0, 2);
         caches.grew(0, 1, 1);
-        caches.resident(1, &mut || {}).unwrap(); // microbatch 0 out, with slot 1 one token behind
-        let cache = caches.resident(0, &mut || {}).unwrap();
+        caches.resident(1, &mut |_| {}).unwrap(); // microbatch 0 out, with slot 1 one token behind
+        let cache = caches.resident(0, &mut |_| {}).unwrap();
         write_slot(&cache, 1, 1, 4.0);
         caches.grew(0, 1, 2);
-        caches.resident(1, &mut || {}).unwrap(); // out again: only slot 1's new token
-        let cache = caches.resident(0, &mut || {}).unwrap();
+        caches.resident(1, &mut |_| {}).unwrap(); // out again: only slot 1's new token
+        let cache = caches.resident(0, &mut |_| {}).unwrap();
         assert_eq!([0, 1].map(|t| read_slot(&cache, 0, t)), [1.0, 3.0]);
         assert_eq!([0, 1].map(|t| read_slot(&cache, 1, t)), [2.0, 4.0]);
     }
@@ -290,10 +295,10 @@ mod tests {
     fn with_a_cache_per_microbatch_nothing_is_swapped() {
         let mut caches = caches(4);
         for m in 0..4 {
-            let cache = caches.resident(m, &mut || panic!("no cache changes hands")).unwrap();
+            let cache = caches.resident(m, &mut |_| panic!("no cache changes hands")).unwrap();
             write(&cache, m, 0);
             (0..SLOTS).for_each(|slot| caches.grew(m, slot, 1));
-            caches.prefetch((m + 1) % 4, m, &mut || panic!("no cache changes hands")).unwrap_or(());
+            caches.prefetch((m + 1) % 4, m, &mut |_| panic!("no cache changes hands")).unwrap_or(());
         }
         assert_eq!(caches.stats.swap_ins.load(Ordering::Relaxed), 0);
         assert_eq!(caches.stats.bytes_out.load(Ordering::Relaxed), 0);
