@@ -85,6 +85,12 @@ impl Completion {
         result
     }
 
+    /// Whether the job has finished (its result may still be taken with [`Completion::poll`] or
+    /// [`Completion::wait`]). A job whose streamer is gone never finishes.
+    pub fn is_finished(&self) -> bool {
+        self.taken.get() || !self.rx.is_empty()
+    }
+
     /// The result if the job has finished, without blocking. Yields the result once, then `None`.
     pub fn poll(&self) -> Option<Result<ChunkReceipt, StreamerError>> {
         if self.taken.get() {

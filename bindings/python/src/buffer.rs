@@ -109,9 +109,6 @@ pub fn raw_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResul
         }
         return Ok(RawBuffer { ptr: address as *mut u8, len, _owner: obj.clone().unbind() });
     }
-    if obj.hasattr("__dlpack__")? {
-        return dlpack_buffer(obj, what);
-    }
     if obj.hasattr("data_ptr")? && obj.hasattr("is_contiguous")? {
         // A PyTorch tensor.
         let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
@@ -127,6 +124,9 @@ pub fn raw_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResul
         let numel: usize = obj.call_method0("numel")?.extract()?;
         let item: usize = obj.call_method0("element_size")?.extract()?;
         return Ok(RawBuffer { ptr: address as *mut u8, len: numel * item, _owner: obj.clone().unbind() });
+    }
+    if obj.hasattr("__dlpack__")? {
+        return dlpack_buffer(obj, writable, what);
     }
     Err(PyTypeError::new_err(format!(
         "{what} must be a numpy array, a DLPack tensor, a CPU torch tensor, a bytearray or bytes, not {}",
@@ -167,9 +167,25 @@ struct DlTensor {
     byte_offset: u64,
 }
 
+/// The head of `DLManagedTensorVersioned` (DLPack 1.0), up to its tensor.
+#[repr(C)]
+struct DlManagedVersioned {
+    major: u32,
+    minor: u32,
+    manager_ctx: *mut std::ffi::c_void,
+    deleter: Option<unsafe extern "C" fn(*mut std::ffi::c_void)>,
+    flags: u64,
+    dl_tensor: DlTensor,
+}
+
+/// `DLPACK_FLAG_BITMASK_READ_ONLY`.
+const DL_READ_ONLY: u64 = 1;
+
 /// The memory of an object exporting a DLPack capsule. The capsule is kept (not consumed): its
-/// producer frees the tensor when the capsule is collected, after the buffer is dropped.
-fn dlpack_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<RawBuffer> {
+/// producer frees the tensor when the capsule is collected, after the buffer is dropped. DLPack
+/// 1.0 capsules are asked for first, since they say whether the memory may be written; an older
+/// producer's tensor is only read.
+fn dlpack_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<RawBuffer> {
     if obj.hasattr("__dlpack_device__")? {
         let (device, _): (i32, i32) = obj.call_method0("__dlpack_device__")?.extract()?;
         if device != DL_CPU && device != DL_CUDA_HOST {
@@ -178,19 +194,48 @@ fn dlpack_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<RawBuffer> {
             )));
         }
     }
-    let capsule = obj.call_method0("__dlpack__")?;
+    let py = obj.py();
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("max_version", (1, 0))?;
+    let capsule = match obj.call_method("__dlpack__", (), Some(&kwargs)) {
+        Ok(capsule) => capsule,
+        // A producer older than DLPack 1.0 does not know `max_version`.
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => obj.call_method0("__dlpack__")?,
+        Err(e) => return Err(e),
+    };
     let capsule = capsule
         .cast::<PyCapsule>()
         .map_err(|_| PyTypeError::new_err(format!("{what}.__dlpack__() did not return a capsule")))?;
-    let pointer = capsule.pointer_checked(Some(c"dltensor")).map_err(|_| {
-        PyValueError::new_err(format!(
-            "{what}.__dlpack__() returned a capsule that is not an unused \"dltensor\""
-        ))
-    })?;
-    // SAFETY: a valid "dltensor" capsule points to a DLManagedTensor, whose first member is the
-    // DLTensor; the capsule is alive (held below) and its producer keeps the tensor until the
-    // capsule is collected. Only the fields are read, here, under the GIL.
-    let tensor = unsafe { pointer.cast::<DlTensor>().as_ref() };
+    let tensor: &DlTensor = if let Ok(pointer) = capsule.pointer_checked(Some(c"dltensor_versioned")) {
+        // SAFETY: a valid "dltensor_versioned" capsule points to a DLManagedTensorVersioned; the
+        // capsule is alive (held below) and its producer keeps the tensor until the capsule is
+        // collected. Only the fields are read, here, under the GIL.
+        let managed = unsafe { pointer.cast::<DlManagedVersioned>().as_ref() };
+        if managed.major != 1 {
+            return Err(PyValueError::new_err(format!(
+                "{what} is a DLPack {}.x tensor; 1.x is read",
+                managed.major
+            )));
+        }
+        if writable && managed.flags & DL_READ_ONLY != 0 {
+            return Err(PyValueError::new_err(format!("{what} is read-only but is written to")));
+        }
+        &managed.dl_tensor
+    } else if let Ok(pointer) = capsule.pointer_checked(Some(c"dltensor")) {
+        if writable {
+            return Err(PyValueError::new_err(format!(
+                "{what} comes from a producer older than DLPack 1.0, which cannot say whether it may be \
+                 written: pass a numpy array or another writable buffer"
+            )));
+        }
+        // SAFETY: a valid "dltensor" capsule points to a DLManagedTensor, whose first member is
+        // the DLTensor; held and read as above.
+        unsafe { pointer.cast::<DlTensor>().as_ref() }
+    } else {
+        return Err(PyValueError::new_err(format!(
+            "{what}.__dlpack__() returned a capsule that is not an unused DLPack tensor"
+        )));
+    };
     if tensor.device.device_type != DL_CPU && tensor.device.device_type != DL_CUDA_HOST {
         return Err(PyTypeError::new_err(format!(
             "{what} is on DLPack device type {}, not host memory",
@@ -219,10 +264,12 @@ fn dlpack_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<RawBuffer> {
                     "{what} must be C-contiguous (DLPack strides {strides:?} for shape {shape:?})"
                 )));
             }
-            expected *= dim;
+            expected = expected.saturating_mul(dim);
         }
     }
-    let len = shape.iter().product::<i64>() as usize * item;
+    let too_large = || PyValueError::new_err(format!("{what} is larger than this machine can address"));
+    let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d as usize)).ok_or_else(too_large)?;
+    let len = elements.checked_mul(item).ok_or_else(too_large)?;
     if tensor.data.is_null() && len > 0 {
         return Err(PyValueError::new_err(format!("{what} has a NULL data pointer")));
     }

@@ -73,11 +73,18 @@ class DLPackOnly:
     def __init__(self, array, device=(1, 0)):
         self.array, self.device = array, device
 
-    def __dlpack__(self, stream=None):
-        return self.array.__dlpack__()
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
 
     def __dlpack_device__(self):
         return self.device
+
+
+class OldDLPack(DLPackOnly):
+    """A producer older than DLPack 1.0: no `max_version`, no read-only flag."""
+
+    def __dlpack__(self, stream=None):
+        return self.array.__dlpack__()
 
 
 def test_dlpack_tensors_are_used_in_place():
@@ -95,6 +102,18 @@ def test_dlpack_tensors_are_used_in_place():
         dejavu.KvCache.wrap(layout, [DLPackOnly(np.zeros(2 * n, dtype=np.uint8)[::2]) for n in layout.buffer_sizes])
     with pytest.raises(TypeError, match="host memory"):
         dejavu.KvCache.wrap(layout, [DLPackOnly(b, device=(2, 0)) for b in buffers])
+    # A read-only tensor is refused as a destination, and read as a source.
+    frozen = np.frombuffer(bytes(staged), dtype=np.uint8)
+    assert not frozen.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        engine.gather(REGION, DLPackOnly(frozen))
+    copy = dejavu.KvCache(layout)
+    copy.scatter(REGION, DLPackOnly(frozen))
+    assert bytes(copy.gather(REGION)) == bytes(staged)
+    # An older producer cannot say whether it may be written: read, never written.
+    with pytest.raises(ValueError, match="older than DLPack 1.0"):
+        engine.gather(REGION, OldDLPack(np.zeros(len(staged), dtype=np.uint8)))
+    copy.scatter(REGION, OldDLPack(np.frombuffer(bytes(staged), dtype=np.uint8).copy()))
 
 
 def test_torch_cpu_tensors_are_used_in_place():

@@ -65,22 +65,31 @@ pub struct StageArgs {
     /// The cluster secret shared with the sidecars.
     #[arg(long, default_value = "dejavu reference cluster")]
     pub secret: String,
+    /// What it is as a member of the cluster.
+    #[command(flatten)]
+    pub member: MemberArgs,
+}
+
+/// What a stage and a sidecar share as members of a cluster: heartbeats, the epoch they were
+/// started in, metrics and logs.
+#[derive(Clone, Debug, Args)]
+pub struct MemberArgs {
     /// Where to send heartbeats (the controller's address), if anywhere.
     #[arg(long)]
     pub heartbeat: Option<SocketAddr>,
     /// Milliseconds between heartbeats.
     #[arg(long, default_value_t = 100)]
     pub heartbeat_ms: u64,
+    /// The epoch it is started in (a replacement: the recovery's). Its heartbeats, connections and
+    /// KV copies carry it; whoever has seen a newer one for its place refuses it.
+    #[arg(long, default_value_t = 0)]
+    pub epoch: u64,
     /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
-    /// The epoch it is started in (a replacement: the recovery's). Its connections and KV copies
-    /// carry it; its successor and the sidecars refuse an older one once they have seen it.
-    #[arg(long, default_value_t = 0)]
-    pub epoch: u64,
 }
 
 /// A stage's sidecar: keeps its engine's KV (received through shared memory) and its
@@ -103,24 +112,12 @@ pub struct SidecarArgs {
     /// Bytes of a shared region; the largest chunk (a whole prompt's KV on the stage) must fit.
     #[arg(long, default_value_t = 64 << 20)]
     pub region_bytes: usize,
-    /// The epoch it is started in (a replacement: the recovery's); its heartbeats carry it.
-    #[arg(long, default_value_t = 0)]
-    pub epoch: u64,
     /// The cluster secret.
     #[arg(long, default_value = "dejavu reference cluster")]
     pub secret: String,
-    /// Where to send heartbeats (the controller's address), if anywhere.
-    #[arg(long)]
-    pub heartbeat: Option<SocketAddr>,
-    /// Milliseconds between heartbeats.
-    #[arg(long, default_value_t = 100)]
-    pub heartbeat_ms: u64,
-    /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
-    #[arg(long)]
-    pub metrics: Option<SocketAddr>,
-    /// Logging.
+    /// What it is as a member of the cluster.
     #[command(flatten)]
-    pub log: LogArgs,
+    pub member: MemberArgs,
     /// Breaks replication on purpose (its engine's KV is kept but never forwarded to the
     /// successor, while reported done), so that tests can prove the chaos harness catches lost
     /// KV. Never use it otherwise.
@@ -173,17 +170,18 @@ fn announce(addr: SocketAddr, metrics: Option<SocketAddr>) {
     let _ = std::io::stdout().flush();
 }
 
-/// Starts beating to `controller`, if given.
-fn start_heartbeat(
-    controller: Option<SocketAddr>,
-    member: (Role, u32),
-    epoch: u64,
-    interval_ms: u64,
-) -> Result<Option<Heartbeat>, String> {
-    controller
-        .map(|to| beat(to, member, epoch, Duration::from_millis(interval_ms)))
-        .transpose()
-        .map_err(|e| format!("cannot send heartbeats: {e}"))
+impl MemberArgs {
+    /// Sets the process up as a member: its logs, its death with the parent that started it, and
+    /// its heartbeats as (`role`, `index`) to the controller, if given (they stop when the handle
+    /// is dropped).
+    fn start(&self, role: Role, index: u32) -> Result<Option<Heartbeat>, String> {
+        self.log.init()?;
+        die_with_parent();
+        self.heartbeat
+            .map(|to| beat(to, (role, index), self.epoch, Duration::from_millis(self.heartbeat_ms)))
+            .transpose()
+            .map_err(|e| format!("cannot send heartbeats: {e}"))
+    }
 }
 
 /// Asks the kernel to kill this process when the thread that started it exits (for the demo, its
@@ -203,10 +201,7 @@ fn die_with_parent() {
 impl StageArgs {
     /// Runs the stage until it is killed.
     pub fn run(self) -> Result<(), String> {
-        self.log.init()?;
-        die_with_parent();
-        let member = (Role::Engine, self.index);
-        let _heartbeat = start_heartbeat(self.heartbeat, member, self.epoch, self.heartbeat_ms)?;
+        let _heartbeat = self.member.start(Role::Engine, self.index)?;
         let config = StageConfig {
             model: ModelConfig::reference(),
             index: self.index,
@@ -224,20 +219,17 @@ impl StageArgs {
                 successor,
                 secret: self.secret.into_bytes(),
             }),
-            epoch: self.epoch,
+            epoch: self.member.epoch,
             device_caches: self.device_caches,
         };
-        serve_stage(config, self.listen, self.metrics, announce).map_err(|e| e.to_string())
+        serve_stage(config, self.listen, self.member.metrics, announce).map_err(|e| e.to_string())
     }
 }
 
 impl SidecarArgs {
     /// Serves until killed.
     pub fn run(self) -> Result<(), String> {
-        self.log.init()?;
-        die_with_parent();
-        let member = (Role::Sidecar, self.index);
-        let _heartbeat = start_heartbeat(self.heartbeat, member, self.epoch, self.heartbeat_ms)?;
+        let _heartbeat = self.member.start(Role::Sidecar, self.index)?;
         let config = SidecarConfig {
             index: self.index,
             listen: self.listen,
@@ -247,7 +239,7 @@ impl SidecarArgs {
             secret: self.secret.into_bytes(),
             skip_forwarding: self.test_only_skip_replicas,
         };
-        serve_sidecar(config, self.metrics, announce).map_err(|e| e.to_string())
+        serve_sidecar(config, self.member.metrics, announce).map_err(|e| e.to_string())
     }
 }
 

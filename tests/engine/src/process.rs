@@ -552,21 +552,35 @@ impl StageProcess {
             return Err(ProcessError::Protocol(format!("no sequence {seat:?}")));
         }
         let (pending, stats) = (&mut self.pending, &self.stats);
-        let cache = self.caches.resident(seat.microbatch, &mut |cache| Self::quiesce(pending, stats, cache));
+        let cache = self
+            .caches
+            .resident(seat.microbatch, &mut |cache, wait| Self::quiesce(pending, stats, cache, wait));
         cache.map_err(|e| ProcessError::Sidecar(format!("swapping in microbatch {}: {e}", seat.microbatch)))
     }
 
-    /// Waits for the streamer's copies out of `cache`, which is about to hold another microbatch
-    /// (the streamer runs its jobs in order: waiting for the last one that reads it is enough, and
-    /// the ones before it are done by then too).
-    fn quiesce(pending: &mut VecDeque<(Completion, Arc<KvCache>)>, stats: &StageStats, cache: &Arc<KvCache>) {
-        let Some(last) = pending.iter().rposition(|(_, reads)| Arc::ptr_eq(reads, cache)) else { return };
+    /// Makes sure the streamer no longer copies out of `cache`, which is about to hold another
+    /// microbatch: waits for those copies if `wait`, else only says whether they are done. (The
+    /// streamer runs its jobs in order: once the last one that reads the cache is done, so are the
+    /// ones before it.)
+    fn quiesce(
+        pending: &mut VecDeque<(Completion, Arc<KvCache>)>,
+        stats: &StageStats,
+        cache: &Arc<KvCache>,
+        wait: bool,
+    ) -> bool {
+        let Some(last) = pending.iter().rposition(|(_, reads)| Arc::ptr_eq(reads, cache)) else {
+            return true;
+        };
+        if !wait && !pending[last].0.is_finished() {
+            return false;
+        }
         for (done, _) in pending.drain(..=last) {
             if done.wait().is_err() {
                 StageStats::add(&stats.replication_failures, 1);
             }
         }
         stats.replication_pending.store(pending.len() as u64, Ordering::Relaxed);
+        true
     }
 
     /// After a step of `microbatch` has been passed on: brings the next microbatch in while the
@@ -574,8 +588,9 @@ impl StageProcess {
     fn prefetch_after(&mut self, microbatch: u32) {
         let next = (microbatch + 1) % self.config.microbatches.max(1);
         let (pending, stats) = (&mut self.pending, &self.stats);
-        if let Err(e) =
-            self.caches.prefetch(next, microbatch, &mut |cache| Self::quiesce(pending, stats, cache))
+        if let Err(e) = self
+            .caches
+            .prefetch(next, microbatch, &mut |cache, wait| Self::quiesce(pending, stats, cache, wait))
         {
             warn!(stage = self.config.index, error = %e, "a prefetch failed");
         }

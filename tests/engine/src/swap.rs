@@ -99,12 +99,12 @@ impl SwapCaches {
     }
 
     /// The device cache holding `microbatch`, bringing it in first if needed. `quiesce` is called
-    /// with a cache before it is given to another microbatch: nothing may still be reading it then
-    /// (the streamer's copies of its KV).
+    /// with a cache before it is given to another microbatch, and with `true`: it must wait until
+    /// nothing reads the cache any more (the streamer's copies of its KV), and say so.
     pub fn resident(
         &mut self,
         microbatch: u32,
-        quiesce: &mut dyn FnMut(&Arc<KvCache>),
+        quiesce: &mut Quiesce<'_>,
     ) -> Result<Arc<KvCache>, StreamError> {
         self.clock += 1;
         if let Some(i) = self.resident.iter().position(|&r| r == Some(microbatch)) {
@@ -112,23 +112,25 @@ impl SwapCaches {
             return Ok(self.device[i].clone());
         }
         let i = self.victim(None);
-        self.bring_in(i, microbatch, quiesce)?;
+        self.bring_in(i, microbatch, quiesce, true)?;
         Ok(self.device[i].clone())
     }
 
     /// Brings `microbatch` in ahead of time, if a device cache holding neither it nor `keep` (the
-    /// microbatch that just ran) can be taken.
+    /// microbatch that just ran) can be taken now: `quiesce` is called with `false` and says
+    /// whether nothing reads it any more, without waiting (a prefetch never stalls the stage;
+    /// when it cannot run, the microbatch is brought in when it is needed).
     pub fn prefetch(
         &mut self,
         microbatch: u32,
         keep: u32,
-        quiesce: &mut dyn FnMut(&Arc<KvCache>),
+        quiesce: &mut Quiesce<'_>,
     ) -> Result<(), StreamError> {
         if self.device.len() < 2 || self.resident.contains(&Some(microbatch)) {
             return Ok(());
         }
         let i = self.victim(Some(keep));
-        self.bring_in(i, microbatch, quiesce)
+        self.bring_in(i, microbatch, quiesce, false).map(|_| ())
     }
 
     /// The device cache to take: a free one, else the least recently used, never `keep`'s.
@@ -148,17 +150,23 @@ impl SwapCaches {
         Transfer::in_place(self.worker, self.worker, microbatch, &region)
     }
 
-    /// Swaps the occupant of device cache `i` out (its delta) and `microbatch` in.
+    /// Swaps the occupant of device cache `i` out (its delta) and `microbatch` in; returns whether
+    /// it did (not when the cache is still read and `wait` is false). A failure leaves the
+    /// occupant resident if its KV was not all flushed, and the cache free if the incoming KV was
+    /// not all fetched: no cache is ever marked as holding KV it does not hold.
     fn bring_in(
         &mut self,
         i: usize,
         microbatch: u32,
-        quiesce: &mut dyn FnMut(&Arc<KvCache>),
-    ) -> Result<(), StreamError> {
+        quiesce: &mut Quiesce<'_>,
+        wait: bool,
+    ) -> Result<bool, StreamError> {
         let cache = self.device[i].clone();
         let slots = self.region.slots.clone();
-        if let Some(out) = self.resident[i].take() {
-            quiesce(&cache);
+        if let Some(out) = self.resident[i] {
+            if !quiesce(&cache, wait) {
+                return Ok(false);
+            }
             for slot in slots.clone() {
                 let held = self.swapped.get(&(out, slot)).and_then(|r| r.last()).map_or(0, |r| r.end);
                 let len = self.kv_len.get(&(out, slot)).copied().unwrap_or(0);
@@ -171,6 +179,8 @@ impl SwapCaches {
                 self.stats.bytes_out.fetch_add(receipt.bytes, Ordering::Relaxed);
                 self.stats.host_bytes.fetch_add(receipt.bytes, Ordering::Relaxed);
             }
+            // Everything the occupant wrote is in host memory now.
+            self.resident[i] = None;
         }
         let mut payload = Vec::new();
         let mut fetched = false;
@@ -187,9 +197,13 @@ impl SwapCaches {
         }
         self.resident[i] = Some(microbatch);
         self.used[i] = self.clock;
-        Ok(())
+        Ok(true)
     }
 }
+
+/// Called with a device cache about to hold another microbatch, and whether to wait: makes sure
+/// nothing reads it any more (waiting if asked), and says whether that is so.
+pub type Quiesce<'a> = dyn FnMut(&Arc<KvCache>, bool) -> bool + 'a;
 
 #[cfg(test)]
 mod tests {
@@ -232,7 +246,12 @@ mod tests {
         // Each microbatch runs three steps, round-robin, prefetching the next one.
         for token in 0..3 {
             for m in 0..4 {
-                let cache = caches.resident(m, &mut |_| quiesced += 1).unwrap();
+                let cache = caches
+                    .resident(m, &mut |_, _| {
+                        quiesced += 1;
+                        true
+                    })
+                    .unwrap();
                 if token > 0 {
                     assert_eq!(
                         read(&cache, token - 1),
@@ -242,11 +261,16 @@ mod tests {
                 }
                 write(&cache, m, token);
                 (0..SLOTS).for_each(|slot| caches.grew(m, slot, token + 1));
-                caches.prefetch((m + 1) % 4, m, &mut |_| quiesced += 1).unwrap();
+                caches
+                    .prefetch((m + 1) % 4, m, &mut |_, _| {
+                        quiesced += 1;
+                        true
+                    })
+                    .unwrap();
             }
         }
         for m in 0..4 {
-            let cache = caches.resident(m, &mut |_| {}).unwrap();
+            let cache = caches.resident(m, &mut |_, _| true).unwrap();
             for token in 0..3 {
                 assert_eq!(read(&cache, token), (m * 1000 + token * 10) as f32);
             }
@@ -257,7 +281,6 @@ mod tests {
         // Deltas only: each microbatch's three tokens went out once each, the last one in the
         // final pass's swap-outs.
         let bytes_per_token = 2 * SLOTS as u64 * 2 * 4 * 4 * 2;
-        assert_eq!(stats.host_bytes.load(Ordering::Relaxed), stats.bytes_out.load(Ordering::Relaxed));
         assert!(stats.bytes_out.load(Ordering::Relaxed) <= 4 * 3 * bytes_per_token);
     }
 
@@ -275,30 +298,63 @@ mod tests {
             cache.read_vector(Part::K, Coord { layer: 0, slot, head: 0, token }, &mut out).unwrap();
             f32::from_le_bytes(out[..4].try_into().unwrap())
         };
-        let cache = caches.resident(0, &mut |_| {}).unwrap();
+        let cache = caches.resident(0, &mut |_, _| true).unwrap();
         write_slot(&cache, 0, 0, 1.0);
         write_slot(&cache, 1, 0, 2.0);
         write_slot(&cache, 0, 1, 3.0);
         caches.grew(0, 0, 2);
         caches.grew(0, 1, 1);
-        caches.resident(1, &mut |_| {}).unwrap(); // microbatch 0 out, with slot 1 one token behind
-        let cache = caches.resident(0, &mut |_| {}).unwrap();
+        caches.resident(1, &mut |_, _| true).unwrap(); // microbatch 0 out, with slot 1 one token behind
+        let cache = caches.resident(0, &mut |_, _| true).unwrap();
         write_slot(&cache, 1, 1, 4.0);
         caches.grew(0, 1, 2);
-        caches.resident(1, &mut |_| {}).unwrap(); // out again: only slot 1's new token
-        let cache = caches.resident(0, &mut |_| {}).unwrap();
+        caches.resident(1, &mut |_, _| true).unwrap(); // out again: only slot 1's new token
+        let cache = caches.resident(0, &mut |_, _| true).unwrap();
         assert_eq!([0, 1].map(|t| read_slot(&cache, 0, t)), [1.0, 3.0]);
         assert_eq!([0, 1].map(|t| read_slot(&cache, 1, t)), [2.0, 4.0]);
+    }
+
+    #[test]
+    fn a_prefetch_never_waits_for_a_cache_still_read() {
+        let mut caches = caches(2);
+        for m in 0..2 {
+            let cache = caches.resident(m, &mut |_, _| true).unwrap();
+            write(&cache, m, 0);
+            (0..SLOTS).for_each(|slot| caches.grew(m, slot, 1));
+        }
+        // Microbatch 0's cache is still being copied: the prefetch of 2 gives up, nothing moves.
+        let mut asked = Vec::new();
+        caches
+            .prefetch(2, 1, &mut |_, wait| {
+                asked.push(wait);
+                false
+            })
+            .unwrap();
+        assert_eq!(asked, [false], "asked once, not to wait");
+        assert_eq!(caches.resident, [Some(0), Some(1)]);
+        assert_eq!(caches.stats.swap_outs.load(Ordering::Relaxed), 0);
+        // Needed now, it waits and takes the cache; microbatch 0 keeps its KV in host memory.
+        let mut waited = false;
+        caches
+            .resident(2, &mut |_, wait| {
+                waited = wait;
+                true
+            })
+            .unwrap();
+        assert!(waited);
+        // Back into the cache that held microbatch 1 (whose token 0 reads 1000): microbatch 0's.
+        let cache = caches.resident(0, &mut |_, _| true).unwrap();
+        assert_eq!(read(&cache, 0), 0.0);
     }
 
     #[test]
     fn with_a_cache_per_microbatch_nothing_is_swapped() {
         let mut caches = caches(4);
         for m in 0..4 {
-            let cache = caches.resident(m, &mut |_| panic!("no cache changes hands")).unwrap();
+            let cache = caches.resident(m, &mut |_, _| panic!("no cache changes hands")).unwrap();
             write(&cache, m, 0);
             (0..SLOTS).for_each(|slot| caches.grew(m, slot, 1));
-            caches.prefetch((m + 1) % 4, m, &mut |_| panic!("no cache changes hands")).unwrap_or(());
+            caches.prefetch((m + 1) % 4, m, &mut |_, _| panic!("no cache changes hands")).unwrap_or(());
         }
         assert_eq!(caches.stats.swap_ins.load(Ordering::Relaxed), 0);
         assert_eq!(caches.stats.bytes_out.load(Ordering::Relaxed), 0);
