@@ -237,7 +237,8 @@ impl Cluster {
             stages.push(stage);
         }
         stages.reverse();
-        let remote = RemotePipeline::connect(config.route(Link::Input, next), results, config.deadline)?;
+        let first = config.route(Link::Input, next);
+        let remote = RemotePipeline::connect(first, results, n as u32 - 1, config.deadline)?;
         let mut cluster = Self {
             config,
             sidecar_starts: sidecars.len() as u64,

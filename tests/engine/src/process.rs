@@ -219,9 +219,14 @@ fn hear_hello(stream: &TcpStream) -> Result<(u32, u64), ProcessError> {
     }
 }
 
-/// Accepts a connection on `listener` whose hello says epoch `epoch` or newer, waiting at most
-/// `patience`; older ones (from fenced processes) are closed.
-fn accept_within(listener: &TcpListener, epoch: u64, patience: Duration) -> Result<TcpStream, ProcessError> {
+/// Accepts a connection on `listener` whose hello comes from `sender` and says epoch `epoch` or
+/// newer, waiting at most `patience`; others (fenced processes, strangers) are closed.
+fn accept_within(
+    listener: &TcpListener,
+    sender: u32,
+    epoch: u64,
+    patience: Duration,
+) -> Result<TcpStream, ProcessError> {
     listener.set_nonblocking(true)?;
     let start = Instant::now();
     let accepted = loop {
@@ -229,7 +234,10 @@ fn accept_within(listener: &TcpListener, epoch: u64, patience: Duration) -> Resu
             Ok((stream, _)) => {
                 stream.set_nonblocking(false)?;
                 match hear_hello(&stream) {
-                    Ok((_, said)) if said >= epoch => break Ok(stream),
+                    Ok((from, said)) if from == sender && said >= epoch => break Ok(stream),
+                    Ok((from, _)) if from != sender => {
+                        warn!(from, sender, "refused a connection from another sender")
+                    }
                     Ok((_, said)) => warn!(said, epoch, "refused a last stage from an older epoch"),
                     Err(e) => warn!(error = %e, "refused a connection to the driver"),
                 }
@@ -247,6 +255,21 @@ fn accept_within(listener: &TcpListener, epoch: u64, patience: Duration) -> Resu
     let stream = accepted?;
     stream.set_nodelay(true)?;
     Ok(stream)
+}
+
+/// Whether the peer of `stream`, a connection on which it never sends, has closed or reset it:
+/// anything readable there is its end. Checked before a write, so that a frame is not written
+/// into a connection that is already gone (the write would succeed and the frame be lost).
+fn closed_by_peer(stream: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    // SAFETY: recv writes at most one byte into `byte`, a live local; the descriptor belongs to
+    // `stream`, open for the call; MSG_PEEK leaves the data in place, MSG_DONTWAIT returns at once.
+    let n = unsafe {
+        libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
+    // Readable (data, or 0 for its end) means gone; an error other than "nothing yet" too.
+    n >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock
 }
 
 /// Accepts a stage's input connections from a thread of its own and hands on each one that takes
@@ -809,17 +832,21 @@ pub fn serve_stage(
                 }
             };
             let next = process.config.next;
-            if downstream.as_ref().is_some_and(|(addr, _)| *addr != next) {
+            if downstream.as_ref().is_some_and(|(addr, w)| *addr != next || closed_by_peer(w.get_ref())) {
                 downstream = None;
             }
-            if downstream.is_none() {
-                downstream = connect_next(next);
-            }
-            if let Some((_, w)) = downstream.as_mut() {
-                if write_frame(w, &header, &out).and_then(|()| w.flush()).is_err() {
-                    // The successor died: the frame is lost until the driver repairs the chain.
-                    downstream = None;
+            // A connection that breaks (a reset) is made again and the frame sent once more; if
+            // that fails too, the successor is gone and the frame is lost until the driver repairs
+            // the chain and sends it again.
+            for _ in 0..2 {
+                if downstream.is_none() {
+                    downstream = connect_next(next);
                 }
+                let Some((_, w)) = downstream.as_mut() else { break };
+                if write_frame(w, &header, &out).and_then(|()| w.flush()).is_ok() {
+                    break;
+                }
+                downstream = None;
             }
             if header.kind == Kind::Activation {
                 process.prefetch_after(header.ids[0]);
@@ -888,17 +915,20 @@ pub struct RemotePipeline {
     /// The cluster's epoch: the driver's hellos carry it, and a replacement of the last stage must
     /// say it or a newer one.
     epoch: u64,
+    /// The index of the last stage: only it may connect to `results`.
+    last_stage: u32,
     /// The epoch the last stage in use was started in: a connection from an older one is refused
     /// (when the same last stage connects again, after a reset, it says the same).
     last_stage_epoch: u64,
 }
 
 impl RemotePipeline {
-    /// Connects to the first stage at `first` and takes the last stage's connection on `results`;
-    /// a step slower than `deadline` is a [`ProcessError::Timeout`].
+    /// Connects to the first stage at `first` and takes the last stage's connection on `results`
+    /// (stage `last_stage`'s); a step slower than `deadline` is a [`ProcessError::Timeout`].
     pub fn connect(
         first: SocketAddr,
         results: TcpListener,
+        last_stage: u32,
         deadline: Duration,
     ) -> Result<Self, ProcessError> {
         let to_first = Self::connect_first(first, 0, Duration::from_secs(30))?;
@@ -913,11 +943,12 @@ impl RemotePipeline {
             control_deadline,
             next_request: 1,
             epoch: 0,
+            last_stage,
             last_stage_epoch: 0,
         };
         // The last stage connects when it first passes something on: send a probe through.
         let request = pipeline.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?;
-        pipeline.replies = read_replies(accept_within(&pipeline.results, 0, control_deadline)?);
+        pipeline.replies = read_replies(accept_within(&pipeline.results, last_stage, 0, control_deadline)?);
         pipeline.reply(request, control_deadline)?;
         Ok(pipeline)
     }
@@ -943,7 +974,11 @@ impl RemotePipeline {
         self.next_request += 1;
         let mut header = FrameHeader::new(kind, u32::MAX, 0, request);
         header.ids = ids;
-        let sent = write_frame(&mut self.to_first, &header, payload).and_then(|()| self.to_first.flush());
+        let sent = if closed_by_peer(self.to_first.get_ref()) {
+            Err(std::io::Error::from(std::io::ErrorKind::ConnectionReset))
+        } else {
+            write_frame(&mut self.to_first, &header, payload).and_then(|()| self.to_first.flush())
+        };
         if sent.is_err() {
             // The connection broke (a reset, or a first stage that went away): connect again,
             // once, and send the frame there.
@@ -955,8 +990,9 @@ impl RemotePipeline {
     }
 
     /// The reply to `request`, skipping late replies to earlier requests. When the last stage's
-    /// connection breaks (a reset, a corrupted frame), the last stage connects again as it next
-    /// sends something: that connection is taken, within the deadline, and the wait goes on.
+    /// connection breaks (a reset, a corrupted frame), the reply it carried is lost: this returns
+    /// at once, and the next wait first takes the connection the last stage makes again as it next
+    /// sends something.
     fn reply(&mut self, request: u64, deadline: Duration) -> Result<Frame, ProcessError> {
         let until = Instant::now() + deadline;
         loop {
@@ -965,10 +1001,13 @@ impl RemotePipeline {
                 Ok(Ok(frame)) if frame.header.request == request => return Ok(frame),
                 Ok(Ok(_late)) => continue,
                 Err(RecvTimeoutError::Timeout) => return Err(ProcessError::Timeout(deadline)),
-                Ok(Err(_)) | Err(RecvTimeoutError::Disconnected) => {
+                Ok(Err(reason)) => {
                     let (_, closed) = crossbeam_channel::bounded(0);
                     self.replies = closed;
-                    match accept_within(&self.results, self.last_stage_epoch, left) {
+                    return Err(ProcessError::Protocol(reason));
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    match accept_within(&self.results, self.last_stage, self.last_stage_epoch, left) {
                         Ok(stream) => self.replies = read_replies(stream),
                         Err(ProcessError::Timeout(_)) => return Err(ProcessError::Timeout(deadline)),
                         Err(e) => return Err(e),
@@ -1128,7 +1167,8 @@ impl RemotePipeline {
             requests.push(self.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?);
         }
         if last_replaced {
-            self.replies = read_replies(accept_within(&self.results, self.epoch, self.control_deadline)?);
+            let last = accept_within(&self.results, self.last_stage, self.epoch, self.control_deadline)?;
+            self.replies = read_replies(last);
             self.last_stage_epoch = self.epoch;
         }
         for request in requests {
