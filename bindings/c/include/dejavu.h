@@ -96,6 +96,9 @@ typedef struct DjvWorker {
   uint32_t rank;
 } DjvWorker;
 
+// The name a store had when only files were stores; kept so that existing programs build.
+typedef struct DjvStore DjvFileStore;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -253,6 +256,13 @@ enum DjvStatus djv_sidecar_store_open(const char *socket,
                                       const char *successor,
                                       uint64_t epoch,
                                       struct DjvStore **out);
+
+// Releases a file store: the same as [`djv_store_free`], kept so that existing programs link.
+//
+// # Safety
+//
+// As for [`djv_store_free`].
+void djv_file_store_free(struct DjvStore *store);
 
 // Releases a store (NULL is ignored); a file store's files stay, a sidecar keeps its copies.
 //

@@ -124,6 +124,9 @@ pub struct DjvCache {
 /// engine's own sidecar process.
 pub struct DjvStore(Box<dyn ChunkStore>);
 
+/// The name a store had when only files were stores; kept so that existing programs build.
+pub type DjvFileStore = DjvStore;
+
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
@@ -576,6 +579,17 @@ pub unsafe extern "C" fn djv_sidecar_store_open(
         // SAFETY: the caller passes a writable `out`.
         unsafe { give(out, DjvStore(Box::new(local))) }
     })
+}
+
+/// Releases a file store: the same as [`djv_store_free`], kept so that existing programs link.
+///
+/// # Safety
+///
+/// As for [`djv_store_free`].
+#[no_mangle]
+pub unsafe extern "C" fn djv_file_store_free(store: *mut DjvStore) {
+    // SAFETY: the same contract.
+    unsafe { djv_store_free(store) }
 }
 
 /// Releases a store (NULL is ignored); a file store's files stay, a sidecar keeps its copies.

@@ -197,6 +197,7 @@ fn stage_processes_with_two_device_caches_swap_and_recover_bit_identically() {
     assert_eq!(run.recoveries.len(), 1);
 
     let value = |page: &str, name: &str| value_of(page, name, &[]).unwrap();
+    assert_eq!(seen.len(), splits().len(), "every stage's metrics were read");
     for page in &seen {
         // The device pool holds two caches, never four; the rest went to host memory and back.
         let per_cache = value(page, "dejavu_stage_device_kv_bytes") / DEVICE_CACHES as f64;
