@@ -117,6 +117,7 @@ fn cluster_config(
         replicate,
         deadline: Duration::from_millis(scenario.cluster.deadline_ms),
         heartbeat: Duration::from_millis(scenario.cluster.heartbeat_ms),
+        device_caches: scenario.cluster.device_caches,
         interpose: Some(proxies.clone()),
         ..ClusterConfig::new(options.exe.clone())
     }

@@ -108,6 +108,10 @@ impl<'a> ChaosInjector<'a> {
                 }
             }
             FaultKind::PauseEngine => cluster.pause(stage, Role::Engine, lasting)?,
+            FaultKind::PauseSidecar if restarting => {
+                note = Some("no sidecars without replication: skipped".to_owned());
+            }
+            FaultKind::PauseSidecar => cluster.pause(stage, Role::Sidecar, lasting)?,
             FaultKind::StaleRejoin => {
                 cluster.pause(stage, Role::Engine, lasting)?;
                 cluster.spare_presumed_dead_in_next_recovery();

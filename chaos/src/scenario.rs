@@ -68,13 +68,21 @@ pub struct ClusterShape {
     pub heartbeat_ms: u64,
     /// A step with no answer after this many milliseconds makes the driver look for a dead stage.
     pub deadline_ms: u64,
+    /// KV caches each stage keeps in device memory, if fewer than the microbatches (swapping).
+    pub device_caches: Option<u32>,
     /// For testing the checkers only: stages skip their replicas while claiming to keep them.
     pub test_only_sabotage_replicas: bool,
 }
 
 impl Default for ClusterShape {
     fn default() -> Self {
-        Self { stages: 4, heartbeat_ms: 100, deadline_ms: 300, test_only_sabotage_replicas: false }
+        Self {
+            stages: 4,
+            heartbeat_ms: 100,
+            deadline_ms: 300,
+            device_caches: None,
+            test_only_sabotage_replicas: false,
+        }
     }
 }
 
@@ -110,6 +118,10 @@ pub enum FaultKind {
     /// SIGSTOP a stage's engine for `duration_ms`, then SIGCONT (longer than the heartbeat timeout:
     /// declared dead, fenced and replaced).
     PauseEngine,
+    /// SIGSTOP a stage's sidecar for `duration_ms`, then SIGCONT: shorter than the heartbeat
+    /// timeout it is a slow sidecar (its engine and its predecessor wait for it), longer it is
+    /// declared dead and its whole worker fenced and replaced.
+    PauseSidecar,
     /// SIGSTOP a stage's engine for `duration_ms` (longer than the heartbeat timeout), and have the
     /// recovery fence and replace it without killing it: it comes back, stale, while its
     /// replacement runs, and must be kept out (heartbeats ignored, connections and KV copies
@@ -142,11 +154,12 @@ pub enum FaultKind {
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 15] = [
+    pub const ALL: [FaultKind; 16] = [
         FaultKind::KillEngine,
         FaultKind::KillWorker,
         FaultKind::KillAdjacent,
         FaultKind::PauseEngine,
+        FaultKind::PauseSidecar,
         FaultKind::StaleRejoin,
         FaultKind::Delay,
         FaultKind::Bandwidth,
@@ -168,6 +181,7 @@ impl FaultKind {
                 | FaultKind::KillWorker
                 | FaultKind::KillAdjacent
                 | FaultKind::PauseEngine
+                | FaultKind::PauseSidecar
                 | FaultKind::StaleRejoin
         )
     }
@@ -192,6 +206,7 @@ impl FaultKind {
             FaultKind::KillWorker => "kill-worker",
             FaultKind::KillAdjacent => "kill-adjacent",
             FaultKind::PauseEngine => "pause-engine",
+            FaultKind::PauseSidecar => "pause-sidecar",
             FaultKind::StaleRejoin => "stale-rejoin",
             FaultKind::Delay => "delay",
             FaultKind::Bandwidth => "bandwidth",
@@ -351,6 +366,9 @@ impl Scenario {
         if !(2..=8).contains(&c.stages) {
             return fail(format!("cluster.stages must be 2..=8, not {}", c.stages));
         }
+        if c.device_caches == Some(0) {
+            return fail("cluster.device_caches must be at least 1".into());
+        }
         if !(1..=MAX_MS).contains(&c.heartbeat_ms) || !(1..=MAX_MS).contains(&c.deadline_ms) {
             return fail(format!("cluster.heartbeat_ms and cluster.deadline_ms must be 1..={MAX_MS}"));
         }
@@ -390,6 +408,7 @@ impl Scenario {
         let timed = matches!(
             fault.kind,
             FaultKind::PauseEngine
+                | FaultKind::PauseSidecar
                 | FaultKind::StaleRejoin
                 | FaultKind::PauseController
                 | FaultKind::Delay

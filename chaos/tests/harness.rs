@@ -1,6 +1,6 @@
 //! The harness end to end, with real processes: the shipped CI scenario survives every fault
-//! class; a deliberately broken build (replicas skipped while claimed) is caught; a bad scenario
-//! is refused with a clear message.
+//! class, the swapping scenario its faults; a deliberately broken build (replicas skipped while
+//! claimed) is caught; a bad scenario is refused with a clear message.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -26,7 +26,7 @@ fn the_ci_scenario_survives_every_fault_class() {
     assert_eq!(out.status.code(), Some(0), "{report:#}");
     assert_eq!(report["passed"], true);
     let classes = report["classes"].as_array().unwrap();
-    assert_eq!(classes.len(), 15, "every fault class injected: {classes:#?}");
+    assert_eq!(classes.len(), 16, "every fault class injected: {classes:#?}");
     for class in classes {
         assert!(class["injected"].as_u64().unwrap() >= 1);
         assert_eq!(class["violated"], 0);
@@ -43,6 +43,19 @@ fn the_ci_scenario_survives_every_fault_class() {
     assert!(report["controller_restarts"].as_u64().unwrap() >= 3, "{report:#}");
     // The stale engine came back while its replacement ran, and was kept out.
     assert!(report["stale_heartbeats"].as_u64().unwrap() >= 1, "{report:#}");
+}
+
+#[test]
+fn microbatch_swapping_survives_kills_a_stalled_sidecar_and_replica_faults() {
+    let out = chaos(&["run", &scenario("swapping.toml"), "--json"]);
+    let report = report(&out);
+    assert_eq!(out.status.code(), Some(0), "{report:#}");
+    assert_eq!(report["passed"], true);
+    let classes = report["classes"].as_array().unwrap();
+    assert_eq!(classes.len(), 5, "{classes:#?}");
+    assert!(classes.iter().all(|c| c["violated"] == 0 && c["survived"].as_u64() >= Some(1)));
+    // Both kills were recovered (the stalled sidecar may cost its worker a recovery too).
+    assert!(report["recoveries"].as_u64().unwrap() >= 2, "{report:#}");
 }
 
 #[test]

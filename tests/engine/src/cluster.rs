@@ -492,7 +492,9 @@ impl Cluster {
         self.controller.restarts
     }
 
-    /// Every stage whose engine has fallen silent, and whether its sidecar has too.
+    /// Every stage whose engine or sidecar has fallen silent: the engine alone, or the whole
+    /// worker when its sidecar is silent (an engine without its sidecar can neither keep nor
+    /// forward its KV, so it is fenced and replaced with it).
     pub fn dead(&mut self) -> Result<Vec<(usize, Kill)>, ClusterError> {
         let census = self.census()?;
         Ok(self.dead_in(&census))
@@ -500,10 +502,13 @@ impl Cluster {
 
     fn dead_in(&self, census: &Census) -> Vec<(usize, Kill)> {
         (0..self.len() as u32)
-            .filter(|&i| census.is_dead((Role::Engine, i)))
-            .map(|stage| {
+            .filter_map(|stage| {
                 let sidecar_dead = self.config.replicate && census.is_dead((Role::Sidecar, stage));
-                (stage as usize, if sidecar_dead { Kill::Worker } else { Kill::Engine })
+                match (census.is_dead((Role::Engine, stage)), sidecar_dead) {
+                    (_, true) => Some((stage as usize, Kill::Worker)),
+                    (true, false) => Some((stage as usize, Kill::Engine)),
+                    (false, false) => None,
+                }
             })
             .collect()
     }
@@ -537,14 +542,6 @@ impl Cluster {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-    }
-
-    /// A sidecar that fell silent while its engine lives (not a failure this cluster recovers from).
-    pub fn orphaned_engine(&mut self) -> Result<Option<usize>, ClusterError> {
-        let census = self.census()?;
-        Ok((0..self.sidecars.len() as u32)
-            .find(|&i| census.is_dead((Role::Sidecar, i)) && !census.is_dead((Role::Engine, i)))
-            .map(|i| i as usize))
     }
 
     /// Replaces dead stage `victim` and recovers every sequence on it; see
