@@ -135,14 +135,34 @@ impl HostStore {
         }
     }
 
+    /// Keeps an encoded chunk (header and payload, as on the wire and on disk) without copying it,
+    /// after checking it: a header that decodes, a payload of the length it says and with the
+    /// checksum it says. Returns its descriptor and the bytes kept, shared (to send them on).
+    pub fn put_encoded(&self, encoded: Vec<u8>) -> Result<(ChunkDescriptor, Arc<Vec<u8>>), StoreError> {
+        let corrupt = |source| StoreError::Chunk { key: "an encoded chunk".into(), source };
+        if encoded.len() < HEADER_LEN {
+            return Err(StoreError::PayloadLength { expected: HEADER_LEN as u64, got: encoded.len() as u64 });
+        }
+        let (descriptor, len, sum) =
+            ChunkDescriptor::decode_header(&encoded[..HEADER_LEN]).map_err(corrupt)?;
+        let payload = &encoded[HEADER_LEN..];
+        if payload.len() as u64 != len {
+            return Err(StoreError::PayloadLength { expected: len, got: payload.len() as u64 });
+        }
+        verify_payload(payload, sum).map_err(corrupt)?;
+        let kept = self.insert_encoded(descriptor.key(), encoded);
+        Ok((descriptor, kept))
+    }
+
     /// Keeps an encoded chunk (header and payload) the caller has verified, without copying it.
-    pub(crate) fn insert_encoded(&self, key: ChunkKey, encoded: Vec<u8>) {
+    pub(crate) fn insert_encoded(&self, key: ChunkKey, encoded: Vec<u8>) -> Arc<Vec<u8>> {
         let mut inner = self.inner.lock();
         if inner.log.len() == PUT_LOG_LEN {
             inner.log.pop_front();
         }
         inner.log.push_back(key.clone());
-        let replaced = inner.chunks.insert(key, Arc::new(encoded));
+        let kept = Arc::new(encoded);
+        let replaced = inner.chunks.insert(key, kept.clone());
         // A buffer still being sent to a reader is not reusable; it is freed when the send ends.
         if let Some(buffer) = replaced.and_then(|old| Arc::try_unwrap(old).ok()) {
             if inner.spare.len() == SPARE_BUFFERS {
@@ -150,6 +170,7 @@ impl HostStore {
             }
             inner.spare.push(buffer);
         }
+        kept
     }
 
     /// An empty buffer with room for `len` bytes: a kept one of a replaced chunk if one fits

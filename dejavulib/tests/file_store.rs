@@ -355,6 +355,34 @@ fn host_store_corruption_is_caught_on_get() {
 }
 
 #[test]
+fn host_store_keeps_an_encoded_chunk_only_once_checked() {
+    let spec = specs()[1];
+    let (_, region, packing, payload) = gathered(spec, 6);
+    let d = descriptor(&spec, &region, packing);
+    let mut encoded = d.encode_header(&payload).to_vec();
+    encoded.extend_from_slice(&payload);
+    let mut store = HostStore::new();
+    // A flipped payload byte, a cut payload, a cut header: refused, nothing kept.
+    let mut flipped = encoded.clone();
+    *flipped.last_mut().unwrap() ^= 1;
+    assert!(matches!(chunk_error(store.put_encoded(flipped)), ChunkError::PayloadCorrupt { .. }));
+    let cut = encoded[..encoded.len() - 1].to_vec();
+    assert!(matches!(store.put_encoded(cut), Err(StoreError::PayloadLength { .. })));
+    assert!(matches!(
+        store.put_encoded(encoded[..HEADER_LEN - 1].to_vec()),
+        Err(StoreError::PayloadLength { .. })
+    ));
+    assert!(store.is_empty());
+    // Whole: kept as it came, and read back as any chunk.
+    let (kept, bytes) = store.put_encoded(encoded.clone()).unwrap();
+    assert_eq!(kept, d);
+    assert!(*bytes == encoded);
+    let mut out = Vec::new();
+    assert_eq!(store.get(&d.key(), &mut out).unwrap(), d);
+    assert!(out == payload);
+}
+
+#[test]
 fn payload_length_must_match_the_descriptor() {
     let spec = specs()[0];
     let (_, region, packing, payload) = gathered(spec, 4);

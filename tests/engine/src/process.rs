@@ -803,13 +803,14 @@ pub fn serve_stage(
     let upstreams = accept_upstreams(listener, index, process.stats.clone());
     // Connect to the next stage at once: a replacement takes its successor's input over from the
     // process it replaces before that one could send anything more.
-    let connect_next = |next: SocketAddr| {
-        connect(next, Duration::from_secs(2))
+    let connect_next = |next: SocketAddr, patience: Duration| {
+        connect(next, patience)
             .map(|s| BufWriter::with_capacity(1 << 20, s))
             .and_then(|mut w| say_hello(&mut w, index, epoch).map(|()| (next, w)))
             .ok()
     };
-    let mut downstream: Option<(SocketAddr, BufWriter<TcpStream>)> = connect_next(process.config.next);
+    let mut downstream: Option<(SocketAddr, BufWriter<TcpStream>)> =
+        connect_next(process.config.next, Duration::from_secs(2));
     while let Ok(upstream) = upstreams.recv() {
         // Connections that took over meanwhile shut the ones before them: the newest counts.
         let upstream = upstreams.try_iter().last().unwrap_or(upstream);
@@ -837,10 +838,11 @@ pub fn serve_stage(
             }
             // A connection that breaks (a reset) is made again and the frame sent once more; if
             // that fails too, the successor is gone and the frame is lost until the driver repairs
-            // the chain and sends it again.
+            // the chain and sends it again. Connecting is tried once: a successor that refuses is
+            // dead, and waiting for it would only hold up the repair.
             for _ in 0..2 {
                 if downstream.is_none() {
-                    downstream = connect_next(next);
+                    downstream = connect_next(next, Duration::ZERO);
                 }
                 let Some((_, w)) = downstream.as_mut() else { break };
                 if write_frame(w, &header, &out).and_then(|()| w.flush()).is_ok() {

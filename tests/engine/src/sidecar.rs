@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dejavulib::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
+use dejavulib::chunk::{ChunkKey, HEADER_LEN};
 use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_MAPPED, OP_SUCCESSOR};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerServer, PeerStore};
@@ -293,14 +293,9 @@ impl Sidecar {
 
     /// Verifies and keeps a chunk the engine wrote into the region, then forwards it.
     fn keep_and_forward(&self, encoded: Vec<u8>, epoch: u64) -> Result<(), String> {
-        if encoded.len() < HEADER_LEN {
-            return Err("a chunk shorter than its header".into());
-        }
-        let (descriptor, _, sum) =
-            ChunkDescriptor::decode_header(&encoded[..HEADER_LEN]).map_err(|e| e.to_string())?;
-        let payload = &encoded[HEADER_LEN..];
-        verify_payload(payload, sum).map_err(|e| e.to_string())?;
-        self.store.clone().put(&descriptor, payload).map_err(|e| e.to_string())?;
+        // Checked and kept without another copy; forwarded from the bytes kept.
+        let (descriptor, kept) = self.store.put_encoded(encoded).map_err(|e| e.to_string())?;
+        let payload = &kept[HEADER_LEN..];
         let bytes = payload.len() as u64;
         add(&self.stats.local_chunks, 1);
         add(&self.stats.local_bytes, bytes);
