@@ -8,8 +8,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use dejavu_engine::cluster::Kill;
-use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError};
+use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError, Role};
 use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
+use dejavu_engine::metrics::value_of;
 use dejavu_engine::ModelConfig;
 use serde::Serialize;
 use thiserror::Error;
@@ -176,6 +177,9 @@ pub struct DemoReport {
     /// Bytes of KV replicated to successors' sidecars per generated token (all stages; each stage
     /// writes as many again to its own sidecar).
     pub kv_bytes_replicated_per_token: u64,
+    /// Bytes the stages swapped between their device caches and host memory in the failure-free
+    /// run, before its last step (0 without `--device-caches` below the microbatches).
+    pub swapped_bytes: u64,
     /// Whether the run with a failure (and the one without replication) produced exactly the
     /// failure-free tokens.
     pub matched: bool,
@@ -217,22 +221,44 @@ fn start_cluster(config: &DemoConfig, workload: &Workload, replicate: bool) -> R
 const RETRIES: u32 = 2;
 
 /// Runs the workload, recovering or restarting after a failure. With `kill_at`, the victim is
-/// SIGKILLed before that step.
-fn run_once(config: &DemoConfig, kill_at: Option<u64>, on_failure: OnFailure) -> Result<Run, DemoError> {
+/// SIGKILLed before that step. Returns the run and the bytes its stages had swapped between device
+/// caches and host memory before its last step (read from their metrics).
+fn run_once(
+    config: &DemoConfig,
+    kill_at: Option<u64>,
+    on_failure: OnFailure,
+) -> Result<(Run, u64), DemoError> {
     let workload = workload(config);
     let replicate = on_failure == OnFailure::Recover;
     let driver = DriverConfig { on_failure, detect_patience: config.heartbeat * 6, retries: RETRIES };
     // Without replication there is no sidecar to kill: the engine dies alone.
     let what = if replicate { config.kill } else { Kill::Engine };
-    let mut killed = false;
+    let (mut killed, mut swapped) = (false, 0u64);
+    let last = workload.steps() - 1;
     let mut inject = |step: u64, cluster: &mut Cluster| {
         if kill_at == Some(step) && !killed {
             killed = true;
             cluster.kill(config.victim as usize, what)?;
         }
+        if step == last {
+            swapped = swapped_bytes(cluster)?;
+        }
         Ok(())
     };
-    Ok(drive(&workload, &driver, &mut || start_cluster(config, &workload, replicate), &mut inject)?)
+    let run = drive(&workload, &driver, &mut || start_cluster(config, &workload, replicate), &mut inject)?;
+    Ok((run, swapped))
+}
+
+/// Bytes every stage of `cluster` has swapped in and out so far.
+fn swapped_bytes(cluster: &mut Cluster) -> Result<u64, ClusterError> {
+    let mut total = 0.0;
+    for stage in 0..cluster.len() {
+        let page = cluster.metrics(stage, Role::Engine)?;
+        for name in ["dejavu_stage_swap_in_bytes_total", "dejavu_stage_swap_out_bytes_total"] {
+            total += value_of(&page, name, &[]).unwrap_or(0.0);
+        }
+    }
+    Ok(total as u64)
 }
 
 /// The demo's summary of a run's one recovery (zeros if none happened).
@@ -289,9 +315,9 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
     let kill_at = steps / 2;
 
     say("failure-free run without replication...");
-    let unreplicated = run_once(config, None, OnFailure::Restart)?;
+    let (unreplicated, _) = run_once(config, None, OnFailure::Restart)?;
     say("failure-free run, KV replicated every step...");
-    let reference = run_once(config, None, OnFailure::Recover)?;
+    let (reference, swapped) = run_once(config, None, OnFailure::Recover)?;
     say(&format!(
         "run with stage {}'s {} SIGKILLed at step {kill_at} of {steps}, recovered from {}...",
         config.victim,
@@ -304,9 +330,9 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
             Kill::Worker => "its successor's sidecar",
         },
     ));
-    let recovered = run_once(config, Some(kill_at), OnFailure::Recover)?;
+    let (recovered, _) = run_once(config, Some(kill_at), OnFailure::Recover)?;
     say("run with the same failure, restarted from scratch...");
-    let restarted = run_once(config, Some(kill_at), OnFailure::Restart)?;
+    let (restarted, _) = run_once(config, Some(kill_at), OnFailure::Restart)?;
     Ok(DemoReport {
         tokens: steps,
         unreplicated_s: unreplicated.elapsed.as_secs_f64(),
@@ -316,6 +342,7 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
         recovery: recovery_of(&recovered),
         restart_tokens_recomputed: recovery_of(&restarted).tokens_recomputed,
         kv_bytes_replicated_per_token: model.kv_spec().bytes_per_token(),
+        swapped_bytes: swapped,
         matched: recovered.tokens == reference.tokens && unreplicated.tokens == reference.tokens,
         restart_matched: restarted.tokens == reference.tokens,
     })
@@ -352,7 +379,10 @@ KV per token: {} bytes to the successors' sidecars, as many to the local ones (a
             self.kv_bytes_replicated_per_token,
             config.stages,
             match config.device_caches {
-                Some(n) => format!("microbatch swapping: {n} device caches per stage\n"),
+                Some(n) => format!(
+                    "microbatch swapping: {n} device caches per stage, {} bytes swapped in and out\n",
+                    self.swapped_bytes
+                ),
                 None => String::new(),
             },
             if self.matched { "yes" } else { "NO" },

@@ -48,6 +48,7 @@ fn the_demo_recovers_a_killed_stage_with_identical_tokens_also_when_swapping() {
         assert!(recovery["tokens_recomputed"].as_u64().unwrap() >= 1, "{report}");
         assert!(recovery["detection_ms"].as_f64().unwrap() > 0.0, "{report}");
         assert!(report["restart_tokens_recomputed"].as_u64().unwrap() >= 1, "{report}");
+        assert_eq!(report["swapped_bytes"], 0, "one device cache per microbatch: no swapping");
     }
     // With microbatch swapping on: three microbatches of four requests in two device caches per
     // stage. (In this test, not another: the check for leftovers sees every demo's processes.)
@@ -58,6 +59,7 @@ fn the_demo_recovers_a_killed_stage_with_identical_tokens_also_when_swapping() {
     assert_eq!(report["matched"], true, "{report}");
     assert_eq!(report["restart_matched"], true, "{report}");
     assert_eq!(report["tokens"], 96);
+    assert!(report["swapped_bytes"].as_u64().unwrap() > 0, "{report}");
     assert!(leftovers().is_empty(), "processes left behind: {:?}", leftovers());
 }
 
