@@ -112,6 +112,13 @@ impl<'a> ChaosInjector<'a> {
                 note = Some("no sidecars without replication: skipped".to_owned());
             }
             FaultKind::PauseSidecar => cluster.pause(stage, Role::Sidecar, lasting)?,
+            FaultKind::StaleSidecar if restarting => {
+                note = Some("no sidecars without replication: skipped".to_owned());
+            }
+            FaultKind::StaleSidecar => {
+                cluster.pause(stage, Role::Sidecar, lasting)?;
+                cluster.spare_presumed_dead_in_next_recovery();
+            }
             FaultKind::StaleRejoin => {
                 cluster.pause(stage, Role::Engine, lasting)?;
                 cluster.spare_presumed_dead_in_next_recovery();

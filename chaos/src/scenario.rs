@@ -127,6 +127,11 @@ pub enum FaultKind {
     /// replacement runs, and must be kept out (heartbeats ignored, connections and KV copies
     /// refused by epoch).
     StaleRejoin,
+    /// The same for a stage's sidecar: stopped past the heartbeat timeout, its whole worker is
+    /// fenced and replaced but left running; when the sidecar comes back, its heartbeats are
+    /// ignored and the copies it forwards are refused by the successor's sidecar (an older epoch
+    /// of that stage than its replacement's).
+    StaleSidecar,
     /// Add `delay_ms` plus up to `jitter_ms` to every write on a link, for `duration_ms`.
     Delay,
     /// Limit a link to `bytes_per_s`, for `duration_ms`.
@@ -154,13 +159,14 @@ pub enum FaultKind {
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 16] = [
+    pub const ALL: [FaultKind; 17] = [
         FaultKind::KillEngine,
         FaultKind::KillWorker,
         FaultKind::KillAdjacent,
         FaultKind::PauseEngine,
         FaultKind::PauseSidecar,
         FaultKind::StaleRejoin,
+        FaultKind::StaleSidecar,
         FaultKind::Delay,
         FaultKind::Bandwidth,
         FaultKind::Partition,
@@ -183,6 +189,7 @@ impl FaultKind {
                 | FaultKind::PauseEngine
                 | FaultKind::PauseSidecar
                 | FaultKind::StaleRejoin
+                | FaultKind::StaleSidecar
         )
     }
 
@@ -208,6 +215,7 @@ impl FaultKind {
             FaultKind::PauseEngine => "pause-engine",
             FaultKind::PauseSidecar => "pause-sidecar",
             FaultKind::StaleRejoin => "stale-rejoin",
+            FaultKind::StaleSidecar => "stale-sidecar",
             FaultKind::Delay => "delay",
             FaultKind::Bandwidth => "bandwidth",
             FaultKind::Partition => "partition",
@@ -410,6 +418,7 @@ impl Scenario {
             FaultKind::PauseEngine
                 | FaultKind::PauseSidecar
                 | FaultKind::StaleRejoin
+                | FaultKind::StaleSidecar
                 | FaultKind::PauseController
                 | FaultKind::Delay
                 | FaultKind::Bandwidth

@@ -26,7 +26,7 @@ fn the_ci_scenario_survives_every_fault_class() {
     assert_eq!(out.status.code(), Some(0), "{report:#}");
     assert_eq!(report["passed"], true);
     let classes = report["classes"].as_array().unwrap();
-    assert_eq!(classes.len(), 16, "every fault class injected: {classes:#?}");
+    assert_eq!(classes.len(), 17, "every fault class injected: {classes:#?}");
     for class in classes {
         assert!(class["injected"].as_u64().unwrap() >= 1);
         assert_eq!(class["violated"], 0);
@@ -52,7 +52,7 @@ fn microbatch_swapping_survives_kills_a_stalled_sidecar_and_replica_faults() {
     assert_eq!(out.status.code(), Some(0), "{report:#}");
     assert_eq!(report["passed"], true);
     let classes = report["classes"].as_array().unwrap();
-    assert_eq!(classes.len(), 5, "{classes:#?}");
+    assert_eq!(classes.len(), 6, "{classes:#?}");
     assert!(classes.iter().all(|c| c["violated"] == 0 && c["survived"].as_u64() >= Some(1)));
     // Both kills were recovered (the stalled sidecar may cost its worker a recovery too).
     assert!(report["recoveries"].as_u64().unwrap() >= 2, "{report:#}");
