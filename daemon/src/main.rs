@@ -161,27 +161,9 @@ process heartbeating to a controller process"
                 }
             }
         }
-        Command::Stage(args) => match args.run() {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("dejavud stage: {e}");
-                ExitCode::from(2)
-            }
-        },
-        Command::Sidecar(args) => match args.run() {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("dejavud sidecar: {e}");
-                ExitCode::from(2)
-            }
-        },
-        Command::Controller(args) => match args.run() {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("dejavud controller: {e}");
-                ExitCode::from(2)
-            }
-        },
+        Command::Stage(args) => served("stage", args.run()),
+        Command::Sidecar(args) => served("sidecar", args.run()),
+        Command::Controller(args) => served("controller", args.run()),
         Command::Certs { cluster, out, force, nodes } => match certs::issue(&cluster, &out, &nodes, force) {
             Ok(report) => {
                 print!("{report}");
@@ -192,5 +174,16 @@ process heartbeating to a controller process"
                 ExitCode::from(2)
             }
         },
+    }
+}
+
+/// The exit of a process the demo starts: 0 when it stops cleanly, 2 with the reason otherwise.
+fn served(what: &str, result: Result<(), String>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dejavud {what}: {e}");
+            ExitCode::from(2)
+        }
     }
 }

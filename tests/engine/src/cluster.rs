@@ -618,26 +618,18 @@ impl Cluster {
             self.sidecar_starts += 1;
             let args = Self::sidecar_args(&self.config, heartbeat, (victim, epoch), &socket, &self.dir);
             self.sockets[victim] = socket;
-            let old = std::mem::replace(
-                &mut self.sidecars[victim],
-                spawn(&self.config.exe, &args, "a replacement sidecar", START)?,
-            );
-            if spare {
-                self.spared.push(old);
-            }
+            let new = spawn(&self.config.exe, &args, "a replacement sidecar", START)?;
+            let old = std::mem::replace(&mut self.sidecars[victim], new);
+            self.retire(old, spare);
             self.wait_alive((Role::Sidecar, victim as u32))?;
         }
         for &(victim, _) in victims.iter().rev() {
             let next = if victim + 1 == n { self.driver } else { self.stages[victim + 1].addr };
             let copies = Self::copies(&self.sidecars, &self.sockets, victim);
             let args = Self::stage_args(&self.config, heartbeat, copies, (victim, epoch), next);
-            let old = std::mem::replace(
-                &mut self.stages[victim],
-                spawn(&self.config.exe, &args, "a replacement stage", START)?,
-            );
-            if spare {
-                self.spared.push(old);
-            }
+            let new = spawn(&self.config.exe, &args, "a replacement stage", START)?;
+            let old = std::mem::replace(&mut self.stages[victim], new);
+            self.retire(old, spare);
             self.wait_alive((Role::Engine, victim as u32))?;
         }
         let reachable: Vec<(u32, SocketAddr)> = victims
@@ -696,6 +688,13 @@ impl Cluster {
             self.copy_kv_to(predecessor, to, sequences)?;
         }
         Ok(recovered)
+    }
+
+    /// Lets a replaced process go: killed (when dropped), or kept running when `spare`.
+    fn retire(&mut self, old: Spawned, spare: bool) {
+        if spare {
+            self.spared.push(old);
+        }
     }
 
     /// Makes stage `stage` replicate to the sidecar at `to` from now on, starting with every
