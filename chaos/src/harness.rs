@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig};
+use dejavu_engine::cluster::{Cluster, ClusterConfig, Disaggregation};
 use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
 use dejavu_engine::ModelConfig;
 
@@ -73,7 +73,13 @@ pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) ->
     let mut violations = check(&reference, &faulty, failure.as_deref(), &scenario.limits);
     violations.extend(whole_runs);
     let runs = Runs { reference: &reference, faulty: &faulty, injected, restart: restart.as_ref() };
-    Ok(Report::new(&scenario.name, seed, scenario.cluster.stages, runs, violations))
+    Ok(Report::new(
+        &scenario.name,
+        seed,
+        (scenario.cluster.stages, scenario.cluster.prompt_stages),
+        runs,
+        violations,
+    ))
 }
 
 /// One run on fresh proxies and clusters, with `faults` (none for the reference); everything it
@@ -108,9 +114,18 @@ fn cluster_config(
     proxies: &Arc<Proxies>,
     replicate: bool,
 ) -> ClusterConfig {
-    let (layers, stages) = (ModelConfig::reference().layers, scenario.cluster.stages);
+    let layers = ModelConfig::reference().layers;
+    let even = |stages: u32| (0..stages).map(|s| s * layers / stages..(s + 1) * layers / stages).collect();
+    // The prompt pipeline hands prompts to the sidecars: without replication (the restart
+    // baseline) the token pipeline computes them.
+    let disaggregation = scenario
+        .cluster
+        .prompt_stages
+        .filter(|_| replicate)
+        .map(|p| Disaggregation { splits: even(p), slots: scenario.cluster.prompt_slots });
     ClusterConfig {
-        splits: (0..stages).map(|s| s * layers / stages..(s + 1) * layers / stages).collect(),
+        splits: even(scenario.cluster.stages),
+        disaggregation,
         slots: workload.slots,
         microbatches: workload.microbatches(),
         max_tokens: workload.max_tokens(),

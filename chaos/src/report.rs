@@ -68,8 +68,10 @@ pub struct Report {
     pub scenario: String,
     /// The seed of its random faults (rerun with `--seed` to reproduce a violation).
     pub seed: u64,
-    /// Pipeline stages.
+    /// Pipeline stages (the token pipeline's, with a prompt pipeline).
     pub stages: u32,
+    /// Stages of the prompt pipeline, if the cluster has one.
+    pub prompt_stages: Option<u32>,
     /// Tokens generated per run.
     pub tokens: u64,
     /// Per fault class.
@@ -102,6 +104,9 @@ pub struct Report {
     pub controller_restarts: u64,
     /// Heartbeats from fenced processes that the controller ignored (stale workers back).
     pub stale_heartbeats: u64,
+    /// Prompts the prompt pipeline failed to hand over, computed by the token pipeline instead
+    /// (disaggregated clusters).
+    pub prompt_fallbacks: u64,
     /// Failure-free run, seconds.
     pub failure_free_s: f64,
     /// The run with faults, recovered, seconds.
@@ -158,7 +163,13 @@ pub struct Runs<'a> {
 
 impl Report {
     /// Assembles the report of `runs` and their `violations`.
-    pub fn new(scenario: &str, seed: u64, stages: u32, runs: Runs<'_>, violations: Vec<Violation>) -> Self {
+    pub fn new(
+        scenario: &str,
+        seed: u64,
+        (stages, prompt_stages): (u32, Option<u32>),
+        runs: Runs<'_>,
+        violations: Vec<Violation>,
+    ) -> Self {
         let faulty = runs.faulty;
         let recoveries = &faulty.recoveries;
         let blamed_faults: Vec<Option<usize>> =
@@ -195,6 +206,7 @@ impl Report {
             scenario: scenario.to_owned(),
             seed,
             stages,
+            prompt_stages,
             tokens: runs.reference.deliveries.len() as u64,
             classes,
             recoveries: recoveries.len(),
@@ -220,6 +232,7 @@ impl Report {
             repeated_steps: faulty.repeated_steps,
             controller_restarts: faulty.controller_restarts,
             stale_heartbeats: faulty.stale_heartbeats,
+            prompt_fallbacks: faulty.prompt_fallbacks,
             failure_free_s: runs.reference.elapsed.as_secs_f64(),
             with_faults_s: faulty.elapsed.as_secs_f64(),
             restart_s: runs.restart.map(|r| r.elapsed.as_secs_f64()),
@@ -234,8 +247,12 @@ impl Report {
         let mut t = String::new();
         let _ = writeln!(
             t,
-            "scenario {:?}, seed {}, {} stages, {} tokens",
-            self.scenario, self.seed, self.stages, self.tokens
+            "scenario {:?}, seed {}, {} stages{}, {} tokens",
+            self.scenario,
+            self.seed,
+            self.stages,
+            self.prompt_stages.map_or(String::new(), |p| format!(" (tokens; prompts: {p} more)")),
+            self.tokens
         );
         let _ = writeln!(t, "\n{:<28} {:>9} {:>9} {:>9}", "fault class", "injected", "survived", "violated");
         for row in &self.classes {
@@ -266,6 +283,13 @@ impl Report {
              heartbeats of fenced processes ignored: {}",
             self.false_detections, self.repeated_steps, self.controller_restarts, self.stale_heartbeats
         );
+        if self.prompt_fallbacks > 0 {
+            let _ = writeln!(
+                t,
+                "prompts computed by the token pipeline after a failed handoff: {}",
+                self.prompt_fallbacks
+            );
+        }
         if self.copies_lost > 0 {
             let _ = writeln!(
                 t,

@@ -72,6 +72,13 @@ pub struct ClusterShape {
     pub device_caches: Option<u32>,
     /// For testing the checkers only: stages skip their replicas while claiming to keep them.
     pub test_only_sabotage_replicas: bool,
+    /// Stages of a prompt pipeline of its own, if any (prompt-token disaggregation): it computes
+    /// every prompt and hands the KV over to the stages above, the token pipeline, which decode.
+    /// Faults hit the token pipeline.
+    pub prompt_stages: Option<u32>,
+    /// Sequences per prompt microbatch (the requests must fill whole ones; the token pipeline's
+    /// microbatches hold 4).
+    pub prompt_slots: u32,
 }
 
 impl Default for ClusterShape {
@@ -82,6 +89,8 @@ impl Default for ClusterShape {
             deadline_ms: 300,
             device_caches: None,
             test_only_sabotage_replicas: false,
+            prompt_stages: None,
+            prompt_slots: 8,
         }
     }
 }
@@ -376,6 +385,19 @@ impl Scenario {
         }
         if c.device_caches == Some(0) {
             return fail("cluster.device_caches must be at least 1".into());
+        }
+        if let Some(p) = c.prompt_stages {
+            if !(1..=8).contains(&p) {
+                return fail(format!("cluster.prompt_stages must be 1..=8, not {p}"));
+            }
+            let r = self.workload.requests;
+            if c.prompt_slots == 0 || r % c.prompt_slots != 0 || r % 4 != 0 {
+                return fail(format!(
+                    "a prompt pipeline needs workload.requests ({r}) to fill whole microbatches of \
+                     cluster.prompt_slots ({}) and of 4",
+                    c.prompt_slots
+                ));
+            }
         }
         if !(1..=MAX_MS).contains(&c.heartbeat_ms) || !(1..=MAX_MS).contains(&c.deadline_ms) {
             return fail(format!("cluster.heartbeat_ms and cluster.deadline_ms must be 1..={MAX_MS}"));

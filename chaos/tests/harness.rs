@@ -1,6 +1,6 @@
 //! The harness end to end, with real processes: the shipped CI scenario survives every fault
-//! class, the swapping scenario its faults; a deliberately broken build (replicas skipped while
-//! claimed) is caught; a bad scenario is refused with a clear message.
+//! class, the swapping and disaggregated scenarios their faults; a deliberately broken build
+//! (replicas skipped while claimed) is caught; a bad scenario is refused with a clear message.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -56,6 +56,21 @@ fn microbatch_swapping_survives_kills_a_stalled_sidecar_and_replica_faults() {
     assert!(classes.iter().all(|c| c["violated"] == 0 && c["survived"].as_u64() >= Some(1)));
     // Both kills were recovered (the stalled sidecar may cost its worker a recovery too).
     assert!(report["recoveries"].as_u64().unwrap() >= 2, "{report:#}");
+}
+
+#[test]
+fn a_disaggregated_cluster_survives_token_worker_faults() {
+    let out = chaos(&["run", &scenario("disaggregated.toml"), "--json"]);
+    let report = report(&out);
+    assert_eq!(out.status.code(), Some(0), "{report:#}");
+    assert_eq!(report["passed"], true);
+    assert_eq!(report["prompt_stages"], 2);
+    let classes = report["classes"].as_array().unwrap();
+    assert_eq!(classes.len(), 4, "{classes:#?}");
+    assert!(classes.iter().all(|c| c["violated"] == 0 && c["survived"].as_u64() >= Some(1)));
+    assert!(report["recoveries"].as_u64().unwrap() >= 2, "{report:#}");
+    // The prompts were handed over, not computed by the token pipeline.
+    assert_eq!(report["prompt_fallbacks"], 0, "{report:#}");
 }
 
 #[test]

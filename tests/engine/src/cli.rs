@@ -9,9 +9,10 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 
 use crate::controller::{serve_controller, ControllerConfig};
+use crate::handoff::Shapes;
 use crate::heartbeat::{beat, Heartbeat, Role};
 use crate::logging::LogArgs;
-use crate::process::{serve_stage, Replication, StageConfig};
+use crate::process::{serve_stage, Handoff, Replication, StageConfig};
 use crate::sidecar::{serve_sidecar, SidecarConfig};
 use crate::{CacheLayout, ModelConfig};
 
@@ -65,9 +66,81 @@ pub struct StageArgs {
     /// The cluster secret shared with the sidecars.
     #[arg(long, default_value = "dejavu reference cluster")]
     pub secret: String,
+    /// Its part in prompt-token disaggregation.
+    #[command(flatten)]
+    pub handoff: HandoffArgs,
     /// What it is as a member of the cluster.
     #[command(flatten)]
     pub member: MemberArgs,
+}
+
+/// Which prompts a stage computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PipelineRole {
+    /// Prompts and tokens (colocated).
+    Both,
+    /// Prompts only: hands each prompt's KV over to the token stages' sidecars (`--handoff-to`).
+    Prompt,
+    /// Tokens: loads each prompt's KV from its own sidecar, where the prompt stages handed it
+    /// over (a prompt sent to it, as in a recovery, is still computed).
+    Token,
+}
+
+/// Prompt-token disaggregation: a prompt pipeline and a token pipeline of other shapes, which
+/// both sides need to know to plan the handoff of each prompt's KV.
+#[derive(Clone, Debug, Args)]
+pub struct HandoffArgs {
+    /// The pipeline it is part of.
+    #[arg(long, value_enum, default_value = "both")]
+    pub pipeline: PipelineRole,
+    /// Layers of each prompt stage, as START..END,START..END,...
+    #[arg(long, value_delimiter = ',', value_parser = parse_layers)]
+    pub prompt_stages: Vec<Range<u32>>,
+    /// Sequences per prompt microbatch.
+    #[arg(long)]
+    pub prompt_slots: Option<u32>,
+    /// Layers of each token stage, as START..END,START..END,...
+    #[arg(long, value_delimiter = ',', value_parser = parse_layers)]
+    pub token_stages: Vec<Range<u32>>,
+    /// Sequences per token microbatch.
+    #[arg(long)]
+    pub token_slots: Option<u32>,
+    /// Requests in all (a multiple of both microbatch sizes).
+    #[arg(long)]
+    pub requests: Option<u32>,
+    /// A prompt stage's token sidecars, in token stage order.
+    #[arg(long, value_delimiter = ',')]
+    pub handoff_to: Vec<SocketAddr>,
+}
+
+impl HandoffArgs {
+    /// The stage's part, or why the flags do not describe one.
+    fn handoff(&self, secret: &str) -> Result<Option<Handoff>, String> {
+        if self.pipeline == PipelineRole::Both {
+            return Ok(None);
+        }
+        let missing = |flag: &str| format!("--pipeline {:?} needs {flag}", self.pipeline).to_lowercase();
+        let shapes = Shapes {
+            prompt: Some(self.prompt_stages.clone())
+                .filter(|s| !s.is_empty())
+                .ok_or_else(|| missing("--prompt-stages"))?,
+            prompt_slots: self.prompt_slots.ok_or_else(|| missing("--prompt-slots"))?,
+            token: Some(self.token_stages.clone())
+                .filter(|s| !s.is_empty())
+                .ok_or_else(|| missing("--token-stages"))?,
+            token_slots: self.token_slots.ok_or_else(|| missing("--token-slots"))?,
+            requests: self.requests.ok_or_else(|| missing("--requests"))?,
+        };
+        Ok(Some(match self.pipeline {
+            PipelineRole::Prompt if self.handoff_to.is_empty() => return Err(missing("--handoff-to")),
+            PipelineRole::Prompt => Handoff::Prompt {
+                shapes,
+                sidecars: self.handoff_to.clone(),
+                secret: secret.as_bytes().to_vec(),
+            },
+            _ => Handoff::Token { shapes },
+        }))
+    }
 }
 
 /// What a stage and a sidecar share as members of a cluster: heartbeats, the epoch they were
@@ -202,6 +275,7 @@ impl StageArgs {
     /// Runs the stage until it is killed.
     pub fn run(self) -> Result<(), String> {
         let _heartbeat = self.member.start(Role::Engine, self.index)?;
+        let handoff = self.handoff.handoff(&self.secret)?;
         let config = StageConfig {
             model: ModelConfig::reference(),
             index: self.index,
@@ -221,6 +295,7 @@ impl StageArgs {
             }),
             epoch: self.member.epoch,
             device_caches: self.device_caches,
+            handoff,
         };
         serve_stage(config, self.listen, self.member.metrics, announce).map_err(|e| e.to_string())
     }

@@ -13,11 +13,12 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 use crate::controller::{Census, ControllerClient, ControllerError, Member};
+use crate::handoff::Shapes;
 pub use crate::heartbeat::Role;
-use crate::pipeline::Seat;
+use crate::pipeline::{CacheLayout, Seat};
 use crate::proc::{spawn, Spawned};
 pub use crate::proc::{Proc, SpawnError};
-use crate::process::{ProcessError, RemotePipeline};
+use crate::process::{ProcessError, RemotePipeline, StepReply};
 
 /// What dies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,6 +101,32 @@ pub struct ClusterConfig {
     /// For testing fault checkers only: sidecars skip the forward to their successor's sidecar
     /// while still claiming to replicate, so a worker failure loses KV the recovery expects.
     pub sabotage_replicas: bool,
+    /// The stages' KV cache layout.
+    pub layout: CacheLayout,
+    /// A prompt pipeline of its own that computes the prompts, if any (prompt-token
+    /// disaggregation); the stages above are then the token pipeline.
+    pub disaggregation: Option<Disaggregation>,
+}
+
+/// A prompt pipeline beside the cluster's (token) pipeline: its stages compute each prompt and
+/// hand its KV over to the token stages' sidecars, from which the token stages load it
+/// ([`crate::handoff`]). It keeps no copies and the controller does not watch it: a prompt it
+/// fails to hand over is computed by the token pipeline instead.
+#[derive(Clone, Debug)]
+pub struct Disaggregation {
+    /// Layers of each prompt stage.
+    pub splits: Vec<Range<u32>>,
+    /// Sequences per prompt microbatch (the requests must fill whole microbatches).
+    pub slots: u32,
+}
+
+/// The prompt pipeline's processes and the driver's end of it.
+struct PromptPipeline {
+    stages: Vec<Spawned>,
+    remote: RemotePipeline,
+    shapes: Shapes,
+    /// Prompts the token pipeline computed because the handoff failed.
+    fallbacks: u64,
 }
 
 impl ClusterConfig {
@@ -118,7 +145,20 @@ impl ClusterConfig {
             heartbeat: Duration::from_millis(100),
             interpose: None,
             sabotage_replicas: false,
+            layout: CacheLayout::FasterTransformer,
+            disaggregation: None,
         }
+    }
+
+    /// The shapes of the prompt and token pipelines, when disaggregated.
+    fn shapes(&self) -> Option<Shapes> {
+        self.disaggregation.as_ref().map(|d| Shapes {
+            prompt: d.splits.clone(),
+            prompt_slots: d.slots,
+            token: self.splits.clone(),
+            token_slots: self.slots,
+            requests: self.slots * self.microbatches,
+        })
     }
 
     /// The address to give a process for `link` to reach `target`.
@@ -201,6 +241,8 @@ pub struct Cluster {
     spared: Vec<Spawned>,
     /// The driver's end of the chain.
     pub remote: RemotePipeline,
+    /// The prompt pipeline, when disaggregated.
+    prompt: Option<PromptPipeline>,
     /// Holds the controller's state, the local sockets and the shared regions; removed last, once
     /// every process is gone.
     dir: StateDir,
@@ -239,7 +281,9 @@ impl Cluster {
         stages.reverse();
         let first = config.route(Link::Input, next);
         let remote = RemotePipeline::connect(first, results, n as u32 - 1, config.deadline)?;
+        let prompt = Self::start_prompt_pipeline(&config, &sidecars)?;
         let mut cluster = Self {
+            prompt,
             config,
             sidecar_starts: sidecars.len() as u64,
             sidecars,
@@ -260,6 +304,98 @@ impl Cluster {
             }
         }
         Ok(cluster)
+    }
+
+    /// Starts the prompt pipeline, when disaggregated: its stages hand each prompt's KV over to
+    /// `sidecars`, the token stages'.
+    fn start_prompt_pipeline(
+        config: &ClusterConfig,
+        sidecars: &[Spawned],
+    ) -> Result<Option<PromptPipeline>, ClusterError> {
+        let (Some(disaggregation), Some(shapes)) = (&config.disaggregation, config.shapes()) else {
+            return Ok(None);
+        };
+        shapes.setups(crate::ModelConfig::reference().kv_spec()).map_err(ClusterError::Invalid)?;
+        if sidecars.is_empty() {
+            return Err(ClusterError::Invalid(
+                "a token pipeline loads prompts from its sidecars: replicate".into(),
+            ));
+        }
+        let results = TcpListener::bind("127.0.0.1:0")?;
+        let (mut stages, mut next) = (Vec::new(), results.local_addr()?);
+        let to: Vec<String> = sidecars.iter().map(|s| s.addr.to_string()).collect();
+        for (index, layers) in disaggregation.splits.iter().enumerate().rev() {
+            let mut args = vec![
+                "stage".to_owned(),
+                format!("--index={index}"),
+                format!("--layers={}..{}", layers.start, layers.end),
+                format!("--next={next}"),
+                format!("--slots={}", disaggregation.slots),
+                format!("--microbatches={}", shapes.requests / disaggregation.slots),
+                format!("--max-tokens={}", config.max_tokens),
+                "--metrics=127.0.0.1:0".to_owned(),
+                "--pipeline=prompt".to_owned(),
+                format!("--handoff-to={}", to.join(",")),
+            ];
+            args.extend(Self::shape_args(&shapes));
+            let stage = spawn(&config.exe, &args, &format!("prompt stage {index}"), START)?;
+            next = stage.addr;
+            stages.push(stage);
+        }
+        stages.reverse();
+        let last = disaggregation.splits.len() as u32 - 1;
+        let remote = RemotePipeline::connect(next, results, last, config.deadline)?;
+        Ok(Some(PromptPipeline { stages, remote, shapes, fallbacks: 0 }))
+    }
+
+    /// The flags that give a stage both pipelines' shapes.
+    fn shape_args(shapes: &Shapes) -> Vec<String> {
+        let list = |splits: &[Range<u32>]| {
+            splits.iter().map(|l| format!("{}..{}", l.start, l.end)).collect::<Vec<_>>().join(",")
+        };
+        vec![
+            format!("--prompt-stages={}", list(&shapes.prompt)),
+            format!("--prompt-slots={}", shapes.prompt_slots),
+            format!("--token-stages={}", list(&shapes.token)),
+            format!("--token-slots={}", shapes.token_slots),
+            format!("--requests={}", shapes.requests),
+        ]
+    }
+
+    /// Runs `seat`'s prompt and returns its first token. With a prompt pipeline, the prompt runs
+    /// there and every stage here loads the KV handed over; if that fails anywhere, the prompt
+    /// runs here instead (the same model gives the same token and KV).
+    pub fn prefill(&mut self, seat: Seat, prompt: &[u32]) -> Result<StepReply, ProcessError> {
+        let stages = self.len() as u32;
+        let request = seat.microbatch * self.config.slots + seat.slot;
+        let prompt_len = prompt.len() as u32;
+        if let Some(p) = &mut self.prompt {
+            let handed = p.remote.step(p.shapes.prompt_seat(request), prompt, 0).and_then(|reply| {
+                let loaded = self.remote.load(stages, seat, prompt_len)?;
+                Ok((reply.token, loaded))
+            });
+            match handed {
+                Ok((token, loaded)) if loaded == prompt_len => {
+                    return Ok(StepReply { token, seat, kv_end: prompt_len });
+                }
+                Ok(_) => tracing::warn!(request, "a prompt's KV did not arrive: computing it here"),
+                Err(e) => tracing::warn!(request, error = %e, "the prompt pipeline failed: computing here"),
+            }
+            p.fallbacks += 1;
+        }
+        self.remote.step(seat, prompt, 0)
+    }
+
+    /// Prompts the token pipeline computed itself because their handoff failed.
+    pub fn prompt_fallbacks(&self) -> u64 {
+        self.prompt.as_ref().map_or(0, |p| p.fallbacks)
+    }
+
+    /// The metrics page of prompt stage `stage`.
+    pub fn prompt_metrics(&self, stage: usize) -> Result<String, ClusterError> {
+        let at = self.prompt.as_ref().and_then(|p| p.stages.get(stage)).and_then(|s| s.metrics);
+        let at = at.ok_or_else(|| ClusterError::Invalid(format!("no prompt stage {stage} with metrics")))?;
+        Ok(crate::metrics::scrape(at)?)
     }
 
     fn start_controller(config: &ClusterConfig, dir: &StateDir) -> Result<Supervised, ClusterError> {
@@ -374,6 +510,13 @@ impl Cluster {
         ];
         if let Some(device) = config.device_caches {
             args.push(format!("--device-caches={device}"));
+        }
+        if config.layout == CacheLayout::PerLayer {
+            args.push("--layout=per-layer".to_owned());
+        }
+        if let Some(shapes) = config.shapes() {
+            args.push("--pipeline=token".to_owned());
+            args.extend(Self::shape_args(&shapes));
         }
         if let Some((local, successor)) = sidecars {
             let successor = config.route(Link::Replica { from: index as u32 }, successor);

@@ -155,6 +155,9 @@ pub struct Run {
     /// Heartbeats from fenced processes that the last controller of each cluster ignored
     /// (counted as `controller_restarts` is).
     pub stale_heartbeats: u64,
+    /// Prompts a prompt pipeline failed to hand over, computed by the token pipeline instead
+    /// (counted as `controller_restarts` is).
+    pub prompt_fallbacks: u64,
     /// Wall time, from starting the cluster to the last token.
     pub elapsed: Duration,
 }
@@ -278,8 +281,7 @@ fn drive_into(
                 }
                 OnFailure::Restart => {
                     record.recomputed = run.tokens.iter().map(|t| t.len() as u64).sum();
-                    run.controller_restarts += cluster.controller_restarts();
-                    run.stale_heartbeats += cluster.stale_heartbeats();
+                    run.count_from(&cluster);
                     drop(cluster);
                     cluster = start()?;
                     run.tokens.iter_mut().for_each(Vec::clear);
@@ -290,8 +292,7 @@ fn drive_into(
             }
         }
         if run.tokens.iter().all(|t| t.len() == workload.new_tokens as usize) {
-            run.controller_restarts += cluster.controller_restarts();
-            run.stale_heartbeats += cluster.stale_heartbeats();
+            run.count_from(&cluster);
             return Ok(());
         }
     }
@@ -335,7 +336,7 @@ fn next_token(
     let seat = workload.seat(request);
     let prompt = &workload.prompts[request];
     match tokens[request].last() {
-        None => cluster.remote.step(seat, prompt, 0),
+        None => cluster.prefill(seat, prompt),
         Some(&token) => {
             cluster.remote.step(seat, &[token], (prompt.len() + tokens[request].len()) as u32 - 1)
         }
@@ -343,6 +344,13 @@ fn next_token(
 }
 
 impl Run {
+    /// Adds what `cluster`, about to go, counted.
+    fn count_from(&mut self, cluster: &Cluster) {
+        self.controller_restarts += cluster.controller_restarts();
+        self.stale_heartbeats += cluster.stale_heartbeats();
+        self.prompt_fallbacks += cluster.prompt_fallbacks();
+    }
+
     fn deliver(&mut self, request: usize, reply: StepReply, step: u64) {
         let index = self.tokens[request].len() as u32;
         self.tokens[request].push(reply.token);

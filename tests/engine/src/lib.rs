@@ -31,6 +31,7 @@ pub mod cli;
 pub mod cluster;
 pub mod controller;
 pub mod driver;
+pub mod handoff;
 pub mod heartbeat;
 pub mod logging;
 pub mod metrics;

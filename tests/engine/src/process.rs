@@ -26,7 +26,11 @@
 //!   recomputes the steps after it ([`RemotePipeline::recover`]);
 //! - rewire (argument: the new next address): send to another next stage from now on;
 //! - replicate to (argument: the successor's new sidecar): replicate there from now on and, unless
-//!   the sequence is empty, copy its KV so far there (the old replica died with its sidecar).
+//!   the sequence is empty, copy its KV so far there (the old replica died with its sidecar);
+//! - load (no argument; ids: microbatch, slot, prompt length): in a token pipeline fed by a prompt
+//!   pipeline ([`crate::handoff`]), load the sequence's prompt KV from the stage's own sidecar,
+//!   where the prompt stages handed it over, and replicate it as a computed prompt's; the number
+//!   of tokens loaded (0 if it could not) travels on.
 //!
 //! Every connection on the chain (driver to stage 0, stage to stage, last stage to driver) opens
 //! with a `Hello` frame whose epoch is the one its sender was started in (a replacement's is the
@@ -66,6 +70,7 @@ use parking_lot::Mutex;
 use thiserror::Error;
 use tracing::{info, warn};
 
+use crate::handoff::{HandoffReceiver, HandoffSender, Shapes};
 use crate::metrics::{Exposition, MetricType};
 use crate::model::ModelConfig;
 use crate::pipeline::{cache_layout, CacheLayout, Seat};
@@ -101,6 +106,8 @@ const OP_RESTORE: u8 = 1;
 const OP_REWIRE: u8 = 2;
 /// Control operation: replicate to another successor sidecar, starting with a sequence's KV so far.
 const OP_REPLICATE_TO: u8 = 3;
+/// Control operation: load a sequence's prompt KV handed over by a prompt pipeline.
+const OP_LOAD: u8 = 4;
 /// Stage index of control frames addressed to no stage (the driver's probes).
 const NO_STAGE: u32 = u32::MAX;
 
@@ -142,7 +149,39 @@ pub struct StageConfig {
     /// KV caches in "device" memory, if fewer than microbatches: the others are swapped to host
     /// memory ([`crate::swap`]).
     pub device_caches: Option<u32>,
+    /// Its part in prompt-token disaggregation, if any.
+    pub handoff: Option<Handoff>,
 }
+
+/// A stage's part in prompt-token disaggregation ([`crate::handoff`]).
+#[derive(Clone, Debug)]
+pub enum Handoff {
+    /// A prompt stage: hands each prompt's KV it computes over to the token stages' sidecars
+    /// (`sidecars`, in token stage order, reached with the cluster secret `secret`).
+    Prompt {
+        /// Both pipelines' shapes.
+        shapes: Shapes,
+        /// The token stages' sidecars.
+        sidecars: Vec<SocketAddr>,
+        /// The cluster secret.
+        secret: Vec<u8>,
+    },
+    /// A token stage: loads prompt KV from its own sidecar when told to (it still computes a
+    /// prompt it is sent, as a recovery does).
+    Token {
+        /// Both pipelines' shapes.
+        shapes: Shapes,
+    },
+}
+
+/// What a stage does with handed-over prompts, running.
+enum HandoffEnd {
+    Sender(HandoffSender),
+    Receiver(HandoffReceiver),
+}
+
+/// Time a load waits for prompt KV still on its way from the prompt stages.
+const LOAD_PATIENCE: Duration = Duration::from_secs(2);
 
 fn tokens_payload(tokens: &[u32]) -> Vec<u8> {
     tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
@@ -349,6 +388,20 @@ pub struct StageStats {
     /// Input connections refused because their hello came from an older epoch than the one in
     /// use (a fenced predecessor trying to come back).
     pub stale_connections_refused: AtomicU64,
+    /// A prompt stage's handoffs: chunks of prompt KV stored at token sidecars, their payload
+    /// bytes, and chunks that could not be stored.
+    pub handed_chunks: AtomicU64,
+    /// See [`StageStats::handed_chunks`].
+    pub handed_bytes: AtomicU64,
+    /// See [`StageStats::handed_chunks`].
+    pub handoff_failures: AtomicU64,
+    /// A token stage's loads: sequences whose prompt KV it loaded, their payload bytes, and loads
+    /// that failed (the driver then has the prompt computed here).
+    pub loaded_sequences: AtomicU64,
+    /// See [`StageStats::loaded_sequences`].
+    pub loaded_bytes: AtomicU64,
+    /// See [`StageStats::loaded_sequences`].
+    pub load_failures: AtomicU64,
     /// Bytes of the KV caches in "device" memory (fixed at start).
     pub device_bytes: AtomicU64,
     /// Swapping between device caches and host memory.
@@ -432,6 +485,40 @@ impl StageStats {
             "Input connections refused as coming from a fenced predecessor (an older epoch).",
             get(&self.stale_connections_refused),
         );
+        for (name, help, counter) in [
+            (
+                "dejavu_stage_handoff_chunks_total",
+                "Chunks of prompt KV handed over to token stages' sidecars.",
+                &self.handed_chunks,
+            ),
+            (
+                "dejavu_stage_handoff_bytes_total",
+                "Bytes of prompt KV handed over to token stages' sidecars.",
+                &self.handed_bytes,
+            ),
+            (
+                "dejavu_stage_handoff_failures_total",
+                "Chunks of prompt KV that could not be handed over.",
+                &self.handoff_failures,
+            ),
+            (
+                "dejavu_stage_loaded_sequences_total",
+                "Sequences whose prompt KV was loaded from a prompt pipeline's handoff.",
+                &self.loaded_sequences,
+            ),
+            (
+                "dejavu_stage_loaded_bytes_total",
+                "Bytes of prompt KV loaded from a prompt pipeline's handoff.",
+                &self.loaded_bytes,
+            ),
+            (
+                "dejavu_stage_load_failures_total",
+                "Loads of handed-over prompt KV that failed.",
+                &self.load_failures,
+            ),
+        ] {
+            single(name, MetricType::Counter, help, get(counter));
+        }
         single(
             "dejavu_stage_replication_lag_steps",
             MetricType::Gauge,
@@ -526,6 +613,7 @@ struct StageProcess {
     pending: VecDeque<(Completion, Arc<KvCache>)>,
     pool: StagingPool,
     stats: Arc<StageStats>,
+    handoff: Option<HandoffEnd>,
 }
 
 impl StageProcess {
@@ -550,6 +638,7 @@ impl StageProcess {
             pending: VecDeque::new(),
             pool: StagingPool::default(),
             stats,
+            handoff: None,
             config,
         };
         if let Some(replication) = &process.config.replication {
@@ -558,6 +647,25 @@ impl StageProcess {
             process.streamer = Some(Streamer::spawn(StreamerConfig::default(), Box::new(to_sidecar))?);
             process.sidecars = Some(sidecars);
         }
+        let (spec, index, epoch) =
+            (process.config.model.kv_spec(), process.config.index, process.config.epoch);
+        process.handoff = match &process.config.handoff {
+            None => None,
+            Some(Handoff::Prompt { shapes, sidecars, secret }) => Some(HandoffEnd::Sender(
+                HandoffSender::new(shapes, spec, index, sidecars, secret, epoch)
+                    .map_err(ProcessError::Protocol)?,
+            )),
+            Some(Handoff::Token { shapes }) => {
+                if process.sidecars.is_none() {
+                    return Err(ProcessError::Protocol(
+                        "a token stage loads prompts from its sidecar: it needs one".into(),
+                    ));
+                }
+                Some(HandoffEnd::Receiver(
+                    HandoffReceiver::new(shapes, spec, index).map_err(ProcessError::Protocol)?,
+                ))
+            }
+        };
         Ok(process)
     }
 
@@ -636,30 +744,75 @@ impl StageProcess {
         self.caches.grew(microbatch, slot, position + count);
         StageStats::add(&self.stats.steps, 1);
         StageStats::add(&self.stats.tokens, count as u64);
-        if let Some(streamer) = &self.streamer {
-            let job = StreamJob {
-                cache: cache.clone(),
-                transfer: self.transfer(seat),
-                tokens: position..position + count,
-            };
-            let done = streamer.submit(job).map_err(|e| ProcessError::Sidecar(e.to_string()))?;
-            self.pending.push_back((done, cache));
-            // Report failed replications; a replacement recomputes what the copies lack.
-            while let Some(done) = self.pending.front().and_then(|(done, _)| done.poll()) {
-                self.pending.pop_front();
-                if let Err(e) = done {
-                    StageStats::add(&self.stats.replication_failures, 1);
-                    warn!(stage = self.config.index, error = %e, "a replication failed");
-                }
+        if let Some(HandoffEnd::Sender(sender)) = &mut self.handoff {
+            if position == 0 {
+                sender.prompt_done(&cache, seat, 0..count).map_err(ProcessError::Sidecar)?;
             }
-            self.stats.replication_pending.store(self.pending.len() as u64, Ordering::Relaxed);
+            let handed = sender.finished();
+            StageStats::add(&self.stats.handed_chunks, handed.chunks);
+            StageStats::add(&self.stats.handed_bytes, handed.bytes);
+            StageStats::add(&self.stats.handoff_failures, handed.failures);
         }
+        self.replicate(cache, seat, position..position + count)?;
         Ok(if self.stage.layers().end == self.config.model.layers {
             let d = self.config.model.d_model as usize;
             tokens_payload(&[self.stage.next_token(&hidden[hidden.len() - d..])?])
         } else {
             floats_payload(&hidden)
         })
+    }
+
+    /// Hands `tokens` of `seat`'s KV, just written in `cache`, to the streamer (if replicating),
+    /// which copies them to the sidecars in the background.
+    fn replicate(&mut self, cache: Arc<KvCache>, seat: Seat, tokens: Range<u32>) -> Result<(), ProcessError> {
+        let Some(streamer) = &self.streamer else { return Ok(()) };
+        let job = StreamJob { cache: cache.clone(), transfer: self.transfer(seat), tokens };
+        let done = streamer.submit(job).map_err(|e| ProcessError::Sidecar(e.to_string()))?;
+        self.pending.push_back((done, cache));
+        // Report failed replications; a replacement recomputes what the copies lack.
+        while let Some(done) = self.pending.front().and_then(|(done, _)| done.poll()) {
+            self.pending.pop_front();
+            if let Err(e) = done {
+                StageStats::add(&self.stats.replication_failures, 1);
+                warn!(stage = self.config.index, error = %e, "a replication failed");
+            }
+        }
+        self.stats.replication_pending.store(self.pending.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Loads `seat`'s prompt KV, handed over by the prompt pipeline, from the stage's own sidecar,
+    /// and replicates it as a computed prompt's; returns the tokens loaded (0 if it could not:
+    /// the driver then has the prompt computed here).
+    fn load(&mut self, header: &FrameHeader) -> u32 {
+        let [microbatch, slot, prompt_len, _] = header.ids;
+        let seat = Seat { microbatch, slot };
+        let loaded = self.cache(seat).and_then(|cache| {
+            let (Some(HandoffEnd::Receiver(receiver)), Some(sidecars)) = (&self.handoff, &self.sidecars)
+            else {
+                return Err(ProcessError::Protocol("a load for a stage that is not a token stage".into()));
+            };
+            let source: SharedStore = sidecars.local.clone();
+            let bytes = receiver
+                .load(&cache, seat, prompt_len, &source, LOAD_PATIENCE)
+                .map_err(|e| ProcessError::Sidecar(e.to_string()))?;
+            Ok((cache, bytes))
+        });
+        let (cache, bytes) = match loaded {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                StageStats::add(&self.stats.load_failures, 1);
+                warn!(stage = self.config.index, microbatch, slot, error = %e, "could not load a prompt's KV");
+                return 0;
+            }
+        };
+        self.caches.grew(microbatch, slot, prompt_len);
+        StageStats::add(&self.stats.loaded_sequences, 1);
+        StageStats::add(&self.stats.loaded_bytes, bytes);
+        if let Err(e) = self.replicate(cache, seat, 0..prompt_len) {
+            warn!(stage = self.config.index, error = %e, "could not replicate a loaded prompt");
+        }
+        prompt_len
     }
 
     /// Carries out a control frame if it is addressed to this stage; returns the payload to pass on.
@@ -674,6 +827,10 @@ impl StageProcess {
                 let from = parse_address(argument)?;
                 let restored = self.restore(header, from);
                 Ok(control_payload(OP_RESTORE, stage, &restored.to_le_bytes()))
+            }
+            OP_LOAD => {
+                let loaded = self.load(header);
+                Ok(control_payload(OP_LOAD, stage, &loaded.to_le_bytes()))
             }
             OP_REWIRE => {
                 self.config.next = parse_address(argument)?
@@ -1067,6 +1224,28 @@ impl RemotePipeline {
             }
             _ => Err(ProcessError::Protocol(format!("stage {stage} did not report a restore"))),
         }
+    }
+
+    /// Tells each of the first `stages` stages to load `seat`'s prompt KV (`prompt_len` tokens),
+    /// handed over by a prompt pipeline; returns the fewest tokens a stage loaded (0: some stage
+    /// could not, and the prompt must be computed here).
+    pub fn load(&mut self, stages: u32, seat: Seat, prompt_len: u32) -> Result<u32, ProcessError> {
+        let ids = [seat.microbatch, seat.slot, prompt_len, 0];
+        // All sent at once: the loads run one after another down the chain, not one round trip each.
+        let requests = (0..stages)
+            .map(|stage| Ok((stage, self.write(Kind::Control, ids, &control_payload(OP_LOAD, stage, &[]))?)))
+            .collect::<Result<Vec<_>, ProcessError>>()?;
+        let mut fewest = prompt_len;
+        for (stage, request) in requests {
+            let reply = self.reply(request, self.control_deadline)?.payload;
+            match parse_control(&reply) {
+                Some((OP_LOAD, s, count)) if s == stage && count.len() == 4 => {
+                    fewest = fewest.min(u32::from_le_bytes(count.try_into().expect("4 bytes")));
+                }
+                _ => return Err(ProcessError::Protocol(format!("stage {stage} did not report a load"))),
+            }
+        }
+        Ok(fewest)
     }
 
     /// Tells stage `stage` to replicate to the sidecar at `to` from now on and, unless

@@ -1,0 +1,333 @@
+//! Prompt-token disaggregation across processes: a prompt pipeline computes each prompt, and its
+//! stages stream the prompt's KV to the sidecars of a token pipeline of another shape (other layer
+//! splits, another microbatch size, another cache layout); when the driver starts the sequence
+//! there, each token stage loads its part from its own sidecar (host memory, through shared
+//! memory) and decodes.
+//!
+//! Both sides plan with [`plan_stream_out`] / [`plan_stream_in`] over the two [`Setup`]s. A
+//! transfer between a prompt microbatch and a token microbatch covers several sequences; it is
+//! split per sequence, so that each prompt is handed over as soon as it has been computed and
+//! each sequence is loaded alone. Sender and receiver split alike, so their chunk keys agree.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
+use dejavulib::net::tcp::TcpTransport;
+use dejavulib::net::{ClientConfig, PeerStore};
+use dejavulib::reshard::{receive, LocalRegion, StreamError};
+use dejavulib::store::StoreError;
+use dejavulib::streamer::{Completion, StreamJob};
+use dejavulib::{
+    plan_stream_in, plan_stream_out, ChunkStore, KvCache, KvSpec, Setup, StageSpec, Streamer, StreamerConfig,
+    Transfer, WorkerId,
+};
+use parking_lot::Mutex;
+
+use crate::pipeline::Seat;
+
+/// The shapes of the two pipelines, which both sides need to plan the handoff.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shapes {
+    /// Layers of each prompt stage.
+    pub prompt: Vec<Range<u32>>,
+    /// Sequences per prompt microbatch.
+    pub prompt_slots: u32,
+    /// Layers of each token stage.
+    pub token: Vec<Range<u32>>,
+    /// Sequences per token microbatch.
+    pub token_slots: u32,
+    /// Requests in all (a multiple of both microbatch sizes).
+    pub requests: u32,
+}
+
+impl Shapes {
+    /// The prompt and token setups, or why they do not fit together.
+    pub fn setups(&self, spec: KvSpec) -> Result<(Setup, Setup), String> {
+        let setup = |splits: &[Range<u32>], slots: u32| {
+            if slots == 0 || self.requests % slots != 0 {
+                return Err(format!("{} requests do not fill microbatches of {slots}", self.requests));
+            }
+            let stages = splits.iter().map(|layers| StageSpec { layers: layers.clone(), tp: 1 }).collect();
+            Setup::new(spec, stages, slots, self.requests / slots).map_err(|e| e.to_string())
+        };
+        let (prompt, token) =
+            (setup(&self.prompt, self.prompt_slots)?, setup(&self.token, self.token_slots)?);
+        prompt.check_compatible(&token).map_err(|e| e.to_string())?;
+        Ok((prompt, token))
+    }
+
+    /// Where request `request` sits in the prompt pipeline.
+    pub fn prompt_seat(&self, request: u32) -> Seat {
+        Seat { microbatch: request / self.prompt_slots, slot: request % self.prompt_slots }
+    }
+}
+
+/// The node id prompt stage `index` uses with the token stages' sidecars: apart from the token
+/// stages' own ids, whose epochs the sidecars fence per sender.
+pub fn prompt_node(index: u32) -> u32 {
+    const PROMPT_NODES: u32 = 1 << 16;
+    PROMPT_NODES | index
+}
+
+/// Which end of the transfers a worker is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    Source,
+    Destination,
+}
+
+/// The one-sequence parts of `transfers` that concern `seat` at the given end.
+fn for_sequence(transfers: &[Transfer], seat: Seat, end: End) -> Vec<Transfer> {
+    transfers
+        .iter()
+        .filter_map(|t| {
+            let here = if end == End::Source { &t.from } else { &t.to };
+            if here.microbatch != seat.microbatch || !here.slots.contains(&seat.slot) {
+                return None;
+            }
+            let offset = seat.slot - here.slots.start;
+            let one = |r: &LocalRegion| LocalRegion {
+                slots: r.slots.start + offset..r.slots.start + offset + 1,
+                ..r.clone()
+            };
+            Some(Transfer {
+                source: t.source,
+                destination: t.destination,
+                from: one(&t.from),
+                to: one(&t.to),
+            })
+        })
+        .collect()
+}
+
+/// The token stages' sidecars as one store: each chunk goes to its destination stage's.
+struct TokenSidecars {
+    stores: Vec<PeerStore>,
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl TokenSidecars {
+    fn of(&mut self, stage: u32) -> Result<&mut PeerStore, StoreError> {
+        // The plan names only token stages, and there is a sidecar for each (checked at start).
+        let missing = || StoreError::Io {
+            op: "hand over to",
+            path: format!("token stage {stage}").into(),
+            source: std::io::ErrorKind::NotFound.into(),
+        };
+        self.stores.get_mut(stage as usize).ok_or_else(missing)
+    }
+}
+
+impl ChunkStore for TokenSidecars {
+    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+        self.of(descriptor.destination.stage)?.put(descriptor, payload)
+    }
+
+    fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
+        self.of(key.destination.stage)?.get(key, out)
+    }
+}
+
+/// A prompt stage's end: streams each computed prompt's KV to the token stages' sidecars in the
+/// background, while the prompt pipeline goes on.
+pub struct HandoffSender {
+    plan: Vec<Transfer>,
+    streamer: Streamer,
+    pending: VecDeque<Completion>,
+}
+
+/// What finished handoffs moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Handed {
+    /// Chunks stored at token sidecars.
+    pub chunks: u64,
+    /// Their payload bytes.
+    pub bytes: u64,
+    /// Chunks that could not be stored (the token stage computes that prompt itself).
+    pub failures: u64,
+}
+
+impl HandoffSender {
+    /// The sender of prompt stage `index`, handing over to the token sidecars at `sidecars` (in
+    /// token stage order) as node [`prompt_node`]`(index)` of the cluster with `secret`.
+    pub fn new(
+        shapes: &Shapes,
+        spec: KvSpec,
+        index: u32,
+        sidecars: &[SocketAddr],
+        secret: &[u8],
+        epoch: u64,
+    ) -> Result<Self, String> {
+        let (prompt, token) = shapes.setups(spec)?;
+        if sidecars.len() != token.stages().len() {
+            return Err(format!(
+                "{} token sidecars for {} token stages",
+                sidecars.len(),
+                token.stages().len()
+            ));
+        }
+        let plan = plan_stream_out(&prompt, WorkerId { stage: index, rank: 0 }, &token)
+            .map_err(|e| e.to_string())?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        let mut client = ClientConfig::new(secret.to_vec(), prompt_node(index));
+        client.epoch = epoch;
+        client.connect_attempts = 2;
+        client.connect_timeout = Duration::from_millis(500);
+        let stores = sidecars
+            .iter()
+            .map(|&addr| {
+                PeerStore::new(
+                    runtime.handle().clone(),
+                    Arc::new(TcpTransport::plain()),
+                    addr,
+                    client.clone(),
+                )
+            })
+            .collect();
+        let config = StreamerConfig { name: format!("handoff-{index}"), ..StreamerConfig::default() };
+        let streamer = Streamer::spawn(config, Box::new(TokenSidecars { stores, _runtime: runtime }))
+            .map_err(|e| e.to_string())?;
+        Ok(Self { plan, streamer, pending: VecDeque::new() })
+    }
+
+    /// `seat`'s prompt (`tokens`) is in `cache`: streams its KV to the token stages that need it.
+    pub fn prompt_done(
+        &mut self,
+        cache: &Arc<KvCache>,
+        seat: Seat,
+        tokens: Range<u32>,
+    ) -> Result<(), String> {
+        for transfer in for_sequence(&self.plan, seat, End::Source) {
+            let job = StreamJob { cache: cache.clone(), transfer, tokens: tokens.clone() };
+            self.pending.push_back(self.streamer.submit(job).map_err(|e| e.to_string())?);
+        }
+        Ok(())
+    }
+
+    /// Collects the handoffs finished since the last call.
+    pub fn finished(&mut self) -> Handed {
+        let mut handed = Handed::default();
+        while let Some(done) = self.pending.front().and_then(Completion::poll) {
+            self.pending.pop_front();
+            match done {
+                Ok(receipt) => {
+                    handed.chunks += 1;
+                    handed.bytes += receipt.bytes;
+                }
+                Err(e) => {
+                    handed.failures += 1;
+                    tracing::warn!(error = %e, "a prompt handoff failed");
+                }
+            }
+        }
+        handed
+    }
+}
+
+/// A token stage's end: loads a sequence's prompt KV from a store (its own sidecar).
+pub struct HandoffReceiver {
+    plan: Vec<Transfer>,
+}
+
+impl HandoffReceiver {
+    /// The receiver of token stage `index`.
+    pub fn new(shapes: &Shapes, spec: KvSpec, index: u32) -> Result<Self, String> {
+        let (prompt, token) = shapes.setups(spec)?;
+        let plan =
+            plan_stream_in(&prompt, &token, WorkerId { stage: index, rank: 0 }).map_err(|e| e.to_string())?;
+        Ok(Self { plan })
+    }
+
+    /// Loads `seat`'s prompt KV (`prompt_len` tokens) from `store` into `cache`, waiting up to
+    /// `patience` for chunks still on their way; returns the payload bytes loaded.
+    pub fn load(
+        &self,
+        cache: &KvCache,
+        seat: Seat,
+        prompt_len: u32,
+        store: &Mutex<dyn ChunkStore>,
+        patience: Duration,
+    ) -> Result<u64, StreamError> {
+        let until = Instant::now() + patience;
+        let mut payload = Vec::new();
+        let mut bytes = 0;
+        for transfer in for_sequence(&self.plan, seat, End::Destination) {
+            loop {
+                // Locked per attempt: the stage's replication uses the same store meanwhile.
+                let fetched = receive(cache, &transfer, 0..prompt_len, &mut *store.lock(), &mut payload);
+                match fetched {
+                    Ok(receipt) => {
+                        bytes += receipt.bytes;
+                        break;
+                    }
+                    Err(StreamError::Store(StoreError::NotFound(_))) if Instant::now() < until => {
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ModelConfig;
+
+    fn shapes() -> Shapes {
+        Shapes {
+            prompt: vec![0..4, 4..8],
+            prompt_slots: 4,
+            token: vec![0..3, 3..5, 5..8],
+            token_slots: 2,
+            requests: 8,
+        }
+    }
+
+    #[test]
+    fn per_sequence_parts_cover_each_sequence_once_on_both_ends() {
+        let spec = ModelConfig::reference().kv_spec();
+        let (prompt, token) = shapes().setups(spec).unwrap();
+        let layers_per_token =
+            |transfers: &[Transfer]| -> u32 { transfers.iter().map(|t| t.to.layers.len() as u32).sum() };
+        for request in 0..8u32 {
+            let (p, t) = (shapes().prompt_seat(request), Seat { microbatch: request / 2, slot: request % 2 });
+            let mut sent = Vec::new();
+            for worker in prompt.workers() {
+                let plan = plan_stream_out(&prompt, worker, &token).unwrap();
+                sent.extend(for_sequence(&plan, p, End::Source));
+            }
+            // Every layer of the sequence leaves the prompt side once, as one slot.
+            assert_eq!(layers_per_token(&sent), 8, "request {request}");
+            assert!(sent.iter().all(|x| x.from.slots.len() == 1 && x.to.slots.len() == 1));
+            assert!(sent.iter().all(|x| x.to.microbatch == t.microbatch && x.to.slots.start == t.slot));
+            let mut received = Vec::new();
+            for worker in token.workers() {
+                let plan = plan_stream_in(&prompt, &token, worker).unwrap();
+                received.extend(for_sequence(&plan, t, End::Destination));
+            }
+            sent.sort_by_key(|x| (x.destination.stage, x.to.layers.start));
+            received.sort_by_key(|x| (x.destination.stage, x.to.layers.start));
+            assert_eq!(sent, received, "both ends agree on request {request}'s chunks");
+        }
+    }
+
+    #[test]
+    fn shapes_that_do_not_fit_are_refused() {
+        let spec = ModelConfig::reference().kv_spec();
+        let odd = Shapes { requests: 6, ..shapes() };
+        assert!(odd.setups(spec).unwrap_err().contains("microbatches of 4"));
+        let short = Shapes { token: vec![0..3, 3..7], ..shapes() };
+        assert!(short.setups(spec).is_err());
+    }
+}
