@@ -127,6 +127,9 @@ struct PromptPipeline {
     shapes: Shapes,
     /// Prompts the token pipeline computed because the handoff failed.
     fallbacks: u64,
+    /// Whether a step failed there: nothing repairs it, so it is not asked again (each try would
+    /// cost a deadline).
+    broken: bool,
 }
 
 impl ClusterConfig {
@@ -345,7 +348,7 @@ impl Cluster {
         stages.reverse();
         let last = disaggregation.splits.len() as u32 - 1;
         let remote = RemotePipeline::connect(next, results, last, config.deadline)?;
-        Ok(Some(PromptPipeline { stages, remote, shapes, fallbacks: 0 }))
+        Ok(Some(PromptPipeline { stages, remote, shapes, fallbacks: 0, broken: false }))
     }
 
     /// The flags that give a stage both pipelines' shapes.
@@ -370,16 +373,20 @@ impl Cluster {
         let request = seat.microbatch * self.config.slots + seat.slot;
         let prompt_len = prompt.len() as u32;
         if let Some(p) = &mut self.prompt {
-            let handed = p.remote.step(p.shapes.prompt_seat(request), prompt, 0).and_then(|reply| {
-                let loaded = self.remote.load(stages, seat, prompt_len)?;
-                Ok((reply.token, loaded))
-            });
-            match handed {
-                Ok((token, loaded)) if loaded == prompt_len => {
-                    return Ok(StepReply { token, seat, kv_end: prompt_len });
+            if !p.broken {
+                match p.remote.step(p.shapes.prompt_seat(request), prompt, 0) {
+                    Ok(reply) => {
+                        // A token pipeline that fails to answer fails the step, as any step here.
+                        if self.remote.load(stages, seat, prompt_len)? == prompt_len {
+                            return Ok(StepReply { token: reply.token, seat, kv_end: prompt_len });
+                        }
+                        tracing::warn!(request, "a prompt's KV did not arrive: computing it here");
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the prompt pipeline failed: prompts are computed here");
+                        p.broken = true;
+                    }
                 }
-                Ok(_) => tracing::warn!(request, "a prompt's KV did not arrive: computing it here"),
-                Err(e) => tracing::warn!(request, error = %e, "the prompt pipeline failed: computing here"),
             }
             p.fallbacks += 1;
         }
@@ -389,6 +396,14 @@ impl Cluster {
     /// Prompts the token pipeline computed itself because their handoff failed.
     pub fn prompt_fallbacks(&self) -> u64 {
         self.prompt.as_ref().map_or(0, |p| p.fallbacks)
+    }
+
+    /// SIGKILLs prompt stage `stage`: the prompts not yet handed over are computed by the token
+    /// pipeline.
+    pub fn kill_prompt_stage(&mut self, stage: usize) -> Result<(), ClusterError> {
+        let p = self.prompt.as_mut().and_then(|p| p.stages.get_mut(stage));
+        let p = p.ok_or_else(|| ClusterError::Invalid(format!("no prompt stage {stage}")))?;
+        Ok(p.proc.kill()?)
     }
 
     /// The metrics page of prompt stage `stage`.
@@ -765,6 +780,7 @@ impl Cluster {
             let old = std::mem::replace(&mut self.sidecars[victim], new);
             self.retire(old, spare);
             self.wait_alive((Role::Sidecar, victim as u32))?;
+            self.hand_prompts_to(victim);
         }
         for &(victim, _) in victims.iter().rev() {
             let next = if victim + 1 == n { self.driver } else { self.stages[victim + 1].addr };
@@ -831,6 +847,20 @@ impl Cluster {
             self.copy_kv_to(predecessor, to, sequences)?;
         }
         Ok(recovered)
+    }
+
+    /// Tells every prompt stage, if there are any, that token stage `stage`'s sidecar was
+    /// replaced. A prompt pipeline that cannot be told is no longer used.
+    fn hand_prompts_to(&mut self, stage: usize) {
+        let to = self.sidecars[stage].addr;
+        let Some(p) = self.prompt.as_mut().filter(|p| !p.broken) else { return };
+        for prompt_stage in 0..p.stages.len() as u32 {
+            if let Err(e) = p.remote.handoff_to(prompt_stage, stage as u32, to) {
+                tracing::warn!(error = %e, "the prompt pipeline failed: prompts are computed here");
+                p.broken = true;
+                return;
+            }
+        }
     }
 
     /// Lets a replaced process go: killed (when dropped), or kept running when `spare`.

@@ -106,19 +106,31 @@ fn for_sequence(transfers: &[Transfer], seat: Seat, end: End) -> Vec<Transfer> {
 
 /// The token stages' sidecars as one store: each chunk goes to its destination stage's.
 struct TokenSidecars {
-    stores: Vec<PeerStore>,
-    _runtime: tokio::runtime::Runtime,
+    /// Where each token stage's sidecar is now (a replaced one moves).
+    targets: Arc<Mutex<Vec<SocketAddr>>>,
+    /// A store on each, and the address it reaches.
+    stores: Vec<(SocketAddr, PeerStore)>,
+    client: ClientConfig,
+    runtime: tokio::runtime::Runtime,
 }
 
 impl TokenSidecars {
+    fn store_on(&self, addr: SocketAddr) -> PeerStore {
+        let transport = Arc::new(TcpTransport::plain());
+        PeerStore::new(self.runtime.handle().clone(), transport, addr, self.client.clone())
+    }
+
     fn of(&mut self, stage: u32) -> Result<&mut PeerStore, StoreError> {
         // The plan names only token stages, and there is a sidecar for each (checked at start).
-        let missing = || StoreError::Io {
+        let target = self.targets.lock().get(stage as usize).copied().ok_or_else(|| StoreError::Io {
             op: "hand over to",
             path: format!("token stage {stage}").into(),
             source: std::io::ErrorKind::NotFound.into(),
-        };
-        self.stores.get_mut(stage as usize).ok_or_else(missing)
+        })?;
+        if self.stores[stage as usize].0 != target {
+            self.stores[stage as usize] = (target, self.store_on(target));
+        }
+        Ok(&mut self.stores[stage as usize].1)
     }
 }
 
@@ -138,6 +150,8 @@ pub struct HandoffSender {
     plan: Vec<Transfer>,
     streamer: Streamer,
     pending: VecDeque<Completion>,
+    /// Where each token stage's sidecar is (shared with the streamer's store).
+    targets: Arc<Mutex<Vec<SocketAddr>>>,
 }
 
 /// What finished handoffs moved.
@@ -181,21 +195,20 @@ impl HandoffSender {
         client.epoch = epoch;
         client.connect_attempts = 2;
         client.connect_timeout = Duration::from_millis(500);
-        let stores = sidecars
-            .iter()
-            .map(|&addr| {
-                PeerStore::new(
-                    runtime.handle().clone(),
-                    Arc::new(TcpTransport::plain()),
-                    addr,
-                    client.clone(),
-                )
-            })
-            .collect();
+        let targets = Arc::new(Mutex::new(sidecars.to_vec()));
+        let mut store = TokenSidecars { targets: targets.clone(), stores: Vec::new(), client, runtime };
+        store.stores = sidecars.iter().map(|&addr| (addr, store.store_on(addr))).collect();
         let config = StreamerConfig { name: format!("handoff-{index}"), ..StreamerConfig::default() };
-        let streamer = Streamer::spawn(config, Box::new(TokenSidecars { stores, _runtime: runtime }))
-            .map_err(|e| e.to_string())?;
-        Ok(Self { plan, streamer, pending: VecDeque::new() })
+        let streamer = Streamer::spawn(config, Box::new(store)).map_err(|e| e.to_string())?;
+        Ok(Self { plan, streamer, pending: VecDeque::new(), targets })
+    }
+
+    /// Hands over to token stage `stage`'s sidecar at `to` from now on (it was replaced).
+    pub fn retarget(&self, stage: u32, to: SocketAddr) -> Result<(), String> {
+        let mut targets = self.targets.lock();
+        let target = targets.get_mut(stage as usize).ok_or_else(|| format!("no token stage {stage}"))?;
+        *target = to;
+        Ok(())
     }
 
     /// `seat`'s prompt (`tokens`) is in `cache`: streams its KV to the token stages that need it.

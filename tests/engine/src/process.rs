@@ -30,7 +30,9 @@
 //! - load (no argument; ids: microbatch, slot, prompt length): in a token pipeline fed by a prompt
 //!   pipeline ([`crate::handoff`]), load the sequence's prompt KV from the stage's own sidecar,
 //!   where the prompt stages handed it over, and replicate it as a computed prompt's; the number
-//!   of tokens loaded (0 if it could not) travels on.
+//!   of tokens loaded (0 if it could not) travels on;
+//! - hand over to (argument: a token stage's index, `u32`, then its sidecar's new address): a prompt
+//!   stage hands that token stage's prompt KV to the new sidecar from now on.
 //!
 //! Every connection on the chain (driver to stage 0, stage to stage, last stage to driver) opens
 //! with a `Hello` frame whose epoch is the one its sender was started in (a replacement's is the
@@ -108,6 +110,8 @@ const OP_REWIRE: u8 = 2;
 const OP_REPLICATE_TO: u8 = 3;
 /// Control operation: load a sequence's prompt KV handed over by a prompt pipeline.
 const OP_LOAD: u8 = 4;
+/// Control operation: a prompt stage hands a token stage's prompts to another sidecar from now on.
+const OP_HANDOFF_TO: u8 = 5;
 /// Stage index of control frames addressed to no stage (the driver's probes).
 const NO_STAGE: u32 = u32::MAX;
 
@@ -180,8 +184,9 @@ enum HandoffEnd {
     Receiver(HandoffReceiver),
 }
 
-/// Time a load waits for prompt KV still on its way from the prompt stages.
-const LOAD_PATIENCE: Duration = Duration::from_secs(2);
+/// Time a load waits for prompt KV still on its way from the prompt stages (it was sent while the
+/// rest of the prompt pipeline computed: normally it is there).
+const LOAD_PATIENCE: Duration = Duration::from_millis(500);
 
 fn tokens_payload(tokens: &[u32]) -> Vec<u8> {
     tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
@@ -832,6 +837,20 @@ impl StageProcess {
                 let loaded = self.load(header);
                 Ok(control_payload(OP_LOAD, stage, &loaded.to_le_bytes()))
             }
+            OP_HANDOFF_TO => {
+                let Some(HandoffEnd::Sender(sender)) = &self.handoff else {
+                    return Err(ProcessError::Protocol(
+                        "a handoff target for a stage that is not a prompt stage".into(),
+                    ));
+                };
+                let token_stage = argument.get(..4).and_then(|b| b.try_into().ok()).map(u32::from_le_bytes);
+                let token_stage = token_stage
+                    .ok_or_else(|| ProcessError::Protocol("a handoff target without a stage".into()))?;
+                let to = parse_address(&argument[4..])?
+                    .ok_or_else(|| ProcessError::Protocol("a handoff target without an address".into()))?;
+                sender.retarget(token_stage, to).map_err(ProcessError::Protocol)?;
+                Ok(payload)
+            }
             OP_REWIRE => {
                 self.config.next = parse_address(argument)?
                     .ok_or_else(|| ProcessError::Protocol("a rewire without an address".into()))?;
@@ -1235,9 +1254,11 @@ impl RemotePipeline {
         let requests = (0..stages)
             .map(|stage| Ok((stage, self.write(Kind::Control, ids, &control_payload(OP_LOAD, stage, &[]))?)))
             .collect::<Result<Vec<_>, ProcessError>>()?;
+        // A step's time, and each stage's patience for chunks on their way.
+        let deadline = self.deadline + LOAD_PATIENCE * stages;
         let mut fewest = prompt_len;
         for (stage, request) in requests {
-            let reply = self.reply(request, self.control_deadline)?.payload;
+            let reply = self.reply(request, deadline)?.payload;
             match parse_control(&reply) {
                 Some((OP_LOAD, s, count)) if s == stage && count.len() == 4 => {
                     fewest = fewest.min(u32::from_le_bytes(count.try_into().expect("4 bytes")));
@@ -1246,6 +1267,15 @@ impl RemotePipeline {
             }
         }
         Ok(fewest)
+    }
+
+    /// Tells prompt stage `stage` to hand token stage `token_stage`'s prompts to the sidecar at
+    /// `to` from now on.
+    pub fn handoff_to(&mut self, stage: u32, token_stage: u32, to: SocketAddr) -> Result<(), ProcessError> {
+        let mut argument = token_stage.to_le_bytes().to_vec();
+        argument.extend_from_slice(to.to_string().as_bytes());
+        self.control(OP_HANDOFF_TO, stage, [NO_STAGE; 4], &argument)?;
+        Ok(())
     }
 
     /// Tells stage `stage` to replicate to the sidecar at `to` from now on and, unless

@@ -112,6 +112,53 @@ fn a_token_worker_killed_after_the_handoff_recovers_bit_identically() {
 }
 
 #[test]
+fn a_token_worker_killed_while_prompts_arrive_gets_the_rest_at_its_replacement() {
+    let workload = workload();
+    let config = config(&workload);
+    let mut seen = None;
+    let mut inject = |step: u64, cluster: &mut Cluster| {
+        // Two prompts handed over; the third's load finds stage 1 dead.
+        if step == 2 {
+            cluster.kill(1, Kill::Worker)?;
+        }
+        if step + 1 == workload.steps() {
+            seen = Some((cluster.prompt_fallbacks(), cluster.metrics(1, Role::Engine)?));
+        }
+        Ok(())
+    };
+    let run = drive(&workload, &driver(), &mut || Cluster::start(config.clone()), &mut inject).unwrap();
+    assert_eq!(run.tokens, colocated(&workload));
+    assert_eq!(run.recoveries.len(), 1);
+    let (fallbacks, page) = seen.expect("read before the last step");
+    // The prompt stages were told where the replacement's sidecar is: the prompts after the
+    // failure were handed over there, none computed by the token pipeline.
+    assert_eq!(fallbacks, 0);
+    assert_eq!(counter(&page, "dejavu_stage_loaded_sequences_total"), (REQUESTS - 2) as f64, "{page}");
+}
+
+#[test]
+fn prompts_a_dead_prompt_pipeline_cannot_hand_over_are_computed_by_the_token_pipeline() {
+    let workload = workload();
+    let config = config(&workload);
+    let mut fallbacks = 0;
+    let mut inject = |step: u64, cluster: &mut Cluster| {
+        // Three prompts handed over, then the prompt pipeline loses a stage.
+        if step == 3 {
+            cluster.kill_prompt_stage(1)?;
+        }
+        if step + 1 == workload.steps() {
+            fallbacks = cluster.prompt_fallbacks();
+        }
+        Ok(())
+    };
+    let run = drive(&workload, &driver(), &mut || Cluster::start(config.clone()), &mut inject).unwrap();
+    assert_eq!(run.tokens, colocated(&workload));
+    assert!(run.recoveries.is_empty(), "no token stage died");
+    assert_eq!(fallbacks, REQUESTS as u64 - 3);
+    assert_eq!(run.prompt_fallbacks, fallbacks);
+}
+
+#[test]
 fn shapes_that_do_not_fit_are_refused_before_anything_starts() {
     let workload = workload();
     // 8 requests do not fill prompt microbatches of 3.
