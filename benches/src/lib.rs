@@ -4,11 +4,55 @@
 //! batch 8) in FasterTransformer's layout, where a decode step writes one 16-byte K piece per
 //! 64-byte cache line.
 
+pub mod e2e;
 pub mod net;
 
 use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::plan::CopyPlan;
 use dejavulib::{DType, KvCache, KvLayout, KvRegion, KvSpec, Packing, WorkerId};
+
+/// One line of the `bench-report` table: a measurement beside a limit measured in the same run.
+///
+/// The ratio is oriented so that higher is better: `value / limit` for throughputs, `limit / value`
+/// for times. A slowdown bound ("at most 1.10x the time of X") is a target of `1 / 1.10` on it.
+#[derive(Clone, Debug)]
+pub struct Row {
+    /// What was measured.
+    pub name: String,
+    /// The measurement, in `unit`.
+    pub value: f64,
+    /// The unit of `value` and `limit`.
+    pub unit: &'static str,
+    /// What the limit is.
+    pub limit_name: String,
+    /// The limit, in `unit`.
+    pub limit: f64,
+    /// The ratio the measurement must reach; 0 for a row given for information only.
+    pub target: f64,
+    /// Whether a larger value is better (throughput) or a smaller one (time).
+    pub higher_is_better: bool,
+}
+
+impl Row {
+    /// The measurement against its limit, higher is better (1 = at the limit).
+    pub fn ratio(&self) -> f64 {
+        if self.higher_is_better {
+            self.value / self.limit
+        } else {
+            self.limit / self.value
+        }
+    }
+
+    /// Whether the row has a target (rather than being information only).
+    pub fn has_target(&self) -> bool {
+        self.target > 0.0
+    }
+
+    /// Whether the ratio reaches the target (always true for an information row).
+    pub fn met(&self) -> bool {
+        self.ratio() >= self.target
+    }
+}
 
 /// Bytes of a CPU cache line.
 pub const CACHE_LINE: u64 = 64;

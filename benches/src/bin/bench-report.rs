@@ -1,36 +1,42 @@
-//! Prints the benchmark report: each measurement beside its physical limit, measured in the same run.
+//! Prints the benchmark report: each measurement beside its limit, measured in the same run, and
+//! the end-to-end rows of the reference engine's cluster (started from the `dejavud` executable).
 //!
-//! `cargo run --release -p dejavu-benches --bin bench-report [-- --json] [--quick]`
+//! `cargo build --release --bin dejavud && cargo run --release -p dejavu-benches --bin bench-report
+//! [-- --json] [--quick] [--no-e2e]`
 
 use std::time::Duration;
 
-use dejavu_benches::{memcpy, source_lines_bytes, Geometry, Workload};
+use dejavu_benches::e2e::{self, E2e};
+use dejavu_benches::{memcpy, source_lines_bytes, Geometry, Row, Workload};
 use dejavulib::baseline::flush_per_extent;
 use dejavulib::file_io::{FileBackend, FileIo};
 use dejavulib::store::{ChunkStore, FileStore};
 use dejavulib::StagingPool;
 
-/// One line of the report.
-struct Row {
-    name: String,
-    value: f64,
-    unit: &'static str,
-    limit_name: String,
-    limit: f64,
-    target: f64,
-    higher_is_better: bool,
+const USAGE: &str = "usage: bench-report [--json] [--quick] [--no-e2e]";
+
+/// The command line.
+struct Options {
+    /// Print JSON instead of the table.
+    json: bool,
+    /// A smaller workload and shorter demos.
+    quick: bool,
+    /// Skip the end-to-end section.
+    no_e2e: bool,
 }
 
-impl Row {
-    fn ratio(&self) -> f64 {
-        if self.higher_is_better {
-            self.value / self.limit
-        } else {
-            self.limit / self.value
+impl Options {
+    fn parse() -> Result<Self, String> {
+        let mut options = Self { json: false, quick: false, no_e2e: false };
+        for arg in std::env::args().skip(1) {
+            match arg.as_str() {
+                "--json" => options.json = true,
+                "--quick" => options.quick = true,
+                "--no-e2e" => options.no_e2e = true,
+                other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+            }
         }
-    }
-    fn met(&self) -> bool {
-        self.ratio() >= self.target
+        Ok(options)
     }
 }
 
@@ -42,14 +48,57 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
-fn main() {
-    let json = std::env::args().any(|a| a == "--json");
-    let quick = std::env::args().any(|a| a == "--quick");
-    let geometry = if quick {
+/// Tokens generated per request in the end-to-end demos: the demo's default, and a quarter of it
+/// with `--quick`. The two demos (eight runs) take under a minute on two cores, about 15 s quick.
+const E2E_NEW_TOKENS: u32 = 256;
+const E2E_NEW_TOKENS_QUICK: u32 = 64;
+
+fn main() -> std::process::ExitCode {
+    let options = match Options::parse() {
+        Ok(options) => options,
+        Err(e) => {
+            eprintln!("bench-report: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let geometry = if options.quick {
         Geometry { layers: 8, heads: 40, slots: 8, max_tokens: 1024, prompt_tokens: 1000 }
     } else {
         Geometry::thirteen_b()
     };
+    let mut micro = micro_rows(geometry, options.quick);
+    // Last, so that the demos' processes do not share the cores with the measurements above.
+    let e2e = end_to_end(&options);
+    micro.rows.extend(e2e.rows.iter().cloned());
+    print_report(&micro, &e2e, options.json);
+    std::process::ExitCode::SUCCESS
+}
+
+/// The end-to-end section, or the reason it was skipped.
+fn end_to_end(options: &Options) -> E2e {
+    if options.no_e2e {
+        return E2e::skipped("--no-e2e");
+    }
+    match e2e::find_dejavud() {
+        Ok(exe) => e2e::measure(&exe, if options.quick { E2E_NEW_TOKENS_QUICK } else { E2E_NEW_TOKENS }),
+        Err(e) => {
+            eprintln!("bench-report: {e}; skipping the end-to-end rows");
+            E2e::skipped(e)
+        }
+    }
+}
+
+/// The rows measured in this process, and what the table's header says about them.
+struct Micro {
+    rows: Vec<Row>,
+    workload: String,
+    backend: &'static str,
+    decode_len: u64,
+    touched: u64,
+}
+
+/// The gather, file and transport rows.
+fn micro_rows(geometry: Geometry, quick: bool) -> Micro {
     eprintln!("building and filling the workload cache ({geometry:?})...");
     let w = Workload::new(geometry);
     let packing = w.packing();
@@ -193,43 +242,58 @@ fn main() {
         });
     }
 
-    print_report(&rows, json, &format!("{geometry:?}"), store.backend_name(), decode_len, touched);
+    Micro { rows, workload: format!("{geometry:?}"), backend: store.backend_name(), decode_len, touched }
 }
 
-fn print_report(rows: &[Row], json: bool, workload: &str, backend: &str, decode_len: u64, touched: u64) {
+/// A string as a JSON string literal.
+fn json_str(s: &str) -> String {
+    serde_json::Value::from(s).to_string()
+}
+
+/// A target as the table shows it: at most three decimals.
+fn target_text(target: f64) -> String {
+    let text = format!("{target:.3}");
+    text.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+fn print_report(micro: &Micro, e2e: &E2e, json: bool) {
+    let Micro { rows, workload, backend, decode_len, touched } = micro;
     if json {
         let items: Vec<String> = rows
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"name\":\"{}\",\"value\":{:.4},\"unit\":\"{}\",\"limit_name\":\"{}\",\"limit\":{:.4},\"ratio\":{:.4},\"target\":{},\"met\":{}}}",
-                    r.name, r.value, r.unit, r.limit_name, r.limit, r.ratio(), r.target, r.met()
+                    "{{\"name\":{},\"value\":{:.4},\"unit\":\"{}\",\"limit_name\":{},\"limit\":{:.4},\"ratio\":{:.4},\"target\":{},\"met\":{}}}",
+                    json_str(&r.name), r.value, r.unit, json_str(&r.limit_name), r.limit, r.ratio(), r.target, r.met()
                 )
             })
             .collect();
+        let notes: Vec<String> = e2e.notes.iter().map(|n| json_str(n)).collect();
+        let demo = |d: &Option<dejavud::demo::DemoReport>| {
+            d.as_ref().map_or("null".into(), |d| serde_json::to_string(d).expect("JSON of numbers"))
+        };
         println!(
-            "{{\"workload\":\"{workload}\",\"file_backend\":\"{backend}\",\"rows\":[{}]}}",
-            items.join(",")
+            "{{\"workload\":{},\"file_backend\":\"{backend}\",\"rows\":[{}],\"notes\":[{}],\"e2e\":{{\"demo\":{},\"swapping\":{}}}}}",
+            json_str(workload),
+            items.join(","),
+            notes.join(","),
+            demo(&e2e.demo),
+            demo(&e2e.swapping),
         );
         return;
     }
     println!("workload: {workload}; file I/O: {backend}");
     println!(
         "decode step: {decode_len} useful bytes in {touched} bytes of touched cache lines ({:.0}% useful)\n",
-        100.0 * decode_len as f64 / touched as f64
+        100.0 * *decode_len as f64 / *touched as f64
     );
     println!("| measurement | value | limit | limit value | ratio | target | met |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     for r in rows {
-        let target = if r.target > 0.0 { format!(">= {}x", r.target) } else { "info".into() };
-        let met = if r.target > 0.0 {
-            if r.met() {
-                "yes"
-            } else {
-                "NO"
-            }
+        let (target, met) = if r.has_target() {
+            (format!(">= {}x", target_text(r.target)), if r.met() { "yes" } else { "NO" })
         } else {
-            "-"
+            ("info".into(), "-")
         };
         println!(
             "| {} | {:.3} {} | {} | {:.3} {} | {:.2}x | {} | {} |",
@@ -243,5 +307,11 @@ fn print_report(rows: &[Row], json: bool, workload: &str, backend: &str, decode_
             target,
             met
         );
+    }
+    if !e2e.notes.is_empty() {
+        println!();
+    }
+    for note in &e2e.notes {
+        println!("{note}");
     }
 }
