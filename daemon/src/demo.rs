@@ -162,7 +162,8 @@ pub struct Recovery {
 pub struct DemoReport {
     /// Tokens generated per run.
     pub tokens: u64,
-    /// Failure-free run without replication (no fault tolerance), seconds.
+    /// Failure-free run without replication (no fault tolerance), seconds. Every run's time is
+    /// serving time: from its cluster being up to its last token (a restart's new cluster counted).
     pub unreplicated_s: f64,
     /// Failure-free run, seconds.
     pub failure_free_s: f64,

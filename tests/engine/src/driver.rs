@@ -158,7 +158,10 @@ pub struct Run {
     /// Prompts a prompt pipeline failed to hand over, computed by the token pipeline instead
     /// (counted as `controller_restarts` is).
     pub prompt_fallbacks: u64,
-    /// Wall time, from starting the cluster to the last token.
+    /// Starting the first cluster (its processes, until every one has beaten).
+    pub startup: Duration,
+    /// Wall time serving, from the first cluster being up to the last token (a restart's start of
+    /// a new cluster included).
     pub elapsed: Duration,
 }
 
@@ -199,7 +202,7 @@ pub fn drive(
     let started = Instant::now();
     let mut run = Run { tokens: vec![Vec::new(); workload.prompts.len()], ..Run::default() };
     let result = drive_into(&mut run, workload, config, start, injector);
-    run.elapsed = started.elapsed();
+    run.elapsed = started.elapsed().saturating_sub(run.startup);
     match result {
         Ok(()) => Ok(run),
         Err(error) => Err(Failed { error, run: Box::new(run) }),
@@ -213,7 +216,9 @@ fn drive_into(
     start: &mut dyn FnMut() -> Result<Cluster, ClusterError>,
     injector: &mut dyn Injector,
 ) -> Result<(), DriveError> {
+    let starting = Instant::now();
     let mut cluster = start()?;
+    run.startup = starting.elapsed();
     let (mut step, mut failures) = (0u64, 0u32);
     // When the step now failing was first sent: detection is timed from there, across attempts.
     let mut failing_since: Option<Instant> = None;
