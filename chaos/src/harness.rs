@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, Disaggregation};
+use dejavu_engine::cluster::{Cluster, ClusterConfig, Disaggregation, SpillLimits};
 use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
 use dejavu_engine::ModelConfig;
 
@@ -133,6 +133,10 @@ fn cluster_config(
         deadline: Duration::from_millis(scenario.cluster.deadline_ms),
         heartbeat: Duration::from_millis(scenario.cluster.heartbeat_ms),
         device_caches: scenario.cluster.device_caches,
+        spill: scenario
+            .cluster
+            .spill_memory_bytes
+            .map(|memory_bytes| SpillLimits { memory_bytes, dir_bytes: scenario.cluster.spill_dir_bytes }),
         interpose: Some(proxies.clone()),
         ..ClusterConfig::new(options.exe.clone())
     }

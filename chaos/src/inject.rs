@@ -123,6 +123,10 @@ impl<'a> ChaosInjector<'a> {
                 cluster.pause(stage, Role::Engine, lasting)?;
                 cluster.spare_presumed_dead_in_next_recovery();
             }
+            FaultKind::FillSpill if restarting => {
+                note = Some("no sidecars without replication: skipped".to_owned());
+            }
+            FaultKind::FillSpill => cluster.fill_spill(stage, lasting)?,
             FaultKind::KillController => cluster.kill_controller()?,
             FaultKind::PauseController => cluster.pause_controller(lasting)?,
             FaultKind::KillControllerInRecovery => cluster.crash_controller_in_next_recovery(),

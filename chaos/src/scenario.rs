@@ -72,6 +72,11 @@ pub struct ClusterShape {
     pub device_caches: Option<u32>,
     /// For testing the checkers only: stages skip their replicas while claiming to keep them.
     pub test_only_sabotage_replicas: bool,
+    /// Bytes of chunks each sidecar keeps in memory before it spills the rest to a directory of
+    /// its own, if it spills at all.
+    pub spill_memory_bytes: Option<u64>,
+    /// Bytes each spill directory may hold (what `fill-spill` takes up).
+    pub spill_dir_bytes: u64,
     /// Stages of a prompt pipeline of its own, if any (prompt-token disaggregation): it computes
     /// every prompt and hands the KV over to the stages above, the token pipeline, which decode.
     /// Faults hit the token pipeline.
@@ -89,6 +94,8 @@ impl Default for ClusterShape {
             deadline_ms: 300,
             device_caches: None,
             test_only_sabotage_replicas: false,
+            spill_memory_bytes: None,
+            spill_dir_bytes: 4 << 20,
             prompt_stages: None,
             prompt_slots: 8,
         }
@@ -156,6 +163,10 @@ pub enum FaultKind {
     Corrupt,
     /// Forward half of the next write on a link, then close the connection.
     Truncate,
+    /// Fill a stage's sidecar's spill directory for `duration_ms` (another file takes all the room
+    /// its cap allows): its spills fail meanwhile and its chunks stay in memory, so nothing is
+    /// lost. Needs `cluster.spill_memory_bytes`.
+    FillSpill,
     /// SIGKILL the controller; the cluster starts another on the same state file when it next
     /// needs it.
     KillController,
@@ -168,7 +179,7 @@ pub enum FaultKind {
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 17] = [
+    pub const ALL: [FaultKind; 18] = [
         FaultKind::KillEngine,
         FaultKind::KillWorker,
         FaultKind::KillAdjacent,
@@ -183,6 +194,7 @@ impl FaultKind {
         FaultKind::Reset,
         FaultKind::Corrupt,
         FaultKind::Truncate,
+        FaultKind::FillSpill,
         FaultKind::KillController,
         FaultKind::PauseController,
         FaultKind::KillControllerInRecovery,
@@ -210,9 +222,15 @@ impl FaultKind {
         )
     }
 
-    /// Whether it acts on a link (neither a stage's processes nor the controller).
+    /// Whether it acts on a sidecar's storage.
+    pub fn is_storage_fault(self) -> bool {
+        self == FaultKind::FillSpill
+    }
+
+    /// Whether it acts on a link (neither a stage's processes, nor its storage, nor the
+    /// controller).
     pub fn is_network_fault(self) -> bool {
-        !self.is_process_fault() && !self.is_controller_fault()
+        !self.is_process_fault() && !self.is_storage_fault() && !self.is_controller_fault()
     }
 
     /// Its name in scenarios and reports.
@@ -232,6 +250,7 @@ impl FaultKind {
             FaultKind::Reset => "reset",
             FaultKind::Corrupt => "corrupt",
             FaultKind::Truncate => "truncate",
+            FaultKind::FillSpill => "fill-spill",
             FaultKind::KillController => "kill-controller",
             FaultKind::PauseController => "pause-controller",
             FaultKind::KillControllerInRecovery => "kill-controller-in-recovery",
@@ -435,9 +454,13 @@ impl Scenario {
             }
             _ => {}
         }
+        if fault.kind == FaultKind::FillSpill && self.cluster.spill_memory_bytes.is_none() {
+            return Err("fill-spill needs sidecars that spill: set cluster.spill_memory_bytes".into());
+        }
         let timed = matches!(
             fault.kind,
-            FaultKind::PauseEngine
+            FaultKind::FillSpill
+                | FaultKind::PauseEngine
                 | FaultKind::PauseSidecar
                 | FaultKind::StaleRejoin
                 | FaultKind::StaleSidecar

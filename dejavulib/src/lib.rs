@@ -60,6 +60,7 @@ pub mod region;
 pub mod reshard;
 pub mod shm;
 pub mod spec;
+pub mod spill;
 pub mod store;
 pub mod streamer;
 pub mod wire;

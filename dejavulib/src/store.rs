@@ -17,6 +17,7 @@ use thiserror::Error;
 
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkError, ChunkKey, HEADER_LEN};
 use crate::file_io::{FileBackend, FileIo};
+use crate::spill::{Spill, StoreUsage};
 
 /// Errors of chunk stores.
 #[derive(Debug, Error)]
@@ -73,15 +74,44 @@ fn check_payload(descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), Sto
     Ok(())
 }
 
+/// Where a [`HostStore`] holds one chunk, encoded as on disk and on the wire: header, then payload.
+enum Held {
+    Memory(Arc<Vec<u8>>),
+    /// In a spill file of this many bytes.
+    Spilled(PathBuf, u64),
+}
+
+impl Held {
+    fn len(&self) -> usize {
+        match self {
+            Held::Memory(bytes) => bytes.len(),
+            Held::Spilled(_, len) => *len as usize,
+        }
+    }
+}
+
 #[derive(Default)]
 struct HostInner {
-    /// Each chunk encoded as on disk and on the wire: header, then payload.
-    chunks: HashMap<ChunkKey, Arc<Vec<u8>>>,
+    chunks: HashMap<ChunkKey, Held>,
+    /// Where chunks beyond the memory budget go, if anywhere.
+    spill: Option<Spill>,
+    usage: StoreUsage,
     /// The most recent [`PUT_LOG_LEN`] keys put.
     log: VecDeque<ChunkKey>,
     /// Buffers of replaced chunks, kept for the next chunks received: a fresh allocation of tens of
     /// MiB costs a page fault per 4 KiB when first written, more than the network transfer itself.
     spare: Vec<Vec<u8>>,
+}
+
+impl Drop for HostInner {
+    fn drop(&mut self) {
+        // Spill files are the store's alone: they go with it.
+        for held in self.chunks.values() {
+            if let Held::Spilled(path, _) = held {
+                let _ = fs::remove_file(path);
+            }
+        }
+    }
 }
 
 /// Keys a [`HostStore`] remembers in its put log.
@@ -100,6 +130,19 @@ impl HostStore {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty store that keeps at most `spill.memory_bytes` in memory and writes the chunks
+    /// beyond to files in `spill.dir` (see [`crate::spill`]).
+    pub fn with_spill(spill: Spill) -> Self {
+        let store = Self::default();
+        store.inner.lock().spill = Some(spill);
+        store
+    }
+
+    /// How its bytes are split between memory and the spill directory.
+    pub fn usage(&self) -> StoreUsage {
+        self.inner.lock().usage
     }
 
     /// Keys in the order they were put (a key put twice appears twice), the most recent
@@ -126,7 +169,11 @@ impl HostStore {
     /// Flips one payload byte of a held chunk (for fault tests): the next `get` must report it.
     pub fn corrupt(&self, key: &ChunkKey, byte: usize) -> bool {
         let mut inner = self.inner.lock();
-        match inner.chunks.get_mut(key).and_then(|c| Arc::make_mut(c).get_mut(HEADER_LEN + byte)) {
+        let held = match inner.chunks.get_mut(key) {
+            Some(Held::Memory(bytes)) => Arc::make_mut(bytes).get_mut(HEADER_LEN + byte),
+            _ => None,
+        };
+        match held {
             Some(b) => {
                 *b ^= 0x5a;
                 true
@@ -154,21 +201,54 @@ impl HostStore {
         Ok((descriptor, kept))
     }
 
-    /// Keeps an encoded chunk (header and payload) the caller has verified, without copying it.
+    /// Keeps an encoded chunk (header and payload) the caller has verified, without copying it:
+    /// in memory, or in a spill file once the memory budget is used (in memory still if the
+    /// spill fails). Returns the bytes, shared (to send them on).
     pub(crate) fn insert_encoded(&self, key: ChunkKey, encoded: Vec<u8>) -> Arc<Vec<u8>> {
         let mut inner = self.inner.lock();
         if inner.log.len() == PUT_LOG_LEN {
             inner.log.pop_front();
         }
         inner.log.push_back(key.clone());
+        let len = encoded.len() as u64;
         let kept = Arc::new(encoded);
-        let replaced = inner.chunks.insert(key, kept.clone());
-        // A buffer still being sent to a reader is not reusable; it is freed when the send ends.
-        if let Some(buffer) = replaced.and_then(|old| Arc::try_unwrap(old).ok()) {
-            if inner.spare.len() == SPARE_BUFFERS {
-                inner.spare.remove(0);
+        let over_budget = inner.spill.as_ref().filter(|s| inner.usage.memory_bytes + len > s.memory_bytes);
+        let held = match over_budget.map(|s| s.write(&key.file_name(), &kept)) {
+            Some(Ok(path)) => {
+                inner.usage.spilled_bytes += len;
+                inner.usage.spilled_chunks += 1;
+                Held::Spilled(path, len)
             }
-            inner.spare.push(buffer);
+            failed => {
+                if failed.is_some() {
+                    inner.usage.spill_failures += 1;
+                }
+                inner.usage.memory_bytes += len;
+                Held::Memory(kept.clone())
+            }
+        };
+        let in_memory = matches!(held, Held::Memory(_));
+        match inner.chunks.insert(key, held) {
+            Some(Held::Memory(old)) => {
+                inner.usage.memory_bytes -= old.len() as u64;
+                // A buffer still being sent to a reader is not reusable; it is freed when the send
+                // ends.
+                if let Ok(buffer) = Arc::try_unwrap(old) {
+                    if inner.spare.len() == SPARE_BUFFERS {
+                        inner.spare.remove(0);
+                    }
+                    inner.spare.push(buffer);
+                }
+            }
+            Some(Held::Spilled(path, old_len)) => {
+                inner.usage.spilled_bytes -= old_len;
+                inner.usage.spilled_chunks -= 1;
+                // A new spill took the same file name; a chunk kept in memory leaves it stale.
+                if in_memory {
+                    let _ = fs::remove_file(&path);
+                }
+            }
+            None => {}
         }
         kept
     }
@@ -189,8 +269,12 @@ impl HostStore {
     }
 
     /// The encoded chunk under `key`, shared rather than copied (not verified: readers check it).
+    /// A spill file that cannot be read counts as no chunk.
     pub(crate) fn encoded(&self, key: &ChunkKey) -> Option<Arc<Vec<u8>>> {
-        self.inner.lock().chunks.get(key).cloned()
+        match self.inner.lock().chunks.get(key)? {
+            Held::Memory(bytes) => Some(bytes.clone()),
+            Held::Spilled(path, _) => fs::read(path).ok().map(Arc::new),
+        }
     }
 }
 

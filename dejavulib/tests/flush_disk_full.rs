@@ -3,6 +3,8 @@
 //! must fail with an I/O error on both file backends and leave no file behind, neither the chunk nor
 //! its temporary.
 //!
+//! A host store's spill to such a disk fails the same way, and the chunk stays in memory instead.
+//!
 //! Resource limits are per process, so this is the only test in this binary.
 
 use std::fs;
@@ -10,8 +12,9 @@ use std::path::Path;
 
 use dejavulib::chunk::{ChunkDescriptor, HEADER_LEN};
 use dejavulib::file_io::FileBackend;
+use dejavulib::spill::Spill;
 use dejavulib::store::StoreError;
-use dejavulib::{ChunkStore, DType, FileStore, KvRegion, KvSpec, Packing, WorkerId};
+use dejavulib::{ChunkStore, DType, FileStore, HostStore, KvRegion, KvSpec, Packing, WorkerId};
 
 const LIMIT: u64 = 1 << 20;
 
@@ -96,6 +99,28 @@ fn a_flush_past_the_file_size_limit_fails_and_leaves_no_file() {
         );
         assert_eq!(entries(dir.path()).len(), 1);
     }
+
+    // A host store that spills everything: the spill fails at the limit, the chunk stays in memory.
+    let dir = tempfile::tempdir().unwrap();
+    let spill = Spill { dir: dir.path().to_owned(), memory_bytes: 0, dir_bytes: None };
+    let mut store = HostStore::with_spill(spill);
+    {
+        let _limit = FileSizeLimit::set(LIMIT);
+        store.put(&descriptor, &payload).unwrap();
+    }
+    let usage = store.usage();
+    assert_eq!((usage.spill_failures, usage.spilled_chunks), (1, 0));
+    assert_eq!(usage.memory_bytes, (HEADER_LEN + payload.len()) as u64);
+    assert_eq!(entries(dir.path()), Vec::<String>::new(), "a failed spill left files");
+    let mut out = Vec::new();
+    store.get(&descriptor.key(), &mut out).unwrap();
+    assert!(out == payload, "the chunk kept in memory");
+    // With the limit lifted, the same chunk spills and leaves memory.
+    store.put(&descriptor, &payload).unwrap();
+    let usage = store.usage();
+    assert_eq!((usage.spilled_chunks, usage.memory_bytes), (1, 0));
+    store.get(&descriptor.key(), &mut out).unwrap();
+    assert!(out == payload, "the chunk read back from its spill file");
 
     // SAFETY: puts back the disposition `signal` returned above.
     unsafe { libc::signal(libc::SIGXFSZ, previous) };

@@ -15,6 +15,7 @@ use crate::logging::LogArgs;
 use crate::process::{serve_stage, Handoff, Replication, StageConfig};
 use crate::sidecar::{serve_sidecar, SidecarConfig};
 use crate::{CacheLayout, ModelConfig};
+use dejavulib::spill::Spill;
 
 /// The KV cache layout of a stage.
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -191,6 +192,17 @@ pub struct SidecarArgs {
     /// What it is as a member of the cluster.
     #[command(flatten)]
     pub member: MemberArgs,
+    /// Where chunks go once `--memory-bytes` are held in memory (one file each); without it,
+    /// everything stays in memory.
+    #[arg(long, requires = "memory_bytes")]
+    pub spill_dir: Option<PathBuf>,
+    /// Bytes of chunks held in memory before they spill to `--spill-dir`.
+    #[arg(long, requires = "spill_dir")]
+    pub memory_bytes: Option<u64>,
+    /// Bytes the spill directory may hold in all (its other files too); a spill beyond it fails
+    /// as on a full disk, and the chunk stays in memory.
+    #[arg(long, requires = "spill_dir")]
+    pub spill_dir_bytes: Option<u64>,
     /// Breaks replication on purpose (its engine's KV is kept but never forwarded to the
     /// successor, while reported done), so that tests can prove the chaos harness catches lost
     /// KV. Never use it otherwise.
@@ -313,6 +325,11 @@ impl SidecarArgs {
             region_bytes: self.region_bytes,
             secret: self.secret.into_bytes(),
             skip_forwarding: self.test_only_skip_replicas,
+            spill: self.spill_dir.zip(self.memory_bytes).map(|(dir, memory_bytes)| Spill {
+                dir,
+                memory_bytes,
+                dir_bytes: self.spill_dir_bytes,
+            }),
         };
         serve_sidecar(config, self.member.metrics, announce).map_err(|e| e.to_string())
     }

@@ -103,9 +103,23 @@ pub struct ClusterConfig {
     pub sabotage_replicas: bool,
     /// The stages' KV cache layout.
     pub layout: CacheLayout,
+    /// Sidecars keep at most this many bytes of chunks in memory and spill the rest to a
+    /// directory of their own, capped in size (see [`SpillLimits`]); by default all in memory.
+    pub spill: Option<SpillLimits>,
     /// A prompt pipeline of its own that computes the prompts, if any (prompt-token
     /// disaggregation); the stages above are then the token pipeline.
     pub disaggregation: Option<Disaggregation>,
+}
+
+/// How much a sidecar keeps in memory before it spills to its directory, and how much that
+/// directory holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpillLimits {
+    /// Bytes of chunks in memory.
+    pub memory_bytes: u64,
+    /// Bytes the spill directory may hold (a spill beyond it fails as on a full disk, and the
+    /// chunk stays in memory).
+    pub dir_bytes: u64,
 }
 
 /// A prompt pipeline beside the cluster's (token) pipeline: its stages compute each prompt and
@@ -149,6 +163,7 @@ impl ClusterConfig {
             interpose: None,
             sabotage_replicas: false,
             layout: CacheLayout::FasterTransformer,
+            spill: None,
             disaggregation: None,
         }
     }
@@ -398,6 +413,24 @@ impl Cluster {
         self.prompt.as_ref().map_or(0, |p| p.fallbacks)
     }
 
+    /// Fills stage `stage`'s sidecar's spill directory with a file as large as the directory may
+    /// hold, removed after `duration`: meanwhile its spills fail as on a full disk.
+    pub fn fill_spill(&mut self, stage: usize, duration: Duration) -> Result<(), ClusterError> {
+        let limits =
+            self.config.spill.ok_or_else(|| ClusterError::Invalid("the sidecars do not spill".into()))?;
+        let socket =
+            self.sockets.get(stage).ok_or_else(|| ClusterError::Invalid(format!("no sidecar {stage}")))?;
+        let dir = spill_dir_of(socket);
+        std::fs::create_dir_all(&dir)?;
+        let ballast = dir.join("ballast");
+        std::fs::write(&ballast, vec![0u8; limits.dir_bytes as usize])?;
+        std::thread::spawn(move || {
+            std::thread::sleep(duration);
+            let _ = std::fs::remove_file(ballast);
+        });
+        Ok(())
+    }
+
     /// SIGKILLs prompt stage `stage`: the prompts not yet handed over are computed by the token
     /// pipeline.
     pub fn kill_prompt_stage(&mut self, stage: usize) -> Result<(), ClusterError> {
@@ -497,6 +530,11 @@ impl Cluster {
         ];
         if config.sabotage_replicas {
             args.push("--test-only-skip-replicas".to_owned());
+        }
+        if let Some(limits) = config.spill {
+            args.push(format!("--spill-dir={}", spill_dir_of(socket).display()));
+            args.push(format!("--memory-bytes={}", limits.memory_bytes));
+            args.push(format!("--spill-dir-bytes={}", limits.dir_bytes));
         }
         args
     }
@@ -886,6 +924,12 @@ impl Cluster {
         self.remote.replicate_to(stage as u32, Seat { microbatch: 0, slot: 0 }, 0, 0, to)?;
         Ok(())
     }
+}
+
+/// The spill directory of the sidecar with local socket `socket`: beside it, in the cluster's
+/// directory.
+fn spill_dir_of(socket: &std::path::Path) -> PathBuf {
+    socket.with_extension("spill")
 }
 
 /// What a recovery did.

@@ -32,6 +32,7 @@ use thiserror::Error;
 use tracing::{info, warn};
 
 use dejavulib::shm::{SharedRegion, ShmError};
+use dejavulib::spill::Spill;
 
 use crate::metrics::{Exposition, MetricType};
 
@@ -81,6 +82,8 @@ pub struct SidecarConfig {
     /// For testing fault checkers only: keep chunks but never forward them, while saying they
     /// were.
     pub skip_forwarding: bool,
+    /// Where chunks beyond a memory budget go, if anywhere ([`dejavulib::spill`]).
+    pub spill: Option<Spill>,
 }
 
 /// Counters of a sidecar, besides its transport's.
@@ -131,7 +134,7 @@ pub fn serve_sidecar(
 ) -> Result<(), SidecarError> {
     use dejavulib::net::ServerConfig;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let store = HostStore::new();
+    let store = config.spill.clone().map_or_else(HostStore::new, HostStore::with_spill);
     let server = runtime
         .block_on(PeerServer::bind(
             &TcpTransport::plain(),
@@ -406,11 +409,36 @@ impl Sidecar {
         for (name, help, counter) in counters {
             page.family(name, MetricType::Counter, help).sample(name, &label, get(counter));
         }
-        page.family("dejavu_sidecar_chunks_held", MetricType::Gauge, "KV chunks held in memory.").sample(
+        page.family(
             "dejavu_sidecar_chunks_held",
-            &label,
-            self.store.len() as f64,
-        );
+            MetricType::Gauge,
+            "KV chunks held (in memory or spilled).",
+        )
+        .sample("dejavu_sidecar_chunks_held", &label, self.store.len() as f64);
+        let usage = self.store.usage();
+        let tiers = [
+            (
+                "dejavu_sidecar_memory_bytes",
+                MetricType::Gauge,
+                "Bytes of chunks in memory.",
+                usage.memory_bytes,
+            ),
+            (
+                "dejavu_sidecar_spilled_bytes",
+                MetricType::Gauge,
+                "Bytes of chunks in spill files.",
+                usage.spilled_bytes,
+            ),
+            (
+                "dejavu_sidecar_spill_failures_total",
+                MetricType::Counter,
+                "Chunks that could not be spilled (the directory was full) and stayed in memory.",
+                usage.spill_failures,
+            ),
+        ];
+        for (name, kind, help, value) in tiers {
+            page.family(name, kind, help).sample(name, &label, value as f64);
+        }
         page.finish()
     }
 }
