@@ -9,6 +9,7 @@
 //! | `Put`, id 0 = length of the chunk (header and payload) written into the region | `PutAck` once the sidecar keeps it and has forwarded it to the successor; `Error` otherwise |
 //! | `Get`, payload = a chunk key | `GetReply`, id 0 = length of the chunk written into the region; `Error` (`NotFound`) |
 //! | `Control` [`OP_SUCCESSOR`], payload = an address | `Control`; forwards go there from now on |
+//! | `Control` [`OP_KEEP`], id 1 = chunks, ids 2-3 = their length, the chunks (each header and payload) written one after the other into the region | `Control` once the sidecar keeps them all (it forwards none: they came from a copy that exists); `Error` otherwise |
 //!
 //! The sidecar itself is a process of the daemon (`dejavud sidecar`).
 
@@ -28,6 +29,8 @@ use crate::wire::{read_frame, write_frame, ErrorCode, Frame, FrameError, FrameHe
 pub const OP_MAPPED: u32 = 1;
 /// Control operation: forward to another successor sidecar from now on.
 pub const OP_SUCCESSOR: u32 = 2;
+/// Control operation: keep these chunks, without forwarding them.
+pub const OP_KEEP: u32 = 3;
 
 /// Largest payload of a frame on the local socket (addresses, keys, paths, reasons).
 pub const MAX_LOCAL_PAYLOAD: u64 = 64 << 10;
@@ -126,6 +129,29 @@ impl LocalSidecar {
     pub fn retarget(&mut self, successor: SocketAddr) -> Result<(), LocalError> {
         let addr = successor.to_string();
         self.channel.call(Kind::Control, 0, [OP_SUCCESSOR, 0, 0, 0], addr.as_bytes(), Kind::Control)?;
+        Ok(())
+    }
+
+    /// Has the sidecar keep `chunks` (each encoded: header, then payload), many per request, and
+    /// forward none of them: KV restored from a replica, which exists already, becomes the local
+    /// copy again.
+    pub fn keep(&mut self, chunks: &[&[u8]]) -> Result<(), StoreError> {
+        let capacity = self.region.capacity();
+        let mut rest = chunks;
+        while !rest.is_empty() {
+            // As many as fit in the region at once (at least one: a larger one fails in write).
+            let mut len = 0;
+            let fit = rest.iter().take_while(|c| {
+                len += c.len();
+                len <= capacity
+            });
+            let n = fit.count().max(1);
+            let (batch, after) = rest.split_at(n);
+            let written = self.region.write(batch).map_err(|e| self.store_error(e.into()))? as u64;
+            let ids = [OP_KEEP, n as u32, written as u32, (written >> 32) as u32];
+            self.channel.call(Kind::Control, 0, ids, &[], Kind::Control).map_err(|e| self.store_error(e))?;
+            rest = after;
+        }
         Ok(())
     }
 

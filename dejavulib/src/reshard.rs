@@ -226,15 +226,7 @@ pub fn send(
     let mut staging = pool.lease(cache.packed_len(&region) as usize);
     cache.gather(&region, packing, &mut staging)?;
     let gathered = Instant::now();
-    let shape = region.shape();
-    let descriptor = ChunkDescriptor {
-        source: transfer.source,
-        destination: transfer.destination,
-        microbatch: transfer.to.microbatch,
-        region: transfer.to.with_tokens(tokens),
-        spec: cache.layout().spec().share(shape.layers, shape.heads).map_err(SetupError::from)?,
-        packing,
-    };
+    let descriptor = describe(cache, transfer, tokens)?;
     store.put(&descriptor, &staging)?;
     Ok(ChunkReceipt {
         key: descriptor.key(),
@@ -242,6 +234,38 @@ pub fn send(
         copy_time: gathered - started,
         io_time: gathered.elapsed(),
     })
+}
+
+/// The descriptor of the chunk that carries `tokens` of one transfer out of `cache`.
+fn describe(
+    cache: &KvCache,
+    transfer: &Transfer,
+    tokens: Range<u32>,
+) -> Result<ChunkDescriptor, StreamError> {
+    let shape = transfer.from.with_tokens(tokens.clone()).shape();
+    Ok(ChunkDescriptor {
+        source: transfer.source,
+        destination: transfer.destination,
+        microbatch: transfer.to.microbatch,
+        region: transfer.to.with_tokens(tokens),
+        spec: cache.layout().spec().share(shape.layers, shape.heads).map_err(SetupError::from)?,
+        packing: cache.layout().preferred_packing(),
+    })
+}
+
+/// Gathers `tokens` of one transfer from `cache` into a chunk of its own, to flush later (or many
+/// at once): what [`send`] flushes, as its descriptor and an owned payload.
+pub fn pack(
+    cache: &KvCache,
+    transfer: &Transfer,
+    tokens: Range<u32>,
+) -> Result<(ChunkDescriptor, Vec<u8>), StreamError> {
+    let region = transfer.from.with_tokens(tokens.clone());
+    cache.layout().check_region(&region).map_err(CacheError::from)?;
+    let descriptor = describe(cache, transfer, tokens)?;
+    let mut payload = vec![0u8; cache.packed_len(&region) as usize];
+    cache.gather(&region, descriptor.packing, &mut payload)?;
+    Ok((descriptor, payload))
 }
 
 /// Receives `tokens` of one transfer into `cache` (the destination's cache of
@@ -254,14 +278,31 @@ pub fn receive(
     store: &mut dyn ChunkStore,
     payload: &mut Vec<u8>,
 ) -> Result<ChunkReceipt, StreamError> {
-    let key = transfer_key(transfer, tokens);
+    let key = transfer_key(transfer, tokens.clone());
     if key.region.is_empty() {
         cache.layout().check_region(&key.region).map_err(CacheError::from)?;
         return Ok(ChunkReceipt { key, bytes: 0, copy_time: Duration::ZERO, io_time: Duration::ZERO });
     }
     let started = Instant::now();
     let descriptor = store.get(&key, payload)?;
-    let fetched = Instant::now();
+    let io_time = started.elapsed();
+    let mut receipt = install(cache, transfer, tokens, &descriptor, payload)?;
+    receipt.io_time = io_time;
+    Ok(receipt)
+}
+
+/// Scatters a chunk fetched for `tokens` of one transfer (`descriptor` and `payload`, its checksum
+/// already verified by the store) into `cache`, after checking that it is the region the plan
+/// expects: what [`receive`] does once it has the chunk, for callers that fetch many at once.
+pub fn install(
+    cache: &KvCache,
+    transfer: &Transfer,
+    tokens: Range<u32>,
+    descriptor: &ChunkDescriptor,
+    payload: &[u8],
+) -> Result<ChunkReceipt, StreamError> {
+    let key = transfer_key(transfer, tokens);
+    let started = Instant::now();
     if descriptor.key() != key
         || descriptor.source != transfer.source
         || !descriptor.spec.same_elements(cache.layout().spec())
@@ -280,8 +321,8 @@ pub fn receive(
     Ok(ChunkReceipt {
         key,
         bytes: payload.len() as u64,
-        copy_time: fetched.elapsed(),
-        io_time: fetched - started,
+        copy_time: started.elapsed(),
+        io_time: Duration::ZERO,
     })
 }
 

@@ -369,6 +369,21 @@ async fn the_blocking_store_flushes_and_fetches(net: Net) {
         let mut missing = descriptor.key();
         missing.microbatch = 9;
         assert!(matches!(store.get(&missing, &mut back), Err(StoreError::NotFound(_))));
+
+        // Many at once, in flight together, each result in its place.
+        let chunks: Vec<_> = (0..40u32).map(|i| chunk(1000 + 38 * i, 20 + i as u64, 10 + i)).collect();
+        assert!(store.put_many(chunks.clone()).iter().all(Result::is_ok));
+        let mut keys: Vec<_> = chunks.iter().map(|(d, _)| d.key()).collect();
+        keys.insert(17, missing);
+        let fetched = store.get_many(&keys);
+        assert_eq!(fetched.len(), 41);
+        assert!(matches!(fetched[17], Err(StoreError::NotFound(_))));
+        let found: Vec<_> = fetched.into_iter().filter_map(Result::ok).collect();
+        assert_eq!(found.len(), 40);
+        for (f, (d, p)) in found.iter().zip(&chunks) {
+            assert_eq!((&f.descriptor, f.payload()), (d, &p[..]));
+            assert_eq!(&f.encoded()[dejavulib::chunk::HEADER_LEN..], &p[..]);
+        }
     })
     .await
     .unwrap();

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tokio::runtime::Handle;
 
-use super::client::{ClientConfig, PeerClient};
+use super::client::{ClientConfig, Fetched, PeerClient};
 use super::error::PeerError;
 use super::transport::Transport;
 use crate::chunk::{ChunkDescriptor, ChunkKey};
@@ -38,6 +38,61 @@ impl PeerStore {
     pub fn client(&self) -> &PeerClient {
         &self.client
     }
+
+    /// Fetches the chunks under `keys`, as many in flight at once as the client allows (one round
+    /// trip each would leave the link idle most of the time); each verified, each result in the
+    /// order of `keys`. A request cut off by a broken connection is tried once more.
+    pub fn get_many(&self, keys: &[ChunkKey]) -> Vec<Result<Fetched, StoreError>> {
+        let tasks: Vec<_> = keys
+            .iter()
+            .map(|key| {
+                let (client, key) = (self.client.clone(), key.clone());
+                self.runtime.spawn(async move {
+                    let fetched = match client.get(&key).await {
+                        Err(PeerError::ConnectionLost(_)) => client.get(&key).await,
+                        other => other,
+                    };
+                    fetched.map_err(|e| fetch_error(&key, e))
+                })
+            })
+            .collect();
+        tasks.into_iter().map(|task| self.runtime.block_on(task).unwrap_or_else(|e| Err(joined(e)))).collect()
+    }
+
+    /// Pushes `chunks` (descriptor and payload each), as many in flight at once as the client's
+    /// byte budget allows; each result in the order of `chunks`. A put cut off by a broken
+    /// connection, or whose chunk arrived corrupted, is tried once more.
+    pub fn put_many(&self, chunks: Vec<(ChunkDescriptor, Vec<u8>)>) -> Vec<Result<(), StoreError>> {
+        let tasks: Vec<_> = chunks
+            .into_iter()
+            .map(|(descriptor, payload)| {
+                let client = self.client.clone();
+                self.runtime.spawn(async move {
+                    let put = match client.put(&descriptor, &payload).await {
+                        Err(
+                            PeerError::ConnectionLost(_)
+                            | PeerError::Refused { code: ErrorCode::BadChunk, .. },
+                        ) => client.put(&descriptor, &payload).await,
+                        other => other,
+                    };
+                    put.map_err(StoreError::from)
+                })
+            })
+            .collect();
+        tasks.into_iter().map(|task| self.runtime.block_on(task).unwrap_or_else(|e| Err(joined(e)))).collect()
+    }
+}
+
+fn fetch_error(key: &ChunkKey, e: PeerError) -> StoreError {
+    match e {
+        PeerError::NotFound => StoreError::NotFound(Box::new(key.clone())),
+        e => e.into(),
+    }
+}
+
+/// A request task that panicked or was cancelled, as a store error.
+fn joined(e: tokio::task::JoinError) -> StoreError {
+    StoreError::from(PeerError::Protocol(format!("a request task failed: {e}")))
 }
 
 impl ChunkStore for PeerStore {
@@ -56,14 +111,9 @@ impl ChunkStore for PeerStore {
             Err(PeerError::ConnectionLost(_)) => self.runtime.block_on(self.client.get(key)),
             other => other,
         };
-        match fetched {
-            Ok(chunk) => {
-                out.clear();
-                out.extend_from_slice(chunk.payload());
-                Ok(chunk.descriptor)
-            }
-            Err(PeerError::NotFound) => Err(StoreError::NotFound(Box::new(key.clone()))),
-            Err(e) => Err(e.into()),
-        }
+        let chunk = fetched.map_err(|e| fetch_error(key, e))?;
+        out.clear();
+        out.extend_from_slice(chunk.payload());
+        Ok(chunk.descriptor)
     }
 }

@@ -151,6 +151,11 @@ impl Fetched {
     pub fn payload(&self) -> &[u8] {
         &self.encoded[HEADER_LEN..]
     }
+
+    /// The chunk as it travelled: its header, then its payload.
+    pub fn encoded(&self) -> &[u8] {
+        &self.encoded
+    }
 }
 
 /// Semaphore permits for `bytes` of puts, clamped so that one put larger than the whole budget

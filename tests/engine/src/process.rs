@@ -63,11 +63,11 @@ use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
 use dejavulib::local::LocalSidecar;
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerStore};
-use dejavulib::reshard::{receive, send, StreamError};
+use dejavulib::reshard::{install, pack, receive, transfer_key, StreamError};
 use dejavulib::store::StoreError;
 use dejavulib::streamer::{Completion, StreamJob};
 use dejavulib::wire::{read_frame, write_frame, Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD};
-use dejavulib::{ChunkStore, KvCache, KvRegion, StagingPool, Streamer, StreamerConfig, Transfer, WorkerId};
+use dejavulib::{ChunkStore, KvCache, KvRegion, Streamer, StreamerConfig, Transfer, WorkerId};
 use parking_lot::Mutex;
 use thiserror::Error;
 use tracing::{info, warn};
@@ -599,10 +599,9 @@ impl Sidecars {
     }
 
     /// A store on the sidecar at `addr`, over the transport.
-    fn peer(&self, addr: SocketAddr) -> SharedStore {
+    fn peer_store(&self, addr: SocketAddr) -> PeerStore {
         let transport = Arc::new(TcpTransport::plain());
-        let store = PeerStore::new(self.runtime.handle().clone(), transport, addr, self.client.clone());
-        Arc::new(Mutex::new(store))
+        PeerStore::new(self.runtime.handle().clone(), transport, addr, self.client.clone())
     }
 }
 
@@ -616,7 +615,6 @@ struct StageProcess {
     streamer: Option<Streamer>,
     /// Replications not known to be done yet, and the cache each reads.
     pending: VecDeque<(Completion, Arc<KvCache>)>,
-    pool: StagingPool,
     stats: Arc<StageStats>,
     handoff: Option<HandoffEnd>,
 }
@@ -641,7 +639,6 @@ impl StageProcess {
             sidecars: None,
             streamer: None,
             pending: VecDeque::new(),
-            pool: StagingPool::default(),
             stats,
             handoff: None,
             config,
@@ -873,49 +870,33 @@ impl StageProcess {
 
     /// Restores a sequence's KV from the sidecar at `from` (or the stage's own), in order, as far as
     /// it has it; returns the number of tokens restored (0 if not even the prompt, or if the sidecar
-    /// cannot be read: the driver then recomputes everything). KV restored from elsewhere is
-    /// copied into the stage's own sidecar, so a later failure of the engine alone finds it there.
+    /// cannot be read: the driver then recomputes everything). KV restored from a peer's sidecar
+    /// is handed to the stage's own sidecar to keep (not to forward: it came from the replica), so
+    /// a later failure of the engine alone finds it there.
     fn restore(&mut self, header: &FrameHeader, from: Option<SocketAddr>) -> u32 {
         let [microbatch, slot, prompt_len, kv_tokens] = header.ids;
         let seat = Seat { microbatch, slot };
         let Ok(cache) = self.cache(seat) else { return 0 };
         let Some(sidecars) = &self.sidecars else { return 0 };
         let transfer = self.transfer(seat);
-        let source: SharedStore = match from {
-            Some(addr) => sidecars.peer(addr),
-            None => sidecars.local.clone(),
-        };
-        let mut payload = Vec::new();
-        let mut restored = 0;
-        for tokens in Self::chunks(prompt_len, kv_tokens) {
-            let fetched = receive(
+        let chunks: Vec<Range<u32>> = Self::chunks(prompt_len, kv_tokens).collect();
+        let restored = match from {
+            Some(addr) => Self::restore_from_peer(
                 &cache,
                 &transfer,
-                tokens.clone(),
-                &mut *source.lock() as &mut dyn ChunkStore,
-                &mut payload,
-            );
-            match fetched {
-                Ok(_) => restored = tokens.end,
-                Err(StreamError::Store(StoreError::NotFound(_))) => break,
-                Err(e) => {
-                    warn!(stage = self.config.index, error = %e, "restore stopped");
-                    break;
-                }
+                &chunks,
+                &sidecars.peer_store(addr),
+                &sidecars.local,
+            ),
+            None => Self::restore_from(&cache, &transfer, &chunks, &mut *sidecars.local.lock()),
+        };
+        let restored = match restored {
+            Ok(restored) => restored,
+            Err((restored, e)) => {
+                warn!(stage = self.config.index, error = %e, "restore stopped");
+                restored
             }
-            if from.is_some() {
-                let copied = send(
-                    &cache,
-                    &transfer,
-                    tokens,
-                    &self.pool,
-                    &mut *sidecars.local.lock() as &mut dyn ChunkStore,
-                );
-                if let Err(e) = copied {
-                    warn!(stage = self.config.index, error = %e, "could not copy restored KV to its sidecar");
-                }
-            }
-        }
+        };
         let (restores, tokens) = match from {
             None => (&self.stats.local_restores, &self.stats.local_restored_tokens),
             Some(_) => (&self.stats.peer_restores, &self.stats.peer_restored_tokens),
@@ -928,6 +909,63 @@ impl StageProcess {
         restored
     }
 
+    /// Fetches `chunks` of `transfer` from `store` one by one into `cache`, in order, until one is
+    /// missing; returns the tokens restored, with the error that stopped it early, if any.
+    fn restore_from(
+        cache: &KvCache,
+        transfer: &Transfer,
+        chunks: &[Range<u32>],
+        store: &mut dyn ChunkStore,
+    ) -> Result<u32, (u32, StreamError)> {
+        let mut payload = Vec::new();
+        let mut restored = 0;
+        for tokens in chunks {
+            match receive(cache, transfer, tokens.clone(), store, &mut payload) {
+                Ok(_) => restored = tokens.end,
+                Err(StreamError::Store(StoreError::NotFound(_))) => break,
+                Err(e) => return Err((restored, e)),
+            }
+        }
+        Ok(restored)
+    }
+
+    /// As [`StageProcess::restore_from`], from a peer's sidecar with every fetch in flight at once;
+    /// what it restores, `local` (the stage's own sidecar) keeps.
+    fn restore_from_peer(
+        cache: &KvCache,
+        transfer: &Transfer,
+        chunks: &[Range<u32>],
+        store: &PeerStore,
+        local: &Mutex<LocalSidecar>,
+    ) -> Result<u32, (u32, StreamError)> {
+        let keys: Vec<ChunkKey> =
+            chunks.iter().map(|tokens| transfer_key(transfer, tokens.clone())).collect();
+        let (mut restored, mut kept) = (0, Vec::new());
+        let mut stopped = None;
+        for (tokens, fetched) in chunks.iter().zip(store.get_many(&keys)) {
+            let installed = fetched.map_err(StreamError::from).and_then(|f| {
+                install(cache, transfer, tokens.clone(), &f.descriptor, f.payload())?;
+                Ok(f)
+            });
+            match installed {
+                Ok(f) => {
+                    restored = tokens.end;
+                    kept.push(f);
+                }
+                Err(StreamError::Store(StoreError::NotFound(_))) => break,
+                Err(e) => {
+                    stopped = Some(e);
+                    break;
+                }
+            }
+        }
+        let encoded: Vec<&[u8]> = kept.iter().map(|f| f.encoded()).collect();
+        if let Err(e) = local.lock().keep(&encoded) {
+            warn!(error = %e, "could not hand restored KV to its sidecar");
+        }
+        stopped.map_or(Ok(restored), |e| Err((restored, e)))
+    }
+
     /// Replicates to the successor sidecar at `to` from now on, and copies the sequence's KV so far
     /// there (what the old sidecar held died with it).
     fn replicate_to(&mut self, header: &FrameHeader, to: SocketAddr) -> Result<(), ProcessError> {
@@ -938,7 +976,7 @@ impl StageProcess {
                 .as_ref()
                 .ok_or_else(|| ProcessError::Sidecar("no replication configured".into()))?;
             sidecars.local.lock().retarget(to).map_err(|e| ProcessError::Sidecar(e.to_string()))?;
-            sidecars.peer(to)
+            sidecars.peer_store(to)
         };
         if prompt_len == 0 {
             return Ok(());
@@ -946,9 +984,13 @@ impl StageProcess {
         let seat = Seat { microbatch, slot };
         let cache = self.cache(seat)?;
         let transfer = self.transfer(seat);
-        for tokens in Self::chunks(prompt_len, kv_tokens) {
-            send(&cache, &transfer, tokens, &self.pool, &mut *target.lock() as &mut dyn ChunkStore)
-                .map_err(|e| ProcessError::Sidecar(e.to_string()))?;
+        let failed = |e: &dyn std::fmt::Display| ProcessError::Sidecar(e.to_string());
+        let chunks = Self::chunks(prompt_len, kv_tokens)
+            .map(|tokens| pack(&cache, &transfer, tokens).map_err(|e| failed(&e)))
+            .collect::<Result<Vec<_>, _>>()?;
+        // Every put in flight at once: one round trip each would hold the recovery up.
+        for put in target.put_many(chunks) {
+            put.map_err(|e| failed(&e))?;
         }
         Ok(())
     }

@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dejavulib::chunk::{ChunkKey, HEADER_LEN};
-use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_MAPPED, OP_SUCCESSOR};
+use dejavulib::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
+use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_KEEP, OP_MAPPED, OP_SUCCESSOR};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerServer, PeerStore};
 use dejavulib::store::StoreError;
@@ -238,6 +238,14 @@ impl Sidecar {
                     self.set_successor(parse_addr(&frame.payload)?, epoch);
                     write_frame(&mut writer, &answer(Kind::Control, [OP_SUCCESSOR, 0, 0, 0]), &[])?;
                 }
+                (Kind::Control, OP_KEEP) => {
+                    let [_, count, lo, hi] = frame.header.ids;
+                    let len = lo as u64 | (hi as u64) << 32;
+                    match self.keep(region.read(len as usize)?, count) {
+                        Ok(()) => write_frame(&mut writer, &answer(Kind::Control, [OP_KEEP, 0, 0, 0]), &[])?,
+                        Err(reason) => reply_error(&mut writer, &frame, ErrorCode::Other, &reason)?,
+                    }
+                }
                 // Copied out of the region first: the engine's process can write it at any time,
                 // and what is verified must be what is kept.
                 (Kind::Put, len) => match self.keep_and_forward(region.read(len as usize)?.to_vec(), epoch) {
@@ -292,6 +300,23 @@ impl Sidecar {
         let transport = Arc::new(TcpTransport::plain());
         let store = PeerStore::new(self.runtime.clone(), transport, successor, client);
         *current = Some((successor, Arc::new(Mutex::new(store))));
+    }
+
+    /// Verifies and keeps `count` chunks the engine wrote one after the other (`chunks`), without
+    /// forwarding them.
+    fn keep(&self, mut chunks: &[u8], count: u32) -> Result<(), String> {
+        for _ in 0..count {
+            let header = chunks.get(..HEADER_LEN).ok_or("a chunk shorter than its header")?;
+            let (_, len, _) = ChunkDescriptor::decode_header(header).map_err(|e| e.to_string())?;
+            let end = HEADER_LEN + usize::try_from(len).map_err(|e| e.to_string())?;
+            let chunk = chunks.get(..end).ok_or("chunks longer than what was written")?;
+            // Copied out of the region before it is verified, as a put's.
+            self.store.put_encoded(chunk.to_vec()).map_err(|e| e.to_string())?;
+            add(&self.stats.local_chunks, 1);
+            add(&self.stats.local_bytes, len);
+            chunks = &chunks[end..];
+        }
+        Ok(())
     }
 
     /// Verifies and keeps a chunk the engine wrote into the region, then forwards it.
