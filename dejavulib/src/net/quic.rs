@@ -19,14 +19,20 @@ use super::error::PeerError;
 use super::tls::{NodeIdentity, SERVER_NAME};
 use super::transport::{Accepted, BoxFuture, Listener, Stream, Transport};
 
-/// Flow-control windows large enough for a 64 MiB chunk in flight on a fast link.
-fn transport_config() -> Arc<TransportConfig> {
+/// How long a QUIC peer may stay silent before its connection is dropped, by default. A peer
+/// that dies says nothing (no reset, unlike TCP): this is how long a request to it can hang.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Flow-control windows large enough for a 64 MiB chunk in flight on a fast link; keep-alives
+/// four times per `idle` timeout, so only a dead or cut-off peer reaches it.
+fn transport_config(idle: Duration) -> Arc<TransportConfig> {
     let mut config = TransportConfig::default();
     config.stream_receive_window(VarInt::from_u32(32 << 20));
     config.receive_window(VarInt::from_u32(64 << 20));
     config.send_window(64 << 20);
-    config.keep_alive_interval(Some(Duration::from_secs(2)));
-    config.max_idle_timeout(Some(Duration::from_secs(10).try_into().expect("10 s is a valid idle timeout")));
+    config.keep_alive_interval(Some(idle / 4));
+    // Beyond quinn's range (about 146 years) means never.
+    config.max_idle_timeout(idle.try_into().ok());
     Arc::new(config)
 }
 
@@ -40,10 +46,10 @@ pub fn endpoint_configs(
     let tls = |e: &dyn std::fmt::Display| PeerError::Tls(e.to_string());
     let server_crypto = QuicServerConfig::try_from(identity.server_config()?).map_err(|e| tls(&e))?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
-    server.transport_config(transport_config());
+    server.transport_config(transport_config(DEFAULT_IDLE_TIMEOUT));
     let client_crypto = QuicClientConfig::try_from(client).map_err(|e| tls(&e))?;
     let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
-    client.transport_config(transport_config());
+    client.transport_config(transport_config(DEFAULT_IDLE_TIMEOUT));
     Ok((server, client))
 }
 
@@ -66,6 +72,15 @@ impl QuicTransport {
     pub fn with_client(identity: &NodeIdentity, client: rustls::ClientConfig) -> Result<Self, PeerError> {
         let (server, client) = endpoint_configs(identity, client)?;
         Ok(Self { server, client, endpoints: Mutex::new([None, None]) })
+    }
+
+    /// Drops connections to a peer silent for `idle` (keep-alives go four times as often), on both
+    /// ends of the connections this transport makes or accepts. The default is
+    /// [`DEFAULT_IDLE_TIMEOUT`]; a cluster that must notice a dead peer sooner sets less.
+    pub fn idle_timeout(mut self, idle: Duration) -> Self {
+        self.server.transport_config(transport_config(idle));
+        self.client.transport_config(transport_config(idle));
+        self
     }
 
     fn endpoint(&self, peer: SocketAddr) -> io::Result<Endpoint> {

@@ -14,6 +14,7 @@ use crate::heartbeat::{beat, Heartbeat, Role};
 use crate::logging::LogArgs;
 use crate::process::{serve_stage, Handoff, Replication, StageConfig};
 use crate::sidecar::{serve_sidecar, SidecarConfig};
+use crate::transport::TransportArgs;
 use crate::{CacheLayout, ModelConfig};
 use dejavulib::spill::Spill;
 
@@ -70,6 +71,9 @@ pub struct StageArgs {
     /// Its part in prompt-token disaggregation.
     #[command(flatten)]
     pub handoff: HandoffArgs,
+    /// Its transport to other sidecars.
+    #[command(flatten)]
+    pub transport: TransportArgs,
     /// What it is as a member of the cluster.
     #[command(flatten)]
     pub member: MemberArgs,
@@ -208,6 +212,9 @@ pub struct SidecarArgs {
     /// KV. Never use it otherwise.
     #[arg(long, hide = true)]
     pub test_only_skip_replicas: bool,
+    /// Its transport to other sidecars and stages.
+    #[command(flatten)]
+    pub transport: TransportArgs,
 }
 
 /// The controller: receives heartbeats, says who fell silent, and issues the epoch of each
@@ -308,6 +315,7 @@ impl StageArgs {
             epoch: self.member.epoch,
             device_caches: self.device_caches,
             handoff,
+            transport: self.transport.transports()?,
         };
         serve_stage(config, self.listen, self.member.metrics, announce).map_err(|e| e.to_string())
     }
@@ -330,6 +338,7 @@ impl SidecarArgs {
                 memory_bytes,
                 dir_bytes: self.spill_dir_bytes,
             }),
+            transport: self.transport.transports()?,
         };
         serve_sidecar(config, self.member.metrics, announce).map_err(|e| e.to_string())
     }

@@ -19,6 +19,7 @@ use crate::pipeline::{CacheLayout, Seat};
 use crate::proc::{spawn, Spawned};
 pub use crate::proc::{Proc, SpawnError};
 use crate::process::{ProcessError, RemotePipeline, StepReply};
+pub use crate::transport::TransportKind;
 
 /// What dies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,6 +104,10 @@ pub struct ClusterConfig {
     pub sabotage_replicas: bool,
     /// The stages' KV cache layout.
     pub layout: CacheLayout,
+    /// The transport between sidecars, and from stages to sidecars. With QUIC, the cluster
+    /// generates its certificates, and the [`Link::Replica`] links are not interposed (the
+    /// interposer sees TCP).
+    pub transport: TransportKind,
     /// Sidecars keep at most this many bytes of chunks in memory and spill the rest to a
     /// directory of their own, capped in size (see [`SpillLimits`]); by default all in memory.
     pub spill: Option<SpillLimits>,
@@ -163,6 +168,7 @@ impl ClusterConfig {
             interpose: None,
             sabotage_replicas: false,
             layout: CacheLayout::FasterTransformer,
+            transport: TransportKind::Tcp,
             spill: None,
             disaggregation: None,
         }
@@ -181,7 +187,20 @@ impl ClusterConfig {
 
     /// The address to give a process for `link` to reach `target`.
     fn route(&self, link: Link, target: SocketAddr) -> SocketAddr {
+        if self.transport == TransportKind::Quic && matches!(link, Link::Replica { .. }) {
+            return target;
+        }
         self.interpose.as_ref().map_or(target, |i| i.route(link, target))
+    }
+
+    /// The flags that give a stage or sidecar the cluster's transport (certificates in `dir`).
+    fn transport_args(&self, dir: &StateDir) -> Vec<String> {
+        match self.transport {
+            TransportKind::Tcp => Vec::new(),
+            TransportKind::Quic => {
+                vec!["--transport=quic".to_owned(), format!("--certs={}", dir.certs().display())]
+            }
+        }
     }
 }
 
@@ -233,6 +252,22 @@ impl StateDir {
     }
 }
 
+impl StateDir {
+    /// The cluster's certificates, for QUIC.
+    fn certs(&self) -> PathBuf {
+        self.0.join("certs")
+    }
+
+    /// Generates the cluster's authority and the one certificate every process presents (each
+    /// process checks only that a peer's is the cluster's).
+    fn issue_certs(&self) -> Result<(), ClusterError> {
+        let failed =
+            |e: dejavulib::net::PeerError| ClusterError::Invalid(format!("cluster certificates: {e}"));
+        let ca = dejavulib::net::tls::ClusterCa::generate("dejavu-reference").map_err(failed)?;
+        ca.issue("member").map_err(failed)?.save(&self.certs(), "member").map_err(failed)
+    }
+}
+
 impl Drop for StateDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
@@ -275,6 +310,9 @@ impl Cluster {
     pub fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
         let n = config.splits.len();
         let dir = StateDir::create()?;
+        if config.transport == TransportKind::Quic {
+            dir.issue_certs()?;
+        }
         let controller = Self::start_controller(&config, &dir)?;
         let heartbeat = controller.client.addr();
         let (mut sidecars, mut sockets) = (Vec::new(), Vec::new());
@@ -291,7 +329,8 @@ impl Cluster {
         let (mut stages, mut next) = (Vec::new(), driver);
         for index in (0..n).rev() {
             let copies = Self::copies(&sidecars, &sockets, index);
-            let args = Self::stage_args(&config, heartbeat, copies, (index, 0), next);
+            let mut args = Self::stage_args(&config, heartbeat, copies, (index, 0), next);
+            args.extend(config.transport_args(&dir));
             let stage = spawn(&config.exe, &args, &format!("stage {index}"), START)?;
             next = stage.addr;
             stages.push(stage);
@@ -299,7 +338,7 @@ impl Cluster {
         stages.reverse();
         let first = config.route(Link::Input, next);
         let remote = RemotePipeline::connect(first, results, n as u32 - 1, config.deadline)?;
-        let prompt = Self::start_prompt_pipeline(&config, &sidecars)?;
+        let prompt = Self::start_prompt_pipeline(&config, &sidecars, &dir)?;
         let mut cluster = Self {
             prompt,
             config,
@@ -329,6 +368,7 @@ impl Cluster {
     fn start_prompt_pipeline(
         config: &ClusterConfig,
         sidecars: &[Spawned],
+        dir: &StateDir,
     ) -> Result<Option<PromptPipeline>, ClusterError> {
         let (Some(disaggregation), Some(shapes)) = (&config.disaggregation, config.shapes()) else {
             return Ok(None);
@@ -356,6 +396,7 @@ impl Cluster {
                 format!("--handoff-to={}", to.join(",")),
             ];
             args.extend(Self::shape_args(&shapes));
+            args.extend(config.transport_args(dir));
             let stage = spawn(&config.exe, &args, &format!("prompt stage {index}"), START)?;
             next = stage.addr;
             stages.push(stage);
@@ -531,6 +572,7 @@ impl Cluster {
         if config.sabotage_replicas {
             args.push("--test-only-skip-replicas".to_owned());
         }
+        args.extend(config.transport_args(dir));
         if let Some(limits) = config.spill {
             args.push(format!("--spill-dir={}", spill_dir_of(socket).display()));
             args.push(format!("--memory-bytes={}", limits.memory_bytes));
@@ -823,7 +865,8 @@ impl Cluster {
         for &(victim, _) in victims.iter().rev() {
             let next = if victim + 1 == n { self.driver } else { self.stages[victim + 1].addr };
             let copies = Self::copies(&self.sidecars, &self.sockets, victim);
-            let args = Self::stage_args(&self.config, heartbeat, copies, (victim, epoch), next);
+            let mut args = Self::stage_args(&self.config, heartbeat, copies, (victim, epoch), next);
+            args.extend(self.config.transport_args(&self.dir));
             let new = spawn(&self.config.exe, &args, "a replacement stage", START)?;
             let old = std::mem::replace(&mut self.stages[victim], new);
             self.retire(old, spare);

@@ -16,7 +16,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
-use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerStore};
 use dejavulib::reshard::{receive, LocalRegion, StreamError};
 use dejavulib::store::StoreError;
@@ -28,6 +27,7 @@ use dejavulib::{
 use parking_lot::Mutex;
 
 use crate::pipeline::Seat;
+use crate::transport::Transports;
 
 /// The shapes of the two pipelines, which both sides need to plan the handoff.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -111,13 +111,18 @@ struct TokenSidecars {
     /// A store on each, and the address it reaches.
     stores: Vec<(SocketAddr, PeerStore)>,
     client: ClientConfig,
+    transports: Transports,
     runtime: tokio::runtime::Runtime,
 }
 
 impl TokenSidecars {
-    fn store_on(&self, addr: SocketAddr) -> PeerStore {
-        let transport = Arc::new(TcpTransport::plain());
-        PeerStore::new(self.runtime.handle().clone(), transport, addr, self.client.clone())
+    fn store_on(&self, addr: SocketAddr) -> Result<PeerStore, StoreError> {
+        let transport = self.transports.make().map_err(|e| StoreError::Io {
+            op: "open a transport to",
+            path: addr.to_string().into(),
+            source: std::io::Error::other(e),
+        })?;
+        Ok(PeerStore::new(self.runtime.handle().clone(), transport, addr, self.client.clone()))
     }
 
     fn of(&mut self, stage: u32) -> Result<&mut PeerStore, StoreError> {
@@ -128,7 +133,7 @@ impl TokenSidecars {
             source: std::io::ErrorKind::NotFound.into(),
         })?;
         if self.stores[stage as usize].0 != target {
-            self.stores[stage as usize] = (target, self.store_on(target));
+            self.stores[stage as usize] = (target, self.store_on(target)?);
         }
         Ok(&mut self.stores[stage as usize].1)
     }
@@ -166,15 +171,16 @@ pub struct Handed {
 }
 
 impl HandoffSender {
-    /// The sender of prompt stage `index`, handing over to the token sidecars at `sidecars` (in
-    /// token stage order) as node [`prompt_node`]`(index)` of the cluster with `secret`.
+    /// The sender of prompt stage `index` (started in `epoch`), handing over to the token sidecars
+    /// at `sidecars` (in token stage order) as node [`prompt_node`]`(index)` of the cluster with
+    /// `secret`, over `transports`.
     pub fn new(
         shapes: &Shapes,
         spec: KvSpec,
-        index: u32,
+        (index, epoch): (u32, u64),
         sidecars: &[SocketAddr],
         secret: &[u8],
-        epoch: u64,
+        transports: &Transports,
     ) -> Result<Self, String> {
         let (prompt, token) = shapes.setups(spec)?;
         if sidecars.len() != token.stages().len() {
@@ -196,8 +202,18 @@ impl HandoffSender {
         client.connect_attempts = 2;
         client.connect_timeout = Duration::from_millis(500);
         let targets = Arc::new(Mutex::new(sidecars.to_vec()));
-        let mut store = TokenSidecars { targets: targets.clone(), stores: Vec::new(), client, runtime };
-        store.stores = sidecars.iter().map(|&addr| (addr, store.store_on(addr))).collect();
+        let mut store = TokenSidecars {
+            targets: targets.clone(),
+            stores: Vec::new(),
+            client,
+            transports: transports.clone(),
+            runtime,
+        };
+        store.stores = sidecars
+            .iter()
+            .map(|&addr| store.store_on(addr).map(|s| (addr, s)))
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
         let config = StreamerConfig { name: format!("handoff-{index}"), ..StreamerConfig::default() };
         let streamer = Streamer::spawn(config, Box::new(store)).map_err(|e| e.to_string())?;
         Ok(Self { plan, streamer, pending: VecDeque::new(), targets })

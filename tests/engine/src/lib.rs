@@ -42,6 +42,7 @@ pub mod process;
 pub mod sidecar;
 pub mod stage;
 pub mod swap;
+pub mod transport;
 
 mod math;
 

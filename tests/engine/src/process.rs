@@ -61,7 +61,6 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
 use dejavulib::local::LocalSidecar;
-use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerStore};
 use dejavulib::reshard::{install, pack, receive, transfer_key, StreamError};
 use dejavulib::store::StoreError;
@@ -78,6 +77,7 @@ use crate::model::ModelConfig;
 use crate::pipeline::{cache_layout, CacheLayout, Seat};
 use crate::stage::{Stage, StageError};
 use crate::swap::{SwapCaches, SwapStats};
+use crate::transport::Transports;
 
 /// Errors of a stage process or the driver.
 #[derive(Debug, Error)]
@@ -155,6 +155,8 @@ pub struct StageConfig {
     pub device_caches: Option<u32>,
     /// Its part in prompt-token disaggregation, if any.
     pub handoff: Option<Handoff>,
+    /// The transport to other sidecars (restores, copies, handoffs).
+    pub transport: Transports,
 }
 
 /// A stage's part in prompt-token disaggregation ([`crate::handoff`]).
@@ -561,11 +563,21 @@ type SharedStore = Arc<Mutex<dyn ChunkStore>>;
 struct ToSidecar {
     local: Arc<Mutex<LocalSidecar>>,
     stats: Arc<StageStats>,
+    /// A new successor for the sidecar to forward to, told before the next put.
+    retarget: Arc<Mutex<Option<SocketAddr>>>,
 }
 
 impl ChunkStore for ToSidecar {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
-        self.local.lock().put(descriptor, payload)?;
+        let mut local = self.local.lock();
+        if let Some(to) = self.retarget.lock().take() {
+            local.retarget(to).map_err(|e| StoreError::Io {
+                op: "retarget the forwards of",
+                path: format!("its sidecar to {to}").into(),
+                source: std::io::Error::other(e),
+            })?;
+        }
+        local.put(descriptor, payload)?;
         StageStats::add(&self.stats.copied_chunks, 1);
         StageStats::add(&self.stats.copied_bytes, payload.len() as u64);
         Ok(())
@@ -580,13 +592,23 @@ impl ChunkStore for ToSidecar {
 /// transport (its successor's, to restore from after a replacement or to copy KV to).
 struct Sidecars {
     local: Arc<Mutex<LocalSidecar>>,
-    /// How the stage talks to another sidecar: as its node, in its epoch.
+    /// The successor the streamer has the sidecar forward to from its next put on: set without
+    /// waiting for a put in flight, which may be stuck on the dead successor (a QUIC peer that
+    /// died says nothing: only a timeout ends the put).
+    retarget: Arc<Mutex<Option<SocketAddr>>>,
+    /// How the stage talks to another sidecar: as its node, in its epoch, over its transport.
     client: ClientConfig,
+    transports: Transports,
     runtime: tokio::runtime::Runtime,
 }
 
 impl Sidecars {
-    fn new(replication: &Replication, node: u32, epoch: u64) -> Result<Self, ProcessError> {
+    fn new(
+        replication: &Replication,
+        node: u32,
+        epoch: u64,
+        transports: Transports,
+    ) -> Result<Self, ProcessError> {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
         let mut client = ClientConfig::new(replication.secret.clone(), node);
         client.epoch = epoch;
@@ -595,13 +617,14 @@ impl Sidecars {
         client.connect_timeout = Duration::from_millis(500);
         let local = LocalSidecar::connect(&replication.local, epoch, replication.successor)
             .map_err(|e| ProcessError::Sidecar(format!("{}: {e}", replication.local.display())))?;
-        Ok(Self { local: Arc::new(Mutex::new(local)), client, runtime })
+        let retarget = Arc::new(Mutex::new(None));
+        Ok(Self { local: Arc::new(Mutex::new(local)), retarget, client, transports, runtime })
     }
 
     /// A store on the sidecar at `addr`, over the transport.
-    fn peer_store(&self, addr: SocketAddr) -> PeerStore {
-        let transport = Arc::new(TcpTransport::plain());
-        PeerStore::new(self.runtime.handle().clone(), transport, addr, self.client.clone())
+    fn peer_store(&self, addr: SocketAddr) -> Result<PeerStore, ProcessError> {
+        let transport = self.transports.make().map_err(ProcessError::Sidecar)?;
+        Ok(PeerStore::new(self.runtime.handle().clone(), transport, addr, self.client.clone()))
     }
 }
 
@@ -644,8 +667,14 @@ impl StageProcess {
             config,
         };
         if let Some(replication) = &process.config.replication {
-            let sidecars = Sidecars::new(replication, process.config.index, process.config.epoch)?;
-            let to_sidecar = ToSidecar { local: sidecars.local.clone(), stats: process.stats.clone() };
+            let transports = process.config.transport.clone();
+            let sidecars =
+                Sidecars::new(replication, process.config.index, process.config.epoch, transports)?;
+            let to_sidecar = ToSidecar {
+                local: sidecars.local.clone(),
+                stats: process.stats.clone(),
+                retarget: sidecars.retarget.clone(),
+            };
             process.streamer = Some(Streamer::spawn(StreamerConfig::default(), Box::new(to_sidecar))?);
             process.sidecars = Some(sidecars);
         }
@@ -653,10 +682,12 @@ impl StageProcess {
             (process.config.model.kv_spec(), process.config.index, process.config.epoch);
         process.handoff = match &process.config.handoff {
             None => None,
-            Some(Handoff::Prompt { shapes, sidecars, secret }) => Some(HandoffEnd::Sender(
-                HandoffSender::new(shapes, spec, index, sidecars, secret, epoch)
-                    .map_err(ProcessError::Protocol)?,
-            )),
+            Some(Handoff::Prompt { shapes, sidecars, secret }) => {
+                let transports = &process.config.transport;
+                let sender = HandoffSender::new(shapes, spec, (index, epoch), sidecars, secret, transports)
+                    .map_err(ProcessError::Protocol)?;
+                Some(HandoffEnd::Sender(sender))
+            }
             Some(Handoff::Token { shapes }) => {
                 if process.sidecars.is_none() {
                     return Err(ProcessError::Protocol(
@@ -881,13 +912,10 @@ impl StageProcess {
         let transfer = self.transfer(seat);
         let chunks: Vec<Range<u32>> = Self::chunks(prompt_len, kv_tokens).collect();
         let restored = match from {
-            Some(addr) => Self::restore_from_peer(
-                &cache,
-                &transfer,
-                &chunks,
-                &sidecars.peer_store(addr),
-                &sidecars.local,
-            ),
+            Some(addr) => match sidecars.peer_store(addr) {
+                Ok(peer) => Self::restore_from_peer(&cache, &transfer, &chunks, &peer, &sidecars.local),
+                Err(e) => Err((0, StreamError::Unexpected(e.to_string()))),
+            },
             None => Self::restore_from(&cache, &transfer, &chunks, &mut *sidecars.local.lock()),
         };
         let restored = match restored {
@@ -975,8 +1003,8 @@ impl StageProcess {
                 .sidecars
                 .as_ref()
                 .ok_or_else(|| ProcessError::Sidecar("no replication configured".into()))?;
-            sidecars.local.lock().retarget(to).map_err(|e| ProcessError::Sidecar(e.to_string()))?;
-            sidecars.peer_store(to)
+            *sidecars.retarget.lock() = Some(to);
+            sidecars.peer_store(to)?
         };
         if prompt_len == 0 {
             return Ok(());

@@ -22,8 +22,7 @@ use std::time::Duration;
 
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
 use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_KEEP, OP_MAPPED, OP_SUCCESSOR};
-use dejavulib::net::tcp::TcpTransport;
-use dejavulib::net::{ClientConfig, PeerServer, PeerStore};
+use dejavulib::net::{ClientConfig, PeerError, PeerServer, PeerStore};
 use dejavulib::store::StoreError;
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, Frame, FrameHeader, Kind};
 use dejavulib::{ChunkStore, HostStore};
@@ -35,6 +34,7 @@ use dejavulib::shm::{SharedRegion, ShmError};
 use dejavulib::spill::Spill;
 
 use crate::metrics::{Exposition, MetricType};
+use crate::transport::Transports;
 
 /// Errors of a sidecar.
 #[derive(Debug, Error)]
@@ -84,6 +84,8 @@ pub struct SidecarConfig {
     pub skip_forwarding: bool,
     /// Where chunks beyond a memory budget go, if anywhere ([`dejavulib::spill`]).
     pub spill: Option<Spill>,
+    /// The transport to other sidecars and stages.
+    pub transport: Transports,
 }
 
 /// Counters of a sidecar, besides its transport's.
@@ -97,8 +99,13 @@ pub struct SidecarStats {
     pub forwarded_chunks: AtomicU64,
     /// See [`SidecarStats::forwarded_chunks`].
     pub forwarded_bytes: AtomicU64,
-    /// Forwards that failed (the successor's copy lacks those chunks).
+    /// Forwards that failed (the successor's copy lacks those chunks until they are forwarded
+    /// again).
     pub forward_failures: AtomicU64,
+    /// Chunks forwarded again after a failed forward (the successor's copy caught up).
+    pub forwards_caught_up: AtomicU64,
+    /// Chunks whose forward was given up on (refused by the successor, or too many waiting).
+    pub forwards_dropped: AtomicU64,
     /// Chunks handed to its engine through shared memory (local restores).
     pub local_restores: AtomicU64,
     /// Engine connections refused for an older epoch than the one in use.
@@ -123,6 +130,8 @@ struct Sidecar {
     runtime: tokio::runtime::Handle,
     /// Engine connections so far (numbers them, and their regions).
     connections: AtomicU64,
+    /// Chunks to forward again.
+    unforwarded: Mutex<Unforwarded>,
 }
 
 /// Runs a sidecar until the process is killed: its transport, its local socket, and its metrics
@@ -135,9 +144,10 @@ pub fn serve_sidecar(
     use dejavulib::net::ServerConfig;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let store = config.spill.clone().map_or_else(HostStore::new, HostStore::with_spill);
+    let transport = config.transport.make().map_err(SidecarError::Protocol)?;
     let server = runtime
         .block_on(PeerServer::bind(
-            &TcpTransport::plain(),
+            &*transport,
             config.listen,
             ServerConfig::new(config.secret.clone(), config.index),
             store.clone(),
@@ -153,6 +163,7 @@ pub fn serve_sidecar(
         successor: Mutex::new(None),
         runtime: runtime.handle().clone(),
         connections: AtomicU64::new(0),
+        unforwarded: Mutex::new(Unforwarded::default()),
     });
     let server = Arc::new(server);
     let metrics = match metrics {
@@ -289,15 +300,23 @@ impl Sidecar {
         if current.as_ref().is_some_and(|(addr, _)| *addr == successor) {
             return;
         }
+        // What the old successor lacks, the one before it will copy to the new one whole.
+        self.unforwarded.lock().clear();
         let mut client = ClientConfig::new(self.config.secret.clone(), self.config.index);
         client.epoch = epoch;
-        // A dead or cut-off successor is given up on quickly (two connection attempts of at most
-        // 500 ms, 2 s for a reply): the engine waits for the forward, and the copies it lacks are
-        // recomputed if this stage is ever restored from there.
-        client.connect_attempts = 2;
+        // A dead or cut-off successor is given up on quickly (one connection attempt of at most
+        // 500 ms, 2 s for a reply): the engine waits for the forward. What failed is forwarded
+        // again before the next chunk, so the successor's copy catches up once it is back.
+        client.connect_attempts = 1;
         client.connect_timeout = Duration::from_millis(500);
         client.request_timeout = Duration::from_secs(2);
-        let transport = Arc::new(TcpTransport::plain());
+        let transport = match self.config.transport.make() {
+            Ok(transport) => transport,
+            Err(e) => {
+                warn!(stage = self.config.index, error = %e, "no transport to the new successor");
+                return;
+            }
+        };
         let store = PeerStore::new(self.runtime.clone(), transport, successor, client);
         *current = Some((successor, Arc::new(Mutex::new(store))));
     }
@@ -334,10 +353,13 @@ impl Sidecar {
             return Err("no successor to forward to".into());
         };
         let mut store = store.lock();
-        // The epoch of the engine this chunk came from: the successor refuses it if a newer
-        // engine of this stage has written there already.
-        store.client().set_epoch(epoch);
-        match store.put(&descriptor, payload) {
+        // Chunks whose forward failed go first; if the successor still cannot take them, this
+        // one waits with them (one failed attempt per put, not two).
+        if let Err(e) = self.forward_backlog(&mut store) {
+            self.unforwarded.lock().push(descriptor.key(), epoch, &self.stats);
+            return Err(format!("forwarding to {addr} failed: {e}"));
+        }
+        match Self::forward(&mut store, &descriptor, payload, epoch) {
             Ok(()) => {
                 add(&self.stats.forwarded_chunks, 1);
                 add(&self.stats.forwarded_bytes, bytes);
@@ -345,8 +367,48 @@ impl Sidecar {
             }
             Err(e) => {
                 add(&self.stats.forward_failures, 1);
+                self.unforwarded.lock().push(descriptor.key(), epoch, &self.stats);
                 Err(format!("forwarding to {addr} failed: {e}"))
             }
+        }
+    }
+
+    /// Forwards one chunk as the engine of `epoch` sent it: the successor refuses it if a newer
+    /// engine of this stage has written there already.
+    fn forward(
+        store: &mut PeerStore,
+        descriptor: &ChunkDescriptor,
+        payload: &[u8],
+        epoch: u64,
+    ) -> Result<(), StoreError> {
+        store.client().set_epoch(epoch);
+        store.put(descriptor, payload)
+    }
+
+    /// Forwards the chunks whose forward failed before, oldest first, until one fails again (kept
+    /// for later) or the successor refuses one for good (dropped). A chunk replaced or gone
+    /// meanwhile is skipped.
+    fn forward_backlog(&self, store: &mut PeerStore) -> Result<(), StoreError> {
+        let mut payload = Vec::new();
+        loop {
+            let Some((key, epoch)) = self.unforwarded.lock().oldest() else { return Ok(()) };
+            let Ok(descriptor) = self.store.clone().get(&key, &mut payload) else {
+                self.unforwarded.lock().pop();
+                continue;
+            };
+            match Self::forward(store, &descriptor, &payload, epoch) {
+                Ok(()) => {
+                    add(&self.stats.forwarded_chunks, 1);
+                    add(&self.stats.forwarded_bytes, payload.len() as u64);
+                    add(&self.stats.forwards_caught_up, 1);
+                }
+                Err(e) if refused(&e) => add(&self.stats.forwards_dropped, 1),
+                Err(e) => {
+                    add(&self.stats.forward_failures, 1);
+                    return Err(e);
+                }
+            }
+            self.unforwarded.lock().pop();
         }
     }
 
@@ -382,6 +444,16 @@ impl Sidecar {
                 "dejavu_sidecar_forward_failures_total",
                 "Forwards to the successor that failed.",
                 &self.stats.forward_failures,
+            ),
+            (
+                "dejavu_sidecar_forwards_caught_up_total",
+                "Chunks forwarded again after a failed forward.",
+                &self.stats.forwards_caught_up,
+            ),
+            (
+                "dejavu_sidecar_forwards_dropped_total",
+                "Chunks whose forward was given up on (refused, or too many waiting).",
+                &self.stats.forwards_dropped,
             ),
             (
                 "dejavu_sidecar_local_restores_total",
@@ -464,7 +536,50 @@ impl Sidecar {
         for (name, kind, help, value) in tiers {
             page.family(name, kind, help).sample(name, &label, value as f64);
         }
+        let name = "dejavu_sidecar_transport_info";
+        page.family(name, MetricType::Gauge, "The transport to other sidecars and stages (always 1).")
+            .sample(name, &[("stage", index.as_str()), ("transport", self.config.transport.name())], 1.0);
         page.finish()
+    }
+}
+
+/// Whether the peer answered `e` with a refusal (a stale epoch, say), which trying again cannot
+/// change.
+fn refused(e: &StoreError) -> bool {
+    let StoreError::Io { source, .. } = e else { return false };
+    let peer = source.get_ref().and_then(|inner| inner.downcast_ref::<PeerError>());
+    matches!(peer, Some(PeerError::Refused { .. }))
+}
+
+/// Chunks of the engine's KV whose forward to the successor failed, to forward again before the
+/// next one (oldest first), at most [`Unforwarded::MAX`]: beyond, the oldest are given up on (a
+/// recovery that needs them recomputes them).
+#[derive(Default)]
+struct Unforwarded {
+    keys: std::collections::VecDeque<(ChunkKey, u64)>,
+}
+
+impl Unforwarded {
+    const MAX: usize = 4096;
+
+    fn push(&mut self, key: ChunkKey, epoch: u64, stats: &SidecarStats) {
+        if self.keys.len() == Self::MAX {
+            self.keys.pop_front();
+            add(&stats.forwards_dropped, 1);
+        }
+        self.keys.push_back((key, epoch));
+    }
+
+    fn oldest(&self) -> Option<(ChunkKey, u64)> {
+        self.keys.front().cloned()
+    }
+
+    fn pop(&mut self) {
+        self.keys.pop_front();
+    }
+
+    fn clear(&mut self) {
+        self.keys.clear();
     }
 }
 

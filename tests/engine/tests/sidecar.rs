@@ -115,6 +115,46 @@ fn chunks_cross_shared_memory_are_kept_and_forwarded() {
 }
 
 #[test]
+fn chunks_a_successor_missed_while_down_reach_it_once_it_is_back_and_keep_is_not_forwarded() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_sidecar, socket) = sidecar(dir.path());
+    // A successor address nobody listens on yet.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let mut engine = LocalSidecar::connect(&socket, 0, addr).unwrap();
+    let (first, first_kv) = chunk(10, 6);
+    assert!(engine.put(&first, &first_kv).is_err(), "the forward failed");
+    // The successor comes up there; the next put forwards the one it missed first.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let successor_store = HostStore::new();
+    let _successor = runtime
+        .block_on(PeerServer::bind(
+            &TcpTransport::plain(),
+            addr,
+            ServerConfig::new(SECRET, 2),
+            successor_store.clone(),
+        ))
+        .unwrap();
+    let (second, second_kv) = chunk(11, 7);
+    engine.put(&second, &second_kv).unwrap();
+    let mut out = Vec::new();
+    let mut replica = successor_store.clone();
+    assert_eq!(replica.get(&first.key(), &mut out).unwrap(), first);
+    assert_eq!(out, first_kv);
+    assert_eq!(replica.get(&second.key(), &mut out).unwrap(), second);
+    // Chunks handed over to keep (restored from that replica) are kept and not forwarded.
+    let (third, third_kv) = chunk(12, 8);
+    let encoded = [third.encode_header(&third_kv).to_vec(), third_kv.clone()].concat();
+    engine.keep(&[&encoded]).unwrap();
+    assert_eq!(engine.get(&third.key(), &mut out).unwrap(), third);
+    assert_eq!(out, third_kv);
+    assert_eq!(successor_store.len(), 2, "kept chunks are not forwarded");
+    // A chunk that does not match its header is refused whole.
+    let mut bad = encoded.clone();
+    *bad.last_mut().unwrap() ^= 1;
+    assert!(engine.keep(&[&bad]).is_err());
+}
+
+#[test]
 fn a_successor_from_another_cluster_is_refused_and_the_local_copy_kept() {
     let dir = tempfile::tempdir().unwrap();
     let (_sidecar, socket) = sidecar(dir.path());

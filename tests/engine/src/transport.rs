@@ -1,0 +1,98 @@
+//! The transport between a cluster's processes where KV crosses machines: sidecar to sidecar
+//! (replicas), stage to a sidecar (restores, copies, prompt handoffs). Plain TCP, or QUIC with
+//! mutual TLS on the cluster's certificates (`dejavud certs`); either way every connection also
+//! proves the cluster secret.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use dejavulib::net::quic::QuicTransport;
+use dejavulib::net::tcp::TcpTransport;
+use dejavulib::net::tls::NodeIdentity;
+use dejavulib::net::Transport;
+
+/// A QUIC peer silent this long is dropped (keep-alives go four times as often): a peer that dies
+/// says nothing, so this bounds how long a forward to a dead successor can hang.
+const QUIC_IDLE: Duration = Duration::from_millis(400);
+
+/// Which transport.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum TransportKind {
+    /// TCP (the cluster secret authenticates each connection).
+    #[default]
+    Tcp,
+    /// QUIC with mutual TLS on the cluster's certificates (and the cluster secret).
+    Quic,
+}
+
+/// A process's transport settings, as flags.
+#[derive(Clone, Debug, Args)]
+pub struct TransportArgs {
+    /// The transport to other sidecars.
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub transport: TransportKind,
+    /// The cluster's certificates (`dejavud certs`), for QUIC.
+    #[arg(long)]
+    pub certs: Option<PathBuf>,
+    /// The name of this process's certificate in `--certs` (`NAME.pem`, `NAME.key`).
+    #[arg(long, default_value = "member")]
+    pub cert_name: String,
+}
+
+/// Makes a process's connections to other sidecars and its listener for them.
+#[derive(Clone, Debug, Default)]
+pub struct Transports {
+    /// The identity QUIC presents; none for TCP.
+    identity: Option<NodeIdentity>,
+}
+
+impl Transports {
+    /// Plain TCP.
+    pub fn tcp() -> Self {
+        Self::default()
+    }
+
+    /// QUIC, presenting `identity`.
+    pub fn quic(identity: NodeIdentity) -> Self {
+        Self { identity: Some(identity) }
+    }
+
+    /// A transport (each holds its own sockets).
+    pub fn make(&self) -> Result<Arc<dyn Transport>, String> {
+        Ok(match &self.identity {
+            None => Arc::new(TcpTransport::plain()),
+            Some(identity) => {
+                Arc::new(QuicTransport::new(identity).map_err(|e| e.to_string())?.idle_timeout(QUIC_IDLE))
+            }
+        })
+    }
+
+    /// The transport's name.
+    pub fn name(&self) -> &'static str {
+        if self.identity.is_some() {
+            "quic"
+        } else {
+            "tcp"
+        }
+    }
+}
+
+impl TransportArgs {
+    /// The transports these flags describe, with QUIC's certificate loaded (checked now, so a
+    /// missing or bad one stops the process at start).
+    pub fn transports(&self) -> Result<Transports, String> {
+        match self.transport {
+            TransportKind::Tcp => Ok(Transports::tcp()),
+            TransportKind::Quic => {
+                let dir = self.certs.as_ref().ok_or("--transport quic needs --certs")?;
+                let identity = NodeIdentity::load(dir, &self.cert_name)
+                    .map_err(|e| format!("certificate {:?} in {}: {e}", self.cert_name, dir.display()))?;
+                let transports = Transports::quic(identity);
+                transports.make()?;
+                Ok(transports)
+            }
+        }
+    }
+}
