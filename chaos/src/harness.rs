@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, Disaggregation, SpillLimits};
+use dejavu_engine::cluster::{Cluster, ClusterConfig, Disaggregation, SpillLimits, TransportKind};
 use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
 use dejavu_engine::ModelConfig;
 
@@ -14,7 +14,7 @@ use crate::check::{check, Violation};
 use crate::inject::{plan, ChaosInjector, Injected};
 use crate::proxy::Proxies;
 use crate::report::{Report, Runs};
-use crate::scenario::{Fault, Scenario};
+use crate::scenario::{Fault, Scenario, Transport};
 
 /// How to run a scenario.
 #[derive(Clone, Debug)]
@@ -133,6 +133,10 @@ fn cluster_config(
         deadline: Duration::from_millis(scenario.cluster.deadline_ms),
         heartbeat: Duration::from_millis(scenario.cluster.heartbeat_ms),
         device_caches: scenario.cluster.device_caches,
+        transport: match scenario.cluster.transport {
+            Transport::Tcp => TransportKind::Tcp,
+            Transport::Quic => TransportKind::Quic,
+        },
         spill: scenario
             .cluster
             .spill_memory_bytes

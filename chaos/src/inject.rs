@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::proxy::{NetFault, Proxies};
 use crate::rng::SplitMix;
-use crate::scenario::{Fault, FaultKind, LinkKind, Scenario};
+use crate::scenario::{Fault, FaultKind, LinkKind, Scenario, Transport};
 
 /// The faults of a scenario with `seed`, by step: the scheduled ones, and for each of `steps`
 /// steps one drawn with the random rate (process faults at least `min_gap_steps` apart).
@@ -28,7 +28,9 @@ pub fn plan(scenario: &Scenario, seed: u64, steps: u64) -> Vec<Fault> {
             {
                 continue;
             }
-            let link = if rng.chance(0.5) { LinkKind::Activation } else { LinkKind::Replica };
+            // The proxies carry TCP: QUIC replica links take no network faults.
+            let replica = rng.chance(0.5) && scenario.cluster.transport == Transport::Tcp;
+            let link = if replica { LinkKind::Replica } else { LinkKind::Activation };
             // Drawn faults stay between the cluster's processes; the driver's own links (into
             // stage 0, back from the last stage) take scheduled faults.
             let senders =

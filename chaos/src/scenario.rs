@@ -84,6 +84,20 @@ pub struct ClusterShape {
     /// Sequences per prompt microbatch (the requests must fill whole ones; the token pipeline's
     /// microbatches hold 4).
     pub prompt_slots: u32,
+    /// The transport between sidecars (and from stages to sidecars): `tcp` or `quic`. The proxies
+    /// carry TCP only, so with QUIC the replica links take no network faults.
+    pub transport: Transport,
+}
+
+/// The transport between a scenario's sidecars.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Transport {
+    /// TCP, through the fault-injecting proxies.
+    #[default]
+    Tcp,
+    /// QUIC with mutual TLS on certificates the cluster generates.
+    Quic,
 }
 
 impl Default for ClusterShape {
@@ -98,6 +112,7 @@ impl Default for ClusterShape {
             spill_dir_bytes: 4 << 20,
             prompt_stages: None,
             prompt_slots: 8,
+            transport: Transport::Tcp,
         }
     }
 }
@@ -482,6 +497,15 @@ impl Scenario {
         }
         if fault.kind == FaultKind::Bandwidth && fault.bytes_per_s == 0 {
             return Err("bandwidth needs a positive bytes_per_s".into());
+        }
+        if fault.kind.is_network_fault()
+            && fault.link == LinkKind::Replica
+            && self.cluster.transport == Transport::Quic
+        {
+            return Err(format!(
+                "{} on a replica link needs transport = \"tcp\" (the proxies carry TCP)",
+                fault.kind.name()
+            ));
         }
         if fault.kind.is_network_fault() && fault.link == LinkKind::Input && fault.stage() != 0 {
             return Err(format!("the input link feeds stage 0, not stage {}", fault.stage()));

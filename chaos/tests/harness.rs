@@ -1,5 +1,5 @@
 //! The harness end to end, with real processes: the shipped CI scenario survives every fault
-//! class, the swapping and disaggregated scenarios their faults; a deliberately broken build
+//! class, the swapping, disaggregated and QUIC scenarios their faults; a deliberately broken build
 //! (replicas skipped while claimed) is caught; a bad scenario is refused with a clear message.
 
 use std::path::Path;
@@ -74,6 +74,18 @@ fn a_disaggregated_cluster_survives_token_worker_faults() {
 }
 
 #[test]
+fn replication_over_quic_survives_kills_and_a_stalled_sidecar() {
+    let out = chaos(&["run", &scenario("quic.toml"), "--json"]);
+    let report = report(&out);
+    assert_eq!(out.status.code(), Some(0), "{report:#}");
+    assert_eq!(report["passed"], true);
+    let classes = report["classes"].as_array().unwrap();
+    assert_eq!(classes.len(), 4, "{classes:#?}");
+    assert!(classes.iter().all(|c| c["violated"] == 0 && c["survived"].as_u64() >= Some(1)));
+    assert!(report["recoveries"].as_u64().unwrap() >= 2, "{report:#}");
+}
+
+#[test]
 fn a_build_that_loses_replicas_is_caught() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sabotaged.toml");
@@ -133,6 +145,18 @@ fn a_bad_scenario_is_refused_with_a_clear_message() {
         (
             "name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"delay\"\nstage = 0\ndelay_ms = 99999999\n",
             "delay_ms must be",
+        ),
+        (
+            "name = \"x\"\n[cluster]\ntransport = \"quic\"\n[[fault]]\nat_step = 1\nkind = \"reset\"\nstage = 0\nlink = \"replica\"\n",
+            "needs transport = \"tcp\"",
+        ),
+        (
+            "name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"fill-spill\"\nstage = 0\nduration_ms = 100\n",
+            "fill-spill needs sidecars that spill",
+        ),
+        (
+            "name = \"x\"\n[cluster]\nprompt_stages = 2\nprompt_slots = 3\n[workload]\nrequests = 8\n",
+            "whole microbatches",
         ),
     ];
     for (i, (text, message)) in cases.iter().enumerate() {
