@@ -17,7 +17,7 @@ use thiserror::Error;
 
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkError, ChunkKey, HEADER_LEN};
 use crate::file_io::{FileBackend, FileIo};
-use crate::spill::{Spill, StoreUsage};
+use crate::spill::{Spill, SpillDir, StoreUsage};
 
 /// Errors of chunk stores.
 #[derive(Debug, Error)]
@@ -94,7 +94,7 @@ impl Held {
 struct HostInner {
     chunks: HashMap<ChunkKey, Held>,
     /// Where chunks beyond the memory budget go, if anywhere.
-    spill: Option<Spill>,
+    spill: Option<Arc<SpillDir>>,
     usage: StoreUsage,
     /// The most recent [`PUT_LOG_LEN`] keys put.
     log: VecDeque<ChunkKey>,
@@ -136,7 +136,7 @@ impl HostStore {
     /// beyond to files in `spill.dir` (see [`crate::spill`]).
     pub fn with_spill(spill: Spill) -> Self {
         let store = Self::default();
-        store.inner.lock().spill = Some(spill);
+        store.inner.lock().spill = Some(Arc::new(SpillDir::new(spill)));
         store
     }
 
@@ -205,22 +205,29 @@ impl HostStore {
     /// in memory, or in a spill file once the memory budget is used (in memory still if the
     /// spill fails). Returns the bytes, shared (to send them on).
     pub(crate) fn insert_encoded(&self, key: ChunkKey, encoded: Vec<u8>) -> Arc<Vec<u8>> {
-        let mut inner = self.inner.lock();
-        if inner.log.len() == PUT_LOG_LEN {
-            inner.log.pop_front();
-        }
-        inner.log.push_back(key.clone());
         let len = encoded.len() as u64;
         let kept = Arc::new(encoded);
-        let over_budget = inner.spill.as_ref().filter(|s| inner.usage.memory_bytes + len > s.memory_bytes);
-        let held = match over_budget.map(|s| s.write(&key.file_name(), &kept)) {
+        // Whether it spills is decided under the lock, the file written outside it: a slow disk
+        // holds up no reader or writer of other chunks.
+        let spill = {
+            let mut inner = self.inner.lock();
+            if inner.log.len() == PUT_LOG_LEN {
+                inner.log.pop_front();
+            }
+            inner.log.push_back(key.clone());
+            let (memory, ours) = (inner.usage.memory_bytes, inner.usage.spilled_bytes);
+            inner.spill.clone().filter(|s| memory + len > s.memory_bytes()).map(|s| (s, ours))
+        };
+        let spilled = spill.map(|(dir, ours)| dir.write(&key.file_name(), &kept, ours));
+        let mut inner = self.inner.lock();
+        let held = match spilled {
             Some(Ok(path)) => {
                 inner.usage.spilled_bytes += len;
                 inner.usage.spilled_chunks += 1;
                 Held::Spilled(path, len)
             }
-            failed => {
-                if failed.is_some() {
+            not_spilled => {
+                if not_spilled.is_some() {
                     inner.usage.spill_failures += 1;
                 }
                 inner.usage.memory_bytes += len;
@@ -269,12 +276,13 @@ impl HostStore {
     }
 
     /// The encoded chunk under `key`, shared rather than copied (not verified: readers check it).
-    /// A spill file that cannot be read counts as no chunk.
+    /// A spill file that cannot be read whole counts as no chunk; it is read outside the lock.
     pub(crate) fn encoded(&self, key: &ChunkKey) -> Option<Arc<Vec<u8>>> {
-        match self.inner.lock().chunks.get(key)? {
-            Held::Memory(bytes) => Some(bytes.clone()),
-            Held::Spilled(path, _) => fs::read(path).ok().map(Arc::new),
-        }
+        let (path, len) = match self.inner.lock().chunks.get(key)? {
+            Held::Memory(bytes) => return Some(bytes.clone()),
+            Held::Spilled(path, len) => (path.clone(), *len),
+        };
+        fs::read(path).ok().filter(|bytes| bytes.len() as u64 == len).map(Arc::new)
     }
 }
 
@@ -290,6 +298,9 @@ impl ChunkStore for HostStore {
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
         let chunk = self.encoded(key).ok_or_else(|| StoreError::NotFound(Box::new(key.clone())))?;
+        if chunk.len() < HEADER_LEN {
+            return Err(StoreError::PayloadLength { expected: HEADER_LEN as u64, got: chunk.len() as u64 });
+        }
         let corrupt = |source| StoreError::Chunk { key: key.file_name(), source };
         let (descriptor, _, sum) = ChunkDescriptor::decode_header(&chunk[..HEADER_LEN]).map_err(corrupt)?;
         let payload = &chunk[HEADER_LEN..];

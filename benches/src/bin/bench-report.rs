@@ -250,6 +250,15 @@ fn json_str(s: &str) -> String {
     serde_json::Value::from(s).to_string()
 }
 
+/// A number as JSON: four decimals, or `null` for one that is not finite (a ratio over a zero).
+fn json_num(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.4}")
+    } else {
+        "null".into()
+    }
+}
+
 /// A target as the table shows it: at most three decimals.
 fn target_text(target: f64) -> String {
     let text = format!("{target:.3}");
@@ -263,8 +272,15 @@ fn print_report(micro: &Micro, e2e: &E2e, json: bool) {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"name\":{},\"value\":{:.4},\"unit\":\"{}\",\"limit_name\":{},\"limit\":{:.4},\"ratio\":{:.4},\"target\":{},\"met\":{}}}",
-                    json_str(&r.name), r.value, r.unit, json_str(&r.limit_name), r.limit, r.ratio(), r.target, r.met()
+                    "{{\"name\":{},\"value\":{},\"unit\":\"{}\",\"limit_name\":{},\"limit\":{},\"ratio\":{},\"target\":{},\"met\":{}}}",
+                    json_str(&r.name),
+                    json_num(r.value),
+                    r.unit,
+                    json_str(&r.limit_name),
+                    json_num(r.limit),
+                    json_num(r.ratio()),
+                    r.target,
+                    r.met()
                 )
             })
             .collect();

@@ -45,6 +45,37 @@ pub struct Shapes {
 }
 
 impl Shapes {
+    /// Checks that stage `index` of the prompt pipeline (or of the token pipeline, if not
+    /// `prompt`) is the one these shapes describe: its layers, sequences per microbatch and
+    /// microbatches. A stage given other shapes than its own would hand over or load other
+    /// requests' KV.
+    pub fn check_stage(
+        &self,
+        prompt: bool,
+        index: u32,
+        layers: &Range<u32>,
+        slots: u32,
+        microbatches: u32,
+    ) -> Result<(), String> {
+        let (pipeline, splits, their_slots) = match prompt {
+            true => ("prompt", &self.prompt, self.prompt_slots),
+            false => ("token", &self.token, self.token_slots),
+        };
+        let theirs = splits.get(index as usize);
+        let fits = theirs == Some(layers)
+            && their_slots == slots
+            && their_slots != 0
+            && self.requests / their_slots == microbatches;
+        if fits {
+            return Ok(());
+        }
+        Err(format!(
+            "stage {index} runs layers {layers:?} with {microbatches} microbatches of {slots}, but the {pipeline} \
+             pipeline's shapes give it {theirs:?} with {} microbatches of {their_slots}",
+            self.requests.checked_div(their_slots).unwrap_or(0)
+        ))
+    }
+
     /// The prompt and token setups, or why they do not fit together.
     pub fn setups(&self, spec: KvSpec) -> Result<(Setup, Setup), String> {
         let setup = |splits: &[Range<u32>], slots: u32| {
@@ -80,7 +111,12 @@ enum End {
     Destination,
 }
 
-/// The one-sequence parts of `transfers` that concern `seat` at the given end.
+/// Added to a destination's rank in the keys of handed-over chunks: they live beside the token
+/// stage's own copies in its sidecar, and must never be taken for them (or replace them).
+const HANDOFF_RANKS: u32 = 1 << 16;
+
+/// The one-sequence parts of `transfers` that concern `seat` at the given end, keyed apart from
+/// the destination's own copies.
 fn for_sequence(transfers: &[Transfer], seat: Seat, end: End) -> Vec<Transfer> {
     transfers
         .iter()
@@ -94,12 +130,8 @@ fn for_sequence(transfers: &[Transfer], seat: Seat, end: End) -> Vec<Transfer> {
                 slots: r.slots.start + offset..r.slots.start + offset + 1,
                 ..r.clone()
             };
-            Some(Transfer {
-                source: t.source,
-                destination: t.destination,
-                from: one(&t.from),
-                to: one(&t.to),
-            })
+            let destination = WorkerId { rank: t.destination.rank | HANDOFF_RANKS, ..t.destination };
+            Some(Transfer { source: t.source, destination, from: one(&t.from), to: one(&t.to) })
         })
         .collect()
 }
@@ -288,7 +320,11 @@ impl HandoffReceiver {
         let until = Instant::now() + patience;
         let mut payload = Vec::new();
         let mut bytes = 0;
-        for transfer in for_sequence(&self.plan, seat, End::Destination) {
+        let transfers = for_sequence(&self.plan, seat, End::Destination);
+        if transfers.is_empty() {
+            return Err(StreamError::Unexpected(format!("no prompt KV is planned for {seat:?}")));
+        }
+        for transfer in transfers {
             loop {
                 // Locked per attempt: the stage's replication uses the same store meanwhile.
                 let fetched = receive(cache, &transfer, 0..prompt_len, &mut *store.lock(), &mut payload);

@@ -25,8 +25,9 @@
 //!   sidecar if it came from elsewhere; the number of tokens restored travels on, and the driver
 //!   recomputes the steps after it ([`RemotePipeline::recover`]);
 //! - rewire (argument: the new next address): send to another next stage from now on;
-//! - replicate to (argument: the successor's new sidecar): replicate there from now on and, unless
-//!   the sequence is empty, copy its KV so far there (the old replica died with its sidecar);
+//! - replicate to (argument: the successor's new sidecar): have the stage's sidecar forward there
+//!   from the stage's next copy on and, unless the sequence is empty, copy its KV so far there (the
+//!   old replica died with its sidecar);
 //! - load (no argument; ids: microbatch, slot, prompt length): in a token pipeline fed by a prompt
 //!   pipeline ([`crate::handoff`]), load the sequence's prompt KV from the stage's own sidecar,
 //!   where the prompt stages handed it over, and replicate it as a computed prompt's; the number
@@ -570,12 +571,18 @@ struct ToSidecar {
 impl ChunkStore for ToSidecar {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         let mut local = self.local.lock();
-        if let Some(to) = self.retarget.lock().take() {
+        let retarget = *self.retarget.lock();
+        if let Some(to) = retarget {
             local.retarget(to).map_err(|e| StoreError::Io {
                 op: "retarget the forwards of",
                 path: format!("its sidecar to {to}").into(),
                 source: std::io::Error::other(e),
             })?;
+            // Done: unless a newer one was set meanwhile.
+            let mut pending = self.retarget.lock();
+            if *pending == Some(to) {
+                *pending = None;
+            }
         }
         local.put(descriptor, payload)?;
         StageStats::add(&self.stats.copied_chunks, 1);
@@ -683,12 +690,27 @@ impl StageProcess {
         process.handoff = match &process.config.handoff {
             None => None,
             Some(Handoff::Prompt { shapes, sidecars, secret }) => {
+                let c = &process.config;
+                shapes
+                    .check_stage(true, index, &c.layers, c.slots, c.microbatches)
+                    .map_err(ProcessError::Protocol)?;
+                if c.device_caches.is_some_and(|d| d < c.microbatches) {
+                    // The handoff reads each prompt's cache in the background; swapping would
+                    // refill it meanwhile.
+                    return Err(ProcessError::Protocol(
+                        "a prompt stage keeps every microbatch: no --device-caches".into(),
+                    ));
+                }
                 let transports = &process.config.transport;
                 let sender = HandoffSender::new(shapes, spec, (index, epoch), sidecars, secret, transports)
                     .map_err(ProcessError::Protocol)?;
                 Some(HandoffEnd::Sender(sender))
             }
             Some(Handoff::Token { shapes }) => {
+                let c = &process.config;
+                shapes
+                    .check_stage(false, index, &c.layers, c.slots, c.microbatches)
+                    .map_err(ProcessError::Protocol)?;
                 if process.sidecars.is_none() {
                     return Err(ProcessError::Protocol(
                         "a token stage loads prompts from its sidecar: it needs one".into(),
@@ -1344,7 +1366,11 @@ impl RemotePipeline {
     pub fn handoff_to(&mut self, stage: u32, token_stage: u32, to: SocketAddr) -> Result<(), ProcessError> {
         let mut argument = token_stage.to_le_bytes().to_vec();
         argument.extend_from_slice(to.to_string().as_bytes());
-        self.control(OP_HANDOFF_TO, stage, [NO_STAGE; 4], &argument)?;
+        let payload = control_payload(OP_HANDOFF_TO, stage, &argument);
+        let request = self.write(Kind::Control, [NO_STAGE; 4], &payload)?;
+        // Nothing to move: a step's deadline, so that a dead prompt pipeline does not hold the
+        // token pipeline's recovery up for a control operation's.
+        self.reply(request, self.deadline)?;
         Ok(())
     }
 

@@ -252,7 +252,11 @@ impl Sidecar {
                 (Kind::Control, OP_KEEP) => {
                     let [_, count, lo, hi] = frame.header.ids;
                     let len = lo as u64 | (hi as u64) << 32;
-                    match self.keep(region.read(len as usize)?, count) {
+                    let kept = region
+                        .read(len as usize)
+                        .map_err(|e| e.to_string())
+                        .and_then(|c| self.keep(c, count));
+                    match kept {
                         Ok(()) => write_frame(&mut writer, &answer(Kind::Control, [OP_KEEP, 0, 0, 0]), &[])?,
                         Err(reason) => reply_error(&mut writer, &frame, ErrorCode::Other, &reason)?,
                     }
@@ -402,7 +406,7 @@ impl Sidecar {
                     add(&self.stats.forwarded_bytes, payload.len() as u64);
                     add(&self.stats.forwards_caught_up, 1);
                 }
-                Err(e) if refused(&e) => add(&self.stats.forwards_dropped, 1),
+                Err(e) if stale(&e) => add(&self.stats.forwards_dropped, 1),
                 Err(e) => {
                     add(&self.stats.forward_failures, 1);
                     return Err(e);
@@ -543,12 +547,12 @@ impl Sidecar {
     }
 }
 
-/// Whether the peer answered `e` with a refusal (a stale epoch, say), which trying again cannot
-/// change.
-fn refused(e: &StoreError) -> bool {
+/// Whether the peer refused `e` for a stale epoch (a newer engine of this stage has written
+/// there), which trying again cannot change.
+fn stale(e: &StoreError) -> bool {
     let StoreError::Io { source, .. } = e else { return false };
     let peer = source.get_ref().and_then(|inner| inner.downcast_ref::<PeerError>());
-    matches!(peer, Some(PeerError::Refused { .. }))
+    matches!(peer, Some(PeerError::Refused { code: ErrorCode::StaleEpoch, .. }))
 }
 
 /// Chunks of the engine's KV whose forward to the successor failed, to forward again before the

@@ -148,7 +148,7 @@ fn chunks_a_successor_missed_while_down_reach_it_once_it_is_back_and_keep_is_not
     assert_eq!(engine.get(&third.key(), &mut out).unwrap(), third);
     assert_eq!(out, third_kv);
     assert_eq!(successor_store.len(), 2, "kept chunks are not forwarded");
-    // A chunk that does not match its header is refused whole.
+    // A chunk that does not match its checksum is refused.
     let mut bad = encoded.clone();
     *bad.last_mut().unwrap() ^= 1;
     assert!(engine.keep(&[&bad]).is_err());

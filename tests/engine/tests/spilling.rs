@@ -34,8 +34,8 @@ fn copies_spilled_to_files_restore_bit_identically_and_a_full_directory_loses_no
         microbatches: workload.microbatches(),
         max_tokens: workload.max_tokens(),
         deadline: Duration::from_secs(1),
-        // A few chunks in memory, the rest in files.
-        spill: Some(SpillLimits { memory_bytes: 16 << 10, dir_bytes: 8 << 20 }),
+        // Every chunk in a file: restores read them back.
+        spill: Some(SpillLimits { memory_bytes: 0, dir_bytes: 8 << 20 }),
         ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
     };
     let driver =
