@@ -36,6 +36,9 @@ pub struct DemoConfig {
     pub kill: Kill,
     /// KV caches each stage keeps in device memory, if fewer than microbatches (swapping).
     pub device_caches: Option<u32>,
+    /// Spare workers (a stage and a sidecar process each) started ahead, which a recovery makes
+    /// the dead stage's instead of starting processes.
+    pub spares: u32,
     /// The `dejavud` executable to start stage and sidecar processes with.
     pub exe: PathBuf,
 }
@@ -85,6 +88,11 @@ pub struct DemoSettings {
     /// turns microbatch swapping on [default: one per microbatch].
     #[arg(long)]
     pub device_caches: Option<u32>,
+    /// Spare workers started ahead (a stage and a sidecar process each), registered with the
+    /// controller; a recovery makes them the dead stage's instead of starting processes
+    /// [default: 0].
+    #[arg(long)]
+    pub spares: Option<u32>,
 }
 
 impl DemoSettings {
@@ -107,6 +115,7 @@ impl DemoSettings {
             deadline_ms: self.deadline_ms.or(base.deadline_ms),
             heartbeat_ms: self.heartbeat_ms.or(base.heartbeat_ms),
             device_caches: self.device_caches.or(base.device_caches),
+            spares: self.spares.or(base.spares),
         }
     }
 
@@ -125,6 +134,7 @@ impl DemoSettings {
                 KillSetting::Engine => Kill::Engine,
             },
             device_caches: self.device_caches,
+            spares: self.spares.unwrap_or(0),
             exe,
         }
     }
@@ -181,6 +191,9 @@ pub struct DemoReport {
     /// Bytes the stages swapped between their device caches and host memory in the failure-free
     /// run, before its last step (0 without `--device-caches` below the microbatches).
     pub swapped_bytes: u64,
+    /// Spare processes (stages and sidecars) the recovery made the dead stage's, instead of
+    /// starting processes (0 without `--spares`).
+    pub spares_used: u64,
     /// Whether the run with a failure (and the one without replication) produced exactly the
     /// failure-free tokens.
     pub matched: bool,
@@ -214,6 +227,7 @@ fn start_cluster(config: &DemoConfig, workload: &Workload, replicate: bool) -> R
         deadline: config.deadline,
         heartbeat: config.heartbeat,
         device_caches: config.device_caches,
+        spares: config.spares,
         ..ClusterConfig::new(config.exe.clone())
     })
 }
@@ -221,20 +235,28 @@ fn start_cluster(config: &DemoConfig, workload: &Workload, replicate: bool) -> R
 /// Failed attempts at one step with no dead stage before the demo gives up.
 const RETRIES: u32 = 2;
 
+/// What a run's cluster said before its last step.
+#[derive(Clone, Copy, Debug, Default)]
+struct Seen {
+    /// Bytes its stages had swapped between device caches and host memory (from their metrics).
+    swapped: u64,
+    /// Spare processes its recoveries made stages' processes of.
+    spares_used: u64,
+}
+
 /// Runs the workload, recovering or restarting after a failure. With `kill_at`, the victim is
-/// SIGKILLed before that step. Returns the run and the bytes its stages had swapped between device
-/// caches and host memory before its last step (read from their metrics).
+/// SIGKILLed before that step. Returns the run and what its cluster said before its last step.
 fn run_once(
     config: &DemoConfig,
     kill_at: Option<u64>,
     on_failure: OnFailure,
-) -> Result<(Run, u64), DemoError> {
+) -> Result<(Run, Seen), DemoError> {
     let workload = workload(config);
     let replicate = on_failure == OnFailure::Recover;
     let driver = DriverConfig { on_failure, detect_patience: config.heartbeat * 6, retries: RETRIES };
     // Without replication there is no sidecar to kill: the engine dies alone.
     let what = if replicate { config.kill } else { Kill::Engine };
-    let (mut killed, mut swapped) = (false, 0u64);
+    let (mut killed, mut seen) = (false, Seen::default());
     let last = workload.steps() - 1;
     let mut inject = |step: u64, cluster: &mut Cluster| {
         if kill_at == Some(step) && !killed {
@@ -242,12 +264,12 @@ fn run_once(
             cluster.kill(config.victim as usize, what)?;
         }
         if step == last {
-            swapped = swapped_bytes(cluster)?;
+            seen = Seen { swapped: swapped_bytes(cluster)?, spares_used: cluster.spares_used() };
         }
         Ok(())
     };
     let run = drive(&workload, &driver, &mut || start_cluster(config, &workload, replicate), &mut inject)?;
-    Ok((run, swapped))
+    Ok((run, seen))
 }
 
 /// Bytes every stage of `cluster` has swapped in and out so far.
@@ -318,7 +340,7 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
     say("failure-free run without replication...");
     let (unreplicated, _) = run_once(config, None, OnFailure::Restart)?;
     say("failure-free run, KV replicated every step...");
-    let (reference, swapped) = run_once(config, None, OnFailure::Recover)?;
+    let (reference, failure_free) = run_once(config, None, OnFailure::Recover)?;
     say(&format!(
         "run with stage {}'s {} SIGKILLed at step {kill_at} of {steps}, recovered from {}...",
         config.victim,
@@ -331,7 +353,7 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
             Kill::Worker => "its successor's sidecar",
         },
     ));
-    let (recovered, _) = run_once(config, Some(kill_at), OnFailure::Recover)?;
+    let (recovered, after_failure) = run_once(config, Some(kill_at), OnFailure::Recover)?;
     say("run with the same failure, restarted from scratch...");
     let (restarted, _) = run_once(config, Some(kill_at), OnFailure::Restart)?;
     Ok(DemoReport {
@@ -343,7 +365,8 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
         recovery: recovery_of(&recovered),
         restart_tokens_recomputed: recovery_of(&restarted).tokens_recomputed,
         kv_bytes_replicated_per_token: model.kv_spec().bytes_per_token(),
-        swapped_bytes: swapped,
+        swapped_bytes: failure_free.swapped,
+        spares_used: after_failure.spares_used,
         matched: recovered.tokens == reference.tokens && unreplicated.tokens == reference.tokens,
         restart_matched: restarted.tokens == reference.tokens,
     })
@@ -385,6 +408,12 @@ KV per token: {} bytes to the successors' sidecars, as many to the local ones (a
                     self.swapped_bytes
                 ),
                 None => String::new(),
+            } + &match config.spares {
+                0 => String::new(),
+                n => format!(
+                    "{n} spare worker(s) started ahead: the recovery made {} spare process(es) the dead stage's\n",
+                    self.spares_used
+                ),
             },
             if self.matched { "yes" } else { "NO" },
             if self.restart_matched { "yes" } else { "NO" },

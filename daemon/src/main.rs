@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use dejavu_engine::cli::{ControllerArgs, SidecarArgs, StageArgs};
+use dejavu_engine::spare::SpareArgs;
 use dejavud::certs;
 use dejavud::demo::{self, DemoConfig, DemoSettings};
 use dejavud::plan::{self, Overrides};
@@ -44,6 +45,9 @@ enum Command {
     /// and issues the epoch of each recovery, kept in a state file that survives its crashes
     /// (started by `demo`).
     Controller(ControllerArgs),
+    /// A spare stage: starts ahead of any failure, heartbeats to the controller as a spare, and
+    /// becomes the stage a recovery assigns it (a spare sidecar is `dejavud sidecar --spare N`).
+    Spare(SpareArgs),
     /// Size KV caches, split machines between prompt and token pipelines, check the swapping
     /// condition, estimate KV transfer costs and check stage memory, from a TOML or JSON file.
     Plan {
@@ -164,6 +168,7 @@ process heartbeating to a controller process"
         Command::Stage(args) => served("stage", args.run()),
         Command::Sidecar(args) => served("sidecar", args.run()),
         Command::Controller(args) => served("controller", args.run()),
+        Command::Spare(args) => served("spare", args.run()),
         Command::Certs { cluster, out, force, nodes } => match certs::issue(&cluster, &out, &nodes, force) {
             Ok(report) => {
                 print!("{report}");

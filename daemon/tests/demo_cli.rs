@@ -25,7 +25,7 @@ fn leftovers() -> Vec<String> {
 }
 
 #[test]
-fn the_demo_recovers_a_killed_stage_with_identical_tokens_also_when_swapping() {
+fn the_demo_recovers_a_killed_stage_with_identical_tokens_also_when_swapping_or_with_spares() {
     for victim in ["0", "2", "3"] {
         let out = dejavud(&[
             "demo",
@@ -60,6 +60,14 @@ fn the_demo_recovers_a_killed_stage_with_identical_tokens_also_when_swapping() {
     assert_eq!(report["restart_matched"], true, "{report}");
     assert_eq!(report["tokens"], 96);
     assert!(report["swapped_bytes"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(report["spares_used"], 0, "no spares asked for");
+    // With a spare worker: the recovery makes its stage and sidecar processes the victim's (and
+    // the spares started meanwhile go with the demo too).
+    let out = dejavud(&[&args[..], &["--spares", "1"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    assert_eq!(report["matched"], true, "{report}");
+    assert_eq!(report["spares_used"], 2, "{report}");
     assert!(leftovers().is_empty(), "processes left behind: {:?}", leftovers());
 }
 

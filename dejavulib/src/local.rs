@@ -9,6 +9,7 @@
 //! | `Put`, id 0 = length of the chunk (header and payload) written into the region | `PutAck` once the sidecar keeps it and has forwarded it to the successor; `Error` otherwise |
 //! | `Get`, payload = a chunk key | `GetReply`, id 0 = length of the chunk written into the region; `Error` (`NotFound`) |
 //! | `Control` [`OP_SUCCESSOR`], payload = an address | `Control`; forwards go there from now on |
+//! | `Control` [`OP_ASSIGN`] (first and only frame of a connection of the cluster's), id 1 = a stage, ids 2-3 = an epoch | `Control` once a spare sidecar has become that stage's; `Error` if it is not a spare waiting for one |
 //! | `Control` [`OP_KEEP`], id 1 = chunks, ids 2-3 = their length, the chunks (each header and payload) written one after the other into the region | `Control` once the sidecar keeps them all (it forwards none: they came from a copy that exists); `Error` otherwise |
 //!
 //! The sidecar itself is a process of the daemon (`dejavud sidecar`).
@@ -31,6 +32,9 @@ pub const OP_MAPPED: u32 = 1;
 pub const OP_SUCCESSOR: u32 = 2;
 /// Control operation: keep these chunks, without forwarding them.
 pub const OP_KEEP: u32 = 3;
+/// Control operation, on a connection of its own: a spare sidecar becomes a stage's (id 1 = the
+/// stage, ids 2-3 = the epoch of the recovery that assigned it).
+pub const OP_ASSIGN: u32 = 4;
 
 /// Largest payload of a frame on the local socket (addresses, keys, paths, reasons).
 pub const MAX_LOCAL_PAYLOAD: u64 = 64 << 10;

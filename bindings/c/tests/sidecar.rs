@@ -42,6 +42,7 @@ fn a_region_flushed_to_the_sidecar_is_forwarded_and_comes_back() {
         secret: SECRET.as_bytes().to_vec(),
         skip_forwarding: false,
         spill: None,
+        spare: None,
         transport: dejavu_engine::transport::Transports::tcp(),
     };
     let (ready, listening) = std::sync::mpsc::channel();

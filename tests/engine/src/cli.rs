@@ -7,13 +7,16 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
+use parking_lot::Mutex;
+use std::sync::Arc;
 
 use crate::controller::{serve_controller, ControllerConfig};
 use crate::handoff::Shapes;
 use crate::heartbeat::{beat, Heartbeat, Role};
 use crate::logging::LogArgs;
-use crate::process::{serve_stage, Handoff, Replication, StageConfig};
-use crate::sidecar::{serve_sidecar, SidecarConfig};
+use crate::process::{serve_stage, serve_stage_on, Handoff, Replication, StageConfig};
+use crate::sidecar::{serve_sidecar, OnAssign, SidecarConfig};
+use crate::spare::spare_member;
 use crate::transport::TransportArgs;
 use crate::{CacheLayout, ModelConfig};
 use dejavulib::spill::Spill;
@@ -175,8 +178,12 @@ pub struct MemberArgs {
 #[derive(Clone, Debug, Args)]
 pub struct SidecarArgs {
     /// The stage it belongs to.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, conflicts_with = "spare")]
     pub index: u32,
+    /// Start as spare number N, registered with the controller and waiting for a recovery to
+    /// assign it a stage (over its local socket) instead of `--index`.
+    #[arg(long, value_name = "N")]
+    pub spare: Option<u32>,
     /// Where it listens for replicas and restores over TCP (port 0 picks one).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
@@ -253,7 +260,7 @@ fn parse_layers(s: &str) -> Result<Range<u32>, String> {
 
 /// Prints `metrics ADDR` (when metrics are served) and then `listening ADDR`, the line a parent
 /// waits for.
-fn announce(addr: SocketAddr, metrics: Option<SocketAddr>) {
+pub(crate) fn announce(addr: SocketAddr, metrics: Option<SocketAddr>) {
     use std::io::Write;
     if let Some(metrics) = metrics {
         println!("metrics {metrics}");
@@ -266,11 +273,16 @@ impl MemberArgs {
     /// Sets the process up as a member: its logs, its death with the parent that started it, and
     /// its heartbeats as (`role`, `index`) to the controller, if given (they stop when the handle
     /// is dropped).
-    fn start(&self, role: Role, index: u32) -> Result<Option<Heartbeat>, String> {
+    pub(crate) fn start(&self, role: Role, index: u32) -> Result<Option<Heartbeat>, String> {
         self.log.init()?;
         die_with_parent();
+        self.beat(role, index, self.epoch)
+    }
+
+    /// Its heartbeats as (`role`, `index`), started in `epoch`, if it has a controller.
+    pub(crate) fn beat(&self, role: Role, index: u32, epoch: u64) -> Result<Option<Heartbeat>, String> {
         self.heartbeat
-            .map(|to| beat(to, (role, index), self.epoch, Duration::from_millis(self.heartbeat_ms)))
+            .map(|to| beat(to, (role, index), epoch, Duration::from_millis(self.heartbeat_ms)))
             .transpose()
             .map_err(|e| format!("cannot send heartbeats: {e}"))
     }
@@ -294,8 +306,26 @@ impl StageArgs {
     /// Runs the stage until it is killed.
     pub fn run(self) -> Result<(), String> {
         let _heartbeat = self.member.start(Role::Engine, self.index)?;
+        let (listen, metrics) = (self.listen, self.member.metrics);
+        serve_stage(self.config()?, listen, metrics, announce).map_err(|e| e.to_string())
+    }
+
+    /// Runs the stage on `listener`, a spare's (logs already set up), answering `assigned` once
+    /// it serves; until it is killed.
+    pub(crate) fn run_on(
+        self,
+        listener: std::net::TcpListener,
+        assigned: impl FnOnce(std::net::SocketAddr, Option<std::net::SocketAddr>),
+    ) -> Result<(), String> {
+        let _heartbeat = self.member.beat(Role::Engine, self.index, self.member.epoch)?;
+        let metrics = self.member.metrics;
+        serve_stage_on(self.config()?, listener, metrics, assigned).map_err(|e| e.to_string())
+    }
+
+    /// What the flags describe.
+    fn config(self) -> Result<StageConfig, String> {
         let handoff = self.handoff.handoff(&self.secret)?;
-        let config = StageConfig {
+        Ok(StageConfig {
             model: ModelConfig::reference(),
             index: self.index,
             layers: self.layers,
@@ -316,16 +346,28 @@ impl StageArgs {
             device_caches: self.device_caches,
             handoff,
             transport: self.transport.transports()?,
-        };
-        serve_stage(config, self.listen, self.member.metrics, announce).map_err(|e| e.to_string())
+        })
     }
 }
 
 impl SidecarArgs {
     /// Serves until killed.
     pub fn run(self) -> Result<(), String> {
-        let _heartbeat = self.member.start(Role::Sidecar, self.index)?;
+        let member = match self.spare {
+            Some(n) => spare_member(n),
+            None => self.index,
+        };
+        let heartbeat = Arc::new(Mutex::new(self.member.start(Role::Sidecar, member)?));
+        let spare = self.spare.map(|_| {
+            let (args, heartbeat) = (self.member.clone(), heartbeat.clone());
+            // Assigned: it beats as that stage's sidecar, in the recovery's epoch.
+            OnAssign(Arc::new(move |stage, epoch| match args.beat(Role::Sidecar, stage, epoch) {
+                Ok(beats) => *heartbeat.lock() = beats,
+                Err(e) => tracing::warn!(error = %e, "an assigned spare cannot send heartbeats"),
+            }))
+        });
         let config = SidecarConfig {
+            spare,
             index: self.index,
             listen: self.listen,
             local: self.local,

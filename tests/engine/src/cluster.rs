@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
+mod spares;
+
 use crate::controller::{Census, ControllerClient, ControllerError, Member};
 use crate::handoff::Shapes;
 pub use crate::heartbeat::Role;
@@ -108,6 +110,10 @@ pub struct ClusterConfig {
     /// generates its certificates, and the [`Link::Replica`] links are not interposed (the
     /// interposer sees TCP).
     pub transport: TransportKind,
+    /// Spare workers kept started (a stage process and a sidecar each, heartbeating to the
+    /// controller as spares): a recovery makes them the dead stages' instead of starting new
+    /// processes, and new spares start in the background.
+    pub spares: u32,
     /// Sidecars keep at most this many bytes of chunks in memory and spill the rest to a
     /// directory of their own, capped in size (see [`SpillLimits`]); by default all in memory.
     pub spill: Option<SpillLimits>,
@@ -169,6 +175,7 @@ impl ClusterConfig {
             sabotage_replicas: false,
             layout: CacheLayout::FasterTransformer,
             transport: TransportKind::Tcp,
+            spares: 0,
             spill: None,
             disaggregation: None,
         }
@@ -296,6 +303,8 @@ pub struct Cluster {
     pub remote: RemotePipeline,
     /// The prompt pipeline, when disaggregated.
     prompt: Option<PromptPipeline>,
+    /// Spare workers.
+    spares: spares::SparePool,
     /// Holds the controller's state, the local sockets and the shared regions; removed last, once
     /// every process is gone.
     dir: StateDir,
@@ -319,7 +328,7 @@ impl Cluster {
         if config.replicate {
             for i in 0..n {
                 let socket = dir.0.join(format!("sidecar-{i}-{i}.sock"));
-                let args = Self::sidecar_args(&config, heartbeat, (i, 0), &socket, &dir);
+                let args = Self::sidecar_args(&config, heartbeat, SidecarOf::Stage(i, 0), &socket, &dir);
                 sidecars.push(spawn(&config.exe, &args, &format!("sidecar {i}"), START)?);
                 sockets.push(socket);
             }
@@ -341,6 +350,7 @@ impl Cluster {
         let prompt = Self::start_prompt_pipeline(&config, &sidecars, &dir)?;
         let mut cluster = Self {
             prompt,
+            spares: spares::SparePool::default(),
             config,
             sidecar_starts: sidecars.len() as u64,
             sidecars,
@@ -353,6 +363,9 @@ impl Cluster {
             spared: Vec::new(),
             remote,
         };
+        let spares = cluster.config.spares as u64;
+        let sidecars = if cluster.config.replicate { spares } else { 0 };
+        cluster.start_spares((spares, sidecars), true)?;
         // Every process beats before the cluster is up, so silence later means death.
         for index in 0..n {
             cluster.wait_alive((Role::Engine, index as u32))?;
@@ -552,17 +565,84 @@ impl Cluster {
         Ok(())
     }
 
+    /// Starts `stages` spare stages and `sidecars` spare sidecars (registered with the controller
+    /// as spares), now (`wait`) or in the background.
+    fn start_spares(&mut self, (stages, sidecars): (u64, u64), wait: bool) -> Result<(), ClusterError> {
+        let heartbeat = self.controller.client.addr();
+        for _ in 0..stages {
+            let n = self.spares.started;
+            let stage = vec![
+                "spare".to_owned(),
+                format!("--id={n}"),
+                format!("--heartbeat={heartbeat}"),
+                format!("--heartbeat-ms={}", self.config.heartbeat.as_millis()),
+            ];
+            self.spares.start_stage(&self.config.exe, stage, wait)?;
+        }
+        for _ in 0..sidecars {
+            let n = self.spares.started;
+            let socket = self.dir.0.join(format!("spare-sidecar-{n}.sock"));
+            let args = Self::sidecar_args(&self.config, heartbeat, SidecarOf::Spare(n), &socket, &self.dir);
+            self.spares.start_sidecar(&self.config.exe, args, socket, wait)?;
+        }
+        Ok(())
+    }
+
+    /// Spare processes (stages and sidecars) recoveries made stages' processes of, so far.
+    pub fn spares_used(&self) -> u64 {
+        self.spares.used.0 + self.spares.used.1
+    }
+
+    /// Stage `victim`'s replacement sidecar, started in `epoch`: a spare made its, or a new
+    /// process. Returns it with its local socket.
+    fn replacement_sidecar(&mut self, victim: usize, epoch: u64) -> Result<(Spawned, PathBuf), ClusterError> {
+        if let Some(spare) = self.spares.take_sidecar() {
+            match crate::spare::assign_sidecar(&spare.socket, victim as u32, epoch, START) {
+                Ok(()) => {
+                    self.spares.used.1 += 1;
+                    return Ok((spare.process, spare.socket));
+                }
+                Err(e) => tracing::warn!(error = %e, "a spare sidecar could not be assigned: starting one"),
+            }
+        }
+        let heartbeat = self.controller.client.addr();
+        let socket = self.dir.0.join(format!("sidecar-{victim}-{}.sock", self.sidecar_starts));
+        self.sidecar_starts += 1;
+        let who = SidecarOf::Stage(victim, epoch);
+        let args = Self::sidecar_args(&self.config, heartbeat, who, &socket, &self.dir);
+        Ok((spawn(&self.config.exe, &args, "a replacement sidecar", START)?, socket))
+    }
+
+    /// A replacement stage process for `args` (without the subcommand: `args[0]` is `stage`),
+    /// started in `epoch`: a spare made that stage, or a new process.
+    fn replacement_stage(&mut self, args: &[String], epoch: u64) -> Result<Spawned, ClusterError> {
+        if let Some(spare) = self.spares.take_stage() {
+            match crate::spare::assign_stage(spare.addr, &args[1..], epoch, START) {
+                Ok(metrics) => {
+                    self.spares.used.0 += 1;
+                    return Ok(Spawned { metrics, ..spare });
+                }
+                Err(e) => tracing::warn!(error = %e, "a spare stage could not be assigned: starting one"),
+            }
+        }
+        Ok(spawn(&self.config.exe, args, "a replacement stage", START)?)
+    }
+
     fn sidecar_args(
         config: &ClusterConfig,
         heartbeat: SocketAddr,
-        (index, epoch): (usize, u64),
+        who: SidecarOf,
         socket: &std::path::Path,
         dir: &StateDir,
     ) -> Vec<String> {
+        let who = match who {
+            SidecarOf::Stage(index, epoch) => [format!("--index={index}"), format!("--epoch={epoch}")],
+            SidecarOf::Spare(n) => [format!("--spare={n}"), "--epoch=0".to_owned()],
+        };
         let mut args = vec![
             "sidecar".to_owned(),
-            format!("--index={index}"),
-            format!("--epoch={epoch}"),
+            who[0].clone(),
+            who[1].clone(),
             format!("--local={}", socket.display()),
             format!("--shm-dir={}", dir.0.display()),
             format!("--heartbeat={heartbeat}"),
@@ -851,12 +931,10 @@ impl Cluster {
             let _ = self.controller.proc.kill();
         }
         let heartbeat = self.controller.client.addr();
+        let used = self.spares.used;
         for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
-            let socket = self.dir.0.join(format!("sidecar-{victim}-{}.sock", self.sidecar_starts));
-            self.sidecar_starts += 1;
-            let args = Self::sidecar_args(&self.config, heartbeat, (victim, epoch), &socket, &self.dir);
+            let (new, socket) = self.replacement_sidecar(victim, epoch)?;
             self.sockets[victim] = socket;
-            let new = spawn(&self.config.exe, &args, "a replacement sidecar", START)?;
             let old = std::mem::replace(&mut self.sidecars[victim], new);
             self.retire(old, spare);
             self.wait_alive((Role::Sidecar, victim as u32))?;
@@ -867,7 +945,7 @@ impl Cluster {
             let copies = Self::copies(&self.sidecars, &self.sockets, victim);
             let mut args = Self::stage_args(&self.config, heartbeat, copies, (victim, epoch), next);
             args.extend(self.config.transport_args(&self.dir));
-            let new = spawn(&self.config.exe, &args, "a replacement stage", START)?;
+            let new = self.replacement_stage(&args, epoch)?;
             let old = std::mem::replace(&mut self.stages[victim], new);
             self.retire(old, spare);
             self.wait_alive((Role::Engine, victim as u32))?;
@@ -927,6 +1005,9 @@ impl Cluster {
         for (predecessor, to) in copy_later {
             self.copy_kv_to(predecessor, to, sequences)?;
         }
+        // The spares used are replaced in the background, off the recovery.
+        let (stages, sidecars) = (self.spares.used.0 - used.0, self.spares.used.1 - used.1);
+        self.start_spares((stages, sidecars), false)?;
         Ok(recovered)
     }
 
@@ -967,6 +1048,15 @@ impl Cluster {
         self.remote.replicate_to(stage as u32, Seat { microbatch: 0, slot: 0 }, 0, 0, to)?;
         Ok(())
     }
+}
+
+/// Whose a sidecar is started as.
+#[derive(Clone, Copy, Debug)]
+enum SidecarOf {
+    /// Stage `.0`'s, started in epoch `.1`.
+    Stage(usize, u64),
+    /// Spare number `.0`, no stage's yet.
+    Spare(u32),
 }
 
 /// The spill directory of the sidecar with local socket `socket`: beside it, in the cluster's

@@ -40,6 +40,7 @@ pub mod pipeline;
 pub mod proc;
 pub mod process;
 pub mod sidecar;
+pub mod spare;
 pub mod stage;
 pub mod swap;
 pub mod transport;

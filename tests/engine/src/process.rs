@@ -1055,9 +1055,18 @@ pub fn serve_stage(
     metrics: Option<SocketAddr>,
     ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
 ) -> Result<(), ProcessError> {
+    serve_stage_on(config, TcpListener::bind(listen)?, metrics, ready)
+}
+
+/// [`serve_stage`] on a listener already bound (a spare's, which it was started with).
+pub fn serve_stage_on(
+    config: StageConfig,
+    listener: TcpListener,
+    metrics: Option<SocketAddr>,
+    ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
+) -> Result<(), ProcessError> {
     let mut process = StageProcess::new(config)?;
     let (index, epoch) = (process.config.index, process.config.epoch);
-    let listener = TcpListener::bind(listen)?;
     let metrics = match metrics {
         Some(at) => {
             let stats = process.stats.clone();

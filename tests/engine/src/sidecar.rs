@@ -16,12 +16,12 @@ use std::io::{BufReader, BufWriter, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
-use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_KEEP, OP_MAPPED, OP_SUCCESSOR};
+use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_ASSIGN, OP_KEEP, OP_MAPPED, OP_SUCCESSOR};
 use dejavulib::net::{ClientConfig, PeerError, PeerServer, PeerStore};
 use dejavulib::store::StoreError;
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, Frame, FrameHeader, Kind};
@@ -84,8 +84,22 @@ pub struct SidecarConfig {
     pub skip_forwarding: bool,
     /// Where chunks beyond a memory budget go, if anywhere ([`dejavulib::spill`]).
     pub spill: Option<Spill>,
+    /// As a spare (no stage yet), what to do once assigned one: called with the stage and the
+    /// epoch of the recovery that assigned it. `None` for a sidecar started for its stage.
+    pub spare: Option<OnAssign>,
     /// The transport to other sidecars and stages.
     pub transport: Transports,
+}
+
+/// What a spare sidecar does once a recovery assigns it a stage (its heartbeats become that
+/// stage's sidecar's), with the stage and the recovery's epoch.
+#[derive(Clone)]
+pub struct OnAssign(pub Arc<dyn Fn(u32, u64) + Send + Sync>);
+
+impl std::fmt::Debug for OnAssign {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnAssign")
+    }
 }
 
 /// Counters of a sidecar, besides its transport's.
@@ -132,6 +146,10 @@ struct Sidecar {
     connections: AtomicU64,
     /// Chunks to forward again.
     unforwarded: Mutex<Unforwarded>,
+    /// The stage it belongs to: its own from the start, or a spare's once assigned.
+    index: AtomicU32,
+    /// Whether it waits, as a spare, for a stage.
+    unassigned: std::sync::atomic::AtomicBool,
 }
 
 /// Runs a sidecar until the process is killed: its transport, its local socket, and its metrics
@@ -155,6 +173,7 @@ pub fn serve_sidecar(
         .map_err(|source| SidecarError::Listen { at: config.listen.to_string(), source })?;
     let local = UnixListener::bind(&config.local)
         .map_err(|source| SidecarError::Listen { at: config.local.display().to_string(), source })?;
+    let (index, spare) = (config.index, config.spare.is_some());
     let sidecar = Arc::new(Sidecar {
         config,
         store,
@@ -164,6 +183,8 @@ pub fn serve_sidecar(
         runtime: runtime.handle().clone(),
         connections: AtomicU64::new(0),
         unforwarded: Mutex::new(Unforwarded::default()),
+        index: AtomicU32::new(index),
+        unassigned: std::sync::atomic::AtomicBool::new(spare),
     });
     let server = Arc::new(server);
     let metrics = match metrics {
@@ -173,7 +194,7 @@ pub fn serve_sidecar(
         }
         None => None,
     };
-    info!(stage = sidecar.config.index, addr = %server.addr(), local = %sidecar.config.local.display(), "sidecar listening");
+    info!(stage = sidecar.index(), addr = %server.addr(), local = %sidecar.config.local.display(), "sidecar listening");
     ready(server.addr(), metrics);
     for stream in local.incoming() {
         let Ok(stream) = stream else {
@@ -183,7 +204,7 @@ pub fn serve_sidecar(
         let sidecar = sidecar.clone();
         std::thread::Builder::new().name("engine".into()).spawn(move || {
             if let Err(e) = sidecar.serve_engine(stream) {
-                warn!(stage = sidecar.config.index, error = %e, "an engine connection ended");
+                warn!(stage = sidecar.index(), error = %e, "an engine connection ended");
             }
         })?;
     }
@@ -191,12 +212,41 @@ pub fn serve_sidecar(
 }
 
 impl Sidecar {
-    /// Serves one engine connection until it closes or a newer engine takes over.
+    /// The stage it belongs to.
+    fn index(&self) -> u32 {
+        self.index.load(Ordering::Relaxed)
+    }
+
+    /// A spare's assignment (`Control` [`OP_ASSIGN`], ids 1 = the stage, 2-3 = the epoch): it
+    /// becomes that stage's sidecar, once.
+    fn assign(&self, frame: &Frame, writer: &mut impl Write) -> Result<(), SidecarError> {
+        let [_, stage, lo, hi] = frame.header.ids;
+        let epoch = lo as u64 | (hi as u64) << 32;
+        let hook = self.config.spare.as_ref().filter(|_| self.unassigned.swap(false, Ordering::SeqCst));
+        let Some(OnAssign(hook)) = hook else {
+            reply_error(writer, frame, ErrorCode::Unexpected, "not a spare waiting for a stage")?;
+            return Ok(());
+        };
+        self.index.store(stage, Ordering::Relaxed);
+        hook(stage, epoch);
+        info!(stage, epoch, "a spare sidecar was assigned its stage");
+        let mut ack = FrameHeader::new(Kind::Control, stage, epoch, frame.header.request);
+        ack.ids = [OP_ASSIGN, stage, 0, 0];
+        write_frame(writer, &ack, &[])?;
+        writer.flush()?;
+        Ok(())
+    }
+
+    /// Serves one engine connection until it closes or a newer engine takes over (or a spare's
+    /// assignment, on a connection of its own).
     fn serve_engine(&self, stream: UnixStream) -> Result<(), SidecarError> {
         let mut reader = BufReader::new(stream.try_clone()?);
         let mut writer = BufWriter::new(stream.try_clone()?);
         let hello = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)?
             .ok_or_else(|| SidecarError::Protocol("the engine left before its hello".into()))?;
+        if hello.header.kind == Kind::Control && hello.header.ids[0] == OP_ASSIGN {
+            return self.assign(&hello, &mut writer);
+        }
         if hello.header.kind != Kind::Hello {
             return Err(SidecarError::Protocol(format!("an engine opened with {:?}", hello.header.kind)));
         }
@@ -220,15 +270,15 @@ impl Sidecar {
         let path = self.config.shm_dir.join(format!(
             "dejavu-{}-stage{}-region{n}",
             std::process::id(),
-            self.config.index
+            self.index()
         ));
         let mut region = SharedRegion::create(&path, self.config.region_bytes, epoch)?;
         let capacity = region.capacity() as u64;
-        let mut welcome = FrameHeader::new(Kind::Welcome, self.config.index, epoch, hello.header.request);
+        let mut welcome = FrameHeader::new(Kind::Welcome, self.index(), epoch, hello.header.request);
         welcome.ids = [capacity as u32, (capacity >> 32) as u32, 0, 0];
         write_frame(&mut writer, &welcome, path.display().to_string().as_bytes())?;
         writer.flush()?;
-        info!(stage = self.config.index, epoch, %successor, "an engine connected");
+        info!(stage = self.index(), epoch, %successor, "an engine connected");
         while let Some(frame) = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)? {
             // A frame read before a newer engine took over is not acted on.
             if self.engine.lock().as_ref().map(|e| e.1) != Some(n) {
@@ -236,7 +286,7 @@ impl Sidecar {
             }
             let request = frame.header.request;
             let answer = |kind: Kind, ids: [u32; 4]| {
-                let mut header = FrameHeader::new(kind, self.config.index, epoch, request);
+                let mut header = FrameHeader::new(kind, self.index(), epoch, request);
                 header.ids = ids;
                 header
             };
@@ -306,7 +356,7 @@ impl Sidecar {
         }
         // What the old successor lacks, the one before it will copy to the new one whole.
         self.unforwarded.lock().clear();
-        let mut client = ClientConfig::new(self.config.secret.clone(), self.config.index);
+        let mut client = ClientConfig::new(self.config.secret.clone(), self.index());
         client.epoch = epoch;
         // A dead or cut-off successor is given up on quickly (one connection attempt of at most
         // 500 ms, 2 s for a reply): the engine waits for the forward. What failed is forwarded
@@ -317,7 +367,7 @@ impl Sidecar {
         let transport = match self.config.transport.make() {
             Ok(transport) => transport,
             Err(e) => {
-                warn!(stage = self.config.index, error = %e, "no transport to the new successor");
+                warn!(stage = self.index(), error = %e, "no transport to the new successor");
                 return;
             }
         };
@@ -420,7 +470,7 @@ impl Sidecar {
     fn render(&self, server: &PeerServer) -> String {
         let stats = server.stats();
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64;
-        let index = self.config.index.to_string();
+        let index = self.index().to_string();
         let label = [("stage", index.as_str())];
         let mut page = Exposition::new();
         let counters = [

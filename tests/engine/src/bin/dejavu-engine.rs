@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use dejavu_engine::cli::{ControllerArgs, SidecarArgs, StageArgs};
+use dejavu_engine::spare::SpareArgs;
 
 #[derive(Debug, Parser)]
 #[command(name = "dejavu-engine", about = "Reference engine stage or sidecar")]
@@ -21,6 +22,8 @@ enum Command {
     Sidecar(SidecarArgs),
     /// Watch heartbeats, declare the silent dead and issue recovery epochs.
     Controller(ControllerArgs),
+    /// Wait, registered as a spare, until a recovery makes this process a stage.
+    Spare(SpareArgs),
 }
 
 fn main() -> ExitCode {
@@ -28,6 +31,7 @@ fn main() -> ExitCode {
         Command::Stage(args) => args.run(),
         Command::Sidecar(args) => args.run(),
         Command::Controller(args) => args.run(),
+        Command::Spare(args) => args.run(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,167 @@
+//! Spare workers: stage and sidecar processes started ahead of any failure, registered with the
+//! controller (they heartbeat as spares), and assigned a stage by a recovery instead of starting
+//! new processes.
+//!
+//! A spare stage (`spare` subcommand) listens and waits for one assignment: a connection whose
+//! `Hello` comes from [`ASSIGNER`], then a `Control` frame whose payload is the stage's flags, one
+//! per line, exactly as `stage` takes them. It answers with a `Control` frame once it serves as
+//! that stage (payload: its metrics address, if any), or an `Error` frame naming what is wrong
+//! with the flags, and then waits for another. A spare sidecar (`sidecar --spare N`) is assigned
+//! over its local socket ([`dejavulib::local::OP_ASSIGN`]).
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::Duration;
+
+use clap::{Args, Parser};
+use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameHeader, Kind};
+
+use crate::cli::{MemberArgs, StageArgs};
+use crate::heartbeat::Role;
+
+/// Added to a spare's number to make its member index: spares beat as (engine or sidecar, this
+/// plus their number), apart from every stage.
+pub const SPARE_MEMBERS: u32 = 1 << 20;
+
+/// The sender of an assignment's hello.
+pub const ASSIGNER: u32 = u32::MAX - 1;
+
+/// The member index a spare numbered `n` beats as.
+pub fn spare_member(n: u32) -> u32 {
+    SPARE_MEMBERS + n
+}
+
+/// A spare stage: waits, registered with the controller, until a recovery makes it a stage.
+#[derive(Clone, Debug, Args)]
+pub struct SpareArgs {
+    /// Its number among the spares.
+    #[arg(long)]
+    pub id: u32,
+    /// Where it listens, for its assignment and then as a stage (port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// What it is as a member of the cluster until assigned (its heartbeats, logs).
+    #[command(flatten)]
+    pub member: MemberArgs,
+}
+
+/// The flags of `stage`, parsed from an assignment.
+#[derive(Debug, Parser)]
+#[command(name = "stage")]
+struct Assigned {
+    #[command(flatten)]
+    stage: StageArgs,
+}
+
+/// Time an assigner has to send its assignment once connected.
+const ASSIGNMENT_PATIENCE: Duration = Duration::from_secs(5);
+
+impl SpareArgs {
+    /// Waits for an assignment, then serves as the stage it names until killed.
+    pub fn run(self) -> Result<(), String> {
+        let heartbeat = self.member.start(Role::Engine, spare_member(self.id))?;
+        let listener =
+            TcpListener::bind(self.listen).map_err(|e| format!("cannot listen at {}: {e}", self.listen))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        crate::cli::announce(addr, None);
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { continue };
+            let stage = match read_assignment(&stream) {
+                Ok(stage) => stage,
+                Err(reason) => {
+                    tracing::warn!(%reason, "refused an assignment");
+                    let _ = answer(&stream, Kind::Error, &reason);
+                    continue;
+                }
+            };
+            tracing::info!(spare = self.id, stage = stage.index, "a spare was assigned its stage");
+            // From now on it beats as the stage, in the recovery's epoch.
+            drop(heartbeat);
+            let listener = listener.try_clone().map_err(|e| e.to_string())?;
+            return stage.run_on(listener, |_, metrics| {
+                let metrics = metrics.map(|m| m.to_string()).unwrap_or_default();
+                let _ = answer(&stream, Kind::Control, &metrics);
+            });
+        }
+        Err("the spare stopped listening".into())
+    }
+}
+
+/// Reads an assignment off `stream`: the assigner's hello, then the stage's flags.
+fn read_assignment(stream: &TcpStream) -> Result<StageArgs, String> {
+    stream.set_read_timeout(Some(ASSIGNMENT_PATIENCE)).map_err(|e| e.to_string())?;
+    let mut reader = stream;
+    let hello = read_frame(&mut reader, 0).map_err(|e| e.to_string())?.ok_or("closed before its hello")?;
+    if hello.header.kind != Kind::Hello || hello.header.sender != ASSIGNER {
+        return Err(format!("{:?} from {}, not an assigner's hello", hello.header.kind, hello.header.sender));
+    }
+    let frame =
+        read_frame(&mut reader, 1 << 16).map_err(|e| e.to_string())?.ok_or("closed before its flags")?;
+    if frame.header.kind != Kind::Control {
+        return Err(format!("{:?}, not an assignment", frame.header.kind));
+    }
+    let flags = String::from_utf8(frame.payload).map_err(|_| "flags that are not UTF-8")?;
+    let args = std::iter::once("stage").chain(flags.lines());
+    Assigned::try_parse_from(args).map(|a| a.stage).map_err(|e| e.to_string())
+}
+
+fn answer(mut stream: &TcpStream, kind: Kind, text: &str) -> std::io::Result<()> {
+    let mut header = FrameHeader::new(kind, 0, 0, 0);
+    if kind == Kind::Error {
+        header.ids[0] = ErrorCode::Unexpected as u32;
+    }
+    write_frame(&mut stream, &header, text.as_bytes())?;
+    stream.flush()
+}
+
+/// Assigns the spare stage at `spare` the stage `flags` describe (as `stage` takes them, without
+/// the subcommand), as of `epoch`; returns its metrics address once it serves.
+pub fn assign_stage(
+    spare: SocketAddr,
+    flags: &[String],
+    epoch: u64,
+    patience: Duration,
+) -> Result<Option<SocketAddr>, String> {
+    let mut stream =
+        TcpStream::connect_timeout(&spare, patience).map_err(|e| format!("spare at {spare}: {e}"))?;
+    stream.set_read_timeout(Some(patience)).map_err(|e| e.to_string())?;
+    write_frame(&mut stream, &FrameHeader::new(Kind::Hello, ASSIGNER, epoch, 0), &[])
+        .map_err(|e| e.to_string())?;
+    write_frame(
+        &mut stream,
+        &FrameHeader::new(Kind::Control, ASSIGNER, epoch, 1),
+        flags.join("\n").as_bytes(),
+    )
+    .map_err(|e| e.to_string())?;
+    stream.flush().map_err(|e| e.to_string())?;
+    let reply = read_frame(&mut stream, 1 << 16).map_err(|e| e.to_string())?.ok_or("the spare closed")?;
+    let text = String::from_utf8_lossy(&reply.payload).into_owned();
+    match reply.header.kind {
+        Kind::Control if text.is_empty() => Ok(None),
+        Kind::Control => text.parse().map(Some).map_err(|_| format!("a spare answered {text:?}")),
+        _ => Err(format!("the spare refused its assignment: {text}")),
+    }
+}
+
+/// Assigns the spare sidecar whose local socket is `socket` to stage `stage`, as of `epoch`.
+pub fn assign_sidecar(
+    socket: &std::path::Path,
+    stage: u32,
+    epoch: u64,
+    patience: Duration,
+) -> Result<(), String> {
+    use std::os::unix::net::UnixStream;
+    let mut stream =
+        UnixStream::connect(socket).map_err(|e| format!("spare sidecar {}: {e}", socket.display()))?;
+    stream.set_read_timeout(Some(patience)).map_err(|e| e.to_string())?;
+    let mut header = FrameHeader::new(Kind::Control, ASSIGNER, epoch, 1);
+    header.ids = [dejavulib::local::OP_ASSIGN, stage, epoch as u32, (epoch >> 32) as u32];
+    write_frame(&mut stream, &header, &[]).map_err(|e| e.to_string())?;
+    stream.flush().map_err(|e| e.to_string())?;
+    let reply =
+        read_frame(&mut stream, 1 << 16).map_err(|e| e.to_string())?.ok_or("the spare sidecar closed")?;
+    match reply.header.kind {
+        Kind::Control => Ok(()),
+        _ => Err(format!("the spare sidecar refused: {}", String::from_utf8_lossy(&reply.payload))),
+    }
+}

@@ -1,0 +1,59 @@
+//! Spare workers: a spare stage and a spare sidecar, started ahead and registered with the
+//! controller, become a dead worker's replacements in a recovery (no process is started then);
+//! new spares start in the background and serve the next recovery; the output is bit-identical.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill};
+use dejavu_engine::driver::{drive, DriverConfig, OnFailure, Workload};
+use dejavu_engine::{CacheLayout, ModelConfig, Pipeline};
+
+const NEW_TOKENS: u32 = 16;
+
+#[test]
+fn spares_replace_dead_workers_and_are_replaced_in_turn() {
+    let workload = Workload::synthetic(4, 10, NEW_TOKENS, 2, ModelConfig::reference().vocab);
+    let splits = vec![0..3, 3..5, 5..8];
+    let expected = Pipeline::new(
+        ModelConfig::reference(),
+        &splits,
+        CacheLayout::FasterTransformer,
+        workload.slots,
+        workload.microbatches(),
+        workload.max_tokens(),
+    )
+    .unwrap()
+    .generate(&workload.prompts, NEW_TOKENS as usize)
+    .unwrap();
+    let config = ClusterConfig {
+        splits,
+        slots: workload.slots,
+        microbatches: workload.microbatches(),
+        max_tokens: workload.max_tokens(),
+        deadline: Duration::from_secs(1),
+        spares: 1,
+        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
+    };
+    let driver =
+        DriverConfig { on_failure: OnFailure::Recover, detect_patience: Duration::from_secs(3), retries: 3 };
+    let mut used = Vec::new();
+    let mut inject = |step: u64, cluster: &mut Cluster| {
+        match step {
+            // The spare stage and the spare sidecar become worker 1.
+            20 => cluster.kill(1, Kill::Worker)?,
+            // The spare stage started since becomes engine 2 (its sidecar lives on).
+            40 => cluster.kill(2, Kill::Engine)?,
+            _ => {}
+        }
+        used.push(cluster.spares_used());
+        Ok(())
+    };
+    let run = drive(&workload, &driver, &mut || Cluster::start(config.clone()), &mut inject).unwrap();
+    assert_eq!(run.tokens, expected);
+    assert_eq!(run.recoveries.len(), 2);
+    assert_eq!(used.last(), Some(&3), "two spares for the worker, one for the engine: {used:?}");
+    for r in &run.recoveries {
+        assert!(r.recomputed <= 1 + 2 * 4, "restored from the copies: {r:?}");
+    }
+}
