@@ -133,6 +133,7 @@ fn cluster_config(
         deadline: Duration::from_millis(scenario.cluster.deadline_ms),
         heartbeat: Duration::from_millis(scenario.cluster.heartbeat_ms),
         device_caches: scenario.cluster.device_caches,
+        spares: scenario.cluster.spares,
         transport: match scenario.cluster.transport {
             Transport::Tcp => TransportKind::Tcp,
             Transport::Quic => TransportKind::Quic,

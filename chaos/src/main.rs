@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use dejavu_chaos::{Options, Scenario};
 use dejavu_engine::cli::{ControllerArgs, SidecarArgs, StageArgs};
+use dejavu_engine::spare::SpareArgs;
 
 /// Chaos harness: real multi-process DéjàVu clusters under injected faults, invariants checked.
 /// Exits with 1 when an invariant was violated, 2 when the scenario or the harness failed.
@@ -42,6 +43,9 @@ enum Command {
     /// The cluster's controller (started by `run`).
     #[command(hide = true)]
     Controller(ControllerArgs),
+    /// A spare stage (started by `run`).
+    #[command(hide = true)]
+    Spare(SpareArgs),
 }
 
 fn main() -> ExitCode {
@@ -78,5 +82,6 @@ fn main() -> ExitCode {
         Command::Stage(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
         Command::Sidecar(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
         Command::Controller(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
+        Command::Spare(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
     }
 }

@@ -107,6 +107,8 @@ pub struct Report {
     /// Prompts the prompt pipeline failed to hand over, computed by the token pipeline instead
     /// (disaggregated clusters).
     pub prompt_fallbacks: u64,
+    /// Spare processes recoveries made the dead stages' instead of starting processes.
+    pub spares_used: u64,
     /// Failure-free run, seconds.
     pub failure_free_s: f64,
     /// The run with faults, recovered, seconds.
@@ -233,6 +235,7 @@ impl Report {
             controller_restarts: faulty.controller_restarts,
             stale_heartbeats: faulty.stale_heartbeats,
             prompt_fallbacks: faulty.prompt_fallbacks,
+            spares_used: faulty.spares_used,
             failure_free_s: runs.reference.elapsed.as_secs_f64(),
             with_faults_s: faulty.elapsed.as_secs_f64(),
             restart_s: runs.restart.map(|r| r.elapsed.as_secs_f64()),
@@ -283,6 +286,9 @@ impl Report {
              heartbeats of fenced processes ignored: {}",
             self.false_detections, self.repeated_steps, self.controller_restarts, self.stale_heartbeats
         );
+        if self.spares_used > 0 {
+            let _ = writeln!(t, "spare processes made the dead stages' by recoveries: {}", self.spares_used);
+        }
         if self.prompt_fallbacks > 0 {
             let _ = writeln!(
                 t,

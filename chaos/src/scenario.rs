@@ -72,6 +72,8 @@ pub struct ClusterShape {
     pub device_caches: Option<u32>,
     /// For testing the checkers only: stages skip their replicas while claiming to keep them.
     pub test_only_sabotage_replicas: bool,
+    /// Spare workers kept started, which recoveries make the dead stages' processes.
+    pub spares: u32,
     /// Bytes of chunks each sidecar keeps in memory before it spills the rest to a directory of
     /// its own, if it spills at all.
     pub spill_memory_bytes: Option<u64>,
@@ -108,6 +110,7 @@ impl Default for ClusterShape {
             deadline_ms: 300,
             device_caches: None,
             test_only_sabotage_replicas: false,
+            spares: 0,
             spill_memory_bytes: None,
             spill_dir_bytes: 4 << 20,
             prompt_stages: None,

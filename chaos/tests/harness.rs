@@ -27,6 +27,7 @@ fn the_ci_scenario_survives_every_fault_class() {
     assert_eq!(report["passed"], true);
     let classes = report["classes"].as_array().unwrap();
     assert_eq!(classes.len(), 18, "every fault class injected: {classes:#?}");
+    assert!(report["spares_used"].as_u64().unwrap() >= 2, "the spare worker replaced a dead one: {report:#}");
     for class in classes {
         assert!(class["injected"].as_u64().unwrap() >= 1);
         assert_eq!(class["violated"], 0);

@@ -158,6 +158,9 @@ pub struct Run {
     /// Prompts a prompt pipeline failed to hand over, computed by the token pipeline instead
     /// (counted as `controller_restarts` is).
     pub prompt_fallbacks: u64,
+    /// Spare processes recoveries made stages' processes of (counted as `controller_restarts`
+    /// is).
+    pub spares_used: u64,
     /// Starting the first cluster (its processes, until every one has beaten).
     pub startup: Duration,
     /// Wall time serving, from the first cluster being up to the last token (a restart's start of
@@ -354,6 +357,7 @@ impl Run {
         self.controller_restarts += cluster.controller_restarts();
         self.stale_heartbeats += cluster.stale_heartbeats();
         self.prompt_fallbacks += cluster.prompt_fallbacks();
+        self.spares_used += cluster.spares_used();
     }
 
     fn deliver(&mut self, request: usize, reply: StepReply, step: u64) {
