@@ -370,6 +370,18 @@ async fn the_blocking_store_flushes_and_fetches(net: Net) {
         missing.microbatch = 9;
         assert!(matches!(store.get(&missing, &mut back), Err(StoreError::NotFound(_))));
 
+        // A chunk put as encoded (its checksum from when it was made) is stored as any other; one
+        // whose header and payload disagree is refused before it is sent.
+        let (made, made_kv) = chunk(600, 41, 7);
+        let encoded = [&made.encode_header(&made_kv)[..], &made_kv[..]].concat();
+        store.put_encoded(&encoded).unwrap();
+        assert_eq!(store.get(&made.key(), &mut back).unwrap(), made);
+        assert_eq!(back, made_kv);
+        assert!(store.put_encoded(&encoded[..encoded.len() - 1]).is_err());
+        let mut flipped = encoded.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        assert!(store.put_encoded(&flipped).is_err(), "the peer verifies the payload");
+
         // Many at once, in flight together, each result in its place.
         let chunks: Vec<_> = (0..40u32).map(|i| chunk(1000 + 38 * i, 20 + i as u64, 10 + i)).collect();
         assert!(store.put_many(chunks.clone()).iter().all(Result::is_ok));

@@ -39,6 +39,18 @@ impl PeerStore {
         &self.client
     }
 
+    /// Pushes a chunk already encoded (header, then payload, as a store keeps it) without hashing
+    /// it again ([`PeerClient::put_encoded`]); tried once more as [`ChunkStore::put`] is.
+    pub fn put_encoded(&mut self, encoded: &[u8]) -> Result<(), StoreError> {
+        let result = match self.runtime.block_on(self.client.put_encoded(encoded)) {
+            Err(PeerError::ConnectionLost(_) | PeerError::Refused { code: ErrorCode::BadChunk, .. }) => {
+                self.runtime.block_on(self.client.put_encoded(encoded))
+            }
+            other => other,
+        };
+        result.map_err(StoreError::from)
+    }
+
     /// Fetches the chunks under `keys`, as many in flight at once as the client allows (one round
     /// trip each would leave the link idle most of the time); each verified, each result in the
     /// order of `keys`. A request cut off by a broken connection is tried once more.

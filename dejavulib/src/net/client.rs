@@ -265,6 +265,29 @@ impl PeerClient {
         Ok(())
     }
 
+    /// Pushes a chunk already encoded (its header, with the payload's checksum computed when the
+    /// chunk was made, then its payload: as a store keeps it), without hashing it again; the peer
+    /// verifies it as any other. Returns once the peer has stored it and acknowledged its checksum.
+    pub async fn put_encoded(&self, encoded: &[u8]) -> Result<(), PeerError> {
+        let bad = |why: String| PeerError::Protocol(format!("an encoded chunk to put: {why}"));
+        if encoded.len() < HEADER_LEN {
+            return Err(bad(format!("{} bytes, shorter than a chunk header", encoded.len())));
+        }
+        let (header, payload) = encoded.split_at(HEADER_LEN);
+        let (_, len, sum) = ChunkDescriptor::decode_header(header).map_err(|e| bad(e.to_string()))?;
+        if payload.len() as u64 != len {
+            return Err(bad(format!("a payload of {} bytes, its header says {len}", payload.len())));
+        }
+        let permits = put_permits(len, self.inner.config.max_put_bytes_in_flight);
+        let _room = self.inner.put_budget.acquire_many(permits).await.expect("the budget is never closed");
+        let ack = self.request(Kind::Put, FLAG_CHUNK, &[header, payload], Kind::PutAck).await?;
+        let acked = ack.header.ids[0] as u64 | (ack.header.ids[1] as u64) << 32;
+        if acked != sum {
+            return Err(PeerError::Protocol("the peer acknowledged another checksum".into()));
+        }
+        Ok(())
+    }
+
     /// Pulls the chunk under `key` and verifies it end to end.
     pub async fn get(&self, key: &ChunkKey) -> Result<Fetched, PeerError> {
         let _slot = self.inner.get_slots.acquire().await.expect("the slots are never closed");

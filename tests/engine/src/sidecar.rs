@@ -413,7 +413,9 @@ impl Sidecar {
             self.unforwarded.lock().push(descriptor.key(), epoch, &self.stats);
             return Err(format!("forwarding to {addr} failed: {e}"));
         }
-        match Self::forward(&mut store, &descriptor, payload, epoch) {
+        // Forwarded as kept, with the checksum the engine computed: not hashed again here.
+        store.client().set_epoch(epoch);
+        match store.put_encoded(&kept) {
             Ok(()) => {
                 add(&self.stats.forwarded_chunks, 1);
                 add(&self.stats.forwarded_bytes, bytes);
