@@ -2,13 +2,12 @@
 //! certificates the cluster generates: a worker and an engine killed mid-decode are recovered
 //! bit-identically, and the replicas crossed QUIC.
 
-use std::path::PathBuf;
-use std::time::Duration;
+mod common;
 
 use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill, Role, TransportKind};
-use dejavu_engine::driver::{drive, DriverConfig, OnFailure, Workload};
+use dejavu_engine::driver::{drive, Workload};
 use dejavu_engine::metrics::value_of;
-use dejavu_engine::{CacheLayout, ModelConfig, Pipeline};
+use dejavu_engine::ModelConfig;
 
 const NEW_TOKENS: u32 = 24;
 
@@ -16,28 +15,10 @@ const NEW_TOKENS: u32 = 24;
 fn replicas_over_quic_restore_a_killed_worker_bit_identically() {
     let workload = Workload::synthetic(4, 12, NEW_TOKENS, 2, ModelConfig::reference().vocab);
     let splits = vec![0..2, 2..5, 5..8];
-    let expected = Pipeline::new(
-        ModelConfig::reference(),
-        &splits,
-        CacheLayout::FasterTransformer,
-        workload.slots,
-        workload.microbatches(),
-        workload.max_tokens(),
-    )
-    .unwrap()
-    .generate(&workload.prompts, NEW_TOKENS as usize)
-    .unwrap();
-    let config = ClusterConfig {
-        splits,
-        slots: workload.slots,
-        microbatches: workload.microbatches(),
-        max_tokens: workload.max_tokens(),
-        deadline: Duration::from_secs(1),
-        transport: TransportKind::Quic,
-        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
-    };
-    let driver =
-        DriverConfig { on_failure: OnFailure::Recover, detect_patience: Duration::from_secs(3), retries: 3 };
+    let expected = common::expected(&workload, &splits);
+    let config =
+        ClusterConfig { transport: TransportKind::Quic, ..common::cluster_config(&workload, splits) };
+    let driver = common::recovering();
     let (mut pages, mut restorer) = (Vec::new(), String::new());
     let mut inject = |step: u64, cluster: &mut Cluster| {
         match step {

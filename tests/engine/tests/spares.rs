@@ -2,12 +2,11 @@
 //! controller, become a dead worker's replacements in a recovery (no process is started then);
 //! new spares start in the background and serve the next recovery; the output is bit-identical.
 
-use std::path::PathBuf;
-use std::time::Duration;
+mod common;
 
 use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill};
-use dejavu_engine::driver::{drive, DriverConfig, OnFailure, Workload};
-use dejavu_engine::{CacheLayout, ModelConfig, Pipeline};
+use dejavu_engine::driver::{drive, Workload};
+use dejavu_engine::ModelConfig;
 
 const NEW_TOKENS: u32 = 16;
 
@@ -15,28 +14,9 @@ const NEW_TOKENS: u32 = 16;
 fn spares_replace_dead_workers_and_are_replaced_in_turn() {
     let workload = Workload::synthetic(4, 10, NEW_TOKENS, 2, ModelConfig::reference().vocab);
     let splits = vec![0..3, 3..5, 5..8];
-    let expected = Pipeline::new(
-        ModelConfig::reference(),
-        &splits,
-        CacheLayout::FasterTransformer,
-        workload.slots,
-        workload.microbatches(),
-        workload.max_tokens(),
-    )
-    .unwrap()
-    .generate(&workload.prompts, NEW_TOKENS as usize)
-    .unwrap();
-    let config = ClusterConfig {
-        splits,
-        slots: workload.slots,
-        microbatches: workload.microbatches(),
-        max_tokens: workload.max_tokens(),
-        deadline: Duration::from_secs(1),
-        spares: 1,
-        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
-    };
-    let driver =
-        DriverConfig { on_failure: OnFailure::Recover, detect_patience: Duration::from_secs(3), retries: 3 };
+    let expected = common::expected(&workload, &splits);
+    let config = ClusterConfig { spares: 1, ..common::cluster_config(&workload, splits) };
+    let driver = common::recovering();
     let mut used = Vec::new();
     let mut inject = |step: u64, cluster: &mut Cluster| {
         match step {

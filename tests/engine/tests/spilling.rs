@@ -1,15 +1,16 @@
-//! Sidecars that spill: with a small memory budget, the KV copies go to files in each sidecar's
+//! Sidecars that spill: with no memory budget, every KV copy goes to a file in its sidecar's
 //! spill directory; an engine restores from its own sidecar's files and a whole worker from its
 //! successor's, bit-identically; a spill directory filled by something else makes spills fail
 //! for a while, and the chunks stay in memory (counted) instead of being lost.
 
-use std::path::PathBuf;
+mod common;
+
 use std::time::Duration;
 
 use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill, Role, SpillLimits};
-use dejavu_engine::driver::{drive, DriverConfig, OnFailure, Workload};
+use dejavu_engine::driver::{drive, Workload};
 use dejavu_engine::metrics::value_of;
-use dejavu_engine::{CacheLayout, ModelConfig, Pipeline};
+use dejavu_engine::ModelConfig;
 
 const NEW_TOKENS: u32 = 24;
 
@@ -17,29 +18,13 @@ const NEW_TOKENS: u32 = 24;
 fn copies_spilled_to_files_restore_bit_identically_and_a_full_directory_loses_nothing() {
     let workload = Workload::synthetic(8, 16, NEW_TOKENS, 4, ModelConfig::reference().vocab);
     let splits = vec![0..2, 2..4, 4..6, 6..8];
-    let expected = Pipeline::new(
-        ModelConfig::reference(),
-        &splits,
-        CacheLayout::FasterTransformer,
-        workload.slots,
-        workload.microbatches(),
-        workload.max_tokens(),
-    )
-    .unwrap()
-    .generate(&workload.prompts, NEW_TOKENS as usize)
-    .unwrap();
+    let expected = common::expected(&workload, &splits);
     let config = ClusterConfig {
-        splits,
-        slots: workload.slots,
-        microbatches: workload.microbatches(),
-        max_tokens: workload.max_tokens(),
-        deadline: Duration::from_secs(1),
         // Every chunk in a file: restores read them back.
         spill: Some(SpillLimits { memory_bytes: 0, dir_bytes: 8 << 20 }),
-        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
+        ..common::cluster_config(&workload, splits)
     };
-    let driver =
-        DriverConfig { on_failure: OnFailure::Recover, detect_patience: Duration::from_secs(3), retries: 3 };
+    let driver = common::recovering();
     let mut pages = Vec::new();
     let mut inject = |step: u64, cluster: &mut Cluster| {
         match step {
