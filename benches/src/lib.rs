@@ -5,6 +5,7 @@
 //! 64-byte cache line.
 
 pub mod e2e;
+pub mod gpu;
 pub mod net;
 
 use dejavulib::chunk::ChunkDescriptor;

@@ -48,6 +48,7 @@ pub mod baseline;
 pub mod cache;
 pub mod chunk;
 pub mod copy;
+pub mod cuda;
 pub mod file_io;
 pub mod layout;
 pub mod local;

@@ -95,6 +95,8 @@ struct Micro {
     backend: &'static str,
     decode_len: u64,
     touched: u64,
+    /// Why the GPU section has no rows, if it has none.
+    gpu_note: Option<String>,
 }
 
 /// The gather, file and transport rows.
@@ -242,7 +244,23 @@ fn micro_rows(geometry: Geometry, quick: bool) -> Micro {
         });
     }
 
-    Micro { rows, workload: format!("{geometry:?}"), backend: store.backend_name(), decode_len, touched }
+    // The GPU section, where a CUDA driver is present.
+    let gpu_note = match dejavu_benches::gpu::rows(&w) {
+        Ok(gpu) => {
+            rows.extend(gpu);
+            None
+        }
+        Err(why) => Some(format!("GPU section: {why}")),
+    };
+
+    Micro {
+        rows,
+        workload: format!("{geometry:?}"),
+        backend: store.backend_name(),
+        decode_len,
+        touched,
+        gpu_note,
+    }
 }
 
 /// A string as a JSON string literal.
@@ -266,7 +284,7 @@ fn target_text(target: f64) -> String {
 }
 
 fn print_report(micro: &Micro, e2e: &E2e, json: bool) {
-    let Micro { rows, workload, backend, decode_len, touched } = micro;
+    let Micro { rows, workload, backend, decode_len, touched, gpu_note } = micro;
     if json {
         let items: Vec<String> = rows
             .iter()
@@ -284,7 +302,7 @@ fn print_report(micro: &Micro, e2e: &E2e, json: bool) {
                 )
             })
             .collect();
-        let notes: Vec<String> = e2e.notes.iter().map(|n| json_str(n)).collect();
+        let notes: Vec<String> = gpu_note.iter().chain(&e2e.notes).map(|n| json_str(n)).collect();
         let demo = |d: &Option<dejavud::demo::DemoReport>| {
             d.as_ref().map_or("null".into(), |d| serde_json::to_string(d).expect("JSON of numbers"))
         };
@@ -324,10 +342,8 @@ fn print_report(micro: &Micro, e2e: &E2e, json: bool) {
             met
         );
     }
-    if !e2e.notes.is_empty() {
-        println!();
-    }
-    for note in &e2e.notes {
+    println!();
+    for note in gpu_note.iter().chain(&e2e.notes) {
         println!("{note}");
     }
 }
