@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use dejavu_engine::cluster::Kill;
-use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError, Role};
+use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError, Role, TransportKind};
 use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
 use dejavu_engine::metrics::value_of;
 use dejavu_engine::ModelConfig;
@@ -39,6 +39,8 @@ pub struct DemoConfig {
     /// Spare workers (a stage and a sidecar process each) started ahead, which a recovery makes
     /// the dead stage's instead of starting processes.
     pub spares: u32,
+    /// The transport between sidecars (and from stages to sidecars).
+    pub transport: TransportKind,
     /// The `dejavud` executable to start stage and sidecar processes with.
     pub exe: PathBuf,
 }
@@ -93,6 +95,20 @@ pub struct DemoSettings {
     /// [default: 0].
     #[arg(long)]
     pub spares: Option<u32>,
+    /// The transport between sidecars and from stages to sidecars: TCP, or QUIC with mutual TLS
+    /// on certificates the demo generates [default: tcp].
+    #[arg(long, value_enum)]
+    pub transport: Option<TransportSetting>,
+}
+
+/// The transport between sidecars, as a setting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportSetting {
+    /// TCP (the cluster secret authenticates every connection).
+    Tcp,
+    /// QUIC with mutual TLS on the cluster's certificates, and the secret.
+    Quic,
 }
 
 impl DemoSettings {
@@ -116,6 +132,7 @@ impl DemoSettings {
             heartbeat_ms: self.heartbeat_ms.or(base.heartbeat_ms),
             device_caches: self.device_caches.or(base.device_caches),
             spares: self.spares.or(base.spares),
+            transport: self.transport.or(base.transport),
         }
     }
 
@@ -135,6 +152,10 @@ impl DemoSettings {
             },
             device_caches: self.device_caches,
             spares: self.spares.unwrap_or(0),
+            transport: match self.transport {
+                Some(TransportSetting::Quic) => TransportKind::Quic,
+                Some(TransportSetting::Tcp) | None => TransportKind::Tcp,
+            },
             exe,
         }
     }
@@ -228,6 +249,7 @@ fn start_cluster(config: &DemoConfig, workload: &Workload, replicate: bool) -> R
         heartbeat: config.heartbeat,
         device_caches: config.device_caches,
         spares: config.spares,
+        transport: config.transport,
         ..ClusterConfig::new(config.exe.clone())
     })
 }
