@@ -8,7 +8,7 @@
 //! | `Control` [`OP_MAPPED`] | `Control`; the sidecar removes the region's file |
 //! | `Put`, id 0 = length of the chunk (header and payload) written into the region | `PutAck` once the sidecar keeps it and has forwarded it to the successor; `Error` otherwise |
 //! | `Get`, payload = a chunk key | `GetReply`, id 0 = length of the chunk written into the region; `Error` (`NotFound`) |
-//! | `Control` [`OP_SUCCESSOR`], payload = an address | `Control`; forwards go there from now on |
+//! | `Control` [`OP_SUCCESSOR`], payload = an address (also as the first and only frame of a connection of its own, epoch = the engine's) | `Control`; forwards go there from now on (a forward under way to the replaced successor fails at once); `Error` (`StaleEpoch`) on its own connection from an engine older than the one in use |
 //! | `Control` [`OP_ASSIGN`] (first and only frame of a connection of the cluster's), id 1 = a stage, ids 2-3 = an epoch | `Control` once a spare sidecar has become that stage's; `Error` if it is not a spare waiting for one |
 //! | `Control` [`OP_KEEP`], id 1 = chunks, ids 2-3 = their length, the chunks (each header and payload) written one after the other into the region | `Control` once the sidecar keeps them all (it forwards none: they came from a copy that exists); `Error` otherwise |
 //!
@@ -127,6 +127,22 @@ impl LocalSidecar {
         let region = SharedRegion::open(Path::new(&file), capacity as usize, epoch)?;
         channel.call(Kind::Control, epoch, [OP_MAPPED, 0, 0, 0], &[], Kind::Control)?;
         Ok(Self { path: path.to_owned(), channel, region })
+    }
+
+    /// Has the sidecar at `path` forward to `successor` from now on, over a connection of its own
+    /// (the first and only frame: [`OP_SUCCESSOR`] with the engine's `epoch`): it takes effect
+    /// even while the engine's own connection waits for a forward to the successor it replaces,
+    /// which the sidecar then cuts short (a dead QUIC peer would hold it until a timeout).
+    pub fn retarget_now(path: &Path, successor: SocketAddr, epoch: u64) -> Result<(), LocalError> {
+        let stream = UnixStream::connect(path)?;
+        let mut channel = Channel {
+            reader: BufReader::new(stream.try_clone()?),
+            writer: BufWriter::new(stream),
+            next_request: 1,
+        };
+        let addr = successor.to_string();
+        channel.call(Kind::Control, epoch, [OP_SUCCESSOR, 0, 0, 0], addr.as_bytes(), Kind::Control)?;
+        Ok(())
     }
 
     /// Has the sidecar forward to `successor` from now on.

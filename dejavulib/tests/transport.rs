@@ -442,6 +442,33 @@ async fn a_peer_that_stops_answering_is_replaced_after_a_timeout(net: Net) {
     mute.abort();
 }
 
+async fn a_shut_client_fails_its_waiting_requests_at_once_and_every_later_one(net: Net) {
+    // A peer that completes the handshake and never answers, as a dead QUIC peer stays silent.
+    let mut listener = net.server.listen(net.any_port()).await.unwrap();
+    let addr = listener.local_addr();
+    let mute = tokio::spawn(async move {
+        let mut stream = listener.accept().await.unwrap().await.unwrap();
+        server_handshake(&mut stream, SECRET, 1).await.unwrap();
+        let _ = tokio::io::copy(&mut stream, &mut tokio::io::sink()).await;
+        drop(listener);
+    });
+    let mut config = ClientConfig::new(SECRET, 2);
+    config.request_timeout = Duration::from_secs(30);
+    let client = net.client(addr, config);
+    let waiting = tokio::spawn({
+        let client = client.clone();
+        async move { client.ping().await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let start = std::time::Instant::now();
+    client.shut();
+    let waited = waiting.await.unwrap();
+    assert!(matches!(waited, Err(PeerError::ConnectionLost(_))), "{waited:?}");
+    assert!(start.elapsed() < Duration::from_secs(5), "failed at once, not at the 30 s timeout");
+    assert!(matches!(client.ping().await, Err(PeerError::ConnectionLost(_))), "and every later request");
+    mute.abort();
+}
+
 async fn requests_queued_behind_a_failed_connect_fail_together(net: Net) {
     // Nobody listens here any more.
     let addr = net.server.listen(net.any_port()).await.unwrap().local_addr();
@@ -505,6 +532,7 @@ conformance!(
     the_blocking_store_flushes_and_fetches,
     a_request_abandoned_mid_write_does_not_wedge_the_connection,
     a_peer_that_stops_answering_is_replaced_after_a_timeout,
+    a_shut_client_fails_its_waiting_requests_at_once_and_every_later_one,
     requests_queued_behind_a_failed_connect_fail_together,
 );
 

@@ -131,6 +131,11 @@ struct Inner {
     get_slots: Semaphore,
     slot: tokio::sync::Mutex<Slot>,
     connects: AtomicU64,
+    /// Set by [`PeerClient::shut`]: every request fails at once from then on.
+    shut: std::sync::atomic::AtomicBool,
+    /// The connection in use, for [`PeerClient::shut`] to close without waiting for the slot
+    /// (held by a request that is connecting).
+    current: parking_lot::Mutex<Option<Arc<Connection>>>,
 }
 
 /// A client of one [`super::PeerServer`]. Clones share the connection; calls may run concurrently.
@@ -218,6 +223,8 @@ impl PeerClient {
                 get_slots: Semaphore::new(config.max_gets_in_flight.max(1) as usize),
                 slot: tokio::sync::Mutex::new(Slot { connection: None, failed: None }),
                 connects: AtomicU64::new(0),
+                shut: std::sync::atomic::AtomicBool::new(false),
+                current: parking_lot::Mutex::new(None),
                 config,
             }),
         }
@@ -236,6 +243,16 @@ impl PeerClient {
     /// Connections made so far (reconnections included).
     pub fn connects(&self) -> u64 {
         self.inner.connects.load(Ordering::Relaxed)
+    }
+
+    /// Gives the peer up for good: the requests in flight fail at once (`ConnectionLost`), and so
+    /// does every later one. For a peer known dead or replaced, whose silence would otherwise
+    /// hold requests until a timeout (a dead QUIC peer sends no reset).
+    pub fn shut(&self) {
+        self.inner.shut.store(true, Ordering::SeqCst);
+        if let Some(connection) = self.inner.current.lock().take() {
+            connection.close("the client was shut");
+        }
     }
 
     /// Bytes of puts that may still be sent before a put must wait.
@@ -369,6 +386,10 @@ impl PeerClient {
     /// The open connection, or a new one (retrying with exponential backoff). Requests that queued
     /// while a round of attempts ran share its failure instead of starting rounds of their own.
     async fn connection(&self) -> Result<Arc<Connection>, PeerError> {
+        let shut = || PeerError::ConnectionLost("the client was shut".into());
+        if self.inner.shut.load(Ordering::SeqCst) {
+            return Err(shut());
+        }
         let asked = Instant::now();
         let mut slot = self.inner.slot.lock().await;
         if let Some(connection) = slot.connection.as_ref().filter(|c| !c.is_closed()) {
@@ -388,6 +409,11 @@ impl PeerClient {
             match tokio::time::timeout(config.connect_timeout, self.connect_once()).await {
                 Ok(Ok(connection)) => {
                     self.inner.connects.fetch_add(1, Ordering::Relaxed);
+                    *self.inner.current.lock() = Some(connection.clone());
+                    if self.inner.shut.load(Ordering::SeqCst) {
+                        connection.close("the client was shut");
+                        return Err(shut());
+                    }
                     slot.connection = Some(connection.clone());
                     slot.failed = None;
                     return Ok(connection);

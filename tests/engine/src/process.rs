@@ -1026,6 +1026,13 @@ impl StageProcess {
                 .as_ref()
                 .ok_or_else(|| ProcessError::Sidecar("no replication configured".into()))?;
             *sidecars.retarget.lock() = Some(to);
+            // Told now, too, on a connection of its own: the stage's streamer may be waiting
+            // for a forward to the dead successor, which this cuts short.
+            if let Some(replication) = &self.config.replication {
+                if let Err(e) = LocalSidecar::retarget_now(&replication.local, to, self.config.epoch) {
+                    warn!(stage = self.config.index, error = %e, "its sidecar will hear of the new successor at the next copy");
+                }
+            }
             sidecars.peer_store(to)?
         };
         if prompt_len == 0 {

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
 use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_ASSIGN, OP_KEEP, OP_MAPPED, OP_SUCCESSOR};
-use dejavulib::net::{ClientConfig, PeerError, PeerServer, PeerStore};
+use dejavulib::net::{ClientConfig, PeerClient, PeerError, PeerServer, PeerStore};
 use dejavulib::store::StoreError;
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, Frame, FrameHeader, Kind};
 use dejavulib::{ChunkStore, HostStore};
@@ -140,7 +140,7 @@ struct Sidecar {
     engine: Mutex<Option<(u64, u64, UnixStream)>>,
     /// Where and as what it forwards: the successor's address and a store on it (locked apart,
     /// so that a retarget never waits for a forward to a dead or partitioned successor).
-    successor: Mutex<Option<(SocketAddr, Arc<Mutex<PeerStore>>)>>,
+    successor: Mutex<Option<(SocketAddr, Arc<Mutex<PeerStore>>, PeerClient)>>,
     runtime: tokio::runtime::Handle,
     /// Engine connections so far (numbers them, and their regions).
     connections: AtomicU64,
@@ -237,8 +237,26 @@ impl Sidecar {
         Ok(())
     }
 
+    /// A new successor named on a connection of its own (`Control` [`OP_SUCCESSOR`], the engine's
+    /// epoch), so that it takes effect even while the engine's connection waits for a forward
+    /// to the successor it replaces: that forward is cut short. An engine older than the one in
+    /// use is refused.
+    fn retarget(&self, frame: &Frame, writer: &mut impl Write) -> Result<(), SidecarError> {
+        let epoch = frame.header.epoch;
+        if self.engine.lock().as_ref().is_some_and(|(newest, _, _)| epoch < *newest) {
+            reply_error(writer, frame, ErrorCode::StaleEpoch, "an older engine than the one in use")?;
+            return Ok(());
+        }
+        self.set_successor(parse_addr(&frame.payload)?, epoch);
+        let mut ack = FrameHeader::new(Kind::Control, self.index(), epoch, frame.header.request);
+        ack.ids = [OP_SUCCESSOR, 0, 0, 0];
+        write_frame(writer, &ack, &[])?;
+        writer.flush()?;
+        Ok(())
+    }
+
     /// Serves one engine connection until it closes or a newer engine takes over (or a spare's
-    /// assignment, on a connection of its own).
+    /// assignment, or a new successor, on a connection of its own).
     fn serve_engine(&self, stream: UnixStream) -> Result<(), SidecarError> {
         let mut reader = BufReader::new(stream.try_clone()?);
         let mut writer = BufWriter::new(stream.try_clone()?);
@@ -246,6 +264,9 @@ impl Sidecar {
             .ok_or_else(|| SidecarError::Protocol("the engine left before its hello".into()))?;
         if hello.header.kind == Kind::Control && hello.header.ids[0] == OP_ASSIGN {
             return self.assign(&hello, &mut writer);
+        }
+        if hello.header.kind == Kind::Control && hello.header.ids[0] == OP_SUCCESSOR {
+            return self.retarget(&hello, &mut writer);
         }
         if hello.header.kind != Kind::Hello {
             return Err(SidecarError::Protocol(format!("an engine opened with {:?}", hello.header.kind)));
@@ -351,7 +372,7 @@ impl Sidecar {
     /// Forwards to `successor` from now on, in `epoch`.
     fn set_successor(&self, successor: SocketAddr, epoch: u64) {
         let mut current = self.successor.lock();
-        if current.as_ref().is_some_and(|(addr, _)| *addr == successor) {
+        if current.as_ref().is_some_and(|(addr, _, _)| *addr == successor) {
             return;
         }
         // What the old successor lacks, the one before it will copy to the new one whole.
@@ -372,7 +393,11 @@ impl Sidecar {
             }
         };
         let store = PeerStore::new(self.runtime.clone(), transport, successor, client);
-        *current = Some((successor, Arc::new(Mutex::new(store))));
+        let client = store.client().clone();
+        // The successor given up: a forward still waiting on it fails now, not at a timeout.
+        if let Some((_, _, old)) = current.replace((successor, Arc::new(Mutex::new(store)), client)) {
+            old.shut();
+        }
     }
 
     /// Verifies and keeps `count` chunks the engine wrote one after the other (`chunks`), without
@@ -403,7 +428,7 @@ impl Sidecar {
         if self.config.skip_forwarding {
             return Ok(());
         }
-        let Some((addr, store)) = self.successor.lock().clone() else {
+        let Some((addr, store, _)) = self.successor.lock().clone() else {
             return Err("no successor to forward to".into());
         };
         let mut store = store.lock();

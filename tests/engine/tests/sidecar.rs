@@ -155,6 +155,37 @@ fn chunks_a_successor_missed_while_down_reach_it_once_it_is_back_and_keep_is_not
 }
 
 #[test]
+fn a_new_successor_named_on_a_connection_of_its_own_takes_effect_and_a_stale_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_sidecar, socket) = sidecar(dir.path());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let serve = |store: &HostStore| {
+        runtime
+            .block_on(PeerServer::bind(
+                &TcpTransport::plain(),
+                "127.0.0.1:0".parse().unwrap(),
+                ServerConfig::new(SECRET, 2),
+                store.clone(),
+            ))
+            .unwrap()
+    };
+    let (old_store, new_store) = (HostStore::new(), HostStore::new());
+    let (old, new) = (serve(&old_store), serve(&new_store));
+    let mut engine = LocalSidecar::connect(&socket, 2, old.addr()).unwrap();
+    let (first, first_kv) = chunk(3, 9);
+    engine.put(&first, &first_kv).unwrap();
+    // An engine older than the one in use cannot move its forwards.
+    match LocalSidecar::retarget_now(&socket, new.addr(), 1) {
+        Err(LocalError::Protocol(reason)) => assert!(reason.contains("older"), "{reason}"),
+        other => panic!("a stale retarget: {other:?}"),
+    }
+    LocalSidecar::retarget_now(&socket, new.addr(), 2).unwrap();
+    let (second, second_kv) = chunk(4, 10);
+    engine.put(&second, &second_kv).unwrap();
+    assert_eq!((old_store.len(), new_store.len()), (1, 1), "the second chunk went to the new successor");
+}
+
+#[test]
 fn a_successor_from_another_cluster_is_refused_and_the_local_copy_kept() {
     let dir = tempfile::tempdir().unwrap();
     let (_sidecar, socket) = sidecar(dir.path());
