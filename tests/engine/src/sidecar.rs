@@ -140,7 +140,7 @@ struct Sidecar {
     engine: Mutex<Option<(u64, u64, UnixStream)>>,
     /// Where and as what it forwards: the successor's address and a store on it (locked apart,
     /// so that a retarget never waits for a forward to a dead or partitioned successor).
-    successor: Mutex<Option<(SocketAddr, Arc<Mutex<PeerStore>>, PeerClient)>>,
+    successor: Mutex<Option<Successor>>,
     runtime: tokio::runtime::Handle,
     /// Engine connections so far (numbers them, and their regions).
     connections: AtomicU64,
@@ -150,6 +150,16 @@ struct Sidecar {
     index: AtomicU32,
     /// Whether it waits, as a spare, for a stage.
     unassigned: std::sync::atomic::AtomicBool,
+}
+
+/// The ring successor a sidecar forwards to: its address, a store on it (locked apart from the
+/// rest, so that a retarget never waits for a forward), and its client, to shut when it is
+/// replaced.
+#[derive(Clone)]
+struct Successor {
+    addr: SocketAddr,
+    store: Arc<Mutex<PeerStore>>,
+    client: PeerClient,
 }
 
 /// Runs a sidecar until the process is killed: its transport, its local socket, and its metrics
@@ -372,7 +382,7 @@ impl Sidecar {
     /// Forwards to `successor` from now on, in `epoch`.
     fn set_successor(&self, successor: SocketAddr, epoch: u64) {
         let mut current = self.successor.lock();
-        if current.as_ref().is_some_and(|(addr, _, _)| *addr == successor) {
+        if current.as_ref().is_some_and(|s| s.addr == successor) {
             return;
         }
         // What the old successor lacks, the one before it will copy to the new one whole.
@@ -395,8 +405,9 @@ impl Sidecar {
         let store = PeerStore::new(self.runtime.clone(), transport, successor, client);
         let client = store.client().clone();
         // The successor given up: a forward still waiting on it fails now, not at a timeout.
-        if let Some((_, _, old)) = current.replace((successor, Arc::new(Mutex::new(store)), client)) {
-            old.shut();
+        let new = Successor { addr: successor, store: Arc::new(Mutex::new(store)), client };
+        if let Some(old) = current.replace(new) {
+            old.client.shut();
         }
     }
 
@@ -428,7 +439,7 @@ impl Sidecar {
         if self.config.skip_forwarding {
             return Ok(());
         }
-        let Some((addr, store, _)) = self.successor.lock().clone() else {
+        let Some(Successor { addr, store, .. }) = self.successor.lock().clone() else {
             return Err("no successor to forward to".into());
         };
         let mut store = store.lock();
