@@ -427,112 +427,96 @@ impl StageStats {
         let stage = stage.to_string();
         let label = [("stage", stage.as_str())];
         let mut page = Exposition::new();
-        let mut single = |name: &str, kind, help: &str, value: f64| {
-            page.family(name, kind, help).sample(name, &label, value);
-        };
-        single("dejavu_stage_steps_total", MetricType::Counter, "Steps computed.", get(&self.steps));
-        single("dejavu_stage_tokens_total", MetricType::Counter, "Tokens computed.", get(&self.tokens));
-        single(
-            "dejavu_stage_replication_failures_total",
-            MetricType::Counter,
-            "Steps whose KV its sidecar could not keep or forward.",
-            get(&self.replication_failures),
-        );
-        single(
-            "dejavu_stage_copied_chunks_total",
-            MetricType::Counter,
-            "KV chunks handed to its sidecar through shared memory.",
-            get(&self.copied_chunks),
-        );
-        single(
-            "dejavu_stage_copied_bytes_total",
-            MetricType::Counter,
-            "KV payload bytes handed to its sidecar through shared memory.",
-            get(&self.copied_bytes),
-        );
         let swap = &self.swap;
-        single(
-            "dejavu_stage_device_kv_bytes",
-            MetricType::Gauge,
-            "Bytes of the KV caches in device memory.",
-            get(&self.device_bytes),
-        );
-        single(
-            "dejavu_stage_host_kv_bytes",
-            MetricType::Gauge,
-            "Bytes of KV swapped out to host memory.",
-            get(&swap.host_bytes),
-        );
-        single(
-            "dejavu_stage_swap_ins_total",
-            MetricType::Counter,
-            "Microbatches swapped in.",
-            get(&swap.swap_ins),
-        );
-        single(
-            "dejavu_stage_swap_in_bytes_total",
-            MetricType::Counter,
-            "Bytes swapped in.",
-            get(&swap.bytes_in),
-        );
-        single(
-            "dejavu_stage_swap_outs_total",
-            MetricType::Counter,
-            "Deltas swapped out.",
-            get(&swap.swap_outs),
-        );
-        single(
-            "dejavu_stage_swap_out_bytes_total",
-            MetricType::Counter,
-            "Bytes swapped out.",
-            get(&swap.bytes_out),
-        );
-        single(
-            "dejavu_stage_stale_connections_refused_total",
-            MetricType::Counter,
-            "Input connections refused as coming from a fenced predecessor (an older epoch).",
-            get(&self.stale_connections_refused),
-        );
-        for (name, help, counter) in [
+        let singles = [
+            ("dejavu_stage_steps_total", MetricType::Counter, "Steps computed.", &self.steps),
+            ("dejavu_stage_tokens_total", MetricType::Counter, "Tokens computed.", &self.tokens),
+            (
+                "dejavu_stage_replication_failures_total",
+                MetricType::Counter,
+                "Steps whose KV its sidecar could not keep or forward.",
+                &self.replication_failures,
+            ),
+            (
+                "dejavu_stage_copied_chunks_total",
+                MetricType::Counter,
+                "KV chunks handed to its sidecar through shared memory.",
+                &self.copied_chunks,
+            ),
+            (
+                "dejavu_stage_copied_bytes_total",
+                MetricType::Counter,
+                "KV payload bytes handed to its sidecar through shared memory.",
+                &self.copied_bytes,
+            ),
+            (
+                "dejavu_stage_device_kv_bytes",
+                MetricType::Gauge,
+                "Bytes of the KV caches in device memory.",
+                &self.device_bytes,
+            ),
+            (
+                "dejavu_stage_host_kv_bytes",
+                MetricType::Gauge,
+                "Bytes of KV swapped out to host memory.",
+                &swap.host_bytes,
+            ),
+            ("dejavu_stage_swap_ins_total", MetricType::Counter, "Microbatches swapped in.", &swap.swap_ins),
+            ("dejavu_stage_swap_in_bytes_total", MetricType::Counter, "Bytes swapped in.", &swap.bytes_in),
+            ("dejavu_stage_swap_outs_total", MetricType::Counter, "Deltas swapped out.", &swap.swap_outs),
+            ("dejavu_stage_swap_out_bytes_total", MetricType::Counter, "Bytes swapped out.", &swap.bytes_out),
+            (
+                "dejavu_stage_stale_connections_refused_total",
+                MetricType::Counter,
+                "Input connections refused as coming from a fenced predecessor (an older epoch).",
+                &self.stale_connections_refused,
+            ),
             (
                 "dejavu_stage_handoff_chunks_total",
+                MetricType::Counter,
                 "Chunks of prompt KV handed over to token stages' sidecars.",
                 &self.handed_chunks,
             ),
             (
                 "dejavu_stage_handoff_bytes_total",
+                MetricType::Counter,
                 "Bytes of prompt KV handed over to token stages' sidecars.",
                 &self.handed_bytes,
             ),
             (
                 "dejavu_stage_handoff_failures_total",
+                MetricType::Counter,
                 "Chunks of prompt KV that could not be handed over.",
                 &self.handoff_failures,
             ),
             (
                 "dejavu_stage_loaded_sequences_total",
+                MetricType::Counter,
                 "Sequences whose prompt KV was loaded from a prompt pipeline's handoff.",
                 &self.loaded_sequences,
             ),
             (
                 "dejavu_stage_loaded_bytes_total",
+                MetricType::Counter,
                 "Bytes of prompt KV loaded from a prompt pipeline's handoff.",
                 &self.loaded_bytes,
             ),
             (
                 "dejavu_stage_load_failures_total",
+                MetricType::Counter,
                 "Loads of handed-over prompt KV that failed.",
                 &self.load_failures,
             ),
-        ] {
-            single(name, MetricType::Counter, help, get(counter));
+            (
+                "dejavu_stage_replication_lag_steps",
+                MetricType::Gauge,
+                "Steps whose KV copies are not known to be done.",
+                &self.replication_pending,
+            ),
+        ];
+        for (name, kind, help, counter) in singles {
+            page.family(name, kind, help).sample(name, &label, get(counter));
         }
-        single(
-            "dejavu_stage_replication_lag_steps",
-            MetricType::Gauge,
-            "Steps whose KV copies are not known to be done.",
-            get(&self.replication_pending),
-        );
         // Counted apart for the stage's own sidecar (local) and another's (peer).
         let split = [
             (
