@@ -590,6 +590,9 @@ struct Sidecars {
     /// How the stage talks to another sidecar: as its node, in its epoch, over its transport.
     client: ClientConfig,
     transports: Transports,
+    /// Stores on other sidecars, kept: a recovery restores or copies one sequence after another
+    /// from the same sidecar, over one connection (a QUIC handshake each would add up).
+    peers: Mutex<std::collections::HashMap<SocketAddr, Arc<PeerStore>>>,
     runtime: tokio::runtime::Runtime,
 }
 
@@ -609,13 +612,20 @@ impl Sidecars {
         let local = LocalSidecar::connect(&replication.local, epoch, replication.successor)
             .map_err(|e| ProcessError::Sidecar(format!("{}: {e}", replication.local.display())))?;
         let retarget = Arc::new(Mutex::new(None));
-        Ok(Self { local: Arc::new(Mutex::new(local)), retarget, client, transports, runtime })
+        let peers = Mutex::new(std::collections::HashMap::new());
+        Ok(Self { local: Arc::new(Mutex::new(local)), retarget, client, transports, peers, runtime })
     }
 
-    /// A store on the sidecar at `addr`, over the transport.
-    fn peer_store(&self, addr: SocketAddr) -> Result<PeerStore, ProcessError> {
+    /// A store on the sidecar at `addr`, over the transport (the same one each time).
+    fn peer_store(&self, addr: SocketAddr) -> Result<Arc<PeerStore>, ProcessError> {
+        if let Some(store) = self.peers.lock().get(&addr) {
+            return Ok(store.clone());
+        }
         let transport = self.transports.make().map_err(ProcessError::Sidecar)?;
-        Ok(PeerStore::new(self.runtime.handle().clone(), transport, addr, self.client.clone()))
+        let store =
+            Arc::new(PeerStore::new(self.runtime.handle().clone(), transport, addr, self.client.clone()));
+        self.peers.lock().insert(addr, store.clone());
+        Ok(store)
     }
 }
 
