@@ -338,8 +338,7 @@ impl Cluster {
         let (mut stages, mut next) = (Vec::new(), driver);
         for index in (0..n).rev() {
             let copies = Self::copies(&sidecars, &sockets, index);
-            let mut args = Self::stage_args(&config, heartbeat, copies, (index, 0), next);
-            args.extend(config.transport_args(&dir));
+            let args = Self::stage_args(&config, heartbeat, copies, (index, 0), next, &dir);
             let stage = spawn(&config.exe, &args, &format!("stage {index}"), START)?;
             next = stage.addr;
             stages.push(stage);
@@ -667,6 +666,7 @@ impl Cluster {
         sidecars: Option<(PathBuf, SocketAddr)>,
         (index, epoch): (usize, u64),
         next: SocketAddr,
+        dir: &StateDir,
     ) -> Vec<String> {
         let layers = &config.splits[index];
         let next = config.route(Link::Activation { from: index as u32 }, next);
@@ -698,6 +698,7 @@ impl Cluster {
             args.push(format!("--local={}", local.display()));
             args.push(format!("--successor={successor}"));
         }
+        args.extend(config.transport_args(dir));
         args
     }
 
@@ -943,8 +944,7 @@ impl Cluster {
         for &(victim, _) in victims.iter().rev() {
             let next = if victim + 1 == n { self.driver } else { self.stages[victim + 1].addr };
             let copies = Self::copies(&self.sidecars, &self.sockets, victim);
-            let mut args = Self::stage_args(&self.config, heartbeat, copies, (victim, epoch), next);
-            args.extend(self.config.transport_args(&self.dir));
+            let args = Self::stage_args(&self.config, heartbeat, copies, (victim, epoch), next, &self.dir);
             let new = self.replacement_stage(&args, epoch)?;
             let old = std::mem::replace(&mut self.stages[victim], new);
             self.retire(old, spare);
