@@ -15,7 +15,7 @@
 //! - a background **streamer** ([`streamer`]) that moves layer `l` while the engine computes `l + 1`;
 //! - the engine's end of its **sidecar** ([`local`]): chunks through a shared memory region
 //!   ([`shm`]) and a local socket, to a process that keeps them and forwards them to the ring
-//!   successor.
+//!   successor; after a restart, what it keeps and where each sequence resumes ([`resume`]).
 //!
 //! ```
 //! use dejavulib::{Coord, DType, KvCache, KvLayout, KvRegion, KvSpec, Part};
@@ -59,6 +59,7 @@ pub mod plan;
 pub mod planner;
 pub mod region;
 pub mod reshard;
+pub mod resume;
 pub mod shm;
 pub mod spec;
 pub mod spill;

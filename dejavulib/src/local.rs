@@ -11,6 +11,7 @@
 //! | `Control` [`OP_SUCCESSOR`], payload = an address (also as the first and only frame of a connection of its own, epoch = the engine's) | `Control`; forwards go there from now on (a forward under way to the replaced successor fails at once); `Error` (`StaleEpoch`) on its own connection from an engine older than the one in use |
 //! | `Control` [`OP_ASSIGN`] (first and only frame of a connection of the cluster's), id 1 = a stage, ids 2-3 = an epoch | `Control` once a spare sidecar has become that stage's; `Error` if it is not a spare waiting for one |
 //! | `Control` [`OP_KEEP`], id 1 = chunks, ids 2-3 = their length, the chunks (each header and payload) written one after the other into the region | `Control` once the sidecar keeps them all (it forwards none: they came from a copy that exists); `Error` otherwise |
+//! | `Control` [`OP_HELD`], id 1 = the first key wanted | `Control`, id 1 = the stage the sidecar serves, id 2 = keys in this reply, id 3 = keys in all, epoch = the engine's in force, payload = the successor's address; the keys ([`ChunkKey::encode`], sorted) of the stage's own chunks it keeps, written one after the other into the region |
 //!
 //! The sidecar itself is a process of the daemon (`dejavud sidecar`).
 
@@ -22,6 +23,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
+use crate::resume::{resume_points, ResumePoint};
 use crate::shm::{SharedRegion, ShmError};
 use crate::store::{ChunkStore, StoreError};
 use crate::wire::{read_frame, write_frame, ErrorCode, Frame, FrameError, FrameHeader, Kind};
@@ -35,6 +37,10 @@ pub const OP_KEEP: u32 = 3;
 /// Control operation, on a connection of its own: a spare sidecar becomes a stage's (id 1 = the
 /// stage, ids 2-3 = the epoch of the recovery that assigned it).
 pub const OP_ASSIGN: u32 = 4;
+
+/// Control operation: which of the stage's own chunks the sidecar keeps, and what it serves as
+/// (see [`LocalSidecar::recovery`]).
+pub const OP_HELD: u32 = 5;
 
 /// Largest payload of a frame on the local socket (addresses, keys, paths, reasons).
 pub const MAX_LOCAL_PAYLOAD: u64 = 64 << 10;
@@ -59,6 +65,29 @@ pub enum LocalError {
 impl From<FrameError> for LocalError {
     fn from(e: FrameError) -> Self {
         Self::Protocol(e.to_string())
+    }
+}
+
+/// What a sidecar tells its (re)started engine: which stage it serves, in which epoch, where it
+/// forwards, and which of the stage's chunks it keeps. An engine restarted beside a sidecar that
+/// survived restores from [`Recovery::resume_points`] without any network transfer and computes
+/// from there; a spare's engine learns the stage it was assigned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Recovery {
+    /// The stage the sidecar serves.
+    pub stage: u32,
+    /// The newest engine epoch the sidecar has accepted (the asking engine's).
+    pub epoch: u64,
+    /// The successor sidecar it forwards to, if it has one.
+    pub successor: Option<SocketAddr>,
+    /// Keys of the stage's own chunks it keeps (not its predecessor's replica), sorted.
+    pub held: Vec<ChunkKey>,
+}
+
+impl Recovery {
+    /// Each sequence's KV held and where its engine resumes (see [`crate::resume`]).
+    pub fn resume_points(&self) -> Vec<ResumePoint> {
+        resume_points(&self.held)
     }
 }
 
@@ -173,6 +202,37 @@ impl LocalSidecar {
             rest = after;
         }
         Ok(())
+    }
+
+    /// Asks the sidecar what it serves and which of the stage's own chunks it keeps: the
+    /// instructions a restarted engine follows (restore each [`ResumePoint`]'s chunks with
+    /// [`ChunkStore::get`], then compute from its `tokens`). Keys come in pages that fit the
+    /// shared region.
+    pub fn recovery(&mut self) -> Result<Recovery, LocalError> {
+        let mut held = Vec::new();
+        loop {
+            let ids = [OP_HELD, held.len() as u32, 0, 0];
+            let reply = self.channel.call(Kind::Control, 0, ids, &[], Kind::Control)?;
+            let [_, stage, count, total] = reply.header.ids;
+            let bytes = self.region.read(count as usize * ChunkKey::ENCODED_LEN)?;
+            for encoded in bytes.chunks_exact(ChunkKey::ENCODED_LEN) {
+                let key = ChunkKey::decode(encoded)
+                    .ok_or_else(|| LocalError::Protocol("a malformed chunk key".into()))?;
+                held.push(key);
+            }
+            if count == 0 || held.len() >= total as usize {
+                let successor = match reply.payload.as_slice() {
+                    [] => None,
+                    addr => Some(
+                        std::str::from_utf8(addr)
+                            .ok()
+                            .and_then(|a| a.parse().ok())
+                            .ok_or_else(|| LocalError::Protocol("a malformed successor address".into()))?,
+                    ),
+                };
+                return Ok(Recovery { stage, epoch: reply.header.epoch, successor, held });
+            }
+        }
     }
 
     fn store_error(&self, e: LocalError) -> StoreError {

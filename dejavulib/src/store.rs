@@ -151,6 +151,11 @@ impl HostStore {
         self.inner.lock().log.iter().cloned().collect()
     }
 
+    /// Keys of the chunks held (in memory or spilled), in no particular order.
+    pub fn keys(&self) -> Vec<ChunkKey> {
+        self.inner.lock().chunks.keys().cloned().collect()
+    }
+
     /// Number of chunks held.
     pub fn len(&self) -> usize {
         self.inner.lock().chunks.len()

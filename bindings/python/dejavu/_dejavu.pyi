@@ -113,6 +113,12 @@ class Store:
         """The engine's own ``dejavud sidecar`` at its local socket ``path``: chunks cross shared
         memory; the sidecar keeps them and forwards them to the sidecar at ``successor``
         ("host:port"). A newer ``epoch`` takes the sidecar over; an older one is refused."""
+    def recovery(self) -> dict:
+        """What the sidecar tells a (re)started engine (sidecar stores only; ``TypeError``
+        otherwise): ``stage``, ``epoch``, ``successor`` (or None), ``chunks`` (how many of the
+        stage's own it keeps) and ``resume``, one dict per sequence with ``destination``,
+        ``microbatch``, ``slots``, ``layers``, ``heads``, ``tokens`` (KV held for tokens
+        ``0..tokens``: compute from there) and ``chunks`` (the ``KvRegion``s to ``fetch``)."""
 
 class PeerServer:
     """A peer that keeps chunks flushed to it, serving clients that know the cluster secret."""

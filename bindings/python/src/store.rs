@@ -40,12 +40,42 @@ impl ChunkStore for SharedStore {
     }
 }
 
+/// The engine's connection to its sidecar, shared by the store's chunk calls and `recovery`.
+#[derive(Clone)]
+struct SidecarConnection(Arc<Mutex<LocalSidecar>>);
+
+impl ChunkStore for SidecarConnection {
+    fn put(
+        &mut self,
+        descriptor: &dejavulib::chunk::ChunkDescriptor,
+        payload: &[u8],
+    ) -> Result<(), ChunkStoreError> {
+        self.0.lock().put(descriptor, payload)
+    }
+
+    fn get(
+        &mut self,
+        key: &dejavulib::chunk::ChunkKey,
+        out: &mut Vec<u8>,
+    ) -> Result<dejavulib::chunk::ChunkDescriptor, ChunkStoreError> {
+        self.0.lock().get(key, out)
+    }
+}
+
 /// Where chunks are flushed to and fetched from: `Store.file(path)`, `Store.host()`,
 /// `Store.peer(address, secret)` or `Store.sidecar(path, successor)`.
 #[pyclass(name = "Store", module = "dejavu", frozen)]
 pub(crate) struct PyStore {
     pub(crate) inner: SharedStore,
     pub(crate) kind: &'static str,
+    /// The sidecar connection, for a sidecar store.
+    sidecar: Option<SidecarConnection>,
+}
+
+impl PyStore {
+    fn new(store: impl ChunkStore + 'static, kind: &'static str) -> Self {
+        Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(store)))), kind, sidecar: None }
+    }
 }
 
 #[pymethods]
@@ -54,7 +84,7 @@ impl PyStore {
     #[staticmethod]
     fn file(path: std::path::PathBuf) -> PyResult<Self> {
         let store = FileStore::open(path, FileBackend::Auto).map_err(store_err)?;
-        Ok(Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(store)))), kind: "file" })
+        Ok(Self::new(store, "file"))
     }
 
     /// Chunks on a remote peer (a `PeerServer`, here or in another process) at `address`
@@ -67,7 +97,7 @@ impl PyStore {
         config.epoch = epoch;
         let transport: Arc<dyn Transport> = Arc::new(TcpTransport::plain());
         let store = PeerStore::new(runtime()?.handle().clone(), transport, addr, config);
-        Ok(Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(store)))), kind: "peer" })
+        Ok(Self::new(store, "peer"))
     }
 
     /// The engine's own sidecar (a `dejavud sidecar` process) at its local socket `path`: each
@@ -82,13 +112,56 @@ impl PyStore {
         let local = py
             .detach(|| LocalSidecar::connect(&path, epoch, addr))
             .map_err(|e| Error::new_err(format!("sidecar at {}: {e}", path.display())))?;
-        Ok(Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(local)))), kind: "sidecar" })
+        let connection = SidecarConnection(Arc::new(Mutex::new(local)));
+        Ok(Self { sidecar: Some(connection.clone()), ..Self::new(connection, "sidecar") })
+    }
+
+    /// What the sidecar tells a (re)started engine (sidecar stores only): a dict with the
+    /// `stage` it serves, the `epoch` in force, the `successor` it forwards to (or None), the
+    /// number of the stage's own `chunks` it keeps, and `resume`: for each sequence
+    /// (`destination`, `microbatch`, `slots`), the `layers` and `heads` its chunks cover, the
+    /// `tokens` whose KV is held for all of them (from token 0, up to the first gap), and the
+    /// `chunks` (`KvRegion`s) to `fetch` to restore it. The engine computes from `tokens` on.
+    fn recovery<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        use pyo3::types::PyDict;
+        let Some(connection) = &self.sidecar else {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "recovery() needs a sidecar store, not a {} store",
+                self.kind
+            )));
+        };
+        let recovery = py
+            .detach(|| connection.0.lock().recovery())
+            .map_err(|e| Error::new_err(format!("sidecar: {e}")))?;
+        let resume = recovery
+            .resume_points()
+            .into_iter()
+            .map(|p| {
+                let point = PyDict::new(py);
+                point.set_item("destination", (p.destination.stage, p.destination.rank))?;
+                point.set_item("microbatch", p.microbatch)?;
+                point.set_item("slots", py_range(&p.slots))?;
+                point.set_item("layers", py_range(&p.layers))?;
+                point.set_item("heads", py_range(&p.heads))?;
+                point.set_item("tokens", p.tokens)?;
+                let chunks: Vec<PyRegion> = p.chunks.into_iter().map(PyRegion).collect();
+                point.set_item("chunks", chunks)?;
+                Ok(point)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let out = PyDict::new(py);
+        out.set_item("stage", recovery.stage)?;
+        out.set_item("epoch", recovery.epoch)?;
+        out.set_item("successor", recovery.successor.map(|a| a.to_string()))?;
+        out.set_item("chunks", recovery.held.len())?;
+        out.set_item("resume", resume)?;
+        Ok(out)
     }
 
     /// Chunks in this process's memory.
     #[staticmethod]
     fn host() -> Self {
-        Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(HostStore::new())))), kind: "host" }
+        Self::new(HostStore::new(), "host")
     }
 
     fn __repr__(&self) -> String {

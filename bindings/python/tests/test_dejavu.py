@@ -355,3 +355,53 @@ def test_flush_and_fetch_through_the_local_sidecar(tmp_path):
         successor.close()
     with pytest.raises(dejavu.Error, match="sidecar at"):
         dejavu.Store.sidecar(tmp_path / "nobody.sock", "127.0.0.1:9")
+
+
+def test_a_restarted_engine_restores_from_its_sidecar_as_the_recovery_instructions_say(tmp_path):
+    import subprocess
+
+    socket = tmp_path / "sidecar.sock"
+    sidecar = subprocess.Popen(
+        [dejavud(), "sidecar", "--index", "1", f"--local={socket}", f"--shm-dir={tmp_path}", "--region-bytes=1048576"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    successor = dejavu.PeerServer(b"dejavu reference cluster")
+    try:
+        assert sidecar.stdout.readline().startswith("listening ")
+        layout = layouts()["paged_nhd"]
+        engine = dejavu.KvCache.wrap(layout, engine_buffers(layout, 12))
+        store = dejavu.Store.sidecar(socket, successor.address, epoch=1)
+        layers, heads = range(SPEC.layers), range(SPEC.kv_heads)
+
+        def sequence(slot, tokens):
+            return dejavu.KvRegion(layers=layers, slots=range(slot, slot + 1), heads=heads, tokens=tokens)
+
+        # Two sequences: a prompt each, then decode steps; slot 1 loses step 12.
+        for slot, steps in ((0, range(8, 20)), (1, [*range(8, 12), 13])):
+            dejavu.flush(store, engine, sequence(slot, range(0, 8)), (1, 0), (1, 0), 0)
+            for step in steps:
+                dejavu.flush(store, engine, sequence(slot, range(step, step + 1)), (1, 0), (1, 0), 0)
+        del store
+
+        # The engine restarts beside the sidecar that survived and follows its instructions.
+        restarted = dejavu.Store.sidecar(socket, successor.address, epoch=2)
+        recovery = restarted.recovery()
+        assert (recovery["stage"], recovery["epoch"], recovery["successor"]) == (1, 2, successor.address)
+        assert recovery["chunks"] == 2 + 12 + 5
+        points = recovery["resume"]
+        assert [(p["slots"], p["tokens"], len(p["chunks"])) for p in points] == [((0, 1), 20, 13), ((1, 2), 12, 5)]
+        restored = dejavu.KvCache(layout)
+        for p in points:
+            assert (p["destination"], p["microbatch"], p["layers"], p["heads"]) == ((1, 0), 0, (0, 3), (0, 3))
+            for region in p["chunks"]:
+                dejavu.fetch(restarted, restored, region, (1, 0), (1, 0), p["microbatch"])
+            held = sequence(p["slots"][0], range(0, p["tokens"]))
+            assert bytes(restored.gather(held)) == bytes(engine.gather(held))
+        with pytest.raises(TypeError, match="sidecar store"):
+            dejavu.Store.host().recovery()
+    finally:
+        sidecar.kill()
+        sidecar.wait()
+        successor.close()

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
-use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_ASSIGN, OP_KEEP, OP_MAPPED, OP_SUCCESSOR};
+use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_ASSIGN, OP_HELD, OP_KEEP, OP_MAPPED, OP_SUCCESSOR};
 use dejavulib::net::{ClientConfig, PeerClient, PeerError, PeerServer, PeerStore};
 use dejavulib::store::StoreError;
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, Frame, FrameHeader, Kind};
@@ -342,6 +342,20 @@ impl Sidecar {
                         Err(reason) => reply_error(&mut writer, &frame, ErrorCode::Other, &reason)?,
                     }
                 }
+                (Kind::Control, OP_HELD) => {
+                    let held = self.held();
+                    let first = (frame.header.ids[1] as usize).min(held.len());
+                    let fit = region.capacity() / ChunkKey::ENCODED_LEN;
+                    let page = &held[first..held.len().min(first + fit)];
+                    let keys: Vec<u8> = page.iter().flat_map(|k| k.encode()).collect();
+                    region.write(&[&keys])?;
+                    let successor = self.successor.lock().as_ref().map(|s| s.addr.to_string());
+                    let ids = [OP_HELD, self.index(), page.len() as u32, held.len() as u32];
+                    let newest = self.engine.lock().as_ref().map_or(epoch, |e| e.0);
+                    let mut header = answer(Kind::Control, ids);
+                    header.epoch = newest;
+                    write_frame(&mut writer, &header, successor.unwrap_or_default().as_bytes())?;
+                }
                 // Copied out of the region first: the engine's process can write it at any time,
                 // and what is verified must be what is kept.
                 (Kind::Put, len) => match self.keep_and_forward(region.read(len as usize)?.to_vec(), epoch) {
@@ -377,6 +391,16 @@ impl Sidecar {
             writer.flush()?;
         }
         Ok(())
+    }
+
+    /// Keys of the stage's own chunks it keeps (its predecessor's replica left out), sorted so
+    /// that an engine can ask for them page by page.
+    fn held(&self) -> Vec<ChunkKey> {
+        let stage = self.index();
+        let mut keys: Vec<ChunkKey> =
+            self.store.keys().into_iter().filter(|k| k.destination.stage == stage).collect();
+        keys.sort_by_key(|k| k.encode());
+        keys
     }
 
     /// Forwards to `successor` from now on, in `epoch`.

@@ -32,9 +32,16 @@ impl Drop for Killed {
 
 /// Starts a sidecar with its local socket and regions in `dir`, forwarding its engine's KV.
 fn sidecar(dir: &Path) -> (Killed, PathBuf) {
+    let (sidecar, socket, _) = sidecar_with_region(dir, 65536);
+    (sidecar, socket)
+}
+
+/// Starts a sidecar of stage 1 whose shared regions hold `region_bytes`; returns it, its local
+/// socket and its transport's address.
+fn sidecar_with_region(dir: &Path, region_bytes: usize) -> (Killed, PathBuf, SocketAddr) {
     let socket = dir.join("sidecar.sock");
     let mut child = Command::new(EXE)
-        .args(["sidecar", "--index", "1", "--region-bytes", "65536"])
+        .args(["sidecar", "--index", "1", "--region-bytes", &region_bytes.to_string()])
         .arg(format!("--local={}", socket.display()))
         .arg(format!("--shm-dir={}", dir.display()))
         .stdout(Stdio::piped())
@@ -43,8 +50,9 @@ fn sidecar(dir: &Path) -> (Killed, PathBuf) {
         .unwrap();
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    assert!(line.starts_with("listening "), "{line:?}");
-    (Killed(child), socket)
+    let addr = line.strip_prefix("listening ").and_then(|a| a.trim().parse().ok());
+    let addr = addr.unwrap_or_else(|| panic!("not a listening line: {line:?}"));
+    (Killed(child), socket, addr)
 }
 
 /// A chunk of `tokens` tokens of one layer and head, as stage 1 of microbatch 0 would flush it.
@@ -246,4 +254,91 @@ fn a_shared_memory_file_of_the_wrong_size_stops_the_engine_with_a_clear_error() 
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("is 1000 bytes, not the 65600 announced"), "{err}");
     assert_eq!(std::fs::read(&region).unwrap(), vec![0u8; 1000], "the file is left as it was");
+}
+
+/// A chunk of stage 1's KV (4 layers, 2 heads) for slot `slot` of microbatch 0 and `tokens`, as
+/// the engine flushes a prompt or a step, with its bytes encoded (header, then payload).
+fn step_chunk(slot: u32, tokens: std::ops::Range<u32>) -> (ChunkDescriptor, Vec<u8>) {
+    let spec = KvSpec::new(4, 2, 4, DType::F32).unwrap();
+    let descriptor = ChunkDescriptor {
+        source: WorkerId { stage: 1, rank: 0 },
+        destination: WorkerId { stage: 1, rank: 0 },
+        microbatch: 0,
+        region: KvRegion::new(0..4, slot..slot + 1, 0..2, tokens.clone()),
+        spec,
+        packing: Packing::token_major(&spec),
+    };
+    let len = descriptor.payload_len() as usize;
+    let seed = slot.wrapping_mul(7919) ^ tokens.start.wrapping_mul(104_729);
+    let payload: Vec<u8> = (0..len).map(|i| (i as u32).wrapping_mul(31).wrapping_add(seed) as u8).collect();
+    (descriptor, payload)
+}
+
+#[test]
+fn a_restarted_engine_learns_what_its_sidecar_keeps_and_where_each_sequence_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    // A small region: the keys come back in several pages.
+    let (_sidecar, socket, sidecar_addr) = sidecar_with_region(dir.path(), 4096);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let successor = runtime
+        .block_on(PeerServer::bind(
+            &TcpTransport::plain(),
+            "127.0.0.1:0".parse().unwrap(),
+            ServerConfig::new(SECRET, 2),
+            HostStore::new(),
+        ))
+        .unwrap();
+
+    // Slot 0: a prompt of 5 tokens, then 120 steps. Slot 1: a prompt, 125 steps, a lost step,
+    // and one more: it can resume only before the gap.
+    let mut engine = LocalSidecar::connect(&socket, 1, successor.addr()).unwrap();
+    let mut chunks = vec![step_chunk(0, 0..5), step_chunk(1, 0..5)];
+    chunks.extend((5..125).map(|t| step_chunk(0, t..t + 1)));
+    chunks.extend((5..130).map(|t| step_chunk(1, t..t + 1)));
+    chunks.push(step_chunk(1, 131..132));
+    for (descriptor, payload) in &chunks[..4] {
+        engine.put(descriptor, payload).unwrap();
+    }
+    let encoded: Vec<Vec<u8>> =
+        chunks[4..].iter().map(|(d, p)| [d.encode_header(p).to_vec(), p.clone()].concat()).collect();
+    engine.keep(&encoded.iter().map(Vec::as_slice).collect::<Vec<_>>()).unwrap();
+    // The predecessor's replica, received over the network, is not this stage's to restore.
+    let mut predecessor = step_chunk(0, 0..5);
+    predecessor.0.destination.stage = 0;
+    predecessor.0.source.stage = 0;
+    let mut config = dejavulib::net::ClientConfig::new(SECRET, 0);
+    config.epoch = 0;
+    let mut peer = dejavulib::net::PeerStore::new(
+        runtime.handle().clone(),
+        std::sync::Arc::new(TcpTransport::plain()),
+        sidecar_addr,
+        config,
+    );
+    peer.put(&predecessor.0, &predecessor.1).unwrap();
+    drop(engine);
+
+    // The engine restarts, in a newer epoch, beside the sidecar that survived.
+    let mut restarted = LocalSidecar::connect(&socket, 2, successor.addr()).unwrap();
+    let recovery = restarted.recovery().unwrap();
+    assert_eq!((recovery.stage, recovery.epoch, recovery.successor), (1, 2, Some(successor.addr())));
+    assert_eq!(recovery.held.len(), chunks.len(), "every own chunk, over several pages");
+    assert!(recovery.held.iter().all(|k| k.destination.stage == 1), "no replica of the predecessor");
+    let points = recovery.resume_points();
+    let summary: Vec<(u32, u32, usize)> =
+        points.iter().map(|p| (p.slots.start, p.tokens, p.chunks.len())).collect();
+    assert_eq!(summary, [(0, 125, 121), (1, 130, 126)]);
+    // Each chunk named comes back byte for byte.
+    let mut out = Vec::new();
+    for point in &points {
+        for region in &point.chunks {
+            let (descriptor, payload) = step_chunk(point.slots.start, region.tokens.clone());
+            let key = dejavulib::chunk::ChunkKey {
+                destination: point.destination,
+                microbatch: point.microbatch,
+                region: region.clone(),
+            };
+            assert_eq!(restarted.get(&key, &mut out).unwrap(), descriptor);
+            assert_eq!(out, payload);
+        }
+    }
 }
