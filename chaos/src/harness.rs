@@ -2,12 +2,14 @@
 //! recovery, and (optionally) the same faults with restart from scratch, each on a fresh cluster of
 //! real processes behind fault-injecting proxies; then the invariants and the report.
 
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dejavu_engine::cluster::{Cluster, ClusterConfig, Disaggregation, SpillLimits, TransportKind};
 use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
+use dejavu_engine::netns::{Fabric, NetnsError};
 use dejavu_engine::ModelConfig;
 
 use crate::check::{check, Violation};
@@ -23,6 +25,19 @@ pub struct Options {
     pub seed: Option<u64>,
     /// The executable with the `stage` and `sidecar` subcommands (`dejavud`, or this harness).
     pub exe: PathBuf,
+    /// Network namespaces for the workers, if the scenario runs them on hosts of their own (see
+    /// [`ClusterShape::namespaces`](crate::scenario::ClusterShape::namespaces)).
+    pub fabric: Option<Arc<Fabric>>,
+}
+
+impl Options {
+    /// Options for `scenario` started from `exe`: a fabric of network namespaces is made when it
+    /// asks for one (or `namespaces` does), which needs root.
+    pub fn new(scenario: &Scenario, exe: PathBuf, namespaces: bool) -> Result<Self, NetnsError> {
+        let fabric =
+            if namespaces || scenario.cluster.namespaces { Some(Arc::new(Fabric::create()?)) } else { None };
+        Ok(Self { seed: None, exe, fabric })
+    }
 }
 
 /// Runs `scenario`, reporting progress through `say`. An error means the harness itself could not
@@ -73,13 +88,15 @@ pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) ->
     let mut violations = check(&reference, &faulty, failure.as_deref(), &scenario.limits);
     violations.extend(whole_runs);
     let runs = Runs { reference: &reference, faulty: &faulty, injected, restart: restart.as_ref() };
-    Ok(Report::new(
+    let mut report = Report::new(
         &scenario.name,
         seed,
         (scenario.cluster.stages, scenario.cluster.prompt_stages),
         runs,
         violations,
-    ))
+    );
+    report.namespaces = options.fabric.is_some();
+    Ok(report)
 }
 
 /// One run on fresh proxies and clusters, with `faults` (none for the reference); everything it
@@ -92,7 +109,8 @@ fn one_run(
     faults: &[Fault],
     on_failure: OnFailure,
 ) -> (Result<Run, Failed>, Vec<Injected>) {
-    let proxies = Arc::new(Proxies::new(seed));
+    let gateway = options.fabric.as_ref().map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |f| f.gateway());
+    let proxies = Arc::new(Proxies::on(gateway, seed));
     let replicate = on_failure == OnFailure::Recover;
     let mut config = cluster_config(scenario, options, workload, &proxies, replicate);
     config.sabotage_replicas =
@@ -143,6 +161,7 @@ fn cluster_config(
             .spill_memory_bytes
             .map(|memory_bytes| SpillLimits { memory_bytes, dir_bytes: scenario.cluster.spill_dir_bytes }),
         interpose: Some(proxies.clone()),
+        fabric: options.fabric.clone(),
         ..ClusterConfig::new(options.exe.clone())
     }
 }

@@ -33,6 +33,10 @@ enum Command {
         /// harness's own binary, which has the same subcommands.
         #[arg(long)]
         exe: Option<PathBuf>,
+        /// Run each worker in a network namespace of its own, with its own address (as the
+        /// scenario's `namespaces = true`); needs root and iproute2.
+        #[arg(long)]
+        namespaces: bool,
     },
     /// One stage of the reference engine (started by `run`).
     #[command(hide = true)]
@@ -54,7 +58,7 @@ fn main() -> ExitCode {
         ExitCode::from(2)
     };
     match Cli::parse().command {
-        Command::Run { scenario, seed, json, exe } => {
+        Command::Run { scenario, seed, json, exe, namespaces } => {
             let scenario = match Scenario::load(&scenario) {
                 Ok(s) => s,
                 Err(e) => return failed(e.to_string()),
@@ -63,11 +67,14 @@ fn main() -> ExitCode {
                 Ok(exe) => exe,
                 Err(e) => return failed(format!("cannot find this executable: {e}")),
             };
-            let report =
-                match dejavu_chaos::run(&scenario, &Options { seed, exe }, |line| eprintln!("  {line}")) {
-                    Ok(report) => report,
-                    Err(e) => return failed(e.to_string()),
-                };
+            let options = match Options::new(&scenario, exe, namespaces) {
+                Ok(options) => Options { seed, ..options },
+                Err(e) => return failed(e.to_string()),
+            };
+            let report = match dejavu_chaos::run(&scenario, &options, |line| eprintln!("  {line}")) {
+                Ok(report) => report,
+                Err(e) => return failed(e.to_string()),
+            };
             if json {
                 println!("{}", serde_json::to_string_pretty(&report).expect("a report serializes"));
             } else {

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -189,6 +189,8 @@ impl Shared {
 /// The proxies of one cluster; dropping it closes them all.
 pub struct Proxies {
     shared: Arc<Shared>,
+    /// The address they listen on: loopback, or the gateway of the workers' namespaces.
+    ip: IpAddr,
 }
 
 impl std::fmt::Debug for Proxies {
@@ -198,9 +200,16 @@ impl std::fmt::Debug for Proxies {
 }
 
 impl Proxies {
-    /// No proxies yet; jitter and corruption offsets are drawn from `seed`.
+    /// No proxies yet, listening on loopback; jitter and corruption offsets are drawn from
+    /// `seed`.
     pub fn new(seed: u64) -> Self {
-        Self { shared: Arc::new(Shared { links: Mutex::default(), stop: AtomicBool::new(false), seed }) }
+        Self::on(IpAddr::V4(Ipv4Addr::LOCALHOST), seed)
+    }
+
+    /// No proxies yet, listening on `ip` (where every process can reach them).
+    pub fn on(ip: IpAddr, seed: u64) -> Self {
+        let shared = Arc::new(Shared { links: Mutex::default(), stop: AtomicBool::new(false), seed });
+        Self { shared, ip }
     }
 
     /// Injects `fault` on `link` (it applies to the link's current and later connections).
@@ -215,7 +224,7 @@ impl Proxies {
 
     /// Starts a proxy for `link` in front of `target`; returns its address.
     pub fn start(&self, link: Link, target: SocketAddr) -> std::io::Result<SocketAddr> {
-        let listener = TcpListener::bind(("127.0.0.1", 0))?;
+        let listener = TcpListener::bind((self.ip, 0))?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let (shared, state) = (self.shared.clone(), self.shared.link(link));

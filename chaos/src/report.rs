@@ -72,6 +72,8 @@ pub struct Report {
     pub stages: u32,
     /// Stages of the prompt pipeline, if the cluster has one.
     pub prompt_stages: Option<u32>,
+    /// Whether each worker ran in a network namespace of its own (otherwise all on loopback).
+    pub namespaces: bool,
     /// Tokens generated per run.
     pub tokens: u64,
     /// Per fault class.
@@ -206,6 +208,7 @@ impl Report {
         let recomputed: Vec<u64> = recoveries.iter().map(|r| r.recomputed).collect();
         Self {
             scenario: scenario.to_owned(),
+            namespaces: false,
             seed,
             stages,
             prompt_stages,
@@ -250,11 +253,12 @@ impl Report {
         let mut t = String::new();
         let _ = writeln!(
             t,
-            "scenario {:?}, seed {}, {} stages{}, {} tokens",
+            "scenario {:?}, seed {}, {} stages{}{}, {} tokens",
             self.scenario,
             self.seed,
             self.stages,
             self.prompt_stages.map_or(String::new(), |p| format!(" (tokens; prompts: {p} more)")),
+            if self.namespaces { ", each worker in a network namespace" } else { "" },
             self.tokens
         );
         let _ = writeln!(t, "\n{:<28} {:>9} {:>9} {:>9}", "fault class", "injected", "survived", "violated");

@@ -89,6 +89,10 @@ pub struct ClusterShape {
     /// The transport between sidecars (and from stages to sidecars): `tcp` or `quic`. The proxies
     /// carry TCP only, so with QUIC the replica links take no network faults.
     pub transport: Transport,
+    /// Each worker (and each spare and prompt stage) in a network namespace of its own, at an
+    /// address of its own on a bridge, as on machines of their own; the controller, the driver
+    /// and the proxies on the bridge's address. Needs root and iproute2 (`ip`).
+    pub namespaces: bool,
 }
 
 /// The transport between a scenario's sidecars.
@@ -116,6 +120,7 @@ impl Default for ClusterShape {
             prompt_stages: None,
             prompt_slots: 8,
             transport: Transport::Tcp,
+            namespaces: false,
         }
     }
 }

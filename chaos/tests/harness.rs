@@ -172,3 +172,20 @@ fn a_bad_scenario_is_refused_with_a_clear_message() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
 }
+
+#[test]
+fn workers_in_network_namespaces_of_their_own_survive_their_faults() {
+    let out = chaos(&["run", &scenario("namespaces.toml"), "--json"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(2) && (stderr.contains("need root") || stderr.contains("`ip ")) {
+        eprintln!("skipped: this machine cannot make network namespaces: {}", stderr.trim());
+        return;
+    }
+    let report = report(&out);
+    assert_eq!(out.status.code(), Some(0), "{report:#}");
+    assert_eq!((&report["passed"], &report["namespaces"]), (&true.into(), &true.into()));
+    let classes = report["classes"].as_array().unwrap();
+    assert_eq!(classes.len(), 7, "{classes:#?}");
+    assert!(classes.iter().all(|c| c["violated"] == 0 && c["survived"].as_u64() >= Some(1)));
+    assert!(report["recoveries"].as_u64().unwrap() >= 3, "{report:#}");
+}

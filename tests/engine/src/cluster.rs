@@ -1,9 +1,10 @@
-//! A pipeline of stage and sidecar processes on loopback, started from an executable that has the
+//! A pipeline of stage and sidecar processes on loopback (or each worker in a network namespace
+//! of its own, see [`crate::netns`]), started from an executable that has the
 //! `stage`, `sidecar` and `controller` subcommands of [`crate::cli`] (`dejavu-engine` or
 //! `dejavud`), the controller process that says which of them died, and the recovery procedure
 //! that replaces a dead worker. The demo, the chaos harness and the process tests share it.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,8 +18,9 @@ mod spares;
 use crate::controller::{Census, ControllerClient, ControllerError, Member};
 use crate::handoff::Shapes;
 pub use crate::heartbeat::Role;
+use crate::netns::{Fabric, Host, NetnsError};
 use crate::pipeline::{CacheLayout, Seat};
-use crate::proc::{spawn, Spawned};
+use crate::proc::{spawn, spawn_on, Spawned};
 pub use crate::proc::{Proc, SpawnError};
 use crate::process::{ProcessError, RemotePipeline, StepReply};
 pub use crate::transport::TransportKind;
@@ -44,6 +46,9 @@ pub enum ClusterError {
     /// The chain failed in a way recovery does not cover.
     #[error(transparent)]
     Pipeline(#[from] ProcessError),
+    /// A worker's network namespace could not be made.
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
     /// A local operation failed.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
@@ -120,6 +125,17 @@ pub struct ClusterConfig {
     /// A prompt pipeline of its own that computes the prompts, if any (prompt-token
     /// disaggregation); the stages above are then the token pipeline.
     pub disaggregation: Option<Disaggregation>,
+    /// Network namespaces, if given: each worker (stage `i` and its sidecar, also their
+    /// replacements), each prompt stage and each spare process runs in a host of its own on this
+    /// fabric, at its own address; the controller, the driver and the interposer stay on the
+    /// fabric's gateway. By default everything is on loopback.
+    pub fabric: Option<Arc<Fabric>>,
+}
+
+/// Where a process of the cluster runs: its address, and its host when there is a fabric.
+struct Place {
+    ip: IpAddr,
+    host: Option<Arc<Host>>,
 }
 
 /// How much a sidecar keeps in memory before it spills to its directory, and how much that
@@ -178,7 +194,25 @@ impl ClusterConfig {
             spares: 0,
             spill: None,
             disaggregation: None,
+            fabric: None,
         }
+    }
+
+    /// The address of the cluster's own side (the controller's, the driver's, an interposer's):
+    /// loopback, or the fabric's gateway.
+    pub fn gateway(&self) -> IpAddr {
+        self.fabric.as_ref().map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |f| f.gateway())
+    }
+
+    /// Where the process(es) called `host` run: on loopback, or on that host of the fabric.
+    fn place(&self, host: &str) -> Result<Place, ClusterError> {
+        Ok(match &self.fabric {
+            None => Place { ip: IpAddr::V4(Ipv4Addr::LOCALHOST), host: None },
+            Some(fabric) => {
+                let host = fabric.host(host)?;
+                Place { ip: host.ip(), host: Some(host) }
+            }
+        })
     }
 
     /// The shapes of the prompt and token pipelines, when disaggregated.
@@ -328,18 +362,27 @@ impl Cluster {
         if config.replicate {
             for i in 0..n {
                 let socket = dir.0.join(format!("sidecar-{i}-{i}.sock"));
-                let args = Self::sidecar_args(&config, heartbeat, SidecarOf::Stage(i, 0), &socket, &dir);
-                sidecars.push(spawn(&config.exe, &args, &format!("sidecar {i}"), START)?);
+                let place = config.place(&worker_host(i))?;
+                let who = SidecarOf::Stage(i, 0);
+                let args = Self::sidecar_args(&config, heartbeat, who, &socket, &dir, place.ip);
+                sidecars.push(spawn_on(
+                    place.host.as_ref(),
+                    &config.exe,
+                    &args,
+                    &format!("sidecar {i}"),
+                    START,
+                )?);
                 sockets.push(socket);
             }
         }
-        let results = TcpListener::bind("127.0.0.1:0")?;
+        let results = TcpListener::bind((config.gateway(), 0))?;
         let driver = results.local_addr()?;
         let (mut stages, mut next) = (Vec::new(), driver);
         for index in (0..n).rev() {
             let copies = Self::copies(&sidecars, &sockets, index);
-            let args = Self::stage_args(&config, heartbeat, copies, (index, 0), next, &dir);
-            let stage = spawn(&config.exe, &args, &format!("stage {index}"), START)?;
+            let place = config.place(&worker_host(index))?;
+            let args = Self::stage_args(&config, heartbeat, copies, (index, 0), next, &dir, place.ip);
+            let stage = spawn_on(place.host.as_ref(), &config.exe, &args, &format!("stage {index}"), START)?;
             next = stage.addr;
             stages.push(stage);
         }
@@ -391,10 +434,11 @@ impl Cluster {
                 "a token pipeline loads prompts from its sidecars: replicate".into(),
             ));
         }
-        let results = TcpListener::bind("127.0.0.1:0")?;
+        let results = TcpListener::bind((config.gateway(), 0))?;
         let (mut stages, mut next) = (Vec::new(), results.local_addr()?);
         let to: Vec<String> = sidecars.iter().map(|s| s.addr.to_string()).collect();
         for (index, layers) in disaggregation.splits.iter().enumerate().rev() {
+            let place = config.place(&format!("prompt-{index}"))?;
             let mut args = vec![
                 "stage".to_owned(),
                 format!("--index={index}"),
@@ -403,13 +447,15 @@ impl Cluster {
                 format!("--slots={}", disaggregation.slots),
                 format!("--microbatches={}", shapes.requests / disaggregation.slots),
                 format!("--max-tokens={}", config.max_tokens),
-                "--metrics=127.0.0.1:0".to_owned(),
+                format!("--listen={}", SocketAddr::new(place.ip, 0)),
+                format!("--metrics={}", SocketAddr::new(place.ip, 0)),
                 "--pipeline=prompt".to_owned(),
                 format!("--handoff-to={}", to.join(",")),
             ];
             args.extend(Self::shape_args(&shapes));
             args.extend(config.transport_args(dir));
-            let stage = spawn(&config.exe, &args, &format!("prompt stage {index}"), START)?;
+            let stage =
+                spawn_on(place.host.as_ref(), &config.exe, &args, &format!("prompt stage {index}"), START)?;
             next = stage.addr;
             stages.push(stage);
         }
@@ -506,9 +552,11 @@ impl Cluster {
             format!("--state={}", dir.0.join("controller.state").display()),
             format!("--timeout-ms={}", timeout.as_millis()),
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
-            "--metrics=127.0.0.1:0".to_owned(),
+            format!("--metrics={}", SocketAddr::new(config.gateway(), 0)),
         ];
-        let started = spawn(&config.exe, &args, "the controller", START)?;
+        let first =
+            [args.clone(), vec![format!("--listen={}", SocketAddr::new(config.gateway(), 0))]].concat();
+        let started = spawn(&config.exe, &first, "the controller", START)?;
         // Its replacements take the same port, which every process beats to.
         args.push(format!("--listen={}", started.addr));
         // A controller that takes this long to answer is presumed dead and replaced.
@@ -570,19 +618,23 @@ impl Cluster {
         let heartbeat = self.controller.client.addr();
         for _ in 0..stages {
             let n = self.spares.started;
+            let place = self.config.place(&format!("spare-{n}"))?;
             let stage = vec![
                 "spare".to_owned(),
                 format!("--id={n}"),
                 format!("--heartbeat={heartbeat}"),
                 format!("--heartbeat-ms={}", self.config.heartbeat.as_millis()),
+                format!("--listen={}", SocketAddr::new(place.ip, 0)),
             ];
-            self.spares.start_stage(&self.config.exe, stage, wait)?;
+            self.spares.start_stage(&self.config.exe, place.host, stage, wait)?;
         }
         for _ in 0..sidecars {
             let n = self.spares.started;
+            let place = self.config.place(&format!("spare-{n}"))?;
             let socket = self.dir.0.join(format!("spare-sidecar-{n}.sock"));
-            let args = Self::sidecar_args(&self.config, heartbeat, SidecarOf::Spare(n), &socket, &self.dir);
-            self.spares.start_sidecar(&self.config.exe, args, socket, wait)?;
+            let who = SidecarOf::Spare(n);
+            let args = Self::sidecar_args(&self.config, heartbeat, who, &socket, &self.dir, place.ip);
+            self.spares.start_sidecar(&self.config.exe, place.host, args, socket, wait)?;
         }
         Ok(())
     }
@@ -608,15 +660,29 @@ impl Cluster {
         let socket = self.dir.0.join(format!("sidecar-{victim}-{}.sock", self.sidecar_starts));
         self.sidecar_starts += 1;
         let who = SidecarOf::Stage(victim, epoch);
-        let args = Self::sidecar_args(&self.config, heartbeat, who, &socket, &self.dir);
-        Ok((spawn(&self.config.exe, &args, "a replacement sidecar", START)?, socket))
+        // A replacement takes the dead worker's host, as a restarted machine would.
+        let place = self.config.place(&worker_host(victim))?;
+        let args = Self::sidecar_args(&self.config, heartbeat, who, &socket, &self.dir, place.ip);
+        Ok((spawn_on(place.host.as_ref(), &self.config.exe, &args, "a replacement sidecar", START)?, socket))
     }
 
-    /// A replacement stage process for `args` (without the subcommand: `args[0]` is `stage`),
-    /// started in `epoch`: a spare made that stage, or a new process.
-    fn replacement_stage(&mut self, args: &[String], epoch: u64) -> Result<Spawned, ClusterError> {
+    /// Stage `victim`'s replacement process, started in `epoch` and sending to `next`: a spare
+    /// made that stage, or a new process on the dead worker's host.
+    fn replacement_stage(
+        &mut self,
+        victim: usize,
+        epoch: u64,
+        next: SocketAddr,
+    ) -> Result<Spawned, ClusterError> {
+        let heartbeat = self.controller.client.addr();
+        let copies = Self::copies(&self.sidecars, &self.sockets, victim);
+        let args = |ip| {
+            Self::stage_args(&self.config, heartbeat, copies.clone(), (victim, epoch), next, &self.dir, ip)
+        };
         if let Some(spare) = self.spares.take_stage() {
-            match crate::spare::assign_stage(spare.addr, &args[1..], epoch, START) {
+            // Without the subcommand; it serves where it listens, on its own host.
+            let flags = args(spare.addr.ip());
+            match crate::spare::assign_stage(spare.addr, &flags[1..], epoch, START) {
                 Ok(metrics) => {
                     self.spares.used.0 += 1;
                     return Ok(Spawned { metrics, ..spare });
@@ -624,7 +690,8 @@ impl Cluster {
                 Err(e) => tracing::warn!(error = %e, "a spare stage could not be assigned: starting one"),
             }
         }
-        Ok(spawn(&self.config.exe, args, "a replacement stage", START)?)
+        let place = self.config.place(&worker_host(victim))?;
+        Ok(spawn_on(place.host.as_ref(), &self.config.exe, &args(place.ip), "a replacement stage", START)?)
     }
 
     fn sidecar_args(
@@ -633,6 +700,7 @@ impl Cluster {
         who: SidecarOf,
         socket: &std::path::Path,
         dir: &StateDir,
+        ip: IpAddr,
     ) -> Vec<String> {
         let who = match who {
             SidecarOf::Stage(index, epoch) => [format!("--index={index}"), format!("--epoch={epoch}")],
@@ -646,7 +714,8 @@ impl Cluster {
             format!("--shm-dir={}", dir.0.display()),
             format!("--heartbeat={heartbeat}"),
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
-            "--metrics=127.0.0.1:0".to_owned(),
+            format!("--listen={}", SocketAddr::new(ip, 0)),
+            format!("--metrics={}", SocketAddr::new(ip, 0)),
         ];
         if config.sabotage_replicas {
             args.push("--test-only-skip-replicas".to_owned());
@@ -667,6 +736,7 @@ impl Cluster {
         (index, epoch): (usize, u64),
         next: SocketAddr,
         dir: &StateDir,
+        ip: IpAddr,
     ) -> Vec<String> {
         let layers = &config.splits[index];
         let next = config.route(Link::Activation { from: index as u32 }, next);
@@ -680,7 +750,8 @@ impl Cluster {
             format!("--max-tokens={}", config.max_tokens),
             format!("--heartbeat={heartbeat}"),
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
-            "--metrics=127.0.0.1:0".to_owned(),
+            format!("--listen={}", SocketAddr::new(ip, 0)),
+            format!("--metrics={}", SocketAddr::new(ip, 0)),
             format!("--epoch={epoch}"),
         ];
         if let Some(device) = config.device_caches {
@@ -738,6 +809,11 @@ impl Cluster {
             Role::Sidecar => self.sidecars.get_mut(stage),
         };
         spawned.ok_or_else(|| ClusterError::Invalid(format!("no {role:?} {stage}")))
+    }
+
+    /// Where stage `stage`'s engine or sidecar listens.
+    pub fn addr(&mut self, stage: usize, role: Role) -> Result<SocketAddr, ClusterError> {
+        Ok(self.process(stage, role)?.addr)
     }
 
     /// Sends `signal` to stage `stage`'s engine or sidecar; a process already dead is left alone.
@@ -931,7 +1007,6 @@ impl Cluster {
         if std::mem::take(&mut self.controller.crash_in_recovery) {
             let _ = self.controller.proc.kill();
         }
-        let heartbeat = self.controller.client.addr();
         let used = self.spares.used;
         for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
             let (new, socket) = self.replacement_sidecar(victim, epoch)?;
@@ -943,9 +1018,7 @@ impl Cluster {
         }
         for &(victim, _) in victims.iter().rev() {
             let next = if victim + 1 == n { self.driver } else { self.stages[victim + 1].addr };
-            let copies = Self::copies(&self.sidecars, &self.sockets, victim);
-            let args = Self::stage_args(&self.config, heartbeat, copies, (victim, epoch), next, &self.dir);
-            let new = self.replacement_stage(&args, epoch)?;
+            let new = self.replacement_stage(victim, epoch, next)?;
             let old = std::mem::replace(&mut self.stages[victim], new);
             self.retire(old, spare);
             self.wait_alive((Role::Engine, victim as u32))?;
@@ -1057,6 +1130,11 @@ enum SidecarOf {
     Stage(usize, u64),
     /// Spare number `.0`, no stage's yet.
     Spare(u32),
+}
+
+/// The fabric host of worker `stage` (its stage and sidecar processes, and their replacements).
+fn worker_host(stage: usize) -> String {
+    format!("worker-{stage}")
 }
 
 /// The spill directory of the sidecar with local socket `socket`: beside it, in the cluster's

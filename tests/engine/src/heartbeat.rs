@@ -49,7 +49,13 @@ pub fn beat(
     epoch: u64,
     interval: Duration,
 ) -> std::io::Result<Heartbeat> {
-    let socket = UdpSocket::bind(("127.0.0.1", 0))?;
+    // Bound to no address in particular: the route to the controller picks the source, on
+    // loopback or from a network namespace of the worker's own.
+    let unspecified: SocketAddr = match controller {
+        SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    let socket = UdpSocket::bind(unspecified)?;
     let mut header = FrameHeader::new(Kind::Heartbeat, std::process::id(), epoch, 0);
     header.ids = [role as u32, index, 0, 0];
     let datagram = header.encode(&[]);

@@ -16,6 +16,7 @@
 //! - [`heartbeat`]: processes beat every interval to the controller;
 //! - [`controller`]: a process that declares the silent dead and issues the epoch of each
 //!   recovery, with a state file that survives its crashes;
+//! - [`netns`]: network namespaces that give each worker an address of its own;
 //! - [`metrics`]: each process's counters on a Prometheus text endpoint;
 //! - [`logging`]: each process's `tracing` events on standard error, as text or JSON;
 //! - [`cluster`]: a pipeline of such processes and the recovery procedure for a dead worker;
@@ -36,6 +37,7 @@ pub mod heartbeat;
 pub mod logging;
 pub mod metrics;
 pub mod model;
+pub mod netns;
 pub mod pipeline;
 pub mod proc;
 pub mod process;

@@ -13,6 +13,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use thiserror::Error;
 
+use crate::netns::Host;
+
 /// A process that did not start.
 #[derive(Debug, Error)]
 #[error("cannot start {what}: {why}")]
@@ -115,8 +117,23 @@ pub struct Spawned {
 /// Starts `exe args...` and waits (at most `patience`) for its `listening ADDR` line, after an
 /// optional `metrics ADDR` line.
 pub fn spawn(exe: &Path, args: &[String], what: &str, patience: Duration) -> Result<Spawned, SpawnError> {
+    spawn_on(None, exe, args, what, patience)
+}
+
+/// [`spawn`], in `host`'s network namespace if one is given.
+pub fn spawn_on(
+    host: Option<&Arc<Host>>,
+    exe: &Path,
+    args: &[String],
+    what: &str,
+    patience: Duration,
+) -> Result<Spawned, SpawnError> {
     let fail = |why: String| SpawnError { what: what.to_owned(), why };
-    let mut child = Command::new(exe)
+    let mut command = Command::new(exe);
+    if let Some(host) = host {
+        host.enter(&mut command).map_err(|e| fail(format!("cannot enter {}: {e}", host.name())))?;
+    }
+    let mut child = command
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

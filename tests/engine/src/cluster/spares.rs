@@ -11,7 +11,10 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::proc::{spawn, SpawnError, Spawned};
+use std::sync::Arc;
+
+use crate::netns::Host;
+use crate::proc::{spawn_on, SpawnError, Spawned};
 
 use super::START;
 
@@ -21,8 +24,9 @@ pub(super) struct SpareSidecar {
     pub(super) socket: PathBuf,
 }
 
-/// A start for the spawner thread: the executable, its arguments, and where to answer.
-type Start = (PathBuf, Vec<String>, Sender<Result<Spawned, SpawnError>>);
+/// A start for the spawner thread: the executable, its host (if not loopback), its arguments, and
+/// where to answer.
+type Start = (PathBuf, Option<Arc<Host>>, Vec<String>, Sender<Result<Spawned, SpawnError>>);
 
 /// Spares ready, and spares starting.
 #[derive(Default)]
@@ -40,56 +44,59 @@ pub(super) struct SparePool {
 }
 
 impl SparePool {
-    /// Starts `exe args` now (`wait`), or through the spawner thread.
+    /// Starts `exe args` on `host` now (`wait`), or through the spawner thread.
     fn start(
         &mut self,
         exe: &Path,
+        host: Option<Arc<Host>>,
         args: Vec<String>,
         wait: bool,
     ) -> Result<Result<Spawned, Receiver<Result<Spawned, SpawnError>>>, SpawnError> {
         self.started += 1;
         if wait {
-            return Ok(Ok(spawn(exe, &args, "a spare", START)?));
+            return Ok(Ok(spawn_on(host.as_ref(), exe, &args, "a spare", START)?));
         }
         let (to_spawner, _) = self.spawner.get_or_insert_with(|| {
             let (tx, rx) = crossbeam_channel::unbounded::<Start>();
             let thread = std::thread::spawn(move || {
-                for (exe, args, answer) in rx {
-                    let _ = answer.send(spawn(&exe, &args, "a spare", START));
+                for (exe, host, args, answer) in rx {
+                    let _ = answer.send(spawn_on(host.as_ref(), &exe, &args, "a spare", START));
                 }
             });
             (tx, thread)
         });
         let (answer, started) = crossbeam_channel::bounded(1);
         // The spawner lives as long as the pool: sending cannot fail.
-        let _ = to_spawner.send((exe.to_owned(), args, answer));
+        let _ = to_spawner.send((exe.to_owned(), host, args, answer));
         Ok(Err(started))
     }
 
-    /// Starts a spare stage with `args`, now (`wait`) or in the background.
+    /// Starts a spare stage with `args` on `host`, now (`wait`) or in the background.
     pub(super) fn start_stage(
         &mut self,
         exe: &Path,
+        host: Option<Arc<Host>>,
         args: Vec<String>,
         wait: bool,
     ) -> Result<(), SpawnError> {
-        match self.start(exe, args, wait)? {
+        match self.start(exe, host, args, wait)? {
             Ok(spawned) => self.stages.push(spawned),
             Err(starting) => self.starting_stages.push(starting),
         }
         Ok(())
     }
 
-    /// Starts a spare sidecar with `args` and local socket `socket`, now (`wait`) or in the
-    /// background.
+    /// Starts a spare sidecar with `args` and local socket `socket` on `host`, now (`wait`) or
+    /// in the background.
     pub(super) fn start_sidecar(
         &mut self,
         exe: &Path,
+        host: Option<Arc<Host>>,
         args: Vec<String>,
         socket: PathBuf,
         wait: bool,
     ) -> Result<(), SpawnError> {
-        match self.start(exe, args, wait)? {
+        match self.start(exe, host, args, wait)? {
             Ok(process) => self.sidecars.push(SpareSidecar { process, socket }),
             Err(starting) => self.starting_sidecars.push((socket, starting)),
         }
