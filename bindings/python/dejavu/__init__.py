@@ -2,7 +2,8 @@
 
 Layouts of the KV caches engines use, buffered gather/scatter (many small KV pieces into one
 staging buffer), flush/fetch of checksummed chunks to files or host memory, and resharding between
-pipeline setups (``stream_out`` / ``stream_in``). Arrays and tensors are used in place: numpy
+pipeline setups (``stream_out`` / ``stream_in``), and the client of the engine's sidecar
+(``SidecarClient``: step completion, recovery after a restart). Arrays and tensors are used in place: numpy
 arrays, CPU torch tensors, bytearrays. Copies and I/O release the GIL.
 
 Example::
@@ -36,6 +37,7 @@ from ._dejavu import (
     stream_in,
     stream_out,
 )
+from .sidecar import SidecarClient
 
 
 def FileStore(path):
@@ -62,6 +64,7 @@ __all__ = [
     "NotFoundError",
     "PeerServer",
     "Setup",
+    "SidecarClient",
     "Store",
     "StoreError",
     "Streamer",

@@ -405,3 +405,51 @@ def test_a_restarted_engine_restores_from_its_sidecar_as_the_recovery_instructio
         sidecar.kill()
         sidecar.wait()
         successor.close()
+
+
+def test_the_sidecar_client_reports_steps_and_restores_after_a_restart(tmp_path):
+    import subprocess
+
+    socket = tmp_path / "sidecar.sock"
+    sidecar = subprocess.Popen(
+        [dejavud(), "sidecar", "--index", "2", f"--local={socket}", f"--shm-dir={tmp_path}", "--region-bytes=1048576"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    successor = dejavu.PeerServer(b"dejavu reference cluster")
+    try:
+        assert sidecar.stdout.readline().startswith("listening ")
+        layout = layouts()["faster_transformer"]
+        caches = [dejavu.KvCache.wrap(layout, engine_buffers(layout, 20 + m)) for m in range(2)]
+        client = dejavu.SidecarClient(socket, successor.address, epoch=1)
+        assert client.worker == (2, 0), "the stage is the sidecar's"
+        for m, cache in enumerate(caches):
+            client.register(cache, microbatch=m)
+        with pytest.raises(ValueError, match="microbatch 5"):
+            client.step_done(5, range(0, 2), range(0, 8))
+        # Microbatch 0: a prompt of 8 tokens for both sequences, then 6 steps; microbatch 1: the
+        # prompt only. Every step is replicated before step_done returns.
+        assert client.step_done(0, range(0, 2), range(0, 8)) > 0
+        for token in range(8, 14):
+            client.step_done(0, range(0, 2), range(token, token + 1))
+        client.step_done(1, range(0, 2), range(0, 8))
+        assert successor.chunks == 8
+        del client
+
+        # The engine restarts with empty caches and restores from its sidecar.
+        fresh = [dejavu.KvCache(layout) for _ in range(2)]
+        restarted = dejavu.SidecarClient(socket, successor.address, epoch=2)
+        restarted.register(fresh[0], microbatch=0)
+        restarted.register(fresh[1], microbatch=1)
+        assert restarted.restore() == {(0, (0, 2)): 14, (1, (0, 2)): 8}
+        for m, tokens in ((0, 14), (1, 8)):
+            held = dejavu.KvRegion(layers=range(3), slots=range(2), heads=range(3), tokens=range(tokens))
+            assert bytes(fresh[m].gather(held)) == bytes(caches[m].gather(held))
+        # The old engine is cut off.
+        with pytest.raises(dejavu.Error, match="older"):
+            dejavu.SidecarClient(socket, successor.address, epoch=1)
+    finally:
+        sidecar.kill()
+        sidecar.wait()
+        successor.close()
