@@ -5,12 +5,14 @@
 //! from scratch, all in the same run.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 pub use dejavu_engine::cluster::Kill;
 use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError, Role, TransportKind};
 use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
 use dejavu_engine::metrics::value_of;
+use dejavu_engine::netns::Fabric;
 use dejavu_engine::ModelConfig;
 use serde::Serialize;
 use thiserror::Error;
@@ -41,6 +43,8 @@ pub struct DemoConfig {
     pub spares: u32,
     /// The transport between sidecars (and from stages to sidecars).
     pub transport: TransportKind,
+    /// Each worker in a network namespace of its own, with its own address (needs root).
+    pub namespaces: bool,
     /// The `dejavud` executable to start stage and sidecar processes with.
     pub exe: PathBuf,
 }
@@ -99,6 +103,11 @@ pub struct DemoSettings {
     /// on certificates the demo generates [default: tcp].
     #[arg(long, value_enum)]
     pub transport: Option<TransportSetting>,
+    /// Run each worker (a stage and its sidecar) in a network namespace of its own, at its own
+    /// address on a bridge, as on machines of their own; needs root and iproute2.
+    #[arg(long)]
+    #[serde(default)]
+    pub namespaces: bool,
 }
 
 /// The transport between sidecars, as a setting.
@@ -133,6 +142,7 @@ impl DemoSettings {
             device_caches: self.device_caches.or(base.device_caches),
             spares: self.spares.or(base.spares),
             transport: self.transport.or(base.transport),
+            namespaces: self.namespaces || base.namespaces,
         }
     }
 
@@ -156,6 +166,7 @@ impl DemoSettings {
                 Some(TransportSetting::Quic) => TransportKind::Quic,
                 Some(TransportSetting::Tcp) | None => TransportKind::Tcp,
             },
+            namespaces: self.namespaces,
             exe,
         }
     }
@@ -238,7 +249,12 @@ fn workload(config: &DemoConfig) -> Workload {
     )
 }
 
-fn start_cluster(config: &DemoConfig, workload: &Workload, replicate: bool) -> Result<Cluster, ClusterError> {
+fn start_cluster(
+    config: &DemoConfig,
+    fabric: Option<&Arc<Fabric>>,
+    workload: &Workload,
+    replicate: bool,
+) -> Result<Cluster, ClusterError> {
     Cluster::start(ClusterConfig {
         splits: splits(ModelConfig::reference().layers, config.stages),
         slots: workload.slots,
@@ -250,6 +266,7 @@ fn start_cluster(config: &DemoConfig, workload: &Workload, replicate: bool) -> R
         device_caches: config.device_caches,
         spares: config.spares,
         transport: config.transport,
+        fabric: fabric.cloned(),
         ..ClusterConfig::new(config.exe.clone())
     })
 }
@@ -270,6 +287,7 @@ struct Seen {
 /// SIGKILLed before that step. Returns the run and what its cluster said before its last step.
 fn run_once(
     config: &DemoConfig,
+    fabric: Option<&Arc<Fabric>>,
     kill_at: Option<u64>,
     on_failure: OnFailure,
 ) -> Result<(Run, Seen), DemoError> {
@@ -290,7 +308,8 @@ fn run_once(
         }
         Ok(())
     };
-    let run = drive(&workload, &driver, &mut || start_cluster(config, &workload, replicate), &mut inject)?;
+    let run =
+        drive(&workload, &driver, &mut || start_cluster(config, fabric, &workload, replicate), &mut inject)?;
     Ok((run, seen))
 }
 
@@ -358,11 +377,17 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
     let model = ModelConfig::reference();
     let steps = config.requests as u64 * config.new_tokens as u64;
     let kill_at = steps / 2;
+    let fabric = if config.namespaces {
+        Some(Arc::new(Fabric::create().map_err(|e| DemoError::Invalid(e.to_string()))?))
+    } else {
+        None
+    };
+    let fabric = fabric.as_ref();
 
     say("failure-free run without replication...");
-    let (unreplicated, _) = run_once(config, None, OnFailure::Restart)?;
+    let (unreplicated, _) = run_once(config, fabric, None, OnFailure::Restart)?;
     say("failure-free run, KV replicated every step...");
-    let (reference, failure_free) = run_once(config, None, OnFailure::Recover)?;
+    let (reference, failure_free) = run_once(config, fabric, None, OnFailure::Recover)?;
     say(&format!(
         "run with stage {}'s {} SIGKILLed at step {kill_at} of {steps}, recovered from {}...",
         config.victim,
@@ -375,9 +400,9 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
             Kill::Worker => "its successor's sidecar",
         },
     ));
-    let (recovered, after_failure) = run_once(config, Some(kill_at), OnFailure::Recover)?;
+    let (recovered, after_failure) = run_once(config, fabric, Some(kill_at), OnFailure::Recover)?;
     say("run with the same failure, restarted from scratch...");
-    let (restarted, _) = run_once(config, Some(kill_at), OnFailure::Restart)?;
+    let (restarted, _) = run_once(config, fabric, Some(kill_at), OnFailure::Restart)?;
     Ok(DemoReport {
         tokens: steps,
         unreplicated_s: unreplicated.elapsed.as_secs_f64(),

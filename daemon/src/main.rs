@@ -129,7 +129,9 @@ fn main() -> ExitCode {
                 }
             };
             let config = settings.or(file).resolve(exe);
-            let DemoConfig { stages, requests, prompt_tokens, new_tokens, .. } = config;
+            let DemoConfig { stages, requests, prompt_tokens, new_tokens, namespaces, .. } = config;
+            let on =
+                if namespaces { "with each worker in a network namespace of its own" } else { "on loopback" };
             if let Err(e) = config.validate() {
                 eprintln!("dejavud demo: {e}");
                 return ExitCode::from(2);
@@ -137,7 +139,7 @@ fn main() -> ExitCode {
             if !json {
                 println!(
                     "DéjàVu demo: the reference model (8 layers, d_model 256, 8 query / 2 KV heads) as {stages} stage \
-processes on loopback, {requests} requests of {prompt_tokens} prompt + {new_tokens} new tokens, \
+processes {on}, {requests} requests of {prompt_tokens} prompt + {new_tokens} new tokens, \
 each stage's KV copied every step to its own sidecar process and its ring successor's, every \
 process heartbeating to a controller process"
                 );

@@ -68,6 +68,20 @@ fn the_demo_recovers_a_killed_stage_with_identical_tokens_also_when_swapping_or_
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
     assert_eq!(report["matched"], true, "{report}");
     assert_eq!(report["spares_used"], 2, "{report}");
+    // Each worker in a network namespace of its own (as root; elsewhere it says so, exit 2).
+    let out = dejavud(&[&args[..], &["--namespaces"]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(2) && (stderr.contains("need root") || stderr.contains("`ip ")) {
+        eprintln!("skipped --namespaces: {}", stderr.trim());
+    } else {
+        assert!(out.status.success(), "{stderr}");
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+        assert_eq!(
+            (&report["matched"], &report["restart_matched"]),
+            (&true.into(), &true.into()),
+            "{report}"
+        );
+    }
     assert!(leftovers().is_empty(), "processes left behind: {:?}", leftovers());
 }
 
