@@ -96,6 +96,17 @@ typedef struct DjvWorker {
   uint32_t rank;
 } DjvWorker;
 
+// One sequence's KV as its sidecar keeps it (see [`djv_sidecar_restore`]).
+typedef struct DjvResumePoint {
+  // The worker the KV is for.
+  struct DjvWorker destination;
+  // Its microbatch.
+  uint32_t microbatch;
+  // Its layers, slots and heads; tokens `0..tokens_end` are held (and restored): the engine
+  // computes from token `tokens_end` on.
+  struct DjvRegion held;
+} DjvResumePoint;
+
 // The name a store had when only files were stores; kept so that existing programs build.
 typedef struct DjvStore DjvFileStore;
 
@@ -296,6 +307,34 @@ enum DjvStatus djv_fetch(struct DjvStore *store,
                          struct DjvWorker source,
                          struct DjvWorker destination,
                          uint32_t microbatch);
+
+// Asks the engine's sidecar which stage it serves (a spare learns the stage it was assigned) and
+// the newest engine epoch it has accepted.
+//
+// # Safety
+//
+// `store` is a live handle; `stage` and `epoch` are valid for writes.
+enum DjvStatus djv_sidecar_serves(struct DjvStore *store, uint32_t *stage, uint64_t *epoch);
+
+// Follows the sidecar's recovery instructions after an engine restart: for each sequence of
+// `worker` the sidecar keeps KV of, fetches it (up to the first gap) through shared memory into
+// `caches[microbatch]` (microbatches beyond `n_caches`, or with a NULL cache, are left alone) and
+// writes its resume point into `points`. `*count` is set to the number of sequences; if it is
+// more than `capacity`, nothing is fetched and the status is `DJV_STATUS_INVALID_ARGUMENT` (call
+// again with room for `*count`; `capacity` 0 only counts).
+//
+// # Safety
+//
+// `store` is a live sidecar store; `caches` holds `n_caches` pointers, each NULL or a live cache
+// (NULL if `n_caches` is 0); `points` is valid for `capacity` writes (NULL if 0); `count` is
+// valid for a write.
+enum DjvStatus djv_sidecar_restore(struct DjvStore *store,
+                                   struct DjvWorker worker,
+                                   const struct DjvCache *const *caches,
+                                   uintptr_t n_caches,
+                                   struct DjvResumePoint *points,
+                                   uintptr_t capacity,
+                                   uintptr_t *count);
 
 #ifdef __cplusplus
 }  // extern "C"

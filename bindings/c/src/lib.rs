@@ -122,7 +122,41 @@ pub struct DjvCache {
 
 /// Where chunks are flushed to and fetched from (opaque): a directory of chunk files, or the
 /// engine's own sidecar process.
-pub struct DjvStore(Box<dyn ChunkStore>);
+pub struct DjvStore(StoreKind);
+
+enum StoreKind {
+    Files(FileStore),
+    Sidecar(LocalSidecar),
+}
+
+impl DjvStore {
+    fn chunks(&mut self) -> &mut dyn ChunkStore {
+        match &mut self.0 {
+            StoreKind::Files(store) => store,
+            StoreKind::Sidecar(local) => local,
+        }
+    }
+
+    fn sidecar(&mut self) -> Result<&mut LocalSidecar, Failure> {
+        match &mut self.0 {
+            StoreKind::Sidecar(local) => Ok(local),
+            StoreKind::Files(_) => Err(Failure::invalid("not a sidecar store")),
+        }
+    }
+}
+
+/// One sequence's KV as its sidecar keeps it (see [`djv_sidecar_restore`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DjvResumePoint {
+    /// The worker the KV is for.
+    pub destination: DjvWorker,
+    /// Its microbatch.
+    pub microbatch: u32,
+    /// Its layers, slots and heads; tokens `0..tokens_end` are held (and restored): the engine
+    /// computes from token `tokens_end` on.
+    pub held: DjvRegion,
+}
 
 /// The name a store had when only files were stores; kept so that existing programs build.
 pub type DjvFileStore = DjvStore;
@@ -542,7 +576,7 @@ pub unsafe extern "C" fn djv_file_store_open(dir: *const c_char, out: *mut *mut 
             unsafe { CStr::from_ptr(dir) }.to_str().map_err(|_| Failure::invalid("dir is not UTF-8"))?;
         let store = FileStore::open(dir, FileBackend::Auto)?;
         // SAFETY: the caller passes a writable `out`.
-        unsafe { give(out, DjvStore(Box::new(store))) }
+        unsafe { give(out, DjvStore(StoreKind::Files(store))) }
     })
 }
 
@@ -577,7 +611,7 @@ pub unsafe extern "C" fn djv_sidecar_store_open(
         let local = LocalSidecar::connect(std::path::Path::new(socket), epoch, successor)
             .map_err(|e| Failure(DjvStatus::Io, format!("sidecar at {socket}: {e}")))?;
         // SAFETY: the caller passes a writable `out`.
-        unsafe { give(out, DjvStore(Box::new(local))) }
+        unsafe { give(out, DjvStore(StoreKind::Sidecar(local))) }
     })
 }
 
@@ -646,7 +680,7 @@ pub unsafe extern "C" fn djv_flush(
         // SAFETY: per the contract.
         let (store, cache, r) = unsafe { operands(store, cache, region) }?;
         let t = transfer(r, source, destination, microbatch);
-        send(&cache.cache, &t, r.tokens_start..r.tokens_end, &cache.pool, &mut *store.0)?;
+        send(&cache.cache, &t, r.tokens_start..r.tokens_end, &cache.pool, store.chunks())?;
         Ok(())
     })
 }
@@ -671,7 +705,102 @@ pub unsafe extern "C" fn djv_fetch(
         let (store, cache, r) = unsafe { operands(store, cache, region) }?;
         let t = transfer(r, source, destination, microbatch);
         let mut payload = Vec::new();
-        receive(&cache.cache, &t, r.tokens_start..r.tokens_end, &mut *store.0, &mut payload)?;
+        receive(&cache.cache, &t, r.tokens_start..r.tokens_end, store.chunks(), &mut payload)?;
+        Ok(())
+    })
+}
+
+/// Asks the engine's sidecar which stage it serves (a spare learns the stage it was assigned) and
+/// the newest engine epoch it has accepted.
+///
+/// # Safety
+///
+/// `store` is a live handle; `stage` and `epoch` are valid for writes.
+#[no_mangle]
+pub unsafe extern "C" fn djv_sidecar_serves(
+    store: *mut DjvStore,
+    stage: *mut u32,
+    epoch: *mut u64,
+) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract.
+        let store = unsafe { store.as_mut() }.ok_or_else(|| Failure::invalid("store is NULL"))?;
+        let recovery = store.sidecar()?.recovery().map_err(|e| Failure(DjvStatus::Io, e.to_string()))?;
+        // SAFETY: per the contract.
+        unsafe {
+            *stage.as_mut().ok_or_else(|| Failure::invalid("stage is NULL"))? = recovery.stage;
+            *epoch.as_mut().ok_or_else(|| Failure::invalid("epoch is NULL"))? = recovery.epoch;
+        }
+        Ok(())
+    })
+}
+
+/// Follows the sidecar's recovery instructions after an engine restart: for each sequence of
+/// `worker` the sidecar keeps KV of, fetches it (up to the first gap) through shared memory into
+/// `caches[microbatch]` (microbatches beyond `n_caches`, or with a NULL cache, are left alone) and
+/// writes its resume point into `points`. `*count` is set to the number of sequences; if it is
+/// more than `capacity`, nothing is fetched and the status is `DJV_STATUS_INVALID_ARGUMENT` (call
+/// again with room for `*count`; `capacity` 0 only counts).
+///
+/// # Safety
+///
+/// `store` is a live sidecar store; `caches` holds `n_caches` pointers, each NULL or a live cache
+/// (NULL if `n_caches` is 0); `points` is valid for `capacity` writes (NULL if 0); `count` is
+/// valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn djv_sidecar_restore(
+    store: *mut DjvStore,
+    worker: DjvWorker,
+    caches: *const *const DjvCache,
+    n_caches: usize,
+    points: *mut DjvResumePoint,
+    capacity: usize,
+    count: *mut usize,
+) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract.
+        let store = unsafe { store.as_mut() }.ok_or_else(|| Failure::invalid("store is NULL"))?;
+        // SAFETY: per the contract.
+        let count = unsafe { count.as_mut() }.ok_or_else(|| Failure::invalid("count is NULL"))?;
+        let caches: &[*const DjvCache] = match n_caches {
+            0 => &[],
+            // SAFETY: `caches` holds `n_caches` pointers per the contract.
+            n => unsafe { std::slice::from_raw_parts(caches, n) },
+        };
+        let me = WorkerId { stage: worker.stage, rank: worker.rank };
+        let recovery = store.sidecar()?.recovery().map_err(|e| Failure(DjvStatus::Io, e.to_string()))?;
+        let mine: Vec<_> = recovery.resume_points().into_iter().filter(|p| p.destination == me).collect();
+        *count = mine.len();
+        if mine.len() > capacity {
+            return Err(Failure::invalid(format!(
+                "room for {capacity} resume points, {} needed",
+                mine.len()
+            )));
+        }
+        let mut payload = Vec::new();
+        for (i, point) in mine.iter().enumerate() {
+            let cache = caches.get(point.microbatch as usize).copied().unwrap_or(std::ptr::null());
+            // SAFETY: each entry is NULL or a live cache per the contract.
+            if let Some(cache) = unsafe { cache.as_ref() } {
+                for region in &point.chunks {
+                    let t = Transfer::in_place(me, me, point.microbatch, region);
+                    receive(&cache.cache, &t, region.tokens.clone(), store.chunks(), &mut payload)?;
+                }
+            }
+            let held = DjvRegion {
+                layers_start: point.layers.start,
+                layers_end: point.layers.end,
+                slots_start: point.slots.start,
+                slots_end: point.slots.end,
+                heads_start: point.heads.start,
+                heads_end: point.heads.end,
+                tokens_start: 0,
+                tokens_end: point.tokens,
+            };
+            let resume = DjvResumePoint { destination: worker, microbatch: point.microbatch, held };
+            // SAFETY: `i < mine.len() <= capacity`, and `points` is valid for `capacity` writes.
+            unsafe { points.add(i).write(resume) };
+        }
         Ok(())
     })
 }

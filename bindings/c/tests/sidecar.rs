@@ -19,9 +19,16 @@ fn last_error() -> String {
     unsafe { CStr::from_ptr(djv_last_error()) }.to_string_lossy().into_owned()
 }
 
-#[test]
-fn a_region_flushed_to_the_sidecar_is_forwarded_and_comes_back() {
-    let dir = tempfile::tempdir().unwrap();
+/// A successor's transport in this process, and a sidecar of stage 1 (on a thread) forwarding to
+/// it, with its local socket in `dir`.
+struct Sidecar {
+    _runtime: tokio::runtime::Runtime,
+    successor: PeerServer,
+    successor_store: HostStore,
+    socket: std::path::PathBuf,
+}
+
+fn sidecar(dir: &std::path::Path) -> Sidecar {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let successor_store = HostStore::new();
     let successor = runtime
@@ -32,12 +39,12 @@ fn a_region_flushed_to_the_sidecar_is_forwarded_and_comes_back() {
             successor_store.clone(),
         ))
         .unwrap();
-    let socket = dir.path().join("sidecar.sock");
+    let socket = dir.join("sidecar.sock");
     let config = SidecarConfig {
         index: 1,
         listen: "127.0.0.1:0".parse().unwrap(),
         local: socket.clone(),
-        shm_dir: dir.path().to_owned(),
+        shm_dir: dir.to_owned(),
         region_bytes: 1 << 20,
         secret: SECRET.as_bytes().to_vec(),
         skip_forwarding: false,
@@ -48,7 +55,13 @@ fn a_region_flushed_to_the_sidecar_is_forwarded_and_comes_back() {
     let (ready, listening) = std::sync::mpsc::channel();
     std::thread::spawn(move || serve_sidecar(config, None, |addr, _| ready.send(addr).unwrap()));
     listening.recv().unwrap();
+    Sidecar { _runtime: runtime, successor, successor_store, socket }
+}
 
+#[test]
+fn a_region_flushed_to_the_sidecar_is_forwarded_and_comes_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let Sidecar { _runtime, successor, successor_store, socket } = sidecar(dir.path());
     let region = DjvRegion {
         layers_start: 0,
         layers_end: 2,
@@ -102,6 +115,99 @@ fn a_region_flushed_to_the_sidecar_is_forwarded_and_comes_back() {
             DjvStatus::InvalidArgument
         );
 
+        djv_store_free(store);
+        djv_cache_free(engine);
+        djv_cache_free(restored);
+        djv_layout_free(layout);
+    }
+}
+
+#[test]
+fn a_restarted_engine_restores_what_its_sidecar_keeps_and_learns_where_to_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let Sidecar { _runtime, successor, socket, .. } = sidecar(dir.path());
+    let socket = CString::new(socket.to_str().unwrap()).unwrap();
+    let successor_addr = CString::new(successor.addr().to_string()).unwrap();
+    let worker = DjvWorker { stage: 1, rank: 0 };
+    let sequence = |slot: u32, tokens: std::ops::Range<u32>| DjvRegion {
+        layers_start: 0,
+        layers_end: 2,
+        slots_start: slot,
+        slots_end: slot + 1,
+        heads_start: 0,
+        heads_end: 3,
+        tokens_start: tokens.start,
+        tokens_end: tokens.end,
+    };
+    let (mut layout, mut engine, mut restored, mut store) =
+        (ptr::null_mut(), ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+    // SAFETY: every pointer passed is a live local or a handle these calls returned; lengths match
+    // the buffers given.
+    unsafe {
+        assert_eq!(
+            djv_layout_faster_transformer(2, 3, 40, DjvElement::F16, 2, 32, &mut layout),
+            DjvStatus::Ok
+        );
+        assert_eq!(djv_cache_new(layout, &mut engine), DjvStatus::Ok);
+        assert_eq!(djv_cache_new(layout, &mut restored), DjvStatus::Ok);
+        let whole = DjvRegion { slots_end: 2, tokens_end: 32, ..sequence(0, 0..32) };
+        let mut len = 0u64;
+        assert_eq!(djv_packed_len(engine, &whole, &mut len), DjvStatus::Ok);
+        let noise: Vec<u8> = (0..len).map(|i| (i * 13 + 5) as u8).collect();
+        assert_eq!(djv_scatter(engine, &whole, noise.as_ptr(), noise.len()), DjvStatus::Ok);
+
+        // Microbatch 0: slot 0 has a prompt of 6 tokens and 4 steps, slot 1 a prompt of 6.
+        assert_eq!(
+            djv_sidecar_store_open(socket.as_ptr(), successor_addr.as_ptr(), 1, &mut store),
+            DjvStatus::Ok
+        );
+        let flushes =
+            [sequence(0, 0..6), sequence(1, 0..6)].into_iter().chain((6..10).map(|t| sequence(0, t..t + 1)));
+        for region in flushes {
+            assert_eq!(
+                djv_flush(store, engine, &region, worker, worker, 0),
+                DjvStatus::Ok,
+                "{}",
+                last_error()
+            );
+        }
+        djv_store_free(store);
+
+        // The engine restarts.
+        assert_eq!(
+            djv_sidecar_store_open(socket.as_ptr(), successor_addr.as_ptr(), 2, &mut store),
+            DjvStatus::Ok
+        );
+        let (mut stage, mut epoch) = (0u32, 0u64);
+        assert_eq!(djv_sidecar_serves(store, &mut stage, &mut epoch), DjvStatus::Ok, "{}", last_error());
+        assert_eq!((stage, epoch), (1, 2));
+        let caches = [restored as *const DjvCache];
+        let mut count = 0usize;
+        let status = djv_sidecar_restore(store, worker, caches.as_ptr(), 1, ptr::null_mut(), 0, &mut count);
+        assert_eq!((status, count), (DjvStatus::InvalidArgument, 2), "capacity 0 only counts");
+        let mut points = [DjvResumePoint { destination: worker, microbatch: 9, held: sequence(9, 0..0) }; 2];
+        let status =
+            djv_sidecar_restore(store, worker, caches.as_ptr(), 1, points.as_mut_ptr(), 2, &mut count);
+        assert_eq!(status, DjvStatus::Ok, "{}", last_error());
+        let got: Vec<(u32, u32, u32)> =
+            points.iter().map(|p| (p.microbatch, p.held.slots_start, p.held.tokens_end)).collect();
+        assert_eq!(got, [(0, 0, 10), (0, 1, 6)]);
+        for point in &points {
+            let mut len = 0u64;
+            assert_eq!(djv_packed_len(engine, &point.held, &mut len), DjvStatus::Ok);
+            let (mut want, mut back) = (vec![0u8; len as usize], vec![1u8; len as usize]);
+            assert_eq!(djv_gather(engine, &point.held, want.as_mut_ptr(), want.len()), DjvStatus::Ok);
+            assert_eq!(djv_gather(restored, &point.held, back.as_mut_ptr(), back.len()), DjvStatus::Ok);
+            assert!(want == back, "slot {} restored byte for byte", point.held.slots_start);
+        }
+        // A file store has no sidecar to ask.
+        let files = CString::new(dir.path().join("chunks").to_str().unwrap()).unwrap();
+        let mut file_store = ptr::null_mut();
+        assert_eq!(djv_file_store_open(files.as_ptr(), &mut file_store), DjvStatus::Ok);
+        assert_eq!(djv_sidecar_serves(file_store, &mut stage, &mut epoch), DjvStatus::InvalidArgument);
+        assert!(last_error().contains("not a sidecar store"), "{}", last_error());
+
+        djv_store_free(file_store);
         djv_store_free(store);
         djv_cache_free(engine);
         djv_cache_free(restored);

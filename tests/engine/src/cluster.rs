@@ -6,7 +6,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -235,11 +235,11 @@ impl ClusterConfig {
     }
 
     /// The flags that give a stage or sidecar the cluster's transport (certificates in `dir`).
-    fn transport_args(&self, dir: &StateDir) -> Vec<String> {
+    fn transport_args(&self, dir: &Path) -> Vec<String> {
         match self.transport {
             TransportKind::Tcp => Vec::new(),
             TransportKind::Quic => {
-                vec!["--transport=quic".to_owned(), format!("--certs={}", dir.certs().display())]
+                vec!["--transport=quic".to_owned(), format!("--certs={}", certs_in(dir).display())]
             }
         }
     }
@@ -293,19 +293,27 @@ impl StateDir {
     }
 }
 
-impl StateDir {
-    /// The cluster's certificates, for QUIC.
-    fn certs(&self) -> PathBuf {
-        self.0.join("certs")
-    }
+/// The cluster's certificates, for QUIC, in its state directory `dir`.
+fn certs_in(dir: &Path) -> PathBuf {
+    dir.join("certs")
+}
 
+impl std::ops::Deref for StateDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl StateDir {
     /// Generates the cluster's authority and the one certificate every process presents (each
     /// process checks only that a peer's is the cluster's).
     fn issue_certs(&self) -> Result<(), ClusterError> {
         let failed =
             |e: dejavulib::net::PeerError| ClusterError::Invalid(format!("cluster certificates: {e}"));
         let ca = dejavulib::net::tls::ClusterCa::generate("dejavu-reference").map_err(failed)?;
-        ca.issue("member").map_err(failed)?.save(&self.certs(), "member").map_err(failed)
+        ca.issue("member").map_err(failed)?.save(&certs_in(self), "member").map_err(failed)
     }
 }
 
@@ -361,7 +369,7 @@ impl Cluster {
         let (mut sidecars, mut sockets) = (Vec::new(), Vec::new());
         if config.replicate {
             for i in 0..n {
-                let socket = dir.0.join(format!("sidecar-{i}-{i}.sock"));
+                let socket = dir.join(format!("sidecar-{i}-{i}.sock"));
                 let place = config.place(&worker_host(i))?;
                 let who = SidecarOf::Stage(i, 0);
                 let args = Self::sidecar_args(&config, heartbeat, who, &socket, &dir, place.ip);
@@ -423,7 +431,7 @@ impl Cluster {
     fn start_prompt_pipeline(
         config: &ClusterConfig,
         sidecars: &[Spawned],
-        dir: &StateDir,
+        dir: &Path,
     ) -> Result<Option<PromptPipeline>, ClusterError> {
         let (Some(disaggregation), Some(shapes)) = (&config.disaggregation, config.shapes()) else {
             return Ok(None);
@@ -545,11 +553,11 @@ impl Cluster {
         Ok(crate::metrics::scrape(at)?)
     }
 
-    fn start_controller(config: &ClusterConfig, dir: &StateDir) -> Result<Supervised, ClusterError> {
+    fn start_controller(config: &ClusterConfig, dir: &Path) -> Result<Supervised, ClusterError> {
         let timeout = config.heartbeat * 3;
         let mut args = vec![
             "controller".to_owned(),
-            format!("--state={}", dir.0.join("controller.state").display()),
+            format!("--state={}", dir.join("controller.state").display()),
             format!("--timeout-ms={}", timeout.as_millis()),
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
             format!("--metrics={}", SocketAddr::new(config.gateway(), 0)),
@@ -613,28 +621,43 @@ impl Cluster {
     }
 
     /// Starts `stages` spare stages and `sidecars` spare sidecars (registered with the controller
-    /// as spares), now (`wait`) or in the background.
+    /// as spares), now (`wait`) or in the background (their hosts too, with network namespaces).
     fn start_spares(&mut self, (stages, sidecars): (u64, u64), wait: bool) -> Result<(), ClusterError> {
         let heartbeat = self.controller.client.addr();
+        // Each job makes its process's host first, where it runs.
+        let placed = |config: &ClusterConfig, n: u32| {
+            config
+                .place(&format!("spare-{n}"))
+                .map_err(|e| SpawnError { what: "a spare".into(), why: e.to_string() })
+        };
         for _ in 0..stages {
-            let n = self.spares.started;
-            let place = self.config.place(&format!("spare-{n}"))?;
-            let stage = vec![
-                "spare".to_owned(),
-                format!("--id={n}"),
-                format!("--heartbeat={heartbeat}"),
-                format!("--heartbeat-ms={}", self.config.heartbeat.as_millis()),
-                format!("--listen={}", SocketAddr::new(place.ip, 0)),
-            ];
-            self.spares.start_stage(&self.config.exe, place.host, stage, wait)?;
+            let (n, config) = (self.spares.started, self.config.clone());
+            self.spares.start_stage(
+                Box::new(move || {
+                    let place = placed(&config, n)?;
+                    let args = [
+                        "spare".to_owned(),
+                        format!("--id={n}"),
+                        format!("--heartbeat={heartbeat}"),
+                        format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
+                        format!("--listen={}", SocketAddr::new(place.ip, 0)),
+                    ];
+                    spawn_on(place.host.as_ref(), &config.exe, &args, "a spare stage", START)
+                }),
+                wait,
+            )?;
         }
         for _ in 0..sidecars {
-            let n = self.spares.started;
-            let place = self.config.place(&format!("spare-{n}"))?;
-            let socket = self.dir.0.join(format!("spare-sidecar-{n}.sock"));
-            let who = SidecarOf::Spare(n);
-            let args = Self::sidecar_args(&self.config, heartbeat, who, &socket, &self.dir, place.ip);
-            self.spares.start_sidecar(&self.config.exe, place.host, args, socket, wait)?;
+            let (n, config, dir) = (self.spares.started, self.config.clone(), self.dir.to_path_buf());
+            let socket = self.dir.join(format!("spare-sidecar-{n}.sock"));
+            let local = socket.clone();
+            let job = Box::new(move || {
+                let place = placed(&config, n)?;
+                let args =
+                    Self::sidecar_args(&config, heartbeat, SidecarOf::Spare(n), &local, &dir, place.ip);
+                spawn_on(place.host.as_ref(), &config.exe, &args, "a spare sidecar", START)
+            });
+            self.spares.start_sidecar(job, socket, wait)?;
         }
         Ok(())
     }
@@ -657,7 +680,7 @@ impl Cluster {
             }
         }
         let heartbeat = self.controller.client.addr();
-        let socket = self.dir.0.join(format!("sidecar-{victim}-{}.sock", self.sidecar_starts));
+        let socket = self.dir.join(format!("sidecar-{victim}-{}.sock", self.sidecar_starts));
         self.sidecar_starts += 1;
         let who = SidecarOf::Stage(victim, epoch);
         // A replacement takes the dead worker's host, as a restarted machine would.
@@ -699,7 +722,7 @@ impl Cluster {
         heartbeat: SocketAddr,
         who: SidecarOf,
         socket: &std::path::Path,
-        dir: &StateDir,
+        dir: &Path,
         ip: IpAddr,
     ) -> Vec<String> {
         let who = match who {
@@ -711,7 +734,7 @@ impl Cluster {
             who[0].clone(),
             who[1].clone(),
             format!("--local={}", socket.display()),
-            format!("--shm-dir={}", dir.0.display()),
+            format!("--shm-dir={}", dir.display()),
             format!("--heartbeat={heartbeat}"),
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
             format!("--listen={}", SocketAddr::new(ip, 0)),
@@ -735,7 +758,7 @@ impl Cluster {
         sidecars: Option<(PathBuf, SocketAddr)>,
         (index, epoch): (usize, u64),
         next: SocketAddr,
-        dir: &StateDir,
+        dir: &Path,
         ip: IpAddr,
     ) -> Vec<String> {
         let layers = &config.splits[index];

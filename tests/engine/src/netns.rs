@@ -70,9 +70,12 @@ impl Fabric {
         }
         for number in 0..=u8::MAX {
             let bridge = format!("djvb{number}");
-            // Bridged frames skip iptables: a host firewall's FORWARD policy must not cut workers
-            // off from each other.
-            match ip(&["link", "add", &bridge, "type", "bridge", "nf_call_iptables", "0"]) {
+            // An address of its own: a bridge otherwise takes the lowest of its ports', which
+            // changes as hosts join, and the hosts' cached address of the gateway goes stale
+            // (their packets to it are lost until the cache expires). Bridged frames skip
+            // iptables: a host firewall's FORWARD policy must not cut workers off from each other.
+            let mac = format!("02:64:6a:76:00:{number:02x}");
+            match ip(&["link", "add", &bridge, "address", &mac, "type", "bridge", "nf_call_iptables", "0"]) {
                 Ok(()) => {}
                 Err(NetnsError::Ip { why, .. }) if why.contains("File exists") => continue,
                 Err(e) => return Err(e),
@@ -84,6 +87,11 @@ impl Fabric {
             return Ok(fabric);
         }
         Err(NetnsError::Exhausted)
+    }
+
+    /// The bridge's name.
+    pub fn bridge(&self) -> String {
+        format!("djvb{}", self.number)
     }
 
     /// The bridge's address: where the caller's namespace is reached from the hosts.
@@ -110,7 +118,7 @@ impl Fabric {
             let inside = format!("djv{n}p{i}");
             ip(&["netns", "add", &namespace])?;
             ip(&["link", "add", &outside, "type", "veth", "peer", "name", &inside, "netns", &namespace])?;
-            ip(&["link", "set", &outside, "master", &format!("djvb{n}"), "up"])?;
+            ip(&["link", "set", &outside, "master", &self.bridge(), "up"])?;
             ip(&["-n", &namespace, "addr", "add", &format!("{addr}/24"), "dev", &inside])?;
             ip(&["-n", &namespace, "link", "set", &inside, "up"])?;
             ip(&["-n", &namespace, "link", "set", "lo", "up"])
@@ -141,7 +149,7 @@ impl Drop for Fabric {
         for host in self.hosts.lock().values() {
             remove(&host.name, &host.outside);
         }
-        let _ = ip(&["link", "del", &format!("djvb{}", self.number)]);
+        let _ = ip(&["link", "del", &self.bridge()]);
     }
 }
 
@@ -211,6 +219,10 @@ mod tests {
         let (a, b) = (fabric.host("a").unwrap(), fabric.host("b").unwrap());
         assert_ne!(a.ip(), b.ip());
         assert_eq!(fabric.host("a").unwrap().ip(), a.ip(), "a host is made once");
+        // The bridge keeps its own hardware address as hosts join: the hosts' cached address of
+        // the gateway stays right.
+        let mac = std::fs::read_to_string(format!("/sys/class/net/{}/address", fabric.bridge())).unwrap();
+        assert!(mac.starts_with("02:64:6a:76:00:"), "{mac}");
         let gateway = TcpListener::bind((fabric.gateway(), 0)).unwrap();
         let port = gateway.local_addr().unwrap().port();
         // A process in host a connects to the gateway; the connection comes from a's address.

@@ -6,17 +6,12 @@
 //! starts dies with the thread that started it (`PR_SET_PDEATHSIG`), so a thread per start would
 //! take its spare down with it as it ends.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use std::sync::Arc;
-
-use crate::netns::Host;
-use crate::proc::{spawn_on, SpawnError, Spawned};
-
-use super::START;
+use crate::proc::{SpawnError, Spawned};
 
 /// A spare sidecar and its local socket.
 pub(super) struct SpareSidecar {
@@ -24,9 +19,12 @@ pub(super) struct SpareSidecar {
     pub(super) socket: PathBuf,
 }
 
-/// A start for the spawner thread: the executable, its host (if not loopback), its arguments, and
-/// where to answer.
-type Start = (PathBuf, Option<Arc<Host>>, Vec<String>, Sender<Result<Spawned, SpawnError>>);
+/// What starts a spare: it spawns the process (after making its host, with network namespaces),
+/// on the caller's thread or the spawner's.
+pub(super) type Job = Box<dyn FnOnce() -> Result<Spawned, SpawnError> + Send>;
+
+/// A start for the spawner thread, and where to answer.
+type Start = (Job, Sender<Result<Spawned, SpawnError>>);
 
 /// Spares ready, and spares starting.
 #[derive(Default)]
@@ -44,59 +42,44 @@ pub(super) struct SparePool {
 }
 
 impl SparePool {
-    /// Starts `exe args` on `host` now (`wait`), or through the spawner thread.
+    /// Runs `job` now (`wait`), or on the spawner thread.
     fn start(
         &mut self,
-        exe: &Path,
-        host: Option<Arc<Host>>,
-        args: Vec<String>,
+        job: Job,
         wait: bool,
     ) -> Result<Result<Spawned, Receiver<Result<Spawned, SpawnError>>>, SpawnError> {
         self.started += 1;
         if wait {
-            return Ok(Ok(spawn_on(host.as_ref(), exe, &args, "a spare", START)?));
+            return Ok(Ok(job()?));
         }
         let (to_spawner, _) = self.spawner.get_or_insert_with(|| {
             let (tx, rx) = crossbeam_channel::unbounded::<Start>();
             let thread = std::thread::spawn(move || {
-                for (exe, host, args, answer) in rx {
-                    let _ = answer.send(spawn_on(host.as_ref(), &exe, &args, "a spare", START));
+                for (job, answer) in rx {
+                    let _ = answer.send(job());
                 }
             });
             (tx, thread)
         });
         let (answer, started) = crossbeam_channel::bounded(1);
         // The spawner lives as long as the pool: sending cannot fail.
-        let _ = to_spawner.send((exe.to_owned(), host, args, answer));
+        let _ = to_spawner.send((job, answer));
         Ok(Err(started))
     }
 
-    /// Starts a spare stage with `args` on `host`, now (`wait`) or in the background.
-    pub(super) fn start_stage(
-        &mut self,
-        exe: &Path,
-        host: Option<Arc<Host>>,
-        args: Vec<String>,
-        wait: bool,
-    ) -> Result<(), SpawnError> {
-        match self.start(exe, host, args, wait)? {
+    /// Starts a spare stage with `job`, now (`wait`) or in the background.
+    pub(super) fn start_stage(&mut self, job: Job, wait: bool) -> Result<(), SpawnError> {
+        match self.start(job, wait)? {
             Ok(spawned) => self.stages.push(spawned),
             Err(starting) => self.starting_stages.push(starting),
         }
         Ok(())
     }
 
-    /// Starts a spare sidecar with `args` and local socket `socket` on `host`, now (`wait`) or
-    /// in the background.
-    pub(super) fn start_sidecar(
-        &mut self,
-        exe: &Path,
-        host: Option<Arc<Host>>,
-        args: Vec<String>,
-        socket: PathBuf,
-        wait: bool,
-    ) -> Result<(), SpawnError> {
-        match self.start(exe, host, args, wait)? {
+    /// Starts a spare sidecar with `job` (its local socket: `socket`), now (`wait`) or in the
+    /// background.
+    pub(super) fn start_sidecar(&mut self, job: Job, socket: PathBuf, wait: bool) -> Result<(), SpawnError> {
+        match self.start(job, wait)? {
             Ok(process) => self.sidecars.push(SpareSidecar { process, socket }),
             Err(starting) => self.starting_sidecars.push((socket, starting)),
         }
