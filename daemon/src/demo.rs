@@ -104,10 +104,10 @@ pub struct DemoSettings {
     #[arg(long, value_enum)]
     pub transport: Option<TransportSetting>,
     /// Run each worker (a stage and its sidecar) in a network namespace of its own, at its own
-    /// address on a bridge, as on machines of their own; needs root and iproute2.
-    #[arg(long)]
-    #[serde(default)]
-    pub namespaces: bool,
+    /// address on a bridge, as on machines of their own; needs root and iproute2
+    /// (`--namespaces=false` turns a file's setting off) [default: false].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub namespaces: Option<bool>,
 }
 
 /// The transport between sidecars, as a setting.
@@ -142,7 +142,7 @@ impl DemoSettings {
             device_caches: self.device_caches.or(base.device_caches),
             spares: self.spares.or(base.spares),
             transport: self.transport.or(base.transport),
-            namespaces: self.namespaces || base.namespaces,
+            namespaces: self.namespaces.or(base.namespaces),
         }
     }
 
@@ -166,7 +166,7 @@ impl DemoSettings {
                 Some(TransportSetting::Quic) => TransportKind::Quic,
                 Some(TransportSetting::Tcp) | None => TransportKind::Tcp,
             },
-            namespaces: self.namespaces,
+            namespaces: self.namespaces.unwrap_or(false),
             exe,
         }
     }

@@ -11,7 +11,7 @@
 //! | `Control` [`OP_SUCCESSOR`], payload = an address (also as the first and only frame of a connection of its own, epoch = the engine's) | `Control`; forwards go there from now on (a forward under way to the replaced successor fails at once); `Error` (`StaleEpoch`) on its own connection from an engine older than the one in use |
 //! | `Control` [`OP_ASSIGN`] (first and only frame of a connection of the cluster's), id 1 = a stage, ids 2-3 = an epoch | `Control` once a spare sidecar has become that stage's; `Error` if it is not a spare waiting for one |
 //! | `Control` [`OP_KEEP`], id 1 = chunks, ids 2-3 = their length, the chunks (each header and payload) written one after the other into the region | `Control` once the sidecar keeps them all (it forwards none: they came from a copy that exists); `Error` otherwise |
-//! | `Control` [`OP_HELD`], id 1 = the first key wanted | `Control`, id 1 = the stage the sidecar serves, id 2 = keys in this reply, id 3 = keys in all, epoch = the engine's in force, payload = the successor's address; the keys ([`ChunkKey::encode`], sorted) of the stage's own chunks it keeps, written one after the other into the region |
+//! | `Control` [`OP_HELD`], id 1 = keys wanted at most (0: none), payload = the last key received (empty: from the first) | `Control`, id 1 = the stage the sidecar serves, id 2 = keys in this reply, id 3 = keys after them, epoch = the newest it knows (its engine's, or its assignment's), payload = the successor's address; each of the stage's own chunks it keeps after the one named, in the order of their keys' encoding, as a [`HeldChunk`] (its key, [`ChunkKey::encode`], and when it was put), written one after the other into the region; `Error` from a spare not assigned yet |
 //!
 //! The sidecar itself is a process of the daemon (`dejavud sidecar`).
 
@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
-use crate::resume::{resume_points, ResumePoint};
+use crate::resume::{resume_points, HeldChunk, ResumePoint};
 use crate::shm::{SharedRegion, ShmError};
 use crate::store::{ChunkStore, StoreError};
 use crate::wire::{read_frame, write_frame, ErrorCode, Frame, FrameError, FrameHeader, Kind};
@@ -68,20 +68,27 @@ impl From<FrameError> for LocalError {
     }
 }
 
-/// What a sidecar tells its (re)started engine: which stage it serves, in which epoch, where it
-/// forwards, and which of the stage's chunks it keeps. An engine restarted beside a sidecar that
-/// survived restores from [`Recovery::resume_points`] without any network transfer and computes
-/// from there; a spare's engine learns the stage it was assigned.
+/// What a sidecar serves as: a spare's engine learns here the stage it was assigned.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Recovery {
+pub struct Serving {
     /// The stage the sidecar serves.
     pub stage: u32,
-    /// The newest engine epoch the sidecar has accepted (the asking engine's).
+    /// The newest epoch it knows: its engine's, or that of the recovery that assigned it.
     pub epoch: u64,
     /// The successor sidecar it forwards to, if it has one.
     pub successor: Option<SocketAddr>,
-    /// Keys of the stage's own chunks it keeps (not its predecessor's replica), sorted.
-    pub held: Vec<ChunkKey>,
+}
+
+/// What a sidecar tells its (re)started engine: what it serves as, and which of the stage's
+/// chunks it keeps. An engine restarted beside a sidecar that survived restores from
+/// [`Recovery::resume_points`] without any network transfer and computes from there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Recovery {
+    /// The stage, epoch and successor.
+    pub serving: Serving,
+    /// The stage's own chunks it keeps (not its predecessor's replica), in the order of their
+    /// keys' encoding.
+    pub held: Vec<HeldChunk>,
 }
 
 impl Recovery {
@@ -204,35 +211,56 @@ impl LocalSidecar {
         Ok(())
     }
 
-    /// Asks the sidecar what it serves and which of the stage's own chunks it keeps: the
+    /// Asks the sidecar what it serves as (no keys).
+    pub fn serving(&mut self) -> Result<Serving, LocalError> {
+        Ok(self.held_page(0, None)?.0)
+    }
+
+    /// Asks the sidecar what it serves as and which of the stage's own chunks it keeps: the
     /// instructions a restarted engine follows (restore each [`ResumePoint`]'s chunks with
     /// [`ChunkStore::get`], then compute from its `tokens`). Keys come in pages that fit the
-    /// shared region.
+    /// shared region, each after the last key of the one before.
     pub fn recovery(&mut self) -> Result<Recovery, LocalError> {
-        let mut held = Vec::new();
+        let fit = (self.region.capacity() / HeldChunk::ENCODED_LEN).min(u32::MAX as usize) as u32;
+        let mut held: Vec<HeldChunk> = Vec::new();
         loop {
-            let ids = [OP_HELD, held.len() as u32, 0, 0];
-            let reply = self.channel.call(Kind::Control, 0, ids, &[], Kind::Control)?;
-            let [_, stage, count, total] = reply.header.ids;
-            let bytes = self.region.read(count as usize * ChunkKey::ENCODED_LEN)?;
-            for encoded in bytes.chunks_exact(ChunkKey::ENCODED_LEN) {
-                let key = ChunkKey::decode(encoded)
-                    .ok_or_else(|| LocalError::Protocol("a malformed chunk key".into()))?;
-                held.push(key);
+            let (serving, after) = self.held_page(fit, held.last().map(|h| &h.key))?;
+            let page_len = held.len();
+            let bytes = self.region.read((after.0 as usize) * HeldChunk::ENCODED_LEN)?;
+            for encoded in bytes.chunks_exact(HeldChunk::ENCODED_LEN) {
+                let chunk = HeldChunk::decode(encoded)
+                    .ok_or_else(|| LocalError::Protocol("a malformed held chunk".into()))?;
+                held.push(chunk);
             }
-            if count == 0 || held.len() >= total as usize {
-                let successor = match reply.payload.as_slice() {
-                    [] => None,
-                    addr => Some(
-                        std::str::from_utf8(addr)
-                            .ok()
-                            .and_then(|a| a.parse().ok())
-                            .ok_or_else(|| LocalError::Protocol("a malformed successor address".into()))?,
-                    ),
-                };
-                return Ok(Recovery { stage, epoch: reply.header.epoch, successor, held });
+            match after.1 {
+                0 => return Ok(Recovery { serving, held }),
+                _ if held.len() == page_len => {
+                    return Err(LocalError::Protocol("keys left, but none fit the shared region".into()))
+                }
+                _ => {}
             }
         }
+    }
+
+    /// One [`OP_HELD`] request for at most `want` keys after `last`: what the sidecar serves as,
+    /// and (keys in the region now, keys after them).
+    fn held_page(&mut self, want: u32, last: Option<&ChunkKey>) -> Result<(Serving, (u32, u32)), LocalError> {
+        let cursor = last.map(ChunkKey::encode).unwrap_or_default();
+        let reply = self.channel.call(Kind::Control, 0, [OP_HELD, want, 0, 0], &cursor, Kind::Control)?;
+        let [_, stage, count, after] = reply.header.ids;
+        if count > want {
+            return Err(LocalError::Protocol(format!("{count} keys for {want} asked")));
+        }
+        let successor = match reply.payload.as_slice() {
+            [] => None,
+            addr => Some(
+                std::str::from_utf8(addr)
+                    .ok()
+                    .and_then(|a| a.parse().ok())
+                    .ok_or_else(|| LocalError::Protocol("a malformed successor address".into()))?,
+            ),
+        };
+        Ok((Serving { stage, epoch: reply.header.epoch, successor }, (count, after)))
     }
 
     fn store_error(&self, e: LocalError) -> StoreError {

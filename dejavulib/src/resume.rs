@@ -7,6 +7,11 @@
 //! fetch to restore them. KV after a gap is useless (the steps after the gap need the missing
 //! one), so a resume point stops at the first token some layer or head lacks; the engine
 //! recomputes from there.
+//!
+//! A slot range may have held other requests before: a sequence's KV starts at token 0, so in
+//! each layer and head only the chunks put since the last token-0 chunk there count (a chunk that
+//! is stale anywhere it reaches counts nowhere). A prompt streamed in pieces is fine as long as
+//! each layer's token-0 piece comes before its later ones.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -14,6 +19,36 @@ use std::ops::Range;
 use crate::chunk::ChunkKey;
 use crate::placement::WorkerId;
 use crate::region::KvRegion;
+
+/// A chunk a store keeps, and when it was put.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldChunk {
+    /// Its key.
+    pub key: ChunkKey,
+    /// When it was last put: puts to the store before it.
+    pub put: u64,
+}
+
+impl HeldChunk {
+    /// Bytes of [`HeldChunk::encode`].
+    pub const ENCODED_LEN: usize = ChunkKey::ENCODED_LEN + 8;
+
+    /// The key ([`ChunkKey::encode`]), then the put number (little-endian).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut bytes = self.key.encode();
+        bytes.extend_from_slice(&self.put.to_le_bytes());
+        bytes
+    }
+
+    /// Inverse of [`HeldChunk::encode`]; `None` if malformed.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != Self::ENCODED_LEN {
+            return None;
+        }
+        let (key, put) = bytes.split_at(ChunkKey::ENCODED_LEN);
+        Some(Self { key: ChunkKey::decode(key)?, put: u64::from_le_bytes(put.try_into().ok()?) })
+    }
+}
 
 /// A sequence's KV as held, and where its engine resumes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,26 +74,59 @@ pub struct ResumePoint {
 /// A sequence's chunks: destination, microbatch, and slot range as `(start, end)`.
 type SequenceId = (WorkerId, u32, (u32, u32));
 
-/// Groups `keys` by destination, microbatch and slot range, and finds each group's resume point
+/// Groups `held` by destination, microbatch and slot range, and finds each group's resume point
 /// (see the module's documentation). Groups come out in that order; a group whose KV lacks
 /// token 0 somewhere has `tokens == 0` and no chunks.
-pub fn resume_points(keys: &[ChunkKey]) -> Vec<ResumePoint> {
-    let mut groups: BTreeMap<SequenceId, Vec<&KvRegion>> = BTreeMap::new();
-    for key in keys.iter().filter(|k| !k.region.is_empty()) {
+pub fn resume_points(held: &[HeldChunk]) -> Vec<ResumePoint> {
+    let mut groups: BTreeMap<SequenceId, Vec<(&KvRegion, u64)>> = BTreeMap::new();
+    for chunk in held.iter().filter(|c| !c.key.region.is_empty()) {
+        let key = &chunk.key;
         let slots = (key.region.slots.start, key.region.slots.end);
-        groups.entry((key.destination, key.microbatch, slots)).or_default().push(&key.region);
+        groups.entry((key.destination, key.microbatch, slots)).or_default().push((&key.region, chunk.put));
     }
     groups
         .into_iter()
-        .map(|((destination, microbatch, (first, end)), regions)| {
-            let layers = span(regions.iter().map(|r| &r.layers));
-            let heads = span(regions.iter().map(|r| &r.heads));
-            let tokens = held_prefix(&regions, &layers, &heads);
+        .map(|((destination, microbatch, (first, end)), chunks)| {
+            let current = current_sequence(&chunks);
+            let layers = span(current.iter().map(|r| &r.layers));
+            let heads = span(current.iter().map(|r| &r.heads));
+            let tokens = held_prefix(&current, &layers, &heads);
             let mut chunks: Vec<KvRegion> =
-                regions.iter().filter(|r| r.tokens.start < tokens).map(|r| (*r).clone()).collect();
+                current.iter().filter(|r| r.tokens.start < tokens).map(|r| (*r).clone()).collect();
             chunks.sort_by_key(|r| (r.tokens.start, r.layers.start, r.heads.start));
             ResumePoint { destination, microbatch, slots: first..end, layers, heads, tokens, chunks }
         })
+        .collect()
+}
+
+/// The chunks of a slot range's current sequence: those put, in every layer and head they cover,
+/// no earlier than the last token-0 chunk covering that layer and head.
+fn current_sequence<'a>(chunks: &[(&'a KvRegion, u64)]) -> Vec<&'a KvRegion> {
+    let regions: Vec<&KvRegion> = chunks.iter().map(|&(r, _)| r).collect();
+    let layers = span(regions.iter().map(|r| &r.layers));
+    let heads = span(regions.iter().map(|r| &r.heads));
+    let (layer_cells, head_cells) =
+        (cells(&regions, |r| &r.layers, &layers), cells(&regions, |r| &r.heads, &heads));
+    // For each cell, when its last token-0 chunk was put.
+    let mut starts = Vec::new();
+    for l in &layer_cells {
+        for h in &head_cells {
+            let start = chunks
+                .iter()
+                .filter(|(r, _)| r.tokens.start == 0 && covers(&r.layers, l) && covers(&r.heads, h))
+                .map(|&(_, put)| put)
+                .max();
+            starts.push((l, h, start.unwrap_or(0)));
+        }
+    }
+    chunks
+        .iter()
+        .filter(|&&(r, put)| {
+            starts
+                .iter()
+                .all(|(l, h, start)| !(overlaps(&r.layers, l) && overlaps(&r.heads, h)) || put >= *start)
+        })
+        .map(|&(r, _)| r)
         .collect()
 }
 
@@ -71,15 +139,8 @@ fn span<'a>(mut ranges: impl Iterator<Item = &'a Range<u32>>) -> Range<u32> {
 /// Tokens from 0 held in every cell of `layers` x `heads`: the cells are cut at every chunk's
 /// layer and head boundaries, and each cell's prefix counts only chunks that cover it whole.
 fn held_prefix(regions: &[&KvRegion], layers: &Range<u32>, heads: &Range<u32>) -> u32 {
-    let cells = |pick: fn(&KvRegion) -> &Range<u32>, whole: &Range<u32>| {
-        let mut cuts: Vec<u32> = regions.iter().flat_map(|r| [pick(r).start, pick(r).end]).collect();
-        cuts.extend([whole.start, whole.end]);
-        cuts.sort_unstable();
-        cuts.dedup();
-        cuts.windows(2).map(|w| w[0]..w[1]).collect::<Vec<_>>()
-    };
-    let layer_cells = cells(|r| &r.layers, layers);
-    let head_cells = cells(|r| &r.heads, heads);
+    let layer_cells = cells(regions, |r| &r.layers, layers);
+    let head_cells = cells(regions, |r| &r.heads, heads);
     let mut prefix = u32::MAX;
     for l in &layer_cells {
         for h in &head_cells {
@@ -106,8 +167,21 @@ fn held_prefix(regions: &[&KvRegion], layers: &Range<u32>, heads: &Range<u32>) -
     }
 }
 
+/// `whole` cut at every start and end of `pick` of `regions`.
+fn cells(regions: &[&KvRegion], pick: fn(&KvRegion) -> &Range<u32>, whole: &Range<u32>) -> Vec<Range<u32>> {
+    let mut cuts: Vec<u32> = regions.iter().flat_map(|r| [pick(r).start, pick(r).end]).collect();
+    cuts.extend([whole.start, whole.end]);
+    cuts.sort_unstable();
+    cuts.dedup();
+    cuts.windows(2).map(|w| w[0]..w[1]).collect()
+}
+
 fn covers(outer: &Range<u32>, inner: &Range<u32>) -> bool {
     outer.start <= inner.start && inner.end <= outer.end
+}
+
+fn overlaps(a: &Range<u32>, b: &Range<u32>) -> bool {
+    a.start < b.end && b.start < a.end
 }
 
 #[cfg(test)]
@@ -128,11 +202,21 @@ mod tests {
         }
     }
 
+    /// The keys as put one after the other.
+    fn in_order(keys: &[ChunkKey]) -> Vec<HeldChunk> {
+        keys.iter().enumerate().map(|(put, key)| HeldChunk { key: key.clone(), put: put as u64 }).collect()
+    }
+
     #[test]
     fn a_prompt_then_steps_resume_after_the_last_step() {
-        let keys =
-            vec![key(1, 0, 0..4, 0..1, 5..6), key(1, 0, 0..4, 0..1, 0..4), key(1, 0, 0..4, 0..1, 4..5)];
-        let points = resume_points(&keys);
+        // Listed in any order; the prompt was put first.
+        let held = [
+            (key(1, 0, 0..4, 0..1, 5..6), 2),
+            (key(1, 0, 0..4, 0..1, 0..4), 0),
+            (key(1, 0, 0..4, 0..1, 4..5), 1),
+        ];
+        let held: Vec<HeldChunk> = held.into_iter().map(|(key, put)| HeldChunk { key, put }).collect();
+        let points = resume_points(&held);
         assert_eq!(points.len(), 1);
         let p = &points[0];
         assert_eq!((p.tokens, p.layers.clone(), p.heads.clone()), (6, 0..4, 0..2));
@@ -143,7 +227,7 @@ mod tests {
     #[test]
     fn a_gap_stops_the_resume_point_and_what_follows_is_left_out() {
         let keys = vec![key(1, 0, 0..4, 0..1, 0..4), key(1, 0, 0..4, 0..1, 5..6)];
-        let p = &resume_points(&keys)[0];
+        let p = &resume_points(&in_order(&keys))[0];
         assert_eq!(p.tokens, 4);
         assert_eq!(p.chunks.len(), 1);
     }
@@ -152,9 +236,9 @@ mod tests {
     fn a_prompt_streamed_layer_by_layer_counts_only_when_every_layer_is_there() {
         let mut keys: Vec<ChunkKey> = (0..4).map(|l| key(1, 0, l..l + 1, 0..1, 0..8)).collect();
         keys.push(key(1, 0, 0..4, 0..1, 8..9));
-        assert_eq!(resume_points(&keys)[0].tokens, 9);
+        assert_eq!(resume_points(&in_order(&keys))[0].tokens, 9);
         keys.remove(2);
-        let p = &resume_points(&keys)[0];
+        let p = &resume_points(&in_order(&keys))[0];
         assert_eq!(p.tokens, 0, "layer 2 lacks the prompt: nothing can be resumed");
         assert!(p.chunks.is_empty());
     }
@@ -166,12 +250,12 @@ mod tests {
             region: KvRegion { layers: 0..4, slots: 0..1, heads: 0..1, tokens: 4..5 },
             ..keys[0].clone()
         });
-        assert_eq!(resume_points(&keys)[0].tokens, 4);
+        assert_eq!(resume_points(&in_order(&keys))[0].tokens, 4);
         keys.push(ChunkKey {
             region: KvRegion { layers: 0..4, slots: 0..1, heads: 1..2, tokens: 4..5 },
             ..keys[0].clone()
         });
-        assert_eq!(resume_points(&keys)[0].tokens, 5);
+        assert_eq!(resume_points(&in_order(&keys))[0].tokens, 5);
     }
 
     #[test]
@@ -182,7 +266,7 @@ mod tests {
             key(1, 1, 0..4, 0..1, 0..2),
             key(2, 0, 0..4, 0..1, 0..9),
         ];
-        let got: Vec<(u32, u32, u32, u32)> = resume_points(&keys)
+        let got: Vec<(u32, u32, u32, u32)> = resume_points(&in_order(&keys))
             .iter()
             .map(|p| (p.destination.stage, p.microbatch, p.slots.start, p.tokens))
             .collect();
@@ -192,6 +276,40 @@ mod tests {
     #[test]
     fn nothing_held_is_no_resume_point() {
         assert!(resume_points(&[]).is_empty());
-        assert!(resume_points(&[key(1, 0, 0..4, 0..1, 3..3)]).is_empty());
+        assert!(resume_points(&in_order(&[key(1, 0, 0..4, 0..1, 3..3)])).is_empty());
+    }
+
+    #[test]
+    fn a_new_request_in_the_same_slots_leaves_the_old_ones_chunks_out() {
+        let mut keys = vec![key(1, 0, 0..4, 0..1, 0..5)];
+        keys.extend((5..9).map(|t| key(1, 0, 0..4, 0..1, t..t + 1)));
+        // A shorter prompt, then one step: tokens 3.. of the old request must not count.
+        keys.push(key(1, 0, 0..4, 0..1, 0..3));
+        keys.push(key(1, 0, 0..4, 0..1, 3..4));
+        let p = &resume_points(&in_order(&keys))[0];
+        assert_eq!(p.tokens, 4);
+        assert_eq!(p.chunks.iter().map(|r| r.tokens.clone()).collect::<Vec<_>>(), [0..3, 3..4]);
+    }
+
+    #[test]
+    fn a_prompt_in_pieces_layer_by_layer_and_token_by_token_is_one_sequence() {
+        let keys = vec![
+            key(1, 0, 0..1, 0..1, 0..4),
+            key(1, 0, 0..1, 0..1, 4..8),
+            key(1, 0, 1..2, 0..1, 0..4),
+            key(1, 0, 1..2, 0..1, 4..8),
+            key(1, 0, 0..2, 0..1, 8..9),
+        ];
+        let p = &resume_points(&in_order(&keys))[0];
+        assert_eq!((p.tokens, p.chunks.len()), (9, 5));
+    }
+
+    #[test]
+    fn held_chunks_encode_and_decode() {
+        let held = HeldChunk { key: key(3, 2, 1..4, 0..8, 10..11), put: u64::MAX - 7 };
+        let bytes = held.encode();
+        assert_eq!(bytes.len(), HeldChunk::ENCODED_LEN);
+        assert_eq!(HeldChunk::decode(&bytes), Some(held));
+        assert_eq!(HeldChunk::decode(&bytes[1..]), None);
     }
 }

@@ -98,6 +98,10 @@ struct HostInner {
     usage: StoreUsage,
     /// The most recent [`PUT_LOG_LEN`] keys put.
     log: VecDeque<ChunkKey>,
+    /// When each chunk held was last put: the number of puts before it.
+    put_numbers: HashMap<ChunkKey, u64>,
+    /// Puts so far.
+    puts: u64,
     /// Buffers of replaced chunks, kept for the next chunks received: a fresh allocation of tens of
     /// MiB costs a page fault per 4 KiB when first written, more than the network transfer itself.
     spare: Vec<Vec<u8>>,
@@ -151,9 +155,11 @@ impl HostStore {
         self.inner.lock().log.iter().cloned().collect()
     }
 
-    /// Keys of the chunks held (in memory or spilled), in no particular order.
-    pub fn keys(&self) -> Vec<ChunkKey> {
-        self.inner.lock().chunks.keys().cloned().collect()
+    /// Keys of the chunks held (in memory or spilled), each with when it was last put (the
+    /// number of puts to this store before it), in no particular order.
+    pub fn keys(&self) -> Vec<(ChunkKey, u64)> {
+        let inner = self.inner.lock();
+        inner.chunks.keys().map(|k| (k.clone(), inner.put_numbers.get(k).copied().unwrap_or(0))).collect()
     }
 
     /// Number of chunks held.
@@ -220,6 +226,9 @@ impl HostStore {
                 inner.log.pop_front();
             }
             inner.log.push_back(key.clone());
+            let put = inner.puts;
+            inner.put_numbers.insert(key.clone(), put);
+            inner.puts += 1;
             let (memory, ours) = (inner.usage.memory_bytes, inner.usage.spilled_bytes);
             inner.spill.clone().filter(|s| memory + len > s.memory_bytes()).map(|s| (s, ours))
         };

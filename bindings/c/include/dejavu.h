@@ -319,9 +319,12 @@ enum DjvStatus djv_sidecar_serves(struct DjvStore *store, uint32_t *stage, uint6
 // Follows the sidecar's recovery instructions after an engine restart: for each sequence of
 // `worker` the sidecar keeps KV of, fetches it (up to the first gap) through shared memory into
 // `caches[microbatch]` (microbatches beyond `n_caches`, or with a NULL cache, are left alone) and
-// writes its resume point into `points`. `*count` is set to the number of sequences; if it is
-// more than `capacity`, nothing is fetched and the status is `DJV_STATUS_INVALID_ARGUMENT` (call
-// again with room for `*count`; `capacity` 0 only counts).
+// writes its resume point into `points`; `*count` is the number of points written.
+//
+// With `capacity` 0, nothing is fetched and `*count` is the number of sequences (the room a
+// second call needs). With some room but less than that, nothing is fetched, `*count` is the
+// number needed and the status is `DJV_STATUS_INVALID_ARGUMENT`. If a fetch fails, `*count`
+// says how many points were restored before it.
 //
 // # Safety
 //

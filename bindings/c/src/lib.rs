@@ -725,11 +725,11 @@ pub unsafe extern "C" fn djv_sidecar_serves(
     call(|| {
         // SAFETY: per the contract.
         let store = unsafe { store.as_mut() }.ok_or_else(|| Failure::invalid("store is NULL"))?;
-        let recovery = store.sidecar()?.recovery().map_err(|e| Failure(DjvStatus::Io, e.to_string()))?;
+        let serving = store.sidecar()?.serving().map_err(|e| Failure(DjvStatus::Io, e.to_string()))?;
         // SAFETY: per the contract.
         unsafe {
-            *stage.as_mut().ok_or_else(|| Failure::invalid("stage is NULL"))? = recovery.stage;
-            *epoch.as_mut().ok_or_else(|| Failure::invalid("epoch is NULL"))? = recovery.epoch;
+            *stage.as_mut().ok_or_else(|| Failure::invalid("stage is NULL"))? = serving.stage;
+            *epoch.as_mut().ok_or_else(|| Failure::invalid("epoch is NULL"))? = serving.epoch;
         }
         Ok(())
     })
@@ -738,9 +738,12 @@ pub unsafe extern "C" fn djv_sidecar_serves(
 /// Follows the sidecar's recovery instructions after an engine restart: for each sequence of
 /// `worker` the sidecar keeps KV of, fetches it (up to the first gap) through shared memory into
 /// `caches[microbatch]` (microbatches beyond `n_caches`, or with a NULL cache, are left alone) and
-/// writes its resume point into `points`. `*count` is set to the number of sequences; if it is
-/// more than `capacity`, nothing is fetched and the status is `DJV_STATUS_INVALID_ARGUMENT` (call
-/// again with room for `*count`; `capacity` 0 only counts).
+/// writes its resume point into `points`; `*count` is the number of points written.
+///
+/// With `capacity` 0, nothing is fetched and `*count` is the number of sequences (the room a
+/// second call needs). With some room but less than that, nothing is fetched, `*count` is the
+/// number needed and the status is `DJV_STATUS_INVALID_ARGUMENT`. If a fetch fails, `*count`
+/// says how many points were restored before it.
 ///
 /// # Safety
 ///
@@ -762,20 +765,27 @@ pub unsafe extern "C" fn djv_sidecar_restore(
         let store = unsafe { store.as_mut() }.ok_or_else(|| Failure::invalid("store is NULL"))?;
         // SAFETY: per the contract.
         let count = unsafe { count.as_mut() }.ok_or_else(|| Failure::invalid("count is NULL"))?;
+        *count = 0;
         let caches: &[*const DjvCache] = match n_caches {
             0 => &[],
-            // SAFETY: `caches` holds `n_caches` pointers per the contract.
+            _ if caches.is_null() => return Err(Failure::invalid("caches is NULL")),
+            // SAFETY: `caches` holds `n_caches` pointers per the contract (not NULL: checked).
             n => unsafe { std::slice::from_raw_parts(caches, n) },
         };
         let me = WorkerId { stage: worker.stage, rank: worker.rank };
         let recovery = store.sidecar()?.recovery().map_err(|e| Failure(DjvStatus::Io, e.to_string()))?;
         let mine: Vec<_> = recovery.resume_points().into_iter().filter(|p| p.destination == me).collect();
-        *count = mine.len();
-        if mine.len() > capacity {
-            return Err(Failure::invalid(format!(
-                "room for {capacity} resume points, {} needed",
-                mine.len()
-            )));
+        if capacity == 0 || mine.len() > capacity {
+            *count = mine.len();
+            return match capacity {
+                0 => Ok(()),
+                _ => {
+                    Err(Failure::invalid(format!("room for {capacity} resume points, {} needed", mine.len())))
+                }
+            };
+        }
+        if points.is_null() {
+            return Err(Failure::invalid("points is NULL"));
         }
         let mut payload = Vec::new();
         for (i, point) in mine.iter().enumerate() {
@@ -798,8 +808,10 @@ pub unsafe extern "C" fn djv_sidecar_restore(
                 tokens_end: point.tokens,
             };
             let resume = DjvResumePoint { destination: worker, microbatch: point.microbatch, held };
-            // SAFETY: `i < mine.len() <= capacity`, and `points` is valid for `capacity` writes.
+            // SAFETY: `i < mine.len() <= capacity`, and `points` (not NULL: checked) is valid for
+            // `capacity` writes.
             unsafe { points.add(i).write(resume) };
+            *count = i + 1;
         }
         Ok(())
     })

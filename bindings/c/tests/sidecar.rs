@@ -184,7 +184,13 @@ fn a_restarted_engine_restores_what_its_sidecar_keeps_and_learns_where_to_resume
         let caches = [restored as *const DjvCache];
         let mut count = 0usize;
         let status = djv_sidecar_restore(store, worker, caches.as_ptr(), 1, ptr::null_mut(), 0, &mut count);
-        assert_eq!((status, count), (DjvStatus::InvalidArgument, 2), "capacity 0 only counts");
+        assert_eq!((status, count), (DjvStatus::Ok, 2), "capacity 0 only counts");
+        let mut one = [DjvResumePoint { destination: worker, microbatch: 9, held: sequence(9, 0..0) }];
+        let status = djv_sidecar_restore(store, worker, caches.as_ptr(), 1, one.as_mut_ptr(), 1, &mut count);
+        assert_eq!((status, count), (DjvStatus::InvalidArgument, 2), "too little room: nothing restored");
+        assert!(last_error().contains("room for 1"), "{}", last_error());
+        let status = djv_sidecar_restore(store, worker, ptr::null(), 1, one.as_mut_ptr(), 1, &mut count);
+        assert_eq!(status, DjvStatus::InvalidArgument, "NULL caches");
         let mut points = [DjvResumePoint { destination: worker, microbatch: 9, held: sequence(9, 0..0) }; 2];
         let status =
             djv_sidecar_restore(store, worker, caches.as_ptr(), 1, points.as_mut_ptr(), 2, &mut count);

@@ -113,6 +113,9 @@ class Store:
         """The engine's own ``dejavud sidecar`` at its local socket ``path``: chunks cross shared
         memory; the sidecar keeps them and forwards them to the sidecar at ``successor``
         ("host:port"). A newer ``epoch`` takes the sidecar over; an older one is refused."""
+    def serving(self) -> dict:
+        """What the sidecar serves as (sidecar stores only; ``TypeError`` otherwise): ``stage``,
+        ``epoch`` and ``successor`` (or None); an error from a spare not assigned yet."""
     def recovery(self) -> dict:
         """What the sidecar tells a (re)started engine (sidecar stores only; ``TypeError``
         otherwise): ``stage``, ``epoch``, ``successor`` (or None), ``chunks`` (how many of the

@@ -1,4 +1,5 @@
-"""The engine's client of its sidecar: the ``dejavud worker`` process beside an engine worker."""
+"""The engine's client of its sidecar: the ``dejavud sidecar`` (alias ``worker``) process beside
+an engine worker."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class SidecarClient:
     ) -> None:
         self.store = Store.sidecar(socket, successor, epoch)
         if stage is None:
-            stage = self.store.recovery()["stage"]
+            stage = self.store.serving()["stage"]
         self.worker = (stage, rank)
         self._caches: Dict[int, Tuple[KvCache, Span, Span]] = {}
 

@@ -76,6 +76,32 @@ impl PyStore {
     fn new(store: impl ChunkStore + 'static, kind: &'static str) -> Self {
         Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(store)))), kind, sidecar: None }
     }
+
+    /// The sidecar connection; a `TypeError` for other stores.
+    fn connection(&self) -> PyResult<&SidecarConnection> {
+        self.sidecar.as_ref().ok_or_else(|| {
+            pyo3::exceptions::PyTypeError::new_err(format!(
+                "needs a sidecar store, not a {} store",
+                self.kind
+            ))
+        })
+    }
+}
+
+fn sidecar_err(e: dejavulib::local::LocalError) -> PyErr {
+    Error::new_err(format!("sidecar: {e}"))
+}
+
+/// `serving` as a dict: `stage`, `epoch`, `successor` ("host:port" or None).
+fn serving_dict<'py>(
+    py: Python<'py>,
+    serving: &dejavulib::local::Serving,
+) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    let out = pyo3::types::PyDict::new(py);
+    out.set_item("stage", serving.stage)?;
+    out.set_item("epoch", serving.epoch)?;
+    out.set_item("successor", serving.successor.map(|a| a.to_string()))?;
+    Ok(out)
 }
 
 #[pymethods]
@@ -116,6 +142,15 @@ impl PyStore {
         Ok(Self { sidecar: Some(connection.clone()), ..Self::new(connection, "sidecar") })
     }
 
+    /// What the sidecar serves as (sidecar stores only): a dict with the `stage` (a spare's
+    /// engine learns here the stage it was assigned), the `epoch` in force and the `successor`
+    /// it forwards to (or None). A spare not assigned yet is an error.
+    fn serving<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let connection = self.connection()?;
+        let serving = py.detach(|| connection.0.lock().serving()).map_err(sidecar_err)?;
+        serving_dict(py, &serving)
+    }
+
     /// What the sidecar tells a (re)started engine (sidecar stores only): a dict with the
     /// `stage` it serves, the `epoch` in force, the `successor` it forwards to (or None), the
     /// number of the stage's own `chunks` it keeps, and `resume`: for each sequence
@@ -124,15 +159,8 @@ impl PyStore {
     /// `chunks` (`KvRegion`s) to `fetch` to restore it. The engine computes from `tokens` on.
     fn recovery<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         use pyo3::types::PyDict;
-        let Some(connection) = &self.sidecar else {
-            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                "recovery() needs a sidecar store, not a {} store",
-                self.kind
-            )));
-        };
-        let recovery = py
-            .detach(|| connection.0.lock().recovery())
-            .map_err(|e| Error::new_err(format!("sidecar: {e}")))?;
+        let connection = self.connection()?;
+        let recovery = py.detach(|| connection.0.lock().recovery()).map_err(sidecar_err)?;
         let resume = recovery
             .resume_points()
             .into_iter()
@@ -149,10 +177,7 @@ impl PyStore {
                 Ok(point)
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let out = PyDict::new(py);
-        out.set_item("stage", recovery.stage)?;
-        out.set_item("epoch", recovery.epoch)?;
-        out.set_item("successor", recovery.successor.map(|a| a.to_string()))?;
+        let out = serving_dict(py, &recovery.serving)?;
         out.set_item("chunks", recovery.held.len())?;
         out.set_item("resume", resume)?;
         Ok(out)

@@ -389,6 +389,7 @@ def test_a_restarted_engine_restores_from_its_sidecar_as_the_recovery_instructio
         restarted = dejavu.Store.sidecar(socket, successor.address, epoch=2)
         recovery = restarted.recovery()
         assert (recovery["stage"], recovery["epoch"], recovery["successor"]) == (1, 2, successor.address)
+        assert restarted.serving() == {"stage": 1, "epoch": 2, "successor": successor.address}
         assert recovery["chunks"] == 2 + 12 + 5
         points = recovery["resume"]
         assert [(p["slots"], p["tokens"], len(p["chunks"])) for p in points] == [((0, 1), 20, 13), ((1, 2), 12, 5)]

@@ -27,7 +27,10 @@ pub enum NetnsError {
     /// Namespaces and links need root.
     #[error("network namespaces need root (running as uid {0})")]
     NotRoot(u32),
-    /// `ip` failed or is missing.
+    /// This machine (its kernel, its container, or a missing `ip`) does not let a fabric be made.
+    #[error("network namespaces are not available here: {0}")]
+    Unavailable(String),
+    /// `ip` failed.
     #[error("`ip {args}` failed: {why}")]
     Ip {
         /// Its arguments.
@@ -46,28 +49,40 @@ pub enum NetnsError {
 /// Hosts a fabric's subnet has room for (`.2` to `.254`).
 const MAX_HOSTS: usize = 253;
 
+/// What a fabric's bridge is labelled with (its `ip link` alias), then its owner's process id:
+/// a fabric whose owner died without removing it is removed by the next one made.
+const OWNER: &str = "dejavu fabric of pid";
+
 /// A bridge and the namespaces joined to it.
 pub struct Fabric {
     number: u8,
-    hosts: Mutex<HashMap<String, Arc<Host>>>,
+    hosts: Mutex<Hosts>,
+}
+
+#[derive(Default)]
+struct Hosts {
+    by_name: HashMap<String, Arc<Host>>,
+    /// Every namespace and veth pair made (or being made), to remove with the fabric.
+    made: Vec<(String, String)>,
 }
 
 /// A network namespace on a fabric, with its own address.
 pub struct Host {
     name: String,
-    /// Its veth pair's end outside, on the bridge.
-    outside: String,
     ip: Ipv4Addr,
 }
 
 impl Fabric {
-    /// Makes a bridge with a free name and brings it up with its address.
+    /// Makes a bridge with a free name and brings it up with its address, after checking that
+    /// namespaces can be made here (and removing the fabrics of owners that died).
     pub fn create() -> Result<Self, NetnsError> {
         // SAFETY: geteuid takes nothing and cannot fail.
         let uid = unsafe { libc::geteuid() };
         if uid != 0 {
             return Err(NetnsError::NotRoot(uid));
         }
+        let unavailable = |e: NetnsError| NetnsError::Unavailable(e.to_string());
+        reap_orphans();
         for number in 0..=u8::MAX {
             let bridge = format!("djvb{number}");
             // An address of its own: a bridge otherwise takes the lowest of its ports', which
@@ -78,9 +93,15 @@ impl Fabric {
             match ip(&["link", "add", &bridge, "address", &mac, "type", "bridge", "nf_call_iptables", "0"]) {
                 Ok(()) => {}
                 Err(NetnsError::Ip { why, .. }) if why.contains("File exists") => continue,
-                Err(e) => return Err(e),
+                Err(e) => return Err(unavailable(e)),
             }
+            // Removed when dropped from here on, also if what follows fails.
             let fabric = Self { number, hosts: Mutex::default() };
+            let owner = format!("{OWNER} {}", std::process::id());
+            ip(&["link", "set", &bridge, "alias", &owner]).map_err(unavailable)?;
+            let probe = format!("djv{number}probe");
+            ip(&["netns", "add", &probe]).map_err(unavailable)?;
+            ip(&["netns", "del", &probe]).map_err(unavailable)?;
             let gateway = format!("{}/24", fabric.gateway());
             ip(&["addr", "add", &gateway, "dev", &bridge])?;
             ip(&["link", "set", &bridge, "up"])?;
@@ -100,22 +121,25 @@ impl Fabric {
     }
 
     /// The host called `name`, made (with the next free address) the first time it is asked for.
+    /// Made outside the fabric's lock: asking for a host that exists never waits for another
+    /// being made.
     pub fn host(&self, name: &str) -> Result<Arc<Host>, NetnsError> {
-        let mut hosts = self.hosts.lock();
-        if let Some(host) = hosts.get(name) {
-            return Ok(host.clone());
-        }
-        if hosts.len() == MAX_HOSTS {
-            return Err(NetnsError::Full(MAX_HOSTS));
-        }
-        let (n, i) = (self.number, hosts.len());
-        let (namespace, outside) = (format!("djv{n}h{i}"), format!("djv{n}v{i}"));
+        let (n, i) = {
+            let mut hosts = self.hosts.lock();
+            if let Some(host) = hosts.by_name.get(name) {
+                return Ok(host.clone());
+            }
+            let i = hosts.made.len();
+            if i == MAX_HOSTS {
+                return Err(NetnsError::Full(MAX_HOSTS));
+            }
+            hosts.made.push((format!("djv{}h{i}", self.number), format!("djv{}v{i}", self.number)));
+            (self.number, i)
+        };
+        let (namespace, outside, inside) =
+            (format!("djv{n}h{i}"), format!("djv{n}v{i}"), format!("djv{n}p{i}"));
         let addr = Ipv4Addr::new(10, 231, n, i as u8 + 2);
-        // Names with this fabric's number are this fabric's: any found are left by a process
-        // that died before removing them.
-        remove(&namespace, &outside);
         let made = (|| {
-            let inside = format!("djv{n}p{i}");
             ip(&["netns", "add", &namespace])?;
             ip(&["link", "add", &outside, "type", "veth", "peer", "name", &inside, "netns", &namespace])?;
             ip(&["link", "set", &outside, "master", &self.bridge(), "up"])?;
@@ -124,9 +148,40 @@ impl Fabric {
             ip(&["-n", &namespace, "link", "set", "lo", "up"])
         })();
         made.inspect_err(|_| remove(&namespace, &outside))?;
-        let host = Arc::new(Host { name: namespace, outside, ip: addr });
-        hosts.insert(name.to_owned(), host.clone());
-        Ok(host)
+        let host = Arc::new(Host { name: namespace, ip: addr });
+        // Two callers may have made one each for the same name: the first kept is everyone's.
+        Ok(self.hosts.lock().by_name.entry(name.to_owned()).or_insert(host).clone())
+    }
+}
+
+/// Removes the fabrics whose owner is no longer running (killed before it could), with their
+/// namespaces and veth pairs.
+fn reap_orphans() {
+    let Ok(out) = Command::new("ip").args(["-o", "link", "show", "type", "bridge"]).output() else { return };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(number) = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|name| name.trim_end_matches(':').strip_prefix("djvb"))
+            .and_then(|n| n.parse::<u8>().ok())
+        else {
+            continue;
+        };
+        let Some(owner) = line.split(OWNER).nth(1).and_then(|rest| rest.split_whitespace().next()) else {
+            continue;
+        };
+        if std::path::Path::new(&format!("/proc/{owner}")).exists() {
+            continue;
+        }
+        let prefix = format!("djv{number}");
+        let listed = Command::new("ip").args(["netns", "list"]).output();
+        let listed = listed.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+        for name in listed.lines().filter_map(|line| line.split_whitespace().next()) {
+            if let Some(i) = name.strip_prefix(&prefix).and_then(|rest| rest.strip_prefix('h')) {
+                remove(name, &format!("{prefix}v{i}"));
+            }
+        }
+        let _ = ip(&["link", "del", &format!("djvb{number}")]);
     }
 }
 
@@ -140,14 +195,14 @@ fn remove(namespace: &str, outside: &str) {
 
 impl std::fmt::Debug for Fabric {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Fabric").field("bridge", &format_args!("djvb{}", self.number)).finish()
+        f.debug_struct("Fabric").field("bridge", &self.bridge()).finish()
     }
 }
 
 impl Drop for Fabric {
     fn drop(&mut self) {
-        for host in self.hosts.lock().values() {
-            remove(&host.name, &host.outside);
+        for (namespace, outside) in &self.hosts.lock().made {
+            remove(namespace, outside);
         }
         let _ = ip(&["link", "del", &self.bridge()]);
     }
@@ -200,64 +255,86 @@ fn ip(args: &[&str]) -> Result<(), NetnsError> {
 mod tests {
     use super::*;
     use std::io::Read;
-    use std::net::{TcpListener, TcpStream};
+    use std::net::TcpListener;
+    use std::time::{Duration, Instant};
 
-    /// Whether this machine lets the test make namespaces (root, `ip` and kernel support).
-    fn fabric() -> Option<Fabric> {
+    /// A fabric with a host "a", if this machine lets the test make them (root, `ip`, and a
+    /// kernel and container that allow namespaces); says so when it does not.
+    fn fabric() -> Option<(Fabric, Arc<Host>)> {
         match Fabric::create() {
-            Ok(fabric) => Some(fabric),
-            Err(e) => {
-                eprintln!("skipped: no network namespaces here ({e})");
+            Ok(fabric) => {
+                let a = fabric.host("a").unwrap();
+                Some((fabric, a))
+            }
+            Err(e @ (NetnsError::NotRoot(_) | NetnsError::Unavailable(_))) => {
+                eprintln!("skipped: {e}");
                 None
             }
+            Err(e) => panic!("{e}"),
         }
     }
 
+    /// `script` run by bash in `host`'s namespace.
+    fn bash_in(host: &Host, script: &str) -> Command {
+        let mut command = Command::new("bash");
+        command.args(["-c", script]);
+        host.enter(&mut command).unwrap();
+        command
+    }
+
     #[test]
-    fn hosts_reach_each_other_and_the_gateway_only_at_their_own_addresses() {
-        let Some(fabric) = fabric() else { return };
-        let (a, b) = (fabric.host("a").unwrap(), fabric.host("b").unwrap());
+    fn hosts_reach_the_gateway_and_each_other_at_their_own_addresses() {
+        let Some((fabric, a)) = fabric() else { return };
+        let b = fabric.host("b").unwrap();
         assert_ne!(a.ip(), b.ip());
         assert_eq!(fabric.host("a").unwrap().ip(), a.ip(), "a host is made once");
         // The bridge keeps its own hardware address as hosts join: the hosts' cached address of
         // the gateway stays right.
         let mac = std::fs::read_to_string(format!("/sys/class/net/{}/address", fabric.bridge())).unwrap();
         assert!(mac.starts_with("02:64:6a:76:00:"), "{mac}");
+
+        // Host a connects to the gateway, from its own address, and sees only that address.
         let gateway = TcpListener::bind((fabric.gateway(), 0)).unwrap();
         let port = gateway.local_addr().unwrap().port();
-        // A process in host a connects to the gateway; the connection comes from a's address.
         let script = format!(
             "exec 3<>/dev/tcp/{}/{port} && echo hello >&3 && ip -o -4 addr show scope global",
             fabric.gateway()
         );
-        let mut command = Command::new("bash");
-        command.args(["-c", &script]);
-        a.enter(&mut command).unwrap();
-        let child = std::thread::spawn(move || command.output().unwrap());
-        let (mut stream, from) = gateway.accept().unwrap();
+        let child = bash_in(&a, &script).stdout(std::process::Stdio::piped()).spawn().unwrap();
+        gateway.set_nonblocking(true).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let (mut stream, from) = loop {
+            match gateway.accept() {
+                Ok(accepted) => break accepted,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                Err(e) => panic!("host a never connected: {e}"),
+            }
+        };
         assert_eq!(from.ip(), a.ip());
+        stream.set_nonblocking(false).unwrap();
         let mut hello = String::new();
         stream.read_to_string(&mut hello).unwrap();
         assert_eq!(hello, "hello\n");
-        let out = child.join().unwrap();
+        let out = child.wait_with_output().unwrap();
         let addrs = String::from_utf8_lossy(&out.stdout);
         assert!(addrs.contains(&a.ip().to_string()) && !addrs.contains(&b.ip().to_string()), "{addrs}");
-        // Host b is not on this namespace's loopback: its address is reached over the bridge.
-        let mut command = Command::new("bash");
-        let listen = format!("exec python3 -c 'import socket; s=socket.socket(); s.bind((\"{}\", 9)); s.listen(); c, a = s.accept(); c.sendall(b\"from b\")'", b.ip());
-        command.args(["-c", &listen]);
-        b.enter(&mut command).unwrap();
-        let mut server = command.spawn().unwrap();
-        let mut reply = String::new();
-        for _ in 0..100 {
-            if let Ok(mut s) = TcpStream::connect((b.ip(), 9)) {
-                s.read_to_string(&mut reply).unwrap();
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        server.wait().unwrap();
-        assert_eq!(reply, "from b");
+
+        // Host b serves; host a reaches it over the bridge.
+        let serve = format!(
+            "exec python3 -c 'import socket; s = socket.socket(); s.bind((\"{}\", 9)); s.listen(); \
+             c, _ = s.accept(); c.sendall(b\"from b\")'",
+            b.ip()
+        );
+        let mut server = bash_in(&b, &serve).spawn().unwrap();
+        let fetch = format!(
+            "for i in $(seq 100); do (exec 3<>/dev/tcp/{}/9 && cat <&3) 2>/dev/null && exit 0; sleep 0.05; done; exit 1",
+            b.ip()
+        );
+        let reply = bash_in(&a, &fetch).output().unwrap();
+        let _ = server.kill();
+        let _ = server.wait();
+        assert_eq!(String::from_utf8_lossy(&reply.stdout), "from b");
+
         let names: Vec<String> = [&a, &b].iter().map(|h| h.name().to_owned()).collect();
         drop(fabric);
         let listed = Command::new("ip").args(["netns", "list"]).output().unwrap();
@@ -266,5 +343,25 @@ mod tests {
             names.iter().all(|n| !listed.lines().any(|l| l.split_whitespace().next() == Some(n))),
             "{listed}"
         );
+    }
+
+    #[test]
+    fn a_fabric_whose_owner_died_is_removed_by_the_next_one() {
+        let Some((orphan, a)) = fabric() else { return };
+        // Its owner "died": a process id that is not running.
+        let dead = format!("{OWNER} {}", u32::MAX);
+        ip(&["link", "set", &orphan.bridge(), "alias", &dead]).unwrap();
+        let (bridge, namespace) = (orphan.bridge(), a.name().to_owned());
+        std::mem::forget(orphan);
+        let next = Fabric::create().unwrap();
+        let links = Command::new("ip").args(["-o", "link", "show"]).output().unwrap();
+        let links = String::from_utf8_lossy(&links.stdout);
+        let listed = Command::new("ip").args(["netns", "list"]).output().unwrap();
+        let listed = String::from_utf8_lossy(&listed.stdout);
+        let gone =
+            |name: &str, list: &str| !list.split(|c: char| c.is_whitespace() || c == ':').any(|w| w == name);
+        // (Its number may be reused by the next fabric at once.)
+        assert!(next.bridge() == bridge || gone(&bridge, &links), "{links}");
+        assert!(gone(&namespace, &listed), "{listed}");
     }
 }

@@ -143,7 +143,7 @@ pub fn spawn_on(
     let stderr = Arc::new(Mutex::new(VecDeque::new()));
     let (mut out, mut err) = (child.stdout.take().expect("piped"), child.stderr.take().expect("piped"));
     let tail = stderr.clone();
-    std::thread::spawn(move || {
+    let drain = std::thread::spawn(move || {
         let mut buf = [0u8; 4096];
         while let Ok(n @ 1..) = err.read(&mut buf) {
             let mut tail = tail.lock();
@@ -175,7 +175,10 @@ pub fn spawn_on(
     match line.trim().strip_prefix("listening ").and_then(|a| a.parse().ok()) {
         Some(addr) => Ok(Spawned { proc, addr, metrics }),
         None => {
+            // Once it is dead, all it wrote to standard error has been drained: the reason it
+            // gave is in the message.
             let _ = proc.kill();
+            let _ = drain.join();
             Err(fail(format!("{} {}", line.trim(), proc.stderr_tail().trim())))
         }
     }

@@ -23,6 +23,7 @@ use std::time::Duration;
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
 use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_ASSIGN, OP_HELD, OP_KEEP, OP_MAPPED, OP_SUCCESSOR};
 use dejavulib::net::{ClientConfig, PeerClient, PeerError, PeerServer, PeerStore};
+use dejavulib::resume::HeldChunk;
 use dejavulib::store::StoreError;
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, Frame, FrameHeader, Kind};
 use dejavulib::{ChunkStore, HostStore};
@@ -150,6 +151,8 @@ struct Sidecar {
     index: AtomicU32,
     /// Whether it waits, as a spare, for a stage.
     unassigned: std::sync::atomic::AtomicBool,
+    /// The epoch of the recovery that assigned it, a spare's (0 otherwise).
+    assigned_epoch: AtomicU64,
 }
 
 /// The ring successor a sidecar forwards to: its address, a store on it (locked apart from the
@@ -195,6 +198,7 @@ pub fn serve_sidecar(
         unforwarded: Mutex::new(Unforwarded::default()),
         index: AtomicU32::new(index),
         unassigned: std::sync::atomic::AtomicBool::new(spare),
+        assigned_epoch: AtomicU64::new(0),
     });
     let server = Arc::new(server);
     let metrics = match metrics {
@@ -238,6 +242,7 @@ impl Sidecar {
             return Ok(());
         };
         self.index.store(stage, Ordering::Relaxed);
+        self.assigned_epoch.store(epoch, Ordering::SeqCst);
         hook(stage, epoch);
         info!(stage, epoch, "a spare sidecar was assigned its stage");
         let mut ack = FrameHeader::new(Kind::Control, stage, epoch, frame.header.request);
@@ -343,17 +348,23 @@ impl Sidecar {
                     }
                 }
                 (Kind::Control, OP_HELD) => {
+                    if self.unassigned.load(Ordering::SeqCst) {
+                        let reason = "a spare sidecar, not assigned a stage yet";
+                        reply_error(&mut writer, &frame, ErrorCode::Unexpected, reason)?;
+                        continue;
+                    }
+                    // The keys after the one named, as many as asked for and fit the region.
                     let held = self.held();
-                    let first = (frame.header.ids[1] as usize).min(held.len());
-                    let fit = region.capacity() / ChunkKey::ENCODED_LEN;
-                    let page = &held[first..held.len().min(first + fit)];
-                    let keys: Vec<u8> = page.iter().flat_map(|k| k.encode()).collect();
-                    region.write(&[&keys])?;
+                    let first = held.partition_point(|(key, _)| key.as_slice() <= frame.payload.as_slice());
+                    let want = (frame.header.ids[1] as usize).min(region.capacity() / HeldChunk::ENCODED_LEN);
+                    let page = &held[first..held.len().min(first + want)];
+                    let entries: Vec<u8> = page.iter().flat_map(|(_, chunk)| chunk.encode()).collect();
+                    region.write(&[&entries])?;
+                    let after = held.len() - first - page.len();
                     let successor = self.successor.lock().as_ref().map(|s| s.addr.to_string());
-                    let ids = [OP_HELD, self.index(), page.len() as u32, held.len() as u32];
-                    let newest = self.engine.lock().as_ref().map_or(epoch, |e| e.0);
-                    let mut header = answer(Kind::Control, ids);
-                    header.epoch = newest;
+                    let mut header =
+                        answer(Kind::Control, [OP_HELD, self.index(), page.len() as u32, after as u32]);
+                    header.epoch = epoch.max(self.assigned_epoch.load(Ordering::SeqCst));
                     write_frame(&mut writer, &header, successor.unwrap_or_default().as_bytes())?;
                 }
                 // Copied out of the region first: the engine's process can write it at any time,
@@ -393,14 +404,19 @@ impl Sidecar {
         Ok(())
     }
 
-    /// Keys of the stage's own chunks it keeps (its predecessor's replica left out), sorted so
-    /// that an engine can ask for them page by page.
-    fn held(&self) -> Vec<ChunkKey> {
+    /// The stage's own chunks it keeps (its predecessor's replica left out), each with its key
+    /// encoded, sorted by it: an engine asks for them page by page, each after the last it has.
+    fn held(&self) -> Vec<(Vec<u8>, HeldChunk)> {
         let stage = self.index();
-        let mut keys: Vec<ChunkKey> =
-            self.store.keys().into_iter().filter(|k| k.destination.stage == stage).collect();
-        keys.sort_by_key(|k| k.encode());
-        keys
+        let mut held: Vec<(Vec<u8>, HeldChunk)> = self
+            .store
+            .keys()
+            .into_iter()
+            .filter(|(key, _)| key.destination.stage == stage)
+            .map(|(key, put)| (key.encode(), HeldChunk { key, put }))
+            .collect();
+        held.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        held
     }
 
     /// Forwards to `successor` from now on, in `epoch`.

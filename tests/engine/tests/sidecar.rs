@@ -320,9 +320,11 @@ fn a_restarted_engine_learns_what_its_sidecar_keeps_and_where_each_sequence_resu
     // The engine restarts, in a newer epoch, beside the sidecar that survived.
     let mut restarted = LocalSidecar::connect(&socket, 2, successor.addr()).unwrap();
     let recovery = restarted.recovery().unwrap();
-    assert_eq!((recovery.stage, recovery.epoch, recovery.successor), (1, 2, Some(successor.addr())));
+    let serving = &recovery.serving;
+    assert_eq!((serving.stage, serving.epoch, serving.successor), (1, 2, Some(successor.addr())));
+    assert_eq!(restarted.serving().unwrap(), *serving);
     assert_eq!(recovery.held.len(), chunks.len(), "every own chunk, over several pages");
-    assert!(recovery.held.iter().all(|k| k.destination.stage == 1), "no replica of the predecessor");
+    assert!(recovery.held.iter().all(|h| h.key.destination.stage == 1), "no replica of the predecessor");
     let points = recovery.resume_points();
     let summary: Vec<(u32, u32, usize)> =
         points.iter().map(|p| (p.slots.start, p.tokens, p.chunks.len())).collect();
@@ -341,4 +343,43 @@ fn a_restarted_engine_learns_what_its_sidecar_keeps_and_where_each_sequence_resu
             assert_eq!(out, payload);
         }
     }
+    // A new request's prompt in slot 0: the old request's chunks there no longer count (they are
+    // still kept), slot 1's do.
+    let (prompt, prompt_kv) = step_chunk(0, 0..3);
+    restarted.put(&prompt, &prompt_kv).unwrap();
+    let summary: Vec<(u32, u32, usize)> = restarted
+        .recovery()
+        .unwrap()
+        .resume_points()
+        .iter()
+        .map(|p| (p.slots.start, p.tokens, p.chunks.len()))
+        .collect();
+    assert_eq!(summary, [(0, 3, 1), (1, 130, 126)]);
+}
+
+#[test]
+fn a_spare_sidecar_has_no_stage_to_tell_until_it_is_assigned() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("spare.sock");
+    let mut child = Command::new(EXE)
+        .args(["sidecar", "--spare", "3", "--region-bytes", "65536"])
+        .arg(format!("--local={}", socket.display()))
+        .arg(format!("--shm-dir={}", dir.path().display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let _spare = Killed(child);
+    let nowhere: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let mut engine = LocalSidecar::connect(&socket, 1, nowhere).unwrap();
+    match engine.serving() {
+        Err(LocalError::Protocol(reason)) => assert!(reason.contains("not assigned"), "{reason}"),
+        other => panic!("an unassigned spare answered {other:?}"),
+    }
+    // Assigned to stage 2 by the recovery of epoch 7: it says so, with that epoch.
+    dejavu_engine::spare::assign_sidecar(&socket, 2, 7, std::time::Duration::from_secs(5)).unwrap();
+    let serving = engine.serving().unwrap();
+    assert_eq!((serving.stage, serving.epoch), (2, 7));
 }
