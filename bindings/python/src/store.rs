@@ -18,33 +18,20 @@ use crate::cache::PyCache;
 use crate::errors::*;
 use crate::layout::*;
 
-/// A store shared by Python calls and a streamer thread, each use under the lock.
-#[derive(Clone)]
-pub(crate) struct SharedStore(pub(crate) Arc<Mutex<Box<dyn ChunkStore>>>);
+/// A store shared by Python calls and a streamer thread, each use under the lock: any store, as a
+/// [`SharedStore`], or the sidecar connection itself (for `recovery`), sharing the same lock.
+pub(crate) struct Shared<S: ?Sized>(pub(crate) Arc<Mutex<S>>);
 
-impl ChunkStore for SharedStore {
-    fn put(
-        &mut self,
-        descriptor: &dejavulib::chunk::ChunkDescriptor,
-        payload: &[u8],
-    ) -> Result<(), ChunkStoreError> {
-        self.0.lock().put(descriptor, payload)
-    }
+/// Any store, shared.
+pub(crate) type SharedStore = Shared<dyn ChunkStore>;
 
-    fn get(
-        &mut self,
-        key: &dejavulib::chunk::ChunkKey,
-        out: &mut Vec<u8>,
-    ) -> Result<dejavulib::chunk::ChunkDescriptor, ChunkStoreError> {
-        self.0.lock().get(key, out)
+impl<S: ?Sized> Clone for Shared<S> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
     }
 }
 
-/// The engine's connection to its sidecar, shared by the store's chunk calls and `recovery`.
-#[derive(Clone)]
-struct SidecarConnection(Arc<Mutex<LocalSidecar>>);
-
-impl ChunkStore for SidecarConnection {
+impl<S: ChunkStore + ?Sized> ChunkStore for Shared<S> {
     fn put(
         &mut self,
         descriptor: &dejavulib::chunk::ChunkDescriptor,
@@ -68,17 +55,18 @@ impl ChunkStore for SidecarConnection {
 pub(crate) struct PyStore {
     pub(crate) inner: SharedStore,
     pub(crate) kind: &'static str,
-    /// The sidecar connection, for a sidecar store.
-    sidecar: Option<SidecarConnection>,
+    /// The sidecar connection (the same as `inner`), for a sidecar store.
+    sidecar: Option<Shared<LocalSidecar>>,
 }
 
 impl PyStore {
     fn new(store: impl ChunkStore + 'static, kind: &'static str) -> Self {
-        Self { inner: SharedStore(Arc::new(Mutex::new(Box::new(store)))), kind, sidecar: None }
+        let shared: Arc<Mutex<dyn ChunkStore>> = Arc::new(Mutex::new(store));
+        Self { inner: Shared(shared), kind, sidecar: None }
     }
 
     /// The sidecar connection; a `TypeError` for other stores.
-    fn connection(&self) -> PyResult<&SidecarConnection> {
+    fn connection(&self) -> PyResult<&Shared<LocalSidecar>> {
         self.sidecar.as_ref().ok_or_else(|| {
             pyo3::exceptions::PyTypeError::new_err(format!(
                 "needs a sidecar store, not a {} store",
@@ -138,8 +126,9 @@ impl PyStore {
         let local = py
             .detach(|| LocalSidecar::connect(&path, epoch, addr))
             .map_err(|e| Error::new_err(format!("sidecar at {}: {e}", path.display())))?;
-        let connection = SidecarConnection(Arc::new(Mutex::new(local)));
-        Ok(Self { sidecar: Some(connection.clone()), ..Self::new(connection, "sidecar") })
+        let connection = Arc::new(Mutex::new(local));
+        let shared: Arc<Mutex<dyn ChunkStore>> = connection.clone();
+        Ok(Self { inner: Shared(shared), kind: "sidecar", sidecar: Some(Shared(connection)) })
     }
 
     /// What the sidecar serves as (sidecar stores only): a dict with the `stage` (a spare's

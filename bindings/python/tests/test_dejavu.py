@@ -1,6 +1,8 @@
 """The Python package against the library: every layout, resharding, file flush/fetch, errors."""
 
+import contextlib
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -315,12 +317,13 @@ def dejavud():
     raise AssertionError("no dejavud binary: build it (cargo build --release --bin dejavud) or set DEJAVUD")
 
 
-def test_flush_and_fetch_through_the_local_sidecar(tmp_path):
-    import subprocess
-
+@contextlib.contextmanager
+def running_sidecar(tmp_path, index):
+    """A ``dejavud sidecar`` of stage ``index`` with its local socket in ``tmp_path``, forwarding to
+    a ``PeerServer`` here; yields the socket and that successor, and stops both."""
     socket = tmp_path / "sidecar.sock"
     sidecar = subprocess.Popen(
-        [dejavud(), "sidecar", "--index", "1", f"--local={socket}", f"--shm-dir={tmp_path}", "--region-bytes=1048576"],
+        [dejavud(), "sidecar", f"--index={index}", f"--local={socket}", f"--shm-dir={tmp_path}", "--region-bytes=1048576"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -328,6 +331,15 @@ def test_flush_and_fetch_through_the_local_sidecar(tmp_path):
     successor = dejavu.PeerServer(b"dejavu reference cluster")
     try:
         assert sidecar.stdout.readline().startswith("listening ")
+        yield socket, successor
+    finally:
+        sidecar.kill()
+        sidecar.wait()
+        successor.close()
+
+
+def test_flush_and_fetch_through_the_local_sidecar(tmp_path):
+    with running_sidecar(tmp_path, index=1) as (socket, successor):
         layout = layouts()["per_layer_bhsd"]
         engine = dejavu.KvCache.wrap(layout, engine_buffers(layout, 11))
         store = dejavu.Store.sidecar(socket, successor.address, epoch=1)
@@ -349,27 +361,12 @@ def test_flush_and_fetch_through_the_local_sidecar(tmp_path):
         dejavu.fetch(replacement, restored, REGION, (1, 0), (1, 0), 0)
         with pytest.raises(dejavu.StoreError):
             dejavu.flush(store, engine, REGION, (1, 0), (1, 0), 1)
-    finally:
-        sidecar.kill()
-        sidecar.wait()
-        successor.close()
     with pytest.raises(dejavu.Error, match="sidecar at"):
         dejavu.Store.sidecar(tmp_path / "nobody.sock", "127.0.0.1:9")
 
 
 def test_a_restarted_engine_restores_from_its_sidecar_as_the_recovery_instructions_say(tmp_path):
-    import subprocess
-
-    socket = tmp_path / "sidecar.sock"
-    sidecar = subprocess.Popen(
-        [dejavud(), "sidecar", "--index", "1", f"--local={socket}", f"--shm-dir={tmp_path}", "--region-bytes=1048576"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    successor = dejavu.PeerServer(b"dejavu reference cluster")
-    try:
-        assert sidecar.stdout.readline().startswith("listening ")
+    with running_sidecar(tmp_path, index=1) as (socket, successor):
         layout = layouts()["paged_nhd"]
         engine = dejavu.KvCache.wrap(layout, engine_buffers(layout, 12))
         store = dejavu.Store.sidecar(socket, successor.address, epoch=1)
@@ -402,25 +399,10 @@ def test_a_restarted_engine_restores_from_its_sidecar_as_the_recovery_instructio
             assert bytes(restored.gather(held)) == bytes(engine.gather(held))
         with pytest.raises(TypeError, match="sidecar store"):
             dejavu.Store.host().recovery()
-    finally:
-        sidecar.kill()
-        sidecar.wait()
-        successor.close()
 
 
 def test_the_sidecar_client_reports_steps_and_restores_after_a_restart(tmp_path):
-    import subprocess
-
-    socket = tmp_path / "sidecar.sock"
-    sidecar = subprocess.Popen(
-        [dejavud(), "sidecar", "--index", "2", f"--local={socket}", f"--shm-dir={tmp_path}", "--region-bytes=1048576"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    successor = dejavu.PeerServer(b"dejavu reference cluster")
-    try:
-        assert sidecar.stdout.readline().startswith("listening ")
+    with running_sidecar(tmp_path, index=2) as (socket, successor):
         layout = layouts()["faster_transformer"]
         caches = [dejavu.KvCache.wrap(layout, engine_buffers(layout, 20 + m)) for m in range(2)]
         client = dejavu.SidecarClient(socket, successor.address, epoch=1)
@@ -450,7 +432,3 @@ def test_the_sidecar_client_reports_steps_and_restores_after_a_restart(tmp_path)
         # The old engine is cut off.
         with pytest.raises(dejavu.Error, match="older"):
             dejavu.SidecarClient(socket, successor.address, epoch=1)
-    finally:
-        sidecar.kill()
-        sidecar.wait()
-        successor.close()

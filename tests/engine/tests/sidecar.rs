@@ -39,9 +39,16 @@ fn sidecar(dir: &Path) -> (Killed, PathBuf) {
 /// Starts a sidecar of stage 1 whose shared regions hold `region_bytes`; returns it, its local
 /// socket and its transport's address.
 fn sidecar_with_region(dir: &Path, region_bytes: usize) -> (Killed, PathBuf, SocketAddr) {
+    start_sidecar(dir, &["--index", "1", "--region-bytes", &region_bytes.to_string()])
+}
+
+/// Starts `sidecar FLAGS` with its local socket and regions in `dir`; returns it, its local
+/// socket and its transport's address.
+fn start_sidecar(dir: &Path, flags: &[&str]) -> (Killed, PathBuf, SocketAddr) {
     let socket = dir.join("sidecar.sock");
     let mut child = Command::new(EXE)
-        .args(["sidecar", "--index", "1", "--region-bytes", &region_bytes.to_string()])
+        .arg("sidecar")
+        .args(flags)
         .arg(format!("--local={}", socket.display()))
         .arg(format!("--shm-dir={}", dir.display()))
         .stdout(Stdio::piped())
@@ -360,18 +367,7 @@ fn a_restarted_engine_learns_what_its_sidecar_keeps_and_where_each_sequence_resu
 #[test]
 fn a_spare_sidecar_has_no_stage_to_tell_until_it_is_assigned() {
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("spare.sock");
-    let mut child = Command::new(EXE)
-        .args(["sidecar", "--spare", "3", "--region-bytes", "65536"])
-        .arg(format!("--local={}", socket.display()))
-        .arg(format!("--shm-dir={}", dir.path().display()))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let _spare = Killed(child);
+    let (_spare, socket, _) = start_sidecar(dir.path(), &["--spare", "3", "--region-bytes", "65536"]);
     let nowhere: SocketAddr = "127.0.0.1:9".parse().unwrap();
     let mut engine = LocalSidecar::connect(&socket, 1, nowhere).unwrap();
     match engine.serving() {
