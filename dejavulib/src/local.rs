@@ -224,17 +224,16 @@ impl LocalSidecar {
         let fit = (self.region.capacity() / HeldChunk::ENCODED_LEN).min(u32::MAX as usize) as u32;
         let mut held: Vec<HeldChunk> = Vec::new();
         loop {
-            let (serving, after) = self.held_page(fit, held.last().map(|h| &h.key))?;
-            let page_len = held.len();
-            let bytes = self.region.read((after.0 as usize) * HeldChunk::ENCODED_LEN)?;
+            let (serving, (count, left)) = self.held_page(fit, held.last().map(|h| &h.key))?;
+            let bytes = self.region.read(count as usize * HeldChunk::ENCODED_LEN)?;
             for encoded in bytes.chunks_exact(HeldChunk::ENCODED_LEN) {
                 let chunk = HeldChunk::decode(encoded)
                     .ok_or_else(|| LocalError::Protocol("a malformed held chunk".into()))?;
                 held.push(chunk);
             }
-            match after.1 {
-                0 => return Ok(Recovery { serving, held }),
-                _ if held.len() == page_len => {
+            match (left, count) {
+                (0, _) => return Ok(Recovery { serving, held }),
+                (_, 0) => {
                     return Err(LocalError::Protocol("keys left, but none fit the shared region".into()))
                 }
                 _ => {}

@@ -90,7 +90,7 @@ pub fn resume_points(held: &[HeldChunk]) -> Vec<ResumePoint> {
             let current = current_sequence(&chunks);
             let layers = span(current.iter().map(|r| &r.layers));
             let heads = span(current.iter().map(|r| &r.heads));
-            let tokens = held_prefix(&current, &layers, &heads);
+            let tokens = held_prefix(&current);
             let mut chunks: Vec<KvRegion> =
                 current.iter().filter(|r| r.tokens.start < tokens).map(|r| (*r).clone()).collect();
             chunks.sort_by_key(|r| (r.tokens.start, r.layers.start, r.heads.start));
@@ -103,22 +103,18 @@ pub fn resume_points(held: &[HeldChunk]) -> Vec<ResumePoint> {
 /// no earlier than the last token-0 chunk covering that layer and head.
 fn current_sequence<'a>(chunks: &[(&'a KvRegion, u64)]) -> Vec<&'a KvRegion> {
     let regions: Vec<&KvRegion> = chunks.iter().map(|&(r, _)| r).collect();
-    let layers = span(regions.iter().map(|r| &r.layers));
-    let heads = span(regions.iter().map(|r| &r.heads));
-    let (layer_cells, head_cells) =
-        (cells(&regions, |r| &r.layers, &layers), cells(&regions, |r| &r.heads, &heads));
     // For each cell, when its last token-0 chunk was put.
-    let mut starts = Vec::new();
-    for l in &layer_cells {
-        for h in &head_cells {
+    let starts: Vec<(Range<u32>, Range<u32>, u64)> = grid(&regions)
+        .into_iter()
+        .map(|(l, h)| {
             let start = chunks
                 .iter()
-                .filter(|(r, _)| r.tokens.start == 0 && covers(&r.layers, l) && covers(&r.heads, h))
+                .filter(|(r, _)| r.tokens.start == 0 && covers(&r.layers, &l) && covers(&r.heads, &h))
                 .map(|&(_, put)| put)
                 .max();
-            starts.push((l, h, start.unwrap_or(0)));
-        }
-    }
+            (l, h, start.unwrap_or(0))
+        })
+        .collect();
     chunks
         .iter()
         .filter(|&&(r, put)| {
@@ -136,41 +132,34 @@ fn span<'a>(mut ranges: impl Iterator<Item = &'a Range<u32>>) -> Range<u32> {
     ranges.fold(first, |acc, r| acc.start.min(r.start)..acc.end.max(r.end))
 }
 
-/// Tokens from 0 held in every cell of `layers` x `heads`: the cells are cut at every chunk's
-/// layer and head boundaries, and each cell's prefix counts only chunks that cover it whole.
-fn held_prefix(regions: &[&KvRegion], layers: &Range<u32>, heads: &Range<u32>) -> u32 {
-    let layer_cells = cells(regions, |r| &r.layers, layers);
-    let head_cells = cells(regions, |r| &r.heads, heads);
-    let mut prefix = u32::MAX;
-    for l in &layer_cells {
-        for h in &head_cells {
-            let mut runs: Vec<Range<u32>> = regions
-                .iter()
-                .filter(|r| covers(&r.layers, l) && covers(&r.heads, h))
-                .map(|r| r.tokens.clone())
-                .collect();
-            runs.sort_by_key(|t| t.start);
-            let mut reach = 0;
-            for t in &runs {
-                if t.start > reach {
-                    break;
-                }
-                reach = reach.max(t.end);
-            }
-            prefix = prefix.min(reach);
-        }
-    }
-    if prefix == u32::MAX {
-        0
-    } else {
-        prefix
-    }
+/// Tokens from 0 held in every cell of `regions`' grid; each cell's prefix counts only chunks
+/// that cover it whole.
+fn held_prefix(regions: &[&KvRegion]) -> u32 {
+    let prefix = grid(regions).into_iter().map(|(l, h)| {
+        let mut runs: Vec<Range<u32>> = regions
+            .iter()
+            .filter(|r| covers(&r.layers, &l) && covers(&r.heads, &h))
+            .map(|r| r.tokens.clone())
+            .collect();
+        runs.sort_by_key(|t| t.start);
+        // By start: once one leaves a gap, so do all after it.
+        runs.iter().fold(0, |reach, t| if t.start <= reach { reach.max(t.end) } else { reach })
+    });
+    prefix.min().unwrap_or(0)
 }
 
-/// `whole` cut at every start and end of `pick` of `regions`.
-fn cells(regions: &[&KvRegion], pick: fn(&KvRegion) -> &Range<u32>, whole: &Range<u32>) -> Vec<Range<u32>> {
+/// The layer x head cells the regions' boundaries cut their span into.
+fn grid(regions: &[&KvRegion]) -> Vec<(Range<u32>, Range<u32>)> {
+    let heads = cells(regions, |r| &r.heads);
+    cells(regions, |r| &r.layers)
+        .into_iter()
+        .flat_map(|l| heads.iter().map(move |h| (l.clone(), h.clone())))
+        .collect()
+}
+
+/// The span of `pick` of `regions`, cut at every start and end.
+fn cells(regions: &[&KvRegion], pick: fn(&KvRegion) -> &Range<u32>) -> Vec<Range<u32>> {
     let mut cuts: Vec<u32> = regions.iter().flat_map(|r| [pick(r).start, pick(r).end]).collect();
-    cuts.extend([whole.start, whole.end]);
     cuts.sort_unstable();
     cuts.dedup();
     cuts.windows(2).map(|w| w[0]..w[1]).collect()

@@ -138,6 +138,13 @@ struct Place {
     host: Option<Arc<Host>>,
 }
 
+impl Place {
+    /// Starts `exe args` here (see [`spawn_on`]).
+    fn spawn(&self, exe: &Path, args: &[String], what: &str) -> Result<Spawned, SpawnError> {
+        spawn_on(self.host.as_ref(), exe, args, what, START)
+    }
+}
+
 /// How much a sidecar keeps in memory before it spills to its directory, and how much that
 /// directory holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -373,13 +380,7 @@ impl Cluster {
                 let place = config.place(&worker_host(i))?;
                 let who = SidecarOf::Stage(i, 0);
                 let args = Self::sidecar_args(&config, heartbeat, who, &socket, &dir, place.ip);
-                sidecars.push(spawn_on(
-                    place.host.as_ref(),
-                    &config.exe,
-                    &args,
-                    &format!("sidecar {i}"),
-                    START,
-                )?);
+                sidecars.push(place.spawn(&config.exe, &args, &format!("sidecar {i}"))?);
                 sockets.push(socket);
             }
         }
@@ -390,7 +391,7 @@ impl Cluster {
             let copies = Self::copies(&sidecars, &sockets, index);
             let place = config.place(&worker_host(index))?;
             let args = Self::stage_args(&config, heartbeat, copies, (index, 0), next, &dir, place.ip);
-            let stage = spawn_on(place.host.as_ref(), &config.exe, &args, &format!("stage {index}"), START)?;
+            let stage = place.spawn(&config.exe, &args, &format!("stage {index}"))?;
             next = stage.addr;
             stages.push(stage);
         }
@@ -462,8 +463,7 @@ impl Cluster {
             ];
             args.extend(Self::shape_args(&shapes));
             args.extend(config.transport_args(dir));
-            let stage =
-                spawn_on(place.host.as_ref(), &config.exe, &args, &format!("prompt stage {index}"), START)?;
+            let stage = place.spawn(&config.exe, &args, &format!("prompt stage {index}"))?;
             next = stage.addr;
             stages.push(stage);
         }
@@ -642,7 +642,7 @@ impl Cluster {
                         format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
                         format!("--listen={}", SocketAddr::new(place.ip, 0)),
                     ];
-                    spawn_on(place.host.as_ref(), &config.exe, &args, "a spare stage", START)
+                    place.spawn(&config.exe, &args, "a spare stage")
                 }),
                 wait,
             )?;
@@ -655,7 +655,7 @@ impl Cluster {
                 let place = placed(&config, n)?;
                 let args =
                     Self::sidecar_args(&config, heartbeat, SidecarOf::Spare(n), &local, &dir, place.ip);
-                spawn_on(place.host.as_ref(), &config.exe, &args, "a spare sidecar", START)
+                place.spawn(&config.exe, &args, "a spare sidecar")
             });
             self.spares.start_sidecar(job, socket, wait)?;
         }
@@ -686,7 +686,7 @@ impl Cluster {
         // A replacement takes the dead worker's host, as a restarted machine would.
         let place = self.config.place(&worker_host(victim))?;
         let args = Self::sidecar_args(&self.config, heartbeat, who, &socket, &self.dir, place.ip);
-        Ok((spawn_on(place.host.as_ref(), &self.config.exe, &args, "a replacement sidecar", START)?, socket))
+        Ok((place.spawn(&self.config.exe, &args, "a replacement sidecar")?, socket))
     }
 
     /// Stage `victim`'s replacement process, started in `epoch` and sending to `next`: a spare
@@ -714,7 +714,7 @@ impl Cluster {
             }
         }
         let place = self.config.place(&worker_host(victim))?;
-        Ok(spawn_on(place.host.as_ref(), &self.config.exe, &args(place.ip), "a replacement stage", START)?)
+        Ok(place.spawn(&self.config.exe, &args(place.ip), "a replacement stage")?)
     }
 
     fn sidecar_args(
