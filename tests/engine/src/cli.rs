@@ -4,13 +4,13 @@
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use parking_lot::Mutex;
 use std::sync::Arc;
 
-use crate::controller::{serve_controller, ControllerConfig};
+use crate::controller::{serve_controller, ControllerClient, ControllerConfig, ControllerError, Member};
 use crate::handoff::Shapes;
 use crate::heartbeat::{beat, Heartbeat, Role};
 use crate::logging::LogArgs;
@@ -34,8 +34,12 @@ pub enum Layout {
 #[derive(Clone, Debug, Args)]
 pub struct StageArgs {
     /// Position of this stage in the chain (0 is the first).
-    #[arg(long)]
-    pub index: u32,
+    #[arg(long, required_unless_present = "replace")]
+    pub index: Option<u32>,
+    /// Start as the replacement of stage STAGE's engine, which the controller (`--heartbeat`)
+    /// declared dead and fenced, in the epoch of that fence (instead of `--index` and `--epoch`).
+    #[arg(long, value_name = "STAGE", conflicts_with_all = ["index", "epoch"], requires = "heartbeat")]
+    pub replace: Option<u32>,
     /// Global layers it runs, as START..END.
     #[arg(long, value_parser = parse_layers)]
     pub layers: Range<u32>,
@@ -180,6 +184,10 @@ pub struct SidecarArgs {
     /// The stage it belongs to.
     #[arg(long, default_value_t = 0, conflicts_with = "spare")]
     pub index: u32,
+    /// Start as the replacement of stage STAGE's sidecar, which the controller (`--heartbeat`)
+    /// declared dead and fenced, in the epoch of that fence (instead of `--index` and `--epoch`).
+    #[arg(long, value_name = "STAGE", conflicts_with_all = ["index", "epoch", "spare"], requires = "heartbeat")]
+    pub replace: Option<u32>,
     /// Start as spare number N, registered with the controller and waiting for a recovery to
     /// assign it a stage (over its local socket) instead of `--index`.
     #[arg(long, value_name = "N")]
@@ -269,7 +277,34 @@ pub(crate) fn announce(addr: SocketAddr, metrics: Option<SocketAddr>) {
     let _ = std::io::stdout().flush();
 }
 
+/// How long a replacement keeps asking an unreachable controller for its epoch (it may be
+/// restarting).
+const REPLACEMENT_PATIENCE: Duration = Duration::from_secs(10);
+
 impl MemberArgs {
+    /// Makes this the replacement of fenced `member`: it starts in the epoch the controller
+    /// fenced the member in. An unreachable controller is asked again for a while; one that
+    /// says the member is not fenced is an error.
+    fn replace(&mut self, member: Member) -> Result<(), String> {
+        let controller =
+            self.heartbeat.ok_or("a replacement needs the controller's address (--heartbeat)")?;
+        let mut client = ControllerClient::new(controller, Duration::from_secs(1));
+        let start = Instant::now();
+        loop {
+            match client.fenced_in(member) {
+                Ok(epoch) => {
+                    self.epoch = epoch;
+                    return Ok(());
+                }
+                Err(ControllerError::Io(e)) if start.elapsed() < REPLACEMENT_PATIENCE => {
+                    tracing::debug!(error = %e, "the controller does not answer yet");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => return Err(format!("cannot replace {member:?}: {e}")),
+            }
+        }
+    }
+
     /// Sets the process up as a member: its logs, its death with the parent that started it, and
     /// its heartbeats as (`role`, `index`) to the controller, if given (they stop when the handle
     /// is dropped).
@@ -303,11 +338,27 @@ fn die_with_parent() {
 }
 
 impl StageArgs {
+    /// Its position in the chain.
+    fn index(&self) -> Result<u32, String> {
+        self.index.or(self.replace).ok_or_else(|| "a stage needs --index or --replace".to_owned())
+    }
+
+    /// The same flags with `--replace` resolved: the stage's index, and the epoch the controller
+    /// fenced its engine in.
+    pub fn resolved(mut self) -> Result<Self, String> {
+        if let Some(stage) = self.replace.take() {
+            self.member.replace((Role::Engine, stage))?;
+            self.index = Some(stage);
+        }
+        Ok(self)
+    }
+
     /// Runs the stage until it is killed.
     pub fn run(self) -> Result<(), String> {
-        let _heartbeat = self.member.start(Role::Engine, self.index)?;
-        let (listen, metrics) = (self.listen, self.member.metrics);
-        serve_stage(self.config()?, listen, metrics, announce).map_err(|e| e.to_string())
+        let this = self.resolved()?;
+        let _heartbeat = this.member.start(Role::Engine, this.index()?)?;
+        let (listen, metrics) = (this.listen, this.member.metrics);
+        serve_stage(this.config()?, listen, metrics, announce).map_err(|e| e.to_string())
     }
 
     /// Runs the stage on `listener`, a spare's (logs already set up), answering `assigned` once
@@ -317,9 +368,10 @@ impl StageArgs {
         listener: std::net::TcpListener,
         assigned: impl FnOnce(std::net::SocketAddr, Option<std::net::SocketAddr>),
     ) -> Result<(), String> {
-        let _heartbeat = self.member.beat(Role::Engine, self.index, self.member.epoch)?;
-        let metrics = self.member.metrics;
-        serve_stage_on(self.config()?, listener, metrics, assigned).map_err(|e| e.to_string())
+        let this = self.resolved()?;
+        let _heartbeat = this.member.beat(Role::Engine, this.index()?, this.member.epoch)?;
+        let metrics = this.member.metrics;
+        serve_stage_on(this.config()?, listener, metrics, assigned).map_err(|e| e.to_string())
     }
 
     /// What the flags describe.
@@ -327,7 +379,7 @@ impl StageArgs {
         let handoff = self.handoff.handoff(&self.secret)?;
         Ok(StageConfig {
             model: ModelConfig::reference(),
-            index: self.index,
+            index: self.index()?,
             layers: self.layers,
             layout: match self.layout {
                 Layout::Ft => CacheLayout::FasterTransformer,
@@ -352,7 +404,11 @@ impl StageArgs {
 
 impl SidecarArgs {
     /// Serves until killed.
-    pub fn run(self) -> Result<(), String> {
+    pub fn run(mut self) -> Result<(), String> {
+        if let Some(stage) = self.replace.take() {
+            self.member.replace((Role::Sidecar, stage))?;
+            self.index = stage;
+        }
         let member = match self.spare {
             Some(n) => spare_member(n),
             None => self.index,

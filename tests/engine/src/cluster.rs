@@ -378,7 +378,7 @@ impl Cluster {
             for i in 0..n {
                 let socket = dir.join(format!("sidecar-{i}-{i}.sock"));
                 let place = config.place(&worker_host(i))?;
-                let who = SidecarOf::Stage(i, 0);
+                let who = SidecarOf::Stage(i, Start::First);
                 let args = Self::sidecar_args(&config, heartbeat, who, &socket, &dir, place.ip);
                 sidecars.push(place.spawn(&config.exe, &args, &format!("sidecar {i}"))?);
                 sockets.push(socket);
@@ -390,7 +390,8 @@ impl Cluster {
         for index in (0..n).rev() {
             let copies = Self::copies(&sidecars, &sockets, index);
             let place = config.place(&worker_host(index))?;
-            let args = Self::stage_args(&config, heartbeat, copies, (index, 0), next, &dir, place.ip);
+            let args =
+                Self::stage_args(&config, heartbeat, copies, (index, Start::First), next, &dir, place.ip);
             let stage = place.spawn(&config.exe, &args, &format!("stage {index}"))?;
             next = stage.addr;
             stages.push(stage);
@@ -682,7 +683,7 @@ impl Cluster {
         let heartbeat = self.controller.client.addr();
         let socket = self.dir.join(format!("sidecar-{victim}-{}.sock", self.sidecar_starts));
         self.sidecar_starts += 1;
-        let who = SidecarOf::Stage(victim, epoch);
+        let who = SidecarOf::Stage(victim, Start::Replacement);
         // A replacement takes the dead worker's host, as a restarted machine would.
         let place = self.config.place(&worker_host(victim))?;
         let args = Self::sidecar_args(&self.config, heartbeat, who, &socket, &self.dir, place.ip);
@@ -700,7 +701,8 @@ impl Cluster {
         let heartbeat = self.controller.client.addr();
         let copies = Self::copies(&self.sidecars, &self.sockets, victim);
         let args = |ip| {
-            Self::stage_args(&self.config, heartbeat, copies.clone(), (victim, epoch), next, &self.dir, ip)
+            let who = (victim, Start::Replacement);
+            Self::stage_args(&self.config, heartbeat, copies.clone(), who, next, &self.dir, ip)
         };
         if let Some(spare) = self.spares.take_stage() {
             // Without the subcommand; it serves where it listens, on its own host.
@@ -725,21 +727,19 @@ impl Cluster {
         dir: &Path,
         ip: IpAddr,
     ) -> Vec<String> {
-        let who = match who {
-            SidecarOf::Stage(index, epoch) => [format!("--index={index}"), format!("--epoch={epoch}")],
-            SidecarOf::Spare(n) => [format!("--spare={n}"), "--epoch=0".to_owned()],
-        };
-        let mut args = vec![
-            "sidecar".to_owned(),
-            who[0].clone(),
-            who[1].clone(),
+        let mut args = vec!["sidecar".to_owned()];
+        args.extend(match who {
+            SidecarOf::Stage(stage, start) => start.flags(stage),
+            SidecarOf::Spare(n) => vec![format!("--spare={n}"), "--epoch=0".to_owned()],
+        });
+        args.extend([
             format!("--local={}", socket.display()),
             format!("--shm-dir={}", dir.display()),
             format!("--heartbeat={heartbeat}"),
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
             format!("--listen={}", SocketAddr::new(ip, 0)),
             format!("--metrics={}", SocketAddr::new(ip, 0)),
-        ];
+        ]);
         if config.sabotage_replicas {
             args.push("--test-only-skip-replicas".to_owned());
         }
@@ -756,16 +756,16 @@ impl Cluster {
         config: &ClusterConfig,
         heartbeat: SocketAddr,
         sidecars: Option<(PathBuf, SocketAddr)>,
-        (index, epoch): (usize, u64),
+        (index, start): (usize, Start),
         next: SocketAddr,
         dir: &Path,
         ip: IpAddr,
     ) -> Vec<String> {
         let layers = &config.splits[index];
         let next = config.route(Link::Activation { from: index as u32 }, next);
-        let mut args = vec![
-            "stage".to_owned(),
-            format!("--index={index}"),
+        let mut args = vec!["stage".to_owned()];
+        args.extend(start.flags(index));
+        args.extend([
             format!("--layers={}..{}", layers.start, layers.end),
             format!("--next={next}"),
             format!("--slots={}", config.slots),
@@ -775,8 +775,7 @@ impl Cluster {
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
             format!("--listen={}", SocketAddr::new(ip, 0)),
             format!("--metrics={}", SocketAddr::new(ip, 0)),
-            format!("--epoch={epoch}"),
-        ];
+        ]);
         if let Some(device) = config.device_caches {
             args.push(format!("--device-caches={device}"));
         }
@@ -919,10 +918,15 @@ impl Cluster {
     }
 
     fn dead_in(&self, census: &Census) -> Vec<(usize, Kill)> {
+        self.victims_in(census, Census::is_dead)
+    }
+
+    /// The stages whose engine or sidecar is `down` in `census`, and what of each to replace.
+    fn victims_in(&self, census: &Census, down: fn(&Census, Member) -> bool) -> Vec<(usize, Kill)> {
         (0..self.len() as u32)
             .filter_map(|stage| {
-                let sidecar_dead = self.config.replicate && census.is_dead((Role::Sidecar, stage));
-                match (census.is_dead((Role::Engine, stage)), sidecar_dead) {
+                let sidecar_down = self.config.replicate && down(census, (Role::Sidecar, stage));
+                match (down(census, (Role::Engine, stage)), sidecar_down) {
                     (_, true) => Some((stage as usize, Kill::Worker)),
                     (true, false) => Some((stage as usize, Kill::Engine)),
                     (false, false) => None,
@@ -931,32 +935,22 @@ impl Cluster {
             .collect()
     }
 
-    /// Waits at most `patience` for dead stages to show (a heartbeat timeout takes a few
-    /// intervals), as [`Cluster::dead`] reports them; empty if none did. Once one has, processes
-    /// that have been silent for half the timeout get the rest of it to beat again or be declared
-    /// dead too, so that workers that died together are recovered together. A controller
-    /// replaced meanwhile has heard from no one yet: the patience starts again with it.
+    /// Waits at most `patience` for the controller to start a recovery, and returns its victims:
+    /// the stages whose engine or sidecar it declared dead and fenced (empty if it fenced none).
+    /// The controller waits for the heartbeat timeout, and for members silent for half of it to
+    /// beat again or die too, so that workers that died together are recovered together. A
+    /// controller replaced meanwhile has heard from no one yet: the patience starts again with it.
     pub fn detect(&mut self, patience: Duration) -> Result<Vec<(usize, Kill)>, ClusterError> {
         let mut start = Instant::now();
-        let mut first: Option<Instant> = None;
         loop {
             let restarts = self.controller.restarts;
             let census = self.census()?;
             if self.controller.restarts != restarts {
                 start = Instant::now();
             }
-            let dead = self.dead_in(&census);
-            if !dead.is_empty() {
-                let since = *first.get_or_insert_with(Instant::now);
-                let dying = (0..self.len() as u32).any(|i| {
-                    census.is_suspect((Role::Engine, i))
-                        || (self.config.replicate && census.is_suspect((Role::Sidecar, i)))
-                });
-                if !dying || since.elapsed() >= self.config.heartbeat * 3 {
-                    return Ok(dead);
-                }
-            } else if start.elapsed() >= patience {
-                return Ok(dead);
+            let fenced = self.victims_in(&census, Census::is_fenced);
+            if !fenced.is_empty() || start.elapsed() >= patience {
+                return Ok(fenced);
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -976,7 +970,8 @@ impl Cluster {
     /// Replaces the dead stages `victims` and recovers every sequence on them:
     ///
     /// 1. the controller fences the presumed-dead processes in a new epoch (durably, so a
-    ///    controller crash cannot undo it), they are killed (unless spared, see
+    ///    controller crash cannot undo it; when it declared them dead itself, they are fenced
+    ///    already and the fence returns that epoch), they are killed (unless spared, see
     ///    [`Cluster::spare_presumed_dead_in_next_recovery`]: the epoch keeps them out), and
     ///    replacement sidecars start for the ones that died;
     /// 2. replacement engines start (the last first, so each knows where to send) and the chain is
@@ -1029,6 +1024,8 @@ impl Cluster {
         }
         if std::mem::take(&mut self.controller.crash_in_recovery) {
             let _ = self.controller.proc.kill();
+            // Its replacement, started now, is the one the replacements ask for their epoch.
+            self.census()?;
         }
         let used = self.spares.used;
         for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
@@ -1146,11 +1143,31 @@ impl Cluster {
     }
 }
 
+/// Which of a stage's processes (engine or sidecar) is started.
+#[derive(Clone, Copy, Debug)]
+enum Start {
+    /// The first, in epoch 0.
+    First,
+    /// The replacement of a fenced one, in the epoch of the fence, which it asks the controller
+    /// for (`--replace`).
+    Replacement,
+}
+
+impl Start {
+    /// The flags that start stage `stage`'s process so.
+    fn flags(self, stage: usize) -> Vec<String> {
+        match self {
+            Start::First => vec![format!("--index={stage}"), "--epoch=0".to_owned()],
+            Start::Replacement => vec![format!("--replace={stage}")],
+        }
+    }
+}
+
 /// Whose a sidecar is started as.
 #[derive(Clone, Copy, Debug)]
 enum SidecarOf {
-    /// Stage `.0`'s, started in epoch `.1`.
-    Stage(usize, u64),
+    /// Stage `.0`'s.
+    Stage(usize, Start),
     /// Spare number `.0`, no stage's yet.
     Spare(u32),
 }

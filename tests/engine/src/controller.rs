@@ -1,12 +1,17 @@
-//! The controller: a process of its own that every stage and sidecar heartbeats to, which says who
-//! fell silent and issues the epoch of each recovery.
+//! The controller: a process of its own that every stage and sidecar heartbeats to, which declares
+//! the silent dead, fences them and issues the epoch of each recovery.
 //!
 //! - Heartbeats are datagrams to the controller's UDP port ([`crate::heartbeat::beat`]); each
 //!   carries the epoch its sender was started in. Queries come over TCP on the same port number,
-//!   in framed, checksummed messages ([`dejavulib::wire`]): a [`Census`] of who is alive, suspect
-//!   or dead, and a fence that opens a new epoch in which the fenced members' old processes are
-//!   ignored: a member fenced in epoch `e` counts as dead until a process started in epoch `e` or
-//!   later (its replacement) beats for it, and beats from older processes are stale.
+//!   in framed, checksummed messages ([`dejavulib::wire`]): a [`Census`] of who is alive, suspect,
+//!   dead or fenced; a fence; and the epoch a fenced member's replacement starts in.
+//! - The controller starts each recovery itself: a stage's engine or sidecar silent for the
+//!   timeout is fenced in a new epoch, together with every member that failed with it ([`detect`]
+//!   decides). Its census then names the fenced members, the recovery's victims, until their
+//!   replacements beat; whoever drives the pipeline carries the recovery out from there.
+//! - A fence opens a new epoch in which the fenced members' old processes are ignored: a member
+//!   fenced in epoch `e` counts as fenced until a process started in epoch `e` or later (its
+//!   replacement) beats for it, and beats from older processes are stale.
 //! - A fence is written to the state file (write, fsync, rename) before it is answered, so a
 //!   controller that crashes and restarts never hands out an epoch twice, still waits for the
 //!   fenced members' replacements, and still ignores their old processes.
@@ -33,6 +38,10 @@ use tracing::{error, info, warn};
 use crate::heartbeat::Role;
 use crate::metrics::{Exposition, MetricType};
 
+mod detect;
+
+use detect::Detector;
+
 /// A process of the cluster, as the controller knows it.
 pub type Member = (Role, u32);
 
@@ -43,8 +52,10 @@ pub enum Health {
     Alive,
     /// Silent for half the timeout or more: perhaps dying.
     Suspect,
-    /// Silent for the timeout, never heard from, or fenced and not yet replaced.
+    /// Silent for the timeout, or never heard from.
     Dead,
+    /// Fenced, and no replacement has beaten since: a recovery's victim.
+    Fenced,
 }
 
 /// Errors of the controller and of talking to it.
@@ -64,6 +75,9 @@ pub enum ControllerError {
     /// It answered something that makes no sense, or refused the request.
     #[error("controller protocol: {0}")]
     Protocol(String),
+    /// The member has no fence to be replaced from: it is alive, or was never fenced.
+    #[error("{} {} awaits no replacement: it is not fenced", role_name(.0.0), .0.1)]
+    NotFenced(Member),
 }
 
 /// What survives a controller crash.
@@ -193,6 +207,8 @@ struct Counters {
     stale_heartbeats: AtomicU64,
     missed_heartbeats: AtomicU64,
     fences: AtomicU64,
+    /// Fences the controller opened on its own, declaring silent members dead.
+    detections: AtomicU64,
     queries: AtomicU64,
     /// Replacements heard from after a fence, and the microseconds from fence to first beat.
     replacements: AtomicU64,
@@ -202,7 +218,7 @@ struct Counters {
 impl Tables {
     fn health(&self, member: Member) -> Health {
         if self.state.members.get(&member).is_some_and(|m| m.awaiting) {
-            return Health::Dead;
+            return Health::Fenced;
         }
         match self.seen.get(&member) {
             None => Health::Dead,
@@ -242,8 +258,17 @@ impl Tables {
         }
     }
 
-    /// Opens a new epoch in which `members` are fenced; returns it once it is durable.
-    fn fence(&mut self, members: &[Member]) -> Result<u64, ControllerError> {
+    /// Opens a new epoch in which `members` are fenced; returns it once it is durable. Members
+    /// that all await their replacements from a fence in the current epoch (the controller fenced
+    /// them itself, or an earlier request did) are fenced already: their epoch is returned.
+    fn fence(&mut self, members: &[Member], counters: &Counters) -> Result<u64, ControllerError> {
+        let current = |member| {
+            let membership = self.state.members.get(member);
+            membership.is_some_and(|m: &Membership| m.awaiting && m.fenced_in == self.state.epoch)
+        };
+        if !members.is_empty() && members.iter().all(current) {
+            return Ok(self.state.epoch);
+        }
         let mut next = self.state.clone();
         next.epoch += 1;
         for &member in members {
@@ -256,6 +281,7 @@ impl Tables {
             self.fenced_at.insert(member, now);
         }
         info!(epoch = next.epoch, fenced = ?members, "fenced in a new epoch");
+        counters.fences.fetch_add(1, Ordering::Relaxed);
         self.state = next;
         Ok(self.state.epoch)
     }
@@ -302,6 +328,8 @@ pub struct ControllerConfig {
 /// Query operations (the first id of a control frame).
 const OP_CENSUS: u32 = 1;
 const OP_FENCE: u32 = 2;
+/// The epoch a fenced member was fenced in, which its replacement starts in.
+const OP_FENCED_IN: u32 = 3;
 
 /// Attempts at binding a UDP and a TCP socket to one free port before giving up.
 const BIND_ATTEMPTS: usize = 16;
@@ -352,6 +380,15 @@ pub fn serve_controller(
             .name("heartbeats".into())
             .spawn(move || listen_heartbeats(&udp, &tables, &counters))?;
     }
+    {
+        let (tables, counters, udp) = (tables.clone(), counters.clone(), udp.clone());
+        // Workers that died together get the timeout to show it, so they are fenced together.
+        let detector = Detector::new(config.timeout);
+        let tick = (config.interval / 4).clamp(Duration::from_millis(2), Duration::from_millis(50));
+        std::thread::Builder::new()
+            .name("detector".into())
+            .spawn(move || detect_failures(&udp, &tables, &counters, detector, tick))?;
+    }
     let metrics = match config.metrics {
         Some(at) => {
             let (tables, counters) = (tables.clone(), counters.clone());
@@ -401,6 +438,36 @@ fn listen_heartbeats(socket: &UdpSocket, tables: &Mutex<Tables>, counters: &Coun
     }
 }
 
+/// Every `tick`, fences the members `detector` finds dead: the start of each recovery.
+fn detect_failures(
+    heartbeats: &UdpSocket,
+    tables: &Mutex<Tables>,
+    counters: &Counters,
+    mut detector: Detector,
+    tick: Duration,
+) {
+    loop {
+        std::thread::sleep(tick);
+        let mut tables = tables.lock();
+        // Beats that came while the controller was stopped count before anyone is declared dead.
+        tables.absorb_pending(heartbeats, counters);
+        let members: Vec<(Member, Health)> =
+            tables.state.members.keys().map(|&member| (member, tables.health(member))).collect();
+        let dead = detector.decide(&members, Instant::now());
+        if dead.is_empty() {
+            continue;
+        }
+        match tables.fence(&dead, counters) {
+            Ok(epoch) => {
+                counters.detections.fetch_add(1, Ordering::Relaxed);
+                warn!(epoch, fenced = ?dead, "declared dead and fenced");
+            }
+            // They are still dead at the next tick, which tries again.
+            Err(e) => error!(error = %e, "cannot fence the dead"),
+        }
+    }
+}
+
 /// Answers queries on one connection until it closes.
 fn answer_queries(
     stream: TcpStream,
@@ -422,11 +489,17 @@ fn answer_queries(
                 tables.absorb_pending(heartbeats, counters);
                 Ok((tables.state.epoch, encode_census(&tables)))
             }
-            (Kind::Control, OP_FENCE) => decode_members(&frame.payload).and_then(|members| {
-                let epoch = tables.lock().fence(&members)?;
-                counters.fences.fetch_add(1, Ordering::Relaxed);
-                Ok((epoch, Vec::new()))
-            }),
+            (Kind::Control, OP_FENCE) => decode_members(&frame.payload)
+                .and_then(|members| Ok((tables.lock().fence(&members, counters)?, Vec::new()))),
+            (Kind::Control, OP_FENCED_IN) => {
+                decode_members(&frame.payload).and_then(|members| match members.as_slice() {
+                    &[member] => match tables.lock().state.members.get(&member) {
+                        Some(m) if m.awaiting => Ok((m.fenced_in, Vec::new())),
+                        _ => Err(ControllerError::NotFenced(member)),
+                    },
+                    _ => Err(ControllerError::Protocol("a fenced-in query names one member".into())),
+                })
+            }
             (kind, op) => Err(ControllerError::Protocol(format!("unknown request {kind:?} {op}"))),
         };
         match reply {
@@ -519,6 +592,12 @@ fn render(tables: &Tables, counters: &Counters) -> String {
         get(&counters.fences),
     )
     .single(
+        "dejavu_controller_detections_total",
+        MetricType::Counter,
+        "Fences the controller opened on its own, declaring silent members dead.",
+        get(&counters.detections),
+    )
+    .single(
         "dejavu_controller_queries_total",
         MetricType::Counter,
         "Queries answered.",
@@ -532,7 +611,13 @@ fn render(tables: &Tables, counters: &Counters) -> String {
     .sample("dejavu_controller_replacement_seconds_sum", &[], get(&counters.replacement_micros) / 1e6)
     .sample("dejavu_controller_replacement_seconds_count", &[], get(&counters.replacements));
     page.family("dejavu_controller_members", MetricType::Gauge, "Members by health.");
-    for (health, name) in [(Health::Alive, "alive"), (Health::Suspect, "suspect"), (Health::Dead, "dead")] {
+    let healths = [
+        (Health::Alive, "alive"),
+        (Health::Suspect, "suspect"),
+        (Health::Dead, "dead"),
+        (Health::Fenced, "fenced"),
+    ];
+    for (health, name) in healths {
         let count = tables.state.members.keys().filter(|&&m| tables.health(m) == health).count();
         page.sample("dejavu_controller_members", &[("health", name)], count as f64);
     }
@@ -554,9 +639,14 @@ impl Census {
         self.members.get(&member).copied().unwrap_or(Health::Dead)
     }
 
-    /// Whether `member` is dead.
+    /// Whether `member` is dead, fenced or not.
     pub fn is_dead(&self, member: Member) -> bool {
-        self.health(member) == Health::Dead
+        matches!(self.health(member), Health::Dead | Health::Fenced)
+    }
+
+    /// Whether `member` is fenced and awaits its replacement.
+    pub fn is_fenced(&self, member: Member) -> bool {
+        self.health(member) == Health::Fenced
     }
 
     /// Whether `member` is suspect (silent for half the timeout, not yet dead).
@@ -599,6 +689,7 @@ impl ControllerClient {
                 0 => Health::Alive,
                 1 => Health::Suspect,
                 2 => Health::Dead,
+                3 => Health::Fenced,
                 h => return Err(ControllerError::Protocol(format!("an unknown health {h}"))),
             };
             members.insert(member, health);
@@ -612,6 +703,13 @@ impl ControllerClient {
         let mut payload = Vec::with_capacity(members.len() * MEMBER_LEN);
         members.iter().for_each(|&m| encode_member(&mut payload, m));
         Ok(self.call(OP_FENCE, &payload)?.0)
+    }
+
+    /// The epoch fenced `member` was fenced in, which its replacement starts in.
+    pub fn fenced_in(&mut self, member: Member) -> Result<u64, ControllerError> {
+        let mut payload = Vec::with_capacity(MEMBER_LEN);
+        encode_member(&mut payload, member);
+        Ok(self.call(OP_FENCED_IN, &payload)?.0)
     }
 
     fn call(&mut self, op: u32, payload: &[u8]) -> Result<(u64, Vec<u8>), ControllerError> {
@@ -717,11 +815,11 @@ mod tests {
     }
 
     #[test]
-    fn silence_is_suspect_then_dead_and_a_fence_waits_for_the_replacement() {
+    fn the_controller_fences_the_silent_itself_and_they_stay_fenced_until_replaced() {
         let dir = tempfile::tempdir().unwrap();
         let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
         let mut client = ControllerClient::new(addr, Duration::from_secs(2));
-        assert!(client.census().unwrap().is_dead((Role::Engine, 0)), "never heard from");
+        assert_eq!(client.census().unwrap().health((Role::Engine, 0)), Health::Dead, "never heard from");
         // A member that beats is alive; garbage on the port changes nothing.
         let stop = beat(addr, (Role::Engine, 0), 0, EVERY).unwrap();
         assert_eq!(
@@ -729,21 +827,64 @@ mod tests {
             Health::Alive
         );
         UdpSocket::bind("127.0.0.1:0").unwrap().send_to(b"not a heartbeat", addr).unwrap();
-        // Silence: suspect, then dead.
+        let error = client.fenced_in((Role::Engine, 0)).unwrap_err().to_string();
+        assert!(error.contains("engine 0 awaits no replacement"), "{error}");
+        // Silence: suspect, then declared dead and fenced in a new epoch, by the controller alone.
         stop.stop();
         let census = wait_for(&mut client, (Role::Engine, 0), Health::Suspect);
         assert_eq!(census.health((Role::Engine, 0)), Health::Suspect);
+        let census = wait_for(&mut client, (Role::Engine, 0), Health::Fenced);
+        assert_eq!(census.health((Role::Engine, 0)), Health::Fenced);
+        assert_eq!(census.epoch, 1);
+        assert_eq!(client.fenced_in((Role::Engine, 0)).unwrap(), 1, "its replacement's epoch");
+        // Fencing it again is the same fence; fencing more opens a new epoch.
+        assert_eq!(client.fence(&[(Role::Engine, 0)]).unwrap(), 1);
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(client.census().unwrap().epoch, 1, "a fenced member is not fenced again");
+        // It stays fenced until a replacement, started in that epoch, beats.
+        let _replacement = beat(addr, (Role::Engine, 0), 1, EVERY).unwrap();
         assert_eq!(
-            wait_for(&mut client, (Role::Engine, 0), Health::Dead).health((Role::Engine, 0)),
-            Health::Dead
+            wait_for(&mut client, (Role::Engine, 0), Health::Alive).health((Role::Engine, 0)),
+            Health::Alive
         );
-        // A fence opens a new epoch; the member stays dead until a replacement beats.
-        let epoch = client.fence(&[(Role::Engine, 0)]).unwrap();
-        assert_eq!(epoch, 1);
-        assert_eq!(client.census().unwrap().epoch, 1);
-        let _replacement = beat(addr, (Role::Engine, 0), epoch, EVERY).unwrap();
-        assert!(!wait_for(&mut client, (Role::Engine, 0), Health::Alive).is_dead((Role::Engine, 0)));
+        assert!(client.fenced_in((Role::Engine, 0)).is_err(), "replaced");
         assert_eq!(client.fence(&[]).unwrap(), 2, "epochs only grow");
+    }
+
+    #[test]
+    fn workers_that_die_together_are_fenced_together_and_a_dead_sidecar_takes_its_engine() {
+        let dir = tempfile::tempdir().unwrap();
+        let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
+        let mut client = ControllerClient::new(addr, Duration::from_secs(2));
+        let members: Vec<Member> = (0..3).flat_map(|i| [(Role::Engine, i), (Role::Sidecar, i)]).collect();
+        let mut beats: Vec<_> = members.iter().map(|&m| Some(beat(addr, m, 0, EVERY).unwrap())).collect();
+        for &m in &members {
+            wait_for(&mut client, m, Health::Alive);
+        }
+        // Worker 1 (engine and sidecar) and engine 2 stop within a few beats of each other.
+        for i in [2, 3] {
+            beats[i].take().unwrap().stop();
+        }
+        std::thread::sleep(EVERY * 3);
+        beats[4].take().unwrap().stop();
+        let census = wait_for(&mut client, (Role::Engine, 2), Health::Fenced);
+        assert_eq!(census.epoch, 1, "one epoch for all: {census:?}");
+        for (m, health) in [
+            ((Role::Engine, 1), Health::Fenced),
+            ((Role::Sidecar, 1), Health::Fenced),
+            ((Role::Engine, 2), Health::Fenced),
+            ((Role::Sidecar, 2), Health::Alive),
+            ((Role::Engine, 0), Health::Alive),
+        ] {
+            assert_eq!(census.health(m), health, "{m:?} in {census:?}");
+        }
+        // Sidecar 0 dies while its engine beats on: the whole worker is fenced.
+        beats[1].take().unwrap().stop();
+        let census = wait_for(&mut client, (Role::Sidecar, 0), Health::Fenced);
+        assert_eq!(census.epoch, 2);
+        assert_eq!(census.health((Role::Engine, 0)), Health::Fenced, "{census:?}");
+        assert_eq!(client.fenced_in((Role::Engine, 0)).unwrap(), 2);
+        assert_eq!(client.fenced_in((Role::Engine, 1)).unwrap(), 1);
     }
 
     #[test]
@@ -794,9 +935,12 @@ mod tests {
         let _replacement = beat(second, (Role::Engine, 1), 1, EVERY).unwrap();
         assert!(!wait_for(&mut client, (Role::Engine, 1), Health::Alive).is_dead((Role::Engine, 1)));
         drop(stale);
-        // Engine 0 beats to the first controller only: to the second it falls silent.
-        assert!(wait_for(&mut client, (Role::Engine, 0), Health::Dead).is_dead((Role::Engine, 0)));
-        assert_eq!(client.fence(&[]).unwrap(), 2, "no epoch is handed out twice");
+        // Engine 0 beats to the first controller only: to the second it falls silent, and the
+        // second fences it in an epoch of its own.
+        let census = wait_for(&mut client, (Role::Engine, 0), Health::Fenced);
+        assert_eq!(census.health((Role::Engine, 0)), Health::Fenced);
+        assert_eq!(census.epoch, 2, "no epoch is handed out twice");
+        assert_eq!(client.fence(&[]).unwrap(), 3);
         assert_eq!(State::load(&path).unwrap().incarnation, 2);
     }
 

@@ -74,7 +74,7 @@ impl SpareArgs {
                     continue;
                 }
             };
-            tracing::info!(spare = self.id, stage = stage.index, "a spare was assigned its stage");
+            tracing::info!(spare = self.id, stage = ?stage.index.or(stage.replace), "a spare was assigned its stage");
             // From now on it beats as the stage, in the recovery's epoch.
             drop(heartbeat);
             let listener = listener.try_clone().map_err(|e| e.to_string())?;
