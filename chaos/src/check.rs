@@ -198,6 +198,7 @@ mod tests {
             restore: Duration::from_millis(50),
             resume: Duration::from_millis(1),
             recomputed: lag + 1,
+            interrupted: true,
         }
     }
 

@@ -118,6 +118,7 @@ fn one_run(
     let driver = DriverConfig {
         on_failure,
         detect_patience: Duration::from_millis(scenario.cluster.heartbeat_ms * 6),
+        watch_every: Duration::from_millis(scenario.cluster.heartbeat_ms),
         retries: scenario.limits.retries,
     };
     let mut injector = ChaosInjector::new(faults, &proxies, on_failure);

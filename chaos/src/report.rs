@@ -80,7 +80,11 @@ pub struct Report {
     pub classes: Vec<ClassRow>,
     /// Recoveries carried out.
     pub recoveries: usize,
-    /// From first sending the step that failed to the dead stage named.
+    /// Recoveries the driver found between steps, started by the controller while no step failed
+    /// (a sidecar that died or stopped while its engine computed on).
+    pub between_steps: usize,
+    /// From first sending the step that failed to the dead stage named, over the recoveries a
+    /// failed step started.
     pub detection_ms: Percentiles,
     /// From detection to the KV restored and the lagging steps recomputed.
     pub restore_ms: Percentiles,
@@ -215,7 +219,8 @@ impl Report {
             tokens: runs.reference.deliveries.len() as u64,
             classes,
             recoveries: recoveries.len(),
-            detection_ms: Percentiles::of(recoveries.iter().map(|r| r.detection)),
+            between_steps: recoveries.iter().filter(|r| !r.interrupted).count(),
+            detection_ms: Percentiles::of(recoveries.iter().filter(|r| r.interrupted).map(|r| r.detection)),
             restore_ms: Percentiles::of(recoveries.iter().map(|r| r.restore)),
             resume_ms: Percentiles::of(recoveries.iter().map(|r| r.resume)),
             recovery_ms: Percentiles::of(recoveries.iter().map(|r| r.detection + r.restore + r.resume)),
@@ -273,7 +278,11 @@ impl Report {
             );
         }
         let p = |p: &Percentiles| format!("{:8.1} {:8.1} {:8.1} {:8.1}", p.p50, p.p90, p.p99, p.max);
-        let _ = writeln!(t, "\nrecoveries: {}", self.recoveries);
+        let _ = writeln!(
+            t,
+            "\nrecoveries: {} ({} started by the controller between steps, with no step failed)",
+            self.recoveries, self.between_steps
+        );
         let _ = writeln!(t, "{:<20} {:>8} {:>8} {:>8} {:>8}", "ms", "p50", "p90", "p99", "max");
         let _ = writeln!(t, "{:<20} {}", "detection", p(&self.detection_ms));
         let _ = writeln!(t, "{:<20} {}", "restore", p(&self.restore_ms));

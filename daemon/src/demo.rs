@@ -293,7 +293,12 @@ fn run_once(
 ) -> Result<(Run, Seen), DemoError> {
     let workload = workload(config);
     let replicate = on_failure == OnFailure::Recover;
-    let driver = DriverConfig { on_failure, detect_patience: config.heartbeat * 6, retries: RETRIES };
+    let driver = DriverConfig {
+        on_failure,
+        detect_patience: config.heartbeat * 6,
+        watch_every: config.heartbeat,
+        retries: RETRIES,
+    };
     // Without replication there is no sidecar to kill: the engine dies alone.
     let what = if replicate { config.kill } else { Kill::Engine };
     let (mut killed, mut seen) = (false, Seen::default());

@@ -917,6 +917,13 @@ impl Cluster {
         Ok(self.dead_in(&census))
     }
 
+    /// The stages whose engine or sidecar the controller fenced and which await their
+    /// replacements: the victims of the recovery it started, if any.
+    pub fn fenced(&mut self) -> Result<Vec<(usize, Kill)>, ClusterError> {
+        let census = self.census()?;
+        Ok(self.victims_in(&census, Census::is_fenced))
+    }
+
     fn dead_in(&self, census: &Census) -> Vec<(usize, Kill)> {
         self.victims_in(census, Census::is_dead)
     }

@@ -1,6 +1,8 @@
 //! The driver's loop: runs a workload of requests through a [`Cluster`] (every prompt, then one
 //! token per request per round), lets an [`Injector`] act on the cluster before each step, and
-//! when a step fails asks the controller whether a stage died. A dead stage is either
+//! carries out the recoveries the controller starts: it waits for the controller to name the
+//! stages it fenced when a step fails, and asks it between steps too (a worker whose sidecar died
+//! computes on, so no step fails, but its KV is no longer copied). A fenced stage is either
 //! recovered (DéjàVu: replaced, its KV restored, the steps its copy lacked recomputed) or the
 //! whole pipeline restarts from the first token. Every token delivered and every recovery is
 //! recorded, so callers (the demo, the chaos harness) can check and report them.
@@ -70,8 +72,10 @@ pub enum OnFailure {
 pub struct DriverConfig {
     /// Recover or restart.
     pub on_failure: OnFailure,
-    /// How long to wait for the monitor to name a dead stage after a step failed.
+    /// How long to wait for the controller to name a dead stage after a step failed.
     pub detect_patience: Duration,
+    /// How often to ask the controller, between steps, whether it fenced a stage.
+    pub watch_every: Duration,
     /// Failed attempts at one step with no stage dead before the driver gives up (a slow or
     /// partitioned link: the step is sent again each time; re-running a step rewrites the same KV).
     pub retries: u32,
@@ -124,18 +128,21 @@ pub struct RecoveryRecord {
     pub copies_lost: Vec<usize>,
     /// Each victim and the steps its copies lacked (its replication lag), summed over sequences.
     pub lag: Vec<(usize, u64)>,
-    /// The step that failed.
+    /// The step that failed (or, for a recovery found between steps, the next step).
     pub step: u64,
     /// From first sending the step that failed (it may have been sent again before a stage was
-    /// found dead) to the controller naming the dead stages.
+    /// found dead) to the controller naming the dead stages; zero when the driver found the
+    /// controller's fence between steps (no step waited for it).
     pub detection: Duration,
     /// Replacing the processes, repairing the chain, restoring KV and recomputing what the copies
     /// lacked.
     pub restore: Duration,
-    /// Running the interrupted step again.
+    /// Running the interrupted step again (zero when none was interrupted).
     pub resume: Duration,
     /// Steps computed twice: the ones the copies lacked, plus the interrupted one.
     pub recomputed: u64,
+    /// Whether a failed step started it (else the driver found the fence between steps).
+    pub interrupted: bool,
 }
 
 /// What a run did.
@@ -225,10 +232,25 @@ fn drive_into(
     let (mut step, mut failures) = (0u64, 0u32);
     // When the step now failing was first sent: detection is timed from there, across attempts.
     let mut failing_since: Option<Instant> = None;
+    let mut watched = Instant::now();
     'rounds: loop {
         for request in 0..workload.prompts.len() {
             if run.tokens[request].len() == workload.new_tokens as usize {
                 continue;
+            }
+            if watched.elapsed() >= config.watch_every {
+                watched = Instant::now();
+                let victims = cluster.fenced()?;
+                if !victims.is_empty() {
+                    let record = RecoveryRecord::new(victims, step, Duration::ZERO, false);
+                    match config.on_failure {
+                        OnFailure::Recover => recover_now(&mut cluster, workload, run, record, None)?,
+                        OnFailure::Restart => {
+                            cluster = restart(cluster, start, run, record)?;
+                            continue 'rounds;
+                        }
+                    }
+                }
             }
             injector.before_step(step, &mut cluster)?;
             let sent = Instant::now();
@@ -255,46 +277,16 @@ fn drive_into(
                 // The next round sends this request's step again.
                 continue;
             }
-            let detected = Instant::now();
-            let mut record = RecoveryRecord {
-                victims,
-                epoch: 0,
-                copies_lost: Vec::new(),
-                lag: Vec::new(),
-                step: step - 1,
-                detection: detected - first_sent,
-                restore: Duration::ZERO,
-                resume: Duration::ZERO,
-                recomputed: 0,
-            };
+            let record = RecoveryRecord::new(victims, step - 1, first_sent.elapsed(), true);
             (failures, failing_since) = (0, None);
             match config.on_failure {
                 OnFailure::Recover => {
-                    let recovered = recover(&mut cluster, workload, run, &mut record.victims)?;
-                    record.recomputed = recovered.recomputed + 1;
-                    record.epoch = recovered.epoch;
-                    record.copies_lost = recovered.copies_lost;
-                    record.lag = recovered.lag;
-                    let restored = Instant::now();
-                    record.restore = restored - detected;
-                    // The interrupted step again; if it fails, the next round handles it as any
-                    // failed step.
-                    let resumed = next_token(&mut cluster, workload, &run.tokens, request);
-                    record.resume = restored.elapsed();
-                    run.recoveries.push(record);
-                    if let Ok(reply) = resumed {
-                        run.deliver(request, reply, step);
-                    }
+                    recover_now(&mut cluster, workload, run, record, Some(request))?;
+                    // The interrupted step ran again: the next one is counted after it.
                     step += 1;
                 }
                 OnFailure::Restart => {
-                    record.recomputed = run.tokens.iter().map(|t| t.len() as u64).sum();
-                    run.count_from(&cluster);
-                    drop(cluster);
-                    cluster = start()?;
-                    run.tokens.iter_mut().for_each(Vec::clear);
-                    record.restore = detected.elapsed();
-                    run.recoveries.push(record);
+                    cluster = restart(cluster, start, run, record)?;
                     continue 'rounds;
                 }
             }
@@ -304,6 +296,76 @@ fn drive_into(
             return Ok(());
         }
     }
+}
+
+impl RecoveryRecord {
+    /// The record of a recovery of `victims` that starts now, the rest filled in as it goes.
+    fn new(victims: Vec<(usize, Kill)>, step: u64, detection: Duration, interrupted: bool) -> Self {
+        Self {
+            victims,
+            epoch: 0,
+            copies_lost: Vec::new(),
+            lag: Vec::new(),
+            step,
+            detection,
+            restore: Duration::ZERO,
+            resume: Duration::ZERO,
+            recomputed: 0,
+            interrupted,
+        }
+    }
+}
+
+/// Carries out the recovery `record` starts and records it in `run`. With `interrupted`, the
+/// request whose step failed runs that step again once recovered.
+fn recover_now(
+    cluster: &mut Cluster,
+    workload: &Workload,
+    run: &mut Run,
+    mut record: RecoveryRecord,
+    interrupted: Option<usize>,
+) -> Result<(), DriveError> {
+    let detected = Instant::now();
+    let recovered = recover(cluster, workload, run, &mut record.victims)?;
+    record.recomputed = recovered.recomputed;
+    record.epoch = recovered.epoch;
+    record.copies_lost = recovered.copies_lost;
+    record.lag = recovered.lag;
+    let restored = Instant::now();
+    record.restore = restored - detected;
+    let Some(request) = interrupted else {
+        run.recoveries.push(record);
+        return Ok(());
+    };
+    // The interrupted step again; if it fails, the next round handles it as any failed step.
+    let resumed = next_token(cluster, workload, &run.tokens, request);
+    record.recomputed += 1;
+    record.resume = restored.elapsed();
+    let step = record.step + 1;
+    run.recoveries.push(record);
+    if let Ok(reply) = resumed {
+        run.deliver(request, reply, step);
+    }
+    Ok(())
+}
+
+/// Handles the failure `record` describes by starting everything again: `cluster` goes (its
+/// processes and hosts first), a new one is started and every request starts from its first token.
+fn restart(
+    cluster: Cluster,
+    start: &mut dyn FnMut() -> Result<Cluster, ClusterError>,
+    run: &mut Run,
+    mut record: RecoveryRecord,
+) -> Result<Cluster, DriveError> {
+    let detected = Instant::now();
+    record.recomputed = run.tokens.iter().map(|t| t.len() as u64).sum();
+    run.count_from(&cluster);
+    drop(cluster);
+    let cluster = start()?;
+    run.tokens.iter_mut().for_each(Vec::clear);
+    record.restore = detected.elapsed();
+    run.recoveries.push(record);
+    Ok(cluster)
 }
 
 /// Recovers `victims` on `cluster`, trying again (with any stage found dead meanwhile added to

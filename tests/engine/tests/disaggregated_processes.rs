@@ -46,7 +46,12 @@ fn config(workload: &Workload) -> ClusterConfig {
 }
 
 fn driver() -> DriverConfig {
-    DriverConfig { on_failure: OnFailure::Recover, detect_patience: Duration::from_secs(3), retries: 3 }
+    DriverConfig {
+        on_failure: OnFailure::Recover,
+        detect_patience: Duration::from_secs(3),
+        watch_every: Duration::from_millis(100),
+        retries: 3,
+    }
 }
 
 fn counter(page: &str, name: &str) -> f64 {

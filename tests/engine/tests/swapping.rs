@@ -176,8 +176,12 @@ fn stage_processes_with_two_device_caches_swap_and_recover_bit_identically() {
         deadline: Duration::from_secs(1),
         ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
     };
-    let driver =
-        DriverConfig { on_failure: OnFailure::Recover, detect_patience: Duration::from_secs(3), retries: 3 };
+    let driver = DriverConfig {
+        on_failure: OnFailure::Recover,
+        detect_patience: Duration::from_secs(3),
+        watch_every: Duration::from_millis(100),
+        retries: 3,
+    };
     // Metrics of every stage, read just before the cluster goes away.
     let mut seen = Vec::new();
     let mut inject = |step: u64, cluster: &mut Cluster| {

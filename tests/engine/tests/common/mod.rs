@@ -41,5 +41,10 @@ pub fn cluster_config(workload: &Workload, splits: Vec<Range<u32>>) -> ClusterCo
 
 /// A driver that recovers dead stages.
 pub fn recovering() -> DriverConfig {
-    DriverConfig { on_failure: OnFailure::Recover, detect_patience: Duration::from_secs(3), retries: 3 }
+    DriverConfig {
+        on_failure: OnFailure::Recover,
+        detect_patience: Duration::from_secs(3),
+        watch_every: Duration::from_millis(100),
+        retries: 3,
+    }
 }
