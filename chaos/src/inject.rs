@@ -103,6 +103,10 @@ impl<'a> ChaosInjector<'a> {
                 cluster.kill(stage, Kill::Engine)?;
             }
             FaultKind::KillWorker => cluster.kill(stage, Kill::Worker)?,
+            FaultKind::KillSidecar if restarting => {
+                note = Some("no sidecars without replication: skipped".to_owned());
+            }
+            FaultKind::KillSidecar => cluster.signal(stage, Role::Sidecar, libc::SIGKILL)?,
             FaultKind::KillAdjacent => {
                 let what = if restarting { Kill::Engine } else { Kill::Worker };
                 for hit in stages_hit(&fault, cluster.len() as u32) {

@@ -151,6 +151,9 @@ pub enum FaultKind {
     KillEngine,
     /// SIGKILL a stage's engine and sidecar; its KV comes back from its successor's sidecar.
     KillWorker,
+    /// SIGKILL a stage's sidecar alone: its engine computes no more steps once a copy finds the
+    /// sidecar gone, and the controller fences the whole worker, which is replaced as a dead one.
+    KillSidecar,
     /// SIGKILL the workers of a stage and of its ring successor together: the first's copies die
     /// with the second, so the ring cannot restore it and its sequences are recomputed.
     KillAdjacent,
@@ -202,9 +205,10 @@ pub enum FaultKind {
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 18] = [
+    pub const ALL: [FaultKind; 19] = [
         FaultKind::KillEngine,
         FaultKind::KillWorker,
+        FaultKind::KillSidecar,
         FaultKind::KillAdjacent,
         FaultKind::PauseEngine,
         FaultKind::PauseSidecar,
@@ -229,6 +233,7 @@ impl FaultKind {
             self,
             FaultKind::KillEngine
                 | FaultKind::KillWorker
+                | FaultKind::KillSidecar
                 | FaultKind::KillAdjacent
                 | FaultKind::PauseEngine
                 | FaultKind::PauseSidecar
@@ -261,6 +266,7 @@ impl FaultKind {
         match self {
             FaultKind::KillEngine => "kill-engine",
             FaultKind::KillWorker => "kill-worker",
+            FaultKind::KillSidecar => "kill-sidecar",
             FaultKind::KillAdjacent => "kill-adjacent",
             FaultKind::PauseEngine => "pause-engine",
             FaultKind::PauseSidecar => "pause-sidecar",

@@ -15,7 +15,7 @@
 //!
 //! The sidecar itself is a process of the daemon (`dejavud sidecar`).
 
-use std::io::{BufReader, BufWriter, Write};
+use std::io::{BufReader, BufWriter, ErrorKind, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -60,6 +60,10 @@ pub enum LocalError {
     /// The sidecar holds no such chunk.
     #[error("the sidecar holds no such chunk")]
     NotFound,
+    /// The sidecar closed the connection: it died, or an engine of a newer epoch took its place.
+    /// Nothing more can be sent on it ([`LocalSidecar::is_closed`]).
+    #[error("the sidecar closed the connection")]
+    Closed,
 }
 
 impl From<FrameError> for LocalError {
@@ -110,12 +114,40 @@ struct Channel {
     reader: BufReader<UnixStream>,
     writer: BufWriter<UnixStream>,
     next_request: u64,
+    /// Whether the sidecar closed the connection.
+    closed: bool,
 }
 
 impl Channel {
+    fn new(stream: UnixStream) -> std::io::Result<Self> {
+        Ok(Self {
+            reader: BufReader::new(stream.try_clone()?),
+            writer: BufWriter::new(stream),
+            next_request: 1,
+            closed: false,
+        })
+    }
+
     /// Sends a request and returns its reply, which must be of kind `expect` (an `Error` reply is
-    /// an error: `NotFound` as [`LocalError::NotFound`]).
+    /// an error: `NotFound` as [`LocalError::NotFound`]; a connection the sidecar closed as
+    /// [`LocalError::Closed`], then and for every later call).
     fn call(
+        &mut self,
+        kind: Kind,
+        epoch: u64,
+        ids: [u32; 4],
+        payload: &[u8],
+        expect: Kind,
+    ) -> Result<Frame, LocalError> {
+        if self.closed {
+            return Err(LocalError::Closed);
+        }
+        let result = self.exchange(kind, epoch, ids, payload, expect);
+        self.closed = matches!(result, Err(LocalError::Closed));
+        result
+    }
+
+    fn exchange(
         &mut self,
         kind: Kind,
         epoch: u64,
@@ -127,10 +159,18 @@ impl Channel {
         self.next_request += 1;
         let mut header = FrameHeader::new(kind, 0, epoch, request);
         header.ids = ids;
-        write_frame(&mut self.writer, &header, payload)?;
-        self.writer.flush()?;
-        let frame = read_frame(&mut self.reader, MAX_LOCAL_PAYLOAD)?
-            .ok_or_else(|| LocalError::Protocol("the sidecar closed the connection".into()))?;
+        let gone = |e: std::io::Error| match e.kind() {
+            ErrorKind::BrokenPipe | ErrorKind::ConnectionReset => LocalError::Closed,
+            _ => LocalError::Io(e),
+        };
+        write_frame(&mut self.writer, &header, payload).map_err(gone)?;
+        self.writer.flush().map_err(gone)?;
+        let frame = match read_frame(&mut self.reader, MAX_LOCAL_PAYLOAD) {
+            Ok(Some(frame)) => frame,
+            Ok(None) | Err(FrameError::Truncated { .. }) => return Err(LocalError::Closed),
+            Err(FrameError::Io(e)) => return Err(gone(e)),
+            Err(e) => return Err(e.into()),
+        };
         if frame.header.request != request {
             return Err(LocalError::Protocol(format!("a reply to {} for {request}", frame.header.request)));
         }
@@ -149,12 +189,7 @@ impl LocalSidecar {
     /// Connects to the sidecar at `path` as an engine of `epoch` whose successor's sidecar is
     /// `successor`, and maps the region it offers.
     pub fn connect(path: &Path, epoch: u64, successor: SocketAddr) -> Result<Self, LocalError> {
-        let stream = UnixStream::connect(path)?;
-        let mut channel = Channel {
-            reader: BufReader::new(stream.try_clone()?),
-            writer: BufWriter::new(stream),
-            next_request: 1,
-        };
+        let mut channel = Channel::new(UnixStream::connect(path)?)?;
         let welcome =
             channel.call(Kind::Hello, epoch, [0; 4], successor.to_string().as_bytes(), Kind::Welcome)?;
         let capacity = welcome.header.ids[0] as u64 | (welcome.header.ids[1] as u64) << 32;
@@ -170,15 +205,16 @@ impl LocalSidecar {
     /// even while the engine's own connection waits for a forward to the successor it replaces,
     /// which the sidecar then cuts short (a dead QUIC peer would hold it until a timeout).
     pub fn retarget_now(path: &Path, successor: SocketAddr, epoch: u64) -> Result<(), LocalError> {
-        let stream = UnixStream::connect(path)?;
-        let mut channel = Channel {
-            reader: BufReader::new(stream.try_clone()?),
-            writer: BufWriter::new(stream),
-            next_request: 1,
-        };
+        let mut channel = Channel::new(UnixStream::connect(path)?)?;
         let addr = successor.to_string();
         channel.call(Kind::Control, epoch, [OP_SUCCESSOR, 0, 0, 0], addr.as_bytes(), Kind::Control)?;
         Ok(())
+    }
+
+    /// Whether the sidecar closed the connection (it died, or a newer engine took its place):
+    /// every request fails from then on, so the engine's KV is no longer kept or copied.
+    pub fn is_closed(&self) -> bool {
+        self.channel.closed
     }
 
     /// Has the sidecar forward to `successor` from now on.

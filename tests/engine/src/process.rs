@@ -55,7 +55,7 @@ use std::io::{BufReader, BufWriter, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -550,10 +550,13 @@ struct ToSidecar {
     stats: Arc<StageStats>,
     /// A new successor for the sidecar to forward to, told before the next put.
     retarget: Arc<Mutex<Option<SocketAddr>>>,
+    /// Set once the sidecar has closed the connection ([`Sidecars::lost`]).
+    lost: Arc<AtomicBool>,
 }
 
-impl ChunkStore for ToSidecar {
-    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+impl ToSidecar {
+    /// Tells the sidecar of its new successor, if there is one, then puts the chunk there.
+    fn put_now(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         let mut local = self.local.lock();
         let retarget = *self.retarget.lock();
         if let Some(to) = retarget {
@@ -573,6 +576,16 @@ impl ChunkStore for ToSidecar {
         StageStats::add(&self.stats.copied_bytes, payload.len() as u64);
         Ok(())
     }
+}
+
+impl ChunkStore for ToSidecar {
+    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+        let result = self.put_now(descriptor, payload);
+        if result.is_err() && self.local.lock().is_closed() {
+            self.lost.store(true, Ordering::Relaxed);
+        }
+        result
+    }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
         self.local.lock().get(key, out)
@@ -583,6 +596,11 @@ impl ChunkStore for ToSidecar {
 /// transport (its successor's, to restore from after a replacement or to copy KV to).
 struct Sidecars {
     local: Arc<Mutex<LocalSidecar>>,
+    /// Whether the stage's own sidecar closed the connection (it died, or a newer engine took its
+    /// place). The stage then computes no more steps: none of them could be kept or copied, and
+    /// a step that fails has the driver wait for the controller to fence the worker, so the steps
+    /// to recompute stay as few as the copies in flight.
+    lost: Arc<AtomicBool>,
     /// The successor the streamer has the sidecar forward to from its next put on: set without
     /// waiting for a put in flight, which may be stuck on the dead successor (a QUIC peer that
     /// died says nothing: only a timeout ends the put).
@@ -613,7 +631,8 @@ impl Sidecars {
             .map_err(|e| ProcessError::Sidecar(format!("{}: {e}", replication.local.display())))?;
         let retarget = Arc::new(Mutex::new(None));
         let peers = Mutex::new(std::collections::HashMap::new());
-        Ok(Self { local: Arc::new(Mutex::new(local)), retarget, client, transports, peers, runtime })
+        let (local, lost) = (Arc::new(Mutex::new(local)), Arc::new(AtomicBool::new(false)));
+        Ok(Self { local, lost, retarget, client, transports, peers, runtime })
     }
 
     /// A store on the sidecar at `addr`, over the transport (the same one each time).
@@ -675,6 +694,7 @@ impl StageProcess {
                 local: sidecars.local.clone(),
                 stats: process.stats.clone(),
                 retarget: sidecars.retarget.clone(),
+                lost: sidecars.lost.clone(),
             };
             process.streamer = Some(Streamer::spawn(StreamerConfig::default(), Box::new(to_sidecar))?);
             process.sidecars = Some(sidecars);
@@ -778,6 +798,11 @@ impl StageProcess {
 
     /// Runs one step and returns the payload to pass on.
     fn step(&mut self, header: &FrameHeader, payload: &[u8]) -> Result<Vec<u8>, ProcessError> {
+        if self.sidecars.as_ref().is_some_and(|s| s.lost.load(Ordering::Relaxed)) {
+            return Err(ProcessError::Sidecar(
+                "its sidecar closed the connection: no step is computed until the worker is replaced".into(),
+            ));
+        }
         let [microbatch, slot, position, count] = header.ids;
         let seat = Seat { microbatch, slot };
         let mut hidden = if self.stage.layers().start == 0 {
