@@ -60,8 +60,9 @@ pub enum LocalError {
     /// The sidecar holds no such chunk.
     #[error("the sidecar holds no such chunk")]
     NotFound,
-    /// The sidecar closed the connection: it died, or an engine of a newer epoch took its place.
-    /// Nothing more can be sent on it ([`LocalSidecar::is_closed`]).
+    /// The sidecar closed the connection: it died, an engine of a newer epoch took its place, or
+    /// it dropped the connection after an error. Nothing more can be sent on it
+    /// ([`LocalSidecar::is_closed`]).
     #[error("the sidecar closed the connection")]
     Closed,
 }
@@ -211,8 +212,8 @@ impl LocalSidecar {
         Ok(())
     }
 
-    /// Whether the sidecar closed the connection (it died, or a newer engine took its place):
-    /// every request fails from then on, so the engine's KV is no longer kept or copied.
+    /// Whether the sidecar closed the connection (see [`LocalError::Closed`]): every request fails
+    /// from then on, so the engine's KV is no longer kept or copied.
     pub fn is_closed(&self) -> bool {
         self.channel.closed
     }

@@ -232,8 +232,8 @@ pub struct SidecarArgs {
     pub transport: TransportArgs,
 }
 
-/// The controller: receives heartbeats, says who fell silent, and issues the epoch of each
-/// recovery, kept in a state file that survives its crashes.
+/// The controller: receives heartbeats, declares the silent dead and fences them, which starts
+/// each recovery in an epoch kept in a state file that survives its crashes.
 #[derive(Clone, Debug, Args)]
 pub struct ControllerArgs {
     /// Where it listens: UDP for heartbeats and TCP for queries, on one port (0 picks one).
@@ -309,9 +309,15 @@ impl MemberArgs {
     /// its heartbeats as (`role`, `index`) to the controller, if given (they stop when the handle
     /// is dropped).
     pub(crate) fn start(&self, role: Role, index: u32) -> Result<Option<Heartbeat>, String> {
+        self.init()?;
+        self.beat(role, index, self.epoch)
+    }
+
+    /// Its logs, and its death with the parent that started it.
+    fn init(&self) -> Result<(), String> {
         self.log.init()?;
         die_with_parent();
-        self.beat(role, index, self.epoch)
+        Ok(())
     }
 
     /// Its heartbeats as (`role`, `index`), started in `epoch`, if it has a controller.
@@ -338,8 +344,8 @@ fn die_with_parent() {
 }
 
 impl StageArgs {
-    /// Its position in the chain.
-    fn index(&self) -> Result<u32, String> {
+    /// Its position in the chain, from `--index` or `--replace`.
+    fn position(&self) -> Result<u32, String> {
         self.index.or(self.replace).ok_or_else(|| "a stage needs --index or --replace".to_owned())
     }
 
@@ -355,8 +361,9 @@ impl StageArgs {
 
     /// Runs the stage until it is killed.
     pub fn run(self) -> Result<(), String> {
+        self.member.init()?;
         let this = self.resolved()?;
-        let _heartbeat = this.member.start(Role::Engine, this.index()?)?;
+        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch)?;
         let (listen, metrics) = (this.listen, this.member.metrics);
         serve_stage(this.config()?, listen, metrics, announce).map_err(|e| e.to_string())
     }
@@ -369,7 +376,7 @@ impl StageArgs {
         assigned: impl FnOnce(std::net::SocketAddr, Option<std::net::SocketAddr>),
     ) -> Result<(), String> {
         let this = self.resolved()?;
-        let _heartbeat = this.member.beat(Role::Engine, this.index()?, this.member.epoch)?;
+        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch)?;
         let metrics = this.member.metrics;
         serve_stage_on(this.config()?, listener, metrics, assigned).map_err(|e| e.to_string())
     }
@@ -379,7 +386,7 @@ impl StageArgs {
         let handoff = self.handoff.handoff(&self.secret)?;
         Ok(StageConfig {
             model: ModelConfig::reference(),
-            index: self.index()?,
+            index: self.position()?,
             layers: self.layers,
             layout: match self.layout {
                 Layout::Ft => CacheLayout::FasterTransformer,
@@ -405,6 +412,7 @@ impl StageArgs {
 impl SidecarArgs {
     /// Serves until killed.
     pub fn run(mut self) -> Result<(), String> {
+        self.member.init()?;
         if let Some(stage) = self.replace.take() {
             self.member.replace((Role::Sidecar, stage))?;
             self.index = stage;
@@ -413,7 +421,7 @@ impl SidecarArgs {
             Some(n) => spare_member(n),
             None => self.index,
         };
-        let heartbeat = Arc::new(Mutex::new(self.member.start(Role::Sidecar, member)?));
+        let heartbeat = Arc::new(Mutex::new(self.member.beat(Role::Sidecar, member, self.member.epoch)?));
         let spare = self.spare.map(|_| {
             let (args, heartbeat) = (self.member.clone(), heartbeat.clone());
             // Assigned: it beats as that stage's sidecar, in the recovery's epoch.

@@ -346,6 +346,9 @@ pub struct Cluster {
     /// Whether the next recovery leaves the processes it fences running (see
     /// [`Cluster::spare_presumed_dead_in_next_recovery`]).
     spare_presumed_dead: bool,
+    /// The epoch of the last recovery started (0: none): a recovery tried again opens a newer
+    /// one, since the failed attempt's replacements may have started in it.
+    recovering_in: u64,
     /// Fenced processes left running; killed with the cluster.
     spared: Vec<Spawned>,
     /// The driver's end of the chain.
@@ -412,6 +415,7 @@ impl Cluster {
             driver,
             controller,
             spare_presumed_dead: false,
+            recovering_in: 0,
             spared: Vec::new(),
             remote,
         };
@@ -977,8 +981,9 @@ impl Cluster {
     /// Replaces the dead stages `victims` and recovers every sequence on them:
     ///
     /// 1. the controller fences the presumed-dead processes in a new epoch (durably, so a
-    ///    controller crash cannot undo it; when it declared them dead itself, they are fenced
-    ///    already and the fence returns that epoch), they are killed (unless spared, see
+    ///    controller crash cannot undo it; when it declared exactly them dead itself, since the
+    ///    last recovery started, they are fenced already and its epoch is the recovery's), they
+    ///    are killed (unless spared, see
     ///    [`Cluster::spare_presumed_dead_in_next_recovery`]: the epoch keeps them out), and
     ///    replacement sidecars start for the ones that died;
     /// 2. replacement engines start (the last first, so each knows where to send) and the chain is
@@ -1020,7 +1025,9 @@ impl Cluster {
                 fenced.push((Role::Sidecar, victim as u32));
             }
         }
-        let epoch = self.ask(|client| client.fence(&fenced))?;
+        let lowest = self.recovering_in + 1;
+        let epoch = self.ask(|client| client.fence_unless_fenced(&fenced, lowest))?;
+        self.recovering_in = epoch;
         self.remote.set_epoch(epoch);
         let spare = std::mem::take(&mut self.spare_presumed_dead);
         for &(victim, what) in victims.iter().filter(|_| !spare) {

@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind, FRAME_HEADER_LEN};
+use dejavulib::wire::{read_frame, write_frame, FrameError, FrameHeader, Kind, FRAME_HEADER_LEN};
 use parking_lot::Mutex;
 use thiserror::Error;
 use tracing::{error, info, warn};
@@ -78,6 +78,14 @@ pub enum ControllerError {
     /// The member has no fence to be replaced from: it is alive, or was never fenced.
     #[error("{} {} awaits no replacement: it is not fenced", role_name(.0.0), .0.1)]
     NotFenced(Member),
+    /// The controller refused the request (an `Error` reply), for `reason`.
+    #[error("the controller refused: {reason}")]
+    Refused {
+        /// What kind of refusal (see the query protocol).
+        code: u32,
+        /// Why, in words.
+        reason: String,
+    },
 }
 
 /// What survives a controller crash.
@@ -188,7 +196,7 @@ fn role_name(role: Role) -> &'static str {
     }
 }
 
-/// The controller's tables, shared by its heartbeat, query and metrics threads.
+/// The controller's tables, shared by its heartbeat, detector, query and metrics threads.
 struct Tables {
     state: State,
     path: PathBuf,
@@ -258,15 +266,22 @@ impl Tables {
         }
     }
 
-    /// Opens a new epoch in which `members` are fenced; returns it once it is durable. Members
-    /// that all await their replacements from a fence in the current epoch (the controller fenced
-    /// them itself, or an earlier request did) are fenced already: their epoch is returned.
-    fn fence(&mut self, members: &[Member], counters: &Counters) -> Result<u64, ControllerError> {
+    /// Opens a new epoch in which `members` are fenced; returns it once it is durable. With
+    /// `reuse` (the lowest epoch acceptable), members that all await their replacements from a
+    /// fence in the current epoch, at least that one (the controller fenced them itself), are
+    /// fenced already: that epoch is returned and none opened.
+    fn fence(
+        &mut self,
+        members: &[Member],
+        reuse: Option<u64>,
+        counters: &Counters,
+    ) -> Result<u64, ControllerError> {
         let current = |member| {
             let membership = self.state.members.get(member);
             membership.is_some_and(|m: &Membership| m.awaiting && m.fenced_in == self.state.epoch)
         };
-        if !members.is_empty() && members.iter().all(current) {
+        let reusable = reuse.is_some_and(|lowest| self.state.epoch >= lowest);
+        if reusable && !members.is_empty() && members.iter().all(current) {
             return Ok(self.state.epoch);
         }
         let mut next = self.state.clone();
@@ -330,6 +345,14 @@ const OP_CENSUS: u32 = 1;
 const OP_FENCE: u32 = 2;
 /// The epoch a fenced member was fenced in, which its replacement starts in.
 const OP_FENCED_IN: u32 = 3;
+
+/// The code (first id) of an `Error` reply to [`OP_FENCED_IN`] for a member not fenced.
+const REFUSED_NOT_FENCED: u32 = 1;
+/// The code of any other refusal.
+const REFUSED: u32 = 0;
+
+/// After a fence the detector could not make durable, how long it waits before trying again.
+const FENCE_RETRY: Duration = Duration::from_secs(1);
 
 /// Attempts at binding a UDP and a TCP socket to one free port before giving up.
 const BIND_ATTEMPTS: usize = 16;
@@ -457,13 +480,17 @@ fn detect_failures(
         if dead.is_empty() {
             continue;
         }
-        match tables.fence(&dead, counters) {
+        match tables.fence(&dead, None, counters) {
             Ok(epoch) => {
                 counters.detections.fetch_add(1, Ordering::Relaxed);
                 warn!(epoch, fenced = ?dead, "declared dead and fenced");
             }
-            // They are still dead at the next tick, which tries again.
-            Err(e) => error!(error = %e, "cannot fence the dead"),
+            Err(e) => {
+                // They are still dead later: try again then, not at every tick.
+                error!(error = %e, "cannot fence the dead");
+                drop(tables);
+                std::thread::sleep(FENCE_RETRY);
+            }
         }
     }
 }
@@ -489,8 +516,11 @@ fn answer_queries(
                 tables.absorb_pending(heartbeats, counters);
                 Ok((tables.state.epoch, encode_census(&tables)))
             }
-            (Kind::Control, OP_FENCE) => decode_members(&frame.payload)
-                .and_then(|members| Ok((tables.lock().fence(&members, counters)?, Vec::new()))),
+            (Kind::Control, OP_FENCE) => decode_members(&frame.payload).and_then(|members| {
+                let [_, reuse, low, high] = frame.header.ids;
+                let reuse = (reuse == 1).then_some(low as u64 | (high as u64) << 32);
+                Ok((tables.lock().fence(&members, reuse, counters)?, Vec::new()))
+            }),
             (Kind::Control, OP_FENCED_IN) => {
                 decode_members(&frame.payload).and_then(|members| match members.as_slice() {
                     &[member] => match tables.lock().state.members.get(&member) {
@@ -508,7 +538,14 @@ fn answer_queries(
             }
             Err(e) => write_frame(
                 &mut writer,
-                &FrameHeader::new(Kind::Error, 0, 0, request),
+                &{
+                    let mut header = FrameHeader::new(Kind::Error, 0, 0, request);
+                    header.ids[0] = match e {
+                        ControllerError::NotFenced(_) => REFUSED_NOT_FENCED,
+                        _ => REFUSED,
+                    };
+                    header
+                },
                 e.to_string().as_bytes(),
             )?,
         }
@@ -700,20 +737,52 @@ impl ControllerClient {
     /// Fences `members` in a new epoch, which it returns once the controller has made it durable.
     /// Their heartbeats are ignored from then on; they count as dead until a replacement beats.
     pub fn fence(&mut self, members: &[Member]) -> Result<u64, ControllerError> {
-        let mut payload = Vec::with_capacity(members.len() * MEMBER_LEN);
-        members.iter().for_each(|&m| encode_member(&mut payload, m));
-        Ok(self.call(OP_FENCE, &payload)?.0)
+        self.fence_with(members, [0; 3])
     }
 
-    /// The epoch fenced `member` was fenced in, which its replacement starts in.
+    /// As [`ControllerClient::fence`], unless the controller has fenced exactly these members
+    /// already (all of them await their replacements from a fence in its current epoch), in an
+    /// epoch `lowest` or later: then that epoch is returned and none opened. A recovery of what
+    /// the controller fenced uses its fence; one tried again after a failed attempt (whose
+    /// replacements may have started in that epoch) passes a `lowest` above it.
+    pub fn fence_unless_fenced(&mut self, members: &[Member], lowest: u64) -> Result<u64, ControllerError> {
+        self.fence_with(members, [1, lowest as u32, (lowest >> 32) as u32])
+    }
+
+    fn fence_with(&mut self, members: &[Member], ids: [u32; 3]) -> Result<u64, ControllerError> {
+        let mut payload = Vec::with_capacity(members.len() * MEMBER_LEN);
+        members.iter().for_each(|&m| encode_member(&mut payload, m));
+        Ok(self.call_with(OP_FENCE, ids, &payload)?.0)
+    }
+
+    /// The epoch fenced `member` was fenced in, which its replacement starts in;
+    /// [`ControllerError::NotFenced`] if it awaits no replacement.
     pub fn fenced_in(&mut self, member: Member) -> Result<u64, ControllerError> {
         let mut payload = Vec::with_capacity(MEMBER_LEN);
         encode_member(&mut payload, member);
-        Ok(self.call(OP_FENCED_IN, &payload)?.0)
+        match self.call(OP_FENCED_IN, &payload) {
+            Ok((epoch, _)) => Ok(epoch),
+            Err(ControllerError::Refused { code: REFUSED_NOT_FENCED, .. }) => {
+                Err(ControllerError::NotFenced(member))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     fn call(&mut self, op: u32, payload: &[u8]) -> Result<(u64, Vec<u8>), ControllerError> {
-        let result = self.try_call(op, payload);
+        self.call_with(op, [0; 3], payload)
+    }
+
+    /// A request of operation `op` with the other ids `ids`. A controller that cannot be reached,
+    /// does not answer in time or closes the connection is an [`ControllerError::Io`]; one that
+    /// refuses, a [`ControllerError::Refused`].
+    fn call_with(
+        &mut self,
+        op: u32,
+        ids: [u32; 3],
+        payload: &[u8],
+    ) -> Result<(u64, Vec<u8>), ControllerError> {
+        let result = self.try_call(op, ids, payload);
         if result.is_err() {
             // The connection may hold half an exchange: start over next time.
             self.connection = None;
@@ -721,7 +790,12 @@ impl ControllerClient {
         result
     }
 
-    fn try_call(&mut self, op: u32, payload: &[u8]) -> Result<(u64, Vec<u8>), ControllerError> {
+    fn try_call(
+        &mut self,
+        op: u32,
+        ids: [u32; 3],
+        payload: &[u8],
+    ) -> Result<(u64, Vec<u8>), ControllerError> {
         if self.connection.is_none() {
             let stream = TcpStream::connect_timeout(&self.addr, self.deadline)?;
             stream.set_nodelay(true)?;
@@ -733,20 +807,29 @@ impl ControllerClient {
         let request = self.next_request;
         self.next_request += 1;
         let mut header = FrameHeader::new(Kind::Control, u32::MAX, 0, request);
-        header.ids[0] = op;
+        header.ids = [op, ids[0], ids[1], ids[2]];
         write_frame(writer, &header, payload)?;
         writer.flush()?;
-        let frame = read_frame(reader, 1 << 20)
-            .map_err(|e| ControllerError::Protocol(e.to_string()))?
-            .ok_or_else(|| ControllerError::Protocol("the controller closed the connection".into()))?;
+        let frame = match read_frame(reader, 1 << 20) {
+            Ok(Some(frame)) => frame,
+            Ok(None) | Err(FrameError::Truncated { .. }) => {
+                return Err(ControllerError::Io(std::io::Error::new(
+                    ErrorKind::UnexpectedEof,
+                    "the controller closed the connection",
+                )))
+            }
+            Err(FrameError::Io(e)) => return Err(ControllerError::Io(e)),
+            Err(e) => return Err(ControllerError::Protocol(e.to_string())),
+        };
         match frame.header.kind {
             _ if frame.header.request != request => {
                 Err(ControllerError::Protocol(format!("a reply to {} for {request}", frame.header.request)))
             }
             Kind::Control => Ok((frame.header.epoch, frame.payload)),
-            Kind::Error => {
-                Err(ControllerError::Protocol(String::from_utf8_lossy(&frame.payload).into_owned()))
-            }
+            Kind::Error => Err(ControllerError::Refused {
+                code: frame.header.ids[0],
+                reason: String::from_utf8_lossy(&frame.payload).into_owned(),
+            }),
             other => Err(ControllerError::Protocol(format!("an unexpected {other:?}"))),
         }
     }
@@ -827,8 +910,9 @@ mod tests {
             Health::Alive
         );
         UdpSocket::bind("127.0.0.1:0").unwrap().send_to(b"not a heartbeat", addr).unwrap();
-        let error = client.fenced_in((Role::Engine, 0)).unwrap_err().to_string();
-        assert!(error.contains("engine 0 awaits no replacement"), "{error}");
+        let error = client.fenced_in((Role::Engine, 0)).unwrap_err();
+        assert!(matches!(error, ControllerError::NotFenced((Role::Engine, 0))), "{error}");
+        assert_eq!(error.to_string(), "engine 0 awaits no replacement: it is not fenced");
         // Silence: suspect, then declared dead and fenced in a new epoch, by the controller alone.
         stop.stop();
         let census = wait_for(&mut client, (Role::Engine, 0), Health::Suspect);
@@ -837,18 +921,24 @@ mod tests {
         assert_eq!(census.health((Role::Engine, 0)), Health::Fenced);
         assert_eq!(census.epoch, 1);
         assert_eq!(client.fenced_in((Role::Engine, 0)).unwrap(), 1, "its replacement's epoch");
-        // Fencing it again is the same fence; fencing more opens a new epoch.
-        assert_eq!(client.fence(&[(Role::Engine, 0)]).unwrap(), 1);
+        // A recovery of what the controller fenced uses its fence; one tried again (not below
+        // epoch 2) fences anew.
+        assert_eq!(client.fence_unless_fenced(&[(Role::Engine, 0)], 1).unwrap(), 1);
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(client.census().unwrap().epoch, 1, "a fenced member is not fenced again");
+        assert_eq!(client.fence_unless_fenced(&[(Role::Engine, 0)], 2).unwrap(), 2);
+        assert_eq!(client.fenced_in((Role::Engine, 0)).unwrap(), 2);
         // It stays fenced until a replacement, started in that epoch, beats.
-        let _replacement = beat(addr, (Role::Engine, 0), 1, EVERY).unwrap();
+        let _early = beat(addr, (Role::Engine, 0), 1, EVERY).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(client.census().unwrap().is_fenced((Role::Engine, 0)), "started before the fence");
+        let _replacement = beat(addr, (Role::Engine, 0), 2, EVERY).unwrap();
         assert_eq!(
             wait_for(&mut client, (Role::Engine, 0), Health::Alive).health((Role::Engine, 0)),
             Health::Alive
         );
         assert!(client.fenced_in((Role::Engine, 0)).is_err(), "replaced");
-        assert_eq!(client.fence(&[]).unwrap(), 2, "epochs only grow");
+        assert_eq!(client.fence(&[]).unwrap(), 3, "epochs only grow");
     }
 
     #[test]
@@ -861,11 +951,11 @@ mod tests {
         for &m in &members {
             wait_for(&mut client, m, Health::Alive);
         }
-        // Worker 1 (engine and sidecar) and engine 2 stop within a few beats of each other.
+        // Worker 1 (engine and sidecar) and engine 2 stop one beat apart.
         for i in [2, 3] {
             beats[i].take().unwrap().stop();
         }
-        std::thread::sleep(EVERY * 3);
+        std::thread::sleep(EVERY);
         beats[4].take().unwrap().stop();
         let census = wait_for(&mut client, (Role::Engine, 2), Health::Fenced);
         assert_eq!(census.epoch, 1, "one epoch for all: {census:?}");
@@ -897,12 +987,12 @@ mod tests {
         wait_for(&mut client, (Role::Sidecar, 1), Health::Alive);
         let epoch = client.fence(&[(Role::Sidecar, 1)]).unwrap();
         std::thread::sleep(Duration::from_millis(100));
-        assert!(client.census().unwrap().is_dead((Role::Sidecar, 1)), "its beats are refused");
+        assert!(client.census().unwrap().is_fenced((Role::Sidecar, 1)), "its beats are refused");
         // Its replacement, started in the fence's epoch, counts; the stale one still does not.
         let replacement = beat(addr, (Role::Sidecar, 1), epoch, EVERY).unwrap();
         wait_for(&mut client, (Role::Sidecar, 1), Health::Alive);
         drop(replacement);
-        assert!(wait_for(&mut client, (Role::Sidecar, 1), Health::Dead).is_dead((Role::Sidecar, 1)));
+        assert!(wait_for(&mut client, (Role::Sidecar, 1), Health::Fenced).is_fenced((Role::Sidecar, 1)));
         drop(first);
     }
 
@@ -926,12 +1016,12 @@ mod tests {
         let census = client.census().unwrap();
         assert_eq!(census.epoch, 1, "the epoch survived");
         assert_eq!(census.health((Role::Engine, 0)), Health::Alive, "a live member gets a timeout of grace");
-        assert!(census.is_dead((Role::Engine, 1)), "a fenced member still awaits its replacement");
+        assert!(census.is_fenced((Role::Engine, 1)), "a fenced member still awaits its replacement");
         // The fenced engine, back from a pause, beats to the second controller, which never heard
         // from it: still ignored, as started before the fence; its replacement counts.
         let stale = beat(second, (Role::Engine, 1), 0, EVERY).unwrap();
         std::thread::sleep(Duration::from_millis(100));
-        assert!(client.census().unwrap().is_dead((Role::Engine, 1)), "a stale process after a restart");
+        assert!(client.census().unwrap().is_fenced((Role::Engine, 1)), "a stale process after a restart");
         let _replacement = beat(second, (Role::Engine, 1), 1, EVERY).unwrap();
         assert!(!wait_for(&mut client, (Role::Engine, 1), Health::Alive).is_dead((Role::Engine, 1)));
         drop(stale);

@@ -1,8 +1,8 @@
 //! The driver's loop: runs a workload of requests through a [`Cluster`] (every prompt, then one
 //! token per request per round), lets an [`Injector`] act on the cluster before each step, and
 //! carries out the recoveries the controller starts: it waits for the controller to name the
-//! stages it fenced when a step fails, and asks it between steps too (a worker whose sidecar died
-//! computes on, so no step fails, but its KV is no longer copied). A fenced stage is either
+//! stages it fenced when a step fails, and asks it between steps too (a fence can come while no
+//! step waits on the fenced worker). A fenced stage is either
 //! recovered (DéjàVu: replaced, its KV restored, the steps its copy lacked recomputed) or the
 //! whole pipeline restarts from the first token. Every token delivered and every recovery is
 //! recorded, so callers (the demo, the chaos harness) can check and report them.
@@ -386,9 +386,12 @@ fn recover(
             Err(e) if attempt == RECOVERY_ATTEMPTS => return Err(e.into()),
             Err(_) => {
                 attempt += 1;
-                for dead in cluster.dead()? {
-                    if !victims.iter().any(|v| v.0 == dead.0) {
-                        victims.push(dead);
+                for (stage, what) in cluster.dead()? {
+                    match victims.iter_mut().find(|v| v.0 == stage) {
+                        // An engine whose sidecar died since: the whole worker now.
+                        Some(victim) if what == Kill::Worker => victim.1 = Kill::Worker,
+                        Some(_) => {}
+                        None => victims.push((stage, what)),
                     }
                 }
             }

@@ -70,7 +70,7 @@ use dejavulib::wire::{read_frame, write_frame, Frame, FrameHeader, Kind, DEFAULT
 use dejavulib::{ChunkStore, KvCache, KvRegion, Streamer, StreamerConfig, Transfer, WorkerId};
 use parking_lot::Mutex;
 use thiserror::Error;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::handoff::{HandoffReceiver, HandoffSender, Shapes};
 use crate::metrics::{Exposition, MetricType};
@@ -596,10 +596,11 @@ impl ChunkStore for ToSidecar {
 /// transport (its successor's, to restore from after a replacement or to copy KV to).
 struct Sidecars {
     local: Arc<Mutex<LocalSidecar>>,
-    /// Whether the stage's own sidecar closed the connection (it died, or a newer engine took its
-    /// place). The stage then computes no more steps: none of them could be kept or copied, and
-    /// a step that fails has the driver wait for the controller to fence the worker, so the steps
-    /// to recompute stay as few as the copies in flight.
+    /// Whether the stage's own sidecar closed the connection (it died, a newer engine took its
+    /// place, or it dropped the connection after an error). The stage then computes no more
+    /// steps, none of which could be kept or copied: the next one it is sent stops the process,
+    /// so the controller hears it fall silent and fences it (with its sidecar, if that died), and
+    /// the steps to recompute stay as few as the copies in flight.
     lost: Arc<AtomicBool>,
     /// The successor the streamer has the sidecar forward to from its next put on: set without
     /// waiting for a put in flight, which may be stuck on the dead successor (a QUIC peer that
@@ -796,11 +797,16 @@ impl StageProcess {
         }
     }
 
+    /// Whether its own sidecar closed the connection ([`Sidecars::lost`]).
+    fn sidecar_lost(&self) -> bool {
+        self.sidecars.as_ref().is_some_and(|s| s.lost.load(Ordering::Relaxed))
+    }
+
     /// Runs one step and returns the payload to pass on.
     fn step(&mut self, header: &FrameHeader, payload: &[u8]) -> Result<Vec<u8>, ProcessError> {
-        if self.sidecars.as_ref().is_some_and(|s| s.lost.load(Ordering::Relaxed)) {
+        if self.sidecar_lost() {
             return Err(ProcessError::Sidecar(
-                "its sidecar closed the connection: no step is computed until the worker is replaced".into(),
+                "its sidecar closed the connection: the stage stops, to be replaced".into(),
             ));
         }
         let [microbatch, slot, position, count] = header.ids;
@@ -1130,6 +1136,11 @@ pub fn serve_stage_on(
             };
             let out = match out {
                 Ok(out) => out,
+                // Without its sidecar it can neither keep nor copy KV: it stops.
+                Err(e) if process.sidecar_lost() => {
+                    error!(stage = index, error = %e, "the stage stops");
+                    return Err(e);
+                }
                 Err(e) => {
                     warn!(stage = index, error = %e, "dropped a frame");
                     continue;
