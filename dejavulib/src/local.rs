@@ -143,33 +143,28 @@ impl Channel {
         if self.closed {
             return Err(LocalError::Closed);
         }
-        let result = self.exchange(kind, epoch, ids, payload, expect);
+        let result = self.send(kind, epoch, ids, payload).and_then(|request| self.receive(request, expect));
         self.closed = matches!(result, Err(LocalError::Closed));
         result
     }
 
-    fn exchange(
-        &mut self,
-        kind: Kind,
-        epoch: u64,
-        ids: [u32; 4],
-        payload: &[u8],
-        expect: Kind,
-    ) -> Result<Frame, LocalError> {
+    /// Writes a request; returns its number.
+    fn send(&mut self, kind: Kind, epoch: u64, ids: [u32; 4], payload: &[u8]) -> Result<u64, LocalError> {
         let request = self.next_request;
         self.next_request += 1;
         let mut header = FrameHeader::new(kind, 0, epoch, request);
         header.ids = ids;
-        let gone = |e: std::io::Error| match e.kind() {
-            ErrorKind::BrokenPipe | ErrorKind::ConnectionReset => LocalError::Closed,
-            _ => LocalError::Io(e),
-        };
-        write_frame(&mut self.writer, &header, payload).map_err(gone)?;
-        self.writer.flush().map_err(gone)?;
+        write_frame(&mut self.writer, &header, payload).map_err(closed_or_io)?;
+        self.writer.flush().map_err(closed_or_io)?;
+        Ok(request)
+    }
+
+    /// Reads the reply to request `request`, which must be of kind `expect`.
+    fn receive(&mut self, request: u64, expect: Kind) -> Result<Frame, LocalError> {
         let frame = match read_frame(&mut self.reader, MAX_LOCAL_PAYLOAD) {
             Ok(Some(frame)) => frame,
             Ok(None) | Err(FrameError::Truncated { .. }) => return Err(LocalError::Closed),
-            Err(FrameError::Io(e)) => return Err(gone(e)),
+            Err(FrameError::Io(e)) => return Err(closed_or_io(e)),
             Err(e) => return Err(e.into()),
         };
         if frame.header.request != request {
@@ -183,6 +178,14 @@ impl Channel {
             Kind::Error => Err(LocalError::Protocol(String::from_utf8_lossy(&frame.payload).into_owned())),
             other => Err(LocalError::Protocol(format!("an unexpected {other:?}"))),
         }
+    }
+}
+
+/// A socket error: [`LocalError::Closed`] when the sidecar's end is gone.
+fn closed_or_io(e: std::io::Error) -> LocalError {
+    match e.kind() {
+        ErrorKind::BrokenPipe | ErrorKind::ConnectionReset => LocalError::Closed,
+        _ => LocalError::Io(e),
     }
 }
 
