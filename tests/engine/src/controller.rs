@@ -6,9 +6,10 @@
 //!   in framed, checksummed messages ([`dejavulib::wire`]): a [`Census`] of who is alive, suspect,
 //!   dead or fenced; a fence; and the epoch a fenced member's replacement starts in.
 //! - The controller starts each recovery itself: a stage's engine or sidecar silent for the
-//!   timeout is fenced in a new epoch, together with every member that failed with it ([`detect`]
-//!   decides). Its census then names the fenced members, the recovery's victims, until their
-//!   replacements beat; whoever drives the pipeline carries the recovery out from there.
+//!   timeout is fenced in a new epoch, together with every member that failed with it (the
+//!   private `detect` module decides). Its census then names the fenced members, the recovery's
+//!   victims, until their replacements beat; whoever drives the pipeline carries the recovery out
+//!   from there.
 //! - A fence opens a new epoch in which the fenced members' old processes are ignored: a member
 //!   fenced in epoch `e` counts as fenced until a process started in epoch `e` or later (its
 //!   replacement) beats for it, and beats from older processes are stale.
