@@ -213,6 +213,11 @@ pub struct DemoReport {
     pub with_failure_s: f64,
     /// Run with one stage killed and everything restarted from scratch, seconds.
     pub restart_s: f64,
+    /// Median decode-step time of the run without replication, ms (from sending a step to its
+    /// token; see [`Run::decode_steps`]).
+    pub unreplicated_step_ms: f64,
+    /// Median decode-step time of the failure-free run, KV replicated every step, ms.
+    pub failure_free_step_ms: f64,
     /// The recovery of the run with a failure.
     pub recovery: Recovery,
     /// Tokens recomputed by the restart from scratch.
@@ -414,6 +419,8 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
         failure_free_s: reference.elapsed.as_secs_f64(),
         with_failure_s: recovered.elapsed.as_secs_f64(),
         restart_s: restarted.elapsed.as_secs_f64(),
+        unreplicated_step_ms: median_step_ms(&unreplicated),
+        failure_free_step_ms: median_step_ms(&reference),
         recovery: recovery_of(&recovered),
         restart_tokens_recomputed: recovery_of(&restarted).tokens_recomputed,
         kv_bytes_replicated_per_token: model.kv_spec().bytes_per_token(),
@@ -422,6 +429,11 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
         matched: recovered.tokens == reference.tokens && unreplicated.tokens == reference.tokens,
         restart_matched: restarted.tokens == reference.tokens,
     })
+}
+
+/// `run`'s median decode-step time in ms (0 without decode steps).
+fn median_step_ms(run: &Run) -> f64 {
+    run.median_decode_step().map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
 impl DemoReport {
@@ -433,6 +445,7 @@ impl DemoReport {
             "\
 no replication:          {:7.3} s  ({:.0} tokens/s)
 failure-free:            {:7.3} s  ({:.0} tokens/s; replication overhead {:+.1}%)
+decode step (median):    {:.3} ms without replication, {:.3} ms replicated ({:+.1}%)
 one failure, recovered:  {:7.3} s  ({:.2}x)  detection {:.0} ms, restore {:.1} ms, resume {:.1} ms, tokens recomputed {}
 one failure, restarted:  {:7.3} s  ({:.2}x)  tokens recomputed {}
 KV per token: {} bytes to the successors' sidecars, as many to the local ones (all {} stages)
@@ -443,6 +456,9 @@ KV per token: {} bytes to the successors' sidecars, as many to the local ones (a
             self.failure_free_s,
             tps(self.failure_free_s),
             (self.failure_free_s / self.unreplicated_s - 1.0) * 100.0,
+            self.unreplicated_step_ms,
+            self.failure_free_step_ms,
+            (self.failure_free_step_ms / self.unreplicated_step_ms - 1.0) * 100.0,
             self.with_failure_s,
             self.with_failure_s / self.failure_free_s,
             r.detection_ms,

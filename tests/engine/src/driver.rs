@@ -154,6 +154,9 @@ pub struct Run {
     pub deliveries: Vec<Delivery>,
     /// Every recovery or restart.
     pub recoveries: Vec<RecoveryRecord>,
+    /// From sending to the reply, each decode step that succeeded at its first attempt (prompts,
+    /// and steps sent again or resumed after a failure, are left out): the decode-step times.
+    pub decode_steps: Vec<Duration>,
     /// Attempts at a step that failed with no stage dead (slow or broken links).
     pub repeated_steps: u64,
     /// Controllers started to replace one that died or stopped answering (counted when a
@@ -258,6 +261,9 @@ fn drive_into(
             step += 1;
             let error = match result {
                 Ok(reply) => {
+                    if !run.tokens[request].is_empty() && failing_since.is_none() {
+                        run.decode_steps.push(sent.elapsed());
+                    }
                     run.deliver(request, reply, step - 1);
                     (failures, failing_since) = (0, None);
                     continue;
@@ -417,6 +423,14 @@ fn next_token(
 }
 
 impl Run {
+    /// The median decode-step time ([`Run::decode_steps`]); `None` without decode steps. Bursts
+    /// of a shared machine's load move it far less than a run's total time.
+    pub fn median_decode_step(&self) -> Option<Duration> {
+        let mut steps = self.decode_steps.clone();
+        steps.sort_unstable();
+        steps.get(steps.len() / 2).copied()
+    }
+
     /// Adds what `cluster`, about to go, counted.
     fn count_from(&mut self, cluster: &Cluster) {
         self.controller_restarts += cluster.controller_restarts();
@@ -436,5 +450,19 @@ impl Run {
             seat: reply.seat,
             kv_end: reply.kv_end,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_median_decode_step_ignores_bursts() {
+        let ms = Duration::from_millis;
+        let mut run = Run::default();
+        assert_eq!(run.median_decode_step(), None);
+        run.decode_steps = vec![ms(2), ms(90), ms(1), ms(3), ms(2)];
+        assert_eq!(run.median_decode_step(), Some(ms(2)));
     }
 }
