@@ -58,6 +58,41 @@ fn sidecar(dir: &std::path::Path) -> Sidecar {
     Sidecar { _runtime: runtime, successor, successor_store, socket }
 }
 
+/// A FasterTransformer layout (2 layers, 3 KV heads of 40, f16, 2 slots of 32 tokens) and two caches
+/// of it: the engine's, and one to restore into. Freed when dropped.
+struct Caches {
+    layout: *mut DjvLayout,
+    engine: *mut DjvCache,
+    restored: *mut DjvCache,
+}
+
+impl Caches {
+    fn new() -> Self {
+        let mut caches = Self { layout: ptr::null_mut(), engine: ptr::null_mut(), restored: ptr::null_mut() };
+        // SAFETY: the out-pointers are fields of a live local; the layout passed is the one made.
+        unsafe {
+            assert_eq!(
+                djv_layout_faster_transformer(2, 3, 40, DjvElement::F16, 2, 32, &mut caches.layout),
+                DjvStatus::Ok
+            );
+            assert_eq!(djv_cache_new(caches.layout, &mut caches.engine), DjvStatus::Ok);
+            assert_eq!(djv_cache_new(caches.layout, &mut caches.restored), DjvStatus::Ok);
+        }
+        caches
+    }
+}
+
+impl Drop for Caches {
+    fn drop(&mut self) {
+        // SAFETY: handles made by `Caches::new`, each freed once, here.
+        unsafe {
+            djv_cache_free(self.engine);
+            djv_cache_free(self.restored);
+            djv_layout_free(self.layout);
+        }
+    }
+}
+
 #[test]
 fn a_region_flushed_to_the_sidecar_is_forwarded_and_comes_back() {
     let dir = tempfile::tempdir().unwrap();
@@ -75,17 +110,12 @@ fn a_region_flushed_to_the_sidecar_is_forwarded_and_comes_back() {
     let worker = DjvWorker { stage: 1, rank: 0 };
     let socket = CString::new(socket.to_str().unwrap()).unwrap();
     let successor_addr = CString::new(successor.addr().to_string()).unwrap();
-    let (mut layout, mut engine, mut restored, mut store) =
-        (ptr::null_mut(), ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+    let caches = Caches::new();
+    let (engine, restored) = (caches.engine, caches.restored);
+    let mut store = ptr::null_mut();
     // SAFETY: every pointer passed is a live local or a handle these calls returned; lengths match
     // the buffers given.
     unsafe {
-        assert_eq!(
-            djv_layout_faster_transformer(2, 3, 40, DjvElement::F16, 2, 32, &mut layout),
-            DjvStatus::Ok
-        );
-        assert_eq!(djv_cache_new(layout, &mut engine), DjvStatus::Ok);
-        assert_eq!(djv_cache_new(layout, &mut restored), DjvStatus::Ok);
         let mut len = 0u64;
         assert_eq!(djv_packed_len(engine, &region, &mut len), DjvStatus::Ok);
         let noise: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
@@ -116,9 +146,6 @@ fn a_region_flushed_to_the_sidecar_is_forwarded_and_comes_back() {
         );
 
         djv_store_free(store);
-        djv_cache_free(engine);
-        djv_cache_free(restored);
-        djv_layout_free(layout);
     }
 }
 
@@ -139,17 +166,12 @@ fn a_restarted_engine_restores_what_its_sidecar_keeps_and_learns_where_to_resume
         tokens_start: tokens.start,
         tokens_end: tokens.end,
     };
-    let (mut layout, mut engine, mut restored, mut store) =
-        (ptr::null_mut(), ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+    let caches = Caches::new();
+    let (engine, restored) = (caches.engine, caches.restored);
+    let mut store = ptr::null_mut();
     // SAFETY: every pointer passed is a live local or a handle these calls returned; lengths match
     // the buffers given.
     unsafe {
-        assert_eq!(
-            djv_layout_faster_transformer(2, 3, 40, DjvElement::F16, 2, 32, &mut layout),
-            DjvStatus::Ok
-        );
-        assert_eq!(djv_cache_new(layout, &mut engine), DjvStatus::Ok);
-        assert_eq!(djv_cache_new(layout, &mut restored), DjvStatus::Ok);
         let whole = DjvRegion { slots_end: 2, tokens_end: 32, ..sequence(0, 0..32) };
         let mut len = 0u64;
         assert_eq!(djv_packed_len(engine, &whole, &mut len), DjvStatus::Ok);
@@ -215,8 +237,5 @@ fn a_restarted_engine_restores_what_its_sidecar_keeps_and_learns_where_to_resume
 
         djv_store_free(file_store);
         djv_store_free(store);
-        djv_cache_free(engine);
-        djv_cache_free(restored);
-        djv_layout_free(layout);
     }
 }

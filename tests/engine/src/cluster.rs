@@ -346,9 +346,6 @@ pub struct Cluster {
     /// Whether the next recovery leaves the processes it fences running (see
     /// [`Cluster::spare_presumed_dead_in_next_recovery`]).
     spare_presumed_dead: bool,
-    /// The epoch of the last recovery started (0: none): a recovery tried again opens a newer
-    /// one, since the failed attempt's replacements may have started in it.
-    recovering_in: u64,
     /// Fenced processes left running; killed with the cluster.
     spared: Vec<Spawned>,
     /// The driver's end of the chain.
@@ -415,7 +412,6 @@ impl Cluster {
             driver,
             controller,
             spare_presumed_dead: false,
-            recovering_in: 0,
             spared: Vec::new(),
             remote,
         };
@@ -1025,9 +1021,10 @@ impl Cluster {
                 fenced.push((Role::Sidecar, victim as u32));
             }
         }
-        let lowest = self.recovering_in + 1;
+        // Only a fence newer than the last recovery's: a recovery tried again opens a newer epoch,
+        // since the failed attempt's replacements may have started in that one.
+        let lowest = self.remote.epoch() + 1;
         let epoch = self.ask(|client| client.fence_unless_fenced(&fenced, lowest))?;
-        self.recovering_in = epoch;
         self.remote.set_epoch(epoch);
         let spare = std::mem::take(&mut self.spare_presumed_dead);
         for &(victim, what) in victims.iter().filter(|_| !spare) {

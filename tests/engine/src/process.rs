@@ -1279,6 +1279,11 @@ impl RemotePipeline {
         Ok(to_first)
     }
 
+    /// The epoch it is in: the last recovery's (0: none yet).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
     /// Moves to a new epoch (a recovery's): replacements are started in it, and from now on a new
     /// last stage must say it (or a newer one) to be taken.
     pub fn set_epoch(&mut self, epoch: u64) {
