@@ -329,14 +329,25 @@ impl ChunkStore for HostStore {
 ///
 /// A flush writes a temporary file, syncs it, then renames it into place: a flush that fails midway
 /// (disk full) leaves no file that looks valid, and a fetch never sees half a chunk.
+///
+/// A flush that replaces a chunk swaps the new file in atomically (`RENAME_EXCHANGE`) and keeps the
+/// file it displaced, under a hidden temporary name, to write the next flush into: overwriting
+/// pages the file system already holds is a copy, where a new file costs block allocation and, on
+/// ext4, a forced writeback when renamed over the old one (about 25x the time for a decode step's
+/// 6.5 MB). The store keeps at most one such file; the last clone removes it when dropped, and
+/// opening a store removes those that dead processes left behind.
 #[derive(Clone)]
 pub struct FileStore {
     dir: PathBuf,
     io: Arc<FileIo>,
     sync: bool,
+    spare: Arc<Spare>,
 }
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The suffix of temporary files: a flush in progress, or a displaced chunk kept for reuse.
+const TEMP_SUFFIX: &str = ".tmp";
 
 impl FileStore {
     /// A store in `dir` (created if missing) using `backend` for I/O; files are synced before rename.
@@ -352,7 +363,8 @@ impl FileStore {
             path: dir.clone(),
             source,
         })?;
-        Ok(Self { dir, io: Arc::new(io), sync: true })
+        remove_orphaned_temps(&dir);
+        Ok(Self { dir, io: Arc::new(io), sync: true, spare: Arc::default() })
     }
 
     /// Skips `fsync` (for benchmarks of the copy path, or a scratch tier that need not survive a crash).
@@ -376,9 +388,23 @@ impl FileStore {
         &self.dir
     }
 
-    fn write_file(&self, path: &Path, header: &[u8], payload: &[u8]) -> Result<(), StoreError> {
+    /// A temporary name for a chunk under `key`: `.{key}.{pid}.{n}.tmp`, hidden, unique, and naming
+    /// its process so that an orphan can be told from a flush in progress.
+    fn temp_path(&self, key: &ChunkKey) -> PathBuf {
+        let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        self.dir.join(format!(".{}.{}.{n}{TEMP_SUFFIX}", key.file_name(), std::process::id()))
+    }
+
+    /// Writes header and payload into `path`: a new file, or the kept spare (`reuse`) resized.
+    fn write_file(&self, path: &Path, header: &[u8], payload: &[u8], reuse: bool) -> Result<(), StoreError> {
         let io_err = |op| move |source| StoreError::Io { op, path: path.to_path_buf(), source };
-        let file = OpenOptions::new().write(true).create_new(true).open(path).map_err(io_err("create"))?;
+        let file = if reuse {
+            let file = OpenOptions::new().write(true).open(path).map_err(io_err("open"))?;
+            file.set_len((header.len() + payload.len()) as u64).map_err(io_err("resize"))?;
+            file
+        } else {
+            OpenOptions::new().write(true).create_new(true).open(path).map_err(io_err("create"))?
+        };
         self.io.write_all_at(&file, header, 0).map_err(io_err("write"))?;
         self.io.write_all_at(&file, payload, HEADER_LEN as u64).map_err(io_err("write"))?;
         if self.sync {
@@ -386,22 +412,128 @@ impl FileStore {
         }
         Ok(())
     }
+
+    /// Moves the written `temp` to `path`. Where a chunk file is already there, the two are
+    /// exchanged atomically and the displaced one is kept as the spare.
+    fn install(&self, temp: &Path, path: &Path) -> Result<(), StoreError> {
+        let replaces_a_file = fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file());
+        if replaces_a_file {
+            match exchange(temp, path) {
+                Ok(()) => {
+                    if fs::symlink_metadata(temp).is_ok_and(|m| m.file_type().is_file()) {
+                        self.spare.keep(temp.to_path_buf());
+                        return Ok(());
+                    }
+                    // Something other than a chunk was put there meanwhile: put it back.
+                    let _ = exchange(temp, path);
+                    return Err(StoreError::Io {
+                        op: "rename",
+                        path: path.to_path_buf(),
+                        source: io::Error::other("the chunk's name is not a regular file"),
+                    });
+                }
+                // Gone meanwhile, or a file system without exchange: a plain rename does.
+                Err(e) if is_exchange_unavailable(&e) => {}
+                Err(source) => return Err(StoreError::Io { op: "rename", path: path.to_path_buf(), source }),
+            }
+        }
+        fs::rename(temp, path).map_err(|source| StoreError::Io {
+            op: "rename",
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+}
+
+/// The one displaced chunk file a [`FileStore`] keeps to write into; removed with the last clone.
+#[derive(Default)]
+struct Spare(Mutex<Option<PathBuf>>);
+
+impl Spare {
+    fn take(&self) -> Option<PathBuf> {
+        self.0.lock().take()
+    }
+
+    /// Keeps `path` unless a spare is already kept, in which case `path` is removed.
+    fn keep(&self, path: PathBuf) {
+        let mut slot = self.0.lock();
+        if slot.is_none() {
+            *slot = Some(path);
+        } else {
+            drop(slot);
+            let _ = fs::remove_file(path);
+        }
+    }
+}
+
+impl Drop for Spare {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.get_mut().take() {
+            let _ = fs::remove_file(path);
+        }
+    }
+}
+
+/// Atomically exchanges the directory entries `a` and `b` (`renameat2` with `RENAME_EXCHANGE`).
+fn exchange(a: &Path, b: &Path) -> io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(io::Error::other);
+    let (a, b) = (c(a)?, c(b)?);
+    // SAFETY: both are valid NUL-terminated paths that outlive the call; relative paths resolve
+    // against the working directory, as `fs::rename`'s do.
+    let rc = unsafe {
+        libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE)
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Whether an exchange failed because a plain rename must do: the target vanished, or the file
+/// system (or kernel) has no exchange.
+fn is_exchange_unavailable(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP))
+}
+
+/// Removes the temporary files in `dir` whose process is gone: flushes a crash interrupted, and
+/// spares nobody dropped. Best effort; a file it cannot parse or remove is left alone.
+fn remove_orphaned_temps(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(temp_owner) else { continue };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// The process id in a temporary file's name (`.{key}.{pid}.{n}.tmp`), if it is one.
+fn temp_owner(name: &str) -> Option<u32> {
+    let stem = name.strip_prefix('.')?.strip_suffix(TEMP_SUFFIX)?;
+    let mut fields = stem.rsplit('.');
+    let _n: u64 = fields.next()?.parse().ok()?;
+    fields.next()?.parse().ok()
 }
 
 impl ChunkStore for FileStore {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         check_payload(descriptor, payload)?;
         let header = descriptor.encode_header(payload);
-        let path = self.path_of(&descriptor.key());
-        let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let temp = self.dir.join(format!(".{}.{}.{n}.tmp", descriptor.key().file_name(), std::process::id()));
-        if let Err(e) = self.write_file(&temp, &header, payload) {
+        let key = descriptor.key();
+        let path = self.path_of(&key);
+        let (temp, reuse) = match self.spare.take() {
+            Some(spare) => (spare, true),
+            None => (self.temp_path(&key), false),
+        };
+        let installed =
+            self.write_file(&temp, &header, payload, reuse).and_then(|()| self.install(&temp, &path));
+        if let Err(e) = installed {
             let _ = fs::remove_file(&temp);
             return Err(e);
-        }
-        if let Err(source) = fs::rename(&temp, &path) {
-            let _ = fs::remove_file(&temp);
-            return Err(StoreError::Io { op: "rename", path, source });
         }
         if self.sync {
             File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|source| StoreError::Io {

@@ -169,14 +169,81 @@ fn a_put_replaces_the_chunk_under_the_same_key() {
         let mut store = FileStore::open(dir.path(), backend).unwrap();
         let (_, region, packing, payload) = gathered(specs()[0], 1);
         let d = descriptor(&specs()[0], &region, packing);
+        let chunk = d.key().file_name();
         store.put(&d, &payload).unwrap();
-        let other = noise(99, payload.len());
-        store.put(&d, &other).unwrap();
+        assert_eq!(dir_entries(dir.path()), vec![chunk.clone()]);
+        // Each replacing put writes into the file the one before displaced, and keeps one spare.
         let mut back = Vec::new();
-        store.get(&d.key(), &mut back).unwrap();
-        assert!(back == other, "{backend:?}: second put wins");
-        assert_eq!(dir_entries(dir.path()).len(), 1);
+        for seed in [99, 100, 101] {
+            let other = noise(seed, payload.len());
+            store.put(&d, &other).unwrap();
+            store.get(&d.key(), &mut back).unwrap();
+            assert!(back == other, "{backend:?}: the latest put wins (seed {seed})");
+            let entries = dir_entries(dir.path());
+            assert_eq!(entries.len(), 2, "{backend:?}: the chunk and one spare: {entries:?}");
+            assert!(
+                entries.contains(&chunk) && entries.iter().any(|e| e.starts_with('.') && e.ends_with(".tmp"))
+            );
+        }
+        let clone = store.clone();
+        drop(store);
+        assert_eq!(dir_entries(dir.path()).len(), 2, "{backend:?}: a clone still holds the spare");
+        drop(clone);
+        assert_eq!(dir_entries(dir.path()), vec![chunk], "{backend:?}: the last clone removes the spare");
     }
+}
+
+#[test]
+fn a_spare_of_another_size_holds_the_next_chunk_exactly() {
+    for backend in BACKENDS {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = FileStore::open(dir.path(), backend).unwrap();
+        let spec = specs()[0];
+        let (cache, region, packing, payload) = gathered(spec, 2);
+        let large = descriptor(&spec, &region, packing);
+        store.put(&large, &payload).unwrap();
+        store.put(&large, &payload).unwrap(); // leaves a spare the size of `large`
+
+        // A smaller chunk under another key goes into the larger spare, cut to its size.
+        let small_region = KvRegion::new(0..1, 1..2, 1..2, 2..3);
+        let mut small_payload = vec![0u8; cache.packed_len(&small_region) as usize];
+        cache.gather(&small_region, packing, &mut small_payload).unwrap();
+        let small = descriptor(&spec, &small_region, packing);
+        store.put(&small, &small_payload).unwrap();
+        let on_disk = fs::metadata(store.path_of(&small.key())).unwrap().len();
+        assert_eq!(on_disk, (HEADER_LEN + small_payload.len()) as u64, "{backend:?}");
+
+        let mut back = Vec::new();
+        store.get(&small.key(), &mut back).unwrap();
+        assert!(back == small_payload, "{backend:?}: small chunk");
+        store.get(&large.key(), &mut back).unwrap();
+        assert!(back == payload, "{backend:?}: large chunk untouched");
+
+        // And a larger one after a smaller spare: replace the small chunk, then grow into it.
+        store.put(&small, &small_payload).unwrap();
+        let grown = noise(5, payload.len());
+        store.put(&large, &grown).unwrap();
+        store.get(&large.key(), &mut back).unwrap();
+        assert!(back == grown, "{backend:?}: large chunk grown from the small spare");
+    }
+}
+
+#[test]
+fn opening_a_store_removes_the_temporary_files_of_dead_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let alive = std::process::id();
+    let orphan = format!(".w0.1-m2-l0_2.djv.{dead}.7.tmp");
+    let ours = format!(".w0.1-m2-l0_2.djv.{alive}.8.tmp");
+    for name in [orphan.as_str(), ours.as_str(), ".notes.tmp", "w0.1-m2.djv"] {
+        fs::write(dir.path().join(name), b"x").unwrap();
+    }
+    let _store = FileStore::open(dir.path(), FileBackend::Posix).unwrap();
+    let mut expected = vec![ours, ".notes.tmp".to_string(), "w0.1-m2.djv".to_string()];
+    expected.sort();
+    assert_eq!(dir_entries(dir.path()), expected, "only the dead process's temporary file went");
 }
 
 /// A stored chunk file for tests that damage it.

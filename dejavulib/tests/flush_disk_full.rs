@@ -98,6 +98,20 @@ fn a_flush_past_the_file_size_limit_fails_and_leaves_no_file() {
             (HEADER_LEN + payload.len()) as u64
         );
         assert_eq!(entries(dir.path()).len(), 1);
+
+        // A replacing flush writes into the file the last one displaced: one failing there keeps
+        // the chunk it would have replaced, and drops the half-written spare.
+        let replacement: Vec<u8> = payload.iter().map(|b| b ^ 0x5a).collect();
+        store.put(&descriptor, &replacement).unwrap();
+        assert_eq!(entries(dir.path()).len(), 2, "{name}: the chunk and the spare");
+        let result = {
+            let _limit = FileSizeLimit::set(LIMIT);
+            store.put(&descriptor, &payload)
+        };
+        assert!(matches!(&result, Err(StoreError::Io { op: "write", .. })), "{name}: {result:?}");
+        assert_eq!(entries(dir.path()).len(), 1, "{name}: the failed spare is gone");
+        store.get(&descriptor.key(), &mut out).unwrap();
+        assert!(out == replacement, "{name}: the last good flush stands");
     }
 
     // A host store that spills everything: the spill fails at the limit, the chunk stays in memory.
