@@ -8,6 +8,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::fs::{self, File, OpenOptions};
 use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -334,8 +336,10 @@ impl ChunkStore for HostStore {
 /// file it displaced, under a hidden temporary name, to write the next flush into: overwriting
 /// pages the file system already holds is a copy, where a new file costs block allocation and, on
 /// ext4, a forced writeback when renamed over the old one (about 25x the time for a decode step's
-/// 6.5 MB). The store keeps at most one such file; the last clone removes it when dropped, and
-/// opening a store removes those that dead processes left behind.
+/// 6.5 MB). A fetch holds a shared `flock` on the file it reads and a flush reuses a spare only
+/// under an exclusive one, so no file is rewritten while a fetch reads it. The store keeps at most
+/// one spare; the last clone removes it when dropped, and opening a store removes the temporary
+/// files that dead processes left behind.
 #[derive(Clone)]
 pub struct FileStore {
     dir: PathBuf,
@@ -395,22 +399,62 @@ impl FileStore {
         self.dir.join(format!(".{}.{}.{n}{TEMP_SUFFIX}", key.file_name(), std::process::id()))
     }
 
-    /// Writes header and payload into `path`: a new file, or the kept spare (`reuse`) resized.
-    fn write_file(&self, path: &Path, header: &[u8], payload: &[u8], reuse: bool) -> Result<(), StoreError> {
+    /// Opens the file to write a chunk under `key` into: the kept spare where no reader holds it
+    /// (locked exclusively until the returned file is dropped), else a new temporary file.
+    fn open_temp(&self, key: &ChunkKey) -> Result<Temp, StoreError> {
+        if let Some(spare) = self.spare.take() {
+            let reusable = OpenOptions::new().write(true).open(&spare).ok().filter(try_lock_exclusive);
+            if let Some(file) = reusable {
+                return Ok(Temp { path: spare, file, reused: true });
+            }
+            // A fetch that opened it while it was still the chunk is reading it: leave it to them.
+            let _ = fs::remove_file(&spare);
+        }
+        let temp = self.temp_path(key);
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temp)
+            .map_err(|source| StoreError::Io { op: "create", path: temp.clone(), source })?;
+        Ok(Temp { path: temp, file, reused: false })
+    }
+
+    /// Writes header and payload into `temp`; a reused spare longer than them is cut after.
+    fn write_file(&self, temp: &Temp, header: &[u8], payload: &[u8]) -> Result<(), StoreError> {
+        let Temp { path, file, reused } = temp;
         let io_err = |op| move |source| StoreError::Io { op, path: path.to_path_buf(), source };
-        let file = if reuse {
-            let file = OpenOptions::new().write(true).open(path).map_err(io_err("open"))?;
+        self.io.write_all_at(file, header, 0).map_err(io_err("write"))?;
+        self.io.write_all_at(file, payload, HEADER_LEN as u64).map_err(io_err("write"))?;
+        if *reused {
             file.set_len((header.len() + payload.len()) as u64).map_err(io_err("resize"))?;
-            file
-        } else {
-            OpenOptions::new().write(true).create_new(true).open(path).map_err(io_err("create"))?
-        };
-        self.io.write_all_at(&file, header, 0).map_err(io_err("write"))?;
-        self.io.write_all_at(&file, payload, HEADER_LEN as u64).map_err(io_err("write"))?;
+        }
         if self.sync {
             file.sync_data().map_err(io_err("sync"))?;
         }
         Ok(())
+    }
+
+    /// Opens the chunk file under `key` and locks it shared, so that no flush rewrites it (as a
+    /// spare) while it is read; opened again while flushes swap another file in under the name.
+    fn open_for_reading(&self, key: &ChunkKey, path: &Path) -> Result<File, StoreError> {
+        let io_err = |op| move |source| StoreError::Io { op, path: path.to_path_buf(), source };
+        let not_found = || StoreError::NotFound(Box::new(key.clone()));
+        for _ in 0..READ_ATTEMPTS {
+            let file = match File::open(path) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(not_found()),
+                other => other.map_err(io_err("open"))?,
+            };
+            lock_shared(&file).map_err(io_err("lock"))?;
+            // The name may have moved on to another file between the open and the lock.
+            let opened = file.metadata().map_err(io_err("stat"))?;
+            match fs::metadata(path) {
+                Ok(named) if named.dev() == opened.dev() && named.ino() == opened.ino() => return Ok(file),
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(not_found()),
+                Err(e) => return Err(io_err("stat")(e)),
+            }
+        }
+        Err(io_err("open")(io::Error::other("the chunk was replaced faster than it could be read")))
     }
 
     /// Moves the written `temp` to `path`. Where a chunk file is already there, the two are
@@ -442,6 +486,38 @@ impl FileStore {
             path: path.to_path_buf(),
             source,
         })
+    }
+}
+
+/// A file a flush writes before moving it into place.
+struct Temp {
+    path: PathBuf,
+    /// Open for writing; a reused spare is locked exclusively while this is open.
+    file: File,
+    /// A spare that held a chunk before, perhaps longer than this one.
+    reused: bool,
+}
+
+/// Times a fetch opens a chunk again because a flush replaced it meanwhile.
+const READ_ATTEMPTS: usize = 64;
+
+/// Locks `file` exclusively if nobody holds a lock on it; `false` if someone does.
+fn try_lock_exclusive(file: &File) -> bool {
+    // SAFETY: flock on a descriptor `file` owns; the lock goes with the descriptor when it closes.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}
+
+/// Locks `file` shared, waiting for an exclusive holder (a flush writing it) to finish.
+fn lock_shared(file: &File) -> io::Result<()> {
+    loop {
+        // SAFETY: flock on a descriptor `file` owns; the lock goes with the descriptor when it closes.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH) } == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
     }
 }
 
@@ -525,12 +601,12 @@ impl ChunkStore for FileStore {
         let header = descriptor.encode_header(payload);
         let key = descriptor.key();
         let path = self.path_of(&key);
-        let (temp, reuse) = match self.spare.take() {
-            Some(spare) => (spare, true),
-            None => (self.temp_path(&key), false),
-        };
+        let temp = self.open_temp(&key)?;
+        // The file stays open, and a reused spare locked, until it is in place.
         let installed =
-            self.write_file(&temp, &header, payload, reuse).and_then(|()| self.install(&temp, &path));
+            self.write_file(&temp, &header, payload).and_then(|()| self.install(&temp.path, &path));
+        let Temp { path: temp, file, .. } = temp;
+        drop(file);
         if let Err(e) = installed {
             let _ = fs::remove_file(&temp);
             return Err(e);
@@ -551,12 +627,7 @@ impl ChunkStore for FileStore {
             let path = path.clone();
             move |source| StoreError::Io { op, path, source }
         };
-        let file = match File::open(&path) {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(StoreError::NotFound(Box::new(key.clone())))
-            }
-            other => other.map_err(io_err("open"))?,
-        };
+        let file = self.open_for_reading(key, &path)?;
         let size = file.metadata().map_err(io_err("stat"))?.len();
         let corrupt = |source| StoreError::Chunk { key: path.display().to_string(), source };
         if size < HEADER_LEN as u64 {

@@ -194,6 +194,48 @@ fn a_put_replaces_the_chunk_under_the_same_key() {
 }
 
 #[test]
+fn fetches_racing_replacing_flushes_read_whole_chunks() {
+    // A flush writes into the file the last one displaced: it must never be one a fetch is still
+    // reading. Readers see the old or the new chunk, never an error or a mix.
+    // 256 KiB chunks (int8, one layer and head of dimension 128), so that reads take a while.
+    let spec = KvSpec::new(1, 1, 128, DType::Int8).unwrap();
+    let region = KvRegion::new(0..1, 0..1, 0..1, 0..1024);
+    let d = descriptor(&spec, &region, Packing::token_major(&spec));
+    // Three versions, so that the spare a flush rewrites never already holds what it writes.
+    let versions: Vec<Vec<u8>> = (0..3).map(|i| noise(40 + i, d.payload_len() as usize)).collect();
+    for backend in BACKENDS {
+        let dir = tempfile::tempdir().unwrap();
+        let mut writer = FileStore::open(dir.path(), backend).unwrap().without_sync();
+        writer.put(&d, &versions[0]).unwrap();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let readers: Vec<_> = (0..2)
+                .map(|_| {
+                    let mut reader = writer.clone();
+                    let (done, d, versions) = (&done, &d, &versions);
+                    scope.spawn(move || {
+                        let (mut reads, mut back) = (0, Vec::new());
+                        while !done.load(std::sync::atomic::Ordering::Relaxed) || reads == 0 {
+                            reader.get(&d.key(), &mut back).unwrap_or_else(|e| panic!("{backend:?}: {e}"));
+                            assert!(versions.contains(&back), "{backend:?}: a chunk mixing two flushes");
+                            reads += 1;
+                        }
+                        reads
+                    })
+                })
+                .collect();
+            for i in 0..600 {
+                writer.put(&d, &versions[i % 3]).unwrap();
+            }
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            for reader in readers {
+                assert!(reader.join().unwrap() > 0);
+            }
+        });
+    }
+}
+
+#[test]
 fn a_spare_of_another_size_holds_the_next_chunk_exactly() {
     for backend in BACKENDS {
         let dir = tempfile::tempdir().unwrap();

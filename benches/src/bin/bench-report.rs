@@ -231,7 +231,7 @@ fn micro_rows(geometry: Geometry, quick: bool) -> Micro {
     });
 
     // The transports against raw streams moving the same bytes.
-    for c in dejavu_benches::net::compare_transports(if quick { 1 } else { 3 }) {
+    for c in dejavu_benches::net::compare_transports(if quick { 1 } else { 7 }) {
         let raw = if c.transport == "tcp" { "raw tokio TCP" } else { "raw quinn stream" };
         rows.push(Row {
             name: format!("{} transport, {} ({} in flight)", c.transport, c.case.name, c.case.window),

@@ -4,7 +4,9 @@
 //! raft-rs: a [`Controller`] and a [`Worker`] take messages and ticks as inputs and return what to
 //! do as outputs. They contain no sockets, threads, clocks or randomness (this crate has no
 //! dependencies, and a test checks its sources), so a seeded simulator can run them through
-//! millions of fault schedules, and the daemon drives the same code with real sockets and timers.
+//! millions of fault schedules (`dejavu-sim`). The `dejavud` processes follow the same rules (epochs,
+//! fencing, recovery from the ring) in their own controller and driver; they do not run these
+//! state machines yet.
 //!
 //! - [`message`]: identifiers, epochs and every message; control messages are state-based and
 //!   re-sent every tick, data messages are re-sent until acknowledged.
