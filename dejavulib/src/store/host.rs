@@ -1,0 +1,263 @@
+//! [`HostStore`]: chunks in host memory, spilling beyond a budget to a directory.
+
+use std::collections::{HashMap, VecDeque};
+use std::fs;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::{check_payload, ChunkStore, StoreError};
+use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
+use crate::spill::{Spill, SpillDir, StoreUsage};
+
+/// Where a [`HostStore`] holds one chunk, encoded as on disk and on the wire: header, then payload.
+enum Held {
+    Memory(Arc<Vec<u8>>),
+    /// In a spill file of this many bytes.
+    Spilled(PathBuf, u64),
+}
+
+impl Held {
+    fn len(&self) -> usize {
+        match self {
+            Held::Memory(bytes) => bytes.len(),
+            Held::Spilled(_, len) => *len as usize,
+        }
+    }
+}
+
+#[derive(Default)]
+struct HostInner {
+    chunks: HashMap<ChunkKey, Held>,
+    /// Where chunks beyond the memory budget go, if anywhere.
+    spill: Option<Arc<SpillDir>>,
+    usage: StoreUsage,
+    /// The most recent [`PUT_LOG_LEN`] keys put.
+    log: VecDeque<ChunkKey>,
+    /// When each chunk held was last put: the number of puts before it.
+    put_numbers: HashMap<ChunkKey, u64>,
+    /// Puts so far.
+    puts: u64,
+    /// Buffers of replaced chunks, kept for the next chunks received: a fresh allocation of tens of
+    /// MiB costs a page fault per 4 KiB when first written, more than the network transfer itself.
+    spare: Vec<Vec<u8>>,
+}
+
+impl Drop for HostInner {
+    fn drop(&mut self) {
+        // Spill files are the store's alone: they go with it.
+        for held in self.chunks.values() {
+            if let Held::Spilled(path, _) = held {
+                let _ = fs::remove_file(path);
+            }
+        }
+    }
+}
+
+/// Keys a [`HostStore`] remembers in its put log.
+pub const PUT_LOG_LEN: usize = 1 << 16;
+
+/// Replaced buffers a [`HostStore`] keeps for reuse.
+const SPARE_BUFFERS: usize = 4;
+
+/// Chunks in host memory (a peer's buffer, a swap space). Clones share the same store.
+#[derive(Clone, Default)]
+pub struct HostStore {
+    inner: Arc<Mutex<HostInner>>,
+}
+
+impl HostStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An empty store that keeps at most `spill.memory_bytes` in memory and writes the chunks
+    /// beyond to files in `spill.dir` (see [`crate::spill`]).
+    pub fn with_spill(spill: Spill) -> Self {
+        let store = Self::default();
+        store.inner.lock().spill = Some(Arc::new(SpillDir::new(spill)));
+        store
+    }
+
+    /// How its bytes are split between memory and the spill directory.
+    pub fn usage(&self) -> StoreUsage {
+        self.inner.lock().usage
+    }
+
+    /// Keys in the order they were put (a key put twice appears twice), the most recent
+    /// [`PUT_LOG_LEN`] of them.
+    pub fn put_log(&self) -> Vec<ChunkKey> {
+        self.inner.lock().log.iter().cloned().collect()
+    }
+
+    /// Keys of the chunks held (in memory or spilled), each with when it was last put (the
+    /// number of puts to this store before it), in no particular order.
+    pub fn keys(&self) -> Vec<(ChunkKey, u64)> {
+        let inner = self.inner.lock();
+        inner.chunks.keys().map(|k| (k.clone(), inner.put_numbers.get(k).copied().unwrap_or(0))).collect()
+    }
+
+    /// Number of chunks held.
+    pub fn len(&self) -> usize {
+        self.inner.lock().chunks.len()
+    }
+
+    /// Whether the store is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of the chunk under `key` (header and payload), if held.
+    pub fn encoded_len(&self, key: &ChunkKey) -> Option<usize> {
+        self.inner.lock().chunks.get(key).map(|c| c.len())
+    }
+
+    /// Flips one payload byte of a held chunk (for fault tests): the next `get` must report it.
+    pub fn corrupt(&self, key: &ChunkKey, byte: usize) -> bool {
+        let mut inner = self.inner.lock();
+        let held = match inner.chunks.get_mut(key) {
+            Some(Held::Memory(bytes)) => Arc::make_mut(bytes).get_mut(HEADER_LEN + byte),
+            _ => None,
+        };
+        match held {
+            Some(b) => {
+                *b ^= 0x5a;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Keeps an encoded chunk (header and payload, as on the wire and on disk) without copying it,
+    /// after checking it: a header that decodes, a payload of the length it says and with the
+    /// checksum it says. Returns its descriptor and the bytes kept, shared (to send them on).
+    pub fn put_encoded(&self, encoded: Vec<u8>) -> Result<(ChunkDescriptor, Arc<Vec<u8>>), StoreError> {
+        let corrupt = |source| StoreError::Chunk { key: "an encoded chunk".into(), source };
+        if encoded.len() < HEADER_LEN {
+            return Err(StoreError::PayloadLength { expected: HEADER_LEN as u64, got: encoded.len() as u64 });
+        }
+        let (descriptor, len, sum) =
+            ChunkDescriptor::decode_header(&encoded[..HEADER_LEN]).map_err(corrupt)?;
+        let payload = &encoded[HEADER_LEN..];
+        if payload.len() as u64 != len {
+            return Err(StoreError::PayloadLength { expected: len, got: payload.len() as u64 });
+        }
+        verify_payload(payload, sum).map_err(corrupt)?;
+        let kept = self.insert_encoded(descriptor.key(), encoded);
+        Ok((descriptor, kept))
+    }
+
+    /// Keeps an encoded chunk (header and payload) the caller has verified, without copying it:
+    /// in memory, or in a spill file once the memory budget is used (in memory still if the
+    /// spill fails). Returns the bytes, shared (to send them on).
+    pub(crate) fn insert_encoded(&self, key: ChunkKey, encoded: Vec<u8>) -> Arc<Vec<u8>> {
+        let len = encoded.len() as u64;
+        let kept = Arc::new(encoded);
+        // Whether it spills is decided under the lock, the file written outside it: a slow disk
+        // holds up no reader or writer of other chunks.
+        let spill = {
+            let mut inner = self.inner.lock();
+            if inner.log.len() == PUT_LOG_LEN {
+                inner.log.pop_front();
+            }
+            inner.log.push_back(key.clone());
+            let put = inner.puts;
+            inner.put_numbers.insert(key.clone(), put);
+            inner.puts += 1;
+            let (memory, ours) = (inner.usage.memory_bytes, inner.usage.spilled_bytes);
+            inner.spill.clone().filter(|s| memory + len > s.memory_bytes()).map(|s| (s, ours))
+        };
+        let spilled = spill.map(|(dir, ours)| dir.write(&key.file_name(), &kept, ours));
+        let mut inner = self.inner.lock();
+        let held = match spilled {
+            Some(Ok(path)) => {
+                inner.usage.spilled_bytes += len;
+                inner.usage.spilled_chunks += 1;
+                Held::Spilled(path, len)
+            }
+            not_spilled => {
+                if not_spilled.is_some() {
+                    inner.usage.spill_failures += 1;
+                }
+                inner.usage.memory_bytes += len;
+                Held::Memory(kept.clone())
+            }
+        };
+        let in_memory = matches!(held, Held::Memory(_));
+        match inner.chunks.insert(key, held) {
+            Some(Held::Memory(old)) => {
+                inner.usage.memory_bytes -= old.len() as u64;
+                // A buffer still being sent to a reader is not reusable; it is freed when the send
+                // ends.
+                if let Ok(buffer) = Arc::try_unwrap(old) {
+                    if inner.spare.len() == SPARE_BUFFERS {
+                        inner.spare.remove(0);
+                    }
+                    inner.spare.push(buffer);
+                }
+            }
+            Some(Held::Spilled(path, old_len)) => {
+                inner.usage.spilled_bytes -= old_len;
+                inner.usage.spilled_chunks -= 1;
+                // A new spill took the same file name; a chunk kept in memory leaves it stale.
+                if in_memory {
+                    let _ = fs::remove_file(&path);
+                }
+            }
+            None => {}
+        }
+        kept
+    }
+
+    /// An empty buffer with room for `len` bytes: a kept one of a replaced chunk if one fits
+    /// without wasting more than half of it, otherwise a new one.
+    pub(crate) fn buffer_for(&self, len: usize) -> Vec<u8> {
+        let mut inner = self.inner.lock();
+        let fits = inner.spare.iter().position(|b| b.capacity() >= len && b.capacity() / 2 <= len);
+        match fits {
+            Some(i) => {
+                let mut buffer = inner.spare.swap_remove(i);
+                buffer.clear();
+                buffer
+            }
+            None => Vec::with_capacity(len),
+        }
+    }
+
+    /// The encoded chunk under `key`, shared rather than copied (not verified: readers check it).
+    /// A spill file that cannot be read whole counts as no chunk; it is read outside the lock.
+    pub(crate) fn encoded(&self, key: &ChunkKey) -> Option<Arc<Vec<u8>>> {
+        let (path, len) = match self.inner.lock().chunks.get(key)? {
+            Held::Memory(bytes) => return Some(bytes.clone()),
+            Held::Spilled(path, len) => (path.clone(), *len),
+        };
+        fs::read(path).ok().filter(|bytes| bytes.len() as u64 == len).map(Arc::new)
+    }
+}
+
+impl ChunkStore for HostStore {
+    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+        check_payload(descriptor, payload)?;
+        let mut encoded = Vec::with_capacity(HEADER_LEN + payload.len());
+        encoded.extend_from_slice(&descriptor.encode_header(payload));
+        encoded.extend_from_slice(payload);
+        self.insert_encoded(descriptor.key(), encoded);
+        Ok(())
+    }
+
+    fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
+        let chunk = self.encoded(key).ok_or_else(|| StoreError::NotFound(Box::new(key.clone())))?;
+        if chunk.len() < HEADER_LEN {
+            return Err(StoreError::PayloadLength { expected: HEADER_LEN as u64, got: chunk.len() as u64 });
+        }
+        let corrupt = |source| StoreError::Chunk { key: key.file_name(), source };
+        let (descriptor, _, sum) = ChunkDescriptor::decode_header(&chunk[..HEADER_LEN]).map_err(corrupt)?;
+        let payload = &chunk[HEADER_LEN..];
+        verify_payload(payload, sum).map_err(corrupt)?;
+        out.clear();
+        out.extend_from_slice(payload);
+        Ok(descriptor)
+    }
+}
