@@ -218,6 +218,15 @@ pub struct DemoReport {
     pub unreplicated_step_ms: f64,
     /// Median decode-step time of the failure-free run, KV replicated every step, ms.
     pub failure_free_step_ms: f64,
+    /// Steps in each block of the interleaved run: replication runs in the first block, is
+    /// paused in the second, and so on.
+    pub interleaved_block: u64,
+    /// Median time of the interleaved run's decode steps while replication ran, ms. The two
+    /// interleaved medians come from one run, whose steps alternate in blocks between the two
+    /// settings: load that comes and goes over seconds weighs on both alike.
+    pub interleaved_replicated_step_ms: f64,
+    /// Median time of the interleaved run's decode steps while replication was paused, ms.
+    pub interleaved_paused_step_ms: f64,
     /// The recovery of the run with a failure.
     pub recovery: Recovery,
     /// Tokens recomputed by the restart from scratch.
@@ -231,8 +240,8 @@ pub struct DemoReport {
     /// Spare processes (stages and sidecars) the recovery made the dead stage's, instead of
     /// starting processes (0 without `--spares`).
     pub spares_used: u64,
-    /// Whether the run with a failure (and the one without replication) produced exactly the
-    /// failure-free tokens.
+    /// Whether the run with a failure (and the ones without replication and interleaved) produced
+    /// exactly the failure-free tokens.
     pub matched: bool,
     /// Whether the restart from scratch did.
     pub restart_matched: bool,
@@ -296,6 +305,29 @@ fn run_once(
     kill_at: Option<u64>,
     on_failure: OnFailure,
 ) -> Result<(Run, Seen), DemoError> {
+    run_with(config, fabric, kill_at, on_failure, None)
+}
+
+/// Steps per block of the interleaved run for a run of `steps` steps: at least four blocks of
+/// each setting, at most 64 steps each.
+fn interleaved_block(steps: u64) -> u64 {
+    (steps / 8).clamp(1, 64)
+}
+
+/// Whether the interleaved run replicates step `step`: in every other block, from the first.
+fn replicated_in_block(step: u64, block: u64) -> bool {
+    (step / block) % 2 == 0
+}
+
+/// [`run_once`], and with `interleave` a block size: replication is paused and resumed at
+/// every block's first step (see [`replicated_in_block`]).
+fn run_with(
+    config: &DemoConfig,
+    fabric: Option<&Arc<Fabric>>,
+    kill_at: Option<u64>,
+    on_failure: OnFailure,
+    interleave: Option<u64>,
+) -> Result<(Run, Seen), DemoError> {
     let workload = workload(config);
     let replicate = on_failure == OnFailure::Recover;
     let driver = DriverConfig {
@@ -312,6 +344,9 @@ fn run_once(
         if kill_at == Some(step) && !killed {
             killed = true;
             cluster.kill(config.victim as usize, what)?;
+        }
+        if let Some(block) = interleave.filter(|&block| step > 0 && step % block == 0) {
+            cluster.set_replication(replicated_in_block(step, block))?;
         }
         if step == last {
             seen = Seen { swapped: swapped_bytes(cluster)?, spares_used: cluster.spares_used() };
@@ -398,6 +433,14 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
     let (unreplicated, _) = run_once(config, fabric, None, OnFailure::Restart)?;
     say("failure-free run, KV replicated every step...");
     let (reference, failure_free) = run_once(config, fabric, None, OnFailure::Recover)?;
+    let block = interleaved_block(steps);
+    say(&format!("failure-free run, replication paused and resumed every {block} steps..."));
+    let (interleaved, _) = run_with(config, fabric, None, OnFailure::Recover, Some(block))?;
+    let interleaved_ms = |replicated: bool| {
+        let median =
+            interleaved.median_decode_step_where(|step| replicated_in_block(step, block) == replicated);
+        median.map_or(0.0, |d| d.as_secs_f64() * 1e3)
+    };
     say(&format!(
         "run with stage {}'s {} SIGKILLed at step {kill_at} of {steps}, recovered from {}...",
         config.victim,
@@ -421,12 +464,17 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
         restart_s: restarted.elapsed.as_secs_f64(),
         unreplicated_step_ms: median_step_ms(&unreplicated),
         failure_free_step_ms: median_step_ms(&reference),
+        interleaved_block: block,
+        interleaved_replicated_step_ms: interleaved_ms(true),
+        interleaved_paused_step_ms: interleaved_ms(false),
         recovery: recovery_of(&recovered),
         restart_tokens_recomputed: recovery_of(&restarted).tokens_recomputed,
         kv_bytes_replicated_per_token: model.kv_spec().bytes_per_token(),
         swapped_bytes: failure_free.swapped,
         spares_used: after_failure.spares_used,
-        matched: recovered.tokens == reference.tokens && unreplicated.tokens == reference.tokens,
+        matched: recovered.tokens == reference.tokens
+            && unreplicated.tokens == reference.tokens
+            && interleaved.tokens == reference.tokens,
         restart_matched: restarted.tokens == reference.tokens,
     })
 }
@@ -446,6 +494,7 @@ impl DemoReport {
 no replication:          {:7.3} s  ({:.0} tokens/s)
 failure-free:            {:7.3} s  ({:.0} tokens/s; replication overhead {:+.1}%)
 decode step (median):    {:.3} ms without replication, {:.3} ms replicated ({:+.1}%)
+  in one run, alternating every {} steps: {:.3} ms replication paused, {:.3} ms replicated ({:+.1}%)
 one failure, recovered:  {:7.3} s  ({:.2}x)  detection {:.0} ms, restore {:.1} ms, resume {:.1} ms, tokens recomputed {}
 one failure, restarted:  {:7.3} s  ({:.2}x)  tokens recomputed {}
 KV per token: {} bytes to the successors' sidecars, as many to the local ones (all {} stages)
@@ -459,6 +508,10 @@ KV per token: {} bytes to the successors' sidecars, as many to the local ones (a
             self.unreplicated_step_ms,
             self.failure_free_step_ms,
             (self.failure_free_step_ms / self.unreplicated_step_ms - 1.0) * 100.0,
+            self.interleaved_block,
+            self.interleaved_paused_step_ms,
+            self.interleaved_replicated_step_ms,
+            (self.interleaved_replicated_step_ms / self.interleaved_paused_step_ms - 1.0) * 100.0,
             self.with_failure_s,
             self.with_failure_s / self.failure_free_s,
             r.detection_ms,

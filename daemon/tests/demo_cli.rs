@@ -44,10 +44,14 @@ fn the_demo_recovers_a_killed_stage_with_identical_tokens_also_when_swapping_or_
         assert_eq!(report["matched"], true, "{report}");
         assert_eq!(report["restart_matched"], true, "{report}");
         assert_eq!(report["tokens"], 60);
-        for step in ["unreplicated_step_ms", "failure_free_step_ms"] {
+        let steps = ["unreplicated_step_ms", "failure_free_step_ms"];
+        let interleaved = ["interleaved_replicated_step_ms", "interleaved_paused_step_ms"];
+        for step in steps.into_iter().chain(interleaved) {
             let ms = report[step].as_f64().unwrap();
             assert!(ms > 0.0 && ms < 1000.0, "a decode step's median time: {report}");
         }
+        // 60 steps: blocks of 7, so both settings have decode steps.
+        assert_eq!(report["interleaved_block"], 7, "{report}");
         let recovery = &report["recovery"];
         assert!(recovery["tokens_recomputed"].as_u64().unwrap() >= 1, "{report}");
         assert!(recovery["detection_ms"].as_f64().unwrap() > 0.0, "{report}");

@@ -810,6 +810,18 @@ impl Cluster {
         self.stages.is_empty()
     }
 
+    /// Pauses (`on` false) or resumes every stage's replication, from the next step on (see
+    /// [`RemotePipeline::set_replication`]); an error without replication.
+    pub fn set_replication(&mut self, on: bool) -> Result<(), ClusterError> {
+        if self.sidecars.is_empty() {
+            return Err(ClusterError::Invalid("this cluster does not replicate".into()));
+        }
+        for stage in 0..self.len() as u32 {
+            self.remote.set_replication(stage, on)?;
+        }
+        Ok(())
+    }
+
     /// Kills stage `victim`'s engine, and with [`Kill::Worker`] its sidecar too.
     pub fn kill(&mut self, victim: usize, what: Kill) -> Result<(), ClusterError> {
         if what == Kill::Worker && (self.sidecars.is_empty() || self.len() < 2) {

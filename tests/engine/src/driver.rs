@@ -155,8 +155,9 @@ pub struct Run {
     /// Every recovery or restart.
     pub recoveries: Vec<RecoveryRecord>,
     /// From sending to the reply, each decode step that succeeded at its first attempt (prompts,
-    /// and steps sent again or resumed after a failure, are left out): the decode-step times.
-    pub decode_steps: Vec<Duration>,
+    /// and steps sent again or resumed after a failure, are left out): the decode-step times,
+    /// each with its step number (as [`Injector::before_step`] counts them).
+    pub decode_steps: Vec<(u64, Duration)>,
     /// Attempts at a step that failed with no stage dead (slow or broken links).
     pub repeated_steps: u64,
     /// Controllers started to replace one that died or stopped answering (counted when a
@@ -262,7 +263,7 @@ fn drive_into(
             let error = match result {
                 Ok(reply) => {
                     if !run.tokens[request].is_empty() && failing_since.is_none() {
-                        run.decode_steps.push(sent.elapsed());
+                        run.decode_steps.push((step - 1, sent.elapsed()));
                     }
                     run.deliver(request, reply, step - 1);
                     (failures, failing_since) = (0, None);
@@ -426,7 +427,13 @@ impl Run {
     /// The median decode-step time ([`Run::decode_steps`]); `None` without decode steps. Bursts
     /// of a shared machine's load move it far less than a run's total time.
     pub fn median_decode_step(&self) -> Option<Duration> {
-        let mut steps = self.decode_steps.clone();
+        self.median_decode_step_where(|_| true)
+    }
+
+    /// The median time of the decode steps whose step numbers `selected` picks; `None` if none.
+    pub fn median_decode_step_where(&self, selected: impl Fn(u64) -> bool) -> Option<Duration> {
+        let mut steps: Vec<Duration> =
+            self.decode_steps.iter().filter(|&&(step, _)| selected(step)).map(|&(_, took)| took).collect();
         steps.sort_unstable();
         steps.get(steps.len() / 2).copied()
     }
@@ -462,7 +469,15 @@ mod tests {
         let ms = Duration::from_millis;
         let mut run = Run::default();
         assert_eq!(run.median_decode_step(), None);
-        run.decode_steps = vec![ms(2), ms(90), ms(1), ms(3), ms(2)];
+        run.decode_steps = [ms(2), ms(90), ms(1), ms(3), ms(2)]
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| (i as u64, t))
+            .collect();
         assert_eq!(run.median_decode_step(), Some(ms(2)));
+        // Steps 0, 2 and 4 (2, 1 and 2 ms); steps 1 and 3 (90 and 3 ms: the upper median).
+        assert_eq!(run.median_decode_step_where(|step| step % 2 == 0), Some(ms(2)));
+        assert_eq!(run.median_decode_step_where(|step| step % 2 == 1), Some(ms(90)));
+        assert_eq!(run.median_decode_step_where(|step| step > 10), None);
     }
 }

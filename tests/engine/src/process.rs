@@ -33,7 +33,9 @@
 //!   where the prompt stages handed it over, and replicate it as a computed prompt's; the number
 //!   of tokens loaded (0 if it could not) travels on;
 //! - hand over to (argument: a token stage's index, `u32`, then its sidecar's new address): a prompt
-//!   stage hands that token stage's prompt KV to the new sidecar from now on.
+//!   stage hands that token stage's prompt KV to the new sidecar from now on;
+//! - replication (argument: one byte, 0 to pause, 1 to resume): the stage stops or starts again
+//!   handing its steps' KV to the streamer (to measure replication's cost within one run).
 //!
 //! Every connection on the chain (driver to stage 0, stage to stage, last stage to driver) opens
 //! with a `Hello` frame whose epoch is the one its sender was started in (a replacement's is the
@@ -113,6 +115,8 @@ const OP_REPLICATE_TO: u8 = 3;
 const OP_LOAD: u8 = 4;
 /// Control operation: a prompt stage hands a token stage's prompts to another sidecar from now on.
 const OP_HANDOFF_TO: u8 = 5;
+/// Control operation: pause (argument 0) or resume (1) the stage's replication.
+const OP_REPLICATION: u8 = 6;
 /// Stage index of control frames addressed to no stage (the driver's probes).
 const NO_STAGE: u32 = u32::MAX;
 
@@ -659,6 +663,8 @@ struct StageProcess {
     streamer: Option<Streamer>,
     /// Replications not known to be done yet, and the cache each reads.
     pending: VecDeque<(Completion, Arc<KvCache>)>,
+    /// Steps are not replicated while set ([`RemotePipeline::set_replication`]).
+    replication_paused: bool,
     stats: Arc<StageStats>,
     handoff: Option<HandoffEnd>,
 }
@@ -683,6 +689,7 @@ impl StageProcess {
             sidecars: None,
             streamer: None,
             pending: VecDeque::new(),
+            replication_paused: false,
             stats,
             handoff: None,
             config,
@@ -833,7 +840,9 @@ impl StageProcess {
             StageStats::add(&self.stats.handed_bytes, handed.bytes);
             StageStats::add(&self.stats.handoff_failures, handed.failures);
         }
-        self.replicate(cache, seat, position..position + count)?;
+        if !self.replication_paused {
+            self.replicate(cache, seat, position..position + count)?;
+        }
         Ok(if self.stage.layers().end == self.config.model.layers {
             let d = self.config.model.d_model as usize;
             tokens_payload(&[self.stage.next_token(&hidden[hidden.len() - d..])?])
@@ -929,6 +938,14 @@ impl StageProcess {
             OP_REWIRE => {
                 self.config.next = parse_address(argument)?
                     .ok_or_else(|| ProcessError::Protocol("a rewire without an address".into()))?;
+                Ok(payload)
+            }
+            OP_REPLICATION => {
+                self.replication_paused = match argument {
+                    [0] => true,
+                    [1] => false,
+                    _ => return Err(ProcessError::Protocol("replication neither paused nor resumed".into())),
+                };
                 Ok(payload)
             }
             OP_REPLICATE_TO => {
@@ -1422,6 +1439,15 @@ impl RemotePipeline {
         // Nothing to move: a step's deadline, so that a dead prompt pipeline does not hold the
         // token pipeline's recovery up for a control operation's.
         self.reply(request, self.deadline)?;
+        Ok(())
+    }
+
+    /// Pauses (`on` false) or resumes stage `stage`'s replication of the steps it computes. A
+    /// step computed while paused is not in the stage's copies: a recovery restores a sequence up
+    /// to its first such step and recomputes the rest. For measuring what replication costs, in
+    /// one run ([`crate::cluster::Cluster::set_replication`]).
+    pub fn set_replication(&mut self, stage: u32, on: bool) -> Result<(), ProcessError> {
+        self.control(OP_REPLICATION, stage, [NO_STAGE; 4], &[u8::from(on)])?;
         Ok(())
     }
 
