@@ -9,11 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use dejavu_engine::cluster::Kill;
-use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError, Role, TransportKind};
+use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError, CpuSplit, Role, TransportKind};
 use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
 use dejavu_engine::metrics::value_of;
 use dejavu_engine::netns::Fabric;
 use dejavu_engine::ModelConfig;
+use dejavulib::affinity::CpuList;
 use serde::Serialize;
 use thiserror::Error;
 
@@ -45,6 +46,9 @@ pub struct DemoConfig {
     pub transport: TransportKind,
     /// Each worker in a network namespace of its own, with its own address (needs root).
     pub namespaces: bool,
+    /// CPUs set apart for the stages' compute and for replication, if any (see
+    /// [`DemoSettings::split_cpus`]).
+    pub cpus: Option<CpuSplit>,
     /// The `dejavud` executable to start stage and sidecar processes with.
     pub exe: PathBuf,
 }
@@ -108,6 +112,20 @@ pub struct DemoSettings {
     /// (`--namespaces=false` turns a file's setting off) [default: false].
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub namespaces: Option<bool>,
+    /// Set the CPUs apart: the stages compute on the first half of the CPUs this process may run
+    /// on, and the streamer threads and sidecars copy KV on the rest, as on a GPU server, where
+    /// the engine computes on the GPU and the host's cores stream; otherwise replication's wakeups
+    /// preempt the CPU engine's compute (`--split-cpus=false`: every process on any CPU; with one
+    /// CPU there is nothing to split) [default: true].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub split_cpus: Option<bool>,
+}
+
+/// The CPUs this process may run on, in halves: compute, then replication; `None` with one CPU.
+fn split_available_cpus() -> Option<CpuSplit> {
+    let available = CpuList::of_current_thread().ok()?;
+    let (compute, replication) = available.halves()?;
+    Some(CpuSplit { compute, replication })
 }
 
 /// The transport between sidecars, as a setting.
@@ -143,6 +161,7 @@ impl DemoSettings {
             spares: self.spares.or(base.spares),
             transport: self.transport.or(base.transport),
             namespaces: self.namespaces.or(base.namespaces),
+            split_cpus: self.split_cpus.or(base.split_cpus),
         }
     }
 
@@ -167,6 +186,7 @@ impl DemoSettings {
                 Some(TransportSetting::Tcp) | None => TransportKind::Tcp,
             },
             namespaces: self.namespaces.unwrap_or(false),
+            cpus: if self.split_cpus.unwrap_or(true) { split_available_cpus() } else { None },
             exe,
         }
     }
@@ -281,6 +301,7 @@ fn start_cluster(
         spares: config.spares,
         transport: config.transport,
         fabric: fabric.cloned(),
+        cpus: config.cpus.clone(),
         ..ClusterConfig::new(config.exe.clone())
     })
 }

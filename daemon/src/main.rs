@@ -90,6 +90,14 @@ enum Command {
     },
 }
 
+/// "CPU 3" or "CPUs 0-3,8".
+fn cpus_named(cpus: &dejavulib::affinity::CpuList) -> String {
+    match cpus.cpus() {
+        [one] => format!("CPU {one}"),
+        _ => format!("CPUs {cpus}"),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -130,6 +138,14 @@ fn main() -> ExitCode {
             };
             let config = settings.or(file).resolve(exe);
             let DemoConfig { stages, requests, prompt_tokens, new_tokens, namespaces, .. } = config;
+            let cpus = match &config.cpus {
+                Some(split) => format!(
+                    "; the stages compute on {}, their streamers and sidecars copy on {}",
+                    cpus_named(&split.compute),
+                    cpus_named(&split.replication)
+                ),
+                None => String::new(),
+            };
             let on =
                 if namespaces { "with each worker in a network namespace of its own" } else { "on loopback" };
             if let Err(e) = config.validate() {
@@ -141,7 +157,7 @@ fn main() -> ExitCode {
                     "DéjàVu demo: the reference model (8 layers, d_model 256, 8 query / 2 KV heads) as {stages} stage \
 processes {on}, {requests} requests of {prompt_tokens} prompt + {new_tokens} new tokens, \
 each stage's KV copied every step to its own sidecar process and its ring successor's, every \
-process heartbeating to a controller process"
+process heartbeating to a controller process{cpus}"
                 );
             }
             match demo::run(&config, |line| {

@@ -44,6 +44,7 @@
 //! # }
 //! ```
 
+pub mod affinity;
 pub mod baseline;
 pub mod cache;
 pub mod chunk;

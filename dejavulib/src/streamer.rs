@@ -15,6 +15,7 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use thiserror::Error;
 
+use crate::affinity::CpuList;
 use crate::cache::KvCache;
 use crate::memory::StagingPool;
 use crate::reshard::{send, ChunkReceipt, StreamError, Transfer};
@@ -135,11 +136,13 @@ pub struct StreamerConfig {
     pub queue_depth: usize,
     /// Thread name.
     pub name: String,
+    /// CPUs the thread runs on (see [`crate::affinity`]); `None`: those of the thread spawning it.
+    pub cpus: Option<CpuList>,
 }
 
 impl Default for StreamerConfig {
     fn default() -> Self {
-        Self { queue_depth: 64, name: "dejavu-streamer".into() }
+        Self { queue_depth: 64, name: "dejavu-streamer".into(), cpus: None }
     }
 }
 
@@ -151,12 +154,27 @@ pub struct Streamer {
 }
 
 impl Streamer {
-    /// Starts the thread; it flushes every chunk to `store`.
+    /// Starts the thread; it flushes every chunk to `store`. An error if the thread cannot start
+    /// or cannot run on `config.cpus`.
     pub fn spawn(config: StreamerConfig, store: Box<dyn ChunkStore>) -> std::io::Result<Self> {
         let (tx, rx) = bounded::<Envelope>(config.queue_depth.max(1));
         let cancel = Arc::new(AtomicBool::new(false));
         let flag = cancel.clone();
-        let thread = std::thread::Builder::new().name(config.name).spawn(move || run(rx, store, flag))?;
+        let (pinned_tx, pinned) = bounded(1);
+        let cpus = config.cpus;
+        let thread = std::thread::Builder::new().name(config.name).spawn(move || {
+            let pin = cpus.map_or(Ok(()), |cpus| cpus.pin_current_thread());
+            let refused = pin.is_err();
+            let _ = pinned_tx.send(pin);
+            if refused {
+                return Outcome { stats: StreamerStats::default(), store_panicked: false };
+            }
+            run(rx, store, flag)
+        })?;
+        if let Ok(Err(e)) = pinned.recv() {
+            let _ = thread.join();
+            return Err(std::io::Error::other(e));
+        }
         Ok(Self { tx: Some(tx), thread: Some(thread), cancel })
     }
 

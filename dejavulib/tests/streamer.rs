@@ -211,7 +211,7 @@ impl ChunkStore for GateStore {
 }
 
 fn config(name: &str, queue_depth: usize) -> StreamerConfig {
-    StreamerConfig { queue_depth, name: name.into() }
+    StreamerConfig { queue_depth, name: name.into(), cpus: None }
 }
 
 fn wait(c: Completion) -> Result<dejavulib::reshard::ChunkReceipt, StreamerError> {
@@ -587,4 +587,48 @@ fn layer_ready_for_a_layer_or_microbatch_outside_the_plan_queues_nothing() {
     let stats = streamer.shutdown(Shutdown::Drain).unwrap();
     assert_eq!(stats.completed + stats.failed + stats.cancelled, 0);
     assert!(store.put_log().is_empty());
+}
+
+/// A store that records the CPUs of the thread each put runs on.
+struct CpuRecordingStore {
+    inner: HostStore,
+    seen: Arc<std::sync::Mutex<Vec<dejavulib::affinity::CpuList>>>,
+}
+
+impl ChunkStore for CpuRecordingStore {
+    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+        self.seen.lock().unwrap().push(dejavulib::affinity::CpuList::of_current_thread().unwrap());
+        self.inner.put(descriptor, payload)
+    }
+
+    fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
+        self.inner.get(key, out)
+    }
+}
+
+#[test]
+fn a_streamer_runs_on_the_cpus_it_is_given_or_refuses_to_start() {
+    use dejavulib::affinity::{CpuList, MAX_CPUS};
+    let available = CpuList::of_current_thread().unwrap();
+    let last = CpuList::new([*available.cpus().last().unwrap()]).unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let store = CpuRecordingStore { inner: HostStore::new(), seen: seen.clone() };
+    let pinned = StreamerConfig { cpus: Some(last.clone()), ..config("djv-pinned", 4) };
+    let streamer = Streamer::spawn(pinned, Box::new(store)).unwrap();
+    let cache = new_cache();
+    write_layer(&cache, 0, 0);
+    for job in layer_jobs(&cache, 0, 0..1) {
+        wait(streamer.submit(job).unwrap()).unwrap();
+    }
+    streamer.shutdown(Shutdown::Drain).unwrap();
+    let seen = seen.lock().unwrap();
+    assert!(!seen.is_empty() && seen.iter().all(|cpus| *cpus == last), "{seen:?}");
+    // The caller's own affinity is left as it was.
+    assert_eq!(CpuList::of_current_thread().unwrap(), available);
+
+    // CPUs the process may not run on: the spawn fails and no thread is left behind.
+    let outside = (0..MAX_CPUS).find(|c| !available.cpus().contains(c)).unwrap();
+    let refused = StreamerConfig { cpus: CpuList::new([outside]), ..config("djv-refused", 4) };
+    assert!(Streamer::spawn(refused, Box::new(HostStore::new())).is_err());
+    assert_no_thread_named("djv-refused");
 }

@@ -19,6 +19,7 @@ use crate::sidecar::{serve_sidecar, OnAssign, SidecarConfig};
 use crate::spare::spare_member;
 use crate::transport::TransportArgs;
 use crate::{CacheLayout, ModelConfig};
+use dejavulib::affinity::CpuList;
 use dejavulib::spill::Spill;
 
 /// The KV cache layout of a stage.
@@ -75,6 +76,10 @@ pub struct StageArgs {
     /// The cluster secret shared with the sidecars.
     #[arg(long, default_value = "dejavu reference cluster")]
     pub secret: String,
+    /// Run the streamer, the thread that copies each step's KV to the sidecar, on these CPUs (a
+    /// list such as 4-7), so that copies do not preempt the compute [default: as `--cpus`].
+    #[arg(long, value_name = "LIST", requires = "local")]
+    pub streamer_cpus: Option<CpuList>,
     /// Its part in prompt-token disaggregation.
     #[command(flatten)]
     pub handoff: HandoffArgs,
@@ -172,6 +177,9 @@ pub struct MemberArgs {
     /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
+    /// Run on these CPUs only (a list such as 0-3,8; every thread of the process) [default: any].
+    #[arg(long, value_name = "LIST")]
+    pub cpus: Option<CpuList>,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
@@ -313,11 +321,17 @@ impl MemberArgs {
         self.beat(role, index, self.epoch)
     }
 
-    /// Its logs, and its death with the parent that started it.
+    /// Its logs, its death with the parent that started it, and its CPUs (before it starts any
+    /// thread, so that every thread inherits them).
     fn init(&self) -> Result<(), String> {
         self.log.init()?;
         die_with_parent();
-        Ok(())
+        self.pin()
+    }
+
+    /// Moves the calling thread, and the threads it starts from now on, to its CPUs (if given).
+    fn pin(&self) -> Result<(), String> {
+        self.cpus.as_ref().map_or(Ok(()), |cpus| cpus.pin_current_thread().map_err(|e| e.to_string()))
     }
 
     /// Its heartbeats as (`role`, `index`), started in `epoch`, if it has a controller.
@@ -375,6 +389,7 @@ impl StageArgs {
         listener: std::net::TcpListener,
         assigned: impl FnOnce(std::net::SocketAddr, Option<std::net::SocketAddr>),
     ) -> Result<(), String> {
+        self.member.pin()?;
         let this = self.resolved()?;
         let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch)?;
         let metrics = this.member.metrics;
@@ -400,6 +415,7 @@ impl StageArgs {
                 local,
                 successor,
                 secret: self.secret.into_bytes(),
+                streamer_cpus: self.streamer_cpus,
             }),
             epoch: self.member.epoch,
             device_caches: self.device_caches,

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use dejavulib::affinity::CpuList;
 use thiserror::Error;
 
 mod spares;
@@ -130,6 +131,20 @@ pub struct ClusterConfig {
     /// fabric, at its own address; the controller, the driver and the interposer stay on the
     /// fabric's gateway. By default everything is on loopback.
     pub fabric: Option<Arc<Fabric>>,
+    /// CPUs for the stages' compute and for replication, if set apart; by default every process
+    /// runs on any CPU.
+    pub cpus: Option<CpuSplit>,
+}
+
+/// CPUs set apart for computing and for copying KV: the stages run on `compute` but for their
+/// streamer threads, which run on `replication` with the sidecars. A spare stage moves to them
+/// when assigned (its threads from before, heartbeats and the like, stay where they were).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuSplit {
+    /// The stage processes' CPUs.
+    pub compute: CpuList,
+    /// The streamer threads' and the sidecar processes' CPUs.
+    pub replication: CpuList,
 }
 
 /// Where a process of the cluster runs: its address, and its host when there is a fabric.
@@ -202,6 +217,7 @@ impl ClusterConfig {
             spill: None,
             disaggregation: None,
             fabric: None,
+            cpus: None,
         }
     }
 
@@ -743,6 +759,9 @@ impl Cluster {
         if config.sabotage_replicas {
             args.push("--test-only-skip-replicas".to_owned());
         }
+        if let Some(split) = &config.cpus {
+            args.push(format!("--cpus={}", split.replication));
+        }
         args.extend(config.transport_args(dir));
         if let Some(limits) = config.spill {
             args.push(format!("--spill-dir={}", spill_dir_of(socket).display()));
@@ -790,6 +809,12 @@ impl Cluster {
             let successor = config.route(Link::Replica { from: index as u32 }, successor);
             args.push(format!("--local={}", local.display()));
             args.push(format!("--successor={successor}"));
+            if let Some(split) = &config.cpus {
+                args.push(format!("--streamer-cpus={}", split.replication));
+            }
+        }
+        if let Some(split) = &config.cpus {
+            args.push(format!("--cpus={}", split.compute));
         }
         args.extend(config.transport_args(dir));
         args
@@ -843,6 +868,11 @@ impl Cluster {
             Role::Sidecar => self.sidecars.get_mut(stage),
         };
         spawned.ok_or_else(|| ClusterError::Invalid(format!("no {role:?} {stage}")))
+    }
+
+    /// Stage `stage`'s engine's or sidecar's process id.
+    pub fn pid(&mut self, stage: usize, role: Role) -> Result<u32, ClusterError> {
+        Ok(self.process(stage, role)?.proc.pid())
     }
 
     /// Where stage `stage`'s engine or sidecar listens.

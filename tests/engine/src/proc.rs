@@ -36,6 +36,11 @@ pub struct Proc {
 }
 
 impl Proc {
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Kills it (SIGKILL) and reaps it.
     pub fn kill(&mut self) -> std::io::Result<()> {
         self.child.kill()?;

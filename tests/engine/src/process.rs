@@ -62,6 +62,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
+use dejavulib::affinity::CpuList;
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
 use dejavulib::local::LocalSidecar;
 use dejavulib::net::{ClientConfig, PeerStore};
@@ -130,6 +131,8 @@ pub struct Replication {
     pub successor: SocketAddr,
     /// The cluster secret.
     pub secret: Vec<u8>,
+    /// CPUs of the streamer thread (`None`: the process's).
+    pub streamer_cpus: Option<CpuList>,
 }
 
 /// What one stage process runs.
@@ -704,7 +707,9 @@ impl StageProcess {
                 retarget: sidecars.retarget.clone(),
                 lost: sidecars.lost.clone(),
             };
-            process.streamer = Some(Streamer::spawn(StreamerConfig::default(), Box::new(to_sidecar))?);
+            let streamer =
+                StreamerConfig { cpus: replication.streamer_cpus.clone(), ..StreamerConfig::default() };
+            process.streamer = Some(Streamer::spawn(streamer, Box::new(to_sidecar))?);
             process.sidecars = Some(sidecars);
         }
         let (spec, index, epoch) =

@@ -93,6 +93,53 @@ fn stage_processes_produce_the_in_process_tokens() {
     assert_eq!(start_requests(&mut chain.remote, NEW_TOKENS), reference());
 }
 
+/// Each thread of process `pid`: its name and the CPUs it may run on (as the kernel lists them).
+fn thread_cpus(pid: u32) -> Vec<(String, String)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+    tasks
+        .map(|task| {
+            let dir = task.unwrap().path();
+            let name = std::fs::read_to_string(dir.join("comm")).unwrap().trim().to_owned();
+            let status = std::fs::read_to_string(dir.join("status")).unwrap();
+            let cpus = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap();
+            (name, cpus.trim().to_owned())
+        })
+        .collect()
+}
+
+#[test]
+fn stages_compute_and_streamers_and_sidecars_copy_on_the_cpus_set_apart_for_them() {
+    use dejavu_engine::cluster::CpuSplit;
+    use dejavulib::affinity::CpuList;
+    // The first and the last CPU this test may use (one and the same on a single CPU).
+    let available = CpuList::of_current_thread().unwrap();
+    let first = CpuList::new([available.cpus()[0]]).unwrap();
+    let last = CpuList::new([*available.cpus().last().unwrap()]).unwrap();
+    let split = CpuSplit { compute: first.clone(), replication: last.clone() };
+    let mut chain = Cluster::start(ClusterConfig {
+        splits: splits(),
+        slots: SLOTS,
+        microbatches: MICROBATCHES,
+        max_tokens: MAX_TOKENS,
+        deadline: Duration::from_secs(1),
+        cpus: Some(split),
+        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
+    })
+    .unwrap();
+    assert_eq!(start_requests(&mut chain.remote, NEW_TOKENS), reference());
+    for stage in 0..splits().len() {
+        let threads = thread_cpus(chain.pid(stage, Role::Engine).unwrap());
+        let streamers = threads.iter().filter(|(name, _)| name == "dejavu-streamer").count();
+        assert_eq!(streamers, 1, "stage {stage}: {threads:?}");
+        for (name, cpus) in &threads {
+            let expected = if name == "dejavu-streamer" { &last } else { &first };
+            assert_eq!(*cpus, expected.to_string(), "stage {stage}, thread {name}: {threads:?}");
+        }
+        let threads = thread_cpus(chain.pid(stage, Role::Sidecar).unwrap());
+        assert!(threads.iter().all(|(_, cpus)| *cpus == last.to_string()), "sidecar {stage}: {threads:?}");
+    }
+}
+
 #[test]
 fn without_its_kv_a_replacement_goes_astray() {
     // The control for the recovery tests: decoding on from the same tokens with blank caches
