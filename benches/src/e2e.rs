@@ -91,7 +91,7 @@ pub fn measure(exe: &Path, new_tokens: u32) -> E2e {
     e2e.notes.push(format!(
         "end to end: reference engine (8 layers) as {} stage processes with a sidecar each and a \
          controller, {} requests of {} prompt + {} new tokens ({} tokens per run), stage {}'s {} \
-         SIGKILLed halfway",
+         SIGKILLed halfway{}",
         config.stages,
         config.requests,
         config.prompt_tokens,
@@ -102,6 +102,10 @@ pub fn measure(exe: &Path, new_tokens: u32) -> E2e {
             Kill::Worker => "engine and sidecar",
             Kill::Engine => "engine",
         },
+        config.cpus.as_ref().map_or(String::new(), |split| format!(
+            "; the stages compute on CPUs {}, their streamers and sidecars copy on CPUs {}",
+            split.compute, split.replication
+        )),
     ));
     e2e.rows.extend(demo_rows(&config, &report));
 
