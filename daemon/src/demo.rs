@@ -329,8 +329,9 @@ fn run_once(
     run_with(config, fabric, kill_at, on_failure, None)
 }
 
-/// Steps per block of the interleaved run for a run of `steps` steps: at least four blocks of
-/// each setting, at most 64 steps each.
+/// Steps per block of the interleaved run for a run of `steps` steps: an eighth of them (so about
+/// four blocks of each setting, the prompts' steps counted), at most 64. Runs so short that a
+/// setting gets no decode step report its median as 0.
 fn interleaved_block(steps: u64) -> u64 {
     (steps / 8).clamp(1, 64)
 }
@@ -515,7 +516,7 @@ impl DemoReport {
 no replication:          {:7.3} s  ({:.0} tokens/s)
 failure-free:            {:7.3} s  ({:.0} tokens/s; replication overhead {:+.1}%)
 decode step (median):    {:.3} ms without replication, {:.3} ms replicated ({:+.1}%)
-  in one run, alternating every {} steps: {:.3} ms replication paused, {:.3} ms replicated ({:+.1}%)
+  in one run, alternating every {} steps: {:.3} ms replication paused, {:.3} ms replicated ({})
 one failure, recovered:  {:7.3} s  ({:.2}x)  detection {:.0} ms, restore {:.1} ms, resume {:.1} ms, tokens recomputed {}
 one failure, restarted:  {:7.3} s  ({:.2}x)  tokens recomputed {}
 KV per token: {} bytes to the successors' sidecars, as many to the local ones (all {} stages)
@@ -532,7 +533,11 @@ KV per token: {} bytes to the successors' sidecars, as many to the local ones (a
             self.interleaved_block,
             self.interleaved_paused_step_ms,
             self.interleaved_replicated_step_ms,
-            (self.interleaved_replicated_step_ms / self.interleaved_paused_step_ms - 1.0) * 100.0,
+            if self.interleaved_replicated_step_ms > 0.0 && self.interleaved_paused_step_ms > 0.0 {
+                format!("{:+.1}%", (self.interleaved_replicated_step_ms / self.interleaved_paused_step_ms - 1.0) * 100.0)
+            } else {
+                "too few steps to compare".to_owned()
+            },
             self.with_failure_s,
             self.with_failure_s / self.failure_free_s,
             r.detection_ms,

@@ -33,6 +33,15 @@ pub enum AffinityError {
         /// The OS error.
         source: io::Error,
     },
+    /// Some CPUs of the list are not online or not allowed to this process: the OS would have
+    /// run the thread on the others only.
+    #[error("cannot run on all of CPUs {cpus}: only {usable} of them are online and allowed here")]
+    Partly {
+        /// The CPUs asked for.
+        cpus: CpuList,
+        /// Those the OS would use.
+        usable: CpuList,
+    },
 }
 
 /// A non-empty set of CPU numbers, sorted, written as the kernel writes them (`0-3,8`).
@@ -67,14 +76,35 @@ impl CpuList {
         &self.0
     }
 
-    /// Splits the list in two halves (the first the larger); `None` for a single CPU.
+    /// Splits the list in two halves by number (the first the larger); `None` for a single CPU.
+    /// Where the OS numbers the two hardware threads of a core far apart (`i` and `i + n/2`, as
+    /// many x86 servers do), each half gets one thread of every core: set lists by core for those.
     pub fn halves(&self) -> Option<(Self, Self)> {
         let middle = self.0.len().div_ceil(2);
         (self.0.len() >= 2).then(|| (Self(self.0[..middle].to_vec()), Self(self.0[middle..].to_vec())))
     }
 
-    /// Restricts the calling thread to these CPUs; threads it starts afterwards inherit that.
+    /// Restricts the calling thread to these CPUs; threads it starts afterwards inherit that. An
+    /// error, with the thread's CPUs as they were, unless every CPU of the list is usable.
     pub fn pin_current_thread(&self) -> Result<(), AffinityError> {
+        let os = |source| AffinityError::Os { cpus: self.clone(), source };
+        let before = Self::of_current_thread().map_err(os)?;
+        self.set_current_thread()?;
+        // The OS keeps those of the CPUs it can use, silently: a partial list is refused here.
+        match Self::of_current_thread() {
+            Ok(usable) if usable == *self => Ok(()),
+            other => {
+                let _ = before.set_current_thread();
+                Err(match other {
+                    Ok(usable) => AffinityError::Partly { cpus: self.clone(), usable },
+                    Err(source) => os(source),
+                })
+            }
+        }
+    }
+
+    /// `sched_setaffinity` of the calling thread to these CPUs.
+    fn set_current_thread(&self) -> Result<(), AffinityError> {
         // SAFETY: `cpu_set_t` is plain data; all zeroes is the empty set.
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
         for &cpu in &self.0 {
@@ -86,10 +116,10 @@ impl CpuList {
         if rc != 0 {
             let mut source = io::Error::last_os_error();
             if source.raw_os_error() == Some(libc::EINVAL) {
-                let allowed = Self::of_current_thread().map_or_else(|e| e.to_string(), |c| c.to_string());
+                let now = Self::of_current_thread().map_or_else(|e| e.to_string(), |c| c.to_string());
                 source = io::Error::new(
                     io::ErrorKind::InvalidInput,
-                    format!("none of them is online and allowed to this process (it may use {allowed})"),
+                    format!("none of them is online and allowed to this process (this thread runs on {now})"),
                 );
             }
             return Err(AffinityError::Os { cpus: self.clone(), source });
@@ -175,10 +205,24 @@ mod tests {
         .unwrap();
         assert_eq!(own.cpus(), [available.cpus()[0]]);
         assert_eq!(child, own);
-        // A CPU this process may not use (or that does not exist) is refused by the OS.
-        let outside = (0..MAX_CPUS).find(|c| !available.cpus().contains(c)).unwrap();
+        // A CPU that does not exist is refused by the OS; one among usable ones, by the check.
+        let missing = beyond_the_last_cpu();
         let refused =
-            std::thread::spawn(move || CpuList::new([outside]).unwrap().pin_current_thread()).join().unwrap();
+            std::thread::spawn(move || CpuList::new([missing]).unwrap().pin_current_thread()).join().unwrap();
         assert!(matches!(refused, Err(AffinityError::Os { .. })), "{refused:?}");
+        let mixed = CpuList::new([available.cpus()[0], missing]).unwrap();
+        let (partly, after) =
+            std::thread::spawn(move || (mixed.pin_current_thread(), CpuList::of_current_thread()))
+                .join()
+                .unwrap();
+        assert!(matches!(partly, Err(AffinityError::Partly { .. })), "{partly:?}");
+        assert_eq!(after.unwrap(), available, "a refused list leaves the thread's CPUs as they were");
+    }
+
+    /// A CPU number beyond every CPU the machine has (configured, online or not).
+    fn beyond_the_last_cpu() -> usize {
+        // SAFETY: sysconf only reads a system setting.
+        let configured = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
+        usize::try_from(configured).expect("a CPU count").min(MAX_CPUS - 1)
     }
 }

@@ -271,21 +271,27 @@ fn a_spare_of_another_size_holds_the_next_chunk_exactly() {
 }
 
 #[test]
-fn opening_a_store_removes_the_temporary_files_of_dead_processes() {
+fn opening_a_store_removes_the_temporary_files_nobody_holds() {
+    use std::os::unix::io::AsRawFd;
     let dir = tempfile::tempdir().unwrap();
-    let mut child = std::process::Command::new("true").spawn().unwrap();
-    let dead = child.id();
-    child.wait().unwrap();
-    let alive = std::process::id();
-    let orphan = format!(".w0.1-m2-l0_2.djv.{dead}.7.tmp");
-    let ours = format!(".w0.1-m2-l0_2.djv.{alive}.8.tmp");
-    for name in [orphan.as_str(), ours.as_str(), ".notes.tmp", "w0.1-m2.djv"] {
+    let (left, held, read) = (".w0.1-m2-l0_2.djv.4242.7.tmp", ".w0.1-m2.djv.1.8.tmp", ".w0.1.djv.1.9.tmp");
+    for name in [left, held, read, ".notes.tmp", ".x.1.tmp", "w0.1-m2.djv"] {
         fs::write(dir.path().join(name), b"x").unwrap();
     }
+    // A flush in progress (exclusive lock) and a fetch of a chunk just displaced (shared lock), of
+    // this process or any other: their files stay.
+    let lock = |name: &str, how: i32| {
+        let file = fs::File::open(dir.path().join(name)).unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        assert_eq!(unsafe { libc::flock(file.as_raw_fd(), how | libc::LOCK_NB) }, 0);
+        file
+    };
+    let (_writing, _reading) = (lock(held, libc::LOCK_EX), lock(read, libc::LOCK_SH));
     let _store = FileStore::open(dir.path(), FileBackend::Posix).unwrap();
-    let mut expected = vec![ours, ".notes.tmp".to_string(), "w0.1-m2.djv".to_string()];
+    let mut expected: Vec<String> =
+        [held, read, ".notes.tmp", ".x.1.tmp", "w0.1-m2.djv"].iter().map(|s| s.to_string()).collect();
     expected.sort();
-    assert_eq!(dir_entries(dir.path()), expected, "only the dead process's temporary file went");
+    assert_eq!(dir_entries(dir.path()), expected, "only the temporary file nobody held went");
 }
 
 /// A stored chunk file for tests that damage it.

@@ -626,9 +626,11 @@ fn a_streamer_runs_on_the_cpus_it_is_given_or_refuses_to_start() {
     // The caller's own affinity is left as it was.
     assert_eq!(CpuList::of_current_thread().unwrap(), available);
 
-    // CPUs the process may not run on: the spawn fails and no thread is left behind.
-    let outside = (0..MAX_CPUS).find(|c| !available.cpus().contains(c)).unwrap();
-    let refused = StreamerConfig { cpus: CpuList::new([outside]), ..config("djv-refused", 4) };
+    // A CPU the machine does not have: the spawn fails and no thread is left behind.
+    // SAFETY: sysconf only reads a system setting.
+    let configured = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
+    let missing = usize::try_from(configured).unwrap().min(MAX_CPUS - 1);
+    let refused = StreamerConfig { cpus: CpuList::new([missing]), ..config("djv-refused", 4) };
     assert!(Streamer::spawn(refused, Box::new(HostStore::new())).is_err());
     assert_no_thread_named("djv-refused");
 }

@@ -23,10 +23,12 @@ use crate::file_io::{FileBackend, FileIo};
 /// file it displaced, under a hidden temporary name, to write the next flush into: overwriting
 /// pages the file system already holds is a copy, where a new file costs block allocation and, on
 /// ext4, a forced writeback when renamed over the old one (about 25x the time for a decode step's
-/// 6.5 MB). A fetch holds a shared `flock` on the file it reads and a flush reuses a spare only
-/// under an exclusive one, so no file is rewritten while a fetch reads it. The store keeps at most
-/// one spare; the last clone removes it when dropped, and opening a store removes the temporary
-/// files that dead processes left behind.
+/// 6.5 MB). A fetch holds a shared `flock` on the file it reads and a flush writes its file only
+/// under an exclusive one, so no file is rewritten while a fetch reads it; with syncing on, the
+/// displaced file is kept only once the exchange is durable (the directory synced), so a crash
+/// never finds a chunk's name on a file being rewritten. The store keeps at most one spare; the
+/// last clone removes it when dropped, and opening a store removes the temporary files nobody is
+/// writing: those of flushes a crash interrupted, and spares (another store loses only its reuse).
 #[derive(Clone)]
 pub struct FileStore {
     dir: PathBuf,
@@ -54,11 +56,14 @@ impl FileStore {
             path: dir.clone(),
             source,
         })?;
-        remove_orphaned_temps(&dir);
+        remove_unheld_temps(&dir);
         Ok(Self { dir, io: Arc::new(io), sync: true, spare: Arc::default() })
     }
 
-    /// Skips `fsync` (for benchmarks of the copy path, or a scratch tier that need not survive a crash).
+    /// Skips `fsync` (for benchmarks of the copy path, or a scratch tier that need not survive a
+    /// crash). After a crash, any chunk may then be damaged, not only those being flushed: a
+    /// replaced chunk's file is rewritten for the next flush before its replacement is durable.
+    /// A fetch detects the damage (checksums, key, length) and reports it.
     pub fn without_sync(mut self) -> Self {
         self.sync = false;
         self
@@ -79,8 +84,7 @@ impl FileStore {
         &self.dir
     }
 
-    /// A temporary name for a chunk under `key`: `.{key}.{pid}.{n}.tmp`, hidden, unique, and naming
-    /// its process so that an orphan can be told from a flush in progress.
+    /// A temporary name for a chunk under `key`: `.{key}.{pid}.{n}.tmp`, hidden and unique.
     fn temp_path(&self, key: &ChunkKey) -> PathBuf {
         let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         self.dir.join(format!(".{}.{}.{n}{TEMP_SUFFIX}", key.file_name(), std::process::id()))
@@ -90,20 +94,31 @@ impl FileStore {
     /// (locked exclusively until the returned file is dropped), else a new temporary file.
     fn open_temp(&self, key: &ChunkKey) -> Result<Temp, StoreError> {
         if let Some(spare) = self.spare.take() {
-            let reusable = OpenOptions::new().write(true).open(&spare).ok().filter(try_lock_exclusive);
+            let reusable = OpenOptions::new().write(true).open(&spare).ok().filter(|f| locked_as(f, &spare));
             if let Some(file) = reusable {
                 return Ok(Temp { path: spare, file, reused: true });
             }
-            // A fetch that opened it while it was still the chunk is reading it: leave it to them.
+            // A fetch that opened it while it was still the chunk is reading it (leave it to them),
+            // or a store opening this directory removed it.
             let _ = fs::remove_file(&spare);
         }
-        let temp = self.temp_path(key);
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&temp)
-            .map_err(|source| StoreError::Io { op: "create", path: temp.clone(), source })?;
-        Ok(Temp { path: temp, file, reused: false })
+        for _ in 0..CREATE_ATTEMPTS {
+            let temp = self.temp_path(key);
+            let file = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&temp)
+                .map_err(|source| StoreError::Io { op: "create", path: temp.clone(), source })?;
+            // A store opening this directory between the create and the lock removes the file.
+            if locked_as(&file, &temp) {
+                return Ok(Temp { path: temp, file, reused: false });
+            }
+        }
+        Err(StoreError::Io {
+            op: "create",
+            path: self.dir.clone(),
+            source: io::Error::other("temporary files kept vanishing before they could be locked"),
+        })
     }
 
     /// Writes header and payload into `temp`; a reused spare longer than them is cut after.
@@ -145,30 +160,31 @@ impl FileStore {
     }
 
     /// Moves the written `temp` to `path`. Where a chunk file is already there, the two are
-    /// exchanged atomically and the displaced one is kept as the spare.
-    fn install(&self, temp: &Path, path: &Path) -> Result<(), StoreError> {
+    /// exchanged atomically; returns the displaced file (now at `temp`), if any.
+    fn install(&self, temp: &Path, path: &Path) -> Result<Option<PathBuf>, StoreError> {
         let replaces_a_file = fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file());
         if replaces_a_file {
             match exchange(temp, path) {
-                Ok(()) => {
-                    if fs::symlink_metadata(temp).is_ok_and(|m| m.file_type().is_file()) {
-                        self.spare.keep(temp.to_path_buf());
-                        return Ok(());
-                    }
+                Ok(()) => match fs::symlink_metadata(temp) {
+                    Ok(m) if m.file_type().is_file() => return Ok(Some(temp.to_path_buf())),
+                    // Removed at once by a store opening this directory: nothing to keep.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
                     // Something other than a chunk was put there meanwhile: put it back.
-                    let _ = exchange(temp, path);
-                    return Err(StoreError::Io {
-                        op: "rename",
-                        path: path.to_path_buf(),
-                        source: io::Error::other("the chunk's name is not a regular file"),
-                    });
-                }
+                    _ => {
+                        let _ = exchange(temp, path);
+                        return Err(StoreError::Io {
+                            op: "rename",
+                            path: path.to_path_buf(),
+                            source: io::Error::other("the chunk's name is not a regular file"),
+                        });
+                    }
+                },
                 // Gone meanwhile, or a file system without exchange: a plain rename does.
                 Err(e) if is_exchange_unavailable(&e) => {}
                 Err(source) => return Err(StoreError::Io { op: "rename", path: path.to_path_buf(), source }),
             }
         }
-        fs::rename(temp, path).map_err(|source| StoreError::Io {
+        fs::rename(temp, path).map(|()| None).map_err(|source| StoreError::Io {
             op: "rename",
             path: path.to_path_buf(),
             source,
@@ -187,6 +203,23 @@ struct Temp {
 
 /// Times a fetch opens a chunk again because a flush replaced it meanwhile.
 const READ_ATTEMPTS: usize = 64;
+
+/// Times a flush makes a new temporary file because another store removed the last one first.
+const CREATE_ATTEMPTS: usize = 8;
+
+/// Whether `file` is now locked exclusively by us and still the file named `path` (a store
+/// opening the directory may have removed it before the lock).
+fn locked_as(file: &File, path: &Path) -> bool {
+    try_lock_exclusive(file) && is_named(file, path)
+}
+
+/// Whether `path` names `file`.
+fn is_named(file: &File, path: &Path) -> bool {
+    match (file.metadata(), fs::symlink_metadata(path)) {
+        (Ok(opened), Ok(named)) => opened.dev() == named.dev() && opened.ino() == named.ino(),
+        _ => false,
+    }
+}
 
 /// Locks `file` exclusively if nobody holds a lock on it; `false` if someone does.
 fn try_lock_exclusive(file: &File) -> bool {
@@ -261,25 +294,31 @@ fn is_exchange_unavailable(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP))
 }
 
-/// Removes the temporary files in `dir` whose process is gone: flushes a crash interrupted, and
-/// spares nobody dropped. Best effort; a file it cannot parse or remove is left alone.
-fn remove_orphaned_temps(dir: &Path) {
+/// Removes the temporary files in `dir` that nobody is writing (a flush holds an exclusive lock on
+/// its file until it is in place) or reading (a fetch of a chunk just displaced): those of flushes
+/// a crash interrupted, and spares. Best effort; a file it cannot lock or remove is left alone.
+fn remove_unheld_temps(dir: &Path) {
     let Ok(entries) = fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(temp_owner) else { continue };
-        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = fs::remove_file(entry.path());
+        if !entry.file_name().to_str().is_some_and(is_temp_name) {
+            continue;
+        }
+        let path = entry.path();
+        // Held while removed: a flush that opened it as its spare meanwhile finds it gone.
+        if let Ok(file) = File::open(&path) {
+            if locked_as(&file, &path) {
+                let _ = fs::remove_file(&path);
+            }
         }
     }
 }
 
-/// The process id in a temporary file's name (`.{key}.{pid}.{n}.tmp`), if it is one.
-fn temp_owner(name: &str) -> Option<u32> {
-    let stem = name.strip_prefix('.')?.strip_suffix(TEMP_SUFFIX)?;
+/// Whether `name` is one of [`FileStore::temp_path`]'s: `.{key}.{pid}.{n}.tmp`.
+fn is_temp_name(name: &str) -> bool {
+    let Some(stem) = name.strip_prefix('.').and_then(|n| n.strip_suffix(TEMP_SUFFIX)) else { return false };
     let mut fields = stem.rsplit('.');
-    let _n: u64 = fields.next()?.parse().ok()?;
-    fields.next()?.parse().ok()
+    let mut number = || fields.next().is_some_and(|f| f.parse::<u64>().is_ok());
+    number() && number()
 }
 
 impl ChunkStore for FileStore {
@@ -294,16 +333,25 @@ impl ChunkStore for FileStore {
             self.write_file(&temp, &header, payload).and_then(|()| self.install(&temp.path, &path));
         let Temp { path: temp, file, .. } = temp;
         drop(file);
-        if let Err(e) = installed {
-            let _ = fs::remove_file(&temp);
-            return Err(e);
-        }
+        let displaced = match installed {
+            Ok(displaced) => displaced,
+            Err(e) => {
+                let _ = fs::remove_file(&temp);
+                return Err(e);
+            }
+        };
         if self.sync {
-            File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|source| StoreError::Io {
-                op: "sync directory",
-                path: self.dir.clone(),
-                source,
-            })?;
+            // The displaced file is rewritten only once the exchange is on disk: before, a crash
+            // could find the chunk's name still on it.
+            if let Err(source) = File::open(&self.dir).and_then(|d| d.sync_all()) {
+                if let Some(displaced) = displaced {
+                    let _ = fs::remove_file(displaced);
+                }
+                return Err(StoreError::Io { op: "sync directory", path: self.dir.clone(), source });
+            }
+        }
+        if let Some(displaced) = displaced {
+            self.spare.keep(displaced);
         }
         Ok(())
     }

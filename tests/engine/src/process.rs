@@ -35,7 +35,9 @@
 //! - hand over to (argument: a token stage's index, `u32`, then its sidecar's new address): a prompt
 //!   stage hands that token stage's prompt KV to the new sidecar from now on;
 //! - replication (argument: one byte, 0 to pause, 1 to resume): the stage stops or starts again
-//!   handing its steps' KV to the streamer (to measure replication's cost within one run).
+//!   handing the KV of the steps it computes to the streamer (to measure replication's cost within
+//!   one run; a prompt loaded from a prompt pipeline is still replicated, and a replacement stage
+//!   starts with replication on).
 //!
 //! Every connection on the chain (driver to stage 0, stage to stage, last stage to driver) opens
 //! with a `Hello` frame whose epoch is the one its sender was started in (a replacement's is the
@@ -1447,10 +1449,13 @@ impl RemotePipeline {
         Ok(())
     }
 
-    /// Pauses (`on` false) or resumes stage `stage`'s replication of the steps it computes. A
-    /// step computed while paused is not in the stage's copies: a recovery restores a sequence up
-    /// to its first such step and recomputes the rest. For measuring what replication costs, in
-    /// one run ([`crate::cluster::Cluster::set_replication`]).
+    /// Pauses (`on` false) or resumes stage `stage`'s replication of the steps it computes (a
+    /// prompt loaded from a prompt pipeline is still replicated; a replacement starts with
+    /// replication on). A step computed while paused is not in the stage's copies: a recovery
+    /// restores a sequence up to its first such step and recomputes the rest. While paused, the
+    /// stage does not look at its earlier copies' completions either, so its pending-copies
+    /// metric and failures are counted once it resumes. For measuring what replication costs,
+    /// in one run ([`crate::cluster::Cluster::set_replication`]).
     pub fn set_replication(&mut self, stage: u32, on: bool) -> Result<(), ProcessError> {
         self.control(OP_REPLICATION, stage, [NO_STAGE; 4], &[u8::from(on)])?;
         Ok(())
