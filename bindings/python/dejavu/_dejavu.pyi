@@ -155,7 +155,8 @@ class Completion:
 class Streamer:
     """A background thread that gathers and flushes KV regions while the engine computes."""
 
-    def __init__(self, store: Store, queue_depth: int = 64) -> None: ...
+    def __init__(self, store: Store, queue_depth: int = 64, cpus: Optional[str] = None) -> None:
+        """``cpus`` (such as ``"4-7"``) puts the thread on those CPUs, away from the engine's compute."""
     def layer_ready(self, a: Setup, source: Worker, b: Setup, cache: KvCache, microbatch: int, layer: int, tokens: RangeLike) -> List[Completion]:
         """Local ``layer`` of ``microbatch`` is written: queue its part of every transfer toward ``b``."""
     def shutdown(self, cancel: bool = False) -> dict:

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use dejavulib::affinity::CpuList;
 use dejavulib::streamer::{Completion, Shutdown, StreamerError};
 use dejavulib::{plan_stream_out, Streamer, StreamerConfig};
 use parking_lot::Mutex;
@@ -63,11 +64,13 @@ pub(crate) struct PyStreamer {
 #[pymethods]
 impl PyStreamer {
     /// Starts the thread; it flushes to `store`. `submit`-style calls block (GIL released) once
-    /// `queue_depth` jobs wait.
+    /// `queue_depth` jobs wait. `cpus` (a list such as "4-7") puts the thread on those CPUs, away
+    /// from an engine computing on the others.
     #[new]
-    #[pyo3(signature = (store, queue_depth = 64))]
-    fn new(store: &PyStore, queue_depth: usize) -> PyResult<Self> {
-        let config = StreamerConfig { queue_depth, ..StreamerConfig::default() };
+    #[pyo3(signature = (store, queue_depth = 64, cpus = None))]
+    fn new(store: &PyStore, queue_depth: usize, cpus: Option<&str>) -> PyResult<Self> {
+        let cpus = cpus.map(str::parse::<CpuList>).transpose().map_err(|e| Error::new_err(e.to_string()))?;
+        let config = StreamerConfig { queue_depth, cpus, ..StreamerConfig::default() };
         let streamer = Streamer::spawn(config, Box::new(store.inner.clone()))
             .map_err(|e| Error::new_err(e.to_string()))?;
         Ok(Self { inner: Mutex::new(Some(streamer)) })

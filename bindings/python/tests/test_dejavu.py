@@ -277,6 +277,30 @@ def test_layer_by_layer_streaming_on_a_background_thread():
         assert bytes(local.gather(at_destination)) == bytes(engine.gather(at_source)), w
 
 
+def test_a_streamer_runs_on_the_cpus_it_is_given():
+    spec = dejavu.KvSpec(layers=4, kv_heads=2, head_dim=32)
+    prompt = dejavu.Setup(spec, [(range(0, 4), 1)], microbatch_slots=2, microbatches=1)
+    layout = dejavu.KvLayout.faster_transformer(spec, 2, 16)
+    engine = dejavu.KvCache.wrap(layout, engine_buffers(layout, 8))
+    last = max(os.sched_getaffinity(0))
+
+    def streamer_threads():
+        tasks = os.listdir("/proc/self/task")
+        return {t for t in tasks if open(f"/proc/self/task/{t}/comm").read().strip() == "dejavu-streamer"}
+
+    before = streamer_threads()
+    streamer = dejavu.Streamer(dejavu.HostStore(), cpus=str(last))
+    (tid,) = streamer_threads() - before
+    assert os.sched_getaffinity(int(tid)) == {last}
+    for c in streamer.layer_ready(prompt, (0, 0), prompt, engine, 0, 0, range(0, 16)):
+        c.wait(timeout=10)
+    assert streamer.shutdown()["completed"] == 1
+    # A list that is not one, or a CPU the machine does not have: refused before anything runs.
+    for bad in ["3-1", str(os.cpu_count() or 1)]:
+        with pytest.raises(dejavu.Error, match="CPU"):
+            dejavu.Streamer(dejavu.HostStore(), cpus=bad)
+
+
 def test_flush_and_fetch_through_a_remote_peer():
     layout = layouts()["faster_transformer"]
     engine = dejavu.KvCache.wrap(layout, engine_buffers(layout, 9))
