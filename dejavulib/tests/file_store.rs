@@ -236,6 +236,45 @@ fn fetches_racing_replacing_flushes_read_whole_chunks() {
 }
 
 #[test]
+fn stores_opened_on_a_directory_in_use_never_break_its_flushes() {
+    // Opening a store removes the temporary files nobody holds: never a flush's file in progress.
+    let spec = KvSpec::new(1, 1, 64, DType::Int8).unwrap();
+    let region = KvRegion::new(0..1, 0..1, 0..1, 0..256);
+    let d = descriptor(&spec, &region, Packing::token_major(&spec));
+    let versions: Vec<Vec<u8>> = (0..3).map(|i| noise(70 + i, d.payload_len() as usize)).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let opener = scope.spawn(|| {
+            let mut opened = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                drop(FileStore::open(dir.path(), FileBackend::Posix).unwrap());
+                opened += 1;
+            }
+            opened
+        });
+        // Stops the opener however this thread ends: a failed put must fail the test, not hang it.
+        struct Done<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let stop = Done(&done);
+        let mut store = FileStore::open(dir.path(), FileBackend::Posix).unwrap().without_sync();
+        let mut back = Vec::new();
+        for i in 0..600 {
+            store.put(&d, &versions[i % 3]).unwrap_or_else(|e| panic!("put {i}: {e}"));
+            store.get(&d.key(), &mut back).unwrap_or_else(|e| panic!("get {i}: {e}"));
+            assert!(back == versions[i % 3], "get {i}");
+        }
+        drop(stop);
+        assert!(opener.join().unwrap() > 0);
+    });
+    assert_eq!(dir_entries(dir.path()), vec![d.key().file_name()], "no temporary file left behind");
+}
+
+#[test]
 fn a_spare_of_another_size_holds_the_next_chunk_exactly() {
     for backend in BACKENDS {
         let dir = tempfile::tempdir().unwrap();
@@ -274,8 +313,12 @@ fn a_spare_of_another_size_holds_the_next_chunk_exactly() {
 fn opening_a_store_removes_the_temporary_files_nobody_holds() {
     use std::os::unix::io::AsRawFd;
     let dir = tempfile::tempdir().unwrap();
-    let (left, held, read) = (".w0.1-m2-l0_2.djv.4242.7.tmp", ".w0.1-m2.djv.1.8.tmp", ".w0.1.djv.1.9.tmp");
-    for name in [left, held, read, ".notes.tmp", ".x.1.tmp", "w0.1-m2.djv"] {
+    // Temporary files as flushes name them: `.{chunk file}.{16 hex digits}.{n}.tmp`.
+    let left = ".w0.1-m2-l0_2.djv.00000000deadbeef.7.tmp";
+    let held = ".w0.1-m2.djv.0123456789abcdef.8.tmp";
+    let read = ".w0.1.djv.0123456789abcdef.9.tmp";
+    let others = [".notes.tmp", ".x.1.tmp", ".w0.1.djv.4242.7.tmp", "w0.1-m2.djv"];
+    for name in [left, held, read].into_iter().chain(others) {
         fs::write(dir.path().join(name), b"x").unwrap();
     }
     // A flush in progress (exclusive lock) and a fetch of a chunk just displaced (shared lock), of
@@ -288,8 +331,7 @@ fn opening_a_store_removes_the_temporary_files_nobody_holds() {
     };
     let (_writing, _reading) = (lock(held, libc::LOCK_EX), lock(read, libc::LOCK_SH));
     let _store = FileStore::open(dir.path(), FileBackend::Posix).unwrap();
-    let mut expected: Vec<String> =
-        [held, read, ".notes.tmp", ".x.1.tmp", "w0.1-m2.djv"].iter().map(|s| s.to_string()).collect();
+    let mut expected: Vec<String> = [held, read].into_iter().chain(others).map(str::to_string).collect();
     expected.sort();
     assert_eq!(dir_entries(dir.path()), expected, "only the temporary file nobody held went");
 }

@@ -626,10 +626,9 @@ fn a_streamer_runs_on_the_cpus_it_is_given_or_refuses_to_start() {
     // The caller's own affinity is left as it was.
     assert_eq!(CpuList::of_current_thread().unwrap(), available);
 
-    // A CPU the machine does not have: the spawn fails and no thread is left behind.
-    // SAFETY: sysconf only reads a system setting.
-    let configured = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
-    let missing = usize::try_from(configured).unwrap().min(MAX_CPUS - 1);
+    // A CPU the machine does not have (the last a list can name): the spawn fails and no thread
+    // is left behind.
+    let missing = MAX_CPUS - 1;
     let refused = StreamerConfig { cpus: CpuList::new([missing]), ..config("djv-refused", 4) };
     assert!(Streamer::spawn(refused, Box::new(HostStore::new())).is_err());
     assert_no_thread_named("djv-refused");

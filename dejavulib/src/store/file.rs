@@ -6,7 +6,8 @@ use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -29,6 +30,10 @@ use crate::file_io::{FileBackend, FileIo};
 /// never finds a chunk's name on a file being rewritten. The store keeps at most one spare; the
 /// last clone removes it when dropped, and opening a store removes the temporary files nobody is
 /// writing: those of flushes a crash interrupted, and spares (another store loses only its reuse).
+///
+/// The directory must be on a local file system: the locks are `flock`s, which network file
+/// systems emulate with per-process record locks. A flush whose final directory sync fails
+/// returns an error although its chunk is in place (and readable), as its durability is unknown.
 #[derive(Clone)]
 pub struct FileStore {
     dir: PathBuf,
@@ -84,10 +89,11 @@ impl FileStore {
         &self.dir
     }
 
-    /// A temporary name for a chunk under `key`: `.{key}.{pid}.{n}.tmp`, hidden and unique.
+    /// A temporary name for a chunk under `key`: `.{key}.{token}.{n}.tmp`, hidden, and unique
+    /// also across processes (of other PID namespaces, too) sharing the directory.
     fn temp_path(&self, key: &ChunkKey) -> PathBuf {
         let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        self.dir.join(format!(".{}.{}.{n}{TEMP_SUFFIX}", key.file_name(), std::process::id()))
+        self.dir.join(format!(".{}.{:016x}.{n}{TEMP_SUFFIX}", key.file_name(), process_token()))
     }
 
     /// Opens the file to write a chunk under `key` into: the kept spare where no reader holds it
@@ -104,14 +110,21 @@ impl FileStore {
         }
         for _ in 0..CREATE_ATTEMPTS {
             let temp = self.temp_path(key);
-            let file = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&temp)
-                .map_err(|source| StoreError::Io { op: "create", path: temp.clone(), source })?;
+            let created = OpenOptions::new().write(true).create_new(true).open(&temp);
+            let file = match created {
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                other => {
+                    other.map_err(|source| StoreError::Io { op: "create", path: temp.clone(), source })?
+                }
+            };
             // A store opening this directory between the create and the lock removes the file.
-            if locked_as(&file, &temp) {
-                return Ok(Temp { path: temp, file, reused: false });
+            match try_lock_exclusive(&file) {
+                Ok(true) if is_named(&file, &temp) => return Ok(Temp { path: temp, file, reused: false }),
+                Ok(_) => continue,
+                Err(source) => {
+                    let _ = fs::remove_file(&temp);
+                    return Err(StoreError::Io { op: "lock", path: temp, source });
+                }
             }
         }
         Err(StoreError::Io {
@@ -210,7 +223,7 @@ const CREATE_ATTEMPTS: usize = 8;
 /// Whether `file` is now locked exclusively by us and still the file named `path` (a store
 /// opening the directory may have removed it before the lock).
 fn locked_as(file: &File, path: &Path) -> bool {
-    try_lock_exclusive(file) && is_named(file, path)
+    try_lock_exclusive(file).unwrap_or(false) && is_named(file, path)
 }
 
 /// Whether `path` names `file`.
@@ -221,24 +234,60 @@ fn is_named(file: &File, path: &Path) -> bool {
     }
 }
 
-/// Locks `file` exclusively if nobody holds a lock on it; `false` if someone does.
-fn try_lock_exclusive(file: &File) -> bool {
-    // SAFETY: flock on a descriptor `file` owns; the lock goes with the descriptor when it closes.
-    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+/// Locks `file` exclusively if nobody holds a lock on it: `Ok(false)` if someone does.
+fn try_lock_exclusive(file: &File) -> io::Result<bool> {
+    try_flock(file, libc::LOCK_EX)
 }
 
-/// Locks `file` shared, waiting for an exclusive holder (a flush writing it) to finish.
-fn lock_shared(file: &File) -> io::Result<()> {
+/// `flock(file, how | LOCK_NB)`: `Ok(false)` if another holds a conflicting lock.
+fn try_flock(file: &File, how: i32) -> io::Result<bool> {
     loop {
         // SAFETY: flock on a descriptor `file` owns; the lock goes with the descriptor when it closes.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH) } == 0 {
-            return Ok(());
+        if unsafe { libc::flock(file.as_raw_fd(), how | libc::LOCK_NB) } == 0 {
+            return Ok(true);
         }
         let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return Ok(false),
+            _ => return Err(e),
         }
     }
+}
+
+/// How long a fetch waits for a flush's exclusive lock on the file it opened. A flush holds it
+/// for one write; longer means its holder is stopped, or a child forked meanwhile inherited it
+/// (flock locks belong to the open file, which a fork shares).
+const LOCK_PATIENCE: Duration = Duration::from_secs(10);
+
+/// Locks `file` shared, waiting (polling, backing off up to 5 ms) at most [`LOCK_PATIENCE`] for
+/// an exclusive holder (a flush writing it) to finish.
+fn lock_shared(file: &File) -> io::Result<()> {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(50);
+    while !try_flock(file, libc::LOCK_SH)? {
+        if start.elapsed() > LOCK_PATIENCE {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("a writer has held the file locked for over {LOCK_PATIENCE:?}"),
+            ));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+/// A random number fixed for the life of the process, naming its temporary files.
+fn process_token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static TOKEN: OnceLock<u64> = OnceLock::new();
+    // The standard library seeds each `RandomState` from the OS's random source.
+    *TOKEN.get_or_init(|| {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u32(std::process::id());
+        hasher.finish()
+    })
 }
 
 /// The one displaced chunk file a [`FileStore`] keeps to write into; removed with the last clone.
@@ -304,8 +353,9 @@ fn remove_unheld_temps(dir: &Path) {
             continue;
         }
         let path = entry.path();
-        // Held while removed: a flush that opened it as its spare meanwhile finds it gone.
-        if let Ok(file) = File::open(&path) {
+        // Held while removed: a flush that opened it as its spare meanwhile finds it gone. (Opened
+        // for writing: where flock is emulated with record locks, an exclusive one needs it.)
+        if let Ok(file) = OpenOptions::new().write(true).open(&path) {
             if locked_as(&file, &path) {
                 let _ = fs::remove_file(&path);
             }
@@ -313,12 +363,14 @@ fn remove_unheld_temps(dir: &Path) {
     }
 }
 
-/// Whether `name` is one of [`FileStore::temp_path`]'s: `.{key}.{pid}.{n}.tmp`.
+/// Whether `name` is one of [`FileStore::temp_path`]'s: `.{key}.{token}.{n}.tmp`, the key a
+/// chunk file's name (`.djv`), the token 16 hex digits.
 fn is_temp_name(name: &str) -> bool {
     let Some(stem) = name.strip_prefix('.').and_then(|n| n.strip_suffix(TEMP_SUFFIX)) else { return false };
-    let mut fields = stem.rsplit('.');
-    let mut number = || fields.next().is_some_and(|f| f.parse::<u64>().is_ok());
-    number() && number()
+    let mut fields = stem.rsplitn(3, '.');
+    let n = fields.next().is_some_and(|f| f.parse::<u64>().is_ok());
+    let token = fields.next().is_some_and(|f| f.len() == 16 && u64::from_str_radix(f, 16).is_ok());
+    n && token && fields.next().is_some_and(|key| key.ends_with(".djv"))
 }
 
 impl ChunkStore for FileStore {
