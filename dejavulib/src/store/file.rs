@@ -96,8 +96,8 @@ impl FileStore {
         self.dir.join(format!(".{}.{:016x}.{n}{TEMP_SUFFIX}", key.file_name(), process_token()))
     }
 
-    /// Opens the file to write a chunk under `key` into: the kept spare where no reader holds it
-    /// (locked exclusively until the returned file is dropped), else a new temporary file.
+    /// Opens the file to write a chunk under `key` into, locked exclusively until the returned
+    /// file is dropped: the kept spare where no reader holds it, else a new temporary file.
     fn open_temp(&self, key: &ChunkKey) -> Result<Temp, StoreError> {
         if let Some(spare) = self.spare.take() {
             let reusable = OpenOptions::new().write(true).open(&spare).ok().filter(|f| locked_as(f, &spare));
@@ -208,7 +208,8 @@ impl FileStore {
 /// A file a flush writes before moving it into place.
 struct Temp {
     path: PathBuf,
-    /// Open for writing; a reused spare is locked exclusively while this is open.
+    /// Open for writing and locked exclusively: no fetch reads it, no store opening the
+    /// directory removes it.
     file: File,
     /// A spare that held a chunk before, perhaps longer than this one.
     reused: bool,
@@ -380,7 +381,7 @@ impl ChunkStore for FileStore {
         let key = descriptor.key();
         let path = self.path_of(&key);
         let temp = self.open_temp(&key)?;
-        // The file stays open, and a reused spare locked, until it is in place.
+        // The file stays open, and locked, until it is in place.
         let installed =
             self.write_file(&temp, &header, payload).and_then(|()| self.install(&temp.path, &path));
         let Temp { path: temp, file, .. } = temp;
