@@ -394,7 +394,6 @@ fn swapped_bytes(cluster: &mut Cluster) -> Result<u64, ClusterError> {
 
 /// The demo's summary of a run's one recovery (zeros if none happened).
 fn recovery_of(run: &Run) -> Recovery {
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     run.recoveries.first().map_or_else(Recovery::default, |r| Recovery {
         detection_ms: ms(r.detection),
         restore_ms: ms(r.restore),
@@ -459,9 +458,7 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
     say(&format!("failure-free run, replication paused and resumed every {block} steps..."));
     let (interleaved, _) = run_with(config, fabric, None, OnFailure::Recover, Some(block))?;
     let interleaved_ms = |replicated: bool| {
-        let median =
-            interleaved.median_decode_step_where(|step| replicated_in_block(step, block) == replicated);
-        median.map_or(0.0, |d| d.as_secs_f64() * 1e3)
+        median_ms(interleaved.median_decode_step_where(|step| replicated_in_block(step, block) == replicated))
     };
     say(&format!(
         "run with stage {}'s {} SIGKILLed at step {kill_at} of {steps}, recovered from {}...",
@@ -484,8 +481,8 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
         failure_free_s: reference.elapsed.as_secs_f64(),
         with_failure_s: recovered.elapsed.as_secs_f64(),
         restart_s: restarted.elapsed.as_secs_f64(),
-        unreplicated_step_ms: median_step_ms(&unreplicated),
-        failure_free_step_ms: median_step_ms(&reference),
+        unreplicated_step_ms: median_ms(unreplicated.median_decode_step()),
+        failure_free_step_ms: median_ms(reference.median_decode_step()),
         interleaved_block: block,
         interleaved_replicated_step_ms: interleaved_ms(true),
         interleaved_paused_step_ms: interleaved_ms(false),
@@ -501,9 +498,14 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
     })
 }
 
-/// `run`'s median decode-step time in ms (0 without decode steps).
-fn median_step_ms(run: &Run) -> f64 {
-    run.median_decode_step().map_or(0.0, |d| d.as_secs_f64() * 1e3)
+/// A duration in milliseconds.
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// A median decode-step time in milliseconds (0 where there were no decode steps).
+fn median_ms(median: Option<Duration>) -> f64 {
+    median.map_or(0.0, ms)
 }
 
 impl DemoReport {

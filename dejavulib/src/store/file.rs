@@ -160,13 +160,10 @@ impl FileStore {
                 other => other.map_err(io_err("open"))?,
             };
             lock_shared(&file).map_err(io_err("lock"))?;
-            // The name may have moved on to another file between the open and the lock.
-            let opened = file.metadata().map_err(io_err("stat"))?;
-            match fs::metadata(path) {
-                Ok(named) if named.dev() == opened.dev() && named.ino() == opened.ino() => return Ok(file),
-                Ok(_) => continue,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(not_found()),
-                Err(e) => return Err(io_err("stat")(e)),
+            // The name may have moved on to another file between the open and the lock: open
+            // it again (which reports a name now gone, too).
+            if is_named(&file, path) {
+                return Ok(file);
             }
         }
         Err(io_err("open")(io::Error::other("the chunk was replaced faster than it could be read")))

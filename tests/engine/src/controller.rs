@@ -352,6 +352,14 @@ const REFUSED_NOT_FENCED: u32 = 1;
 /// The code of any other refusal.
 const REFUSED: u32 = 0;
 
+/// The code of an `Error` reply refusing a request for `e`.
+fn refusal_code(e: &ControllerError) -> u32 {
+    match e {
+        ControllerError::NotFenced(_) => REFUSED_NOT_FENCED,
+        _ => REFUSED,
+    }
+}
+
 /// After a fence the detector could not make durable, how long it waits before trying again.
 const FENCE_RETRY: Duration = Duration::from_secs(1);
 
@@ -537,18 +545,11 @@ fn answer_queries(
             Ok((epoch, payload)) => {
                 write_frame(&mut writer, &FrameHeader::new(Kind::Control, 0, epoch, request), &payload)?
             }
-            Err(e) => write_frame(
-                &mut writer,
-                &{
-                    let mut header = FrameHeader::new(Kind::Error, 0, 0, request);
-                    header.ids[0] = match e {
-                        ControllerError::NotFenced(_) => REFUSED_NOT_FENCED,
-                        _ => REFUSED,
-                    };
-                    header
-                },
-                e.to_string().as_bytes(),
-            )?,
+            Err(e) => {
+                let mut header = FrameHeader::new(Kind::Error, 0, 0, request);
+                header.ids[0] = refusal_code(&e);
+                write_frame(&mut writer, &header, e.to_string().as_bytes())?
+            }
         }
         writer.flush()?;
     }
