@@ -1,17 +1,52 @@
 // Copy plans on the GPU: the strided blocks of a dejavulib copy plan (gather into a staging
-// buffer, scatter out of one), executed by one of two kernels. Compiled at run time by NVRTC.
+// buffer, scatter out of one), executed by one of four kernels: by items (each run cut into its
+// block's unit of up to 16 aligned bytes, one item per thread: short runs) or by runs (one thread
+// block per run: long runs), with the table in device memory or passed by value as a kernel
+// parameter (small tables: no upload at all). Compiled at run time by NVRTC.
 //
-// A block is 17 unsigned 64-bit words:
+// A block is 19 unsigned 64-bit words:
 //   [0] source address of its first run      [1] destination address of its first run
 //   [2] bytes per run                         [3] number of axes (0 to 4)
 //   [4..8]  iterations of each axis, outermost first
 //   [8..12] source stride of each axis        [12..16] destination stride of each axis
 //   [16] index of the block's first run among all runs of the table (a prefix sum)
+//   [17] index of the block's first item among all items of the table (a prefix sum)
+//   [18] its unit: bytes per item (16, 8, 4, 2 or 1; its addresses, runs and strides are multiples)
 // Run `r` of a block is found by writing `r` in the mixed radix of the axes' iterations, the
-// innermost axis varying fastest, as the CPU engine's loops do (`CopyBlock::for_each_run`). The CPU
-// reference twin of these kernels is `dejavulib::cuda::table::copy_reference`.
+// innermost axis varying fastest, as the CPU engine's loops do (`CopyBlock::for_each_run`).
+// Address arithmetic wraps (a stride may step backwards). The CPU reference twin of these kernels
+// is `dejavulib::cuda::table::copy_reference`.
 
-#define WORDS 17
+#define WORDS 19
+#define INLINE_BLOCKS 24
+
+// A by-value table parameter read with run-time indices would be copied into every thread's
+// local memory (kilobytes per thread); `__grid_constant__` (compute capability 7.0 and later)
+// lets the threads read it where the launch put it.
+#if __CUDA_ARCH__ >= 700
+#define TABLE_PARAMETER const __grid_constant__ InlineTable
+#else
+#define TABLE_PARAMETER const InlineTable
+#endif
+
+// A table in device memory.
+struct DeviceTable {
+    const unsigned long long* words;
+    unsigned int blocks;
+    __device__ unsigned long long word(unsigned int i) const { return words[i]; }
+};
+
+// A table passed by value (it must match `InlineTable` on the host side).
+struct InlineTable {
+    unsigned long long words[INLINE_BLOCKS * WORDS];
+    unsigned int blocks;
+    unsigned int unused;
+};
+
+struct InlineView {
+    const InlineTable& table;
+    __device__ unsigned long long word(unsigned int i) const { return table.words[i]; }
+};
 
 struct Run {
     const unsigned char* src;
@@ -19,33 +54,65 @@ struct Run {
     unsigned long long len;
 };
 
-// The block holding global run `r`: the last whose first run is at most `r` (blocks are few).
-__device__ static const unsigned long long* block_of(const unsigned long long* table, unsigned int blocks,
-                                                     unsigned long long r) {
-    unsigned int b = 0;
-    while (b + 1 < blocks && table[(b + 1) * WORDS + 16] <= r) {
-        b++;
+// The block holding global run (`first` = 16) or item (`first` = 17) `index`: the last whose first
+// one is at most `index` (binary search). Returns its first word's index.
+template <class T>
+__device__ static unsigned int block_of(const T& table, unsigned int blocks, unsigned int first,
+                                        unsigned long long index) {
+    unsigned int low = 0, high = blocks - 1;
+    while (low < high) {
+        unsigned int middle = (low + high + 1) / 2;
+        if (table.word(middle * WORDS + first) <= index) {
+            low = middle;
+        } else {
+            high = middle - 1;
+        }
     }
-    return table + b * WORDS;
+    return low * WORDS;
 }
 
-__device__ static Run run_of(const unsigned long long* table, unsigned int blocks, unsigned long long r) {
-    const unsigned long long* b = block_of(table, blocks, r);
-    unsigned long long local = r - b[16];
-    unsigned long long src = b[0], dst = b[1];
-    unsigned int depth = (unsigned int)b[3];
+// `n / d`, in 32 bits where both fit (a 64-bit division is a long subroutine on the GPU, and the
+// item kernel divides a few times per 16-byte item).
+__device__ static unsigned long long divide(unsigned long long n, unsigned long long d) {
+    if (d == 1) {
+        return n;
+    }
+    if (((n | d) >> 32) == 0) {
+        return (unsigned int)n / (unsigned int)d;
+    }
+    return n / d;
+}
+
+// Where run `local` of the block at word `b` starts on both sides (mixed radix, innermost axis
+// fastest).
+template <class T>
+__device__ static Run run_start(const T& table, unsigned int b, unsigned long long local) {
+    unsigned long long src = table.word(b), dst = table.word(b + 1);
+    unsigned int depth = (unsigned int)table.word(b + 3);
     for (int axis = (int)depth - 1; axis >= 0; axis--) {
-        unsigned long long count = b[4 + axis];
-        unsigned long long i = local % count;
-        local /= count;
-        src += i * b[8 + axis];
-        dst += i * b[12 + axis];
+        unsigned long long count = table.word(b + 4 + axis);
+        unsigned long long quotient = divide(local, count);
+        unsigned long long i = local - quotient * count;
+        local = quotient;
+        src += i * table.word(b + 8 + axis);
+        dst += i * table.word(b + 12 + axis);
     }
     Run run;
     run.src = (const unsigned char*)src;
     run.dst = (unsigned char*)dst;
-    run.len = b[2];
+    run.len = table.word(b + 2);
     return run;
+}
+
+// Copies one item of `unit` bytes (a power of two up to 16, which both addresses are multiples of).
+__device__ static void copy_item(const unsigned char* src, unsigned char* dst, unsigned long long unit) {
+    switch (unit) {
+        case 16: *(uint4*)dst = *(const uint4*)src; break;
+        case 8: *(unsigned long long*)dst = *(const unsigned long long*)src; break;
+        case 4: *(unsigned int*)dst = *(const unsigned int*)src; break;
+        case 2: *(unsigned short*)dst = *(const unsigned short*)src; break;
+        default: *dst = *src; break;
+    }
 }
 
 // Copies `len` bytes with as many 16-byte vector moves as alignment allows, from `lane` in steps
@@ -65,19 +132,49 @@ __device__ static void copy_bytes(Run run, unsigned long long lane, unsigned lon
     }
 }
 
-// Short runs (a decode step's 16-byte pieces): one thread per run.
-extern "C" __global__ void djv_copy_short(const unsigned long long* table, unsigned int blocks,
-                                          unsigned long long runs) {
+// Short runs (a decode step's 16-byte pieces and 256-byte rows): one item per thread.
+template <class T>
+__device__ static void copy_items(const T& table, unsigned int blocks, unsigned long long items) {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long r = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; r < runs; r += stride) {
-        copy_bytes(run_of(table, blocks, r), 0, 1);
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < items; i += stride) {
+        unsigned int b = block_of(table, blocks, 17, i);
+        unsigned long long unit = table.word(b + 18);
+        unsigned long long per_run = table.word(b + 2) / unit;
+        unsigned long long local = i - table.word(b + 17);
+        unsigned long long run = divide(local, per_run);
+        unsigned long long within = (local - run * per_run) * unit;
+        Run start = run_start(table, b, run);
+        copy_item(start.src + within, start.dst + within, unit);
     }
 }
 
 // Long runs (a prompt's): one thread block per run, its threads sharing the bytes.
-extern "C" __global__ void djv_copy_long(const unsigned long long* table, unsigned int blocks,
-                                         unsigned long long runs) {
+template <class T>
+__device__ static void copy_runs(const T& table, unsigned int blocks, unsigned long long runs) {
     for (unsigned long long r = blockIdx.x; r < runs; r += gridDim.x) {
-        copy_bytes(run_of(table, blocks, r), threadIdx.x, blockDim.x);
+        unsigned int b = block_of(table, blocks, 16, r);
+        copy_bytes(run_start(table, b, r - table.word(b + 16)), threadIdx.x, blockDim.x);
     }
+}
+
+extern "C" __global__ void djv_copy_items(const unsigned long long* words, unsigned int blocks,
+                                          unsigned long long items) {
+    DeviceTable table = {words, blocks};
+    copy_items(table, blocks, items);
+}
+
+extern "C" __global__ void djv_copy_runs(const unsigned long long* words, unsigned int blocks,
+                                         unsigned long long runs) {
+    DeviceTable table = {words, blocks};
+    copy_runs(table, blocks, runs);
+}
+
+extern "C" __global__ void djv_copy_items_inline(TABLE_PARAMETER table, unsigned long long items) {
+    InlineView view = {table};
+    copy_items(view, table.blocks, items);
+}
+
+extern "C" __global__ void djv_copy_runs_inline(TABLE_PARAMETER table, unsigned long long runs) {
+    InlineView view = {table};
+    copy_runs(view, table.blocks, runs);
 }

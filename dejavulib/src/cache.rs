@@ -99,6 +99,36 @@ impl GatherPlan {
     }
 }
 
+/// The copy that gathers `region` of a cache laid out as `layout` into a packed buffer with
+/// `packing`: what every copy engine (CPU or GPU) runs for a gather.
+pub fn gather_copy_plan(
+    layout: &KvLayout,
+    region: &KvRegion,
+    packing: Packing,
+) -> Result<CopyPlan, CacheError> {
+    layout.check_region(region)?;
+    if region.is_empty() {
+        return Ok(CopyPlan::default());
+    }
+    let packed = KvLayout::packed(layout.spec(), region.shape(), packing)?;
+    Ok(plan_copy(layout, region.origin(), &packed, Coord::default(), region.shape(), Order::Src)?)
+}
+
+/// The copy that scatters a packed buffer with `packing` into `region` of a cache laid out as
+/// `layout`.
+pub fn scatter_copy_plan(
+    layout: &KvLayout,
+    region: &KvRegion,
+    packing: Packing,
+) -> Result<CopyPlan, CacheError> {
+    layout.check_region(region)?;
+    if region.is_empty() {
+        return Ok(CopyPlan::default());
+    }
+    let packed = KvLayout::packed(layout.spec(), region.shape(), packing)?;
+    Ok(plan_copy(&packed, Coord::default(), layout, region.origin(), region.shape(), Order::Dst)?)
+}
+
 impl std::fmt::Debug for KvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvCache").field("layout", &self.layout.kind()).finish()
@@ -205,17 +235,12 @@ impl KvCache {
     }
 
     fn gather_copy_plan(&self, region: &KvRegion, packing: Packing) -> Result<CopyPlan, CacheError> {
-        if region.is_empty() {
-            return Ok(CopyPlan::default());
-        }
-        let packed = KvLayout::packed(self.layout.spec(), region.shape(), packing)?;
-        Ok(plan_copy(&self.layout, region.origin(), &packed, Coord::default(), region.shape(), Order::Src)?)
+        gather_copy_plan(&self.layout, region, packing)
     }
 
     /// The copy that scatters a packed buffer with `packing` into `region`, for inspection.
     pub fn scatter_plan(&self, region: &KvRegion, packing: Packing) -> Result<CopyPlan, CacheError> {
-        let packed = KvLayout::packed(self.layout.spec(), region.shape(), packing)?;
-        Ok(plan_copy(&packed, Coord::default(), &self.layout, region.origin(), region.shape(), Order::Dst)?)
+        scatter_copy_plan(&self.layout, region, packing)
     }
 
     /// Buffered copy out: gathers `region` into `out` (exactly [`KvCache::packed_len`] bytes).

@@ -18,6 +18,7 @@ use thiserror::Error;
 
 use crate::cache::{CacheError, KvCache};
 use crate::chunk::{ChunkDescriptor, ChunkKey};
+use crate::layout::KvLayout;
 use crate::memory::StagingPool;
 use crate::placement::{Setup, SetupError, WorkerId};
 use crate::region::KvRegion;
@@ -41,6 +42,9 @@ pub enum StreamError {
     /// A fetched chunk is not the one the plan expects.
     #[error("unexpected chunk: {0}")]
     Unexpected(String),
+    /// A copy on the GPU failed.
+    #[error(transparent)]
+    Cuda(#[from] crate::cuda::CudaError),
 }
 
 /// A worker-local region: which microbatch cache, and which layers, slots and heads in it.
@@ -226,7 +230,7 @@ pub fn send(
     let mut staging = pool.lease(cache.packed_len(&region) as usize);
     cache.gather(&region, packing, &mut staging)?;
     let gathered = Instant::now();
-    let descriptor = describe(cache, transfer, tokens)?;
+    let descriptor = describe(cache.layout(), transfer, tokens)?;
     store.put(&descriptor, &staging)?;
     Ok(ChunkReceipt {
         key: descriptor.key(),
@@ -236,9 +240,10 @@ pub fn send(
     })
 }
 
-/// The descriptor of the chunk that carries `tokens` of one transfer out of `cache`.
-fn describe(
-    cache: &KvCache,
+/// The descriptor of the chunk that carries `tokens` of one transfer out of a cache laid out as
+/// `layout`.
+pub(crate) fn describe(
+    layout: &KvLayout,
     transfer: &Transfer,
     tokens: Range<u32>,
 ) -> Result<ChunkDescriptor, StreamError> {
@@ -248,8 +253,8 @@ fn describe(
         destination: transfer.destination,
         microbatch: transfer.to.microbatch,
         region: transfer.to.with_tokens(tokens),
-        spec: cache.layout().spec().share(shape.layers, shape.heads).map_err(SetupError::from)?,
-        packing: cache.layout().preferred_packing(),
+        spec: layout.spec().share(shape.layers, shape.heads).map_err(SetupError::from)?,
+        packing: layout.preferred_packing(),
     })
 }
 
@@ -262,7 +267,7 @@ pub fn pack(
 ) -> Result<(ChunkDescriptor, Vec<u8>), StreamError> {
     let region = transfer.from.with_tokens(tokens.clone());
     cache.layout().check_region(&region).map_err(CacheError::from)?;
-    let descriptor = describe(cache, transfer, tokens)?;
+    let descriptor = describe(cache.layout(), transfer, tokens)?;
     let mut payload = vec![0u8; cache.packed_len(&region) as usize];
     cache.gather(&region, descriptor.packing, &mut payload)?;
     Ok((descriptor, payload))

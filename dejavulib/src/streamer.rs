@@ -5,6 +5,11 @@
 //! with the next layer or step. Jobs run in submission order on one thread, so layers of a
 //! microbatch arrive in order. The queue is bounded (a full queue blocks `submit`: backpressure).
 //! Each job returns a [`Completion`] to wait on or poll; nothing spins.
+//!
+//! The same thread drives the GPU path ([`Streamer::submit_device`], [`Streamer::device_layer_ready`]):
+//! the engine marks a point on its compute stream, and the copy stream, not the host, waits for it
+//! before the gather kernel and the copy to pinned memory; the streamer thread sleeps until they
+//! are done and flushes the chunk.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +22,7 @@ use thiserror::Error;
 
 use crate::affinity::CpuList;
 use crate::cache::KvCache;
+use crate::cuda::{send_from_device, CudaEngine, DeviceJob, DeviceKv, DeviceStaging};
 use crate::memory::StagingPool;
 use crate::reshard::{send, ChunkReceipt, StreamError, Transfer};
 use crate::store::ChunkStore;
@@ -52,8 +58,14 @@ pub struct StreamJob {
     pub tokens: Range<u32>,
 }
 
+/// A job of either kind.
+enum Work {
+    Host(StreamJob),
+    Device(DeviceJob),
+}
+
 struct Envelope {
-    job: StreamJob,
+    work: Work,
     done: Sender<Result<ChunkReceipt, StreamerError>>,
 }
 
@@ -180,9 +192,19 @@ impl Streamer {
 
     /// Queues a job, blocking while the queue is full.
     pub fn submit(&self, job: StreamJob) -> Result<Completion, StreamerError> {
+        self.queue(Work::Host(job))
+    }
+
+    /// Queues a job that sends out of device memory (see [`DeviceJob`]), blocking while the queue
+    /// is full. Its copies wait for its ready point on the GPU; this call does not.
+    pub fn submit_device(&self, job: DeviceJob) -> Result<Completion, StreamerError> {
+        self.queue(Work::Device(job))
+    }
+
+    fn queue(&self, work: Work) -> Result<Completion, StreamerError> {
         let tx = self.tx.as_ref().ok_or(StreamerError::ShutDown)?;
         let (done, rx) = bounded(1);
-        tx.send(Envelope { job, done }).map_err(|_| StreamerError::ShutDown)?;
+        tx.send(Envelope { work, done }).map_err(|_| StreamerError::ShutDown)?;
         Ok(Completion { rx, taken: std::cell::Cell::new(false) })
     }
 
@@ -200,6 +222,43 @@ impl Streamer {
             .filter(|t| t.from.microbatch == microbatch)
             .filter_map(|t| t.layer(layer))
             .map(|transfer| self.submit(StreamJob { cache: cache.clone(), transfer, tokens: tokens.clone() }))
+            .collect()
+    }
+
+    /// Layer-by-layer streaming out of device memory: the engine has just launched the kernels
+    /// that write source-local `layer` of microbatch `microbatch` on its stream `compute`. Marks
+    /// that point (an event, recorded without blocking) and queues the layer's part of every
+    /// transfer in `plan`, each copied once the GPU has passed the mark.
+    ///
+    /// # Safety
+    /// `compute` must be a live stream of `engine`'s context, and `kv` must be the memory those
+    /// kernels write.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn device_layer_ready(
+        &self,
+        engine: &Arc<CudaEngine>,
+        kv: &Arc<DeviceKv>,
+        compute: cudarc::driver::sys::CUstream,
+        plan: &[Transfer],
+        microbatch: u32,
+        layer: u32,
+        tokens: Range<u32>,
+    ) -> Result<Vec<Completion>, StreamerError> {
+        // SAFETY: the caller's promise on `compute`, passed on.
+        let ready = unsafe { engine.mark_ready(compute) }.map_err(StreamError::from)?;
+        let ready = Some(Arc::new(ready));
+        plan.iter()
+            .filter(|t| t.from.microbatch == microbatch)
+            .filter_map(|t| t.layer(layer))
+            .map(|transfer| {
+                self.submit_device(DeviceJob {
+                    engine: engine.clone(),
+                    kv: kv.clone(),
+                    transfer,
+                    tokens: tokens.clone(),
+                    ready: ready.clone(),
+                })
+            })
             .collect()
     }
 
@@ -244,11 +303,12 @@ struct Outcome {
 
 fn run(rx: Receiver<Envelope>, mut store: Box<dyn ChunkStore>, cancel: Arc<AtomicBool>) -> Outcome {
     let pool = StagingPool::default();
+    let mut device_staging = DeviceStaging::default();
     let mut stats = StreamerStats::default();
     let mut store_panicked = false;
     // The loop runs until every sender is gone, so every queued job gets an answer, even after a
     // panic: a job's Completion never hangs while the Streamer is alive.
-    for Envelope { job, done } in rx.iter() {
+    for Envelope { work, done } in rx.iter() {
         let result = if store_panicked {
             stats.failed += 1;
             Err(StreamerError::WorkerGone)
@@ -256,8 +316,9 @@ fn run(rx: Receiver<Envelope>, mut store: Box<dyn ChunkStore>, cancel: Arc<Atomi
             stats.cancelled += 1;
             Err(StreamerError::Cancelled)
         } else {
-            let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                send(&job.cache, &job.transfer, job.tokens, &pool, store.as_mut())
+            let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &work {
+                Work::Host(job) => send(&job.cache, &job.transfer, job.tokens.clone(), &pool, store.as_mut()),
+                Work::Device(job) => send_from_device(job, &mut device_staging, store.as_mut()),
             }));
             match sent {
                 Ok(Ok(receipt)) => {

@@ -1,5 +1,5 @@
 //! The copy engines, each test body written once and run on every backend: the CPU engine, and
-//! the CUDA engine where a GPU is present. On random data (not zeros), over every layout, with
+//! the CUDA engine (planned per copy, and prepared once) where a GPU is present. On random data (not zeros), over every layout, with
 //! odd head counts and sizes that are not multiples of 16: a scatter of what a gather gave leaves
 //! the cache as it was, a gather after a scatter gives back what was scattered, and both agree
 //! byte for byte with the CPU engine's (the reference) on the whole cache.
@@ -89,6 +89,49 @@ impl Backend for Cuda {
     }
 }
 
+/// The CUDA engine through prepared copies planned from the layout alone (no host plan), into
+/// and out of staging buffers longer than the region, launched twice each.
+struct CudaPrepared(CudaEngine);
+
+impl Backend for CudaPrepared {
+    fn gather(&mut self, cache: &KvCache, region: &KvRegion, packing: Packing) -> Vec<u8> {
+        let mut kv = self.0.alloc_kv(cache.layout().clone()).unwrap();
+        self.0.upload_kv(&cache.snapshot(), &mut kv).unwrap();
+        let len = kv.packed_len(region) as usize;
+        let staging = self.0.alloc(len + 48).unwrap();
+        let gather = self.0.prepare_gather(&kv, region, packing, &staging).unwrap();
+        assert_eq!(gather.bytes(), len as u64);
+        self.0.launch(&gather, &kv, &staging).unwrap();
+        self.0.launch(&gather, &kv, &staging).unwrap();
+        let mut pinned = self.0.pinned(len).unwrap();
+        self.0.download_prefix(&staging, len as u64, &mut pinned).unwrap();
+        self.0.synchronize().unwrap();
+        pinned.as_slice().unwrap().to_vec()
+    }
+
+    fn scatter(
+        &mut self,
+        cache: &KvCache,
+        region: &KvRegion,
+        packing: Packing,
+        input: &[u8],
+    ) -> Vec<Vec<u8>> {
+        let mut kv = self.0.alloc_kv(cache.layout().clone()).unwrap();
+        self.0.upload_kv(&cache.snapshot(), &mut kv).unwrap();
+        let mut staging = self.0.alloc(input.len() + 48).unwrap();
+        let mut padded = input.to_vec();
+        padded.resize(staging.len(), 0xA5);
+        self.0.upload(&padded, &mut staging).unwrap();
+        let scatter = self.0.prepare_scatter(&staging, &kv, region, packing).unwrap();
+        self.0.launch(&scatter, &kv, &staging).unwrap();
+        self.0.launch(&scatter, &kv, &staging).unwrap();
+        // Launched with other buffers than it was prepared for: refused.
+        let other = self.0.alloc(staging.len()).unwrap();
+        assert!(matches!(self.0.launch(&scatter, &kv, &other), Err(CudaError::NotPreparedFor)));
+        self.0.download_kv(&kv).unwrap()
+    }
+}
+
 fn whole(layout: &KvLayout) -> KvRegion {
     let spec = layout.spec();
     KvRegion::new(0..spec.layers(), 0..SLOTS, 0..spec.kv_heads(), 0..TOKENS)
@@ -174,4 +217,14 @@ fn cuda_engine() {
     // A driver is here: anything short of a working engine is a failure.
     let engine = CudaEngine::open(0).expect("a CUDA driver is present but the engine does not open");
     round_trips_agree_with_the_cpu_engine(&mut Cuda(engine));
+}
+
+#[test]
+fn cuda_engine_prepared_copies() {
+    if !driver_present() {
+        eprintln!("skipped: no GPU (no CUDA driver on this machine)");
+        return;
+    }
+    let engine = CudaEngine::open(0).expect("a CUDA driver is present but the engine does not open");
+    round_trips_agree_with_the_cpu_engine(&mut CudaPrepared(engine));
 }

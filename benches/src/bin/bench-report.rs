@@ -2,7 +2,7 @@
 //! the end-to-end rows of the reference engine's cluster (started from the `dejavud` executable).
 //!
 //! `cargo build --release --bin dejavud && cargo run --release -p dejavu-benches --bin bench-report
-//! [-- --json] [--quick] [--no-e2e]`
+//! [-- --json] [--quick] [--no-e2e] [--gpu-only]`
 
 use std::time::Duration;
 
@@ -13,7 +13,7 @@ use dejavulib::file_io::{FileBackend, FileIo};
 use dejavulib::store::{ChunkStore, FileStore};
 use dejavulib::StagingPool;
 
-const USAGE: &str = "usage: bench-report [--json] [--quick] [--no-e2e]";
+const USAGE: &str = "usage: bench-report [--json] [--quick] [--no-e2e] [--gpu-only]";
 
 /// The command line.
 struct Options {
@@ -23,16 +23,22 @@ struct Options {
     quick: bool,
     /// Skip the end-to-end section.
     no_e2e: bool,
+    /// Only the GPU section (for a GPU machine's short lease).
+    gpu_only: bool,
 }
 
 impl Options {
     fn parse() -> Result<Self, String> {
-        let mut options = Self { json: false, quick: false, no_e2e: false };
+        let mut options = Self { json: false, quick: false, no_e2e: false, gpu_only: false };
         for arg in std::env::args().skip(1) {
             match arg.as_str() {
                 "--json" => options.json = true,
                 "--quick" => options.quick = true,
                 "--no-e2e" => options.no_e2e = true,
+                "--gpu-only" => {
+                    options.gpu_only = true;
+                    options.no_e2e = true;
+                }
                 other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
             }
         }
@@ -66,7 +72,7 @@ fn main() -> std::process::ExitCode {
     } else {
         Geometry::thirteen_b()
     };
-    let mut micro = micro_rows(geometry, options.quick);
+    let mut micro = micro_rows(geometry, options.quick, options.gpu_only);
     // Last, so that the demos' processes do not share the cores with the measurements above.
     let e2e = end_to_end(&options);
     micro.rows.extend(e2e.rows.iter().cloned());
@@ -99,8 +105,19 @@ struct Micro {
     gpu_note: Option<String>,
 }
 
-/// The gather, file and transport rows.
-fn micro_rows(geometry: Geometry, quick: bool) -> Micro {
+/// The GPU rows, where a CUDA driver is present, or why there are none.
+fn gpu_rows(w: &Workload, rows: &mut Vec<Row>) -> Option<String> {
+    match dejavu_benches::gpu::rows(w) {
+        Ok(gpu) => {
+            rows.extend(gpu);
+            None
+        }
+        Err(why) => Some(format!("GPU section: {why}")),
+    }
+}
+
+/// The gather, file and transport rows (or, `gpu_only`, none of them), then the GPU rows.
+fn micro_rows(geometry: Geometry, quick: bool, gpu_only: bool) -> Micro {
     eprintln!("building and filling the workload cache ({geometry:?})...");
     let w = Workload::new(geometry);
     let packing = w.packing();
@@ -110,6 +127,11 @@ fn micro_rows(geometry: Geometry, quick: bool) -> Micro {
     let decode_len = w.cache.packed_len(&w.decode);
     let plan = w.cache.gather_plan(&w.decode, packing).expect("plan");
     let touched = source_lines_bytes(plan.copy_plan());
+    if gpu_only {
+        let gpu_note = gpu_rows(&w, &mut rows);
+        let backend = "not measured (--gpu-only)";
+        return Micro { rows, workload: format!("{geometry:?}"), backend, decode_len, touched, gpu_note };
+    }
     let mut staging = vec![0u8; decode_len as usize];
     let t_gather = median(31, || {
         w.cache.gather_with(&plan, &mut staging).expect("gather");
@@ -245,13 +267,7 @@ fn micro_rows(geometry: Geometry, quick: bool) -> Micro {
     }
 
     // The GPU section, where a CUDA driver is present.
-    let gpu_note = match dejavu_benches::gpu::rows(&w) {
-        Ok(gpu) => {
-            rows.extend(gpu);
-            None
-        }
-        Err(why) => Some(format!("GPU section: {why}")),
-    };
+    let gpu_note = gpu_rows(&w, &mut rows);
 
     Micro {
         rows,

@@ -4,7 +4,9 @@ Layouts of the KV caches engines use, buffered gather/scatter (many small KV pie
 staging buffer), flush/fetch of checksummed chunks to files or host memory, and resharding between
 pipeline setups (``stream_out`` / ``stream_in``), and the client of the engine's sidecar
 (``SidecarClient``: step completion, recovery after a restart). Arrays and tensors are used in place: numpy
-arrays, CPU torch tensors, bytearrays. Copies and I/O release the GIL.
+arrays, CPU torch tensors, bytearrays; on a GPU, CUDA torch tensors through ``CudaEngine.wrap``, gathered
+and scattered by the library's kernels and streamed by ``Streamer.device_layer_ready`` after the
+engine's stream writes them. Copies and I/O release the GIL.
 
 Example::
 
@@ -20,6 +22,9 @@ Example::
 from ._dejavu import (
     Completion,
     CorruptChunkError,
+    CudaEngine,
+    CudaError,
+    DeviceKvCache,
     Error,
     KvCache,
     KvLayout,
@@ -53,6 +58,9 @@ def HostStore():
 __all__ = [
     "Completion",
     "CorruptChunkError",
+    "CudaEngine",
+    "CudaError",
+    "DeviceKvCache",
     "Error",
     "FileStore",
     "HostStore",

@@ -22,6 +22,9 @@ class CorruptChunkError(StoreError):
 class NotFoundError(StoreError):
     """No chunk under the key asked for."""
 
+class CudaError(Error):
+    """No CUDA driver, NVRTC or device, or a CUDA call failed."""
+
 class KvSpec:
     """The shape of a model's KV cache."""
 
@@ -98,6 +101,35 @@ class KvCache:
     def scatter(self, region: KvRegion, data: Buffer) -> None:
         """Scatters ``data`` (as ``gather`` packs it) into ``region``."""
 
+class CudaEngine:
+    """A GPU: the library's copy kernels compiled for it (NVRTC) and its copy stream."""
+
+    def __init__(self, device: int = 0) -> None:
+        """Raises ``CudaError`` where there is no CUDA driver, no NVRTC or no such device."""
+    def wrap(self, layout: KvLayout, tensors: Sequence[Any]) -> "DeviceKvCache":
+        """The engine's GPU tensors (``__cuda_array_interface__``: CUDA torch tensors, CuPy
+        arrays; one per ``layout.buffer_sizes`` entry, C-contiguous, exactly that size, memory of
+        this device), used in place. Do not free them while the cache lives."""
+    def alloc(self, layout: KvLayout) -> "DeviceKvCache":
+        """A cache in zeroed GPU memory the library allocates."""
+
+StreamLike = Any
+"""A raw ``CUstream`` (an int) or an object with ``.cuda_stream`` (``torch.cuda.current_stream()``)."""
+
+class DeviceKvCache:
+    """A KV cache in GPU memory (``CudaEngine.wrap`` or ``CudaEngine.alloc``)."""
+
+    @property
+    def layout(self) -> KvLayout: ...
+    def packed_len(self, region: KvRegion) -> int:
+        """Bytes a gather of ``region`` produces."""
+    def gather(self, region: KvRegion, out: Optional[Buffer] = None, stream: Optional[StreamLike] = None) -> Buffer:
+        """One gather kernel and one copy down into host ``out`` (exactly ``packed_len`` bytes) or
+        a new bytearray, after the work queued on ``stream`` (default: the legacy default stream)."""
+    def scatter(self, region: KvRegion, data: Buffer, stream: Optional[StreamLike] = None) -> None:
+        """Host ``data`` (as ``gather`` packs it) up and scattered into ``region`` by one kernel,
+        after the work queued on ``stream``; returns once it is in place."""
+
 class Store:
     """Where chunks go: a file directory, host memory, a remote peer or the local sidecar."""
 
@@ -159,6 +191,10 @@ class Streamer:
         """``cpus`` (such as ``"4-7"``) puts the thread on those CPUs, away from the engine's compute."""
     def layer_ready(self, a: Setup, source: Worker, b: Setup, cache: KvCache, microbatch: int, layer: int, tokens: RangeLike) -> List[Completion]:
         """Local ``layer`` of ``microbatch`` is written: queue its part of every transfer toward ``b``."""
+    def device_layer_ready(self, a: Setup, source: Worker, b: Setup, cache: DeviceKvCache, stream: StreamLike, microbatch: int, layer: int, tokens: RangeLike) -> List[Completion]:
+        """The engine has just queued the kernels writing local ``layer`` of ``microbatch`` of the
+        GPU ``cache`` on ``stream``: marks that point (no waiting) and queues the layer's part of
+        every transfer toward ``b``; each copy waits on the GPU for the mark."""
     def shutdown(self, cancel: bool = False) -> dict:
         """Runs (or cancels) queued jobs, stops the thread; ``{"completed", "failed", "cancelled", "bytes"}``."""
 

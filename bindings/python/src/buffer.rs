@@ -50,7 +50,7 @@ fn itemsize(typestr: &str) -> PyResult<usize> {
 pub fn raw_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<RawBuffer> {
     if obj.hasattr("__cuda_array_interface__")? {
         return Err(PyTypeError::new_err(format!(
-            "{what} is in GPU memory; this build of dejavu works on host memory (pass a CPU array or tensor)"
+            "{what} is in GPU memory; a host cache takes host memory (for GPU tensors use dejavu.CudaEngine().wrap)"
         )));
     }
     if let Ok(bytes) = obj.cast::<PyByteArray>() {
@@ -114,7 +114,7 @@ pub fn raw_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResul
         let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
         if device != "cpu" {
             return Err(PyTypeError::new_err(format!(
-                "{what} is on device {device:?}; this build of dejavu works on host memory (use .cpu())"
+                "{what} is on device {device:?}; a host cache takes host memory (for GPU tensors use dejavu.CudaEngine().wrap)"
             )));
         }
         if !obj.call_method0("is_contiguous")?.extract::<bool>()? {

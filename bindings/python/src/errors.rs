@@ -13,6 +13,7 @@ create_exception!(dejavu, LayoutError, Error, "A layout, region or cache buffer 
 create_exception!(dejavu, StoreError, Error, "Flush or fetch failed (I/O, disk full).");
 create_exception!(dejavu, CorruptChunkError, StoreError, "A chunk failed verification.");
 create_exception!(dejavu, NotFoundError, StoreError, "No chunk under the key asked for.");
+create_exception!(dejavu, CudaError, Error, "No CUDA driver, NVRTC or device, or a CUDA call failed.");
 
 pub(crate) fn cache_err(e: CacheError) -> PyErr {
     match e {

@@ -7,6 +7,7 @@
 mod buffer;
 mod cache;
 mod errors;
+mod gpu;
 mod layout;
 mod reshard;
 mod store;
@@ -15,7 +16,8 @@ mod streamer;
 use pyo3::prelude::*;
 
 use crate::cache::PyCache;
-use crate::errors::{CorruptChunkError, Error, LayoutError, NotFoundError, StoreError};
+use crate::errors::{CorruptChunkError, CudaError, Error, LayoutError, NotFoundError, StoreError};
+use crate::gpu::{PyCudaEngine, PyDeviceCache};
 use crate::layout::{PyLayout, PyRegion, PySpec};
 use crate::reshard::{py_stream_in, py_stream_out, PySetup};
 use crate::store::{fetch, flush, PyPeerServer, PyStore};
@@ -29,6 +31,7 @@ fn _dejavu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StoreError", py.get_type::<StoreError>())?;
     m.add("CorruptChunkError", py.get_type::<CorruptChunkError>())?;
     m.add("NotFoundError", py.get_type::<NotFoundError>())?;
+    m.add("CudaError", py.get_type::<CudaError>())?;
     m.add_class::<PySpec>()?;
     m.add_class::<PyLayout>()?;
     m.add_class::<PyRegion>()?;
@@ -38,6 +41,8 @@ fn _dejavu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStreamer>()?;
     m.add_class::<PyPeerServer>()?;
     m.add_class::<PyCompletion>()?;
+    m.add_class::<PyCudaEngine>()?;
+    m.add_class::<PyDeviceCache>()?;
     m.add_function(wrap_pyfunction!(flush, m)?)?;
     m.add_function(wrap_pyfunction!(fetch, m)?)?;
     m.add_function(wrap_pyfunction!(py_stream_out, m)?)?;

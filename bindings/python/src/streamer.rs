@@ -11,6 +11,7 @@ use pyo3::types::PyDict;
 
 use crate::cache::PyCache;
 use crate::errors::*;
+use crate::gpu::{cuda_err, stream_arg, PyDeviceCache};
 use crate::layout::*;
 use crate::reshard::PySetup;
 use crate::store::{worker, PyStore};
@@ -98,6 +99,42 @@ impl PyStreamer {
         let completions = py
             .detach(|| streamer.layer_ready(&cache.cache, &plan, microbatch, layer, tokens))
             .map_err(streamer_err)?;
+        Ok(completions.into_iter().map(|c| PyCompletion { inner: Mutex::new(c), outcome: None }).collect())
+    }
+
+    /// The GPU path of `layer_ready`: the engine has just queued the kernels that write local
+    /// `layer` of `microbatch` of `cache` (GPU memory) on `stream` (a raw `CUstream` or an object
+    /// with `.cuda_stream`, as `torch.cuda.current_stream()`). Marks that point on the stream
+    /// without waiting and queues the layer's part of every transfer toward setup `b`; each copy
+    /// waits on the GPU for the mark. Returns one `Completion` per chunk.
+    #[allow(clippy::too_many_arguments)]
+    fn device_layer_ready(
+        &self,
+        py: Python<'_>,
+        a: &PySetup,
+        source: (u32, u32),
+        b: &PySetup,
+        cache: &PyDeviceCache,
+        stream: &Bound<'_, PyAny>,
+        microbatch: u32,
+        layer: u32,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<PyCompletion>> {
+        let tokens = range_arg(tokens, "tokens")?;
+        let stream = stream_arg(Some(stream))?;
+        let plan = plan_stream_out(&a.0, worker(source), &b.0).map_err(stream_err)?;
+        let guard = self.inner.lock();
+        let streamer = guard.as_ref().ok_or_else(|| Error::new_err("the streamer is shut down"))?;
+        let (engine, kv) = (&cache.engine, &cache.kv);
+        // SAFETY: `stream` is a live stream of the cache's device, and the kernels queued on it
+        // write `cache` (the documented contract of this method).
+        let completions =
+            unsafe { streamer.device_layer_ready(engine, kv, stream, &plan, microbatch, layer, tokens) }
+                .map_err(|e| match e {
+                    StreamerError::Stream(dejavulib::reshard::StreamError::Cuda(e)) => cuda_err(e),
+                    other => streamer_err(other),
+                })?;
+        let _ = py;
         Ok(completions.into_iter().map(|c| PyCompletion { inner: Mutex::new(c), outcome: None }).collect())
     }
 

@@ -128,14 +128,120 @@ def test_torch_cpu_tensors_are_used_in_place():
     assert any(bool(t.ne(0).any()) for t in tensors)
 
 
-def test_torch_cuda_tensors_are_refused_clearly():
+def test_a_host_cache_refuses_torch_cuda_tensors_clearly():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     layout = layouts()["per_layer_bhsd"]
     tensors = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in layout.buffer_sizes]
-    with pytest.raises(TypeError, match="GPU memory|device"):
+    with pytest.raises(TypeError, match="CudaEngine"):
         dejavu.KvCache.wrap(layout, tensors)
+
+
+def cuda_engine_or_skip():
+    """The GPU engine, or a skip where there is none (the error must then be dejavu.CudaError)."""
+    try:
+        return dejavu.CudaEngine()
+    except dejavu.CudaError as e:
+        pytest.skip(f"no GPU: {e}")
+
+
+def test_without_a_gpu_the_cuda_engine_is_a_clear_error():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present")
+    except ImportError:
+        pass
+    if Path("/dev/nvidia0").exists():
+        pytest.skip("a GPU is present")
+    with pytest.raises(dejavu.CudaError, match="no CUDA"):
+        dejavu.CudaEngine()
+
+
+@pytest.mark.parametrize("name", list(layouts()))
+def test_torch_cuda_tensors_are_used_in_place_for_every_layout(name):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    engine = cuda_engine_or_skip()
+    layout = layouts()[name]
+    host = engine_buffers(layout, 21)
+    tensors = [torch.from_numpy(np.frombuffer(h.tobytes(), dtype=np.uint8).copy()).cuda() for h in host]
+    gpu = engine.wrap(layout, tensors)
+    cpu = dejavu.KvCache.wrap(layout, host)
+    # Gather: the GPU's bytes are the CPU engine's.
+    assert bytes(gpu.gather(REGION)) == bytes(cpu.gather(REGION))
+    # Scatter new bytes: they land in the engine's own tensors, as the CPU engine puts them.
+    data = np.random.default_rng(5).integers(0, 256, cpu.packed_len(REGION), dtype=np.uint8)
+    gpu.scatter(REGION, data)
+    cpu.scatter(REGION, data)
+    for t, h in zip(tensors, host):
+        assert t.cpu().numpy().tobytes() == h.tobytes()
+
+
+def test_gpu_tensors_that_do_not_fit_are_refused():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    engine = cuda_engine_or_skip()
+    layout = layouts()["per_layer_bhsd"]
+    sizes = layout.buffer_sizes
+    ok = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    with pytest.raises(ValueError, match="bytes where"):
+        engine.wrap(layout, [torch.zeros(sizes[0] - 1, dtype=torch.uint8, device="cuda")] + ok[1:])
+    with pytest.raises(ValueError, match="tensors were given"):
+        engine.wrap(layout, ok[1:])
+    with pytest.raises(ValueError, match="contiguous"):
+        engine.wrap(layout, [torch.zeros(sizes[0], 2, dtype=torch.uint8, device="cuda")[:, 0]] + ok[1:])
+    with pytest.raises(TypeError, match="cuda_array_interface"):
+        engine.wrap(layout, [torch.zeros(sizes[0], dtype=torch.uint8)] + ok[1:])
+    gpu = engine.wrap(layout, ok)
+    with pytest.raises(ValueError, match="bytes where"):
+        gpu.gather(REGION, np.zeros(gpu.packed_len(REGION) + 1, dtype=np.uint8))
+    with pytest.raises(dejavu.LayoutError):
+        gpu.gather(dejavu.KvRegion(range(0, 9), range(SLOTS), range(3), range(TOKENS)))
+
+
+def test_the_streamer_sends_layers_out_of_torch_cuda_tensors_after_the_torch_stream_writes_them():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    engine = cuda_engine_or_skip()
+    spec = dejavu.KvSpec(layers=4, kv_heads=2, head_dim=32)
+    prompt = dejavu.Setup(spec, [(range(0, 4), 1)], microbatch_slots=2, microbatches=1)
+    token = dejavu.Setup(spec, [(range(0, 2), 1), (range(2, 4), 1)], microbatch_slots=2, microbatches=1)
+    layout = dejavu.KvLayout.faster_transformer(spec, 2, 16)
+    host = engine_buffers(layout, 13)
+    written = [torch.from_numpy(np.frombuffer(h.tobytes(), dtype=np.uint8).copy()).cuda() for h in host]
+    tensors = [torch.zeros_like(w) for w in written]
+    torch.cuda.synchronize()
+    gpu = engine.wrap(layout, tensors)
+    store = dejavu.HostStore()
+    streamer = dejavu.Streamer(store)
+    stream = torch.cuda.current_stream()
+    # The "layers": the stream is held back for a while, then writes the KV. A copy that did not
+    # wait for the stream would read zeros.
+    torch.cuda._sleep(200_000_000)
+    for w, t in zip(written, tensors):
+        t.copy_(w, non_blocking=True)
+    completions = []
+    for layer in range(4):
+        completions += streamer.device_layer_ready(prompt, (0, 0), token, gpu, stream, 0, layer, range(0, 16))
+    assert len(completions) == 4
+    assert sum(c.wait(timeout=30)["bytes"] for c in completions) == spec.bytes_per_token * 2 * 16
+    assert streamer.shutdown()["completed"] == 4
+    cpu = dejavu.KvCache.wrap(layout, host)
+    for w in token.workers():
+        local = dejavu.KvCache(dejavu.KvLayout.faster_transformer(token.local_spec(w), 2, 16))
+        for layer in range(2):
+            one = dejavu.KvRegion(range(layer, layer + 1), range(2), range(2), range(16))
+            dejavu.fetch(store, local, one, source=(0, 0), destination=w, microbatch=0)
+        h = token.holding(w)
+        at_source = dejavu.KvRegion(range(*h["layers"]), range(2), range(2), range(16))
+        at_destination = dejavu.KvRegion(range(2), range(2), range(2), range(16))
+        assert bytes(local.gather(at_destination)) == bytes(cpu.gather(at_source)), w
 
 
 def test_resharding_between_two_setups_and_back():

@@ -3,16 +3,18 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
-use super::table::{encode, Table, SHORT_RUN};
+use super::event::{CopiesDone, ReadyMarker};
+use super::table::{by_items, encode, Table, INLINE_BLOCKS, WORDS};
 use super::{driver_present, nvrtc_present, CudaError};
-use crate::cache::GatherPlan;
-use crate::layout::KvLayout;
+use crate::cache::{gather_copy_plan, scatter_copy_plan, GatherPlan};
+use crate::layout::{KvLayout, Packing};
 use crate::plan::CopyPlan;
+use crate::region::KvRegion;
 
 /// The kernels' source, compiled by NVRTC when an engine opens.
 const KERNELS: &str = include_str!("../../kernels/copy_blocks.cu");
@@ -23,12 +25,33 @@ const THREADS: u32 = 256;
 /// Most thread blocks a launch uses (the kernels stride over the rest).
 const MAX_BLOCKS: u32 = 8192;
 
+/// A table passed to the kernels by value (`InlineTable` in `kernels/copy_blocks.cu`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct InlineTable {
+    words: [u64; INLINE_BLOCKS * WORDS],
+    blocks: u32,
+    unused: u32,
+}
+
+// SAFETY: plain old data with the C layout of the kernels' `InlineTable` (u64 words, then two
+// u32s: no padding on either side), which is how a kernel parameter of that type is passed.
+unsafe impl DeviceRepr for InlineTable {}
+
+/// The four copy kernels: by items (short runs, one item per thread) or by runs (long runs, one
+/// thread block each), the table in device memory or inline.
+struct Kernels {
+    items: CudaFunction,
+    runs: CudaFunction,
+    items_inline: CudaFunction,
+    runs_inline: CudaFunction,
+}
+
 /// A device with the copy kernels loaded and a stream of its own for copies.
 pub struct CudaEngine {
     ctx: Arc<CudaContext>,
     copy: Arc<CudaStream>,
-    short: CudaFunction,
-    long: CudaFunction,
+    kernels: Kernels,
     /// Tables of launches not known to be done: freed at the next synchronisation (freeing one
     /// earlier would wait for its kernel).
     tables: parking_lot::Mutex<Vec<CudaSlice<u64>>>,
@@ -105,6 +128,11 @@ impl DeviceKv {
         Ok(Self { layout, buffers: addresses.iter().map(|&a| DeviceMem::Borrowed(a)).collect() })
     }
 
+    /// Bytes `region` takes packed (what a gather of it fills).
+    pub fn packed_len(&self, region: &KvRegion) -> u64 {
+        region.shape().bytes(self.layout.spec())
+    }
+
     fn bases(&self) -> Vec<u64> {
         self.buffers
             .iter()
@@ -113,6 +141,24 @@ impl DeviceKv {
                 DeviceMem::Borrowed(address) => *address,
             })
             .collect()
+    }
+}
+
+/// A gather or scatter planned and encoded once ([`CudaEngine::prepare_gather`],
+/// [`CudaEngine::prepare_scatter`]), with the addresses of its cache and staging buffer: it is
+/// launched with them ([`CudaEngine::launch`] checks that they are the same).
+#[derive(Debug)]
+pub struct PreparedCopy {
+    table: Table,
+    bytes: u64,
+    bases: Vec<u64>,
+    staging: u64,
+}
+
+impl PreparedCopy {
+    /// Bytes it moves.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
     }
 }
 
@@ -156,10 +202,14 @@ impl CudaEngine {
         let options = CompileOptions { arch: Some(arch), ..CompileOptions::default() };
         let ptx = compile_ptx_with_opts(KERNELS, options).map_err(|e| CudaError::Compile(e.to_string()))?;
         let module = ctx.load_module(ptx)?;
-        let short = module.load_function("djv_copy_short")?;
-        let long = module.load_function("djv_copy_long")?;
+        let kernels = Kernels {
+            items: module.load_function("djv_copy_items")?,
+            runs: module.load_function("djv_copy_runs")?,
+            items_inline: module.load_function("djv_copy_items_inline")?,
+            runs_inline: module.load_function("djv_copy_runs_inline")?,
+        };
         let copy = ctx.new_stream()?;
-        Ok(Self { ctx, copy, short, long, tables: parking_lot::Mutex::new(Vec::new()) })
+        Ok(Self { ctx, copy, kernels, tables: parking_lot::Mutex::new(Vec::new()) })
     }
 
     /// `bytes` of device memory, zeroed.
@@ -237,20 +287,210 @@ impl CudaEngine {
         self.run(&encode(plan, &[staging.address()], &kv.bases())?)
     }
 
+    /// Plans and encodes the gather of `region` of `kv` (packed as `packing`) into the start of
+    /// `staging` once, to launch with [`CudaEngine::launch`] as often as needed: the same region
+    /// moved again and again (a microbatch swapped out every iteration) then costs one kernel
+    /// launch each time, no planning on the host.
+    pub fn prepare_gather(
+        &self,
+        kv: &DeviceKv,
+        region: &KvRegion,
+        packing: Packing,
+        staging: &DeviceBuffer,
+    ) -> Result<PreparedCopy, CudaError> {
+        let plan = gather_copy_plan(&kv.layout, region, packing)?;
+        at_least("staging buffer", plan.bytes(), staging.len())?;
+        let (bases, staging) = (kv.bases(), staging.address());
+        let table = encode(&plan, &bases, &[staging])?;
+        Ok(PreparedCopy { table, bytes: plan.bytes(), bases, staging })
+    }
+
+    /// Plans and encodes the scatter of the start of `staging` (packed as `packing`) into
+    /// `region` of `kv` once, to launch with [`CudaEngine::launch`] (a microbatch swapped in).
+    pub fn prepare_scatter(
+        &self,
+        staging: &DeviceBuffer,
+        kv: &DeviceKv,
+        region: &KvRegion,
+        packing: Packing,
+    ) -> Result<PreparedCopy, CudaError> {
+        let plan = scatter_copy_plan(&kv.layout, region, packing)?;
+        at_least("staging buffer", plan.bytes(), staging.len())?;
+        let (bases, staging) = (kv.bases(), staging.address());
+        let table = encode(&plan, &[staging], &bases)?;
+        Ok(PreparedCopy { table, bytes: plan.bytes(), bases, staging })
+    }
+
+    /// Launches a prepared copy between `kv` and `staging` on the copy stream: one kernel,
+    /// nothing planned. They must be the buffers it was prepared for (else
+    /// [`CudaError::NotPreparedFor`]): its addresses are theirs.
+    pub fn launch(
+        &self,
+        copy: &PreparedCopy,
+        kv: &DeviceKv,
+        staging: &DeviceBuffer,
+    ) -> Result<(), CudaError> {
+        if kv.bases() != copy.bases || staging.address() != copy.staging {
+            return Err(CudaError::NotPreparedFor);
+        }
+        self.run(&copy.table)
+    }
+
+    /// The device's context: an engine makes its compute stream in it (or uses one of the same
+    /// device's primary context, as PyTorch does), so that the two streams can wait on each other.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Checks that `len` bytes at `address` are device memory of this engine's device, inside one
+    /// allocation: what an engine's tensor handed over as a cache buffer must be. Host memory,
+    /// another device's memory, or a range running past its allocation is
+    /// [`CudaError::NotDeviceMemory`].
+    pub fn check_device_memory(&self, what: &str, address: u64, len: u64) -> Result<(), CudaError> {
+        let refuse = |why: String| Err(CudaError::NotDeviceMemory { what: what.to_string(), why });
+        self.ctx.bind_to_thread()?;
+        let attribute = |attribute: sys::CUpointer_attribute, out: *mut std::ffi::c_void| {
+            // SAFETY: `out` points to a value of the attribute's type (an unsigned int for the
+            // memory type and ordinal, a device pointer or size_t, both 64 bits, for the range);
+            // the driver only reads `address` as a number and answers for any value.
+            unsafe { sys::cuPointerGetAttribute(out, attribute, address) }.result()
+        };
+        let mut memory_type = 0u32;
+        if attribute(
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            (&mut memory_type as *mut u32).cast(),
+        )
+        .is_err()
+        {
+            return refuse(format!("{address:#x} is not memory CUDA knows (pageable host memory?)"));
+        }
+        if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return refuse(format!("{address:#x} is host memory, not device memory"));
+        }
+        let mut ordinal = 0u32;
+        attribute(
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            (&mut ordinal as *mut u32).cast(),
+        )?;
+        if ordinal as usize != self.ctx.ordinal() {
+            return refuse(format!("memory of device {ordinal}, not of device {}", self.ctx.ordinal()));
+        }
+        let (mut start, mut size) = (0u64, 0u64);
+        attribute(
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            (&mut start as *mut u64).cast(),
+        )?;
+        attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE, (&mut size as *mut u64).cast())?;
+        if address.saturating_add(len) > start.saturating_add(size) {
+            return refuse(format!(
+                "{len} bytes at {address:#x} run past the end of its allocation ({size} bytes at {start:#x})"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Gathers `region` of `kv` packed as `packing` into the start of `staging` with one kernel,
+    /// on the copy stream; returns the bytes it fills. Planned from the layout, no host cache.
+    pub fn gather_region(
+        &self,
+        kv: &DeviceKv,
+        region: &KvRegion,
+        packing: Packing,
+        staging: &mut DeviceBuffer,
+    ) -> Result<u64, CudaError> {
+        let plan = gather_copy_plan(&kv.layout, region, packing)?;
+        at_least("staging buffer", plan.bytes(), staging.len())?;
+        self.run(&encode(&plan, &kv.bases(), &[staging.address()])?)?;
+        Ok(plan.bytes())
+    }
+
+    /// Scatters the start of `staging` (packed as `packing`) into `region` of `kv` with one kernel,
+    /// on the copy stream.
+    pub fn scatter_region(
+        &self,
+        staging: &DeviceBuffer,
+        kv: &DeviceKv,
+        region: &KvRegion,
+        packing: Packing,
+    ) -> Result<(), CudaError> {
+        let plan = scatter_copy_plan(&kv.layout, region, packing)?;
+        at_least("staging buffer", plan.bytes(), staging.len())?;
+        self.run(&encode(&plan, &[staging.address()], &kv.bases())?)
+    }
+
+    /// Copies the first `bytes` of `device` into pinned `host` (at least as long) on the copy
+    /// stream, without waiting.
+    pub fn download_prefix(
+        &self,
+        device: &DeviceBuffer,
+        bytes: u64,
+        host: &mut PinnedBuffer,
+    ) -> Result<(), CudaError> {
+        at_least("device buffer", bytes, device.len())?;
+        at_least("pinned buffer", bytes, host.slice.len())?;
+        let view = device.slice.slice(..bytes as usize);
+        Ok(self.copy.memcpy_dtoh(&view, &mut host.slice)?)
+    }
+
+    /// Swap-in prefetch: copies pinned `host` (`region` of `kv` packed as `packing`, exactly its
+    /// length) to the device through `staging` and scatters it into `kv`, all on the copy stream;
+    /// returns the point the engine's compute stream waits for ([`CopiesDone::make_wait`]) before
+    /// the work that reads the region. The host does not wait.
+    pub fn prefetch(
+        &self,
+        host: &PinnedBuffer,
+        staging: &mut DeviceBuffer,
+        kv: &DeviceKv,
+        region: &KvRegion,
+        packing: Packing,
+    ) -> Result<CopiesDone, CudaError> {
+        let plan = scatter_copy_plan(&kv.layout, region, packing)?;
+        same_len("pinned buffer", plan.bytes() as usize, host.slice.len())?;
+        at_least("staging buffer", plan.bytes(), staging.len())?;
+        let mut view = staging.slice.slice_mut(..plan.bytes() as usize);
+        self.copy.memcpy_htod(&host.slice, &mut view)?;
+        self.run(&encode(&plan, &[staging.address()], &kv.bases())?)?;
+        self.copies_done()
+    }
+
+    /// Marks the work enqueued so far on the engine's compute stream `compute` (a layer or step
+    /// it has just launched), for a copy to be ordered after ([`CudaEngine::wait_for`]). Records
+    /// an event there; nothing blocks.
+    ///
+    /// # Safety
+    /// `compute` must be a live stream of this engine's context.
+    pub unsafe fn mark_ready(&self, compute: sys::CUstream) -> Result<ReadyMarker, CudaError> {
+        let event = self.ctx.new_event(None)?;
+        // SAFETY: `compute` is a live stream of this context (the caller's promise) and the event
+        // is this context's; `new_event` bound the context to this thread.
+        unsafe { cudarc::driver::result::event::record(event.cu_event(), compute) }?;
+        Ok(ReadyMarker { event })
+    }
+
+    /// Makes the copy stream wait, from now on, for the work `marker` marks. Nothing blocks.
+    pub fn wait_for(&self, marker: &ReadyMarker) -> Result<(), CudaError> {
+        Ok(self.copy.wait(&marker.event)?)
+    }
+
     /// Makes the copy stream wait, from now on, for the work enqueued so far on the engine's
-    /// compute stream `compute` (a layer or step it has just computed): an event recorded there,
-    /// waited for here. The host never blocks, and neither does the compute stream.
+    /// compute stream `compute`: [`CudaEngine::mark_ready`] then [`CudaEngine::wait_for`]. The
+    /// host never blocks, and neither does the compute stream.
     ///
     /// # Safety
     /// `compute` must be a live stream of this engine's device context.
     pub unsafe fn after(&self, compute: sys::CUstream) -> Result<(), CudaError> {
-        let event = self.ctx.new_event(None)?;
-        // SAFETY: `compute` is a live stream of this context (the caller's promise); the event is
-        // this context's and lives until both calls below have been enqueued.
-        unsafe {
-            cudarc::driver::result::event::record(event.cu_event(), compute)?;
-        }
-        Ok(self.copy.wait(&event)?)
+        // SAFETY: the caller's promise, passed on.
+        let marker = unsafe { self.mark_ready(compute) }?;
+        self.wait_for(&marker)
+    }
+
+    /// The copies enqueued on the copy stream so far, as a point to poll, sleep on, or make the
+    /// engine's stream wait for.
+    pub fn copies_done(&self) -> Result<CopiesDone, CudaError> {
+        // Blocking synchronisation: a host thread waiting on it sleeps instead of spinning.
+        let event = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
+        event.record(&self.copy)?;
+        Ok(CopiesDone { event })
     }
 
     /// Waits for every copy enqueued so far.
@@ -290,34 +530,55 @@ impl CudaEngine {
             .collect()
     }
 
-    /// Launches the kernel that fits `table`'s runs.
+    /// Launches the kernel that fits `table`'s runs: the table travels as a kernel parameter when
+    /// it is small (a decode step's is), else it is uploaded first.
     fn run(&self, table: &Table) -> Result<(), CudaError> {
         if table.runs == 0 {
             return Ok(());
         }
-        let words = self.copy.clone_htod(&table.words)?;
-        let (function, grid) = if table.longest_run <= SHORT_RUN {
-            (&self.short, table.runs.div_ceil(THREADS as u64))
+        let items = by_items(table);
+        let (grid, count) = if items {
+            (table.items.div_ceil(THREADS as u64), table.items)
         } else {
-            (&self.long, table.runs)
+            (table.runs, table.runs)
         };
         let config = LaunchConfig {
             grid_dim: (grid.min(MAX_BLOCKS as u64) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = self.copy.launch_builder(function);
-        launch.arg(&words).arg(&table.blocks).arg(&table.runs);
-        // SAFETY: the arguments are those of both kernels, in order (a table of `blocks` blocks
-        // of 17 words, its block count as u32 and its run count as u64); every address in the
+        // SAFETY (both launches): the arguments are the kernel's, in order; every address in the
         // table lies inside a buffer of the plan's size (checked by the callers' length checks
-        // and by the plan, which was made for these layouts), and those buffers outlive the
-        // copy (owned ones synchronise the stream before they are freed; borrowed ones are the
+        // and by the plan, which was made for these layouts), and those buffers outlive the copy
+        // (owned ones synchronise the stream before they are freed; borrowed ones are the
         // caller's promise).
+        if table.blocks as usize <= INLINE_BLOCKS {
+            let mut inline =
+                InlineTable { words: [0; INLINE_BLOCKS * WORDS], blocks: table.blocks, unused: 0 };
+            inline.words[..table.words.len()].copy_from_slice(&table.words);
+            let kernel = if items { &self.kernels.items_inline } else { &self.kernels.runs_inline };
+            let mut launch = self.copy.launch_builder(kernel);
+            launch.arg(&inline).arg(&count);
+            // SAFETY: see above; the inline table is copied into the launch's parameters.
+            unsafe { launch.launch(config) }?;
+            return Ok(());
+        }
+        let words = self.copy.clone_htod(&table.words)?;
+        let kernel = if items { &self.kernels.items } else { &self.kernels.runs };
+        let mut launch = self.copy.launch_builder(kernel);
+        launch.arg(&words).arg(&table.blocks).arg(&count);
+        // SAFETY: see above; the uploaded table is kept until the next synchronisation.
         unsafe { launch.launch(config) }?;
         self.tables.lock().push(words);
         Ok(())
     }
+}
+
+fn at_least(what: &'static str, needed: u64, got: usize) -> Result<(), CudaError> {
+    if (got as u64) < needed {
+        return Err(CudaError::Size { what, needed, got: got as u64 });
+    }
+    Ok(())
 }
 
 fn same_len(what: &'static str, needed: usize, got: usize) -> Result<(), CudaError> {

@@ -10,9 +10,17 @@
 //! what they do and is tested everywhere.
 
 mod engine;
+mod event;
+mod send;
 pub mod table;
 
-pub use engine::{CudaEngine, DeviceBuffer, DeviceKv, PinnedBuffer};
+pub use engine::{CudaEngine, DeviceBuffer, DeviceKv, PinnedBuffer, PreparedCopy};
+pub use event::{CopiesDone, ReadyMarker};
+pub use send::{send_from_device, DeviceJob, DeviceStaging};
+
+/// A raw CUDA stream handle, as engines hand theirs over (PyTorch's `cuda_stream`); null is the
+/// legacy default stream.
+pub type RawStream = cudarc::driver::sys::CUstream;
 
 use thiserror::Error;
 
@@ -55,6 +63,17 @@ pub enum CudaError {
     /// Planning the copy failed.
     #[error(transparent)]
     Cache(#[from] crate::cache::CacheError),
+    /// A prepared copy launched with other buffers than those it was prepared for.
+    #[error("a prepared copy launched with other buffers than it was prepared for")]
+    NotPreparedFor,
+    /// Memory handed over as device memory is not device memory of this engine's device.
+    #[error("{what}: {why}")]
+    NotDeviceMemory {
+        /// Which buffer.
+        what: String,
+        /// What it is instead.
+        why: String,
+    },
 }
 
 impl From<cudarc::driver::DriverError> for CudaError {

@@ -1,14 +1,16 @@
-//! A copy plan as the GPU kernels take it (`kernels/copy_blocks.cu`): each strided block as 17
-//! words with the addresses of its first run, and the CPU reference twin that defines what the
-//! kernels do with it. Pure data and host code: tested on any machine.
+//! A copy plan as the GPU kernels take it (`kernels/copy_blocks.cu`): each strided block as
+//! [`WORDS`] words with the addresses of its first run, and the CPU reference twin that defines
+//! what the kernels do with it. Pure data and host code: tested on any machine.
 
 use crate::plan::{CopyPlan, MAX_AXES};
 
 /// Words per block in a table.
-pub const WORDS: usize = 17;
+pub const WORDS: usize = 19;
 
-/// Runs at most this long are copied one per thread; longer ones one per thread block.
-pub const SHORT_RUN: u64 = 64;
+/// Tables whose runs are all at most this long are copied one item (up to 16 aligned bytes) per
+/// thread, so a decode step's 16-byte pieces and 256-byte rows keep every thread busy; tables with
+/// longer runs are copied one run per thread block (a prompt's).
+pub const ITEM_RUN_LIMIT: u64 = 4096;
 
 /// A plan encoded for the kernels.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -19,6 +21,8 @@ pub struct Table {
     pub blocks: u32,
     /// Runs of all blocks.
     pub runs: u64,
+    /// Items of all blocks (each block's runs cut into its unit: see [`unit_of`]).
+    pub items: u64,
     /// The longest run, in bytes (which kernel copies it).
     pub longest_run: u64,
 }
@@ -39,14 +43,23 @@ pub enum TableError {
     Overflow,
 }
 
+/// Most blocks a table passes to the kernels by value, as a kernel parameter (no upload): the
+/// words and the block count must fit in the 4 KiB every CUDA device takes.
+pub const INLINE_BLOCKS: usize = 24;
+
 /// Encodes `plan` with each source buffer starting at `src_bases[i]` and each destination buffer
 /// at `dst_bases[i]` (device addresses for the kernels, offsets into one arena for the twin).
+///
+/// Blocks of the same shape whose addresses advance by a constant step are folded into one block
+/// with one more axis: a decode step's 640 blocks (one per layer, part and slot) become two, small
+/// enough to travel as a kernel parameter. The blocks are grouped by shape first, so the runs may
+/// come in another order than the plan's; a plan's runs have distinct destinations, so a copy does
+/// not depend on their order.
 pub fn encode(plan: &CopyPlan, src_bases: &[u64], dst_bases: &[u64]) -> Result<Table, TableError> {
     let base = |bases: &[u64], buffer: u32| {
         bases.get(buffer as usize).copied().ok_or(TableError::NoBase { buffer, bases: bases.len() })
     };
-    let mut table =
-        Table { words: Vec::with_capacity(plan.blocks().len() * WORDS), blocks: 0, runs: 0, longest_run: 0 };
+    let mut blocks = Vec::with_capacity(plan.blocks().len());
     for block in plan.blocks().iter().filter(|b| b.runs() > 0) {
         let src =
             base(src_bases, block.src_buffer)?.checked_add(block.src_offset).ok_or(TableError::Overflow)?;
@@ -60,41 +73,181 @@ pub fn encode(plan: &CopyPlan, src_bases: &[u64], dst_bases: &[u64]) -> Result<T
             words[4 + MAX_AXES + i] = axis.src_stride;
             words[4 + 2 * MAX_AXES + i] = axis.dst_stride;
         }
+        blocks.push(words);
+    }
+    // Grouped by shape, each shape's blocks in the plan's order (K pieces and V rows alternate in
+    // a plan per layer; grouped, each kind's layers and slots line up to be folded). Plans have a
+    // few shapes, so a linear search finds a block's group.
+    let mut groups: Vec<Vec<[u64; WORDS]>> = Vec::new();
+    for block in blocks {
+        match groups.iter_mut().find(|g| same_shape(&g[0], &block)) {
+            Some(group) => group.push(block),
+            None => groups.push(vec![block]),
+        }
+    }
+    let mut blocks: Vec<[u64; WORDS]> = groups.into_iter().flatten().collect();
+    // Each pass adds at most one axis to a block; stop when a pass folds nothing.
+    loop {
+        let before = blocks.len();
+        blocks = fold(blocks);
+        if blocks.len() == before {
+            break;
+        }
+    }
+    let mut table = Table {
+        words: Vec::with_capacity(blocks.len() * WORDS),
+        blocks: 0,
+        runs: 0,
+        items: 0,
+        longest_run: 0,
+    };
+    for mut words in blocks {
+        let unit = unit_of(&words);
         words[16] = table.runs;
+        words[17] = table.items;
+        words[18] = unit;
         table.words.extend_from_slice(&words);
         table.blocks += 1;
-        table.runs += block.runs();
-        table.longest_run = table.longest_run.max(block.run);
+        table.runs += runs_of(&words);
+        table.items += runs_of(&words) * (words[2] / unit);
+        table.longest_run = table.longest_run.max(words[2]);
     }
     Ok(table)
 }
 
-/// One run as the kernels find it: global run `r`'s source and destination addresses and length.
+/// The bytes one thread moves at a time in a block: the largest of 16, 8, 4, 2 and 1 that its
+/// addresses, run length and strides are all multiples of (16: one vector load and store).
+pub fn unit_of(words: &[u64; WORDS]) -> u64 {
+    let depth = words[3] as usize;
+    let mut all = words[0] | words[1] | words[2];
+    for axis in 0..depth {
+        all |= words[4 + MAX_AXES + axis] | words[4 + 2 * MAX_AXES + axis];
+    }
+    1 << all.trailing_zeros().min(4)
+}
+
+fn runs_of(words: &[u64; WORDS]) -> u64 {
+    (0..words[3] as usize).map(|axis| words[4 + axis]).product()
+}
+
+/// Whether `a` and `b` copy the same shape: equal runs and axes, only their addresses differing.
+fn same_shape(a: &[u64; WORDS], b: &[u64; WORDS]) -> bool {
+    a[2..16] == b[2..16]
+}
+
+/// One greedy pass: each maximal sequence of same-shaped blocks whose addresses advance by a
+/// constant step (one block, or a block below [`MAX_AXES`] axes, on its own otherwise) becomes one
+/// block with that step as its new outermost axis. The runs stay in the same order.
+fn fold(blocks: Vec<[u64; WORDS]>) -> Vec<[u64; WORDS]> {
+    let mut out = Vec::with_capacity(blocks.len());
+    let mut i = 0;
+    while i < blocks.len() {
+        let first = blocks[i];
+        let mut count = 1;
+        if (first[3] as usize) < MAX_AXES {
+            let src_step = blocks.get(i + 1).map_or(0, |b| b[0].wrapping_sub(first[0]));
+            let dst_step = blocks.get(i + 1).map_or(0, |b| b[1].wrapping_sub(first[1]));
+            while let Some(next) = blocks.get(i + count) {
+                let k = count as u64;
+                if !same_shape(&first, next)
+                    || next[0] != first[0].wrapping_add(k.wrapping_mul(src_step))
+                    || next[1] != first[1].wrapping_add(k.wrapping_mul(dst_step))
+                {
+                    break;
+                }
+                count += 1;
+            }
+            if count > 1 {
+                let depth = first[3] as usize;
+                let mut words = first;
+                words[3] = depth as u64 + 1;
+                for (side, step) in [(0, count as u64), (1, src_step), (2, dst_step)] {
+                    let at = 4 + side * MAX_AXES;
+                    words[at + 1..at + 1 + depth].copy_from_slice(&first[at..at + depth]);
+                    words[at] = step;
+                }
+                out.push(words);
+                i += count;
+                continue;
+            }
+        }
+        out.push(first);
+        i += 1;
+    }
+    out
+}
+
+/// The block holding global run (`first` = 16) or item (`first` = 17) `index`: the last whose
+/// first one is at most `index`, by binary search as the kernels do.
+fn block_of(table: &Table, first: usize, index: u64) -> &[u64] {
+    let (mut low, mut high) = (0usize, table.blocks as usize - 1);
+    while low < high {
+        let middle = (low + high).div_ceil(2);
+        if table.words[middle * WORDS + first] <= index {
+            low = middle;
+        } else {
+            high = middle - 1;
+        }
+    }
+    &table.words[low * WORDS..(low + 1) * WORDS]
+}
+
+/// One item as the item kernel finds it: global item `i`'s source and destination addresses and
+/// length (its block's unit).
+fn item_of(table: &Table, i: u64) -> (u64, u64, u64) {
+    let w = block_of(table, 17, i);
+    let unit = w[18];
+    let per_run = w[2] / unit;
+    let local = i - w[17];
+    let (src, dst) = run_start(w, local / per_run);
+    let within = (local % per_run) * unit;
+    (src.wrapping_add(within), dst.wrapping_add(within), unit)
+}
+
+/// One run as the run kernel finds it: global run `r`'s source and destination addresses and
+/// length.
 fn run_of(table: &Table, r: u64) -> (u64, u64, u64) {
-    // The last block whose first run is at most `r`, as the kernels search.
-    let mut b = 0;
-    while b + 1 < table.blocks as usize && table.words[(b + 1) * WORDS + 16] <= r {
-        b += 1;
-    }
-    let w = &table.words[b * WORDS..(b + 1) * WORDS];
-    let (mut local, mut src, mut dst) = (r - w[16], w[0], w[1]);
-    for axis in (0..w[3] as usize).rev() {
-        let i = local % w[4 + axis];
-        local /= w[4 + axis];
-        src += i * w[4 + MAX_AXES + axis];
-        dst += i * w[4 + 2 * MAX_AXES + axis];
-    }
+    let w = block_of(table, 16, r);
+    let (src, dst) = run_start(w, r - w[16]);
     (src, dst, w[2])
 }
 
-/// The kernels' semantics on the CPU: every run of `table`, whose addresses are offsets into
-/// `memory`, copied there. Panics on a run outside `memory` (a test twin, not a copy engine).
+/// Where run `local` of block `w` starts on both sides.
+fn run_start(w: &[u64], local: u64) -> (u64, u64) {
+    let (mut local, mut src, mut dst) = (local, w[0], w[1]);
+    // Unsigned arithmetic wraps, as on the GPU: a folded axis may step backwards.
+    for axis in (0..w[3] as usize).rev() {
+        let i = local % w[4 + axis];
+        local /= w[4 + axis];
+        src = src.wrapping_add(i.wrapping_mul(w[4 + MAX_AXES + axis]));
+        dst = dst.wrapping_add(i.wrapping_mul(w[4 + 2 * MAX_AXES + axis]));
+    }
+    (src, dst)
+}
+
+/// The kernels' semantics on the CPU: `table`, whose addresses are offsets into `memory`, copied
+/// there as the kernel the engine picks for it does (item by item, or run by run). Panics on a run
+/// outside `memory` (a test twin, not a copy engine).
 pub fn copy_reference(table: &Table, memory: &mut [u8]) {
-    for r in 0..table.runs {
-        let (src, dst, len) = run_of(table, r);
+    copy_as(table, memory, by_items(table));
+}
+
+/// Finds piece `i` of a table: (source, destination, bytes).
+type PieceOf = fn(&Table, u64) -> (u64, u64, u64);
+
+/// The item kernel's copy (`items`) or the run kernel's.
+fn copy_as(table: &Table, memory: &mut [u8], items: bool) {
+    let (count, piece): (u64, PieceOf) = if items { (table.items, item_of) } else { (table.runs, run_of) };
+    for i in 0..count {
+        let (src, dst, len) = piece(table, i);
         let (src, dst, len) = (src as usize, dst as usize, len as usize);
         memory.copy_within(src..src + len, dst);
     }
+}
+
+/// Whether the item kernel copies `table` (else the run kernel does).
+pub fn by_items(table: &Table) -> bool {
+    table.longest_run <= ITEM_RUN_LIMIT
 }
 
 #[cfg(test)]
@@ -158,33 +311,80 @@ mod tests {
             KvRegion::new(1..3, 1..2, 2..5, 0..33),
             KvRegion::new(0..1, 0..3, 0..1, 5..9),
         ];
+        let whole = KvRegion::new(0..3, 0..3, 0..5, 0..40);
         for (l, layout) in layouts.into_iter().enumerate() {
             let cache = KvCache::new(layout).unwrap();
             fill(&cache, l as u64 + 1);
             for (r, region) in regions.iter().enumerate() {
                 let packing = cache.layout().preferred_packing();
                 let len = cache.packed_len(region) as usize;
-                let (mut memory, bases, staging) = arena(&cache, len);
-                // Gather: the twin's staging equals the CPU engine's.
-                let plan = cache.gather_plan(region, packing).unwrap();
-                let table = encode(plan.copy_plan(), &bases, &[staging]).unwrap();
-                copy_reference(&table, &mut memory);
-                let mut expected = vec![0u8; len];
-                cache.gather_with(&plan, &mut expected).unwrap();
-                assert_eq!(&memory[staging as usize..], &expected[..], "layout {l} region {r}");
-                // Scatter other bytes back: the twin's cache equals the CPU engine's.
                 let input: Vec<u8> = (0..len).map(|i| (i * 7 + l + r) as u8).collect();
-                memory[staging as usize..].copy_from_slice(&input);
-                let scatter = cache.scatter_plan(region, packing).unwrap();
-                let table = encode(&scatter, &[staging], &bases).unwrap();
-                copy_reference(&table, &mut memory);
-                cache.scatter(region, packing, &input).unwrap();
-                for (i, buffer) in cache.snapshot().iter().enumerate() {
-                    let base = bases[i] as usize;
-                    assert_eq!(&memory[base..base + buffer.len()], &buffer[..], "layout {l} region {r}");
+                let mut expected = vec![0u8; len];
+                let plan = cache.gather_plan(region, packing).unwrap();
+                cache.gather_with(&plan, &mut expected).unwrap();
+                // What the CPU engine's scatter of `input` makes of a copy of the cache.
+                let scattered = KvCache::new(cache.layout().clone()).unwrap();
+                let mut all = vec![0u8; cache.packed_len(&whole) as usize];
+                cache.gather(&whole, packing, &mut all).unwrap();
+                scattered.scatter(&whole, packing, &all).unwrap();
+                scattered.scatter(region, packing, &input).unwrap();
+                // Both kernels' ways of cutting the work (items, runs) give the CPU engine's bytes.
+                for items in [true, false] {
+                    let what = format!("layout {l} region {r} items {items}");
+                    let (mut memory, bases, staging) = arena(&cache, len);
+                    // Gather: the twin's staging equals the CPU engine's.
+                    let table = encode(plan.copy_plan(), &bases, &[staging]).unwrap();
+                    copy_as(&table, &mut memory, items);
+                    assert_eq!(&memory[staging as usize..], &expected[..], "{what}");
+                    // Scatter other bytes back: the twin's cache equals the CPU engine's.
+                    memory[staging as usize..].copy_from_slice(&input);
+                    let scatter = cache.scatter_plan(region, packing).unwrap();
+                    let table = encode(&scatter, &[staging], &bases).unwrap();
+                    copy_as(&table, &mut memory, items);
+                    for (i, buffer) in scattered.snapshot().iter().enumerate() {
+                        let base = bases[i] as usize;
+                        assert_eq!(&memory[base..base + buffer.len()], &buffer[..], "{what}");
+                    }
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_decode_step_folds_into_a_table_small_enough_to_pass_inline() {
+        // The benchmark's worker, fewer heads and tokens: 320 blocks of 16-byte runs unfolded.
+        let spec = KvSpec::new(40, 8, 128, DType::F16).unwrap();
+        let layout = KvLayout::faster_transformer(spec, 4, 64).unwrap();
+        let region = KvRegion::new(0..40, 0..4, 0..8, 50..51);
+        let cache = KvCache::new(layout.clone()).unwrap();
+        let plan = cache.gather_plan(&region, layout.preferred_packing()).unwrap();
+        let bases: Vec<u64> = (0..layout.buffer_sizes().len() as u64).map(|i| i << 36).collect();
+        let table = encode(plan.copy_plan(), &bases, &[1 << 40]).unwrap();
+        assert!(plan.copy_plan().blocks().len() >= 320);
+        // K pieces and V rows: one block each.
+        assert_eq!(table.blocks, 2);
+        assert!(table.blocks as usize <= INLINE_BLOCKS);
+        assert_eq!(table.runs, plan.copy_plan().blocks().iter().map(|b| b.runs()).sum::<u64>());
+        // Every run is still one of the unfolded plan's, each once.
+        let mut expected = Vec::new();
+        for block in plan.copy_plan().blocks() {
+            block.for_each_run(|src, dst, len| {
+                expected.push((bases[block.src_buffer as usize] + src, (1 << 40) + dst, len))
+            });
+        }
+        let mut got: Vec<_> = (0..table.runs).map(|r| run_of(&table, r)).collect();
+        got.sort_unstable();
+        expected.sort_unstable();
+        assert_eq!(got, expected);
+        // Items cut every run into aligned 16-byte pieces, each once.
+        assert!(by_items(&table));
+        let mut items: Vec<_> = (0..table.items).map(|i| item_of(&table, i)).collect();
+        items.sort_unstable();
+        let pieces: Vec<_> = expected
+            .iter()
+            .flat_map(|&(src, dst, len)| (0..len / 16).map(move |k| (src + 16 * k, dst + 16 * k, 16)))
+            .collect();
+        assert_eq!(items, pieces);
     }
 
     #[test]

@@ -1,0 +1,235 @@
+//! The CUDA engine from Python: KV caches over an engine's own GPU tensors (anything with
+//! `__cuda_array_interface__`: PyTorch CUDA tensors, CuPy arrays), used in place, their gather and
+//! scatter to and from host buffers, and the streamer's GPU path (`Streamer.device_layer_ready`).
+
+use std::sync::Arc;
+
+use dejavulib::cuda::{CudaEngine, CudaError as LibCudaError, DeviceKv};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyDict, PyTuple};
+
+use crate::buffer::raw_buffer;
+use crate::errors::*;
+use crate::layout::*;
+
+pub(crate) fn cuda_err(e: LibCudaError) -> PyErr {
+    match e {
+        LibCudaError::Size { .. } | LibCudaError::NotDeviceMemory { .. } => {
+            PyValueError::new_err(e.to_string())
+        }
+        LibCudaError::Cache(e) => cache_err(e),
+        other => CudaError::new_err(other.to_string()),
+    }
+}
+
+/// A GPU: the library's copy kernels compiled for it, and its copy stream.
+#[pyclass(name = "CudaEngine", module = "dejavu", frozen)]
+pub(crate) struct PyCudaEngine {
+    pub(crate) engine: Arc<CudaEngine>,
+}
+
+#[pymethods]
+impl PyCudaEngine {
+    /// Opens GPU `device`. Raises `dejavu.CudaError` where there is no driver, no NVRTC or no
+    /// such device.
+    #[new]
+    #[pyo3(signature = (device = 0))]
+    fn new(py: Python<'_>, device: usize) -> PyResult<Self> {
+        let engine = py.detach(|| CudaEngine::open(device)).map_err(cuda_err)?;
+        Ok(Self { engine: Arc::new(engine) })
+    }
+
+    /// A cache of `layout` over `tensors` (one per layout buffer, each C-contiguous GPU memory of
+    /// this device, exactly the buffer's size), used in place: no copy is made.
+    fn wrap(&self, layout: &PyLayout, tensors: Vec<Bound<'_, PyAny>>) -> PyResult<PyDeviceCache> {
+        let sizes = layout.0.buffer_sizes();
+        if tensors.len() != sizes.len() {
+            return Err(PyValueError::new_err(format!(
+                "the layout has {} buffers, {} tensors were given",
+                sizes.len(),
+                tensors.len()
+            )));
+        }
+        let mut addresses = Vec::with_capacity(tensors.len());
+        for (i, (tensor, &size)) in tensors.iter().zip(sizes.iter()).enumerate() {
+            let what = format!("tensor {i}");
+            let (address, len) = cuda_array(tensor, &what)?;
+            if len as u64 != size {
+                return Err(PyValueError::new_err(format!(
+                    "{what}: {len} bytes where the layout's buffer has {size}"
+                )));
+            }
+            self.engine.check_device_memory(&what, address, len as u64).map_err(cuda_err)?;
+            addresses.push(address);
+        }
+        // SAFETY: each address is device memory of this engine's device covering its layout
+        // buffer (checked above), owned by a tensor the cache keeps alive; an engine writing it
+        // while a copy runs orders that work with the copy through the `stream` arguments.
+        let kv = unsafe { DeviceKv::borrowed(layout.0.clone(), &addresses) }.map_err(cuda_err)?;
+        let owners = tensors.into_iter().map(Bound::unbind).collect();
+        Ok(PyDeviceCache { engine: self.engine.clone(), kv: Arc::new(kv), _tensors: owners })
+    }
+
+    /// A cache of `layout` in zeroed GPU memory the library allocates.
+    fn alloc(&self, py: Python<'_>, layout: &PyLayout) -> PyResult<PyDeviceCache> {
+        let kv = py.detach(|| self.engine.alloc_kv(layout.0.clone())).map_err(cuda_err)?;
+        Ok(PyDeviceCache { engine: self.engine.clone(), kv: Arc::new(kv), _tensors: Vec::new() })
+    }
+}
+
+/// A KV cache in GPU memory.
+#[pyclass(name = "DeviceKvCache", module = "dejavu", frozen)]
+pub(crate) struct PyDeviceCache {
+    pub(crate) engine: Arc<CudaEngine>,
+    pub(crate) kv: Arc<DeviceKv>,
+    /// The engine's tensors, kept alive as long as the cache.
+    _tensors: Vec<Py<PyAny>>,
+}
+
+#[pymethods]
+impl PyDeviceCache {
+    #[getter]
+    fn layout(&self) -> PyLayout {
+        PyLayout(self.kv.layout().clone())
+    }
+
+    /// Bytes a gather of `region` produces.
+    fn packed_len(&self, region: &PyRegion) -> PyResult<u64> {
+        self.kv.layout().check_region(&region.0).map_err(|e| cache_err(e.into()))?;
+        Ok(self.kv.packed_len(&region.0))
+    }
+
+    /// Gathers `region` (one kernel into GPU staging, one copy down) into host buffer `out`
+    /// (exactly `packed_len` bytes) or a new bytearray; returns it. The copies first wait for the
+    /// work already queued on `stream` (a raw `CUstream` or an object with `.cuda_stream`, as
+    /// `torch.cuda.current_stream()`; 0, the default, is the legacy default stream).
+    #[pyo3(signature = (region, out = None, stream = None))]
+    fn gather<'py>(
+        &self,
+        py: Python<'py>,
+        region: &PyRegion,
+        out: Option<Bound<'py, PyAny>>,
+        stream: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let len = self.packed_len(region)? as usize;
+        // Crosses into the GIL-free section as a number.
+        let stream = stream_arg(stream.as_ref())? as usize;
+        let out = match out {
+            Some(out) => out,
+            None => PyByteArray::new_with(py, len, |_| Ok(()))?.into_any(),
+        };
+        let target = raw_buffer(&out, true, "out")?;
+        if target.len != len {
+            return Err(PyValueError::new_err(format!("out: {} bytes where {len} are needed", target.len)));
+        }
+        let (parts, engine, kv, region) =
+            (target.parts(), self.engine.clone(), self.kv.clone(), region.0.clone());
+        py.detach(move || {
+            let parts = parts; // moved whole: its fields alone are not `Send`
+                               // SAFETY: `target` keeps the object alive; the buffer is writable and contiguous.
+            let out = unsafe { std::slice::from_raw_parts_mut(parts.0, parts.1) };
+            // SAFETY: `stream` is the caller's live stream of this device (documented).
+            unsafe { engine.after(stream as dejavulib::cuda::RawStream) }?;
+            let mut staging = engine.alloc(len)?;
+            engine.gather_region(&kv, &region, kv.layout().preferred_packing(), &mut staging)?;
+            engine.download(&staging, out)
+        })
+        .map_err(cuda_err)?;
+        drop(target);
+        Ok(out)
+    }
+
+    /// Scatters host buffer `data` (packed as `gather` packs, exactly `packed_len` bytes) into
+    /// `region`, after the work already queued on `stream` (as for `gather`); returns once it is
+    /// in place.
+    #[pyo3(signature = (region, data, stream = None))]
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        region: &PyRegion,
+        data: &Bound<'_, PyAny>,
+        stream: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let len = self.packed_len(region)? as usize;
+        let stream = stream_arg(stream.as_ref())? as usize;
+        let source = raw_buffer(data, false, "data")?;
+        if source.len != len {
+            return Err(PyValueError::new_err(format!("data: {} bytes where {len} are needed", source.len)));
+        }
+        let (parts, engine, kv, region) =
+            (source.parts(), self.engine.clone(), self.kv.clone(), region.0.clone());
+        py.detach(move || {
+            let parts = parts; // moved whole: its fields alone are not `Send`
+                               // SAFETY: `source` keeps the object alive; the buffer is contiguous.
+            let input = unsafe { std::slice::from_raw_parts(parts.0, parts.1) };
+            // SAFETY: `stream` is the caller's live stream of this device (documented).
+            unsafe { engine.after(stream as dejavulib::cuda::RawStream) }?;
+            let mut staging = engine.alloc(len)?;
+            engine.upload(input, &mut staging)?;
+            engine.scatter_region(&staging, &kv, &region, kv.layout().preferred_packing())?;
+            engine.synchronize()
+        })
+        .map_err(cuda_err)?;
+        drop(source);
+        Ok(())
+    }
+}
+
+/// A raw `CUstream`: an int, or an object with `.cuda_stream` (a PyTorch or CuPy stream); `None`
+/// is the legacy default stream (0).
+pub(crate) fn stream_arg(stream: Option<&Bound<'_, PyAny>>) -> PyResult<dejavulib::cuda::RawStream> {
+    let Some(stream) = stream else { return Ok(std::ptr::null_mut()) };
+    let handle = if stream.hasattr("cuda_stream")? { stream.getattr("cuda_stream")? } else { stream.clone() };
+    let handle: usize = handle.extract().map_err(|_| {
+        PyTypeError::new_err("stream must be a CUDA stream handle (an int) or have .cuda_stream")
+    })?;
+    Ok(handle as dejavulib::cuda::RawStream)
+}
+
+/// The device address and byte length of a C-contiguous array with `__cuda_array_interface__`.
+fn cuda_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(u64, usize)> {
+    if !obj.hasattr("__cuda_array_interface__")? {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be GPU memory with __cuda_array_interface__ (a CUDA torch tensor, a CuPy array), not {}",
+            obj.get_type().name()?
+        )));
+    }
+    let interface = obj.getattr("__cuda_array_interface__")?;
+    let interface = interface.cast::<PyDict>()?;
+    let get = |key: &str| {
+        interface
+            .get_item(key)?
+            .ok_or_else(|| PyValueError::new_err(format!("__cuda_array_interface__ lacks {key:?}")))
+    };
+    let data = get("data")?;
+    let data = data.cast::<PyTuple>()?;
+    let address: u64 = data.get_item(0)?.extract()?;
+    let readonly: bool = data.get_item(1)?.extract()?;
+    if readonly {
+        return Err(PyValueError::new_err(format!("{what} is read-only but a cache is written to")));
+    }
+    let shape: Vec<usize> = get("shape")?.extract()?;
+    let typestr: String = get("typestr")?.extract()?;
+    let item: usize = typestr
+        .get(2..)
+        .and_then(|digits| digits.parse().ok())
+        .ok_or_else(|| PyValueError::new_err(format!("unsupported array typestr {typestr:?}")))?;
+    if let Some(strides) = interface.get_item("strides")?.filter(|s| !s.is_none()) {
+        let strides: Vec<isize> = strides.extract()?;
+        let mut expected = item as isize;
+        for (&dim, &stride) in shape.iter().zip(&strides).rev() {
+            if dim > 1 && stride != expected {
+                return Err(PyValueError::new_err(format!(
+                    "{what} must be C-contiguous (strides {strides:?} for shape {shape:?}); use .contiguous()"
+                )));
+            }
+            expected *= dim as isize;
+        }
+    }
+    let len = shape.iter().product::<usize>() * item;
+    if address == 0 && len > 0 {
+        return Err(PyValueError::new_err(format!("{what} has a NULL data pointer")));
+    }
+    Ok((address, len))
+}

@@ -1,0 +1,239 @@
+//! The GPU streaming path, where a GPU is present: the background streamer sending layers out of
+//! device memory once the engine's compute stream has written them, and a swap-in prefetch that
+//! the engine's compute stream waits for. Each ordering is made observable: the stream the copy
+//! must wait for is held back by a host function that sleeps, so a copy that did not wait would
+//! read the memory before it is written, and the bytes would differ.
+//!
+//! Each test says "skipped: no GPU" and passes only where no CUDA driver can be loaded; anywhere
+//! else an error fails it.
+
+mod common;
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
+use dejavulib::cuda::{driver_present, CudaEngine, DeviceKv};
+use dejavulib::reshard::{StreamError, Transfer};
+use dejavulib::streamer::{Shutdown, StreamJob, StreamerError};
+use dejavulib::{
+    plan_stream_out, ChunkStore, DType, HostStore, KvCache, KvLayout, KvRegion, KvSpec, Setup, Streamer,
+    StreamerConfig, WorkerId,
+};
+
+const LAYERS: u32 = 4;
+const SLOTS: u32 = 3;
+const TOKENS: u32 = 9;
+const W0: WorkerId = WorkerId { stage: 0, rank: 0 };
+/// How long a held-back stream sleeps: far longer than any of these copies takes.
+const HOLD: Duration = Duration::from_millis(300);
+
+/// The engine, or `None` (and a message) where no CUDA driver loads.
+fn engine() -> Option<Arc<CudaEngine>> {
+    if !driver_present() {
+        eprintln!("skipped: no GPU (no CUDA driver on this machine)");
+        return None;
+    }
+    Some(Arc::new(CudaEngine::open(0).expect("a CUDA driver is present, so the engine must open")))
+}
+
+fn spec() -> KvSpec {
+    KvSpec::new(LAYERS, 3, 24, DType::F16).unwrap()
+}
+
+fn layout() -> KvLayout {
+    KvLayout::faster_transformer(spec(), SLOTS, TOKENS).unwrap()
+}
+
+/// A host cache of `layout()` full of noise (not zeros).
+fn noisy_cache(seed: u64) -> Arc<KvCache> {
+    let cache = KvCache::new(layout()).unwrap();
+    let whole = KvRegion::new(0..LAYERS, 0..SLOTS, 0..spec().kv_heads(), 0..TOKENS);
+    let mut rng = common::Rng(seed | 1);
+    let noise = rng.bytes(cache.packed_len(&whole) as usize);
+    cache.scatter(&whole, cache.layout().preferred_packing(), &noise).unwrap();
+    Arc::new(cache)
+}
+
+unsafe extern "C" fn sleep_on_stream(_: *mut c_void) {
+    std::thread::sleep(HOLD);
+}
+
+/// Holds `stream` back: work enqueued on it later starts only after `HOLD`.
+fn hold_back(stream: &CudaStream) {
+    stream.context().bind_to_thread().unwrap();
+    // SAFETY: a live stream of the bound context; the host function takes no data and does not
+    // call CUDA.
+    let result =
+        unsafe { sys::cuLaunchHostFunc(stream.cu_stream(), Some(sleep_on_stream), std::ptr::null_mut()) };
+    assert_eq!(result, sys::CUresult::CUDA_SUCCESS);
+}
+
+/// Device memory for every buffer of `layout`, allocated on `stream` as an engine would (zeroed),
+/// and the cache the library sees over it.
+fn engine_owned_kv(stream: &Arc<CudaStream>, layout: &KvLayout) -> (Vec<CudaSlice<u8>>, Arc<DeviceKv>) {
+    let buffers: Vec<CudaSlice<u8>> =
+        layout.buffer_sizes().iter().map(|&n| stream.alloc_zeros::<u8>(n as usize).unwrap()).collect();
+    let addresses: Vec<u64> = buffers.iter().map(|b| b.device_ptr(stream).0).collect();
+    stream.synchronize().unwrap();
+    // SAFETY: each address is a live allocation of the engine's device as long as its layout
+    // buffer, kept in `buffers` until after every copy of the test has finished; the test orders
+    // its own writes with events.
+    let kv = unsafe { DeviceKv::borrowed(layout.clone(), &addresses) }.unwrap();
+    (buffers, Arc::new(kv))
+}
+
+/// Every chunk of `store`, by key, as bytes.
+fn chunks(store: &HostStore) -> Vec<(String, Vec<u8>)> {
+    let mut store = store.clone();
+    let mut out = Vec::new();
+    for (key, _) in store.keys() {
+        let mut payload = Vec::new();
+        store.get(&key, &mut payload).unwrap();
+        out.push((format!("{key:?}"), payload));
+    }
+    out.sort();
+    out
+}
+
+fn plan() -> Vec<Transfer> {
+    let source = Setup::uniform(spec(), 1, 1, SLOTS, 1).unwrap();
+    let destination = Setup::uniform(spec(), 2, 1, SLOTS, 1).unwrap();
+    plan_stream_out(&source, W0, &destination).unwrap()
+}
+
+#[test]
+fn the_streamer_sends_layers_out_of_device_memory_once_the_compute_stream_has_written_them() {
+    let Some(engine) = engine() else { return };
+    let compute = engine.context().new_stream().unwrap();
+    let cache = noisy_cache(7);
+    // The engine's new KV, uploaded to the side, and its (still zero) cache.
+    let written: Vec<CudaSlice<u8>> =
+        cache.snapshot().iter().map(|b| compute.clone_htod(b).unwrap()).collect();
+    let (mut buffers, kv) = engine_owned_kv(&compute, &layout());
+    // The "layer kernels": held back, then writing the new KV into the cache.
+    hold_back(&compute);
+    for (from, to) in written.iter().zip(&mut buffers) {
+        compute.memcpy_dtod(from, to).unwrap();
+    }
+    let gpu = HostStore::new();
+    let streamer = Streamer::spawn(StreamerConfig::default(), Box::new(gpu.clone())).unwrap();
+    let plan = plan();
+    let mut completions = Vec::new();
+    for layer in 0..LAYERS {
+        // SAFETY: `compute` is a live stream of the engine's context, and `kv` is what it writes.
+        let sent = unsafe {
+            streamer.device_layer_ready(&engine, &kv, compute.cu_stream(), &plan, 0, layer, 0..TOKENS)
+        };
+        completions.extend(sent.unwrap());
+    }
+    assert!(!completions.is_empty());
+    // The host was not held back: nothing can be done while the compute stream sleeps.
+    assert!(completions.iter().all(|c| !c.is_finished()), "a copy finished before its layer was written");
+    for completion in completions {
+        assert!(completion.wait().unwrap().bytes > 0);
+    }
+    streamer.shutdown(Shutdown::Drain).unwrap();
+    // The same layers sent by the CPU engine from the host cache: the same chunks, byte for byte.
+    let cpu = HostStore::new();
+    let host_streamer = Streamer::spawn(StreamerConfig::default(), Box::new(cpu.clone())).unwrap();
+    for layer in 0..LAYERS {
+        for completion in host_streamer.layer_ready(&cache, &plan, 0, layer, 0..TOKENS).unwrap() {
+            completion.wait().unwrap();
+        }
+    }
+    host_streamer.shutdown(Shutdown::Drain).unwrap();
+    let (gpu, cpu) = (chunks(&gpu), chunks(&cpu));
+    assert_eq!(gpu.len(), cpu.len());
+    assert_eq!(gpu, cpu);
+    drop(kv);
+    drop(buffers);
+}
+
+#[test]
+fn a_device_job_outside_its_cache_is_a_typed_error() {
+    let Some(engine) = engine() else { return };
+    let kv = Arc::new(engine.alloc_kv(layout()).unwrap());
+    let streamer = Streamer::spawn(StreamerConfig::default(), Box::new(HostStore::new())).unwrap();
+    let transfer = plan().into_iter().next().unwrap();
+    // Tokens past the cache's capacity.
+    let job = dejavulib::cuda::DeviceJob { engine, kv, transfer, tokens: 0..TOKENS + 5, ready: None };
+    let result = streamer.submit_device(job).unwrap().wait();
+    assert!(matches!(result, Err(StreamerError::Stream(StreamError::Cache(_)))), "{result:?}");
+    // The streamer goes on working.
+    let cache = noisy_cache(3);
+    let job = StreamJob { cache, transfer: plan().into_iter().next().unwrap(), tokens: 0..TOKENS };
+    streamer.submit(job).unwrap().wait().unwrap();
+    streamer.shutdown(Shutdown::Drain).unwrap();
+}
+
+#[test]
+fn a_prefetch_is_in_place_before_the_compute_stream_reads_it() {
+    let Some(engine) = engine() else { return };
+    let compute = engine.context().new_stream().unwrap();
+    let cache = noisy_cache(11);
+    let region = KvRegion::new(1..3, 0..SLOTS, 0..spec().kv_heads(), 0..TOKENS);
+    let packing = cache.layout().preferred_packing();
+    let mut packed = vec![0u8; cache.packed_len(&region) as usize];
+    cache.gather(&region, packing, &mut packed).unwrap();
+    let mut pinned = engine.pinned(packed.len()).unwrap();
+    pinned.as_mut_slice().unwrap().copy_from_slice(&packed);
+    let (buffers, kv) = engine_owned_kv(&compute, &layout());
+    // Hold the copy stream back, so the prefetch is still pending when the engine reads.
+    let blocker = engine.context().new_stream().unwrap();
+    hold_back(&blocker);
+    // SAFETY: `blocker` is a live stream of the engine's context.
+    unsafe { engine.after(blocker.cu_stream()) }.unwrap();
+    let mut staging = engine.alloc(packed.len() + 100).unwrap();
+    let done = engine.prefetch(&pinned, &mut staging, &kv, &region, packing).unwrap();
+    assert!(!done.is_done().unwrap(), "the prefetch returned only after its copies");
+    // The engine's stream waits for the prefetch, then reads the cache.
+    // SAFETY: `compute` is a live stream of the engine's context.
+    unsafe { done.make_wait(compute.cu_stream()) }.unwrap();
+    let read: Vec<CudaSlice<u8>> = buffers.iter().map(|b| compute.clone_dtod(b).unwrap()).collect();
+    let read: Vec<Vec<u8>> = read.iter().map(|b| compute.clone_dtoh(b).unwrap()).collect();
+    done.wait().unwrap();
+    assert!(done.is_done().unwrap());
+    // What the CPU engine's scatter of the same bytes into a zeroed cache gives.
+    let expected = KvCache::new(layout()).unwrap();
+    expected.scatter(&region, packing, &packed).unwrap();
+    assert_eq!(read, expected.snapshot());
+    drop(kv);
+}
+
+#[test]
+fn a_prefetch_of_the_wrong_length_is_refused() {
+    let Some(engine) = engine() else { return };
+    let kv = engine.alloc_kv(layout()).unwrap();
+    let region = KvRegion::new(0..1, 0..1, 0..1, 0..TOKENS);
+    let needed = kv.packed_len(&region) as usize;
+    let pinned = engine.pinned(needed + 1).unwrap();
+    let mut staging = engine.alloc(needed).unwrap();
+    let packing = layout().preferred_packing();
+    let refused = engine.prefetch(&pinned, &mut staging, &kv, &region, packing).unwrap_err();
+    assert!(matches!(refused, dejavulib::cuda::CudaError::Size { .. }), "{refused}");
+    let mut small = engine.alloc(needed - 1).unwrap();
+    let pinned = engine.pinned(needed).unwrap();
+    let refused = engine.prefetch(&pinned, &mut small, &kv, &region, packing).unwrap_err();
+    assert!(matches!(refused, dejavulib::cuda::CudaError::Size { .. }), "{refused}");
+}
+
+#[test]
+fn memory_handed_over_as_device_memory_is_checked() {
+    let Some(engine) = engine() else { return };
+    let stream = engine.context().new_stream().unwrap();
+    let buffer = stream.alloc_zeros::<u8>(4096).unwrap();
+    let address = buffer.device_ptr(&stream).0;
+    engine.check_device_memory("buffer", address, 4096).unwrap();
+    engine.check_device_memory("its second half", address + 2048, 2048).unwrap();
+    let past = engine.check_device_memory("buffer", address + 1, 4096).unwrap_err();
+    assert!(past.to_string().contains("past the end"), "{past}");
+    let pinned = engine.pinned(4096).unwrap();
+    let host = pinned.as_slice().unwrap().as_ptr() as u64;
+    let refused = engine.check_device_memory("pinned", host, 4096).unwrap_err();
+    assert!(refused.to_string().contains("host memory"), "{refused}");
+    let pageable = vec![0u8; 4096];
+    let refused = engine.check_device_memory("pageable", pageable.as_ptr() as u64, 4096).unwrap_err();
+    assert!(matches!(refused, dejavulib::cuda::CudaError::NotDeviceMemory { .. }), "{refused}");
+}
