@@ -95,47 +95,43 @@ fn measure(w: &Workload) -> Result<Vec<Row>, CudaError> {
         if region == &w.decode {
             let mut pinned = engine.pinned(len)?;
             let t_plain = timed(&mut || engine.download_pinned(&staging, &mut pinned))?;
-            let t_buffered = timed(&mut || {
-                engine.launch(&gather, &kv, &staging)?;
-                engine.download_pinned(&staging, &mut pinned)
-            })?;
+            let t_down =
+                timed(&mut || engine.gather_to_host(&kv, region, packing, &staging, &mut pinned).map(drop))?;
             rows.push(Row {
-                name: "GPU decode step to pinned host memory (prepared gather kernel + one copy)".into(),
-                value: gbps(len as u64, t_buffered),
+                name: "GPU decode step to pinned host memory (gather planned each time + one copy)".into(),
+                value: gbps(len as u64, t_down),
                 unit: "GB/s",
                 limit_name: "plain pinned device-to-host copy of the same bytes".into(),
                 limit: gbps(len as u64, t_plain),
                 target: 0.9,
                 higher_is_better: true,
             });
-            let mut incoming = engine.alloc(len)?;
-            let t_plain = timed(&mut || engine.upload_pinned(&pinned, &mut incoming))?;
-            let t_swap_in = timed(&mut || {
-                engine.upload_pinned(&pinned, &mut planned)?;
-                engine.scatter(&planned, &kv, &w.cache.scatter_plan(region, packing)?)
-            })?;
-            let scatter = engine.prepare_scatter(&incoming, &kv, region, packing)?;
-            let t_prepared = timed(&mut || {
-                engine.upload_pinned(&pinned, &mut incoming)?;
-                engine.launch(&scatter, &kv, &incoming)
+            let t_prepared_down = timed(&mut || {
+                engine.launch(&gather, &kv, &staging)?;
+                engine.download_pinned(&staging, &mut pinned)
             })?;
             rows.push(Row {
-                name: "GPU swap-in of a decode step from pinned memory (one copy + prepared scatter kernel)"
-                    .into(),
-                value: gbps(len as u64, t_prepared),
+                name: "GPU decode step to pinned host memory (prepared gather kernel, then one copy)".into(),
+                value: gbps(len as u64, t_prepared_down),
+                unit: "GB/s",
+                limit_name: "plain pinned device-to-host copy of the same bytes".into(),
+                limit: gbps(len as u64, t_plain),
+                target: 0.0,
+                higher_is_better: true,
+            });
+            let mut incoming = engine.alloc(len)?;
+            let t_plain = timed(&mut || engine.upload_pinned(&pinned, &mut incoming))?;
+            let t_up =
+                timed(&mut || engine.prefetch(&pinned, &mut incoming, &kv, region, packing).map(drop))?;
+            rows.push(Row {
+                name:
+                    "GPU swap-in of a decode step from pinned memory (one copy + scatter planned each time)"
+                        .into(),
+                value: gbps(len as u64, t_up),
                 unit: "GB/s",
                 limit_name: "plain pinned host-to-device copy of the same bytes".into(),
                 limit: gbps(len as u64, t_plain),
                 target: 0.9,
-                higher_is_better: true,
-            });
-            rows.push(Row {
-                name: "GPU swap-in of a decode step, scatter planned on the host each time".into(),
-                value: gbps(len as u64, t_swap_in),
-                unit: "GB/s",
-                limit_name: "plain pinned host-to-device copy of the same bytes".into(),
-                limit: gbps(len as u64, t_plain),
-                target: 0.0,
                 higher_is_better: true,
             });
         }

@@ -24,9 +24,9 @@
 // local memory (kilobytes per thread); `__grid_constant__` (compute capability 7.0 and later)
 // lets the threads read it where the launch put it.
 #if __CUDA_ARCH__ >= 700
-#define TABLE_PARAMETER const __grid_constant__ InlineTable
+#define TABLE_PARAMETER(N) const __grid_constant__ InlineTable<N>
 #else
-#define TABLE_PARAMETER const InlineTable
+#define TABLE_PARAMETER(N) const InlineTable<N>
 #endif
 
 // A table in device memory.
@@ -36,15 +36,17 @@ struct DeviceTable {
     __device__ unsigned long long word(unsigned int i) const { return words[i]; }
 };
 
-// A table passed by value (it must match `InlineTable` on the host side).
+// A table passed by value (it must match `InlineTable` on the host side): up to `N` blocks.
+template <int N>
 struct InlineTable {
-    unsigned long long words[INLINE_BLOCKS * WORDS];
+    unsigned long long words[N * WORDS];
     unsigned int blocks;
     unsigned int unused;
 };
 
+template <int N>
 struct InlineView {
-    const InlineTable& table;
+    const InlineTable<N>& table;
     __device__ unsigned long long word(unsigned int i) const { return table.words[i]; }
 };
 
@@ -132,19 +134,63 @@ __device__ static void copy_bytes(Run run, unsigned long long lane, unsigned lon
     }
 }
 
-// Short runs (a decode step's 16-byte pieces and 256-byte rows): one item per thread.
+// Items each thread of the item kernel copies: all their loads are issued before their stores,
+// so a thread keeps several scattered reads in flight.
+#define ITEMS_PER_THREAD 4
+
+struct Item {
+    const unsigned char* src;
+    unsigned char* dst;
+    unsigned long long unit;
+};
+
+// Global item `i`: its block, its run there, and its place in the run.
+template <class T>
+__device__ static Item item_of(const T& table, unsigned int blocks, unsigned long long i) {
+    unsigned int b = block_of(table, blocks, 17, i);
+    unsigned long long unit = table.word(b + 18);
+    // The unit is a power of two: a shift, not a division.
+    unsigned long long per_run = table.word(b + 2) >> (__ffsll((long long)unit) - 1);
+    unsigned long long local = i - table.word(b + 17);
+    unsigned long long run = divide(local, per_run);
+    unsigned long long within = (local - run * per_run) * unit;
+    Run start = run_start(table, b, run);
+    Item item;
+    item.src = start.src + within;
+    item.dst = start.dst + within;
+    item.unit = unit;
+    return item;
+}
+
+// Short runs (a decode step's 16-byte pieces and 256-byte rows): a few items per thread, each
+// batch of threads on consecutive items so that the stores coalesce.
 template <class T>
 __device__ static void copy_items(const T& table, unsigned int blocks, unsigned long long items) {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < items; i += stride) {
-        unsigned int b = block_of(table, blocks, 17, i);
-        unsigned long long unit = table.word(b + 18);
-        unsigned long long per_run = table.word(b + 2) / unit;
-        unsigned long long local = i - table.word(b + 17);
-        unsigned long long run = divide(local, per_run);
-        unsigned long long within = (local - run * per_run) * unit;
-        Run start = run_start(table, b, run);
-        copy_item(start.src + within, start.dst + within, unit);
+    for (unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; first < items;
+         first += stride * ITEMS_PER_THREAD) {
+        uint4 value[ITEMS_PER_THREAD];
+        uint4* to[ITEMS_PER_THREAD];
+#pragma unroll
+        for (int k = 0; k < ITEMS_PER_THREAD; k++) {
+            to[k] = 0;
+            unsigned long long i = first + k * stride;
+            if (i < items) {
+                Item item = item_of(table, blocks, i);
+                if (item.unit == 16) {
+                    value[k] = *(const uint4*)item.src;
+                    to[k] = (uint4*)item.dst;
+                } else {
+                    copy_item(item.src, item.dst, item.unit);
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < ITEMS_PER_THREAD; k++) {
+            if (to[k] != 0) {
+                *to[k] = value[k];
+            }
+        }
     }
 }
 
@@ -169,12 +215,12 @@ extern "C" __global__ void djv_copy_runs(const unsigned long long* words, unsign
     copy_runs(table, blocks, runs);
 }
 
-extern "C" __global__ void djv_copy_items_inline(TABLE_PARAMETER table, unsigned long long items) {
-    InlineView view = {table};
+extern "C" __global__ void djv_copy_items_inline(TABLE_PARAMETER(INLINE_BLOCKS) table, unsigned long long items) {
+    InlineView<INLINE_BLOCKS> view = {table};
     copy_items(view, table.blocks, items);
 }
 
-extern "C" __global__ void djv_copy_runs_inline(TABLE_PARAMETER table, unsigned long long runs) {
-    InlineView view = {table};
+extern "C" __global__ void djv_copy_runs_inline(TABLE_PARAMETER(INLINE_BLOCKS) table, unsigned long long runs) {
+    InlineView<INLINE_BLOCKS> view = {table};
     copy_runs(view, table.blocks, runs);
 }

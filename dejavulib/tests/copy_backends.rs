@@ -173,6 +173,8 @@ fn regions() -> Vec<KvRegion> {
         KvRegion::new(0..3, 0..SLOTS, 0..5, 17..18), // a decode step
         KvRegion::new(1..3, 1..2, 2..5, 0..33),      // a prompt's worth, some heads
         KvRegion::new(0..1, 0..SLOTS, 0..1, 5..9),
+        // Everything: tens of blocks in a paged layout, too many to pass inline.
+        KvRegion::new(0..3, 0..SLOTS, 0..5, 0..TOKENS),
     ]
 }
 

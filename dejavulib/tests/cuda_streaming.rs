@@ -237,3 +237,64 @@ fn memory_handed_over_as_device_memory_is_checked() {
     let refused = engine.check_device_memory("pageable", pageable.as_ptr() as u64, 4096).unwrap_err();
     assert!(matches!(refused, dejavulib::cuda::CudaError::NotDeviceMemory { .. }), "{refused}");
 }
+
+#[test]
+fn long_runs_are_copied_a_run_per_thread_block_as_the_cpu_engine_copies_them() {
+    let Some(engine) = engine() else { return };
+    // Per-layer [B][H][S][D]: a head's 64 tokens are one run of 16 KiB.
+    let spec = KvSpec::new(2, 3, 128, DType::F16).unwrap();
+    let layout = KvLayout::per_layer(spec, 2, 64, dejavulib::layout::PerLayerOrder::Bhsd).unwrap();
+    let region = KvRegion::new(0..2, 0..2, 0..3, 0..64);
+    let packing = layout.preferred_packing();
+    let plan = dejavulib::cache::gather_copy_plan(&layout, &region, packing).unwrap();
+    let table = dejavulib::cuda::table::encode(&plan, &[0; 4], &[0]).unwrap();
+    assert!(!dejavulib::cuda::table::by_items(&table), "the run kernel must copy this");
+    let cache = KvCache::new(layout.clone()).unwrap();
+    let noise = common::Rng(17).bytes(cache.packed_len(&region) as usize);
+    cache.scatter(&region, packing, &noise).unwrap();
+    let mut kv = engine.alloc_kv(layout).unwrap();
+    engine.upload_kv(&cache.snapshot(), &mut kv).unwrap();
+    let staging = engine.alloc(noise.len()).unwrap();
+    let gather = engine.prepare_gather(&kv, &region, packing, &staging).unwrap();
+    engine.launch(&gather, &kv, &staging).unwrap();
+    let mut out = vec![0u8; noise.len()];
+    engine.download(&staging, &mut out).unwrap();
+    assert_eq!(out, noise);
+}
+
+#[test]
+fn transfers_to_and_from_pinned_memory_move_what_the_cpu_engine_moves() {
+    let Some(engine) = engine() else { return };
+    // 8 MB over 8 layers.
+    let spec = KvSpec::new(8, 8, 128, DType::F16).unwrap();
+    let layout = KvLayout::faster_transformer(spec, 4, 96).unwrap();
+    let region = KvRegion::new(0..8, 0..4, 0..8, 16..80);
+    let packing = layout.preferred_packing();
+    let cache = KvCache::new(layout.clone()).unwrap();
+    let whole = KvRegion::new(0..8, 0..4, 0..8, 0..96);
+    let noise = common::Rng(23).bytes(cache.packed_len(&whole) as usize);
+    cache.scatter(&whole, packing, &noise).unwrap();
+    let mut kv = engine.alloc_kv(layout.clone()).unwrap();
+    engine.upload_kv(&cache.snapshot(), &mut kv).unwrap();
+    let len = cache.packed_len(&region) as usize;
+    assert!(len > 7 << 20);
+    let mut expected = vec![0u8; len];
+    cache.gather(&region, packing, &mut expected).unwrap();
+    // Down: staging and pinned memory longer than the region.
+    let staging = engine.alloc(len + 4096).unwrap();
+    let mut pinned = engine.pinned(len + 100).unwrap();
+    let done = engine.gather_to_host(&kv, &region, packing, &staging, &mut pinned).unwrap();
+    // Reading waits for the copies by itself.
+    assert_eq!(&pinned.as_slice().unwrap()[..len], &expected[..]);
+    assert!(done.is_done().unwrap());
+    // Up: other bytes into a zeroed cache, as the CPU engine scatters them.
+    let incoming = common::Rng(29).bytes(len);
+    let mut upload = engine.pinned(len).unwrap();
+    upload.as_mut_slice().unwrap().copy_from_slice(&incoming);
+    let target = engine.alloc_kv(layout.clone()).unwrap();
+    let mut up_staging = engine.alloc(len).unwrap();
+    engine.prefetch(&upload, &mut up_staging, &target, &region, packing).unwrap().wait().unwrap();
+    let reference = KvCache::new(layout).unwrap();
+    reference.scatter(&region, packing, &incoming).unwrap();
+    assert_eq!(engine.download_kv(&target).unwrap(), reference.snapshot());
+}

@@ -25,7 +25,12 @@ const THREADS: u32 = 256;
 /// Most thread blocks a launch uses (the kernels stride over the rest).
 const MAX_BLOCKS: u32 = 8192;
 
-/// A table passed to the kernels by value (`InlineTable` in `kernels/copy_blocks.cu`).
+/// Items each thread of the item kernel copies (`ITEMS_PER_THREAD` in `kernels/copy_blocks.cu`):
+/// the launch has enough threads for each to have that many.
+const ITEMS_PER_THREAD: u64 = 4;
+
+/// A table passed to the kernels by value (`InlineTable<INLINE_BLOCKS>` in
+/// `kernels/copy_blocks.cu`): the blocks' words, then the block count.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct InlineTable {
@@ -38,7 +43,15 @@ struct InlineTable {
 // u32s: no padding on either side), which is how a kernel parameter of that type is passed.
 unsafe impl DeviceRepr for InlineTable {}
 
-/// The four copy kernels: by items (short runs, one item per thread) or by runs (long runs, one
+impl InlineTable {
+    fn new(table: &Table) -> Self {
+        let mut inline = Self { words: [0; INLINE_BLOCKS * WORDS], blocks: table.blocks, unused: 0 };
+        inline.words[..table.words.len()].copy_from_slice(&table.words);
+        inline
+    }
+}
+
+/// The copy kernels: by items (short runs, a few items per thread) or by runs (long runs, one
 /// thread block each), the table in device memory or inline.
 struct Kernels {
     items: CudaFunction,
@@ -169,14 +182,24 @@ pub struct PinnedBuffer {
 }
 
 impl PinnedBuffer {
-    /// The bytes (once the copies that write them are done: see [`CudaEngine::synchronize`]).
+    /// The bytes, once the copies that write them are done (it waits for them, sleeping).
     pub fn as_slice(&self) -> Result<&[u8], CudaError> {
         Ok(self.slice.as_slice()?)
     }
 
-    /// The bytes, to fill before a copy to the device.
+    /// The bytes, to fill before a copy to the device, once the copies that read them are done.
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8], CudaError> {
         Ok(self.slice.as_mut_slice()?)
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    /// Whether it holds no byte.
+    pub fn is_empty(&self) -> bool {
+        self.slice.len() == 0
     }
 }
 
@@ -432,6 +455,29 @@ impl CudaEngine {
         Ok(self.copy.memcpy_dtoh(&view, &mut host.slice)?)
     }
 
+    /// Gathers `region` of `kv` packed as `packing` into pinned `host` memory (at least as long)
+    /// through `staging`: one kernel, then one copy down, both on the copy stream. Returns the
+    /// point where both are done; [`PinnedBuffer::as_slice`] waits for it too. The host does not
+    /// wait. (Cutting the region so that a kernel overlaps the previous part's copy on a second
+    /// stream was measured slower on an H100: the extra events and launches cost more than the
+    /// kernel they hide.)
+    pub fn gather_to_host(
+        &self,
+        kv: &DeviceKv,
+        region: &KvRegion,
+        packing: Packing,
+        staging: &DeviceBuffer,
+        host: &mut PinnedBuffer,
+    ) -> Result<CopiesDone, CudaError> {
+        let bytes = kv.packed_len(region);
+        at_least("pinned buffer", bytes, host.len())?;
+        let plan = gather_copy_plan(&kv.layout, region, packing)?;
+        at_least("staging buffer", plan.bytes(), staging.len())?;
+        self.run(&encode(&plan, &kv.bases(), &[staging.address()])?)?;
+        self.download_prefix(staging, bytes, host)?;
+        self.copies_done()
+    }
+
     /// Swap-in prefetch: copies pinned `host` (`region` of `kv` packed as `packing`, exactly its
     /// length) to the device through `staging` and scatters it into `kv`, all on the copy stream;
     /// returns the point the engine's compute stream waits for ([`CopiesDone::make_wait`]) before
@@ -538,7 +584,7 @@ impl CudaEngine {
         }
         let items = by_items(table);
         let (grid, count) = if items {
-            (table.items.div_ceil(THREADS as u64), table.items)
+            (table.items.div_ceil(THREADS as u64 * ITEMS_PER_THREAD), table.items)
         } else {
             (table.runs, table.runs)
         };
@@ -553,9 +599,7 @@ impl CudaEngine {
         // (owned ones synchronise the stream before they are freed; borrowed ones are the
         // caller's promise).
         if table.blocks as usize <= INLINE_BLOCKS {
-            let mut inline =
-                InlineTable { words: [0; INLINE_BLOCKS * WORDS], blocks: table.blocks, unused: 0 };
-            inline.words[..table.words.len()].copy_from_slice(&table.words);
+            let inline = InlineTable::new(table);
             let kernel = if items { &self.kernels.items_inline } else { &self.kernels.runs_inline };
             let mut launch = self.copy.launch_builder(kernel);
             launch.arg(&inline).arg(&count);

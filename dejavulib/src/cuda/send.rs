@@ -1,6 +1,7 @@
-//! Sending KV out of device memory: the streamer's GPU path. A gather kernel packs the region
-//! into device staging once the engine's compute stream has passed the point it marked, one copy
-//! moves it into pinned host memory, and the chunk goes to a store like any other.
+//! Sending KV out of device memory: the streamer's GPU path. Once the engine's compute stream has
+//! passed the point it marked, a gather kernel packs the region into device staging and one copy
+//! moves it into pinned host memory ([`CudaEngine::gather_to_host`]); the chunk then goes to a
+//! store like any other.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -88,9 +89,7 @@ pub fn send_from_device(
     if let Some(ready) = &job.ready {
         job.engine.wait_for(ready)?;
     }
-    job.engine.gather_region(&job.kv, &region, packing, device)?;
-    job.engine.download_prefix(device, bytes, pinned)?;
-    let done: CopiesDone = job.engine.copies_done()?;
+    let done: CopiesDone = job.engine.gather_to_host(&job.kv, &region, packing, device, pinned)?;
     done.wait()?;
     let copied = Instant::now();
     store.put(&descriptor, &pinned.as_slice()?[..bytes as usize])?;

@@ -2,7 +2,7 @@
 //! [`WORDS`] words with the addresses of its first run, and the CPU reference twin that defines
 //! what the kernels do with it. Pure data and host code: tested on any machine.
 
-use crate::plan::{CopyPlan, MAX_AXES};
+use crate::plan::{Axis, CopyPlan, MAX_AXES};
 
 /// Words per block in a table.
 pub const WORDS: usize = 19;
@@ -59,40 +59,28 @@ pub fn encode(plan: &CopyPlan, src_bases: &[u64], dst_bases: &[u64]) -> Result<T
     let base = |bases: &[u64], buffer: u32| {
         bases.get(buffer as usize).copied().ok_or(TableError::NoBase { buffer, bases: bases.len() })
     };
+    let mut shapes = Vec::new();
     let mut blocks = Vec::with_capacity(plan.blocks().len());
     for block in plan.blocks().iter().filter(|b| b.runs() > 0) {
         let src =
             base(src_bases, block.src_buffer)?.checked_add(block.src_offset).ok_or(TableError::Overflow)?;
         let dst =
             base(dst_bases, block.dst_buffer)?.checked_add(block.dst_offset).ok_or(TableError::Overflow)?;
-        let axes = block.axes();
-        let mut words = [0u64; WORDS];
-        words[..4].copy_from_slice(&[src, dst, block.run, axes.len() as u64]);
-        for (i, axis) in axes.iter().enumerate() {
-            words[4 + i] = axis.count;
-            words[4 + MAX_AXES + i] = axis.src_stride;
-            words[4 + 2 * MAX_AXES + i] = axis.dst_stride;
-        }
-        blocks.push(words);
+        let mut axes = [Axis::default(); MAX_AXES];
+        axes[..block.axes().len()].copy_from_slice(block.axes());
+        let shape = Shape { run: block.run, depth: block.axes().len(), axes };
+        blocks.push(Placed { shape: shape_id(&mut shapes, shape), src, dst });
     }
-    // Grouped by shape, each shape's blocks in the plan's order (K pieces and V rows alternate in
-    // a plan per layer; grouped, each kind's layers and slots line up to be folded). Plans have a
-    // few shapes, so a linear search finds a block's group.
-    let mut groups: Vec<Vec<[u64; WORDS]>> = Vec::new();
-    for block in blocks {
-        match groups.iter_mut().find(|g| same_shape(&g[0], &block)) {
-            Some(group) => group.push(block),
-            None => groups.push(vec![block]),
-        }
-    }
-    let mut blocks: Vec<[u64; WORDS]> = groups.into_iter().flatten().collect();
-    // Each pass adds at most one axis to a block; stop when a pass folds nothing.
+    // Each pass groups the blocks by shape, each shape's blocks in the plan's order (K pieces and
+    // V rows alternate in a plan per layer; grouped, each kind's layers and slots line up), and
+    // folds what it can, adding at most one axis to a block. Stop when a pass folds nothing.
     loop {
-        let before = blocks.len();
-        blocks = fold(blocks);
-        if blocks.len() == before {
+        blocks.sort_by_key(|b| b.shape);
+        let folded = fold(&blocks, &mut shapes);
+        if folded.len() == blocks.len() {
             break;
         }
+        blocks = folded;
     }
     let mut table = Table {
         words: Vec::with_capacity(blocks.len() * WORDS),
@@ -101,18 +89,94 @@ pub fn encode(plan: &CopyPlan, src_bases: &[u64], dst_bases: &[u64]) -> Result<T
         items: 0,
         longest_run: 0,
     };
-    for mut words in blocks {
+    for block in blocks {
+        let shape = &shapes[block.shape];
+        let mut words = [0u64; WORDS];
+        words[..4].copy_from_slice(&[block.src, block.dst, shape.run, shape.depth as u64]);
+        for (i, axis) in shape.axes[..shape.depth].iter().enumerate() {
+            words[4 + i] = axis.count;
+            words[4 + MAX_AXES + i] = axis.src_stride;
+            words[4 + 2 * MAX_AXES + i] = axis.dst_stride;
+        }
         let unit = unit_of(&words);
+        let runs = shape.axes[..shape.depth].iter().map(|a| a.count).product::<u64>();
         words[16] = table.runs;
         words[17] = table.items;
         words[18] = unit;
         table.words.extend_from_slice(&words);
         table.blocks += 1;
-        table.runs += runs_of(&words);
-        table.items += runs_of(&words) * (words[2] / unit);
-        table.longest_run = table.longest_run.max(words[2]);
+        table.runs += runs;
+        table.items += runs * (shape.run / unit);
+        table.longest_run = table.longest_run.max(shape.run);
     }
     Ok(table)
+}
+
+/// A block's loops without its addresses: what blocks that fold together share.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Shape {
+    run: u64,
+    depth: usize,
+    axes: [Axis; MAX_AXES],
+}
+
+/// A block as folding sees it: its shape (an index into the shapes seen) and where its first
+/// run is on both sides.
+#[derive(Clone, Copy)]
+struct Placed {
+    shape: usize,
+    src: u64,
+    dst: u64,
+}
+
+/// The index of `shape` among `shapes`, added if new (plans have a few shapes).
+fn shape_id(shapes: &mut Vec<Shape>, shape: Shape) -> usize {
+    shapes.iter().position(|s| *s == shape).unwrap_or_else(|| {
+        shapes.push(shape);
+        shapes.len() - 1
+    })
+}
+
+/// One greedy pass: each maximal sequence of same-shaped blocks (below [`MAX_AXES`] axes) whose
+/// addresses advance by a constant step becomes one block with that step as its new outermost
+/// axis. The runs stay in the same order.
+fn fold(blocks: &[Placed], shapes: &mut Vec<Shape>) -> Vec<Placed> {
+    let mut out = Vec::with_capacity(blocks.len());
+    let mut i = 0;
+    while i < blocks.len() {
+        let first = blocks[i];
+        let shape = shapes[first.shape];
+        let mut count = 1;
+        let (mut src_step, mut dst_step) = (0, 0);
+        if shape.depth < MAX_AXES {
+            if let Some(next) = blocks.get(i + 1) {
+                src_step = next.src.wrapping_sub(first.src);
+                dst_step = next.dst.wrapping_sub(first.dst);
+            }
+            while let Some(next) = blocks.get(i + count) {
+                let k = count as u64;
+                if next.shape != first.shape
+                    || next.src != first.src.wrapping_add(k.wrapping_mul(src_step))
+                    || next.dst != first.dst.wrapping_add(k.wrapping_mul(dst_step))
+                {
+                    break;
+                }
+                count += 1;
+            }
+        }
+        if count == 1 {
+            out.push(first);
+            i += 1;
+            continue;
+        }
+        let mut axes = [Axis::default(); MAX_AXES];
+        axes[0] = Axis { count: count as u64, src_stride: src_step, dst_stride: dst_step };
+        axes[1..=shape.depth].copy_from_slice(&shape.axes[..shape.depth]);
+        let folded = Shape { run: shape.run, depth: shape.depth + 1, axes };
+        out.push(Placed { shape: shape_id(shapes, folded), ..first });
+        i += count;
+    }
+    out
 }
 
 /// The bytes one thread moves at a time in a block: the largest of 16, 8, 4, 2 and 1 that its
@@ -124,57 +188,6 @@ pub fn unit_of(words: &[u64; WORDS]) -> u64 {
         all |= words[4 + MAX_AXES + axis] | words[4 + 2 * MAX_AXES + axis];
     }
     1 << all.trailing_zeros().min(4)
-}
-
-fn runs_of(words: &[u64; WORDS]) -> u64 {
-    (0..words[3] as usize).map(|axis| words[4 + axis]).product()
-}
-
-/// Whether `a` and `b` copy the same shape: equal runs and axes, only their addresses differing.
-fn same_shape(a: &[u64; WORDS], b: &[u64; WORDS]) -> bool {
-    a[2..16] == b[2..16]
-}
-
-/// One greedy pass: each maximal sequence of same-shaped blocks whose addresses advance by a
-/// constant step (one block, or a block below [`MAX_AXES`] axes, on its own otherwise) becomes one
-/// block with that step as its new outermost axis. The runs stay in the same order.
-fn fold(blocks: Vec<[u64; WORDS]>) -> Vec<[u64; WORDS]> {
-    let mut out = Vec::with_capacity(blocks.len());
-    let mut i = 0;
-    while i < blocks.len() {
-        let first = blocks[i];
-        let mut count = 1;
-        if (first[3] as usize) < MAX_AXES {
-            let src_step = blocks.get(i + 1).map_or(0, |b| b[0].wrapping_sub(first[0]));
-            let dst_step = blocks.get(i + 1).map_or(0, |b| b[1].wrapping_sub(first[1]));
-            while let Some(next) = blocks.get(i + count) {
-                let k = count as u64;
-                if !same_shape(&first, next)
-                    || next[0] != first[0].wrapping_add(k.wrapping_mul(src_step))
-                    || next[1] != first[1].wrapping_add(k.wrapping_mul(dst_step))
-                {
-                    break;
-                }
-                count += 1;
-            }
-            if count > 1 {
-                let depth = first[3] as usize;
-                let mut words = first;
-                words[3] = depth as u64 + 1;
-                for (side, step) in [(0, count as u64), (1, src_step), (2, dst_step)] {
-                    let at = 4 + side * MAX_AXES;
-                    words[at + 1..at + 1 + depth].copy_from_slice(&first[at..at + depth]);
-                    words[at] = step;
-                }
-                out.push(words);
-                i += count;
-                continue;
-            }
-        }
-        out.push(first);
-        i += 1;
-    }
-    out
 }
 
 /// The block holding global run (`first` = 16) or item (`first` = 17) `index`: the last whose
