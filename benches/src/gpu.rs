@@ -51,7 +51,6 @@ fn measure(w: &Workload) -> Result<Vec<Row>, CudaError> {
     let packing = w.packing();
     let mut rows = Vec::new();
     for (name, region) in [("decode step", &w.decode), ("1000-token prompt", &w.prompt)] {
-        let plan = w.cache.gather_plan(region, packing)?;
         let len = w.cache.packed_len(region) as usize;
         let (staging, source) = (engine.alloc(len)?, engine.alloc(len)?);
         let mut copy = engine.alloc(len)?;
@@ -82,7 +81,7 @@ fn measure(w: &Workload) -> Result<Vec<Row>, CudaError> {
         });
         // A new region every time (a decode step's next token): planned and encoded on the host.
         let mut planned = engine.alloc(len)?;
-        let t_planned = timed(&mut || engine.gather(&kv, &plan, &mut planned))?;
+        let t_planned = timed(&mut || engine.gather_region(&kv, region, packing, &mut planned).map(drop))?;
         rows.push(Row {
             name: format!("GPU gather, {name}, planned and encoded on the host each time"),
             value: gbps(len as u64, t_planned),
@@ -93,52 +92,110 @@ fn measure(w: &Workload) -> Result<Vec<Row>, CudaError> {
             higher_is_better: true,
         });
         if region == &w.decode {
-            let mut pinned = engine.pinned(len)?;
-            let t_plain = timed(&mut || engine.download_pinned(&staging, &mut pinned))?;
-            let t_down =
-                timed(&mut || engine.gather_to_host(&kv, region, packing, &staging, &mut pinned).map(drop))?;
-            rows.push(Row {
-                name: "GPU decode step to pinned host memory (gather planned each time + one copy)".into(),
-                value: gbps(len as u64, t_down),
-                unit: "GB/s",
-                limit_name: "plain pinned device-to-host copy of the same bytes".into(),
-                limit: gbps(len as u64, t_plain),
-                target: 0.9,
-                higher_is_better: true,
-            });
-            let t_prepared_down = timed(&mut || {
-                engine.launch(&gather, &kv, &staging)?;
-                engine.download_pinned(&staging, &mut pinned)
-            })?;
-            rows.push(Row {
-                name: "GPU decode step to pinned host memory (prepared gather kernel, then one copy)".into(),
-                value: gbps(len as u64, t_prepared_down),
-                unit: "GB/s",
-                limit_name: "plain pinned device-to-host copy of the same bytes".into(),
-                limit: gbps(len as u64, t_plain),
-                target: 0.0,
-                higher_is_better: true,
-            });
-            let mut incoming = engine.alloc(len)?;
-            let t_plain = timed(&mut || engine.upload_pinned(&pinned, &mut incoming))?;
-            let t_up =
-                timed(&mut || engine.prefetch(&pinned, &mut incoming, &kv, region, packing).map(drop))?;
-            rows.push(Row {
-                name:
-                    "GPU swap-in of a decode step from pinned memory (one copy + scatter planned each time)"
-                        .into(),
-                value: gbps(len as u64, t_up),
-                unit: "GB/s",
-                limit_name: "plain pinned host-to-device copy of the same bytes".into(),
-                limit: gbps(len as u64, t_plain),
-                target: 0.9,
-                higher_is_better: true,
-            });
+            rows.extend(host_copies(engine.as_ref(), &kv, region, packing, &gather, &staging, &timed)?);
         }
     }
     drop(kv);
     rows.push(overlap(&engine, &synthetic, w)?);
     Ok(rows)
+}
+
+/// A timer: the median of a few runs of a closure and a wait for the copy stream.
+type Timed<'a> = dyn Fn(&mut dyn FnMut() -> Result<(), CudaError>) -> Result<Duration, CudaError> + 'a;
+
+/// The decode step between the GPU and pinned host memory: the library's plain copies against
+/// the card's pinned peak (one 256 MiB copy each way), and the buffered step (gather kernel + one
+/// copy down; one copy up + scatter kernel) against a plain copy of the same bytes.
+fn host_copies(
+    engine: &CudaEngine,
+    kv: &dejavulib::cuda::DeviceKv,
+    region: &KvRegion,
+    packing: dejavulib::Packing,
+    gather: &dejavulib::cuda::PreparedCopy,
+    staging: &dejavulib::cuda::DeviceBuffer,
+    timed: &Timed<'_>,
+) -> Result<Vec<Row>, CudaError> {
+    let len = staging.len() as u64;
+    let peak: u64 = 256 << 20;
+    let (mut peak_device, mut peak_host) = (engine.alloc(peak as usize)?, engine.pinned(peak as usize)?);
+    let t_peak_down = timed(&mut || engine.download_pinned(&peak_device, &mut peak_host))?;
+    let t_peak_up = timed(&mut || engine.upload_pinned(&peak_host, &mut peak_device))?;
+    drop((peak_device, peak_host));
+    let mut pinned = engine.pinned(len as usize)?;
+    let mut incoming = engine.alloc(len as usize)?;
+    let t_down = timed(&mut || engine.download_pinned(staging, &mut pinned))?;
+    let t_up = timed(&mut || engine.upload_pinned(&pinned, &mut incoming))?;
+    let t_gathered =
+        timed(&mut || engine.gather_to_host(kv, region, packing, staging, &mut pinned).map(drop))?;
+    let t_prepared = timed(&mut || {
+        engine.launch(gather, kv, staging)?;
+        engine.download_pinned(staging, &mut pinned)
+    })?;
+    let t_swap_in = timed(&mut || engine.prefetch(&pinned, &mut incoming, kv, region, packing).map(drop))?;
+    let row = |name: &str,
+               value: Duration,
+               bytes: u64,
+               limit_name: &str,
+               limit: Duration,
+               limit_bytes: u64,
+               target| Row {
+        name: name.into(),
+        value: gbps(bytes, value),
+        unit: "GB/s",
+        limit_name: limit_name.into(),
+        limit: gbps(limit_bytes, limit),
+        target,
+        higher_is_better: true,
+    };
+    let peak_down = "the card's pinned device-to-host peak (one 256 MiB copy)";
+    let peak_up = "the card's pinned host-to-device peak (one 256 MiB copy)";
+    Ok(vec![
+        row(
+            "GPU -> host: a decode step copied into the library's pinned memory",
+            t_down,
+            len,
+            peak_down,
+            t_peak_down,
+            peak,
+            0.9,
+        ),
+        row(
+            "host -> GPU: a decode step copied from the library's pinned memory",
+            t_up,
+            len,
+            peak_up,
+            t_peak_up,
+            peak,
+            0.9,
+        ),
+        row(
+            "GPU decode step to pinned host memory (gather planned each time + one copy)",
+            t_gathered,
+            len,
+            "plain pinned device-to-host copy of the same bytes",
+            t_down,
+            len,
+            0.0,
+        ),
+        row(
+            "GPU decode step to pinned host memory (prepared gather kernel, then one copy)",
+            t_prepared,
+            len,
+            "plain pinned device-to-host copy of the same bytes",
+            t_down,
+            len,
+            0.0,
+        ),
+        row(
+            "GPU swap-in of a decode step from pinned memory (one copy + scatter planned each time)",
+            t_swap_in,
+            len,
+            "plain pinned host-to-device copy of the same bytes",
+            t_up,
+            len,
+            0.0,
+        ),
+    ])
 }
 
 /// The synthetic engine: a compute stream, "weights" to stream through, and the layer kernel.
