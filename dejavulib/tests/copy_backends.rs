@@ -57,16 +57,17 @@ impl Backend for Cpu {
     }
 }
 
-/// The CUDA engine: the cache's buffers uploaded to device memory, the result downloaded.
+/// The CUDA engine, planning each copy from the layout: the cache's buffers uploaded to device
+/// memory, the result downloaded.
 struct Cuda(CudaEngine);
 
 impl Backend for Cuda {
     fn gather(&mut self, cache: &KvCache, region: &KvRegion, packing: Packing) -> Vec<u8> {
         let mut kv = self.0.alloc_kv(cache.layout().clone()).unwrap();
         self.0.upload_kv(&cache.snapshot(), &mut kv).unwrap();
-        let plan = cache.gather_plan(region, packing).unwrap();
         let mut staging = self.0.alloc(cache.packed_len(region) as usize).unwrap();
-        self.0.gather(&kv, &plan, &mut staging).unwrap();
+        let bytes = self.0.gather_region(&kv, region, packing, &mut staging).unwrap();
+        assert_eq!(bytes, staging.len() as u64);
         let mut out = vec![0u8; staging.len()];
         self.0.download(&staging, &mut out).unwrap();
         out
@@ -83,14 +84,13 @@ impl Backend for Cuda {
         self.0.upload_kv(&cache.snapshot(), &mut kv).unwrap();
         let mut staging = self.0.alloc(input.len()).unwrap();
         self.0.upload(input, &mut staging).unwrap();
-        let plan = cache.scatter_plan(region, packing).unwrap();
-        self.0.scatter(&staging, &kv, &plan).unwrap();
+        self.0.scatter_region(&staging, &kv, region, packing).unwrap();
         self.0.download_kv(&kv).unwrap()
     }
 }
 
-/// The CUDA engine through prepared copies planned from the layout alone (no host plan), into
-/// and out of staging buffers longer than the region, launched twice each.
+/// The CUDA engine through prepared copies, into and out of staging buffers longer than the
+/// region, launched twice each.
 struct CudaPrepared(CudaEngine);
 
 impl Backend for CudaPrepared {
@@ -128,6 +128,14 @@ impl Backend for CudaPrepared {
         // Launched with other buffers than it was prepared for: refused.
         let other = self.0.alloc(staging.len()).unwrap();
         assert!(matches!(self.0.launch(&scatter, &kv, &other), Err(CudaError::NotPreparedFor)));
+        // Memory of another engine is refused: it would be freed without waiting for this one.
+        let second = CudaEngine::open(0).unwrap();
+        let foreign = second.alloc(staging.len()).unwrap();
+        assert!(matches!(self.0.launch(&scatter, &kv, &foreign), Err(CudaError::OtherEngine)));
+        assert!(matches!(
+            self.0.download(&foreign, &mut vec![0; foreign.len()]),
+            Err(CudaError::OtherEngine)
+        ));
         self.0.download_kv(&kv).unwrap()
     }
 }

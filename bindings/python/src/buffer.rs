@@ -46,6 +46,55 @@ fn itemsize(typestr: &str) -> PyResult<usize> {
         .ok_or_else(|| PyValueError::new_err(format!("unsupported array typestr {typestr:?}")))
 }
 
+/// What an array interface (numpy's `__array_interface__`, or `__cuda_array_interface__`, which
+/// has the same form) says of a C-contiguous array's memory.
+pub struct ArrayMemory {
+    /// First byte.
+    pub address: u64,
+    /// Bytes.
+    pub len: usize,
+    /// Whether it must not be written.
+    pub readonly: bool,
+}
+
+/// Reads `obj.<attribute>` (an array interface dict): its memory, which must be C-contiguous
+/// (else a `ValueError` that suggests `fix`) and not NULL.
+pub fn array_interface(
+    obj: &Bound<'_, PyAny>,
+    attribute: &str,
+    what: &str,
+    fix: &str,
+) -> PyResult<ArrayMemory> {
+    let interface = obj.getattr(attribute)?;
+    let interface = interface.cast::<PyDict>()?;
+    let get = |key: &str| {
+        interface.get_item(key)?.ok_or_else(|| PyValueError::new_err(format!("{attribute} lacks {key:?}")))
+    };
+    let data = get("data")?;
+    let data = data.cast::<PyTuple>()?;
+    let address: u64 = data.get_item(0)?.extract()?;
+    let readonly: bool = data.get_item(1)?.extract()?;
+    let shape: Vec<usize> = get("shape")?.extract()?;
+    let item = itemsize(&get("typestr")?.extract::<String>()?)?;
+    if let Some(strides) = interface.get_item("strides")?.filter(|s| !s.is_none()) {
+        let strides: Vec<isize> = strides.extract()?;
+        let mut expected = item as isize;
+        for (&dim, &stride) in shape.iter().zip(&strides).rev() {
+            if dim > 1 && stride != expected {
+                return Err(PyValueError::new_err(format!(
+                    "{what} must be C-contiguous (strides {strides:?} for shape {shape:?}); use {fix}"
+                )));
+            }
+            expected *= dim as isize;
+        }
+    }
+    let len = shape.iter().product::<usize>() * item;
+    if address == 0 && len > 0 {
+        return Err(PyValueError::new_err(format!("{what} has a NULL data pointer")));
+    }
+    Ok(ArrayMemory { address, len, readonly })
+}
+
 /// The memory of `obj`, which must be C-contiguous and, when `writable`, writable.
 pub fn raw_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<RawBuffer> {
     if obj.hasattr("__cuda_array_interface__")? {
@@ -74,39 +123,11 @@ pub fn raw_buffer(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResul
         });
     }
     if obj.hasattr("__array_interface__")? {
-        let interface = obj.getattr("__array_interface__")?;
-        let interface = interface.cast::<PyDict>()?;
-        let get = |key: &str| {
-            interface
-                .get_item(key)?
-                .ok_or_else(|| PyValueError::new_err(format!("__array_interface__ lacks {key:?}")))
-        };
-        let data = get("data")?;
-        let data = data.cast::<PyTuple>()?;
-        let address: usize = data.get_item(0)?.extract()?;
-        let readonly: bool = data.get_item(1)?.extract()?;
-        let shape: Vec<usize> = get("shape")?.extract()?;
-        let item = itemsize(&get("typestr")?.extract::<String>()?)?;
-        let strides = interface.get_item("strides")?;
-        if let Some(strides) = strides.filter(|s| !s.is_none()) {
-            let strides: Vec<isize> = strides.extract()?;
-            let mut expected = item as isize;
-            for (&dim, &stride) in shape.iter().zip(&strides).rev() {
-                if dim > 1 && stride != expected {
-                    return Err(PyValueError::new_err(format!(
-                        "{what} must be C-contiguous (strides {strides:?} for shape {shape:?}); use numpy.ascontiguousarray"
-                    )));
-                }
-                expected *= dim as isize;
-            }
-        }
-        if writable && readonly {
+        let array = array_interface(obj, "__array_interface__", what, "numpy.ascontiguousarray")?;
+        if writable && array.readonly {
             return Err(PyValueError::new_err(format!("{what} is read-only but is written to")));
         }
-        let len = shape.iter().product::<usize>() * item;
-        if address == 0 && len > 0 {
-            return Err(PyValueError::new_err(format!("{what} has a NULL data pointer")));
-        }
+        let (address, len) = (array.address as usize, array.len);
         return Ok(RawBuffer { ptr: address as *mut u8, len, _owner: obj.clone().unbind() });
     }
     if obj.hasattr("data_ptr")? && obj.hasattr("is_contiguous")? {

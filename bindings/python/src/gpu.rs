@@ -7,9 +7,9 @@ use std::sync::Arc;
 use dejavulib::cuda::{CudaEngine, CudaError as LibCudaError, DeviceKv};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict, PyTuple};
+use pyo3::types::PyByteArray;
 
-use crate::buffer::raw_buffer;
+use crate::buffer::{array_interface, raw_buffer};
 use crate::errors::*;
 use crate::layout::*;
 
@@ -63,28 +63,29 @@ impl PyCudaEngine {
             self.engine.check_device_memory(&what, address, len as u64).map_err(cuda_err)?;
             addresses.push(address);
         }
+        let owners: Vec<Py<PyAny>> = tensors.into_iter().map(Bound::unbind).collect();
         // SAFETY: each address is device memory of this engine's device covering its layout
-        // buffer (checked above), owned by a tensor the cache keeps alive; an engine writing it
-        // while a copy runs orders that work with the copy through the `stream` arguments.
+        // buffer (checked above), owned by a tensor the cache itself keeps alive (so every copy
+        // queued on the cache keeps it too); an engine writing it while a copy runs orders that
+        // work with the copy through the `stream` arguments.
         let kv = unsafe { DeviceKv::borrowed(layout.0.clone(), &addresses) }.map_err(cuda_err)?;
-        let owners = tensors.into_iter().map(Bound::unbind).collect();
-        Ok(PyDeviceCache { engine: self.engine.clone(), kv: Arc::new(kv), _tensors: owners })
+        let kv = kv.keeping(Box::new(owners));
+        Ok(PyDeviceCache { engine: self.engine.clone(), kv: Arc::new(kv) })
     }
 
     /// A cache of `layout` in zeroed GPU memory the library allocates.
     fn alloc(&self, py: Python<'_>, layout: &PyLayout) -> PyResult<PyDeviceCache> {
         let kv = py.detach(|| self.engine.alloc_kv(layout.0.clone())).map_err(cuda_err)?;
-        Ok(PyDeviceCache { engine: self.engine.clone(), kv: Arc::new(kv), _tensors: Vec::new() })
+        Ok(PyDeviceCache { engine: self.engine.clone(), kv: Arc::new(kv) })
     }
 }
 
-/// A KV cache in GPU memory.
+/// A KV cache in GPU memory (over the engine's tensors, which it keeps alive, as does every copy
+/// queued on it).
 #[pyclass(name = "DeviceKvCache", module = "dejavu", frozen)]
 pub(crate) struct PyDeviceCache {
     pub(crate) engine: Arc<CudaEngine>,
     pub(crate) kv: Arc<DeviceKv>,
-    /// The engine's tensors, kept alive as long as the cache.
-    _tensors: Vec<Py<PyAny>>,
 }
 
 #[pymethods]
@@ -195,41 +196,10 @@ fn cuda_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(u64, usize)> {
             obj.get_type().name()?
         )));
     }
-    let interface = obj.getattr("__cuda_array_interface__")?;
-    let interface = interface.cast::<PyDict>()?;
-    let get = |key: &str| {
-        interface
-            .get_item(key)?
-            .ok_or_else(|| PyValueError::new_err(format!("__cuda_array_interface__ lacks {key:?}")))
-    };
-    let data = get("data")?;
-    let data = data.cast::<PyTuple>()?;
-    let address: u64 = data.get_item(0)?.extract()?;
-    let readonly: bool = data.get_item(1)?.extract()?;
-    if readonly {
+    let array = array_interface(obj, "__cuda_array_interface__", what, ".contiguous()")?;
+    if array.readonly {
         return Err(PyValueError::new_err(format!("{what} is read-only but a cache is written to")));
     }
-    let shape: Vec<usize> = get("shape")?.extract()?;
-    let typestr: String = get("typestr")?.extract()?;
-    let item: usize = typestr
-        .get(2..)
-        .and_then(|digits| digits.parse().ok())
-        .ok_or_else(|| PyValueError::new_err(format!("unsupported array typestr {typestr:?}")))?;
-    if let Some(strides) = interface.get_item("strides")?.filter(|s| !s.is_none()) {
-        let strides: Vec<isize> = strides.extract()?;
-        let mut expected = item as isize;
-        for (&dim, &stride) in shape.iter().zip(&strides).rev() {
-            if dim > 1 && stride != expected {
-                return Err(PyValueError::new_err(format!(
-                    "{what} must be C-contiguous (strides {strides:?} for shape {shape:?}); use .contiguous()"
-                )));
-            }
-            expected *= dim as isize;
-        }
-    }
-    let len = shape.iter().product::<usize>() * item;
-    if address == 0 && len > 0 {
-        return Err(PyValueError::new_err(format!("{what} has a NULL data pointer")));
-    }
+    let (address, len) = (array.address, array.len);
     Ok((address, len))
 }

@@ -121,20 +121,33 @@ impl PyStreamer {
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<PyCompletion>> {
         let tokens = range_arg(tokens, "tokens")?;
-        let stream = stream_arg(Some(stream))?;
+        // Crosses into the GIL-free section as a number.
+        let stream = stream_arg(Some(stream))? as usize;
         let plan = plan_stream_out(&a.0, worker(source), &b.0).map_err(stream_err)?;
         let guard = self.inner.lock();
         let streamer = guard.as_ref().ok_or_else(|| Error::new_err("the streamer is shut down"))?;
         let (engine, kv) = (&cache.engine, &cache.kv);
-        // SAFETY: `stream` is a live stream of the cache's device, and the kernels queued on it
-        // write `cache` (the documented contract of this method).
-        let completions =
-            unsafe { streamer.device_layer_ready(engine, kv, stream, &plan, microbatch, layer, tokens) }
-                .map_err(|e| match e {
-                    StreamerError::Stream(dejavulib::reshard::StreamError::Cuda(e)) => cuda_err(e),
-                    other => streamer_err(other),
-                })?;
-        let _ = py;
+        // A full queue blocks: without the GIL.
+        let completions = py
+            .detach(|| {
+                // SAFETY: `stream` is a live stream of the cache's device, and the kernels queued
+                // on it write `cache` (the documented contract of this method).
+                unsafe {
+                    streamer.device_layer_ready(
+                        engine,
+                        kv,
+                        stream as dejavulib::cuda::RawStream,
+                        &plan,
+                        microbatch,
+                        layer,
+                        tokens,
+                    )
+                }
+            })
+            .map_err(|e| match e {
+                StreamerError::Stream(dejavulib::reshard::StreamError::Cuda(e)) => cuda_err(e),
+                other => streamer_err(other),
+            })?;
         Ok(completions.into_iter().map(|c| PyCompletion { inner: Mutex::new(c), outcome: None }).collect())
     }
 

@@ -229,6 +229,11 @@ def test_the_streamer_sends_layers_out_of_torch_cuda_tensors_after_the_torch_str
     completions = []
     for layer in range(4):
         completions += streamer.device_layer_ready(prompt, (0, 0), token, gpu, stream, 0, layer, range(0, 16))
+    # The queued copies keep the tensors alive: drop every reference here, give the memory back
+    # to the allocator and take it again with zeros; the copies must still read the KV.
+    del gpu, tensors, t
+    torch.cuda.empty_cache()
+    _reuse = [torch.zeros_like(w) for w in written]  # noqa: F841 (held: it takes the freed memory)
     assert len(completions) == 4
     assert sum(c.wait(timeout=30)["bytes"] for c in completions) == spec.bytes_per_token * 2 * 16
     assert streamer.shutdown()["completed"] == 4

@@ -11,9 +11,8 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use super::event::{CopiesDone, ReadyMarker};
 use super::table::{by_items, encode, Table, INLINE_BLOCKS, WORDS};
 use super::{driver_present, nvrtc_present, CudaError};
-use crate::cache::{gather_copy_plan, scatter_copy_plan, GatherPlan};
+use crate::cache::{gather_copy_plan, scatter_copy_plan};
 use crate::layout::{KvLayout, Packing};
-use crate::plan::CopyPlan;
 use crate::region::KvRegion;
 
 /// The kernels' source, compiled by NVRTC when an engine opens.
@@ -65,9 +64,6 @@ pub struct CudaEngine {
     ctx: Arc<CudaContext>,
     copy: Arc<CudaStream>,
     kernels: Kernels,
-    /// Tables of launches not known to be done: freed at the next synchronisation (freeing one
-    /// earlier would wait for its kernel).
-    tables: parking_lot::Mutex<Vec<CudaSlice<u64>>>,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -111,6 +107,9 @@ impl DeviceBuffer {
 pub struct DeviceKv {
     layout: KvLayout,
     buffers: Vec<DeviceMem>,
+    /// What keeps borrowed memory allocated (an engine's tensors), held as long as the cache:
+    /// every queued copy holds the cache, so the memory outlives the copies.
+    keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 enum DeviceMem {
@@ -138,22 +137,20 @@ impl DeviceKv {
         if addresses.len() as u64 != needed {
             return Err(CudaError::Size { what: "buffer addresses", needed, got: addresses.len() as u64 });
         }
-        Ok(Self { layout, buffers: addresses.iter().map(|&a| DeviceMem::Borrowed(a)).collect() })
+        let buffers = addresses.iter().map(|&a| DeviceMem::Borrowed(a)).collect();
+        Ok(Self { layout, buffers, keep_alive: None })
+    }
+
+    /// Keeps `owner` (what owns borrowed memory: an engine's tensors) as long as the cache, and
+    /// so as long as any copy queued on it.
+    pub fn keeping(mut self, owner: Box<dyn std::any::Any + Send + Sync>) -> Self {
+        self.keep_alive = Some(owner);
+        self
     }
 
     /// Bytes `region` takes packed (what a gather of it fills).
     pub fn packed_len(&self, region: &KvRegion) -> u64 {
         region.shape().bytes(self.layout.spec())
-    }
-
-    fn bases(&self) -> Vec<u64> {
-        self.buffers
-            .iter()
-            .map(|b| match b {
-                DeviceMem::Owned(buffer) => buffer.address(),
-                DeviceMem::Borrowed(address) => *address,
-            })
-            .collect()
     }
 }
 
@@ -164,7 +161,9 @@ impl DeviceKv {
 pub struct PreparedCopy {
     table: Table,
     bytes: u64,
+    /// The cache's buffer addresses and sizes, and the staging buffer's address, it was made for.
     bases: Vec<u64>,
+    sizes: Vec<u64>,
     staging: u64,
 }
 
@@ -232,7 +231,7 @@ impl CudaEngine {
             runs_inline: module.load_function("djv_copy_runs_inline")?,
         };
         let copy = ctx.new_stream()?;
-        Ok(Self { ctx, copy, kernels, tables: parking_lot::Mutex::new(Vec::new()) })
+        Ok(Self { ctx, copy, kernels })
     }
 
     /// `bytes` of device memory, zeroed.
@@ -247,7 +246,7 @@ impl CudaEngine {
             .iter()
             .map(|&bytes| self.alloc(bytes as usize).map(DeviceMem::Owned))
             .collect::<Result<_, _>>()?;
-        Ok(DeviceKv { layout, buffers })
+        Ok(DeviceKv { layout, buffers, keep_alive: None })
     }
 
     /// `bytes` of pinned host memory (flags 0, not write-combined).
@@ -260,12 +259,14 @@ impl CudaEngine {
 
     /// Copies `host` into `device` on the copy stream (it must be as long).
     pub fn upload(&self, host: &[u8], device: &mut DeviceBuffer) -> Result<(), CudaError> {
+        self.mine(device)?;
         same_len("device buffer", host.len(), device.len())?;
         Ok(self.copy.memcpy_htod(host, &mut device.slice)?)
     }
 
     /// Copies `device` into `host` on the copy stream and waits for it.
     pub fn download(&self, device: &DeviceBuffer, host: &mut [u8]) -> Result<(), CudaError> {
+        self.mine(device)?;
         same_len("host buffer", device.len(), host.len())?;
         self.copy.memcpy_dtoh(&device.slice, host)?;
         Ok(self.copy.synchronize()?)
@@ -274,6 +275,7 @@ impl CudaEngine {
     /// Copies `device` into pinned `host` on the copy stream without waiting (the DMA engine
     /// reads pinned memory directly); [`CudaEngine::synchronize`] before reading it.
     pub fn download_pinned(&self, device: &DeviceBuffer, host: &mut PinnedBuffer) -> Result<(), CudaError> {
+        self.mine(device)?;
         same_len("pinned buffer", device.len(), host.slice.len())?;
         Ok(self.copy.memcpy_dtoh(&device.slice, &mut host.slice)?)
     }
@@ -281,33 +283,17 @@ impl CudaEngine {
     /// Copies `src` into `dst` (as long) on the device, on the copy stream: the limit a gather
     /// kernel is measured against.
     pub fn copy_device(&self, src: &DeviceBuffer, dst: &mut DeviceBuffer) -> Result<(), CudaError> {
+        self.mine(src)?;
+        self.mine(dst)?;
         same_len("device buffer", src.len(), dst.len())?;
         Ok(self.copy.memcpy_dtod(&src.slice, &mut dst.slice)?)
     }
 
     /// Copies pinned `host` into `device` on the copy stream without waiting (swap-in).
     pub fn upload_pinned(&self, host: &PinnedBuffer, device: &mut DeviceBuffer) -> Result<(), CudaError> {
+        self.mine(device)?;
         same_len("device buffer", host.slice.len(), device.len())?;
         Ok(self.copy.memcpy_htod(&host.slice, &mut device.slice)?)
-    }
-
-    /// Gathers `plan`'s region of `kv` into `staging` with one kernel, on the copy stream.
-    pub fn gather(
-        &self,
-        kv: &DeviceKv,
-        plan: &GatherPlan,
-        staging: &mut DeviceBuffer,
-    ) -> Result<(), CudaError> {
-        let needed = plan.copy_plan().bytes();
-        same_len("staging buffer", needed as usize, staging.len())?;
-        self.run(&encode(plan.copy_plan(), &kv.bases(), &[staging.address()])?)
-    }
-
-    /// Scatters `staging` into `kv` as `plan` (a scatter plan of `kv`'s layout) says, with one
-    /// kernel, on the copy stream.
-    pub fn scatter(&self, staging: &DeviceBuffer, kv: &DeviceKv, plan: &CopyPlan) -> Result<(), CudaError> {
-        same_len("staging buffer", plan.bytes() as usize, staging.len())?;
-        self.run(&encode(plan, &[staging.address()], &kv.bases())?)
     }
 
     /// Plans and encodes the gather of `region` of `kv` (packed as `packing`) into the start of
@@ -323,9 +309,15 @@ impl CudaEngine {
     ) -> Result<PreparedCopy, CudaError> {
         let plan = gather_copy_plan(&kv.layout, region, packing)?;
         at_least("staging buffer", plan.bytes(), staging.len())?;
-        let (bases, staging) = (kv.bases(), staging.address());
+        let (bases, staging) = (self.bases_of(kv)?, self.address_of(staging)?);
         let table = encode(&plan, &bases, &[staging])?;
-        Ok(PreparedCopy { table, bytes: plan.bytes(), bases, staging })
+        Ok(PreparedCopy {
+            table,
+            bytes: plan.bytes(),
+            bases,
+            sizes: kv.layout.buffer_sizes().to_vec(),
+            staging,
+        })
     }
 
     /// Plans and encodes the scatter of the start of `staging` (packed as `packing`) into
@@ -339,9 +331,15 @@ impl CudaEngine {
     ) -> Result<PreparedCopy, CudaError> {
         let plan = scatter_copy_plan(&kv.layout, region, packing)?;
         at_least("staging buffer", plan.bytes(), staging.len())?;
-        let (bases, staging) = (kv.bases(), staging.address());
+        let (bases, staging) = (self.bases_of(kv)?, self.address_of(staging)?);
         let table = encode(&plan, &[staging], &bases)?;
-        Ok(PreparedCopy { table, bytes: plan.bytes(), bases, staging })
+        Ok(PreparedCopy {
+            table,
+            bytes: plan.bytes(),
+            bases,
+            sizes: kv.layout.buffer_sizes().to_vec(),
+            staging,
+        })
     }
 
     /// Launches a prepared copy between `kv` and `staging` on the copy stream: one kernel,
@@ -353,7 +351,13 @@ impl CudaEngine {
         kv: &DeviceKv,
         staging: &DeviceBuffer,
     ) -> Result<(), CudaError> {
-        if kv.bases() != copy.bases || staging.address() != copy.staging {
+        // The same addresses can come back from the allocator for other buffers: the sizes must
+        // be the ones the table's addresses were checked against too.
+        if self.bases_of(kv)? != copy.bases
+            || kv.layout.buffer_sizes() != copy.sizes.as_slice()
+            || self.address_of(staging)? != copy.staging
+            || (staging.len() as u64) < copy.bytes
+        {
             return Err(CudaError::NotPreparedFor);
         }
         self.run(&copy.table)
@@ -423,7 +427,7 @@ impl CudaEngine {
     ) -> Result<u64, CudaError> {
         let plan = gather_copy_plan(&kv.layout, region, packing)?;
         at_least("staging buffer", plan.bytes(), staging.len())?;
-        self.run(&encode(&plan, &kv.bases(), &[staging.address()])?)?;
+        self.run(&encode(&plan, &self.bases_of(kv)?, &[self.address_of(staging)?])?)?;
         Ok(plan.bytes())
     }
 
@@ -438,7 +442,7 @@ impl CudaEngine {
     ) -> Result<(), CudaError> {
         let plan = scatter_copy_plan(&kv.layout, region, packing)?;
         at_least("staging buffer", plan.bytes(), staging.len())?;
-        self.run(&encode(&plan, &[staging.address()], &kv.bases())?)
+        self.run(&encode(&plan, &[self.address_of(staging)?], &self.bases_of(kv)?)?)
     }
 
     /// Copies the first `bytes` of `device` into pinned `host` (at least as long) on the copy
@@ -449,6 +453,7 @@ impl CudaEngine {
         bytes: u64,
         host: &mut PinnedBuffer,
     ) -> Result<(), CudaError> {
+        self.mine(device)?;
         at_least("device buffer", bytes, device.len())?;
         at_least("pinned buffer", bytes, host.slice.len())?;
         let view = device.slice.slice(..bytes as usize);
@@ -473,7 +478,7 @@ impl CudaEngine {
         at_least("pinned buffer", bytes, host.len())?;
         let plan = gather_copy_plan(&kv.layout, region, packing)?;
         at_least("staging buffer", plan.bytes(), staging.len())?;
-        self.run(&encode(&plan, &kv.bases(), &[staging.address()])?)?;
+        self.run(&encode(&plan, &self.bases_of(kv)?, &[self.address_of(staging)?])?)?;
         self.download_prefix(staging, bytes, host)?;
         self.copies_done()
     }
@@ -481,7 +486,9 @@ impl CudaEngine {
     /// Swap-in prefetch: copies pinned `host` (`region` of `kv` packed as `packing`, exactly its
     /// length) to the device through `staging` and scatters it into `kv`, all on the copy stream;
     /// returns the point the engine's compute stream waits for ([`CopiesDone::make_wait`]) before
-    /// the work that reads the region. The host does not wait.
+    /// the work that reads the region. The host does not wait. If the engine's queued work may
+    /// still read the region's old contents, order the prefetch after it first
+    /// ([`CudaEngine::wait_for`]).
     pub fn prefetch(
         &self,
         host: &PinnedBuffer,
@@ -493,9 +500,10 @@ impl CudaEngine {
         let plan = scatter_copy_plan(&kv.layout, region, packing)?;
         same_len("pinned buffer", plan.bytes() as usize, host.slice.len())?;
         at_least("staging buffer", plan.bytes(), staging.len())?;
+        self.mine(staging)?;
         let mut view = staging.slice.slice_mut(..plan.bytes() as usize);
         self.copy.memcpy_htod(&host.slice, &mut view)?;
-        self.run(&encode(&plan, &[staging.address()], &kv.bases())?)?;
+        self.run(&encode(&plan, &[self.address_of(staging)?], &self.bases_of(kv)?)?)?;
         self.copies_done()
     }
 
@@ -541,13 +549,12 @@ impl CudaEngine {
 
     /// Waits for every copy enqueued so far.
     pub fn synchronize(&self) -> Result<(), CudaError> {
-        self.copy.synchronize()?;
-        self.tables.lock().clear();
-        Ok(())
+        Ok(self.copy.synchronize()?)
     }
 
     /// Copies every buffer of `host` into `kv` (same layout) and waits: for tests and checks.
     pub fn upload_kv(&self, host: &[Vec<u8>], kv: &mut DeviceKv) -> Result<(), CudaError> {
+        self.bases_of(kv)?;
         same_len("buffers", kv.buffers.len(), host.len())?;
         for (bytes, buffer) in host.iter().zip(&mut kv.buffers) {
             match buffer {
@@ -562,6 +569,7 @@ impl CudaEngine {
 
     /// Every buffer of `kv` (library-owned), copied to the host: for tests and checks.
     pub fn download_kv(&self, kv: &DeviceKv) -> Result<Vec<Vec<u8>>, CudaError> {
+        self.bases_of(kv)?;
         self.synchronize()?;
         kv.buffers
             .iter()
@@ -572,6 +580,34 @@ impl CudaEngine {
                     Ok(host)
                 }
                 DeviceMem::Borrowed(_) => Err(CudaError::Driver("downloading an engine's own memory".into())),
+            })
+            .collect()
+    }
+
+    /// Refuses memory another engine allocated: it is freed on that engine's stream, which does
+    /// not wait for this engine's copies.
+    fn mine(&self, buffer: &DeviceBuffer) -> Result<(), CudaError> {
+        if Arc::ptr_eq(&buffer.stream, &self.copy) {
+            Ok(())
+        } else {
+            Err(CudaError::OtherEngine)
+        }
+    }
+
+    /// `buffer`'s device address, if this engine allocated it.
+    fn address_of(&self, buffer: &DeviceBuffer) -> Result<u64, CudaError> {
+        self.mine(buffer)?;
+        Ok(buffer.address())
+    }
+
+    /// The device addresses of `kv`'s buffers, if this engine allocated the ones the library owns
+    /// (borrowed ones are the caller's promise: see [`DeviceKv::borrowed`]).
+    fn bases_of(&self, kv: &DeviceKv) -> Result<Vec<u64>, CudaError> {
+        kv.buffers
+            .iter()
+            .map(|b| match b {
+                DeviceMem::Owned(buffer) => self.address_of(buffer),
+                DeviceMem::Borrowed(address) => Ok(*address),
             })
             .collect()
     }
@@ -611,9 +647,9 @@ impl CudaEngine {
         let kernel = if items { &self.kernels.items } else { &self.kernels.runs };
         let mut launch = self.copy.launch_builder(kernel);
         launch.arg(&words).arg(&table.blocks).arg(&count);
-        // SAFETY: see above; the uploaded table is kept until the next synchronisation.
+        // SAFETY: see above; the uploaded table lives until its kernel has run: dropping it frees
+        // it in stream order (after the kernel), or after synchronising the stream.
         unsafe { launch.launch(config) }?;
-        self.tables.lock().push(words);
         Ok(())
     }
 }

@@ -6,8 +6,9 @@
 //! The driver and NVRTC are loaded at run time (`cudarc` with dynamic loading): the crate builds
 //! and runs on machines with no CUDA at all, where [`CudaEngine::open`] returns
 //! [`CudaError::NoDriver`]. The kernels (`kernels/copy_blocks.cu`) are compiled for the device's
-//! architecture when an engine opens; [`table::copy_reference`] is their CPU twin, which defines
-//! what they do and is tested everywhere.
+//! architecture when an engine opens (NVRTC 11.7 or later: the tables travel as
+//! `__grid_constant__` kernel parameters); [`table::copy_reference`] is their CPU twin, which
+//! defines what they do and is tested everywhere.
 
 mod engine;
 mod event;
@@ -63,6 +64,10 @@ pub enum CudaError {
     /// Planning the copy failed.
     #[error(transparent)]
     Cache(#[from] crate::cache::CacheError),
+    /// Device memory another engine allocated (it would be freed without waiting for this
+    /// engine's copies).
+    #[error("device memory of another CUDA engine")]
+    OtherEngine,
     /// A prepared copy launched with other buffers than those it was prepared for.
     #[error("a prepared copy launched with other buffers than it was prepared for")]
     NotPreparedFor,
