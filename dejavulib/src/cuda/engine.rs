@@ -2,62 +2,16 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PinnedHostSlice, PushKernelArg,
-};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::event::{CopiesDone, ReadyMarker};
-use super::table::{by_items, encode, Table, INLINE_BLOCKS, WORDS};
+use super::kernels::Kernels;
+use super::memory::{DeviceBuffer, DeviceKv, DeviceMem, PinnedBuffer};
+use super::table::{encode, Table};
 use super::{driver_present, nvrtc_present, CudaError};
 use crate::cache::{gather_copy_plan, scatter_copy_plan};
 use crate::layout::{KvLayout, Packing};
 use crate::region::KvRegion;
-
-/// The kernels' source, compiled by NVRTC when an engine opens.
-const KERNELS: &str = include_str!("../../kernels/copy_blocks.cu");
-
-/// Threads per block of both kernels.
-const THREADS: u32 = 256;
-
-/// Most thread blocks a launch uses (the kernels stride over the rest).
-const MAX_BLOCKS: u32 = 8192;
-
-/// Items each thread of the item kernel copies (`ITEMS_PER_THREAD` in `kernels/copy_blocks.cu`):
-/// the launch has enough threads for each to have that many.
-const ITEMS_PER_THREAD: u64 = 4;
-
-/// A table passed to the kernels by value (`InlineTable<INLINE_BLOCKS>` in
-/// `kernels/copy_blocks.cu`): the blocks' words, then the block count.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct InlineTable {
-    words: [u64; INLINE_BLOCKS * WORDS],
-    blocks: u32,
-    unused: u32,
-}
-
-// SAFETY: plain old data with the C layout of the kernels' `InlineTable` (u64 words, then two
-// u32s: no padding on either side), which is how a kernel parameter of that type is passed.
-unsafe impl DeviceRepr for InlineTable {}
-
-impl InlineTable {
-    fn new(table: &Table) -> Self {
-        let mut inline = Self { words: [0; INLINE_BLOCKS * WORDS], blocks: table.blocks, unused: 0 };
-        inline.words[..table.words.len()].copy_from_slice(&table.words);
-        inline
-    }
-}
-
-/// The copy kernels: by items (short runs, a few items per thread) or by runs (long runs, one
-/// thread block each), the table in device memory or inline.
-struct Kernels {
-    items: CudaFunction,
-    runs: CudaFunction,
-    items_inline: CudaFunction,
-    runs_inline: CudaFunction,
-}
 
 /// A device with the copy kernels loaded and a stream of its own for copies.
 pub struct CudaEngine {
@@ -69,88 +23,6 @@ pub struct CudaEngine {
 impl std::fmt::Debug for CudaEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaEngine").field("ordinal", &self.ctx.ordinal()).finish_non_exhaustive()
-    }
-}
-
-/// Device memory the library allocated; the copy stream is synchronised before it is freed (the
-/// kernels write through raw addresses, which cudarc does not track).
-pub struct DeviceBuffer {
-    slice: CudaSlice<u8>,
-    stream: Arc<CudaStream>,
-}
-
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        let _ = self.stream.synchronize();
-    }
-}
-
-impl DeviceBuffer {
-    /// Bytes.
-    pub fn len(&self) -> usize {
-        self.slice.len()
-    }
-
-    /// Whether it holds no byte.
-    pub fn is_empty(&self) -> bool {
-        self.slice.len() == 0
-    }
-
-    fn address(&self) -> u64 {
-        let (ptr, _sync) = self.slice.device_ptr(&self.stream);
-        ptr
-    }
-}
-
-/// A KV cache in device memory, laid out as a [`KvLayout`]: one allocation per buffer, owned by
-/// the library or by the engine that hands its own tensors over.
-pub struct DeviceKv {
-    layout: KvLayout,
-    buffers: Vec<DeviceMem>,
-    /// What keeps borrowed memory allocated (an engine's tensors), held as long as the cache:
-    /// every queued copy holds the cache, so the memory outlives the copies.
-    keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
-}
-
-enum DeviceMem {
-    Owned(DeviceBuffer),
-    /// An engine's own memory: its address and length.
-    Borrowed(u64),
-}
-
-impl DeviceKv {
-    /// The layout.
-    pub fn layout(&self) -> &KvLayout {
-        &self.layout
-    }
-
-    /// A cache over device memory the engine owns (as PyTorch hands a tensor out): buffer `i` of
-    /// `layout` at device address `addresses[i]`.
-    ///
-    /// # Safety
-    /// 1. Each address must be a device allocation of the engine's device, at least as long as
-    ///    the layout's buffer `i`, and stay allocated while this cache is used.
-    /// 2. Nothing may write it while a copy the library enqueued runs, but what the engine orders
-    ///    with [`CudaEngine::after`].
-    pub unsafe fn borrowed(layout: KvLayout, addresses: &[u64]) -> Result<Self, CudaError> {
-        let needed = layout.buffer_sizes().len() as u64;
-        if addresses.len() as u64 != needed {
-            return Err(CudaError::Size { what: "buffer addresses", needed, got: addresses.len() as u64 });
-        }
-        let buffers = addresses.iter().map(|&a| DeviceMem::Borrowed(a)).collect();
-        Ok(Self { layout, buffers, keep_alive: None })
-    }
-
-    /// Keeps `owner` (what owns borrowed memory: an engine's tensors) as long as the cache, and
-    /// so as long as any copy queued on it.
-    pub fn keeping(mut self, owner: Box<dyn std::any::Any + Send + Sync>) -> Self {
-        self.keep_alive = Some(owner);
-        self
-    }
-
-    /// Bytes `region` takes packed (what a gather of it fills).
-    pub fn packed_len(&self, region: &KvRegion) -> u64 {
-        region.shape().bytes(self.layout.spec())
     }
 }
 
@@ -174,34 +46,6 @@ impl PreparedCopy {
     }
 }
 
-/// Page-locked host memory, allocated with flags 0: cached for CPU reads (cudarc's default is
-/// write-combined, very slow to read from the CPU).
-pub struct PinnedBuffer {
-    slice: PinnedHostSlice<u8>,
-}
-
-impl PinnedBuffer {
-    /// The bytes, once the copies that write them are done (it waits for them, sleeping).
-    pub fn as_slice(&self) -> Result<&[u8], CudaError> {
-        Ok(self.slice.as_slice()?)
-    }
-
-    /// The bytes, to fill before a copy to the device, once the copies that read them are done.
-    pub fn as_mut_slice(&mut self) -> Result<&mut [u8], CudaError> {
-        Ok(self.slice.as_mut_slice()?)
-    }
-
-    /// Bytes.
-    pub fn len(&self) -> usize {
-        self.slice.len()
-    }
-
-    /// Whether it holds no byte.
-    pub fn is_empty(&self) -> bool {
-        self.slice.len() == 0
-    }
-}
-
 impl CudaEngine {
     /// Opens device `ordinal`: checks that the driver and NVRTC can be loaded (a typed error, not
     /// a panic, where they cannot), compiles the kernels for its architecture and makes a copy
@@ -218,18 +62,7 @@ impl CudaEngine {
             return Err(CudaError::NoNvrtc);
         }
         let ctx = CudaContext::new(ordinal)?;
-        let (major, minor) = ctx.compute_capability()?;
-        // NVRTC takes the architecture as a static string: one per device kind, kept.
-        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
-        let options = CompileOptions { arch: Some(arch), ..CompileOptions::default() };
-        let ptx = compile_ptx_with_opts(KERNELS, options).map_err(|e| CudaError::Compile(e.to_string()))?;
-        let module = ctx.load_module(ptx)?;
-        let kernels = Kernels {
-            items: module.load_function("djv_copy_items")?,
-            runs: module.load_function("djv_copy_runs")?,
-            items_inline: module.load_function("djv_copy_items_inline")?,
-            runs_inline: module.load_function("djv_copy_runs_inline")?,
-        };
+        let kernels = Kernels::load(&ctx)?;
         let copy = ctx.new_stream()?;
         Ok(Self { ctx, copy, kernels })
     }
@@ -612,45 +445,14 @@ impl CudaEngine {
             .collect()
     }
 
-    /// Launches the kernel that fits `table`'s runs: the table travels as a kernel parameter when
-    /// it is small (a decode step's is), else it is uploaded first.
+    /// Launches `table` on the copy stream.
     fn run(&self, table: &Table) -> Result<(), CudaError> {
-        if table.runs == 0 {
-            return Ok(());
-        }
-        let items = by_items(table);
-        let (grid, count) = if items {
-            (table.items.div_ceil(THREADS as u64 * ITEMS_PER_THREAD), table.items)
-        } else {
-            (table.runs, table.runs)
-        };
-        let config = LaunchConfig {
-            grid_dim: (grid.min(MAX_BLOCKS as u64) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY (both launches): the arguments are the kernel's, in order; every address in the
-        // table lies inside a buffer of the plan's size (checked by the callers' length checks
-        // and by the plan, which was made for these layouts), and those buffers outlive the copy
-        // (owned ones synchronise the stream before they are freed; borrowed ones are the
-        // caller's promise).
-        if table.blocks as usize <= INLINE_BLOCKS {
-            let inline = InlineTable::new(table);
-            let kernel = if items { &self.kernels.items_inline } else { &self.kernels.runs_inline };
-            let mut launch = self.copy.launch_builder(kernel);
-            launch.arg(&inline).arg(&count);
-            // SAFETY: see above; the inline table is copied into the launch's parameters.
-            unsafe { launch.launch(config) }?;
-            return Ok(());
-        }
-        let words = self.copy.clone_htod(&table.words)?;
-        let kernel = if items { &self.kernels.items } else { &self.kernels.runs };
-        let mut launch = self.copy.launch_builder(kernel);
-        launch.arg(&words).arg(&table.blocks).arg(&count);
-        // SAFETY: see above; the uploaded table lives until its kernel has run: dropping it frees
-        // it in stream order (after the kernel), or after synchronising the stream.
-        unsafe { launch.launch(config) }?;
-        Ok(())
+        // SAFETY: every table comes from `encode` over a plan made for the cache's layout and
+        // the buffers' addresses, after the callers' length checks (so its addresses lie inside
+        // them), and those buffers outlive the copy (owned ones synchronise the copy stream before
+        // they are freed, and `mine` refuses another engine's; borrowed ones are the promise of
+        // `DeviceKv::borrowed`).
+        unsafe { self.kernels.launch(&self.copy, table) }
     }
 }
 

@@ -12,11 +12,14 @@
 
 mod engine;
 mod event;
+mod kernels;
+mod memory;
 mod send;
 pub mod table;
 
-pub use engine::{CudaEngine, DeviceBuffer, DeviceKv, PinnedBuffer, PreparedCopy};
+pub use engine::{CudaEngine, PreparedCopy};
 pub use event::{CopiesDone, ReadyMarker};
+pub use memory::{DeviceBuffer, DeviceKv, PinnedBuffer};
 pub use send::{send_from_device, DeviceJob, DeviceStaging};
 
 /// A raw CUDA stream handle, as engines hand theirs over (PyTorch's `cuda_stream`); null is the

@@ -1,0 +1,115 @@
+//! The copy kernels as the engine launches them: compiled from `kernels/copy_blocks.cu` by NVRTC
+//! for the device's architecture, and the launch that fits a table (by items or by runs, the table
+//! inline as a kernel parameter or uploaded).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+use super::table::{by_items, Table, INLINE_BLOCKS, WORDS};
+use super::CudaError;
+
+/// The kernels' source, compiled by NVRTC when an engine opens.
+const KERNELS: &str = include_str!("../../kernels/copy_blocks.cu");
+
+/// Threads per block of both kernels.
+const THREADS: u32 = 256;
+
+/// Most thread blocks a launch uses (the kernels stride over the rest).
+const MAX_BLOCKS: u32 = 8192;
+
+/// Items each thread of the item kernel copies (`ITEMS_PER_THREAD` in `kernels/copy_blocks.cu`):
+/// the launch has enough threads for each to have that many.
+const ITEMS_PER_THREAD: u64 = 4;
+
+/// A table passed to the kernels by value (`InlineTable<INLINE_BLOCKS>` in
+/// `kernels/copy_blocks.cu`): the blocks' words, then the block count.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct InlineTable {
+    words: [u64; INLINE_BLOCKS * WORDS],
+    blocks: u32,
+    unused: u32,
+}
+
+// SAFETY: plain old data with the C layout of the kernels' `InlineTable` (u64 words, then two
+// u32s: no padding on either side), which is how a kernel parameter of that type is passed.
+unsafe impl DeviceRepr for InlineTable {}
+
+impl InlineTable {
+    fn new(table: &Table) -> Self {
+        let mut inline = Self { words: [0; INLINE_BLOCKS * WORDS], blocks: table.blocks, unused: 0 };
+        inline.words[..table.words.len()].copy_from_slice(&table.words);
+        inline
+    }
+}
+
+/// The copy kernels: by items (short runs, a few items per thread) or by runs (long runs, one
+/// thread block each), the table in device memory or inline.
+pub(super) struct Kernels {
+    items: CudaFunction,
+    runs: CudaFunction,
+    items_inline: CudaFunction,
+    runs_inline: CudaFunction,
+}
+
+impl Kernels {
+    /// Compiles the kernels for `ctx`'s device and loads them.
+    pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<Self, CudaError> {
+        let (major, minor) = ctx.compute_capability()?;
+        // NVRTC takes the architecture as a static string: one per device kind, kept.
+        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+        let options = CompileOptions { arch: Some(arch), ..CompileOptions::default() };
+        let ptx = compile_ptx_with_opts(KERNELS, options).map_err(|e| CudaError::Compile(e.to_string()))?;
+        let module = ctx.load_module(ptx)?;
+        Ok(Self {
+            items: module.load_function("djv_copy_items")?,
+            runs: module.load_function("djv_copy_runs")?,
+            items_inline: module.load_function("djv_copy_items_inline")?,
+            runs_inline: module.load_function("djv_copy_runs_inline")?,
+        })
+    }
+
+    /// Launches the kernel that fits `table`'s runs: the table travels as a kernel parameter when
+    /// it is small (a decode step's is), else it is uploaded first.
+    ///
+    /// # Safety
+    /// Every address in `table` must lie inside device memory of `stream`'s device that stays
+    /// allocated until the kernel has run, and nothing else may write what it writes meanwhile.
+    pub(super) unsafe fn launch(&self, stream: &Arc<CudaStream>, table: &Table) -> Result<(), CudaError> {
+        if table.runs == 0 {
+            return Ok(());
+        }
+        let items = by_items(table);
+        let (grid, count) = if items {
+            (table.items.div_ceil(THREADS as u64 * ITEMS_PER_THREAD), table.items)
+        } else {
+            (table.runs, table.runs)
+        };
+        let config = LaunchConfig {
+            grid_dim: (grid.min(MAX_BLOCKS as u64) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY (both launches): the arguments are the kernel's, in order; the table's addresses
+        // are the caller's promise (this function's contract).
+        if table.blocks as usize <= INLINE_BLOCKS {
+            let inline = InlineTable::new(table);
+            let kernel = if items { &self.items_inline } else { &self.runs_inline };
+            let mut launch = stream.launch_builder(kernel);
+            launch.arg(&inline).arg(&count);
+            // SAFETY: see above; the inline table is copied into the launch's parameters.
+            unsafe { launch.launch(config) }?;
+            return Ok(());
+        }
+        let words = stream.clone_htod(&table.words)?;
+        let kernel = if items { &self.items } else { &self.runs };
+        let mut launch = stream.launch_builder(kernel);
+        launch.arg(&words).arg(&table.blocks).arg(&count);
+        // SAFETY: see above; the uploaded table lives until its kernel has run: dropping it frees
+        // it in stream order (after the kernel), or after synchronising the stream.
+        unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+}
