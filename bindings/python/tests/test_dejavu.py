@@ -128,6 +128,21 @@ def test_torch_cpu_tensors_are_used_in_place():
     assert any(bool(t.ne(0).any()) for t in tensors)
 
 
+def assert_each_token_worker_fetches_its_layers(store, token, source):
+    """Each of the 4 layers went as its own chunk, keyed in the destination's coordinates: every
+    worker of `token` (2 stages of 2 layers, 2 slots, 2 heads, 16 tokens) fetches its layers and
+    holds what `source` holds there."""
+    for w in token.workers():
+        local = dejavu.KvCache(dejavu.KvLayout.faster_transformer(token.local_spec(w), 2, 16))
+        for layer in range(2):
+            one = dejavu.KvRegion(range(layer, layer + 1), range(2), range(2), range(16))
+            dejavu.fetch(store, local, one, source=(0, 0), destination=w, microbatch=0)
+        h = token.holding(w)
+        at_source = dejavu.KvRegion(range(*h["layers"]), range(2), range(2), range(16))
+        at_destination = dejavu.KvRegion(range(2), range(2), range(2), range(16))
+        assert bytes(local.gather(at_destination)) == bytes(source.gather(at_source)), w
+
+
 def test_a_host_cache_refuses_torch_cuda_tensors_clearly():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
@@ -237,16 +252,7 @@ def test_the_streamer_sends_layers_out_of_torch_cuda_tensors_after_the_torch_str
     assert len(completions) == 4
     assert sum(c.wait(timeout=30)["bytes"] for c in completions) == spec.bytes_per_token * 2 * 16
     assert streamer.shutdown()["completed"] == 4
-    cpu = dejavu.KvCache.wrap(layout, host)
-    for w in token.workers():
-        local = dejavu.KvCache(dejavu.KvLayout.faster_transformer(token.local_spec(w), 2, 16))
-        for layer in range(2):
-            one = dejavu.KvRegion(range(layer, layer + 1), range(2), range(2), range(16))
-            dejavu.fetch(store, local, one, source=(0, 0), destination=w, microbatch=0)
-        h = token.holding(w)
-        at_source = dejavu.KvRegion(range(*h["layers"]), range(2), range(2), range(16))
-        at_destination = dejavu.KvRegion(range(2), range(2), range(2), range(16))
-        assert bytes(local.gather(at_destination)) == bytes(cpu.gather(at_source)), w
+    assert_each_token_worker_fetches_its_layers(store, token, dejavu.KvCache.wrap(layout, host))
 
 
 def test_resharding_between_two_setups_and_back():
@@ -377,16 +383,7 @@ def test_layer_by_layer_streaming_on_a_background_thread():
     assert stats["completed"] == 4 and stats["failed"] == 0
     with pytest.raises(dejavu.Error, match="shut down"):
         streamer.layer_ready(prompt, (0, 0), token, engine, 0, 0, range(0, 16))
-    # Each layer went as its own chunk, keyed in the destination's coordinates.
-    for w in token.workers():
-        local = dejavu.KvCache(dejavu.KvLayout.faster_transformer(token.local_spec(w), 2, 16))
-        for layer in range(2):
-            one = dejavu.KvRegion(range(layer, layer + 1), range(2), range(2), range(16))
-            dejavu.fetch(store, local, one, source=(0, 0), destination=w, microbatch=0)
-        h = token.holding(w)
-        at_source = dejavu.KvRegion(range(*h["layers"]), range(2), range(2), range(16))
-        at_destination = dejavu.KvRegion(range(2), range(2), range(2), range(16))
-        assert bytes(local.gather(at_destination)) == bytes(engine.gather(at_source)), w
+    assert_each_token_worker_fetches_its_layers(store, token, engine)
 
 
 def test_a_streamer_runs_on_the_cpus_it_is_given():
