@@ -7,10 +7,10 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 use super::event::{CopiesDone, ReadyMarker};
 use super::kernels::Kernels;
 use super::memory::{DeviceBuffer, DeviceKv, DeviceMem, PinnedBuffer};
-use super::table::{encode, Table};
+use super::table::{encode, Table, TokenSteps};
 use super::{driver_present, nvrtc_present, CudaError};
 use crate::cache::{gather_copy_plan, scatter_copy_plan};
-use crate::layout::{KvLayout, Packing};
+use crate::layout::{KvLayout, LayoutKind, Packing};
 use crate::region::KvRegion;
 
 /// A device with the copy kernels loaded and a stream of its own for copies.
@@ -18,6 +18,32 @@ pub struct CudaEngine {
     ctx: Arc<CudaContext>,
     copy: Arc<CudaStream>,
     kernels: Kernels,
+    /// Copies seen before, at every token offset: the next decode step's table without planning.
+    steps: parking_lot::Mutex<Vec<(StepsKey, TokenSteps)>>,
+}
+
+/// Most copies whose token steps an engine keeps (a stage's layers, each way, and a few more).
+const KEPT_STEPS: usize = 256;
+
+/// Which way a copy between a cache and a staging buffer goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Direction {
+    /// Cache to staging.
+    Gather,
+    /// Staging to cache.
+    Scatter,
+}
+
+/// What a copy's token steps hold for: the same cache (layout and addresses), the same region but
+/// for where its tokens start, the same packing and direction.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct StepsKey {
+    // Compared in this order: the cheap fields that tell copies apart first.
+    region: KvRegion,
+    direction: Direction,
+    packing: Packing,
+    bases: Vec<u64>,
+    layout: KvLayout,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -64,7 +90,7 @@ impl CudaEngine {
         let ctx = CudaContext::new(ordinal)?;
         let kernels = Kernels::load(&ctx)?;
         let copy = ctx.new_stream()?;
-        Ok(Self { ctx, copy, kernels })
+        Ok(Self { ctx, copy, kernels, steps: parking_lot::Mutex::new(Vec::new()) })
     }
 
     /// `bytes` of device memory, zeroed.
@@ -258,10 +284,11 @@ impl CudaEngine {
         packing: Packing,
         staging: &mut DeviceBuffer,
     ) -> Result<u64, CudaError> {
-        let plan = gather_copy_plan(&kv.layout, region, packing)?;
-        at_least("staging buffer", plan.bytes(), staging.len())?;
-        self.run(&encode(&plan, &self.bases_of(kv)?, &[self.address_of(staging)?])?)?;
-        Ok(plan.bytes())
+        let bytes = kv.packed_len(region);
+        kv.layout.check_region(region).map_err(crate::cache::CacheError::from)?;
+        at_least("staging buffer", bytes, staging.len())?;
+        self.run(&self.table(kv, region, packing, Direction::Gather, self.address_of(staging)?)?)?;
+        Ok(bytes)
     }
 
     /// Scatters the start of `staging` (packed as `packing`) into `region` of `kv` with one kernel,
@@ -273,9 +300,9 @@ impl CudaEngine {
         region: &KvRegion,
         packing: Packing,
     ) -> Result<(), CudaError> {
-        let plan = scatter_copy_plan(&kv.layout, region, packing)?;
-        at_least("staging buffer", plan.bytes(), staging.len())?;
-        self.run(&encode(&plan, &[self.address_of(staging)?], &self.bases_of(kv)?)?)
+        kv.layout.check_region(region).map_err(crate::cache::CacheError::from)?;
+        at_least("staging buffer", kv.packed_len(region), staging.len())?;
+        self.run(&self.table(kv, region, packing, Direction::Scatter, self.address_of(staging)?)?)
     }
 
     /// Copies the first `bytes` of `device` into pinned `host` (at least as long) on the copy
@@ -309,9 +336,9 @@ impl CudaEngine {
     ) -> Result<CopiesDone, CudaError> {
         let bytes = kv.packed_len(region);
         at_least("pinned buffer", bytes, host.len())?;
-        let plan = gather_copy_plan(&kv.layout, region, packing)?;
-        at_least("staging buffer", plan.bytes(), staging.len())?;
-        self.run(&encode(&plan, &self.bases_of(kv)?, &[self.address_of(staging)?])?)?;
+        kv.layout.check_region(region).map_err(crate::cache::CacheError::from)?;
+        at_least("staging buffer", bytes, staging.len())?;
+        self.run(&self.table(kv, region, packing, Direction::Gather, self.address_of(staging)?)?)?;
         self.download_prefix(staging, bytes, host)?;
         self.copies_done()
     }
@@ -330,13 +357,14 @@ impl CudaEngine {
         region: &KvRegion,
         packing: Packing,
     ) -> Result<CopiesDone, CudaError> {
-        let plan = scatter_copy_plan(&kv.layout, region, packing)?;
-        same_len("pinned buffer", plan.bytes() as usize, host.slice.len())?;
-        at_least("staging buffer", plan.bytes(), staging.len())?;
+        kv.layout.check_region(region).map_err(crate::cache::CacheError::from)?;
+        let bytes = kv.packed_len(region);
+        same_len("pinned buffer", bytes as usize, host.slice.len())?;
+        at_least("staging buffer", bytes, staging.len())?;
         self.mine(staging)?;
-        let mut view = staging.slice.slice_mut(..plan.bytes() as usize);
+        let mut view = staging.slice.slice_mut(..bytes as usize);
         self.copy.memcpy_htod(&host.slice, &mut view)?;
-        self.run(&encode(&plan, &[self.address_of(staging)?], &self.bases_of(kv)?)?)?;
+        self.run(&self.table(kv, region, packing, Direction::Scatter, self.address_of(staging)?)?)?;
         self.copies_done()
     }
 
@@ -417,6 +445,74 @@ impl CudaEngine {
             .collect()
     }
 
+    /// The table of a copy between `region` of `kv` and a staging buffer at `staging`. A copy
+    /// already seen at another token offset (the previous decode step) is moved along the tokens
+    /// ([`TokenSteps`]); a new one is planned at two neighbouring offsets to learn its steps.
+    /// Paged layouts, whose addresses jump between blocks, are planned every time.
+    fn table(
+        &self,
+        kv: &DeviceKv,
+        region: &KvRegion,
+        packing: Packing,
+        direction: Direction,
+        staging: u64,
+    ) -> Result<Table, CudaError> {
+        let bases = self.bases_of(kv)?;
+        let encode_at = |region: &KvRegion, staging: u64| -> Result<Table, CudaError> {
+            Ok(match direction {
+                Direction::Gather => {
+                    encode(&gather_copy_plan(&kv.layout, region, packing)?, &bases, &[staging])?
+                }
+                Direction::Scatter => {
+                    encode(&scatter_copy_plan(&kv.layout, region, packing)?, &[staging], &bases)?
+                }
+            })
+        };
+        let shift = |staging| match direction {
+            Direction::Gather => (0, staging),
+            Direction::Scatter => (staging, 0),
+        };
+        let paged = matches!(kv.layout.kind(), LayoutKind::Paged(_));
+        if paged || region.is_empty() {
+            return encode_at(region, staging);
+        }
+        let start = region.tokens.start;
+        let key = StepsKey {
+            region: tokens_at(region, 0),
+            direction,
+            packing,
+            bases: bases.clone(),
+            layout: kv.layout.clone(),
+        };
+        let (src_shift, dst_shift) = shift(staging);
+        if let Some((_, steps)) = self.steps.lock().iter().find(|(k, _)| *k == key) {
+            return Ok(steps.at(start, src_shift, dst_shift));
+        }
+        // Learn the steps: the tables one token apart, staging at 0.
+        let moved = |by: i64| {
+            let first = u32::try_from(i64::from(start) + by).ok()?;
+            first.checked_add(region.tokens.end - start)?;
+            let moved = tokens_at(region, first);
+            kv.layout.check_region(&moved).ok().map(|()| (first, moved))
+        };
+        let here = encode_at(region, 0)?;
+        let steps = match (moved(1), moved(-1)) {
+            (Some((_, next)), _) => TokenSteps::new(here, start, &encode_at(&next, 0)?),
+            (None, Some((before, previous))) => TokenSteps::new(encode_at(&previous, 0)?, before, &here),
+            (None, None) => None,
+        };
+        let Some(steps) = steps else {
+            return encode_at(region, staging);
+        };
+        let table = steps.at(start, src_shift, dst_shift);
+        let mut kept = self.steps.lock();
+        if kept.len() >= KEPT_STEPS {
+            kept.remove(0);
+        }
+        kept.push((key, steps));
+        Ok(table)
+    }
+
     /// Refuses memory another engine allocated: it is freed on that engine's stream, which does
     /// not wait for this engine's copies.
     fn mine(&self, buffer: &DeviceBuffer) -> Result<(), CudaError> {
@@ -454,6 +550,12 @@ impl CudaEngine {
         // `DeviceKv::borrowed`).
         unsafe { self.kernels.launch(&self.copy, table) }
     }
+}
+
+/// `region` with its tokens moved to start at `first`.
+fn tokens_at(region: &KvRegion, first: u32) -> KvRegion {
+    let count = region.tokens.end - region.tokens.start;
+    KvRegion::new(region.layers.clone(), region.slots.clone(), region.heads.clone(), first..first + count)
 }
 
 fn at_least(what: &'static str, needed: u64, got: usize) -> Result<(), CudaError> {

@@ -41,13 +41,6 @@ impl CopiesDone {
         Ok(self.event.synchronize()?)
     }
 
-    /// GPU time from `earlier` to this point on the copy stream (both must be done): what the
-    /// copies between them took on the device, without the host's share.
-    pub fn elapsed_since(&self, earlier: &CopiesDone) -> Result<std::time::Duration, CudaError> {
-        let ms = earlier.event.elapsed_ms(&self.event)?;
-        Ok(std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
-    }
-
     /// Makes `stream` (an engine's compute stream) wait for the copies before its later work: what
     /// an engine calls before the layer that reads a prefetched microbatch. Neither the host nor
     /// the copy stream blocks.

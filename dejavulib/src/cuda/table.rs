@@ -82,14 +82,7 @@ pub fn encode(plan: &CopyPlan, src_bases: &[u64], dst_bases: &[u64]) -> Result<T
         }
         blocks = folded;
     }
-    let mut table = Table {
-        words: Vec::with_capacity(blocks.len() * WORDS),
-        blocks: 0,
-        runs: 0,
-        items: 0,
-        longest_run: 0,
-    };
-    for block in blocks {
+    let blocks = blocks.iter().map(|block| {
         let shape = &shapes[block.shape];
         let mut words = [0u64; WORDS];
         words[..4].copy_from_slice(&[block.src, block.dst, shape.run, shape.depth as u64]);
@@ -98,18 +91,80 @@ pub fn encode(plan: &CopyPlan, src_bases: &[u64], dst_bases: &[u64]) -> Result<T
             words[4 + MAX_AXES + i] = axis.src_stride;
             words[4 + 2 * MAX_AXES + i] = axis.dst_stride;
         }
+        words
+    });
+    Ok(finish(blocks))
+}
+
+/// A table of `blocks` (words 0 to 15 set): each block's first run and item (prefix sums) and its
+/// unit filled in.
+fn finish(blocks: impl ExactSizeIterator<Item = [u64; WORDS]>) -> Table {
+    let mut table = Table {
+        words: Vec::with_capacity(blocks.len() * WORDS),
+        blocks: 0,
+        runs: 0,
+        items: 0,
+        longest_run: 0,
+    };
+    for mut words in blocks {
         let unit = unit_of(&words);
-        let runs = shape.axes[..shape.depth].iter().map(|a| a.count).product::<u64>();
+        let runs = (0..words[3] as usize).map(|axis| words[4 + axis]).product::<u64>();
         words[16] = table.runs;
         words[17] = table.items;
         words[18] = unit;
         table.words.extend_from_slice(&words);
         table.blocks += 1;
         table.runs += runs;
-        table.items += runs * (shape.run / unit);
-        table.longest_run = table.longest_run.max(shape.run);
+        table.items += runs * (words[2] / unit);
+        table.longest_run = table.longest_run.max(words[2]);
     }
-    Ok(table)
+    table
+}
+
+/// The tables of one copy at every token offset, from its tables at two neighbouring offsets:
+/// where every address of a cache is affine in the token (every layout but the paged ones), the
+/// tables of a region moved along the tokens differ only in each block's first addresses, which
+/// move by a constant step per token. A decode step's table then costs a few additions instead of
+/// planning and encoding hundreds of blocks.
+#[derive(Clone, Debug)]
+pub struct TokenSteps {
+    base: Table,
+    token: u32,
+    /// Per block, the source and destination steps per token.
+    steps: Vec<(u64, u64)>,
+}
+
+impl TokenSteps {
+    /// From `at`, the table for tokens from `token`, and `next`, the table for tokens from
+    /// `token + 1`; `None` when they differ in more than their blocks' first addresses.
+    pub fn new(at: Table, token: u32, next: &Table) -> Option<Self> {
+        if at.blocks != next.blocks || at.words.len() != next.words.len() {
+            return None;
+        }
+        let mut steps = Vec::with_capacity(at.blocks as usize);
+        for (a, b) in at.words.chunks_exact(WORDS).zip(next.words.chunks_exact(WORDS)) {
+            if a[2..16] != b[2..16] {
+                return None;
+            }
+            steps.push((b[0].wrapping_sub(a[0]), b[1].wrapping_sub(a[1])));
+        }
+        Some(Self { base: at, token, steps })
+    }
+
+    /// The table for tokens from `token`, every source address moved by `src_shift` and every
+    /// destination address by `dst_shift` (a staging buffer's base, when the steps were made with
+    /// the staging buffer at 0).
+    pub fn at(&self, token: u32, src_shift: u64, dst_shift: u64) -> Table {
+        // Two's complement: a negative distance wraps as the addresses do.
+        let distance = (i64::from(token) - i64::from(self.token)) as u64;
+        let blocks = self.base.words.chunks_exact(WORDS).zip(&self.steps).map(|(words, &(src, dst))| {
+            let mut words: [u64; WORDS] = words.try_into().expect("whole blocks");
+            words[0] = words[0].wrapping_add(distance.wrapping_mul(src)).wrapping_add(src_shift);
+            words[1] = words[1].wrapping_add(distance.wrapping_mul(dst)).wrapping_add(dst_shift);
+            words
+        });
+        finish(blocks)
+    }
 }
 
 /// A block's loops without its addresses: what blocks that fold together share.
@@ -266,6 +321,7 @@ pub fn by_items(table: &Table) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::{gather_copy_plan, scatter_copy_plan};
     use crate::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
     use crate::{DType, KvCache, KvLayout, KvRegion, KvSpec};
 
@@ -398,6 +454,62 @@ mod tests {
             .flat_map(|&(src, dst, len)| (0..len / 16).map(move |k| (src + 16 * k, dst + 16 * k, 16)))
             .collect();
         assert_eq!(items, pieces);
+    }
+
+    /// Every run of `table` (source, destination, length), sorted.
+    fn runs(table: &Table) -> Vec<(u64, u64, u64)> {
+        let mut runs: Vec<_> = (0..table.runs).map(|r| run_of(table, r)).collect();
+        runs.sort_unstable();
+        runs
+    }
+
+    #[test]
+    fn token_steps_give_the_runs_of_a_fresh_plan_at_every_token() {
+        let spec = KvSpec::new(3, 5, 24, DType::F16).unwrap();
+        let layouts = [
+            KvLayout::faster_transformer(spec, 3, 40).unwrap(),
+            KvLayout::per_layer(spec, 3, 40, PerLayerOrder::Bhsd).unwrap(),
+            KvLayout::per_layer(spec, 3, 40, PerLayerOrder::Bshd).unwrap(),
+        ];
+        // A decode step, a few tokens of some heads, a prompt's worth.
+        let shapes = [(0..3, 0..3, 0..5, 1), (1..3, 1..2, 2..5, 3), (0..2, 0..3, 0..5, 17)];
+        let staging = 1 << 40;
+        for (l, layout) in layouts.iter().enumerate() {
+            let bases: Vec<u64> = (0..layout.buffer_sizes().len() as u64).map(|i| (i + 1) << 32).collect();
+            let packing = layout.preferred_packing();
+            for (layers, slots, heads, count) in shapes.clone() {
+                let at = |t: u32| KvRegion::new(layers.clone(), slots.clone(), heads.clone(), t..t + count);
+                let gather =
+                    |t| encode(&gather_copy_plan(layout, &at(t), packing).unwrap(), &bases, &[staging]);
+                let scatter =
+                    |t| encode(&scatter_copy_plan(layout, &at(t), packing).unwrap(), &[staging], &bases);
+                // Learned at tokens 5 and 6, staging at 0; asked for at every token.
+                let learn =
+                    |t| encode(&gather_copy_plan(layout, &at(t), packing).unwrap(), &bases, &[0]).unwrap();
+                let steps = TokenSteps::new(learn(5), 5, &learn(6)).expect("affine layouts step");
+                let unlearn =
+                    |t| encode(&scatter_copy_plan(layout, &at(t), packing).unwrap(), &[0], &bases).unwrap();
+                let back = TokenSteps::new(unlearn(5), 5, &unlearn(6)).expect("affine layouts step");
+                for t in 0..=40 - count {
+                    let what = format!("layout {l}, {count} tokens from {t}");
+                    assert_eq!(runs(&steps.at(t, 0, staging)), runs(&gather(t).unwrap()), "{what}");
+                    assert_eq!(runs(&back.at(t, staging, 0)), runs(&scatter(t).unwrap()), "{what}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tables_that_differ_in_more_than_addresses_have_no_token_steps() {
+        let spec = KvSpec::new(2, 2, 16, DType::F16).unwrap();
+        let layout = KvLayout::per_layer(spec, 2, 16, PerLayerOrder::Bhsd).unwrap();
+        let packing = layout.preferred_packing();
+        let table = |region: KvRegion| {
+            encode(&gather_copy_plan(&layout, &region, packing).unwrap(), &[0; 4], &[0]).unwrap()
+        };
+        let one = table(KvRegion::new(0..2, 0..2, 0..2, 3..4));
+        let two = table(KvRegion::new(0..2, 0..2, 0..2, 3..5));
+        assert!(TokenSteps::new(one, 3, &two).is_none());
     }
 
     #[test]
