@@ -106,12 +106,7 @@ pub fn gather_copy_plan(
     region: &KvRegion,
     packing: Packing,
 ) -> Result<CopyPlan, CacheError> {
-    layout.check_region(region)?;
-    if region.is_empty() {
-        return Ok(CopyPlan::default());
-    }
-    let packed = KvLayout::packed(layout.spec(), region.shape(), packing)?;
-    Ok(plan_copy(layout, region.origin(), &packed, Coord::default(), region.shape(), Order::Src)?)
+    packed_copy_plan(layout, region, packing, Order::Src)
 }
 
 /// The copy that scatters a packed buffer with `packing` into `region` of a cache laid out as
@@ -121,12 +116,27 @@ pub fn scatter_copy_plan(
     region: &KvRegion,
     packing: Packing,
 ) -> Result<CopyPlan, CacheError> {
+    packed_copy_plan(layout, region, packing, Order::Dst)
+}
+
+/// The copy between `region` of `layout` and its packed form: out of the cache (`Order::Src`, a
+/// gather) or into it (`Order::Dst`, a scatter).
+fn packed_copy_plan(
+    layout: &KvLayout,
+    region: &KvRegion,
+    packing: Packing,
+    order: Order,
+) -> Result<CopyPlan, CacheError> {
     layout.check_region(region)?;
     if region.is_empty() {
         return Ok(CopyPlan::default());
     }
     let packed = KvLayout::packed(layout.spec(), region.shape(), packing)?;
-    Ok(plan_copy(&packed, Coord::default(), layout, region.origin(), region.shape(), Order::Dst)?)
+    let (at, shape) = (region.origin(), region.shape());
+    Ok(match order {
+        Order::Src => plan_copy(layout, at, &packed, Coord::default(), shape, order)?,
+        Order::Dst => plan_copy(&packed, Coord::default(), layout, at, shape, order)?,
+    })
 }
 
 impl std::fmt::Debug for KvCache {

@@ -218,9 +218,7 @@ impl Streamer {
         layer: u32,
         tokens: Range<u32>,
     ) -> Result<Vec<Completion>, StreamerError> {
-        plan.iter()
-            .filter(|t| t.from.microbatch == microbatch)
-            .filter_map(|t| t.layer(layer))
+        layer_transfers(plan, microbatch, layer)
             .map(|transfer| self.submit(StreamJob { cache: cache.clone(), transfer, tokens: tokens.clone() }))
             .collect()
     }
@@ -247,9 +245,7 @@ impl Streamer {
         // SAFETY: the caller's promise on `compute`, passed on.
         let ready = unsafe { engine.mark_ready(compute) }.map_err(StreamError::from)?;
         let ready = Some(Arc::new(ready));
-        plan.iter()
-            .filter(|t| t.from.microbatch == microbatch)
-            .filter_map(|t| t.layer(layer))
+        layer_transfers(plan, microbatch, layer)
             .map(|transfer| {
                 self.submit_device(DeviceJob {
                     engine: engine.clone(),
@@ -293,6 +289,11 @@ impl Drop for Streamer {
             let _ = self.stop(Shutdown::Cancel);
         }
     }
+}
+
+/// The part of every transfer in `plan` that carries source-local `layer` of `microbatch`.
+fn layer_transfers(plan: &[Transfer], microbatch: u32, layer: u32) -> impl Iterator<Item = Transfer> + '_ {
+    plan.iter().filter(move |t| t.from.microbatch == microbatch).filter_map(move |t| t.layer(layer))
 }
 
 /// What the streamer thread reports when it exits.

@@ -7,7 +7,7 @@
 //! The CUDA instance says "skipped: no GPU" and passes only where no CUDA driver can be loaded;
 //! anywhere else an error fails it.
 
-use dejavulib::cuda::{driver_present, CudaEngine, CudaError};
+use dejavulib::cuda::{driver_present, CudaEngine, CudaError, DeviceKv};
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
 use dejavulib::{DType, KvCache, KvLayout, KvRegion, KvSpec, Packing};
 
@@ -57,14 +57,20 @@ impl Backend for Cpu {
     }
 }
 
+/// A device copy of `cache`'s bytes.
+fn uploaded(engine: &CudaEngine, cache: &KvCache) -> DeviceKv {
+    let mut kv = engine.alloc_kv(cache.layout().clone()).unwrap();
+    engine.upload_kv(&cache.snapshot(), &mut kv).unwrap();
+    kv
+}
+
 /// The CUDA engine, planning each copy from the layout: the cache's buffers uploaded to device
 /// memory, the result downloaded.
 struct Cuda(CudaEngine);
 
 impl Backend for Cuda {
     fn gather(&mut self, cache: &KvCache, region: &KvRegion, packing: Packing) -> Vec<u8> {
-        let mut kv = self.0.alloc_kv(cache.layout().clone()).unwrap();
-        self.0.upload_kv(&cache.snapshot(), &mut kv).unwrap();
+        let kv = uploaded(&self.0, cache);
         let mut staging = self.0.alloc(cache.packed_len(region) as usize).unwrap();
         let bytes = self.0.gather_region(&kv, region, packing, &mut staging).unwrap();
         assert_eq!(bytes, staging.len() as u64);
@@ -80,8 +86,7 @@ impl Backend for Cuda {
         packing: Packing,
         input: &[u8],
     ) -> Vec<Vec<u8>> {
-        let mut kv = self.0.alloc_kv(cache.layout().clone()).unwrap();
-        self.0.upload_kv(&cache.snapshot(), &mut kv).unwrap();
+        let kv = uploaded(&self.0, cache);
         let mut staging = self.0.alloc(input.len()).unwrap();
         self.0.upload(input, &mut staging).unwrap();
         self.0.scatter_region(&staging, &kv, region, packing).unwrap();
@@ -95,8 +100,7 @@ struct CudaPrepared(CudaEngine);
 
 impl Backend for CudaPrepared {
     fn gather(&mut self, cache: &KvCache, region: &KvRegion, packing: Packing) -> Vec<u8> {
-        let mut kv = self.0.alloc_kv(cache.layout().clone()).unwrap();
-        self.0.upload_kv(&cache.snapshot(), &mut kv).unwrap();
+        let kv = uploaded(&self.0, cache);
         let len = kv.packed_len(region) as usize;
         let staging = self.0.alloc(len + 48).unwrap();
         let gather = self.0.prepare_gather(&kv, region, packing, &staging).unwrap();
@@ -116,8 +120,7 @@ impl Backend for CudaPrepared {
         packing: Packing,
         input: &[u8],
     ) -> Vec<Vec<u8>> {
-        let mut kv = self.0.alloc_kv(cache.layout().clone()).unwrap();
-        self.0.upload_kv(&cache.snapshot(), &mut kv).unwrap();
+        let kv = uploaded(&self.0, cache);
         let mut staging = self.0.alloc(input.len() + 48).unwrap();
         let mut padded = input.to_vec();
         padded.resize(staging.len(), 0xA5);

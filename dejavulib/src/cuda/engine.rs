@@ -36,9 +36,9 @@ enum Direction {
 
 /// What a copy's token steps hold for: the same cache (layout and addresses), the same region but
 /// for where its tokens start, the same packing and direction.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 struct StepsKey {
-    // Compared in this order: the cheap fields that tell copies apart first.
+    /// The region with its tokens starting at 0.
     region: KvRegion,
     direction: Direction,
     packing: Packing,
@@ -166,17 +166,7 @@ impl CudaEngine {
         packing: Packing,
         staging: &DeviceBuffer,
     ) -> Result<PreparedCopy, CudaError> {
-        let plan = gather_copy_plan(&kv.layout, region, packing)?;
-        at_least("staging buffer", plan.bytes(), staging.len())?;
-        let (bases, staging) = (self.bases_of(kv)?, self.address_of(staging)?);
-        let table = encode(&plan, &bases, &[staging])?;
-        Ok(PreparedCopy {
-            table,
-            bytes: plan.bytes(),
-            bases,
-            sizes: kv.layout.buffer_sizes().to_vec(),
-            staging,
-        })
+        self.prepare(kv, region, packing, Direction::Gather, staging)
     }
 
     /// Plans and encodes the scatter of the start of `staging` (packed as `packing`) into
@@ -188,17 +178,23 @@ impl CudaEngine {
         region: &KvRegion,
         packing: Packing,
     ) -> Result<PreparedCopy, CudaError> {
-        let plan = scatter_copy_plan(&kv.layout, region, packing)?;
-        at_least("staging buffer", plan.bytes(), staging.len())?;
+        self.prepare(kv, region, packing, Direction::Scatter, staging)
+    }
+
+    fn prepare(
+        &self,
+        kv: &DeviceKv,
+        region: &KvRegion,
+        packing: Packing,
+        direction: Direction,
+        staging: &DeviceBuffer,
+    ) -> Result<PreparedCopy, CudaError> {
+        kv.layout.check_region(region).map_err(crate::cache::CacheError::from)?;
+        let bytes = kv.packed_len(region);
+        at_least("staging buffer", bytes, staging.len())?;
         let (bases, staging) = (self.bases_of(kv)?, self.address_of(staging)?);
-        let table = encode(&plan, &[staging], &bases)?;
-        Ok(PreparedCopy {
-            table,
-            bytes: plan.bytes(),
-            bases,
-            sizes: kv.layout.buffer_sizes().to_vec(),
-            staging,
-        })
+        let table = encode_copy(kv, &bases, region, packing, direction, staging)?;
+        Ok(PreparedCopy { table, bytes, bases, sizes: kv.layout.buffer_sizes().to_vec(), staging })
     }
 
     /// Launches a prepared copy between `kv` and `staging` on the copy stream: one kernel,
@@ -458,16 +454,8 @@ impl CudaEngine {
         staging: u64,
     ) -> Result<Table, CudaError> {
         let bases = self.bases_of(kv)?;
-        let encode_at = |region: &KvRegion, staging: u64| -> Result<Table, CudaError> {
-            Ok(match direction {
-                Direction::Gather => {
-                    encode(&gather_copy_plan(&kv.layout, region, packing)?, &bases, &[staging])?
-                }
-                Direction::Scatter => {
-                    encode(&scatter_copy_plan(&kv.layout, region, packing)?, &[staging], &bases)?
-                }
-            })
-        };
+        let encode_at =
+            |region: &KvRegion, staging| encode_copy(kv, &bases, region, packing, direction, staging);
         let shift = |staging| match direction {
             Direction::Gather => (0, staging),
             Direction::Scatter => (staging, 0),
@@ -477,15 +465,17 @@ impl CudaEngine {
             return encode_at(region, staging);
         }
         let start = region.tokens.start;
-        let key = StepsKey {
-            region: tokens_at(region, 0),
-            direction,
-            packing,
-            bases: bases.clone(),
-            layout: kv.layout.clone(),
-        };
+        let shape = tokens_at(region, 0);
         let (src_shift, dst_shift) = shift(staging);
-        if let Some((_, steps)) = self.steps.lock().iter().find(|(k, _)| *k == key) {
+        // Compared field by field, so that a hit clones nothing.
+        let same = |k: &StepsKey| {
+            k.region == shape
+                && k.direction == direction
+                && k.packing == packing
+                && k.bases == bases
+                && k.layout == kv.layout
+        };
+        if let Some((_, steps)) = self.steps.lock().iter().find(|(k, _)| same(k)) {
             return Ok(steps.at(start, src_shift, dst_shift));
         }
         // Learn the steps: the tables one token apart, staging at 0.
@@ -505,6 +495,8 @@ impl CudaEngine {
             return encode_at(region, staging);
         };
         let table = steps.at(start, src_shift, dst_shift);
+        let key =
+            StepsKey { region: shape, direction, packing, bases: bases.clone(), layout: kv.layout.clone() };
         let mut kept = self.steps.lock();
         if kept.len() >= KEPT_STEPS {
             kept.remove(0);
@@ -550,6 +542,22 @@ impl CudaEngine {
         // `DeviceKv::borrowed`).
         unsafe { self.kernels.launch(&self.copy, table) }
     }
+}
+
+/// The table of the copy of `region` of `kv` (its buffers at `bases`) to or from a staging
+/// buffer at `staging`, planned and encoded.
+fn encode_copy(
+    kv: &DeviceKv,
+    bases: &[u64],
+    region: &KvRegion,
+    packing: Packing,
+    direction: Direction,
+    staging: u64,
+) -> Result<Table, CudaError> {
+    Ok(match direction {
+        Direction::Gather => encode(&gather_copy_plan(&kv.layout, region, packing)?, bases, &[staging])?,
+        Direction::Scatter => encode(&scatter_copy_plan(&kv.layout, region, packing)?, &[staging], bases)?,
+    })
 }
 
 /// `region` with its tokens moved to start at `first`.
