@@ -19,6 +19,7 @@
 use std::collections::BTreeMap;
 
 use crate::message::{Addr, Command, Directive, Epoch, Msg, NodeId, Payload, ResumePoint, Status};
+use crate::plan::{self, Loss, Source, StagePlan};
 
 /// Length of a tick in a deployment: the driver calls `tick` this often.
 pub const TICK_MS: u64 = 100;
@@ -458,13 +459,20 @@ impl Controller {
     /// A replacement that already installed its own KV in an earlier attempt keeps it (the worker
     /// keeps restored state across epochs while its stage stays the same), so that stage is not lost.
     fn unrecoverable(&self) -> Vec<u32> {
-        let d = self.cfg.depth;
+        let lost: Vec<u32> =
+            self.plan().into_iter().filter(|p| p.source == Source::Lost).map(|p| p.stage).collect();
         self.failed
             .iter()
             .copied()
-            .filter(|&s| self.failed.contains(&((s + 1) % d)))
+            .filter(|s| lost.contains(s))
             .filter(|&s| !self.already_restored(s))
             .collect()
+    }
+
+    /// The ring's recovery plan for the failed stages: a failed node is a whole worker.
+    fn plan(&self) -> Vec<StagePlan> {
+        let failed: Vec<(u32, Loss)> = self.failed.iter().map(|&s| (s, Loss::Worker)).collect();
+        plan::ring(self.cfg.depth, &failed)
     }
 
     /// Whether the owner of `stage` last reported its own KV restored while owning that stage.
@@ -576,7 +584,6 @@ impl Controller {
     }
 
     fn command_for(&self, stage: Option<u32>) -> Command {
-        let d = self.cfg.depth;
         match (&self.phase, stage) {
             (Phase::Running(points), Some(_)) => Command::Run { points: points.clone() },
             (Phase::RestoreOwn, Some(s)) if self.unrecoverable().contains(&s) && self.has_checkpoint(s) => {
@@ -584,19 +591,19 @@ impl Controller {
             }
             (Phase::RestoreOwn, Some(s)) => {
                 // The successor of a failed stage sends its replica, unless it failed too.
-                let failed_pred = (s + d - 1) % d;
-                match self.owners[failed_pred as usize] {
-                    Some(to) if self.failed.contains(&failed_pred) && !self.failed.contains(&s) => {
-                        Command::SendReplicaOf { stage: failed_pred, to }
-                    }
-                    _ => Command::Fence,
+                let restores_from_s = self.plan().into_iter().find(|p| p.source == Source::Successor(s));
+                match restores_from_s.and_then(|p| Some((p.stage, self.owners[p.stage as usize]?))) {
+                    Some((stage, to)) => Command::SendReplicaOf { stage, to },
+                    None => Command::Fence,
                 }
             }
             (Phase::RestoreReplica, Some(s)) => {
-                let successor = (s + 1) % d;
-                match self.owners[successor as usize] {
-                    Some(to) if self.failed.contains(&successor) => Command::SendOwnTo { to },
-                    _ => Command::Fence,
+                // The predecessor of a replaced sidecar sends it the replica it holds.
+                let reseeds_from_s =
+                    self.plan().into_iter().find(|p| p.reseed.is_some_and(|(from, _)| from == s));
+                match reseeds_from_s.and_then(|p| self.owners[p.stage as usize]) {
+                    Some(to) => Command::SendOwnTo { to },
+                    None => Command::Fence,
                 }
             }
             _ => Command::Fence,

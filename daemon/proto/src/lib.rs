@@ -5,8 +5,8 @@
 //! do as outputs. They contain no sockets, threads, clocks or randomness (this crate has no
 //! dependencies, and a test checks its sources), so a seeded simulator can run them through
 //! millions of fault schedules (`dejavu-sim`). The `dejavud` processes follow the same rules (epochs,
-//! fencing, recovery from the ring) in their own controller and driver; they do not run these
-//! state machines yet.
+//! fencing, recovery from the ring) in their own controller and driver, and plan recoveries with
+//! [`plan::ring`], as the [`Controller`] state machine does.
 //!
 //! - [`message`]: identifiers, epochs and every message; control messages are state-based and
 //!   re-sent every tick, data messages are re-sent until acknowledged.
@@ -14,12 +14,14 @@
 //!   delivery, and the paper's 4-step recovery in a new epoch per failure.
 //! - [`cluster`]: several pipelines (prompt and token, of different depths) under one controller,
 //!   each its own ring with its own epochs.
+//! - [`plan`]: where each failed stage restores from, and who re-seeds each replaced sidecar.
 //! - [`worker`]: the sidecar's side: registration, heartbeats, the step pipeline, replication to the
 //!   ring successor, fencing, and executing recovery.
 
 pub mod cluster;
 pub mod controller;
 pub mod message;
+pub mod plan;
 pub mod worker;
 
 pub use cluster::Cluster;
