@@ -53,7 +53,7 @@ fn sidecar(dir: &std::path::Path) -> Sidecar {
         transport: dejavu_engine::transport::Transports::tcp(),
     };
     let (ready, listening) = std::sync::mpsc::channel();
-    std::thread::spawn(move || serve_sidecar(config, None, |addr, _| ready.send(addr).unwrap()));
+    std::thread::spawn(move || serve_sidecar(config, None, None, |addr, _| ready.send(addr).unwrap()));
     listening.recv().unwrap();
     Sidecar { _runtime: runtime, successor, successor_store, socket }
 }

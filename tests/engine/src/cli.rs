@@ -318,7 +318,7 @@ impl MemberArgs {
     /// is dropped).
     pub(crate) fn start(&self, role: Role, index: u32) -> Result<Option<Heartbeat>, String> {
         self.init()?;
-        self.beat(role, index, self.epoch)
+        self.beat(role, index, self.epoch, None)
     }
 
     /// Its logs, its death with the parent that started it, and its CPUs (before it starts any
@@ -334,10 +334,17 @@ impl MemberArgs {
         self.cpus.as_ref().map_or(Ok(()), |cpus| cpus.pin_current_thread().map_err(|e| e.to_string()))
     }
 
-    /// Its heartbeats as (`role`, `index`), started in `epoch`, if it has a controller.
-    pub(crate) fn beat(&self, role: Role, index: u32, epoch: u64) -> Result<Option<Heartbeat>, String> {
+    /// Its heartbeats as (`role`, `index`), started in `epoch`, naming its control listener's
+    /// port (if it has one), if it has a controller.
+    pub(crate) fn beat(
+        &self,
+        role: Role,
+        index: u32,
+        epoch: u64,
+        control_port: Option<u16>,
+    ) -> Result<Option<Heartbeat>, String> {
         self.heartbeat
-            .map(|to| beat(to, (role, index), epoch, Duration::from_millis(self.heartbeat_ms)))
+            .map(|to| beat(to, (role, index), epoch, Duration::from_millis(self.heartbeat_ms), control_port))
             .transpose()
             .map_err(|e| format!("cannot send heartbeats: {e}"))
     }
@@ -377,7 +384,7 @@ impl StageArgs {
     pub fn run(self) -> Result<(), String> {
         self.member.init()?;
         let this = self.resolved()?;
-        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch)?;
+        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, None)?;
         let (listen, metrics) = (this.listen, this.member.metrics);
         serve_stage(this.config()?, listen, metrics, announce).map_err(|e| e.to_string())
     }
@@ -391,7 +398,7 @@ impl StageArgs {
     ) -> Result<(), String> {
         self.member.pin()?;
         let this = self.resolved()?;
-        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch)?;
+        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, None)?;
         let metrics = this.member.metrics;
         serve_stage_on(this.config()?, listener, metrics, assigned).map_err(|e| e.to_string())
     }
@@ -437,11 +444,16 @@ impl SidecarArgs {
             Some(n) => spare_member(n),
             None => self.index,
         };
-        let heartbeat = Arc::new(Mutex::new(self.member.beat(Role::Sidecar, member, self.member.epoch)?));
+        // Bound before it beats: the beats name it, and the controller may use it at once.
+        let control = std::net::TcpListener::bind((self.listen.ip(), 0))
+            .map_err(|e| format!("cannot listen for control at {}: {e}", self.listen.ip()))?;
+        let port = control.local_addr().map_err(|e| e.to_string())?.port();
+        let heartbeat =
+            Arc::new(Mutex::new(self.member.beat(Role::Sidecar, member, self.member.epoch, Some(port))?));
         let spare = self.spare.map(|_| {
             let (args, heartbeat) = (self.member.clone(), heartbeat.clone());
             // Assigned: it beats as that stage's sidecar, in the recovery's epoch.
-            OnAssign(Arc::new(move |stage, epoch| match args.beat(Role::Sidecar, stage, epoch) {
+            OnAssign(Arc::new(move |stage, epoch| match args.beat(Role::Sidecar, stage, epoch, Some(port)) {
                 Ok(beats) => *heartbeat.lock() = beats,
                 Err(e) => tracing::warn!(error = %e, "an assigned spare cannot send heartbeats"),
             }))
@@ -462,7 +474,7 @@ impl SidecarArgs {
             }),
             transport: self.transport.transports()?,
         };
-        serve_sidecar(config, self.member.metrics, announce).map_err(|e| e.to_string())
+        serve_sidecar(config, Some(control), self.member.metrics, announce).map_err(|e| e.to_string())
     }
 }
 

@@ -16,15 +16,16 @@ use thiserror::Error;
 
 mod spares;
 
-use crate::controller::{Census, ControllerClient, ControllerError, Member};
+use crate::controller::{Census, ControllerClient, ControllerError, Member, RecoveryOrders};
 use crate::handoff::Shapes;
 pub use crate::heartbeat::Role;
 use crate::netns::{Fabric, Host, NetnsError};
 use crate::pipeline::{CacheLayout, Seat};
 use crate::proc::{spawn, spawn_on, Spawned};
 pub use crate::proc::{Proc, SpawnError};
-use crate::process::{ProcessError, RemotePipeline, StepReply};
+use crate::process::{ProcessError, RemotePipeline, RestoreSource, StepReply};
 pub use crate::transport::TransportKind;
+use dejavu_proto::plan::{Loss, Reseed, Source};
 
 /// What dies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -377,6 +378,9 @@ pub struct Cluster {
 
 /// Time a process has to start listening.
 const START: Duration = Duration::from_secs(30);
+
+/// How long the controller may take to carry out its part of a recovery (re-seeds move KV).
+const RECOVERY_PATIENCE: Duration = Duration::from_secs(30);
 
 impl Cluster {
     /// Starts the controller, sidecars (when replicating), then the stages last first (so each
@@ -1049,8 +1053,6 @@ impl Cluster {
         if victims.iter().any(|&(stage, _)| stage >= n) {
             return Err(ClusterError::Invalid(format!("no such stage in {victims:?}")));
         }
-        let died = |stage: usize, what: Kill| victims.contains(&(stage, what));
-        let replaced = |stage: usize| victims.iter().any(|&(s, _)| s == stage);
         // Fencing: the controller opens a new epoch in which the presumed-dead processes are
         // ignored, durably, before anything else happens. Replacements start in that epoch, so
         // their successors and the sidecars refuse the old processes' connections and copies
@@ -1108,33 +1110,51 @@ impl Cluster {
                 (index, reach)
             })
             .collect();
-        self.remote.replace_all(&reachable, replaced(n - 1))?;
-        // Where each replaced sidecar's replica comes from: its predecessor, now or once restored.
-        let mut copy_later = Vec::new();
-        for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
-            let predecessor = (victim + n - 1) % n;
-            let to =
-                self.config.route(Link::Replica { from: predecessor as u32 }, self.sidecars[victim].addr);
-            if replaced(predecessor) {
-                copy_later.push((predecessor, to));
-            } else {
-                self.copy_kv_to(predecessor, to, sequences)?;
-            }
-        }
-        let mut copies_lost = Vec::new();
-        let sources: Vec<(u32, Option<SocketAddr>)> = victims
+        let last_replaced = victims.iter().any(|&(stage, _)| stage == n - 1);
+        self.remote.replace_all(&reachable, last_replaced)?;
+        // The controller's part: it re-seeds each replaced sidecar from its surviving
+        // predecessor's, and finds each sequence's first unreplicated token in the copy each
+        // replacement restores from. Addresses go through the routes the links take.
+        let book: Vec<SocketAddr> = (0..n)
+            .map(|k| self.config.route(Link::Replica { from: k as u32 }, self.sidecars[(k + 1) % n].addr))
+            .collect();
+        let orders = self.carry_out(epoch, &book)?;
+        let planned: Vec<(usize, Kill)> = orders
+            .stages
             .iter()
-            .map(|&(victim, what)| {
-                let from = (what == Kill::Worker).then(|| {
-                    let successor = (victim + 1) % n;
-                    if died(successor, Kill::Worker) {
-                        copies_lost.push(victim);
-                    }
-                    self.config.route(Link::Replica { from: victim as u32 }, self.sidecars[successor].addr)
-                });
-                (victim as u32, from)
+            .map(|o| {
+                (o.plan.stage as usize, if o.plan.loss == Loss::Worker { Kill::Worker } else { Kill::Engine })
             })
             .collect();
+        if planned != victims {
+            return Err(ClusterError::Invalid(format!(
+                "the controller recovered {planned:?} in epoch {epoch}, not the victims {victims:?}"
+            )));
+        }
+        // A predecessor replaced too copies its KV to the new sidecar once it has restored it.
+        let mut copy_later = Vec::new();
+        let mut copies_lost = Vec::new();
+        let mut sources = Vec::new();
+        for o in &orders.stages {
+            let stage = o.plan.stage;
+            if let Some((from, Reseed::AfterRestore)) = o.plan.reseed {
+                let to = self.config.route(Link::Replica { from }, self.sidecars[stage as usize].addr);
+                copy_later.push((from as usize, to));
+            }
+            let replica_at = |holder: u32| {
+                self.config.route(Link::Replica { from: stage }, self.sidecars[holder as usize].addr)
+            };
+            let from = match o.plan.source {
+                Source::Own => None,
+                Source::Successor(holder) => Some(replica_at(holder)),
+                Source::Lost => {
+                    // Its successor's new sidecar holds nothing: the stage recomputes.
+                    copies_lost.push(stage as usize);
+                    Some(replica_at((stage + 1) % n as u32))
+                }
+            };
+            sources.push(RestoreSource { stage, from, marks: o.clone() });
+        }
         let mut recovered = Recovered {
             epoch,
             recomputed: 0,
@@ -1155,6 +1175,19 @@ impl Cluster {
         let (stages, sidecars) = (self.spares.used.0 - used.0, self.spares.used.1 - used.1);
         self.start_spares((stages, sidecars), false)?;
         Ok(recovered)
+    }
+
+    /// Has the controller carry out its part of the recovery of `epoch` (see
+    /// [`ControllerClient::recover`]), replacing it once if it cannot be reached.
+    fn carry_out(&mut self, epoch: u64, book: &[SocketAddr]) -> Result<RecoveryOrders, ClusterError> {
+        match self.controller.client.recover(epoch, book, RECOVERY_PATIENCE) {
+            Err(ControllerError::Io(e)) => {
+                tracing::warn!(error = %e, "the controller did not answer a recovery: replacing it");
+                self.restart_controller()?;
+                Ok(self.controller.client.recover(epoch, book, RECOVERY_PATIENCE)?)
+            }
+            carried_out => Ok(carried_out?),
+        }
     }
 
     /// Tells every prompt stage, if there are any, that token stage `stage`'s sidecar was

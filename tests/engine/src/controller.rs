@@ -36,10 +36,13 @@ use parking_lot::Mutex;
 use thiserror::Error;
 use tracing::{error, info, warn};
 
-use crate::heartbeat::Role;
+use crate::heartbeat::{Beat, Role};
 use crate::metrics::{Exposition, MetricType};
 
 mod detect;
+mod recovery;
+
+pub use recovery::{Mark, RecoveryOrders, StageOrders};
 
 use detect::Detector;
 
@@ -87,6 +90,9 @@ pub enum ControllerError {
         /// Why, in words.
         reason: String,
     },
+    /// A sidecar did not do what a recovery needed of it.
+    #[error(transparent)]
+    Sidecar(#[from] crate::sidecar::control::ControlError),
 }
 
 /// What survives a controller crash.
@@ -205,6 +211,9 @@ struct Tables {
     seen: HashMap<Member, Instant>,
     /// When each member awaiting a replacement was fenced (by this controller).
     fenced_at: HashMap<Member, Instant>,
+    /// Where each member that has one (a sidecar) serves control requests, as its latest
+    /// heartbeat from a process not fenced says.
+    controls: HashMap<Member, SocketAddr>,
     timeout: Duration,
     interval: Duration,
 }
@@ -222,6 +231,11 @@ struct Counters {
     /// Replacements heard from after a fence, and the microseconds from fence to first beat.
     replacements: AtomicU64,
     replacement_micros: AtomicU64,
+    /// Recoveries carried out ([`recovery`]), the microseconds they took, and the chunks their
+    /// re-seeds sent.
+    recoveries: AtomicU64,
+    recovery_micros: AtomicU64,
+    reseeded_chunks: AtomicU64,
 }
 
 impl Tables {
@@ -237,13 +251,17 @@ impl Tables {
         }
     }
 
-    /// Records a heartbeat from a process of `member` started in `epoch`; returns whether the
-    /// state file must be written (a new member, or a fenced one's replacement).
-    fn heard(&mut self, member: Member, epoch: u64, counters: &Counters) -> bool {
+    /// Records a heartbeat `beat` that came from `from`; returns whether the state file must be
+    /// written (a new member, or a fenced one's replacement).
+    fn heard(&mut self, beat: Beat, from: SocketAddr, counters: &Counters) -> bool {
+        let Beat { member, epoch, .. } = beat;
         let known = self.state.members.get(&member).copied();
         if known.is_some_and(|m| epoch < m.fenced_in) {
             counters.stale_heartbeats.fetch_add(1, Ordering::Relaxed);
             return false;
+        }
+        if let Some(port) = beat.control_port {
+            self.controls.insert(member, SocketAddr::new(from.ip(), port));
         }
         counters.heartbeats.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
@@ -295,6 +313,8 @@ impl Tables {
         for &member in members {
             self.seen.remove(&member);
             self.fenced_at.insert(member, now);
+            // The fenced process's listener is no longer the member's.
+            self.controls.remove(&member);
         }
         info!(epoch = next.epoch, fenced = ?members, "fenced in a new epoch");
         counters.fences.fetch_add(1, Ordering::Relaxed);
@@ -308,21 +328,60 @@ impl Tables {
     fn absorb_pending(&mut self, socket: &UdpSocket, counters: &Counters) {
         let mut buf = [0u8; FRAME_HEADER_LEN];
         loop {
-            // SAFETY: recv writes at most `buf.len()` bytes into `buf`, a live, writable buffer;
-            // the descriptor belongs to `socket`, open for the whole call; MSG_DONTWAIT makes it
-            // return at once when nothing is waiting.
-            let n = unsafe {
-                libc::recv(socket.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
-            };
-            let Ok(n) = usize::try_from(n) else { return };
-            if let Some((member, _, epoch)) = crate::heartbeat::decode(&buf[..n]) {
-                if self.heard(member, epoch, counters) {
+            let Some((n, from)) = recv_waiting(socket, &mut buf) else { return };
+            if let Some(beat) = crate::heartbeat::decode(&buf[..n]) {
+                if self.heard(beat, from, counters) {
                     if let Err(e) = self.state.save(&self.path) {
                         error!(error = %e, "cannot record a member");
                     }
                 }
             }
         }
+    }
+}
+
+/// Takes one datagram waiting on `socket` into `buf`, without waiting: its length and sender.
+/// `None` when nothing waits (or the socket failed). The heartbeat thread blocks on the same
+/// socket, so the socket itself stays blocking.
+fn recv_waiting(socket: &UdpSocket, buf: &mut [u8]) -> Option<(usize, SocketAddr)> {
+    // SAFETY: an all-zero sockaddr_storage is a valid value of this plain C struct.
+    let mut from: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut from_len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // SAFETY: recvfrom writes at most `buf.len()` bytes into `buf`, a live, writable buffer, and
+    // at most `from_len` bytes of address into `from`, which is that large; the descriptor
+    // belongs to `socket`, open for the whole call; MSG_DONTWAIT makes it return at once when
+    // nothing is waiting.
+    let n = unsafe {
+        libc::recvfrom(
+            socket.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+            (&mut from as *mut libc::sockaddr_storage).cast(),
+            &mut from_len,
+        )
+    };
+    let n = usize::try_from(n).ok()?;
+    Some((n, socket_addr_of(&from)?))
+}
+
+/// The address in `storage`, if it is an IPv4 or IPv6 one.
+fn socket_addr_of(storage: &libc::sockaddr_storage) -> Option<SocketAddr> {
+    match i32::from(storage.ss_family) {
+        libc::AF_INET => {
+            // SAFETY: the family says the storage holds a sockaddr_in, which it is large and
+            // aligned enough for.
+            let v4 = unsafe { &*(storage as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
+            let ip = std::net::Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr));
+            Some(SocketAddr::from((ip, u16::from_be(v4.sin_port))))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: as above, for a sockaddr_in6.
+            let v6 = unsafe { &*(storage as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
+            let ip = std::net::Ipv6Addr::from(v6.sin6_addr.s6_addr);
+            Some(SocketAddr::from((ip, u16::from_be(v6.sin6_port))))
+        }
+        _ => None,
     }
 }
 
@@ -346,6 +405,8 @@ const OP_CENSUS: u32 = 1;
 const OP_FENCE: u32 = 2;
 /// The epoch a fenced member was fenced in, which its replacement starts in.
 const OP_FENCED_IN: u32 = 3;
+/// Carry out a recovery once its replacements are up ([`recovery`]).
+const OP_RECOVER: u32 = 4;
 
 /// The code (first id) of an `Error` reply to [`OP_FENCED_IN`] for a member not fenced.
 const REFUSED_NOT_FENCED: u32 = 1;
@@ -401,6 +462,7 @@ pub fn serve_controller(
         path: config.state.clone(),
         seen,
         fenced_at: HashMap::new(),
+        controls: HashMap::new(),
         timeout: config.timeout,
         interval: config.interval,
     }));
@@ -451,17 +513,18 @@ pub fn serve_controller(
 fn listen_heartbeats(socket: &UdpSocket, tables: &Mutex<Tables>, counters: &Counters) {
     let mut buf = [0u8; FRAME_HEADER_LEN];
     loop {
-        let n = match socket.recv(&mut buf) {
-            Ok(n) => n,
+        let (n, from) = match socket.recv_from(&mut buf) {
+            Ok(received) => received,
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => {
                 error!(error = %e, "the heartbeat socket failed");
                 return;
             }
         };
-        let Some((member, pid, epoch)) = crate::heartbeat::decode(&buf[..n]) else { continue };
+        let Some(beat) = crate::heartbeat::decode(&buf[..n]) else { continue };
         let mut tables = tables.lock();
-        if tables.heard(member, epoch, counters) {
+        if tables.heard(beat, from, counters) {
+            let Beat { member, pid, epoch, .. } = beat;
             info!(role = role_name(member.0), stage = member.1, pid, epoch, "a member joined");
             if let Err(e) = tables.state.save(&tables.path) {
                 error!(error = %e, "cannot record a new member");
@@ -538,6 +601,12 @@ fn answer_queries(
                     },
                     _ => Err(ControllerError::Protocol("a fenced-in query names one member".into())),
                 })
+            }
+            (Kind::Control, OP_RECOVER) => {
+                let epoch = frame.header.epoch;
+                recovery::decode_book(&frame.payload)
+                    .and_then(|book| recovery::carry_out(tables, counters, epoch, &book))
+                    .map(|orders| (epoch, recovery::encode_orders(&orders)))
             }
             (kind, op) => Err(ControllerError::Protocol(format!("unknown request {kind:?} {op}"))),
         };
@@ -649,6 +718,19 @@ fn render(tables: &Tables, counters: &Counters) -> String {
     )
     .sample("dejavu_controller_replacement_seconds_sum", &[], get(&counters.replacement_micros) / 1e6)
     .sample("dejavu_controller_replacement_seconds_count", &[], get(&counters.replacements));
+    page.family(
+        "dejavu_controller_recovery_seconds",
+        MetricType::Summary,
+        "Recoveries the controller carried out (re-seeds and resume points), and how long they took.",
+    )
+    .sample("dejavu_controller_recovery_seconds_sum", &[], get(&counters.recovery_micros) / 1e6)
+    .sample("dejavu_controller_recovery_seconds_count", &[], get(&counters.recoveries));
+    page.single(
+        "dejavu_controller_reseeded_chunks_total",
+        MetricType::Counter,
+        "Chunks surviving sidecars sent replaced ones on the controller's orders.",
+        get(&counters.reseeded_chunks),
+    );
     page.family("dejavu_controller_members", MetricType::Gauge, "Members by health.");
     let healths = [
         (Health::Alive, "alive"),
@@ -771,6 +853,28 @@ impl ControllerClient {
         }
     }
 
+    /// Has the controller carry out the recovery of epoch `epoch` once its replacements beat
+    /// (see [`recovery`]), for a ring whose stage `k` reaches its successor's sidecar at
+    /// `book[k]`; returns what it did and found. Re-seeds move KV: the call waits up to
+    /// `patience` for the answer. Carrying a recovery out again is harmless (a re-seed sends the
+    /// same chunks again).
+    pub fn recover(
+        &mut self,
+        epoch: u64,
+        book: &[SocketAddr],
+        patience: Duration,
+    ) -> Result<RecoveryOrders, ControllerError> {
+        let mut patient = ControllerClient::new(self.addr, patience);
+        patient.next_request = self.next_request;
+        let (answered, payload) =
+            patient.try_call_in(OP_RECOVER, [0; 3], epoch, &recovery::encode_book(book))?;
+        self.next_request = patient.next_request;
+        if answered != epoch {
+            return Err(ControllerError::Protocol(format!("orders of epoch {answered} for {epoch}")));
+        }
+        recovery::decode_orders(epoch, &payload)
+    }
+
     fn call(&mut self, op: u32, payload: &[u8]) -> Result<(u64, Vec<u8>), ControllerError> {
         self.call_with(op, [0; 3], payload)
     }
@@ -798,6 +902,17 @@ impl ControllerClient {
         ids: [u32; 3],
         payload: &[u8],
     ) -> Result<(u64, Vec<u8>), ControllerError> {
+        self.try_call_in(op, ids, 0, payload)
+    }
+
+    /// A request naming `epoch` in its header.
+    fn try_call_in(
+        &mut self,
+        op: u32,
+        ids: [u32; 3],
+        epoch: u64,
+        payload: &[u8],
+    ) -> Result<(u64, Vec<u8>), ControllerError> {
         if self.connection.is_none() {
             let stream = TcpStream::connect_timeout(&self.addr, self.deadline)?;
             stream.set_nodelay(true)?;
@@ -808,7 +923,7 @@ impl ControllerClient {
         let (reader, writer) = self.connection.as_mut().expect("connected above");
         let request = self.next_request;
         self.next_request += 1;
-        let mut header = FrameHeader::new(Kind::Control, u32::MAX, 0, request);
+        let mut header = FrameHeader::new(Kind::Control, u32::MAX, epoch, request);
         header.ids = [op, ids[0], ids[1], ids[2]];
         write_frame(writer, &header, payload)?;
         writer.flush()?;
@@ -906,7 +1021,7 @@ mod tests {
         let mut client = ControllerClient::new(addr, Duration::from_secs(2));
         assert_eq!(client.census().unwrap().health((Role::Engine, 0)), Health::Dead, "never heard from");
         // A member that beats is alive; garbage on the port changes nothing.
-        let stop = beat(addr, (Role::Engine, 0), 0, EVERY).unwrap();
+        let stop = beat(addr, (Role::Engine, 0), 0, EVERY, None).unwrap();
         assert_eq!(
             wait_for(&mut client, (Role::Engine, 0), Health::Alive).health((Role::Engine, 0)),
             Health::Alive
@@ -931,10 +1046,10 @@ mod tests {
         assert_eq!(client.fence_unless_fenced(&[(Role::Engine, 0)], 2).unwrap(), 2);
         assert_eq!(client.fenced_in((Role::Engine, 0)).unwrap(), 2);
         // It stays fenced until a replacement, started in that epoch, beats.
-        let _early = beat(addr, (Role::Engine, 0), 1, EVERY).unwrap();
+        let _early = beat(addr, (Role::Engine, 0), 1, EVERY, None).unwrap();
         std::thread::sleep(Duration::from_millis(100));
         assert!(client.census().unwrap().is_fenced((Role::Engine, 0)), "started before the fence");
-        let _replacement = beat(addr, (Role::Engine, 0), 2, EVERY).unwrap();
+        let _replacement = beat(addr, (Role::Engine, 0), 2, EVERY, None).unwrap();
         assert_eq!(
             wait_for(&mut client, (Role::Engine, 0), Health::Alive).health((Role::Engine, 0)),
             Health::Alive
@@ -949,7 +1064,8 @@ mod tests {
         let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
         let mut client = ControllerClient::new(addr, Duration::from_secs(2));
         let members: Vec<Member> = (0..3).flat_map(|i| [(Role::Engine, i), (Role::Sidecar, i)]).collect();
-        let mut beats: Vec<_> = members.iter().map(|&m| Some(beat(addr, m, 0, EVERY).unwrap())).collect();
+        let mut beats: Vec<_> =
+            members.iter().map(|&m| Some(beat(addr, m, 0, EVERY, None).unwrap())).collect();
         for &m in &members {
             wait_for(&mut client, m, Health::Alive);
         }
@@ -985,13 +1101,13 @@ mod tests {
         let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
         let mut client = ControllerClient::new(addr, Duration::from_secs(2));
         // Sidecar 1, started in epoch 0, is fenced and beats on (a stale worker rejoining).
-        let first = beat(addr, (Role::Sidecar, 1), 0, EVERY).unwrap();
+        let first = beat(addr, (Role::Sidecar, 1), 0, EVERY, None).unwrap();
         wait_for(&mut client, (Role::Sidecar, 1), Health::Alive);
         let epoch = client.fence(&[(Role::Sidecar, 1)]).unwrap();
         std::thread::sleep(Duration::from_millis(100));
         assert!(client.census().unwrap().is_fenced((Role::Sidecar, 1)), "its beats are refused");
         // Its replacement, started in the fence's epoch, counts; the stale one still does not.
-        let replacement = beat(addr, (Role::Sidecar, 1), epoch, EVERY).unwrap();
+        let replacement = beat(addr, (Role::Sidecar, 1), epoch, EVERY, None).unwrap();
         wait_for(&mut client, (Role::Sidecar, 1), Health::Alive);
         drop(replacement);
         assert!(wait_for(&mut client, (Role::Sidecar, 1), Health::Fenced).is_fenced((Role::Sidecar, 1)));
@@ -1005,8 +1121,8 @@ mod tests {
         // The first controller hears from engines 0 and 1, then fences engine 1.
         let first = start(&path, "127.0.0.1:0".parse().unwrap(), 300);
         let mut client = ControllerClient::new(first, Duration::from_secs(2));
-        let _beats = beat(first, (Role::Engine, 0), 0, EVERY).unwrap();
-        let one = beat(first, (Role::Engine, 1), 0, EVERY).unwrap();
+        let _beats = beat(first, (Role::Engine, 0), 0, EVERY, None).unwrap();
+        let one = beat(first, (Role::Engine, 1), 0, EVERY, None).unwrap();
         wait_for(&mut client, (Role::Engine, 1), Health::Alive);
         wait_for(&mut client, (Role::Engine, 0), Health::Alive);
         assert_eq!(client.fence(&[(Role::Engine, 1)]).unwrap(), 1);
@@ -1021,10 +1137,10 @@ mod tests {
         assert!(census.is_fenced((Role::Engine, 1)), "a fenced member still awaits its replacement");
         // The fenced engine, back from a pause, beats to the second controller, which never heard
         // from it: still ignored, as started before the fence; its replacement counts.
-        let stale = beat(second, (Role::Engine, 1), 0, EVERY).unwrap();
+        let stale = beat(second, (Role::Engine, 1), 0, EVERY, None).unwrap();
         std::thread::sleep(Duration::from_millis(100));
         assert!(client.census().unwrap().is_fenced((Role::Engine, 1)), "a stale process after a restart");
-        let _replacement = beat(second, (Role::Engine, 1), 1, EVERY).unwrap();
+        let _replacement = beat(second, (Role::Engine, 1), 1, EVERY, None).unwrap();
         assert!(!wait_for(&mut client, (Role::Engine, 1), Health::Alive).is_dead((Role::Engine, 1)));
         drop(stale);
         // Engine 0 beats to the first controller only: to the second it falls silent, and the

@@ -5,8 +5,10 @@
 //!
 //! A heartbeat is a frame header ([`dejavulib::wire`]) of kind `Heartbeat` with no payload: the
 //! epoch field holds the epoch the process was started in (so beats from a fenced process can be
-//! told from its replacement's), the sender field its process id (for logs), and the first two
-//! ids the role and the stage.
+//! told from its replacement's), the sender field its process id (for logs), the first two ids
+//! the role and the stage, and the third the port of the sender's control listener, if it has one
+//! (a sidecar's, on the address the datagram comes from: the controller drives recoveries
+//! through it).
 
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -41,13 +43,28 @@ impl Drop for Heartbeat {
     }
 }
 
-/// Sends a heartbeat for (`role`, `index`), from a process started in `epoch`, to `controller`
-/// every `interval`, from a thread of its own, until the returned handle is dropped.
+/// What a heartbeat datagram says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Beat {
+    /// Whose it is.
+    pub member: (Role, u32),
+    /// The sender's process id.
+    pub pid: u32,
+    /// The epoch the sender was started in.
+    pub epoch: u64,
+    /// The port of the sender's control listener, on the datagram's source address.
+    pub control_port: Option<u16>,
+}
+
+/// Sends a heartbeat for (`role`, `index`), from a process started in `epoch` (serving control
+/// requests on `control_port`, if given), to `controller` every `interval`, from a thread of its
+/// own, until the returned handle is dropped.
 pub fn beat(
     controller: SocketAddr,
     (role, index): (Role, u32),
     epoch: u64,
     interval: Duration,
+    control_port: Option<u16>,
 ) -> std::io::Result<Heartbeat> {
     // Bound to no address in particular: the route to the controller picks the source, on
     // loopback or from a network namespace of the worker's own.
@@ -57,7 +74,7 @@ pub fn beat(
     };
     let socket = UdpSocket::bind(unspecified)?;
     let mut header = FrameHeader::new(Kind::Heartbeat, std::process::id(), epoch, 0);
-    header.ids = [role as u32, index, 0, 0];
+    header.ids = [role as u32, index, control_port.map_or(0, u32::from), 0];
     let datagram = header.encode(&[]);
     let stop = Arc::new(AtomicBool::new(false));
     let stopped = stop.clone();
@@ -71,9 +88,8 @@ pub fn beat(
     Ok(Heartbeat { stop })
 }
 
-/// The member, the process id and the start epoch a heartbeat datagram names; `None` for
-/// anything else.
-pub fn decode(datagram: &[u8]) -> Option<((Role, u32), u32, u64)> {
+/// What a heartbeat datagram says; `None` for anything else.
+pub fn decode(datagram: &[u8]) -> Option<Beat> {
     let header = <&[u8; FRAME_HEADER_LEN]>::try_from(datagram).ok()?;
     let (header, 0, _) = FrameHeader::decode(header).ok()? else { return None };
     let role = match header.ids[0] {
@@ -81,7 +97,8 @@ pub fn decode(datagram: &[u8]) -> Option<((Role, u32), u32, u64)> {
         1 if header.kind == Kind::Heartbeat => Role::Sidecar,
         _ => return None,
     };
-    Some(((role, header.ids[1]), header.sender, header.epoch))
+    let control_port = u16::try_from(header.ids[2]).ok().filter(|&port| port != 0);
+    Some(Beat { member: (role, header.ids[1]), pid: header.sender, epoch: header.epoch, control_port })
 }
 
 #[cfg(test)]
@@ -93,11 +110,17 @@ mod tests {
         let receiver = UdpSocket::bind("127.0.0.1:0").unwrap();
         receiver.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let to = receiver.local_addr().unwrap();
-        let beating = beat(to, (Role::Sidecar, 3), 7, Duration::from_millis(10)).unwrap();
+        let beating = beat(to, (Role::Sidecar, 3), 7, Duration::from_millis(10), Some(4242)).unwrap();
         let mut buf = [0u8; 256];
         let n = receiver.recv(&mut buf).unwrap();
-        assert_eq!(decode(&buf[..n]), Some(((Role::Sidecar, 3), std::process::id(), 7)));
+        let expected =
+            Beat { member: (Role::Sidecar, 3), pid: std::process::id(), epoch: 7, control_port: Some(4242) };
+        assert_eq!(decode(&buf[..n]), Some(expected));
         beating.stop();
+        let silent = beat(to, (Role::Engine, 1), 0, Duration::from_millis(10), None).unwrap();
+        let n = receiver.recv(&mut buf).unwrap();
+        assert_eq!(decode(&buf[..n]).map(|b| (b.member, b.control_port)), Some(((Role::Engine, 1), None)));
+        silent.stop();
         assert_eq!(decode(b"not a heartbeat"), None);
         let mut other = FrameHeader::new(Kind::Put, 1, 0, 0);
         other.ids = [0, 1, 0, 0];

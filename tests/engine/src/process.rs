@@ -1231,6 +1231,17 @@ pub struct StepReply {
     pub kv_end: u32,
 }
 
+/// Where a replaced stage restores its KV from, as a recovery's controller ordered.
+#[derive(Clone, Debug)]
+pub struct RestoreSource {
+    /// The stage.
+    pub stage: u32,
+    /// The sidecar holding its KV (`None`: its own).
+    pub from: Option<SocketAddr>,
+    /// What the controller did and found for it: each sequence's first unreplicated token there.
+    pub marks: crate::controller::StageOrders,
+}
+
 /// What recovering one sequence took.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SequenceRecovery {
@@ -1477,12 +1488,13 @@ impl RemotePipeline {
     }
 
     /// Recovers one sequence on replaced stages: restores each stage's KV from the sidecar its
-    /// `sources` entry names (`None`: the stage's own), then recomputes the steps the copies
-    /// lacked (the replication lag; recomputing a step rewrites the same KV everywhere), checking
-    /// that they give the tokens already generated.
+    /// source names, up to the source's mark for the sequence if the controller found one (its
+    /// first unreplicated token), then recomputes the steps the copies lacked (the replication
+    /// lag; recomputing a step rewrites the same KV everywhere), checking that they give the
+    /// tokens already generated.
     pub fn recover(
         &mut self,
-        sources: &[(u32, Option<SocketAddr>)],
+        sources: &[RestoreSource],
         seat: Seat,
         prompt: &[u32],
         generated: &[u32],
@@ -1503,8 +1515,14 @@ impl RemotePipeline {
             }
         };
         let mut restored = needed;
-        for (i, &(stage, from)) in sources.iter().enumerate() {
-            let this = self.restore(stage, seat, prompt_len, needed, from)?;
+        for (i, source) in sources.iter().enumerate() {
+            let mark = source.marks.mark_of(seat.microbatch, seat.slot);
+            let wanted = mark.map_or(needed, |mark| mark.min(needed));
+            let this = self.restore(source.stage, seat, prompt_len, wanted, source.from)?;
+            if mark.is_some() && this != wanted {
+                // The copy changed since the controller looked: what was restored counts.
+                warn!(stage = source.stage, ?seat, wanted, restored = this, "restored other than the mark");
+            }
             recovery.lacked[i] = steps_from(this);
             restored = restored.min(this);
         }

@@ -194,6 +194,21 @@ fn a_killed_engine_or_worker_is_replaced_and_sequences_resume_bit_identically() 
         let controller = chain.controller_metrics().unwrap();
         assert_eq!(value_of(&controller, "dejavu_controller_epoch", &[]), Some(1.0), "{controller}");
         assert_eq!(value_of(&controller, "dejavu_controller_fences_total", &[]), Some(1.0));
+        // The controller carried its part out: a replaced sidecar got its replica from the
+        // predecessor's sidecar, on the controller's orders.
+        assert_eq!(value_of(&controller, "dejavu_controller_recovery_seconds_count", &[]), Some(1.0));
+        let reseeded = value_of(&controller, "dejavu_controller_reseeded_chunks_total", &[]).unwrap();
+        let predecessor = (victim + splits().len() - 1) % splits().len();
+        let page = chain.metrics(predecessor, Role::Sidecar).unwrap();
+        let sent =
+            value_of(&page, "dejavu_sidecar_reseeded_chunks_total", &[("stage", &predecessor.to_string())]);
+        match what {
+            Kill::Engine => assert_eq!(reseeded, 0.0, "{controller}"),
+            Kill::Worker => {
+                assert!(reseeded > 0.0, "{controller}");
+                assert_eq!(sent, Some(reseeded), "{page}");
+            }
+        }
 
         for (i, tokens) in so_far.iter_mut().enumerate() {
             *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);

@@ -37,6 +37,8 @@ use dejavulib::spill::Spill;
 use crate::metrics::{Exposition, MetricType};
 use crate::transport::Transports;
 
+pub mod control;
+
 /// Errors of a sidecar.
 #[derive(Debug, Error)]
 pub enum SidecarError {
@@ -125,6 +127,8 @@ pub struct SidecarStats {
     pub local_restores: AtomicU64,
     /// Engine connections refused for an older epoch than the one in use.
     pub stale_engines_refused: AtomicU64,
+    /// Chunks of its own stage sent to a new successor when a recovery re-seeded it.
+    pub reseeded_chunks: AtomicU64,
 }
 
 fn add(counter: &AtomicU64, n: u64) {
@@ -165,10 +169,12 @@ struct Successor {
     client: PeerClient,
 }
 
-/// Runs a sidecar until the process is killed: its transport, its local socket, and its metrics
-/// (at `metrics`, if given). `ready` gets the transport's address and the metrics page's.
+/// Runs a sidecar until the process is killed: its transport, its local socket, its control
+/// listener (`control`, if given: [`control`]) and its metrics (at `metrics`, if given). `ready`
+/// gets the transport's address and the metrics page's.
 pub fn serve_sidecar(
     config: SidecarConfig,
+    control: Option<std::net::TcpListener>,
     metrics: Option<SocketAddr>,
     ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
 ) -> Result<(), SidecarError> {
@@ -201,6 +207,9 @@ pub fn serve_sidecar(
         assigned_epoch: AtomicU64::new(0),
     });
     let server = Arc::new(server);
+    if let Some(listener) = control {
+        control::serve(sidecar.clone(), listener)?;
+    }
     let metrics = match metrics {
         Some(at) => {
             let (sidecar, server) = (sidecar.clone(), server.clone());
@@ -407,7 +416,12 @@ impl Sidecar {
     /// The stage's own chunks it keeps (its predecessor's replica left out), each with its key
     /// encoded, sorted by it: an engine asks for them page by page, each after the last it has.
     fn held(&self) -> Vec<(Vec<u8>, HeldChunk)> {
-        let stage = self.index();
+        self.held_of(self.index())
+    }
+
+    /// The chunks it keeps for stage `stage` (its own, or its predecessor's replica), as
+    /// [`Sidecar::held`].
+    fn held_of(&self, stage: u32) -> Vec<(Vec<u8>, HeldChunk)> {
         let mut held: Vec<(Vec<u8>, HeldChunk)> = self
             .store
             .keys()
@@ -596,6 +610,11 @@ impl Sidecar {
                 "dejavu_sidecar_stale_engines_total",
                 "Engine connections refused for an older epoch.",
                 &self.stats.stale_engines_refused,
+            ),
+            (
+                "dejavu_sidecar_reseeded_chunks_total",
+                "Chunks of its own stage sent to a new successor by a recovery's re-seed.",
+                &self.stats.reseeded_chunks,
             ),
             (
                 "dejavu_sidecar_chunks_stored_total",

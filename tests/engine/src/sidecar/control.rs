@@ -1,0 +1,231 @@
+//! A sidecar's control listener, through which the controller carries out recoveries, and
+//! [`SidecarControl`], the controller's end.
+//!
+//! The listener is a TCP port on the sidecar's transport address; the sidecar's heartbeats name it
+//! ([`crate::heartbeat::Beat::control_port`]), so the controller reaches whichever process holds
+//! a stage's sidecar now. Requests and replies are frames ([`dejavulib::wire`]) of kind `Control`,
+//! the first id the operation:
+//!
+//! - [`OP_HELD_OF`] (id 1: a stage): the chunks it keeps for that stage, as
+//!   [`HeldChunk::encode`]s one after the other: its own stage's local copy, or its predecessor's
+//!   replica. The controller finds each sequence's first unreplicated token from them.
+//! - [`OP_RESEED`] (payload: an address): forward to that sidecar from now on, and first send it
+//!   every chunk of its own stage it keeps, in the order they were put; the reply's id 1 is how
+//!   many. A replaced successor's sidecar gets the replica it must hold this way.
+//!
+//! A refusal is an `Error` frame whose payload says why.
+
+use std::io::{BufReader, BufWriter, ErrorKind, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dejavulib::resume::HeldChunk;
+use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameError, FrameHeader, Kind};
+use dejavulib::ChunkStore;
+use tracing::{info, warn};
+
+use super::{parse_addr, reply_error, Sidecar, SidecarError};
+
+/// Lists the chunks kept for a stage.
+pub const OP_HELD_OF: u32 = 1;
+/// Sends the sidecar's own stage's chunks to a new successor, and forwards there from now on.
+pub const OP_RESEED: u32 = 2;
+
+/// The largest request or reply: a listing of a few hundred thousand chunks.
+const MAX_CONTROL_FRAME: u64 = 64 << 20;
+
+/// Serves control connections on `listener` until the process ends, each on a thread of its own.
+pub(super) fn serve(sidecar: Arc<Sidecar>, listener: TcpListener) -> std::io::Result<()> {
+    std::thread::Builder::new().name("control".into()).spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            };
+            let sidecar = sidecar.clone();
+            let spawned = std::thread::Builder::new().name("control-connection".into()).spawn(move || {
+                if let Err(e) = answer(&sidecar, stream) {
+                    warn!(stage = sidecar.index(), error = %e, "a control connection ended");
+                }
+            });
+            if let Err(e) = spawned {
+                warn!(error = %e, "cannot serve a control connection");
+            }
+        }
+    })?;
+    Ok(())
+}
+
+/// Answers one connection's requests until it closes.
+fn answer(sidecar: &Sidecar, stream: TcpStream) -> Result<(), SidecarError> {
+    stream.set_nodelay(true)?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut writer = BufWriter::new(stream);
+    while let Some(frame) = read_frame(&mut reader, MAX_CONTROL_FRAME)? {
+        let reply = |ids: [u32; 4]| {
+            let mut header = FrameHeader::new(Kind::Control, sidecar.index(), 0, frame.header.request);
+            header.ids = ids;
+            header
+        };
+        match (frame.header.kind, frame.header.ids[0]) {
+            (Kind::Control, OP_HELD_OF) => {
+                let stage = frame.header.ids[1];
+                let held = sidecar.held_of(stage);
+                let listing: Vec<u8> = held.iter().flat_map(|(_, chunk)| chunk.encode()).collect();
+                write_frame(&mut writer, &reply([OP_HELD_OF, held.len() as u32, 0, 0]), &listing)?;
+            }
+            (Kind::Control, OP_RESEED) => {
+                let outcome = parse_addr(&frame.payload)
+                    .map_err(|e| e.to_string())
+                    .and_then(|to| sidecar.reseed(to).map(|sent| (to, sent)));
+                match outcome {
+                    Ok((to, sent)) => {
+                        info!(stage = sidecar.index(), %to, chunks = sent, "re-seeded a new successor");
+                        write_frame(&mut writer, &reply([OP_RESEED, sent as u32, 0, 0]), &[])?;
+                    }
+                    Err(reason) => reply_error(&mut writer, &frame, ErrorCode::Other, &reason)?,
+                }
+            }
+            (kind, op) => {
+                let reason = format!("unexpected {kind:?} {op}");
+                reply_error(&mut writer, &frame, ErrorCode::Unexpected, &reason)?
+            }
+        }
+        writer.flush()?;
+    }
+    Ok(())
+}
+
+impl Sidecar {
+    /// Forwards to `to` from now on and sends it every chunk of its own stage it keeps, oldest
+    /// put first (so the new successor's copy tells later requests' KV from earlier ones' as
+    /// this one does); returns how many it sent. Chunks the engine writes meanwhile wait for the
+    /// re-seed, then go to `to` as usual.
+    fn reseed(&self, to: SocketAddr) -> Result<u64, String> {
+        if self.unassigned.load(Ordering::SeqCst) {
+            return Err("a spare sidecar, not assigned a stage yet".into());
+        }
+        // As the engine in use, so that the new successor takes its later forwards too.
+        let epoch = self
+            .engine
+            .lock()
+            .as_ref()
+            .map_or_else(|| self.assigned_epoch.load(Ordering::SeqCst), |&(epoch, _, _)| epoch);
+        self.set_successor(to, epoch);
+        let Some(successor) = self.successor.lock().clone() else {
+            return Err(format!("no transport to {to}"));
+        };
+        let mut store = successor.store.lock();
+        store.client().set_epoch(epoch);
+        let mut own = self.held();
+        own.sort_unstable_by_key(|(_, chunk)| chunk.put);
+        let (mut sent, mut payload) = (0, Vec::new());
+        for (_, chunk) in own {
+            // A chunk dropped meanwhile is not sent.
+            let Ok(descriptor) = self.store.clone().get(&chunk.key, &mut payload) else { continue };
+            store.put(&descriptor, &payload).map_err(|e| format!("re-seeding {to} failed: {e}"))?;
+            super::add(&self.stats.reseeded_chunks, 1);
+            super::add(&self.stats.forwarded_bytes, payload.len() as u64);
+            sent += 1;
+        }
+        Ok(sent)
+    }
+}
+
+/// Errors of [`SidecarControl`].
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// The sidecar could not be reached, did not answer in time, or closed the connection.
+    #[error("sidecar control at {addr}: {source}")]
+    Io {
+        /// Its control address.
+        addr: SocketAddr,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// It refused the request.
+    #[error("sidecar control at {addr} refused: {reason}")]
+    Refused {
+        /// Its control address.
+        addr: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+    /// It answered with something malformed.
+    #[error("sidecar control at {addr}: {reason}")]
+    Protocol {
+        /// Its control address.
+        addr: SocketAddr,
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+/// The controller's end of a sidecar's control listener: one request per connection.
+#[derive(Clone, Copy, Debug)]
+pub struct SidecarControl {
+    addr: SocketAddr,
+    deadline: Duration,
+}
+
+impl SidecarControl {
+    /// A client of the control listener at `addr`; a request slower than `deadline` fails.
+    pub fn new(addr: SocketAddr, deadline: Duration) -> Self {
+        Self { addr, deadline }
+    }
+
+    /// The chunks the sidecar keeps for `stage`.
+    pub fn held_of(&self, stage: u32) -> Result<Vec<HeldChunk>, ControlError> {
+        let (ids, listing) = self.call([OP_HELD_OF, stage, 0, 0], &[])?;
+        let count = ids[1] as usize;
+        if listing.len() != count * HeldChunk::ENCODED_LEN {
+            return Err(self.protocol(format!("a listing of {count} chunks in {} bytes", listing.len())));
+        }
+        listing
+            .chunks_exact(HeldChunk::ENCODED_LEN)
+            .map(|entry| {
+                HeldChunk::decode(entry).ok_or_else(|| self.protocol("a malformed chunk entry".into()))
+            })
+            .collect()
+    }
+
+    /// Makes the sidecar forward to `to` from now on, after sending it its own stage's chunks;
+    /// returns how many it sent.
+    pub fn reseed(&self, to: SocketAddr) -> Result<u64, ControlError> {
+        let (ids, _) = self.call([OP_RESEED, 0, 0, 0], to.to_string().as_bytes())?;
+        Ok(u64::from(ids[1]))
+    }
+
+    fn protocol(&self, reason: String) -> ControlError {
+        ControlError::Protocol { addr: self.addr, reason }
+    }
+
+    fn call(&self, ids: [u32; 4], payload: &[u8]) -> Result<([u32; 4], Vec<u8>), ControlError> {
+        let io = |source| ControlError::Io { addr: self.addr, source };
+        let stream = TcpStream::connect_timeout(&self.addr, self.deadline).map_err(io)?;
+        stream.set_nodelay(true).map_err(io)?;
+        stream.set_read_timeout(Some(self.deadline)).map_err(io)?;
+        stream.set_write_timeout(Some(self.deadline)).map_err(io)?;
+        let mut writer = BufWriter::new(stream.try_clone().map_err(io)?);
+        let mut header = FrameHeader::new(Kind::Control, u32::MAX, 0, 1);
+        header.ids = ids;
+        write_frame(&mut writer, &header, payload).map_err(|e| self.protocol(e.to_string()))?;
+        writer.flush().map_err(io)?;
+        let frame = match read_frame(&mut BufReader::new(stream), MAX_CONTROL_FRAME) {
+            Ok(Some(frame)) => frame,
+            Ok(None) => return Err(io(std::io::Error::new(ErrorKind::UnexpectedEof, "no reply"))),
+            Err(FrameError::Io(e)) => return Err(io(e)),
+            Err(e) => return Err(self.protocol(e.to_string())),
+        };
+        match frame.header.kind {
+            Kind::Control if frame.header.ids[0] == ids[0] => Ok((frame.header.ids, frame.payload)),
+            Kind::Error => Err(ControlError::Refused {
+                addr: self.addr,
+                reason: String::from_utf8_lossy(&frame.payload).into_owned(),
+            }),
+            other => Err(self.protocol(format!("an unexpected {other:?} reply"))),
+        }
+    }
+}
