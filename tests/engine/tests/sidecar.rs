@@ -379,3 +379,74 @@ fn a_spare_sidecar_has_no_stage_to_tell_until_it_is_assigned() {
     let serving = engine.serving().unwrap();
     assert_eq!((serving.stage, serving.epoch), (2, 7));
 }
+
+#[test]
+fn the_control_listener_its_heartbeats_name_lists_what_it_holds_and_reseeds_a_new_successor() {
+    use dejavu_engine::heartbeat::decode;
+    use dejavu_engine::sidecar::control::SidecarControl;
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().unwrap();
+    // The controller's side of the heartbeats: a UDP socket of this test.
+    let beats = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    beats.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let heartbeat = format!("--heartbeat={}", beats.local_addr().unwrap());
+    let (_sidecar, socket, _) =
+        start_sidecar(dir.path(), &["--index", "1", "--heartbeat-ms", "20", &heartbeat]);
+    let mut datagram = [0u8; 256];
+    let (n, from) = beats.recv_from(&mut datagram).unwrap();
+    let beat = decode(&datagram[..n]).expect("a heartbeat");
+    let port = beat.control_port.expect("a sidecar's beats name its control listener");
+    let control = SidecarControl::new(SocketAddr::new(from.ip(), port), Duration::from_secs(10));
+
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let successor = |store: &HostStore| {
+        runtime
+            .block_on(PeerServer::bind(
+                &TcpTransport::plain(),
+                "127.0.0.1:0".parse().unwrap(),
+                ServerConfig::new(SECRET, 2),
+                store.clone(),
+            ))
+            .unwrap()
+    };
+    let (first_store, second_store) = (HostStore::new(), HostStore::new());
+    let (first, second) = (successor(&first_store), successor(&second_store));
+    let mut engine = LocalSidecar::connect(&socket, 0, first.addr()).unwrap();
+    let chunks: Vec<_> =
+        [(100, 1), (1, 2), (2, 3)].into_iter().map(|(tokens, seed)| chunk(tokens, seed)).collect();
+    for (descriptor, kv) in &chunks {
+        engine.put(descriptor, kv).unwrap();
+    }
+    assert!(control.held_of(0).unwrap().is_empty(), "nothing for another stage");
+    let held = control.held_of(1).unwrap();
+    let mut keys: Vec<_> = held.iter().map(|h| h.key.clone()).collect();
+    keys.sort_by_key(|k| k.encode());
+    let mut expected: Vec<_> = chunks.iter().map(|(d, _)| d.key()).collect();
+    expected.sort_by_key(|k| k.encode());
+    assert_eq!(keys, expected);
+
+    // Re-seeded: the new successor gets every chunk, in the order they were put, and the
+    // engine's next chunk goes there too.
+    assert_eq!(control.reseed(second.addr()).unwrap(), 3);
+    let mut out = Vec::new();
+    for (descriptor, kv) in &chunks {
+        assert_eq!(second_store.clone().get(&descriptor.key(), &mut out).unwrap(), *descriptor);
+        assert_eq!(out, *kv);
+    }
+    let order: Vec<_> = second_store.keys().into_iter().map(|(key, put)| (put, key)).collect();
+    let mut by_put = order.clone();
+    by_put.sort_by_key(|(put, _)| *put);
+    let firsts: Vec<_> = by_put.iter().map(|(_, key)| key.clone()).collect();
+    let puts_in_order: Vec<_> = chunks.iter().map(|(d, _)| d.key()).collect();
+    assert_eq!(firsts, puts_in_order, "the new successor saw them in put order");
+    let (later, later_kv) = chunk(3, 4);
+    engine.put(&later, &later_kv).unwrap();
+    assert_eq!(second_store.len(), 4);
+    assert_eq!(first_store.len(), 3, "the old successor gets nothing more");
+
+    // Garbage is refused with a reason, not a crash.
+    let unreachable = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    assert!(control.reseed(unreachable).is_err(), "a successor nobody serves");
+    assert!(!control.held_of(1).unwrap().is_empty(), "still serving");
+}
