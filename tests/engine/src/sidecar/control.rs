@@ -21,6 +21,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use dejavulib::chunk::ChunkDescriptor;
+use dejavulib::net::PeerStore;
 use dejavulib::resume::HeldChunk;
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameError, FrameHeader, Kind};
 use dejavulib::ChunkStore;
@@ -99,10 +101,14 @@ fn answer(sidecar: &Sidecar, stream: TcpStream) -> Result<(), SidecarError> {
 }
 
 impl Sidecar {
-    /// Forwards to `to` from now on and sends it every chunk of its own stage it keeps, oldest
-    /// put first (so the new successor's copy tells later requests' KV from earlier ones' as
-    /// this one does); returns how many it sent. Chunks the engine writes meanwhile wait for the
-    /// re-seed, then go to `to` as usual.
+    /// Forwards to `to` from now on and sends it every chunk of its own stage it keeps; returns
+    /// how many it sent. Chunks the engine writes meanwhile wait for the re-seed, then go to `to`
+    /// as usual.
+    ///
+    /// The new successor must tell later requests' KV from earlier ones' as this sidecar does:
+    /// a sequence's token-0 chunk counts as its start, so what came before it must arrive before
+    /// it, and what came after it after ([`dejavulib::resume`]). Each token-0 chunk is therefore
+    /// sent alone, in put order, and the chunks between two of them all at once.
     fn reseed(&self, to: SocketAddr) -> Result<u64, String> {
         if self.unassigned.load(Ordering::SeqCst) {
             return Err("a spare sidecar, not assigned a stage yet".into());
@@ -117,20 +123,57 @@ impl Sidecar {
         let Some(successor) = self.successor.lock().clone() else {
             return Err(format!("no transport to {to}"));
         };
-        let mut store = successor.store.lock();
+        let store = successor.store.lock();
         store.client().set_epoch(epoch);
         let mut own = self.held();
         own.sort_unstable_by_key(|(_, chunk)| chunk.put);
-        let (mut sent, mut payload) = (0, Vec::new());
+        let mut sent = 0;
+        let mut batch = Batch::default();
         for (_, chunk) in own {
+            let mut payload = Vec::new();
             // A chunk dropped meanwhile is not sent.
             let Ok(descriptor) = self.store.clone().get(&chunk.key, &mut payload) else { continue };
-            store.put(&descriptor, &payload).map_err(|e| format!("re-seeding {to} failed: {e}"))?;
-            super::add(&self.stats.reseeded_chunks, 1);
-            super::add(&self.stats.forwarded_bytes, payload.len() as u64);
-            sent += 1;
+            let starts_a_sequence = descriptor.region.tokens.start == 0;
+            if starts_a_sequence {
+                sent += batch.send(&store, to)?;
+            }
+            batch.push(descriptor, payload);
+            if starts_a_sequence || batch.bytes >= RESEED_BATCH_BYTES {
+                sent += batch.send(&store, to)?;
+            }
         }
+        sent += batch.send(&store, to)?;
+        super::add(&self.stats.reseeded_chunks, sent);
         Ok(sent)
+    }
+}
+
+/// Bytes of chunks a re-seed has in flight at most.
+const RESEED_BATCH_BYTES: usize = 64 << 20;
+
+/// Chunks a re-seed sends together.
+#[derive(Default)]
+struct Batch {
+    chunks: Vec<(ChunkDescriptor, Vec<u8>)>,
+    bytes: usize,
+}
+
+impl Batch {
+    fn push(&mut self, descriptor: ChunkDescriptor, payload: Vec<u8>) {
+        self.bytes += payload.len();
+        self.chunks.push((descriptor, payload));
+    }
+
+    /// Sends the chunks to `store` (at `to`) all at once, and empties the batch; returns how
+    /// many it sent.
+    fn send(&mut self, store: &PeerStore, to: SocketAddr) -> Result<u64, String> {
+        let chunks = std::mem::take(&mut self.chunks);
+        self.bytes = 0;
+        let count = chunks.len() as u64;
+        for put in store.put_many(chunks) {
+            put.map_err(|e| format!("re-seeding {to} failed: {e}"))?;
+        }
+        Ok(count)
     }
 }
 
