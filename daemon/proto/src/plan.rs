@@ -76,16 +76,17 @@ pub fn ring(depth: u32, failed: &[(u32, Loss)]) -> Vec<StagePlan> {
             let predecessor = (stage + depth - 1) % depth;
             let source = match loss {
                 Loss::Engine => Source::Own,
-                // A one-stage ring has no replica.
-                Loss::Worker if depth == 1 || loss_of(successor) == Some(Loss::Worker) => Source::Lost,
+                // A one-stage ring holds no replica of itself anywhere else.
+                Loss::Worker if loss_of(successor) == Some(Loss::Worker) => Source::Lost,
                 Loss::Worker => Source::Successor(successor),
             };
+            // A one-stage ring is its own predecessor: it re-seeds itself once restored.
             let reseed = match loss {
-                Loss::Worker if depth > 1 => Some(match loss_of(predecessor) {
+                Loss::Worker => Some(match loss_of(predecessor) {
                     Some(Loss::Worker) => (predecessor, Reseed::AfterRestore),
                     None | Some(Loss::Engine) => (predecessor, Reseed::Now),
                 }),
-                _ => None,
+                Loss::Engine => None,
             };
             StagePlan { stage, loss, source, reseed }
         })
@@ -169,6 +170,6 @@ mod tests {
         assert_eq!(plan[0].loss, Loss::Worker);
         assert_eq!(plan[0].source, Source::Successor(0));
         assert_eq!(ring(1, &[(0, Loss::Worker)])[0].source, Source::Lost);
-        assert_eq!(ring(1, &[(0, Loss::Worker)])[0].reseed, None);
+        assert_eq!(ring(1, &[(0, Loss::Worker)])[0].reseed, Some((0, Reseed::AfterRestore)));
     }
 }

@@ -607,6 +607,8 @@ impl Cluster {
         self.controller.proc = started.proc;
         self.controller.metrics = started.metrics;
         self.controller.restarts += 1;
+        // Its connection went with the old process.
+        self.controller.client.disconnect();
         Ok(())
     }
 
@@ -1114,9 +1116,17 @@ impl Cluster {
         self.remote.replace_all(&reachable, last_replaced)?;
         // The controller's part: it re-seeds each replaced sidecar from its surviving
         // predecessor's, and finds each sequence's first unreplicated token in the copy each
-        // replacement restores from. Addresses go through the routes the links take.
+        // replacement restores from. The addresses a re-seed may use (a replaced sidecar's, from
+        // its predecessor) go through the routes that link takes; the others are not used.
         let book: Vec<SocketAddr> = (0..n)
-            .map(|k| self.config.route(Link::Replica { from: k as u32 }, self.sidecars[(k + 1) % n].addr))
+            .map(|k| {
+                let successor = (k + 1) % n;
+                let sidecar = self.sidecars[successor].addr;
+                match victims.contains(&(successor, Kill::Worker)) {
+                    true => self.config.route(Link::Replica { from: k as u32 }, sidecar),
+                    false => sidecar,
+                }
+            })
             .collect();
         let orders = self.carry_out(epoch, &book)?;
         let planned: Vec<(usize, Kill)> = orders

@@ -379,7 +379,8 @@ fn socket_addr_of(storage: &libc::sockaddr_storage) -> Option<SocketAddr> {
             // SAFETY: as above, for a sockaddr_in6.
             let v6 = unsafe { &*(storage as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
             let ip = std::net::Ipv6Addr::from(v6.sin6_addr.s6_addr);
-            Some(SocketAddr::from((ip, u16::from_be(v6.sin6_port))))
+            let port = u16::from_be(v6.sin6_port);
+            Some(std::net::SocketAddrV6::new(ip, port, v6.sin6_flowinfo, v6.sin6_scope_id).into())
         }
         _ => None,
     }
@@ -405,7 +406,7 @@ const OP_CENSUS: u32 = 1;
 const OP_FENCE: u32 = 2;
 /// The epoch a fenced member was fenced in, which its replacement starts in.
 const OP_FENCED_IN: u32 = 3;
-/// Carry out a recovery once its replacements are up ([`recovery`]).
+/// Carry out a recovery once its replacements are up (the `recovery` module).
 const OP_RECOVER: u32 = 4;
 
 /// The code (first id) of an `Error` reply to [`OP_FENCED_IN`] for a member not fenced.
@@ -604,7 +605,15 @@ fn answer_queries(
             }
             (Kind::Control, OP_RECOVER) => {
                 let epoch = frame.header.epoch;
+                let current = tables.lock().state.epoch;
                 recovery::decode_book(&frame.payload)
+                    .and_then(|book| match epoch == current {
+                        true => Ok(book),
+                        // A late request must not retarget sidecars from an old book.
+                        false => Err(ControllerError::Protocol(format!(
+                            "a recovery of epoch {epoch}, not the current {current}"
+                        ))),
+                    })
                     .and_then(|book| recovery::carry_out(tables, counters, epoch, &book))
                     .map(|orders| (epoch, recovery::encode_orders(&orders)))
             }
@@ -796,6 +805,12 @@ impl ControllerClient {
         self.addr
     }
 
+    /// Drops the connection: the next call opens a new one (to a controller replaced on the
+    /// same port, say).
+    pub fn disconnect(&mut self) {
+        self.connection = None;
+    }
+
     /// Who is alive.
     pub fn census(&mut self) -> Result<Census, ControllerError> {
         let (epoch, payload) = self.call(OP_CENSUS, &[])?;
@@ -853,8 +868,9 @@ impl ControllerClient {
         }
     }
 
-    /// Has the controller carry out the recovery of epoch `epoch` once its replacements beat
-    /// (see [`recovery`]), for a ring whose stage `k` reaches its successor's sidecar at
+    /// Has the controller carry out its part of the recovery of epoch `epoch` (its current one)
+    /// once the replacements beat: plan the ring, re-seed replaced sidecars, find each sequence's
+    /// first unreplicated token ([`RecoveryOrders`]), for a ring whose stage `k` reaches its successor's sidecar at
     /// `book[k]`; returns what it did and found. Re-seeds move KV: the call waits up to
     /// `patience` for the answer. Carrying a recovery out again is harmless (a re-seed sends the
     /// same chunks again).

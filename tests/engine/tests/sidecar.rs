@@ -62,6 +62,18 @@ fn start_sidecar(dir: &Path, flags: &[&str]) -> (Killed, PathBuf, SocketAddr) {
     (Killed(child), socket, addr)
 }
 
+/// A ring successor's sidecar transport in this process, keeping what it is sent in `store`.
+fn successor(runtime: &tokio::runtime::Runtime, store: &HostStore) -> PeerServer {
+    runtime
+        .block_on(PeerServer::bind(
+            &TcpTransport::plain(),
+            "127.0.0.1:0".parse().unwrap(),
+            ServerConfig::new(SECRET, 2),
+            store.clone(),
+        ))
+        .unwrap()
+}
+
 /// A chunk of `tokens` tokens of one layer and head, as stage 1 of microbatch 0 would flush it.
 fn chunk(tokens: u32, seed: u8) -> (ChunkDescriptor, Vec<u8>) {
     let spec = KvSpec::new(1, 1, 4, DType::F32).unwrap();
@@ -84,14 +96,7 @@ fn chunks_cross_shared_memory_are_kept_and_forwarded() {
     // The successor: a real sidecar transport in this process.
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let successor_store = HostStore::new();
-    let successor = runtime
-        .block_on(PeerServer::bind(
-            &TcpTransport::plain(),
-            "127.0.0.1:0".parse().unwrap(),
-            ServerConfig::new(SECRET, 2),
-            successor_store.clone(),
-        ))
-        .unwrap();
+    let successor = successor(&runtime, &successor_store);
 
     let mut engine = LocalSidecar::connect(&socket, 0, successor.addr()).unwrap();
     let (prompt, prompt_kv) = chunk(100, 1);
@@ -174,18 +179,8 @@ fn a_new_successor_named_on_a_connection_of_its_own_takes_effect_and_a_stale_one
     let dir = tempfile::tempdir().unwrap();
     let (_sidecar, socket) = sidecar(dir.path());
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let serve = |store: &HostStore| {
-        runtime
-            .block_on(PeerServer::bind(
-                &TcpTransport::plain(),
-                "127.0.0.1:0".parse().unwrap(),
-                ServerConfig::new(SECRET, 2),
-                store.clone(),
-            ))
-            .unwrap()
-    };
     let (old_store, new_store) = (HostStore::new(), HostStore::new());
-    let (old, new) = (serve(&old_store), serve(&new_store));
+    let (old, new) = (successor(&runtime, &old_store), successor(&runtime, &new_store));
     let mut engine = LocalSidecar::connect(&socket, 2, old.addr()).unwrap();
     let (first, first_kv) = chunk(3, 9);
     engine.put(&first, &first_kv).unwrap();
@@ -287,14 +282,7 @@ fn a_restarted_engine_learns_what_its_sidecar_keeps_and_where_each_sequence_resu
     // A small region: the keys come back in several pages.
     let (_sidecar, socket, sidecar_addr) = sidecar_with_region(dir.path(), 4096);
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let successor = runtime
-        .block_on(PeerServer::bind(
-            &TcpTransport::plain(),
-            "127.0.0.1:0".parse().unwrap(),
-            ServerConfig::new(SECRET, 2),
-            HostStore::new(),
-        ))
-        .unwrap();
+    let successor = successor(&runtime, &HostStore::new());
 
     // Slot 0: a prompt of 5 tokens, then 120 steps. Slot 1: a prompt, 125 steps, a lost step,
     // and one more: it can resume only before the gap.
@@ -400,18 +388,8 @@ fn the_control_listener_its_heartbeats_name_lists_what_it_holds_and_reseeds_a_ne
     let control = SidecarControl::new(SocketAddr::new(from.ip(), port), Duration::from_secs(10));
 
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let successor = |store: &HostStore| {
-        runtime
-            .block_on(PeerServer::bind(
-                &TcpTransport::plain(),
-                "127.0.0.1:0".parse().unwrap(),
-                ServerConfig::new(SECRET, 2),
-                store.clone(),
-            ))
-            .unwrap()
-    };
     let (first_store, second_store) = (HostStore::new(), HostStore::new());
-    let (first, second) = (successor(&first_store), successor(&second_store));
+    let (first, second) = (successor(&runtime, &first_store), successor(&runtime, &second_store));
     let mut engine = LocalSidecar::connect(&socket, 0, first.addr()).unwrap();
     let chunks: Vec<_> =
         [(100, 1), (1, 2), (2, 3)].into_iter().map(|(tokens, seed)| chunk(tokens, seed)).collect();

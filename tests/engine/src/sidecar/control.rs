@@ -10,8 +10,9 @@
 //!   [`HeldChunk::encode`]s one after the other: its own stage's local copy, or its predecessor's
 //!   replica. The controller finds each sequence's first unreplicated token from them.
 //! - [`OP_RESEED`] (payload: an address): forward to that sidecar from now on, and first send it
-//!   every chunk of its own stage it keeps, in the order they were put; the reply's id 1 is how
-//!   many. A replaced successor's sidecar gets the replica it must hold this way.
+//!   every chunk of its own stage it keeps (each sequence start alone and in put order, the chunks
+//!   between two starts all at once); the reply's id 1 is how many. A replaced successor's sidecar
+//!   gets the replica it must hold this way.
 //!
 //! A refusal is an `Error` frame whose payload says why.
 
@@ -120,8 +121,10 @@ impl Sidecar {
             .as_ref()
             .map_or_else(|| self.assigned_epoch.load(Ordering::SeqCst), |&(epoch, _, _)| epoch);
         self.set_successor(to, epoch);
-        let Some(successor) = self.successor.lock().clone() else {
-            return Err(format!("no transport to {to}"));
+        // Another request may have named another successor since: then this re-seed is void.
+        let successor = self.successor.lock().clone().filter(|s| s.addr == to);
+        let Some(successor) = successor else {
+            return Err(format!("{to} is not the successor (any more)"));
         };
         let store = successor.store.lock();
         store.client().set_epoch(epoch);
