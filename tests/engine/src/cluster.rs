@@ -1122,9 +1122,10 @@ impl Cluster {
             .map(|k| {
                 let successor = (k + 1) % n;
                 let sidecar = self.sidecars[successor].addr;
-                match victims.contains(&(successor, Kill::Worker)) {
-                    true => self.config.route(Link::Replica { from: k as u32 }, sidecar),
-                    false => sidecar,
+                if victims.contains(&(successor, Kill::Worker)) {
+                    self.config.route(Link::Replica { from: k as u32 }, sidecar)
+                } else {
+                    sidecar
                 }
             })
             .collect();
@@ -1163,7 +1164,7 @@ impl Cluster {
                     Some(replica_at((stage + 1) % n as u32))
                 }
             };
-            sources.push(RestoreSource { stage, from, marks: o.clone() });
+            sources.push(RestoreSource { stage, from, orders: o.clone() });
         }
         let mut recovered = Recovered {
             epoch,

@@ -1239,7 +1239,7 @@ pub struct RestoreSource {
     /// The sidecar holding its KV (`None`: its own).
     pub from: Option<SocketAddr>,
     /// What the controller did and found for it: each sequence's first unreplicated token there.
-    pub marks: crate::controller::StageOrders,
+    pub orders: crate::controller::StageOrders,
 }
 
 /// What recovering one sequence took.
@@ -1516,7 +1516,7 @@ impl RemotePipeline {
         };
         let mut restored = needed;
         for (i, source) in sources.iter().enumerate() {
-            let mark = source.marks.mark_of(seat.microbatch, seat.slot);
+            let mark = source.orders.mark_of(seat.microbatch, seat.slot);
             let wanted = mark.map_or(needed, |mark| mark.min(needed));
             let this = self.restore(source.stage, seat, prompt_len, wanted, source.from)?;
             if mark.is_some() && this != wanted {

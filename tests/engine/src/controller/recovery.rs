@@ -117,8 +117,16 @@ pub(super) fn carry_out(
     Ok(RecoveryOrders { epoch, stages })
 }
 
-/// What of each stage was fenced in `epoch`: the whole worker when its sidecar was.
+/// What of each stage was fenced in `epoch`, the current one: the whole worker when its sidecar
+/// was. A late request for an older epoch is refused: it must not retarget sidecars from an old
+/// book.
 fn losses_in(tables: &Tables, epoch: u64, depth: u32) -> Result<Vec<(u32, Loss)>, ControllerError> {
+    let current = tables.state.epoch;
+    if epoch != current {
+        return Err(ControllerError::Protocol(format!(
+            "a recovery of epoch {epoch}, not the current {current}"
+        )));
+    }
     let fenced = |member: Member| tables.state.members.get(&member).is_some_and(|m| m.fenced_in == epoch);
     let losses: Vec<(u32, Loss)> = (0..depth)
         .filter_map(|stage| {
