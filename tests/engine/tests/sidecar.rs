@@ -9,13 +9,17 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
+use dejavu_engine::heartbeat::decode;
+use dejavu_engine::sidecar::control::SidecarControl;
 use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::local::{LocalError, LocalSidecar};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{PeerServer, ServerConfig};
+use dejavulib::resume::{resume_points, HeldChunk};
 use dejavulib::store::StoreError;
 use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
 use dejavulib::{ChunkStore, DType, HostStore, KvRegion, KvSpec, Packing, WorkerId};
+use std::time::Duration;
 
 const EXE: &str = env!("CARGO_BIN_EXE_dejavu-engine");
 const SECRET: &str = "dejavu reference cluster";
@@ -76,12 +80,17 @@ fn successor(runtime: &tokio::runtime::Runtime, store: &HostStore) -> PeerServer
 
 /// A chunk of `tokens` tokens of one layer and head, as stage 1 of microbatch 0 would flush it.
 fn chunk(tokens: u32, seed: u8) -> (ChunkDescriptor, Vec<u8>) {
+    chunk_of(0..tokens, seed)
+}
+
+/// As [`chunk`], of tokens `tokens`.
+fn chunk_of(tokens: std::ops::Range<u32>, seed: u8) -> (ChunkDescriptor, Vec<u8>) {
     let spec = KvSpec::new(1, 1, 4, DType::F32).unwrap();
     let descriptor = ChunkDescriptor {
         source: WorkerId { stage: 1, rank: 0 },
         destination: WorkerId { stage: 1, rank: 0 },
         microbatch: 0,
-        region: KvRegion::new(0..1, 0..1, 0..1, 0..tokens),
+        region: KvRegion::new(0..1, 0..1, 0..1, tokens),
         spec,
         packing: Packing::token_major(&spec),
     };
@@ -370,22 +379,8 @@ fn a_spare_sidecar_has_no_stage_to_tell_until_it_is_assigned() {
 
 #[test]
 fn the_control_listener_its_heartbeats_name_lists_what_it_holds_and_reseeds_a_new_successor() {
-    use dejavu_engine::heartbeat::decode;
-    use dejavu_engine::sidecar::control::SidecarControl;
-    use std::time::Duration;
-
     let dir = tempfile::tempdir().unwrap();
-    // The controller's side of the heartbeats: a UDP socket of this test.
-    let beats = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    beats.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let heartbeat = format!("--heartbeat={}", beats.local_addr().unwrap());
-    let (_sidecar, socket, _) =
-        start_sidecar(dir.path(), &["--index", "1", "--heartbeat-ms", "20", &heartbeat]);
-    let mut datagram = [0u8; 256];
-    let (n, from) = beats.recv_from(&mut datagram).unwrap();
-    let beat = decode(&datagram[..n]).expect("a heartbeat");
-    let port = beat.control_port.expect("a sidecar's beats name its control listener");
-    let control = SidecarControl::new(SocketAddr::new(from.ip(), port), Duration::from_secs(10));
+    let (_sidecar, socket, control) = sidecar_under_control(dir.path());
 
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let (first_store, second_store) = (HostStore::new(), HostStore::new());
@@ -427,4 +422,46 @@ fn the_control_listener_its_heartbeats_name_lists_what_it_holds_and_reseeds_a_ne
     let unreachable = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     assert!(control.reseed(unreachable).is_err(), "a successor nobody serves");
     assert!(!control.held_of(1).unwrap().is_empty(), "still serving");
+}
+
+/// Starts a sidecar of stage 1 beating to a controller played by this test; returns it, its local
+/// socket and a client of the control listener its heartbeats name.
+fn sidecar_under_control(dir: &Path) -> (Killed, PathBuf, SidecarControl) {
+    // The controller's side of the heartbeats: a UDP socket of this test.
+    let beats = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    beats.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let heartbeat = format!("--heartbeat={}", beats.local_addr().unwrap());
+    let (sidecar, socket, _) = start_sidecar(dir, &["--index", "1", "--heartbeat-ms", "20", &heartbeat]);
+    let mut datagram = [0u8; 256];
+    let (n, from) = beats.recv_from(&mut datagram).unwrap();
+    let beat = decode(&datagram[..n]).expect("a heartbeat");
+    let port = beat.control_port.expect("a sidecar's beats name its control listener");
+    (sidecar, socket, SidecarControl::new(SocketAddr::new(from.ip(), port), Duration::from_secs(10)))
+}
+
+#[test]
+fn a_reseeded_successor_finds_the_same_resume_points_though_the_steps_between_starts_travel_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_sidecar, socket, control) = sidecar_under_control(dir.path());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (first_store, second_store) = (HostStore::new(), HostStore::new());
+    let (first, second) = (successor(&runtime, &first_store), successor(&runtime, &second_store));
+    let mut engine = LocalSidecar::connect(&socket, 0, first.addr()).unwrap();
+    // A request of a 5-token prompt and 8 steps in slot 0, then a shorter one in the same slot:
+    // the first's later steps are stale, and must arrive before the second's start to stay so.
+    let first_request = [0..5, 5..6, 6..7, 7..8, 8..9, 9..10, 10..11, 11..12, 12..13];
+    let second_request = [0..3, 3..4, 4..5, 5..6];
+    for (i, tokens) in first_request.into_iter().chain(second_request).enumerate() {
+        let (descriptor, kv) = chunk_of(tokens, i as u8);
+        engine.put(&descriptor, &kv).unwrap();
+    }
+    let source = resume_points(&control.held_of(1).unwrap());
+    assert_eq!(source.len(), 1);
+    assert_eq!(source[0].tokens, 6, "the second request's KV, not the first's stale steps");
+
+    // Every chunk it keeps goes: 12 (the second request's 5..6 replaced the first's).
+    assert_eq!(control.reseed(second.addr()).unwrap(), 12);
+    let held: Vec<HeldChunk> =
+        second_store.keys().into_iter().map(|(key, put)| HeldChunk { key, put }).collect();
+    assert_eq!(resume_points(&held), source, "the new successor resumes where this sidecar does");
 }
