@@ -115,3 +115,108 @@ pub async fn server_handshake<S: AsyncRead + AsyncWrite + Unpin + ?Sized>(
     write_frame(stream, &FrameHeader::new(Kind::Welcome, node, 0, 0), &[]).await?;
     Ok(())
 }
+
+/// [`client_handshake`] on a blocking std stream (a control connection outside any runtime), for
+/// at most `deadline` (the stream's own timeouts do not bound it).
+pub fn client_handshake_blocking(
+    stream: &std::net::TcpStream,
+    secret: &[u8],
+    node: u32,
+    deadline: std::time::Duration,
+) -> Result<(), PeerError> {
+    on_blocking_stream(stream, deadline, Side::Client, secret, node)
+}
+
+/// [`server_handshake`] on a blocking std stream; see [`client_handshake_blocking`].
+pub fn server_handshake_blocking(
+    stream: &std::net::TcpStream,
+    secret: &[u8],
+    node: u32,
+    deadline: std::time::Duration,
+) -> Result<(), PeerError> {
+    on_blocking_stream(stream, deadline, Side::Server, secret, node)
+}
+
+/// Which end of a handshake.
+#[derive(Clone, Copy)]
+enum Side {
+    Client,
+    Server,
+}
+
+/// Runs `side`'s handshake on a blocking `stream`, on a runtime of its own, for at most
+/// `deadline`; the stream is blocking again afterwards. One handshake per connection, so the
+/// runtime's cost does not matter.
+fn on_blocking_stream(
+    stream: &std::net::TcpStream,
+    deadline: std::time::Duration,
+    side: Side,
+    secret: &[u8],
+    node: u32,
+) -> Result<(), PeerError> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_io().enable_time().build()?;
+    // A duplicate of the descriptor, driven by the runtime; both share one open file, so the
+    // mode set here is the stream's, and is set back below.
+    let twin = stream.try_clone()?;
+    twin.set_nonblocking(true)?;
+    let outcome = runtime.block_on(async {
+        let mut twin = tokio::net::TcpStream::from_std(twin)?;
+        let handshake = async {
+            match side {
+                Side::Client => client_handshake(&mut twin, secret, node).await,
+                Side::Server => server_handshake(&mut twin, secret, node).await,
+            }
+        };
+        tokio::time::timeout(deadline, handshake).await.unwrap_or(Err(PeerError::Timeout(deadline)))
+    });
+    stream.set_nonblocking(false)?;
+    outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+    use std::time::Duration;
+
+    const DEADLINE: Duration = Duration::from_secs(5);
+
+    /// Runs a blocking server handshake with `server_secret` against a blocking client with
+    /// `client_secret`; returns both outcomes, and whether the server's stream still works
+    /// blocking afterwards.
+    fn handshake(server_secret: &'static [u8], client_secret: &[u8]) -> (bool, bool, bool) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let ok = server_handshake_blocking(&stream, server_secret, 1, DEADLINE).is_ok();
+            let mut byte = [0u8; 1];
+            let blocking = ok && io::Read::read_exact(&mut &stream, &mut byte).is_ok() && byte == [7];
+            (ok, blocking)
+        });
+        let client = TcpStream::connect(addr).unwrap();
+        let client_ok = client_handshake_blocking(&client, client_secret, 2, DEADLINE).is_ok();
+        if client_ok {
+            io::Write::write_all(&mut &client, &[7]).unwrap();
+        }
+        drop(client);
+        let (server_ok, blocking) = server.join().unwrap();
+        (server_ok, client_ok, blocking)
+    }
+
+    #[test]
+    fn blocking_streams_prove_the_secret_and_stay_blocking_and_a_wrong_secret_is_refused() {
+        assert_eq!(handshake(b"cluster", b"cluster"), (true, true, true));
+        let (server_ok, client_ok, _) = handshake(b"cluster", b"another cluster");
+        assert!(!server_ok && !client_ok);
+    }
+
+    #[test]
+    fn a_silent_peer_times_out() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let _client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (stream, _) = listener.accept().unwrap();
+        let refused = server_handshake_blocking(&stream, b"cluster", 1, Duration::from_millis(50));
+        assert!(matches!(refused, Err(PeerError::Timeout(_))), "{refused:?}");
+    }
+}

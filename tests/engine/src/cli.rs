@@ -260,6 +260,9 @@ pub struct ControllerArgs {
     /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
+    /// The cluster secret, which it proves to the sidecars when it carries out a recovery.
+    #[arg(long, default_value = "dejavu reference cluster")]
+    pub secret: String,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
@@ -489,6 +492,7 @@ impl ControllerArgs {
             timeout: Duration::from_millis(self.timeout_ms),
             interval: Duration::from_millis(self.heartbeat_ms),
             metrics: self.metrics,
+            secret: self.secret.into_bytes(),
         };
         serve_controller(config, announce).map_err(|e| e.to_string())
     }

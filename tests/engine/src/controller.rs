@@ -214,6 +214,8 @@ struct Tables {
     /// Where each member that has one (a sidecar) serves control requests, as its latest
     /// heartbeat from a process not fenced says.
     controls: HashMap<Member, SocketAddr>,
+    /// The cluster secret, which the sidecars' control listeners ask it to prove.
+    secret: Vec<u8>,
     timeout: Duration,
     interval: Duration,
 }
@@ -399,6 +401,8 @@ pub struct ControllerConfig {
     pub interval: Duration,
     /// Where to serve metrics, if anywhere.
     pub metrics: Option<SocketAddr>,
+    /// The cluster secret: recoveries reach the sidecars with it.
+    pub secret: Vec<u8>,
 }
 
 /// Query operations (the first id of a control frame).
@@ -464,6 +468,7 @@ pub fn serve_controller(
         seen,
         fenced_at: HashMap::new(),
         controls: HashMap::new(),
+        secret: config.secret.clone(),
         timeout: config.timeout,
         interval: config.interval,
     }));
@@ -974,6 +979,7 @@ mod tests {
             timeout: Duration::from_millis(timeout_ms),
             interval: Duration::from_millis(20),
             metrics: None,
+            secret: b"test cluster".to_vec(),
         };
         let (tx, rx) = crossbeam_channel::bounded(1);
         std::thread::spawn(move || serve_controller(config, |addr, _| tx.send(addr).unwrap()));
@@ -1182,6 +1188,7 @@ mod tests {
             timeout: Duration::from_millis(200),
             interval: Duration::from_millis(20),
             metrics: None,
+            secret: b"test cluster".to_vec(),
         };
         let error = serve_controller(config, |_, _| panic!("it cannot be ready")).unwrap_err();
         assert!(matches!(error, ControllerError::Io(_)), "{error}");

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
 use dejavu_engine::heartbeat::decode;
-use dejavu_engine::sidecar::control::SidecarControl;
+use dejavu_engine::sidecar::control::{ControlError, SidecarControl};
 use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::local::{LocalError, LocalSidecar};
 use dejavulib::net::tcp::TcpTransport;
@@ -418,6 +418,12 @@ fn the_control_listener_its_heartbeats_name_lists_what_it_holds_and_reseeds_a_ne
     assert_eq!(second_store.len(), 4);
     assert_eq!(first_store.len(), 3, "the old successor gets nothing more");
 
+    // A client that cannot prove the cluster secret is refused before any request is read.
+    let stranger = SidecarControl::new(control.addr(), Duration::from_secs(10), b"another cluster's secret");
+    assert!(matches!(stranger.held_of(1), Err(ControlError::Auth { .. })), "a stranger lists nothing");
+    assert!(matches!(stranger.reseed(second.addr()), Err(ControlError::Auth { .. })));
+    assert_eq!(second_store.len(), 4, "and redirects nothing");
+
     // Garbage is refused with a reason, not a crash.
     let unreachable = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     assert!(control.reseed(unreachable).is_err(), "a successor nobody serves");
@@ -436,7 +442,8 @@ fn sidecar_under_control(dir: &Path) -> (Killed, PathBuf, SidecarControl) {
     let (n, from) = beats.recv_from(&mut datagram).unwrap();
     let beat = decode(&datagram[..n]).expect("a heartbeat");
     let port = beat.control_port.expect("a sidecar's beats name its control listener");
-    (sidecar, socket, SidecarControl::new(SocketAddr::new(from.ip(), port), Duration::from_secs(10)))
+    let control = SocketAddr::new(from.ip(), port);
+    (sidecar, socket, SidecarControl::new(control, Duration::from_secs(10), SECRET.as_bytes()))
 }
 
 #[test]

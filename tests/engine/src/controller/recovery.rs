@@ -150,10 +150,11 @@ fn control_of(tables: &Mutex<Tables>, member: Member) -> Result<SidecarControl, 
     loop {
         let (known, timeout) = {
             let tables = tables.lock();
-            (tables.controls.get(&member).copied(), tables.timeout)
+            let control = |&addr| SidecarControl::new(addr, SIDECAR_DEADLINE, &tables.secret);
+            (tables.controls.get(&member).map(control), tables.timeout)
         };
         match known {
-            Some(addr) => return Ok(SidecarControl::new(addr, SIDECAR_DEADLINE)),
+            Some(control) => return Ok(control),
             None if start.elapsed() >= timeout => {
                 return Err(ControllerError::Protocol(format!("{member:?} names no control listener")))
             }

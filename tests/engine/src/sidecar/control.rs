@@ -14,15 +14,18 @@
 //!   between two starts all at once); the reply's id 1 is how many. A replaced successor's sidecar
 //!   gets the replica it must hold this way.
 //!
-//! A refusal is an `Error` frame whose payload says why.
+//! A connection first proves the cluster secret (the transports' HMAC challenge-response,
+//! [`dejavulib::net::auth`]); one that cannot is closed before any request is read. A refusal is
+//! an `Error` frame whose payload says why. At most [`MAX_CONTROL_CONNECTIONS`] are served at once.
 
 use std::io::{BufReader, BufWriter, ErrorKind, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use dejavulib::chunk::ChunkDescriptor;
+use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
 use dejavulib::net::PeerStore;
 use dejavulib::resume::HeldChunk;
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameError, FrameHeader, Kind};
@@ -39,19 +42,35 @@ pub const OP_RESEED: u32 = 2;
 /// The largest request or reply: a listing of a few hundred thousand chunks.
 const MAX_CONTROL_FRAME: u64 = 64 << 20;
 
+/// Control connections served at once; more are closed at once.
+pub const MAX_CONTROL_CONNECTIONS: usize = 16;
+
+/// How long a connection has to prove the cluster secret.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The node id the controller proves the secret as.
+const CONTROLLER_NODE: u32 = u32::MAX;
+
 /// Serves control connections on `listener` until the process ends, each on a thread of its own.
 pub(super) fn serve(sidecar: Arc<Sidecar>, listener: TcpListener) -> std::io::Result<()> {
+    let live = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new().name("control".into()).spawn(move || {
         for stream in listener.incoming() {
             let Ok(stream) = stream else {
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             };
-            let sidecar = sidecar.clone();
+            if live.fetch_add(1, Ordering::SeqCst) >= MAX_CONTROL_CONNECTIONS {
+                live.fetch_sub(1, Ordering::SeqCst);
+                warn!(stage = sidecar.index(), "too many control connections: one closed");
+                continue;
+            }
+            let (sidecar, live) = (sidecar.clone(), live.clone());
             let spawned = std::thread::Builder::new().name("control-connection".into()).spawn(move || {
                 if let Err(e) = answer(&sidecar, stream) {
                     warn!(stage = sidecar.index(), error = %e, "a control connection ended");
                 }
+                live.fetch_sub(1, Ordering::SeqCst);
             });
             if let Err(e) = spawned {
                 warn!(error = %e, "cannot serve a control connection");
@@ -64,6 +83,8 @@ pub(super) fn serve(sidecar: Arc<Sidecar>, listener: TcpListener) -> std::io::Re
 /// Answers one connection's requests until it closes.
 fn answer(sidecar: &Sidecar, stream: TcpStream) -> Result<(), SidecarError> {
     stream.set_nodelay(true)?;
+    server_handshake_blocking(&stream, &sidecar.config.secret, sidecar.index(), HANDSHAKE_DEADLINE)
+        .map_err(|e| SidecarError::Protocol(format!("control handshake: {e}")))?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut writer = BufWriter::new(stream);
     while let Some(frame) = read_frame(&mut reader, MAX_CONTROL_FRAME)? {
@@ -199,6 +220,14 @@ pub enum ControlError {
         /// Why.
         reason: String,
     },
+    /// It could not prove the cluster secret, or did not take ours.
+    #[error("sidecar control at {addr}: {reason}")]
+    Auth {
+        /// Its control address.
+        addr: SocketAddr,
+        /// What failed.
+        reason: String,
+    },
     /// It answered with something malformed.
     #[error("sidecar control at {addr}: {reason}")]
     Protocol {
@@ -210,16 +239,30 @@ pub enum ControlError {
 }
 
 /// The controller's end of a sidecar's control listener: one request per connection.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone)]
 pub struct SidecarControl {
     addr: SocketAddr,
     deadline: Duration,
+    secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for SidecarControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The secret stays out of logs.
+        f.debug_struct("SidecarControl").field("addr", &self.addr).field("deadline", &self.deadline).finish()
+    }
 }
 
 impl SidecarControl {
-    /// A client of the control listener at `addr`; a request slower than `deadline` fails.
-    pub fn new(addr: SocketAddr, deadline: Duration) -> Self {
-        Self { addr, deadline }
+    /// A client of the control listener at `addr`, proving the cluster `secret`; a request
+    /// slower than `deadline` fails.
+    pub fn new(addr: SocketAddr, deadline: Duration, secret: &[u8]) -> Self {
+        Self { addr, deadline, secret: secret.to_vec() }
+    }
+
+    /// The control listener's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
     }
 
     /// The chunks the sidecar keeps for `stage`.
@@ -254,6 +297,8 @@ impl SidecarControl {
         stream.set_nodelay(true).map_err(io)?;
         stream.set_read_timeout(Some(self.deadline)).map_err(io)?;
         stream.set_write_timeout(Some(self.deadline)).map_err(io)?;
+        client_handshake_blocking(&stream, &self.secret, CONTROLLER_NODE, self.deadline)
+            .map_err(|e| ControlError::Auth { addr: self.addr, reason: e.to_string() })?;
         let mut writer = BufWriter::new(stream.try_clone().map_err(io)?);
         let mut header = FrameHeader::new(Kind::Control, u32::MAX, 0, 1);
         header.ids = ids;
