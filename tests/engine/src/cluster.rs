@@ -16,7 +16,7 @@ use thiserror::Error;
 
 mod spares;
 
-use crate::controller::{Census, ControllerClient, ControllerError, Member, RecoveryOrders};
+use crate::controller::{Census, ControllerClient, ControllerError, Member};
 use crate::handoff::Shapes;
 pub use crate::heartbeat::Role;
 use crate::netns::{Fabric, Host, NetnsError};
@@ -278,14 +278,6 @@ pub struct Sequence<'a> {
     pub prompt: &'a [u32],
     /// The tokens generated so far.
     pub generated: &'a [u32],
-}
-
-impl Sequence<'_> {
-    /// Prompt length and tokens with KV (the prompt and every generated token but the last).
-    fn kv(&self) -> (u32, u32) {
-        let prompt_len = self.prompt.len() as u32;
-        (prompt_len, prompt_len + self.generated.len().saturating_sub(1) as u32)
-    }
 }
 
 /// The controller process and the cluster's connection to it. A controller that dies or stops
@@ -1032,14 +1024,17 @@ impl Cluster {
     ///    replacement sidecars start for the ones that died;
     /// 2. replacement engines start (the last first, so each knows where to send) and the chain is
     ///    repaired around them;
-    /// 3. a live predecessor of a replaced sidecar replicates to the new one from now on, starting
-    ///    with each sequence's KV so far (before anything is recomputed, so the recomputed steps'
-    ///    copies land there too);
-    /// 4. each replacement restores each sequence's KV, from its own sidecar if that survived or
-    ///    from its successor's, and the steps the copies lacked are recomputed. When the successor
-    ///    died too (adjacent workers), that copy is gone: the ring cannot restore the stage, and
-    ///    its sequences are recomputed from their prompts ([`Recovered::copies_lost`] says so);
-    /// 5. a replaced predecessor of a replaced sidecar copies its restored KV there.
+    /// 3. the controller carries out its part ([`ControllerClient::recover`]): it plans the ring,
+    ///    has the live predecessor sidecar of each replaced sidecar re-seed it and forward there
+    ///    from now on (before anything is recomputed, so the recomputed steps' copies land there
+    ///    too), and finds each sequence's first unreplicated token in each restore source;
+    /// 4. each replacement restores each sequence's KV up to that mark, from its own sidecar if
+    ///    that survived or from its successor's, and the steps the copies lacked are recomputed.
+    ///    When the successor died too (adjacent workers), that copy is gone: the ring cannot
+    ///    restore the stage, and its sequences are recomputed from their prompts
+    ///    ([`Recovered::copies_lost`] says so);
+    /// 5. the controller has the new sidecar of a replaced predecessor of a replaced sidecar
+    ///    re-seed it, now that it holds the restored KV ([`ControllerClient::reseed_restored`]).
     pub fn recover_all(
         &mut self,
         victims: &[(usize, Kill)],
@@ -1129,7 +1124,7 @@ impl Cluster {
                 }
             })
             .collect();
-        let orders = self.carry_out(epoch, &book)?;
+        let orders = self.patiently(|client| client.recover(epoch, &book, RECOVERY_PATIENCE))?;
         let planned: Vec<(usize, Kill)> = orders
             .stages
             .iter()
@@ -1142,16 +1137,13 @@ impl Cluster {
                 "the controller recovered {planned:?} in epoch {epoch}, not the victims {victims:?}"
             )));
         }
-        // A predecessor replaced too copies its KV to the new sidecar once it has restored it.
-        let mut copy_later = Vec::new();
+        // A predecessor replaced too re-seeds the new sidecar once it has restored its KV.
+        let reseed_after_restore =
+            orders.stages.iter().any(|o| matches!(o.plan.reseed, Some((_, Reseed::AfterRestore))));
         let mut copies_lost = Vec::new();
         let mut sources = Vec::new();
         for o in &orders.stages {
             let stage = o.plan.stage;
-            if let Some((from, Reseed::AfterRestore)) = o.plan.reseed {
-                let to = self.config.route(Link::Replica { from }, self.sidecars[stage as usize].addr);
-                copy_later.push((from as usize, to));
-            }
             let replica_at = |holder: u32| {
                 self.config.route(Link::Replica { from: stage }, self.sidecars[holder as usize].addr)
             };
@@ -1179,8 +1171,8 @@ impl Cluster {
                 total.1 += lacked;
             }
         }
-        for (predecessor, to) in copy_later {
-            self.copy_kv_to(predecessor, to, sequences)?;
+        if reseed_after_restore {
+            self.patiently(|client| client.reseed_restored(epoch, &book, RECOVERY_PATIENCE))?;
         }
         // The spares used are replaced in the background, off the recovery.
         let (stages, sidecars) = (self.spares.used.0 - used.0, self.spares.used.1 - used.1);
@@ -1188,14 +1180,17 @@ impl Cluster {
         Ok(recovered)
     }
 
-    /// Has the controller carry out its part of the recovery of `epoch` (see
-    /// [`ControllerClient::recover`]), replacing it once if it cannot be reached.
-    fn carry_out(&mut self, epoch: u64, book: &[SocketAddr]) -> Result<RecoveryOrders, ClusterError> {
-        match self.controller.client.recover(epoch, book, RECOVERY_PATIENCE) {
+    /// Has the controller carry out a part of a recovery (`call`), replacing it once if it
+    /// cannot be reached; unlike [`Cluster::ask`], a refusal is not taken for a dead controller.
+    fn patiently<T>(
+        &mut self,
+        call: impl Fn(&mut ControllerClient) -> Result<T, ControllerError>,
+    ) -> Result<T, ClusterError> {
+        match call(&mut self.controller.client) {
             Err(ControllerError::Io(e)) => {
                 tracing::warn!(error = %e, "the controller did not answer a recovery: replacing it");
                 self.restart_controller()?;
-                Ok(self.controller.client.recover(epoch, book, RECOVERY_PATIENCE)?)
+                Ok(call(&mut self.controller.client)?)
             }
             carried_out => Ok(carried_out?),
         }
@@ -1220,23 +1215,6 @@ impl Cluster {
         if spare {
             self.spared.push(old);
         }
-    }
-
-    /// Makes stage `stage` replicate to the sidecar at `to` from now on, starting with every
-    /// sequence's KV so far.
-    fn copy_kv_to(
-        &mut self,
-        stage: usize,
-        to: SocketAddr,
-        sequences: &[Sequence<'_>],
-    ) -> Result<(), ClusterError> {
-        for s in sequences.iter().filter(|s| !s.generated.is_empty()) {
-            let (prompt_len, kv_tokens) = s.kv();
-            self.remote.replicate_to(stage as u32, s.seat, prompt_len, kv_tokens, to)?;
-        }
-        // Retarget even when no sequence has started.
-        self.remote.replicate_to(stage as u32, Seat { microbatch: 0, slot: 0 }, 0, 0, to)?;
-        Ok(())
     }
 }
 

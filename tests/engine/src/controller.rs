@@ -412,6 +412,8 @@ const OP_FENCE: u32 = 2;
 const OP_FENCED_IN: u32 = 3;
 /// Carry out a recovery once its replacements are up (the `recovery` module).
 const OP_RECOVER: u32 = 4;
+/// Re-seed the replaced sidecars whose predecessors were replaced too, once those have restored.
+const OP_RESEED_RESTORED: u32 = 5;
 
 /// The code (first id) of an `Error` reply to [`OP_FENCED_IN`] for a member not fenced.
 const REFUSED_NOT_FENCED: u32 = 1;
@@ -613,6 +615,12 @@ fn answer_queries(
                 recovery::decode_book(&frame.payload)
                     .and_then(|book| recovery::carry_out(tables, counters, epoch, &book))
                     .map(|orders| (epoch, recovery::encode_orders(&orders)))
+            }
+            (Kind::Control, OP_RESEED_RESTORED) => {
+                let epoch = frame.header.epoch;
+                recovery::decode_book(&frame.payload)
+                    .and_then(|book| recovery::reseed_restored(tables, counters, epoch, &book))
+                    .map(|sent| (epoch, sent.to_le_bytes().to_vec()))
             }
             (kind, op) => Err(ControllerError::Protocol(format!("unknown request {kind:?} {op}"))),
         };
@@ -877,15 +885,42 @@ impl ControllerClient {
         book: &[SocketAddr],
         patience: Duration,
     ) -> Result<RecoveryOrders, ControllerError> {
+        let payload = self.call_patiently(OP_RECOVER, epoch, book, patience)?;
+        recovery::decode_orders(epoch, &payload)
+    }
+
+    /// The last of the controller's part of the recovery of epoch `epoch`: once the replaced
+    /// stages have restored (or recomputed) their KV, the new sidecar of each replaced stage
+    /// whose successor was replaced too re-seeds that successor's; see
+    /// [`ControllerClient::recover`]. Returns the chunks sent.
+    pub fn reseed_restored(
+        &mut self,
+        epoch: u64,
+        book: &[SocketAddr],
+        patience: Duration,
+    ) -> Result<u64, ControllerError> {
+        let payload = self.call_patiently(OP_RESEED_RESTORED, epoch, book, patience)?;
+        let sent = payload.try_into().map_err(|_| ControllerError::Protocol("a malformed count".into()))?;
+        Ok(u64::from_le_bytes(sent))
+    }
+
+    /// A recovery request `op` of epoch `epoch` with `book`, waiting up to `patience` for the
+    /// answer (it moves KV); returns the answer's payload.
+    fn call_patiently(
+        &mut self,
+        op: u32,
+        epoch: u64,
+        book: &[SocketAddr],
+        patience: Duration,
+    ) -> Result<Vec<u8>, ControllerError> {
         let mut patient = ControllerClient::new(self.addr, patience);
         patient.next_request = self.next_request;
-        let (answered, payload) =
-            patient.try_call_in(OP_RECOVER, [0; 3], epoch, &recovery::encode_book(book))?;
+        let (answered, payload) = patient.try_call_in(op, [0; 3], epoch, &recovery::encode_book(book))?;
         self.next_request = patient.next_request;
         if answered != epoch {
-            return Err(ControllerError::Protocol(format!("orders of epoch {answered} for {epoch}")));
+            return Err(ControllerError::Protocol(format!("an answer of epoch {answered} for {epoch}")));
         }
-        recovery::decode_orders(epoch, &payload)
+        Ok(payload)
     }
 
     fn call(&mut self, op: u32, payload: &[u8]) -> Result<(u64, Vec<u8>), ControllerError> {

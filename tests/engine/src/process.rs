@@ -68,7 +68,7 @@ use dejavulib::affinity::CpuList;
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
 use dejavulib::local::LocalSidecar;
 use dejavulib::net::{ClientConfig, PeerStore};
-use dejavulib::reshard::{install, pack, receive, transfer_key, StreamError};
+use dejavulib::reshard::{install, receive, transfer_key, StreamError};
 use dejavulib::store::StoreError;
 use dejavulib::streamer::{Completion, StreamJob};
 use dejavulib::wire::{read_frame, write_frame, Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD};
@@ -112,8 +112,6 @@ pub enum ProcessError {
 const OP_RESTORE: u8 = 1;
 /// Control operation: send output to another address from now on.
 const OP_REWIRE: u8 = 2;
-/// Control operation: replicate to another successor sidecar, starting with a sequence's KV so far.
-const OP_REPLICATE_TO: u8 = 3;
 /// Control operation: load a sequence's prompt KV handed over by a prompt pipeline.
 const OP_LOAD: u8 = 4;
 /// Control operation: a prompt stage hands a token stage's prompts to another sidecar from now on.
@@ -557,30 +555,14 @@ type SharedStore = Arc<Mutex<dyn ChunkStore>>;
 struct ToSidecar {
     local: Arc<Mutex<LocalSidecar>>,
     stats: Arc<StageStats>,
-    /// A new successor for the sidecar to forward to, told before the next put.
-    retarget: Arc<Mutex<Option<SocketAddr>>>,
     /// Set once the sidecar has closed the connection ([`Sidecars::lost`]).
     lost: Arc<AtomicBool>,
 }
 
 impl ToSidecar {
-    /// Tells the sidecar of its new successor, if there is one, then puts the chunk there.
+    /// Puts the chunk in the sidecar.
     fn put_now(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
-        let mut local = self.local.lock();
-        let retarget = *self.retarget.lock();
-        if let Some(to) = retarget {
-            local.retarget(to).map_err(|e| StoreError::Io {
-                op: "retarget the forwards of",
-                path: format!("its sidecar to {to}").into(),
-                source: std::io::Error::other(e),
-            })?;
-            // Done: unless a newer one was set meanwhile.
-            let mut pending = self.retarget.lock();
-            if *pending == Some(to) {
-                *pending = None;
-            }
-        }
-        local.put(descriptor, payload)?;
+        self.local.lock().put(descriptor, payload)?;
         StageStats::add(&self.stats.copied_chunks, 1);
         StageStats::add(&self.stats.copied_bytes, payload.len() as u64);
         Ok(())
@@ -611,10 +593,6 @@ struct Sidecars {
     /// so the controller hears it fall silent and fences it (with its sidecar, if that died), and
     /// the steps to recompute stay as few as the copies in flight.
     lost: Arc<AtomicBool>,
-    /// The successor the streamer has the sidecar forward to from its next put on: set without
-    /// waiting for a put in flight, which may be stuck on the dead successor (a QUIC peer that
-    /// died says nothing: only a timeout ends the put).
-    retarget: Arc<Mutex<Option<SocketAddr>>>,
     /// How the stage talks to another sidecar: as its node, in its epoch, over its transport.
     client: ClientConfig,
     transports: Transports,
@@ -639,10 +617,9 @@ impl Sidecars {
         client.connect_timeout = Duration::from_millis(500);
         let local = LocalSidecar::connect(&replication.local, epoch, replication.successor)
             .map_err(|e| ProcessError::Sidecar(format!("{}: {e}", replication.local.display())))?;
-        let retarget = Arc::new(Mutex::new(None));
         let peers = Mutex::new(std::collections::HashMap::new());
         let (local, lost) = (Arc::new(Mutex::new(local)), Arc::new(AtomicBool::new(false)));
-        Ok(Self { local, lost, retarget, client, transports, peers, runtime })
+        Ok(Self { local, lost, client, transports, peers, runtime })
     }
 
     /// A store on the sidecar at `addr`, over the transport (the same one each time).
@@ -706,7 +683,6 @@ impl StageProcess {
             let to_sidecar = ToSidecar {
                 local: sidecars.local.clone(),
                 stats: process.stats.clone(),
-                retarget: sidecars.retarget.clone(),
                 lost: sidecars.lost.clone(),
             };
             let streamer =
@@ -955,12 +931,6 @@ impl StageProcess {
                 };
                 Ok(payload)
             }
-            OP_REPLICATE_TO => {
-                let to = parse_address(argument)?
-                    .ok_or_else(|| ProcessError::Protocol("no sidecar to replicate to".into()))?;
-                self.replicate_to(header, to)?;
-                Ok(payload)
-            }
             other => Err(ProcessError::Protocol(format!("unknown control operation {other}"))),
         }
     }
@@ -1063,42 +1033,6 @@ impl StageProcess {
             warn!(error = %e, "could not hand restored KV to its sidecar");
         }
         stopped.map_or(Ok(restored), |e| Err((restored, e)))
-    }
-
-    /// Replicates to the successor sidecar at `to` from now on, and copies the sequence's KV so far
-    /// there (what the old sidecar held died with it).
-    fn replicate_to(&mut self, header: &FrameHeader, to: SocketAddr) -> Result<(), ProcessError> {
-        let [microbatch, slot, prompt_len, kv_tokens] = header.ids;
-        let target = {
-            let sidecars = self
-                .sidecars
-                .as_ref()
-                .ok_or_else(|| ProcessError::Sidecar("no replication configured".into()))?;
-            *sidecars.retarget.lock() = Some(to);
-            // Told now, too, on a connection of its own: the stage's streamer may be waiting
-            // for a forward to the dead successor, which this cuts short.
-            if let Some(replication) = &self.config.replication {
-                if let Err(e) = LocalSidecar::retarget_now(&replication.local, to, self.config.epoch) {
-                    warn!(stage = self.config.index, error = %e, "its sidecar will hear of the new successor at the next copy");
-                }
-            }
-            sidecars.peer_store(to)?
-        };
-        if prompt_len == 0 {
-            return Ok(());
-        }
-        let seat = Seat { microbatch, slot };
-        let cache = self.cache(seat)?;
-        let transfer = self.transfer(seat);
-        let failed = |e: &dyn std::fmt::Display| ProcessError::Sidecar(e.to_string());
-        let chunks = Self::chunks(prompt_len, kv_tokens)
-            .map(|tokens| pack(&cache, &transfer, tokens).map_err(|e| failed(&e)))
-            .collect::<Result<Vec<_>, _>>()?;
-        // Every put in flight at once: one round trip each would hold the recovery up.
-        for put in target.put_many(chunks) {
-            put.map_err(|e| failed(&e))?;
-        }
-        Ok(())
     }
 }
 
@@ -1469,21 +1403,6 @@ impl RemotePipeline {
     /// in one run ([`crate::cluster::Cluster::set_replication`]).
     pub fn set_replication(&mut self, stage: u32, on: bool) -> Result<(), ProcessError> {
         self.control(OP_REPLICATION, stage, [NO_STAGE; 4], &[u8::from(on)])?;
-        Ok(())
-    }
-
-    /// Tells stage `stage` to replicate to the sidecar at `to` from now on and, unless
-    /// `prompt_len` is 0, to copy `seat`'s KV so far (`kv_tokens` tokens) there.
-    pub fn replicate_to(
-        &mut self,
-        stage: u32,
-        seat: Seat,
-        prompt_len: u32,
-        kv_tokens: u32,
-        to: SocketAddr,
-    ) -> Result<(), ProcessError> {
-        let ids = [seat.microbatch, seat.slot, prompt_len, kv_tokens];
-        self.control(OP_REPLICATE_TO, stage, ids, to.to_string().as_bytes())?;
         Ok(())
     }
 

@@ -289,6 +289,47 @@ fn after_a_worker_recovery_replication_goes_on_and_survives_a_second_failure() {
 }
 
 #[test]
+fn adjacent_workers_lost_together_recompute_and_the_controller_reseeds_the_second_from_the_first() {
+    let expected = reference();
+    let prompts = prompts();
+    let mut chain = cluster(true);
+    let done = 3;
+    let so_far = start_requests(&mut chain.remote, done);
+
+    // Workers 1 and 2 die together: worker 1's replica died with worker 2's sidecar.
+    chain.kill(1, Kill::Worker).unwrap();
+    chain.kill(2, Kill::Worker).unwrap();
+    let position = (prompts[0].len() + done - 1) as u32;
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    let victims = chain.detect(Duration::from_secs(3)).unwrap();
+    assert_eq!(victims, [(1, Kill::Worker), (2, Kill::Worker)]);
+    let first = chain.recover_all(&victims, &sequences(&prompts, &so_far)).unwrap();
+    assert_eq!(first.copies_lost, [1], "the ring cannot restore worker 1");
+    // Worker 2's new sidecar got worker 1's KV from worker 1's new sidecar once worker 1 had
+    // recomputed it, on the controller's orders (worker 0's re-seeded worker 1's at once).
+    let sent = |chain: &mut Cluster, stage: usize| {
+        let page = chain.metrics(stage, Role::Sidecar).unwrap();
+        value_of(&page, "dejavu_sidecar_reseeded_chunks_total", &[("stage", &stage.to_string())]).unwrap()
+    };
+    assert!(sent(&mut chain, 0) > 0.0);
+    assert!(sent(&mut chain, 1) > 0.0, "re-seeded after the restore");
+
+    // So when worker 1 dies again, its KV comes back from worker 2's sidecar: nothing recomputed
+    // but the step the failed run did not finish.
+    chain.kill(1, Kill::Worker).unwrap();
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
+    let second = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
+    assert!(second.copies_lost.is_empty());
+    assert_eq!(second.lag, [(1, 0)], "worker 2's sidecar held all of worker 1's KV");
+    let mut so_far = so_far;
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "request {i}");
+    }
+}
+
+#[test]
 fn a_stale_engine_back_from_a_pause_is_fenced_out() {
     let expected = reference();
     let prompts = prompts();

@@ -12,8 +12,8 @@
 //! 4. whoever feeds the pipeline resumes every sequence at its mark (it alone has the tokens).
 //!
 //! The sidecars are reached at the control addresses their heartbeats name. A predecessor that
-//! was replaced too has nothing to send yet: the plan says so ([`Reseed::AfterRestore`]) and its
-//! replacement copies its KV once restored.
+//! was replaced too has nothing to send yet: the plan says so ([`Reseed::AfterRestore`]), and its
+//! new sidecar re-seeds once its stage has restored or recomputed its KV ([`reseed_restored`]).
 
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -115,6 +115,28 @@ pub(super) fn carry_out(
     counters.reseeded_chunks.fetch_add(reseeded, Ordering::Relaxed);
     info!(epoch, ?losses, reseeded, took = ?started.elapsed(), "carried a recovery out");
     Ok(RecoveryOrders { epoch, stages })
+}
+
+/// The rest of step 2, once the replaced stages have restored (or recomputed) their KV: each
+/// replaced sidecar whose predecessor was replaced too ([`Reseed::AfterRestore`]) is re-seeded by
+/// the predecessor's new sidecar, which now holds that KV. Returns the chunks sent.
+pub(super) fn reseed_restored(
+    tables: &Mutex<Tables>,
+    counters: &Counters,
+    epoch: u64,
+    book: &[SocketAddr],
+) -> Result<u64, ControllerError> {
+    let depth = book.len() as u32;
+    let losses = losses_in(&tables.lock(), epoch, depth)?;
+    let mut sent = 0;
+    for plan in plan::ring(depth, &losses) {
+        if let Some((from, Reseed::AfterRestore)) = plan.reseed {
+            sent += control_of(tables, (Role::Sidecar, from))?.reseed(book[from as usize])?;
+        }
+    }
+    counters.reseeded_chunks.fetch_add(sent, Ordering::Relaxed);
+    info!(epoch, reseeded = sent, "re-seeded after the restores");
+    Ok(sent)
 }
 
 /// What of each stage was fenced in `epoch`, the current one: the whole worker when its sidecar
