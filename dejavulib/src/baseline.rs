@@ -6,7 +6,7 @@
 use std::fs::OpenOptions;
 use std::path::Path;
 
-use xxhash_rust::xxh3::Xxh3;
+use crate::checksum::Checksum;
 
 use crate::cache::{ExtentError, KvCache};
 use crate::chunk::{ChunkDescriptor, HEADER_LEN};
@@ -37,7 +37,7 @@ pub fn flush_per_extent(
         .open(path)
         .map_err(|e| ExtentError::Callback(io_err("create")(e)))?;
     let mut writes = 0;
-    let mut hasher = Xxh3::new();
+    let mut hasher = Checksum::new();
     let mut next = Some(0u64);
     cache.for_each_extent(source_region, descriptor.packing, |piece, offset| {
         writes += 1;
@@ -54,7 +54,7 @@ pub fn flush_per_extent(
             let mut payload = vec![0u8; descriptor.payload_len() as usize];
             io.read_exact_at(&file, &mut payload, HEADER_LEN as u64)
                 .map_err(|e| ExtentError::Callback(io_err("read")(e)))?;
-            xxhash_rust::xxh3::xxh3_64(&payload)
+            crate::checksum::xxh3_64(&payload)
         }
     };
     let header = descriptor.encode_header_with_checksum(descriptor.payload_len(), checksum);

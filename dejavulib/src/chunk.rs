@@ -23,8 +23,8 @@
 
 use std::ops::Range;
 
+use crate::checksum::xxh3_64;
 use thiserror::Error;
-use xxhash_rust::xxh3::xxh3_64;
 
 use crate::layout::Packing;
 use crate::placement::WorkerId;

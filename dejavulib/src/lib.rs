@@ -47,6 +47,7 @@
 pub mod affinity;
 pub mod baseline;
 pub mod cache;
+pub mod checksum;
 pub mod chunk;
 pub mod copy;
 pub mod cuda;

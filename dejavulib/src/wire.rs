@@ -32,8 +32,8 @@
 
 use std::io::{self, Read, Write};
 
+use crate::checksum::{xxh3_64, Checksum};
 use thiserror::Error;
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::chunk::HEADER_LEN as CHUNK_HEADER_LEN;
 
@@ -235,7 +235,7 @@ impl FrameHeader {
     /// Encodes the header for a payload made of `parts` in order (no need to join them first).
     pub fn encode_parts(&self, parts: &[&[u8]]) -> [u8; FRAME_HEADER_LEN] {
         let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
-        let mut hasher = Xxh3::new();
+        let mut hasher = Checksum::new();
         let mut left = self.checksummed_len(len) as usize;
         for part in parts {
             let n = part.len().min(left);

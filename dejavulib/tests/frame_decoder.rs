@@ -51,7 +51,7 @@ fn encode(frames: &[(u8, Vec<u8>, bool)]) -> Vec<u8> {
         if *chunk && payload.len() >= dejavulib::chunk::HEADER_LEN {
             header.flags = FLAG_CHUNK;
             let mut payload = payload.clone();
-            let sum = xxhash_rust::xxh3::xxh3_64(&payload[dejavulib::chunk::HEADER_LEN..]);
+            let sum = dejavulib::checksum::xxh3_64(&payload[dejavulib::chunk::HEADER_LEN..]);
             payload[88..96].copy_from_slice(&sum.to_le_bytes());
             wire::write_frame(&mut out, &header, &payload).unwrap();
         } else {
@@ -127,7 +127,7 @@ proptest! {
     fn announced_lengths_above_the_maximum_are_refused_before_allocating(len in MAX + 1..u64::MAX) {
         let mut h = FrameHeader::new(Kind::Put, 1, 1, 1).encode(&[]);
         h[48..56].copy_from_slice(&len.to_le_bytes());
-        let sum = xxhash_rust::xxh3::xxh3_64(&h[..64]);
+        let sum = dejavulib::checksum::xxh3_64(&h[..64]);
         h[64..72].copy_from_slice(&sum.to_le_bytes());
         LARGEST.store(0, Ordering::Relaxed);
         let result = wire::read_frame(&mut &h[..FRAME_HEADER_LEN], MAX);

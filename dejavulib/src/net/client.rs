@@ -13,10 +13,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::checksum::xxh3_64;
 use parking_lot::Mutex;
 use tokio::io::{ReadHalf, WriteHalf};
 use tokio::sync::{oneshot, Semaphore};
-use xxhash_rust::xxh3::xxh3_64;
 
 use super::auth::{client_handshake, expect};
 use super::codec::{read_frame, write_frame};

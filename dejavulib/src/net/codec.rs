@@ -6,10 +6,14 @@
 
 use std::io::{self, IoSlice};
 
+use crate::checksum::Checksum;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::wire::{verify_sums, Frame, FrameError, FrameHeader, FRAME_HEADER_LEN};
+
+/// The most one read takes in: hashed straight after, it is still in the core's L2 cache, where
+/// whole socket-buffer reads of several MB would have to be read back from L3 or memory.
+const READ_PIECE: usize = 256 << 10;
 
 /// Writes one frame whose payload is `parts` in order, then flushes (TLS buffers records).
 pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized>(
@@ -70,12 +74,13 @@ pub async fn read_frame_into<R: AsyncRead + Unpin + ?Sized>(
     payload.reserve_exact(len);
     // Hash each piece as it arrives, while it is in cache: the covered part against the frame's
     // checksum, and for a chunk frame the rest against the chunk header's.
-    let (mut covered_hash, mut body_hash) = (Xxh3::new(), Xxh3::new());
+    let (mut covered_hash, mut body_hash) = (Checksum::new(), Checksum::new());
     while payload.len() < len {
         let before = payload.len();
-        // Limited to the frame: the buffer may have room beyond it. Reads land in the vector's
-        // spare capacity, never zeroed first.
-        let n = (&mut *r).take((len - before) as u64).read_buf(&mut payload).await?;
+        // Limited to the frame (the buffer may have room beyond it) and to a piece that is still
+        // in the core's cache when it is hashed. Reads land in spare capacity, never zeroed first.
+        let piece = (len - before).min(READ_PIECE) as u64;
+        let n = (&mut *r).take(piece).read_buf(&mut payload).await?;
         if n == 0 {
             let got = (FRAME_HEADER_LEN + before) as u64;
             return Err(FrameError::Truncated { expected: (FRAME_HEADER_LEN + len) as u64, got });
@@ -139,7 +144,7 @@ mod tests {
             let mut header = FrameHeader::new(Kind::Put, 1, 1, 1);
             header.flags = FLAG_CHUNK;
             let mut chunk_header = [7u8; crate::chunk::HEADER_LEN];
-            chunk_header[88..96].copy_from_slice(&xxhash_rust::xxh3::xxh3_64(b"body").to_le_bytes());
+            chunk_header[88..96].copy_from_slice(&crate::checksum::xxh3_64(b"body").to_le_bytes());
             let mut bytes = Vec::new();
             write_frame(&mut bytes, &header, &[&chunk_header, b"body"]).await.unwrap();
             assert_eq!(read_frame(&mut &bytes[..], 1024).await.unwrap().unwrap().payload.len(), 108);
