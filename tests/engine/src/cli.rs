@@ -22,6 +22,11 @@ use crate::{CacheLayout, ModelConfig};
 use dejavulib::affinity::CpuList;
 use dejavulib::spill::Spill;
 
+/// The cluster secret of every process not given one (`--secret`): a cluster of processes all
+/// started without one works, and is no more closed than its network. Give every process of a
+/// real cluster a secret of its own.
+pub const DEFAULT_SECRET: &str = "dejavu reference cluster";
+
 /// The KV cache layout of a stage.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum Layout {
@@ -73,9 +78,6 @@ pub struct StageArgs {
     /// Its ring successor's sidecar, which keeps a replica of each step's KV.
     #[arg(long, requires = "local")]
     pub successor: Option<SocketAddr>,
-    /// The cluster secret shared with the sidecars.
-    #[arg(long, default_value = "dejavu reference cluster")]
-    pub secret: String,
     /// Run the streamer, the thread that copies each step's KV to the sidecar, on these CPUs (a
     /// list such as 4-7), so that copies do not preempt the compute [default: as `--cpus`].
     #[arg(long, value_name = "LIST", requires = "local")]
@@ -170,6 +172,10 @@ pub struct MemberArgs {
     /// Milliseconds between heartbeats.
     #[arg(long, default_value_t = 100)]
     pub heartbeat_ms: u64,
+    /// The cluster secret: every connection between the cluster's processes proves it, and
+    /// heartbeats are signed with it.
+    #[arg(long, default_value = DEFAULT_SECRET)]
+    pub secret: String,
     /// The epoch it is started in (a replacement: the recovery's). Its heartbeats, connections and
     /// KV copies carry it; whoever has seen a newer one for its place refuses it.
     #[arg(long, default_value_t = 0)]
@@ -213,9 +219,6 @@ pub struct SidecarArgs {
     /// Bytes of a shared region; the largest chunk (a whole prompt's KV on the stage) must fit.
     #[arg(long, default_value_t = 64 << 20)]
     pub region_bytes: usize,
-    /// The cluster secret.
-    #[arg(long, default_value = "dejavu reference cluster")]
-    pub secret: String,
     /// What it is as a member of the cluster.
     #[command(flatten)]
     pub member: MemberArgs,
@@ -260,8 +263,9 @@ pub struct ControllerArgs {
     /// Serve Prometheus metrics at this address (`GET /metrics`; port 0 picks one).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
-    /// The cluster secret, which it proves to the sidecars when it carries out a recovery.
-    #[arg(long, default_value = "dejavu reference cluster")]
+    /// The cluster secret: heartbeats must be signed with it, query connections must prove it,
+    /// and the controller proves it to the sidecars when it carries out a recovery.
+    #[arg(long, default_value = DEFAULT_SECRET)]
     pub secret: String,
     /// Logging.
     #[command(flatten)]
@@ -299,7 +303,7 @@ impl MemberArgs {
     fn replace(&mut self, member: Member) -> Result<(), String> {
         let controller =
             self.heartbeat.ok_or("a replacement needs the controller's address (--heartbeat)")?;
-        let mut client = ControllerClient::new(controller, Duration::from_secs(1));
+        let mut client = ControllerClient::new(controller, Duration::from_secs(1), self.secret.as_bytes());
         let start = Instant::now();
         loop {
             match client.fenced_in(member) {
@@ -347,7 +351,10 @@ impl MemberArgs {
         control_port: Option<u16>,
     ) -> Result<Option<Heartbeat>, String> {
         self.heartbeat
-            .map(|to| beat(to, (role, index), epoch, Duration::from_millis(self.heartbeat_ms), control_port))
+            .map(|to| {
+                let interval = Duration::from_millis(self.heartbeat_ms);
+                beat(to, (role, index), epoch, interval, control_port, self.secret.as_bytes())
+            })
             .transpose()
             .map_err(|e| format!("cannot send heartbeats: {e}"))
     }
@@ -408,7 +415,7 @@ impl StageArgs {
 
     /// What the flags describe.
     fn config(self) -> Result<StageConfig, String> {
-        let handoff = self.handoff.handoff(&self.secret)?;
+        let handoff = self.handoff.handoff(&self.member.secret)?;
         Ok(StageConfig {
             model: ModelConfig::reference(),
             index: self.position()?,
@@ -424,7 +431,7 @@ impl StageArgs {
             replication: self.local.zip(self.successor).map(|(local, successor)| Replication {
                 local,
                 successor,
-                secret: self.secret.into_bytes(),
+                secret: self.member.secret.clone().into_bytes(),
                 streamer_cpus: self.streamer_cpus,
             }),
             epoch: self.member.epoch,
@@ -468,7 +475,7 @@ impl SidecarArgs {
             local: self.local,
             shm_dir: self.shm_dir,
             region_bytes: self.region_bytes,
-            secret: self.secret.into_bytes(),
+            secret: self.member.secret.clone().into_bytes(),
             skip_forwarding: self.test_only_skip_replicas,
             spill: self.spill_dir.zip(self.memory_bytes).map(|(dir, memory_bytes)| Spill {
                 dir,

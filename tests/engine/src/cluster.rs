@@ -585,7 +585,7 @@ impl Cluster {
         Ok(Supervised {
             proc: started.proc,
             metrics: started.metrics,
-            client: ControllerClient::new(started.addr, patience),
+            client: ControllerClient::new(started.addr, patience, crate::cli::DEFAULT_SECRET),
             args,
             restarts: 0,
             crash_in_recovery: false,

@@ -27,16 +27,17 @@ use std::io::{BufReader, BufWriter, ErrorKind, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dejavulib::wire::{read_frame, write_frame, FrameError, FrameHeader, Kind, FRAME_HEADER_LEN};
+use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
+use dejavulib::wire::{read_frame, write_frame, FrameError, FrameHeader, Kind};
 use parking_lot::Mutex;
 use thiserror::Error;
 use tracing::{error, info, warn};
 
-use crate::heartbeat::{Beat, Role};
+use crate::heartbeat::{Beat, Role, DATAGRAM_LEN};
 use crate::metrics::{Exposition, MetricType};
 
 mod detect;
@@ -90,6 +91,10 @@ pub enum ControllerError {
         /// Why, in words.
         reason: String,
     },
+    /// One end did not prove the cluster secret to the other (a controller or client of
+    /// another cluster, or an impostor).
+    #[error("controller handshake: {0}")]
+    Auth(String),
     /// A sidecar did not do what a recovery needed of it.
     #[error(transparent)]
     Sidecar(#[from] crate::sidecar::control::ControlError),
@@ -209,6 +214,8 @@ struct Tables {
     path: PathBuf,
     /// When each member was last heard from.
     seen: HashMap<Member, Instant>,
+    /// The last beat taken for each member: an older one is a replay.
+    last_beats: HashMap<Member, Beat>,
     /// When each member awaiting a replacement was fenced (by this controller).
     fenced_at: HashMap<Member, Instant>,
     /// Where each member that has one (a sidecar) serves control requests, as its latest
@@ -225,11 +232,17 @@ struct Tables {
 struct Counters {
     heartbeats: AtomicU64,
     stale_heartbeats: AtomicU64,
+    /// Beats no older than the last taken for their member: replays.
+    replayed_heartbeats: AtomicU64,
+    /// Datagrams on the heartbeat port that are not heartbeats signed with the cluster secret.
+    refused_heartbeats: AtomicU64,
     missed_heartbeats: AtomicU64,
     fences: AtomicU64,
     /// Fences the controller opened on its own, declaring silent members dead.
     detections: AtomicU64,
     queries: AtomicU64,
+    /// Query connections closed because they did not prove the cluster secret.
+    refused_queries: AtomicU64,
     /// Replacements heard from after a fence, and the microseconds from fence to first beat.
     replacements: AtomicU64,
     replacement_micros: AtomicU64,
@@ -262,6 +275,11 @@ impl Tables {
             counters.stale_heartbeats.fetch_add(1, Ordering::Relaxed);
             return false;
         }
+        if self.last_beats.get(&member).is_some_and(|last| !beat.is_newer_than(last)) {
+            counters.replayed_heartbeats.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        self.last_beats.insert(member, beat);
         if let Some(port) = beat.control_port {
             self.controls.insert(member, SocketAddr::new(from.ip(), port));
         }
@@ -328,18 +346,30 @@ impl Tables {
     /// right after the controller was stopped (SIGSTOP) counts the beats that came meanwhile
     /// rather than declaring everyone dead.
     fn absorb_pending(&mut self, socket: &UdpSocket, counters: &Counters) {
-        let mut buf = [0u8; FRAME_HEADER_LEN];
+        let mut buf = [0u8; DATAGRAM_BUFFER];
         loop {
             let Some((n, from)) = recv_waiting(socket, &mut buf) else { return };
-            if let Some(beat) = crate::heartbeat::decode(&buf[..n]) {
-                if self.heard(beat, from, counters) {
-                    if let Err(e) = self.state.save(&self.path) {
-                        error!(error = %e, "cannot record a member");
-                    }
+            let Some(beat) = authentic_beat(&buf[..n], &self.secret, counters) else { continue };
+            if self.heard(beat, from, counters) {
+                if let Err(e) = self.state.save(&self.path) {
+                    error!(error = %e, "cannot record a member");
                 }
             }
         }
     }
+}
+
+/// Room for a heartbeat datagram and a byte more, so that a longer datagram shows as one.
+const DATAGRAM_BUFFER: usize = DATAGRAM_LEN + 1;
+
+/// The beat `datagram` is, if it is one signed with the cluster secret `secret`; anything else is
+/// counted as refused.
+fn authentic_beat(datagram: &[u8], secret: &[u8], counters: &Counters) -> Option<Beat> {
+    let beat = crate::heartbeat::decode(datagram, secret);
+    if beat.is_none() {
+        counters.refused_heartbeats.fetch_add(1, Ordering::Relaxed);
+    }
+    beat
 }
 
 /// Takes one datagram waiting on `socket` into `buf`, without waiting: its length and sender.
@@ -428,6 +458,16 @@ fn refusal_code(e: &ControllerError) -> u32 {
     }
 }
 
+/// Query connections served at once; more are closed as they come (each has a thread).
+const MAX_QUERY_CONNECTIONS: usize = 64;
+
+/// How long a query connection has to prove the cluster secret.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The node id the controller proves the secret as, and the one its clients prove it as.
+const CONTROLLER_NODE: u32 = 0;
+const CLIENT_NODE: u32 = u32::MAX;
+
 /// After a fence the detector could not make durable, how long it waits before trying again.
 const FENCE_RETRY: Duration = Duration::from_secs(1);
 
@@ -468,6 +508,7 @@ pub fn serve_controller(
         state,
         path: config.state.clone(),
         seen,
+        last_beats: HashMap::new(),
         fenced_at: HashMap::new(),
         controls: HashMap::new(),
         secret: config.secret.clone(),
@@ -477,10 +518,11 @@ pub fn serve_controller(
     let counters = Arc::new(Counters::default());
     let udp = Arc::new(udp);
     {
-        let (tables, counters, udp) = (tables.clone(), counters.clone(), udp.clone());
+        let (tables, counters, udp, secret) =
+            (tables.clone(), counters.clone(), udp.clone(), config.secret.clone());
         std::thread::Builder::new()
             .name("heartbeats".into())
-            .spawn(move || listen_heartbeats(&udp, &tables, &counters))?;
+            .spawn(move || listen_heartbeats(&udp, &tables, &counters, &secret))?;
     }
     {
         let (tables, counters, udp) = (tables.clone(), counters.clone(), udp.clone());
@@ -500,26 +542,38 @@ pub fn serve_controller(
     };
     info!(%addr, epoch = tables.lock().state.epoch, "controller listening");
     ready(addr, metrics);
+    let live = Arc::new(AtomicUsize::new(0));
     for stream in tcp.incoming() {
         let Ok(stream) = stream else {
             // Out of descriptors, say: wait rather than spin.
             std::thread::sleep(Duration::from_millis(10));
             continue;
         };
-        let (tables, counters, udp) = (tables.clone(), counters.clone(), udp.clone());
-        std::thread::Builder::new().name("query".into()).spawn(move || {
-            if let Err(e) = answer_queries(stream, &udp, &tables, &counters) {
+        if live.fetch_add(1, Ordering::SeqCst) >= MAX_QUERY_CONNECTIONS {
+            live.fetch_sub(1, Ordering::SeqCst);
+            counters.refused_queries.fetch_add(1, Ordering::Relaxed);
+            warn!("too many query connections: one closed");
+            continue;
+        }
+        let (tables, counters, udp, live) = (tables.clone(), counters.clone(), udp.clone(), live.clone());
+        let secret = config.secret.clone();
+        let spawned = std::thread::Builder::new().name("query".into()).spawn(move || {
+            if let Err(e) = answer_queries(stream, &secret, &udp, &tables, &counters) {
                 warn!(error = %e, "a query connection closed");
             }
-        })?;
+            live.fetch_sub(1, Ordering::SeqCst);
+        });
+        if let Err(e) = spawned {
+            warn!(error = %e, "cannot serve a query connection");
+        }
     }
     Ok(())
 }
 
 /// Records every heartbeat that arrives on `socket`; a member heard for the first time (or a
 /// replacement) is written to the state file.
-fn listen_heartbeats(socket: &UdpSocket, tables: &Mutex<Tables>, counters: &Counters) {
-    let mut buf = [0u8; FRAME_HEADER_LEN];
+fn listen_heartbeats(socket: &UdpSocket, tables: &Mutex<Tables>, counters: &Counters, secret: &[u8]) {
+    let mut buf = [0u8; DATAGRAM_BUFFER];
     loop {
         let (n, from) = match socket.recv_from(&mut buf) {
             Ok(received) => received,
@@ -529,7 +583,8 @@ fn listen_heartbeats(socket: &UdpSocket, tables: &Mutex<Tables>, counters: &Coun
                 return;
             }
         };
-        let Some(beat) = crate::heartbeat::decode(&buf[..n]) else { continue };
+        // Checked before the lock: a flood of forgeries costs the other threads nothing.
+        let Some(beat) = authentic_beat(&buf[..n], secret, counters) else { continue };
         let mut tables = tables.lock();
         if tables.heard(beat, from, counters) {
             let Beat { member, pid, epoch, .. } = beat;
@@ -578,11 +633,16 @@ fn detect_failures(
 /// Answers queries on one connection until it closes.
 fn answer_queries(
     stream: TcpStream,
+    secret: &[u8],
     heartbeats: &UdpSocket,
     tables: &Mutex<Tables>,
     counters: &Counters,
 ) -> Result<(), ControllerError> {
     stream.set_nodelay(true)?;
+    if let Err(e) = server_handshake_blocking(&stream, secret, CONTROLLER_NODE, HANDSHAKE_DEADLINE) {
+        counters.refused_queries.fetch_add(1, Ordering::Relaxed);
+        return Err(ControllerError::Auth(e.to_string()));
+    }
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut writer = BufWriter::new(stream);
     while let Some(frame) =
@@ -708,6 +768,18 @@ fn render(tables: &Tables, counters: &Counters) -> String {
         get(&counters.stale_heartbeats),
     )
     .single(
+        "dejavu_controller_replayed_heartbeats_total",
+        MetricType::Counter,
+        "Heartbeats ignored because they were no newer than the last one of their member (replays).",
+        get(&counters.replayed_heartbeats),
+    )
+    .single(
+        "dejavu_controller_refused_heartbeats_total",
+        MetricType::Counter,
+        "Datagrams on the heartbeat port that were not heartbeats signed with the cluster secret.",
+        get(&counters.refused_heartbeats),
+    )
+    .single(
         "dejavu_controller_fences_total",
         MetricType::Counter,
         "Epochs opened to fence failed members.",
@@ -724,6 +796,12 @@ fn render(tables: &Tables, counters: &Counters) -> String {
         MetricType::Counter,
         "Queries answered.",
         get(&counters.queries),
+    )
+    .single(
+        "dejavu_controller_refused_queries_total",
+        MetricType::Counter,
+        "Query connections closed unanswered: they did not prove the cluster secret, or too many were open.",
+        get(&counters.refused_queries),
     );
     page.family(
         "dejavu_controller_replacement_seconds",
@@ -795,14 +873,16 @@ impl Census {
 pub struct ControllerClient {
     addr: SocketAddr,
     deadline: Duration,
+    secret: Vec<u8>,
     connection: Option<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
     next_request: u64,
 }
 
 impl ControllerClient {
-    /// A client of the controller at `addr`; a call slower than `deadline` fails.
-    pub fn new(addr: SocketAddr, deadline: Duration) -> Self {
-        Self { addr, deadline, connection: None, next_request: 1 }
+    /// A client of the controller at `addr`, proving the cluster secret `secret` on each
+    /// connection; a call slower than `deadline` fails.
+    pub fn new(addr: SocketAddr, deadline: Duration, secret: impl Into<Vec<u8>>) -> Self {
+        Self { addr, deadline, secret: secret.into(), connection: None, next_request: 1 }
     }
 
     /// The controller's address (also where heartbeats go).
@@ -913,7 +993,7 @@ impl ControllerClient {
         book: &[SocketAddr],
         patience: Duration,
     ) -> Result<Vec<u8>, ControllerError> {
-        let mut patient = ControllerClient::new(self.addr, patience);
+        let mut patient = ControllerClient::new(self.addr, patience, self.secret.clone());
         patient.next_request = self.next_request;
         let (answered, payload) = patient.try_call_in(op, [0; 3], epoch, &recovery::encode_book(book))?;
         self.next_request = patient.next_request;
@@ -966,6 +1046,8 @@ impl ControllerClient {
             stream.set_nodelay(true)?;
             stream.set_read_timeout(Some(self.deadline))?;
             stream.set_write_timeout(Some(self.deadline))?;
+            client_handshake_blocking(&stream, &self.secret, CLIENT_NODE, self.deadline)
+                .map_err(|e| ControllerError::Auth(e.to_string()))?;
             self.connection = Some((BufReader::new(stream.try_clone()?), BufWriter::new(stream)));
         }
         let (reader, writer) = self.connection.as_mut().expect("connected above");
@@ -1006,6 +1088,7 @@ mod tests {
     use crate::heartbeat::beat;
 
     const EVERY: Duration = Duration::from_millis(20);
+    const SECRET: &[u8] = b"test cluster";
 
     fn start(state: &Path, listen: SocketAddr, timeout_ms: u64) -> SocketAddr {
         let config = ControllerConfig {
@@ -1014,7 +1097,7 @@ mod tests {
             timeout: Duration::from_millis(timeout_ms),
             interval: Duration::from_millis(20),
             metrics: None,
-            secret: b"test cluster".to_vec(),
+            secret: SECRET.to_vec(),
         };
         let (tx, rx) = crossbeam_channel::bounded(1);
         std::thread::spawn(move || serve_controller(config, |addr, _| tx.send(addr).unwrap()));
@@ -1064,13 +1147,51 @@ mod tests {
     }
 
     #[test]
+    fn only_members_of_the_cluster_are_answered_or_kept_alive() {
+        let dir = tempfile::tempdir().unwrap();
+        let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
+        // A client of another cluster is refused before any query is answered.
+        let mut stranger = ControllerClient::new(addr, Duration::from_secs(2), b"another cluster".as_slice());
+        let refused = stranger.census();
+        assert!(matches!(refused, Err(ControllerError::Auth(_))), "{refused:?}");
+        let mut client = ControllerClient::new(addr, Duration::from_secs(2), SECRET);
+        // Beats signed with another secret register no one.
+        let foreign = beat(addr, (Role::Engine, 5), 0, EVERY, None, b"another cluster").unwrap();
+        // A member's beat, recorded and replayed over and over, keeps it alive only once: the
+        // controller declares it dead and fences it when the timeout has passed.
+        let recorded =
+            Beat { member: (Role::Engine, 0), pid: 1, epoch: 0, sequence: 100, control_port: None };
+        let datagram = recorded.encode(SECRET);
+        let replayer = UdpSocket::bind("127.0.0.1:0").unwrap();
+        replayer.send_to(&datagram, addr).unwrap();
+        assert_eq!(
+            wait_for(&mut client, (Role::Engine, 0), Health::Alive).health((Role::Engine, 0)),
+            Health::Alive
+        );
+        let until = Instant::now() + Duration::from_millis(600);
+        while Instant::now() < until {
+            replayer.send_to(&datagram, addr).unwrap();
+            std::thread::sleep(EVERY);
+        }
+        let census = client.census().unwrap();
+        assert_eq!(census.health((Role::Engine, 0)), Health::Fenced, "replays are not beats");
+        assert!(!census.members.contains_key(&(Role::Engine, 5)), "a stranger's beats: {census:?}");
+        // A newer beat of the same process, signed, is taken: the member is replaced.
+        let fresh = Beat { epoch: census.epoch, sequence: 101, ..recorded };
+        replayer.send_to(&fresh.encode(SECRET), addr).unwrap();
+        let census = wait_for(&mut client, (Role::Engine, 0), Health::Alive);
+        assert_eq!(census.health((Role::Engine, 0)), Health::Alive);
+        foreign.stop();
+    }
+
+    #[test]
     fn the_controller_fences_the_silent_itself_and_they_stay_fenced_until_replaced() {
         let dir = tempfile::tempdir().unwrap();
         let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
-        let mut client = ControllerClient::new(addr, Duration::from_secs(2));
+        let mut client = ControllerClient::new(addr, Duration::from_secs(2), SECRET);
         assert_eq!(client.census().unwrap().health((Role::Engine, 0)), Health::Dead, "never heard from");
         // A member that beats is alive; garbage on the port changes nothing.
-        let stop = beat(addr, (Role::Engine, 0), 0, EVERY, None).unwrap();
+        let stop = beat(addr, (Role::Engine, 0), 0, EVERY, None, SECRET).unwrap();
         assert_eq!(
             wait_for(&mut client, (Role::Engine, 0), Health::Alive).health((Role::Engine, 0)),
             Health::Alive
@@ -1095,10 +1216,10 @@ mod tests {
         assert_eq!(client.fence_unless_fenced(&[(Role::Engine, 0)], 2).unwrap(), 2);
         assert_eq!(client.fenced_in((Role::Engine, 0)).unwrap(), 2);
         // It stays fenced until a replacement, started in that epoch, beats.
-        let _early = beat(addr, (Role::Engine, 0), 1, EVERY, None).unwrap();
+        let _early = beat(addr, (Role::Engine, 0), 1, EVERY, None, SECRET).unwrap();
         std::thread::sleep(Duration::from_millis(100));
         assert!(client.census().unwrap().is_fenced((Role::Engine, 0)), "started before the fence");
-        let _replacement = beat(addr, (Role::Engine, 0), 2, EVERY, None).unwrap();
+        let _replacement = beat(addr, (Role::Engine, 0), 2, EVERY, None, SECRET).unwrap();
         assert_eq!(
             wait_for(&mut client, (Role::Engine, 0), Health::Alive).health((Role::Engine, 0)),
             Health::Alive
@@ -1111,10 +1232,10 @@ mod tests {
     fn workers_that_die_together_are_fenced_together_and_a_dead_sidecar_takes_its_engine() {
         let dir = tempfile::tempdir().unwrap();
         let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
-        let mut client = ControllerClient::new(addr, Duration::from_secs(2));
+        let mut client = ControllerClient::new(addr, Duration::from_secs(2), SECRET);
         let members: Vec<Member> = (0..3).flat_map(|i| [(Role::Engine, i), (Role::Sidecar, i)]).collect();
         let mut beats: Vec<_> =
-            members.iter().map(|&m| Some(beat(addr, m, 0, EVERY, None).unwrap())).collect();
+            members.iter().map(|&m| Some(beat(addr, m, 0, EVERY, None, SECRET).unwrap())).collect();
         for &m in &members {
             wait_for(&mut client, m, Health::Alive);
         }
@@ -1148,15 +1269,15 @@ mod tests {
     fn a_fenced_process_is_ignored_when_it_beats_again() {
         let dir = tempfile::tempdir().unwrap();
         let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
-        let mut client = ControllerClient::new(addr, Duration::from_secs(2));
+        let mut client = ControllerClient::new(addr, Duration::from_secs(2), SECRET);
         // Sidecar 1, started in epoch 0, is fenced and beats on (a stale worker rejoining).
-        let first = beat(addr, (Role::Sidecar, 1), 0, EVERY, None).unwrap();
+        let first = beat(addr, (Role::Sidecar, 1), 0, EVERY, None, SECRET).unwrap();
         wait_for(&mut client, (Role::Sidecar, 1), Health::Alive);
         let epoch = client.fence(&[(Role::Sidecar, 1)]).unwrap();
         std::thread::sleep(Duration::from_millis(100));
         assert!(client.census().unwrap().is_fenced((Role::Sidecar, 1)), "its beats are refused");
         // Its replacement, started in the fence's epoch, counts; the stale one still does not.
-        let replacement = beat(addr, (Role::Sidecar, 1), epoch, EVERY, None).unwrap();
+        let replacement = beat(addr, (Role::Sidecar, 1), epoch, EVERY, None, SECRET).unwrap();
         wait_for(&mut client, (Role::Sidecar, 1), Health::Alive);
         drop(replacement);
         assert!(wait_for(&mut client, (Role::Sidecar, 1), Health::Fenced).is_fenced((Role::Sidecar, 1)));
@@ -1169,9 +1290,9 @@ mod tests {
         let path = dir.path().join("state");
         // The first controller hears from engines 0 and 1, then fences engine 1.
         let first = start(&path, "127.0.0.1:0".parse().unwrap(), 300);
-        let mut client = ControllerClient::new(first, Duration::from_secs(2));
-        let _beats = beat(first, (Role::Engine, 0), 0, EVERY, None).unwrap();
-        let one = beat(first, (Role::Engine, 1), 0, EVERY, None).unwrap();
+        let mut client = ControllerClient::new(first, Duration::from_secs(2), SECRET);
+        let _beats = beat(first, (Role::Engine, 0), 0, EVERY, None, SECRET).unwrap();
+        let one = beat(first, (Role::Engine, 1), 0, EVERY, None, SECRET).unwrap();
         wait_for(&mut client, (Role::Engine, 1), Health::Alive);
         wait_for(&mut client, (Role::Engine, 0), Health::Alive);
         assert_eq!(client.fence(&[(Role::Engine, 1)]).unwrap(), 1);
@@ -1179,17 +1300,17 @@ mod tests {
         // A second controller on the same state (another port: the first one's thread lives on in
         // this test process) hears from no one at first.
         let second = start(&path, "127.0.0.1:0".parse().unwrap(), 300);
-        let mut client = ControllerClient::new(second, Duration::from_secs(2));
+        let mut client = ControllerClient::new(second, Duration::from_secs(2), SECRET);
         let census = client.census().unwrap();
         assert_eq!(census.epoch, 1, "the epoch survived");
         assert_eq!(census.health((Role::Engine, 0)), Health::Alive, "a live member gets a timeout of grace");
         assert!(census.is_fenced((Role::Engine, 1)), "a fenced member still awaits its replacement");
         // The fenced engine, back from a pause, beats to the second controller, which never heard
         // from it: still ignored, as started before the fence; its replacement counts.
-        let stale = beat(second, (Role::Engine, 1), 0, EVERY, None).unwrap();
+        let stale = beat(second, (Role::Engine, 1), 0, EVERY, None, SECRET).unwrap();
         std::thread::sleep(Duration::from_millis(100));
         assert!(client.census().unwrap().is_fenced((Role::Engine, 1)), "a stale process after a restart");
-        let _replacement = beat(second, (Role::Engine, 1), 1, EVERY, None).unwrap();
+        let _replacement = beat(second, (Role::Engine, 1), 1, EVERY, None, SECRET).unwrap();
         assert!(!wait_for(&mut client, (Role::Engine, 1), Health::Alive).is_dead((Role::Engine, 1)));
         drop(stale);
         // Engine 0 beats to the first controller only: to the second it falls silent, and the
@@ -1205,7 +1326,7 @@ mod tests {
     fn malformed_requests_are_refused_and_the_connection_survives() {
         let dir = tempfile::tempdir().unwrap();
         let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
-        let mut client = ControllerClient::new(addr, Duration::from_secs(2));
+        let mut client = ControllerClient::new(addr, Duration::from_secs(2), SECRET);
         let error = client.call(OP_FENCE, &[9, 0, 0, 0, 0]).unwrap_err().to_string();
         assert!(error.contains("unknown role"), "{error}");
         let error = client.call(77, &[]).unwrap_err().to_string();
@@ -1223,7 +1344,7 @@ mod tests {
             timeout: Duration::from_millis(200),
             interval: Duration::from_millis(20),
             metrics: None,
-            secret: b"test cluster".to_vec(),
+            secret: SECRET.to_vec(),
         };
         let error = serve_controller(config, |_, _| panic!("it cannot be ready")).unwrap_err();
         assert!(matches!(error, ControllerError::Io(_)), "{error}");

@@ -3,19 +3,32 @@
 //! few intervals. Failure detection then depends on neither the pipeline's traffic nor on being
 //! the processes' parent.
 //!
-//! A heartbeat is a frame header ([`dejavulib::wire`]) of kind `Heartbeat` with no payload: the
-//! epoch field holds the epoch the process was started in (so beats from a fenced process can be
-//! told from its replacement's), the sender field its process id (for logs), the first two ids
-//! the role and the stage, and the third the port of the sender's control listener, if it has one
-//! (a sidecar's, on the address the datagram comes from: the controller drives recoveries
-//! through it).
+//! A heartbeat is a frame ([`dejavulib::wire`]) of kind `Heartbeat`: the epoch field holds the
+//! epoch the process was started in (so beats from a fenced process can be told from its
+//! replacement's), the sender field its process id (for logs), the request field the beat's
+//! sequence number, the first two ids the role and the stage, and the third the port of the
+//! sender's control listener, if it has one (a sidecar's, on the address the datagram comes from:
+//! the controller drives recoveries through it).
+//!
+//! Its payload signs it ([`dejavulib::net::auth::sign`]: HMAC-SHA256 keyed by the cluster secret,
+//! over the frame header encoded without payload), so that only a member of the cluster can keep
+//! a member alive, register one or stand in for a fenced one. The sequence numbers of a process's
+//! beats grow (they start at its clock's microseconds), and the controller takes a beat only if
+//! it is newer than the last it took for that member: a recorded beat replayed is ignored.
 
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
+use dejavulib::net::auth::{sign, verify, SIGNATURE_LEN};
 use dejavulib::wire::{FrameHeader, Kind, FRAME_HEADER_LEN};
+
+/// What a signature of a heartbeat is over, besides the header (never a signature of anything else).
+const SIGNED_AS: &[u8] = b"dejavu heartbeat";
+
+/// Bytes of a heartbeat datagram: a frame header and its signature.
+pub const DATAGRAM_LEN: usize = FRAME_HEADER_LEN + SIGNATURE_LEN;
 
 /// Which kind of process beats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -52,19 +65,42 @@ pub struct Beat {
     pub pid: u32,
     /// The epoch the sender was started in.
     pub epoch: u64,
+    /// The beat's sequence number: each beat of a process has a larger one than the last.
+    pub sequence: u64,
     /// The port of the sender's control listener, on the datagram's source address.
     pub control_port: Option<u16>,
 }
 
+impl Beat {
+    /// The signed datagram that says this, for a cluster of secret `secret`.
+    pub fn encode(&self, secret: &[u8]) -> [u8; DATAGRAM_LEN] {
+        let (role, index) = self.member;
+        let mut header = FrameHeader::new(Kind::Heartbeat, self.pid, self.epoch, self.sequence);
+        header.ids = [role as u32, index, self.control_port.map_or(0, u32::from), 0];
+        let signature = sign(secret, SIGNED_AS, &header.encode(&[]));
+        let mut datagram = [0u8; DATAGRAM_LEN];
+        datagram[..FRAME_HEADER_LEN].copy_from_slice(&header.encode(&signature));
+        datagram[FRAME_HEADER_LEN..].copy_from_slice(&signature);
+        datagram
+    }
+
+    /// Whether this beat is newer than `last`, the last one taken for the same member: from a
+    /// newer epoch, or from the same one with a larger sequence number. A replayed beat is not.
+    pub fn is_newer_than(&self, last: &Beat) -> bool {
+        (self.epoch, self.sequence) > (last.epoch, last.sequence)
+    }
+}
+
 /// Sends a heartbeat for (`role`, `index`), from a process started in `epoch` (serving control
-/// requests on `control_port`, if given), to `controller` every `interval`, from a thread of its
-/// own, until the returned handle is dropped.
+/// requests on `control_port`, if given), signed with the cluster secret `secret`, to `controller`
+/// every `interval`, from a thread of its own, until the returned handle is dropped.
 pub fn beat(
     controller: SocketAddr,
-    (role, index): (Role, u32),
+    member: (Role, u32),
     epoch: u64,
     interval: Duration,
     control_port: Option<u16>,
+    secret: &[u8],
 ) -> std::io::Result<Heartbeat> {
     // Bound to no address in particular: the route to the controller picks the source, on
     // loopback or from a network namespace of the worker's own.
@@ -73,60 +109,117 @@ pub fn beat(
         SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
     };
     let socket = UdpSocket::bind(unspecified)?;
-    let mut header = FrameHeader::new(Kind::Heartbeat, std::process::id(), epoch, 0);
-    header.ids = [role as u32, index, control_port.map_or(0, u32::from), 0];
-    let datagram = header.encode(&[]);
+    let mut beat = Beat { member, pid: std::process::id(), epoch, sequence: 0, control_port };
+    let secret = secret.to_vec();
     let stop = Arc::new(AtomicBool::new(false));
     let stopped = stop.clone();
     std::thread::Builder::new().name("heartbeat".into()).spawn(move || {
         while !stopped.load(Ordering::Relaxed) {
+            // The clock, so that a process started later for the same member in the same epoch
+            // (a restarted controller's members, say) goes on above its predecessor; never
+            // backwards, whatever the clock does.
+            beat.sequence = clock_micros().max(beat.sequence + 1);
             // A lost datagram is a missed beat; the controller tolerates a few.
-            let _ = socket.send_to(&datagram, controller);
+            let _ = socket.send_to(&beat.encode(&secret), controller);
             std::thread::sleep(interval);
         }
     })?;
     Ok(Heartbeat { stop })
 }
 
-/// What a heartbeat datagram says; `None` for anything else.
-pub fn decode(datagram: &[u8]) -> Option<Beat> {
-    let header = <&[u8; FRAME_HEADER_LEN]>::try_from(datagram).ok()?;
-    let (header, 0, _) = FrameHeader::decode(header).ok()? else { return None };
+/// Microseconds since the Unix epoch (0 for a clock set before it).
+fn clock_micros() -> u64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
+/// What a heartbeat datagram of a cluster of secret `secret` says; `None` for anything else: a
+/// datagram that is not a well-formed heartbeat, or whose signature does not hold.
+pub fn decode(datagram: &[u8], secret: &[u8]) -> Option<Beat> {
+    let frame = dejavulib::wire::read_frame(&mut &datagram[..], SIGNATURE_LEN as u64).ok()??;
+    if datagram.len() != DATAGRAM_LEN || frame.header.kind != Kind::Heartbeat {
+        return None;
+    }
+    let header = frame.header;
+    if !verify(secret, SIGNED_AS, &header.encode(&[]), &frame.payload) {
+        return None;
+    }
     let role = match header.ids[0] {
-        0 if header.kind == Kind::Heartbeat => Role::Engine,
-        1 if header.kind == Kind::Heartbeat => Role::Sidecar,
+        0 => Role::Engine,
+        1 => Role::Sidecar,
         _ => return None,
     };
     let control_port = u16::try_from(header.ids[2]).ok().filter(|&port| port != 0);
-    Some(Beat { member: (role, header.ids[1]), pid: header.sender, epoch: header.epoch, control_port })
+    Some(Beat {
+        member: (role, header.ids[1]),
+        pid: header.sender,
+        epoch: header.epoch,
+        sequence: header.request,
+        control_port,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const SECRET: &[u8] = b"test cluster";
+
     #[test]
     fn a_heartbeat_names_its_member_and_process_and_nothing_else_decodes() {
         let receiver = UdpSocket::bind("127.0.0.1:0").unwrap();
         receiver.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let to = receiver.local_addr().unwrap();
-        let beating = beat(to, (Role::Sidecar, 3), 7, Duration::from_millis(10), Some(4242)).unwrap();
+        let every = Duration::from_millis(10);
+        let beating = beat(to, (Role::Sidecar, 3), 7, every, Some(4242), SECRET).unwrap();
         let mut buf = [0u8; 256];
         let n = receiver.recv(&mut buf).unwrap();
-        let expected =
-            Beat { member: (Role::Sidecar, 3), pid: std::process::id(), epoch: 7, control_port: Some(4242) };
-        assert_eq!(decode(&buf[..n]), Some(expected));
-        beating.stop();
-        let silent = beat(to, (Role::Engine, 1), 0, Duration::from_millis(10), None).unwrap();
+        let first = decode(&buf[..n], SECRET).unwrap();
+        assert_eq!(
+            (first.member, first.pid, first.epoch, first.control_port),
+            ((Role::Sidecar, 3), std::process::id(), 7, Some(4242))
+        );
         let n = receiver.recv(&mut buf).unwrap();
-        assert_eq!(decode(&buf[..n]).map(|b| (b.member, b.control_port)), Some(((Role::Engine, 1), None)));
+        let second = decode(&buf[..n], SECRET).unwrap();
+        assert!(
+            second.is_newer_than(&first) && !first.is_newer_than(&second) && !first.is_newer_than(&first)
+        );
+        assert_eq!(decode(&buf[..n], b"another cluster"), None, "signed with another secret");
+        beating.stop();
+        let silent = beat(to, (Role::Engine, 1), 0, every, None, SECRET).unwrap();
+        let n = receiver.recv(&mut buf).unwrap();
+        let engine = decode(&buf[..n], SECRET).map(|b| (b.member, b.control_port));
+        assert_eq!(engine, Some(((Role::Engine, 1), None)));
         silent.stop();
-        assert_eq!(decode(b"not a heartbeat"), None);
+    }
+
+    #[test]
+    fn forged_corrupted_and_foreign_datagrams_are_refused() {
+        let beat = Beat { member: (Role::Engine, 2), pid: 9, epoch: 4, sequence: 77, control_port: None };
+        let datagram = beat.encode(SECRET);
+        assert_eq!(decode(&datagram, SECRET), Some(beat));
+        for bit in 0..DATAGRAM_LEN * 8 {
+            let mut flipped = datagram;
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            assert_eq!(decode(&flipped, SECRET), None, "bit {bit}");
+        }
+        for cut in 0..DATAGRAM_LEN {
+            assert_eq!(decode(&datagram[..cut], SECRET), None, "cut at {cut}");
+        }
+        assert_eq!(decode(&[&datagram[..], b"!"].concat(), SECRET), None, "a byte too many");
+        // A forger without the secret: a well-formed frame whose signature is of anything else.
+        let mut header = FrameHeader::new(Kind::Heartbeat, 9, 5, 78);
+        header.ids = [0, 2, 0, 0];
+        let tag = [0u8; SIGNATURE_LEN];
+        let forged = [&header.encode(&tag)[..], &tag].concat();
+        assert_eq!(decode(&forged, SECRET), None, "an unsigned beat");
         let mut other = FrameHeader::new(Kind::Put, 1, 0, 0);
         other.ids = [0, 1, 0, 0];
-        assert_eq!(decode(&other.encode(&[])), None, "another kind of frame");
-        let mut flipped = FrameHeader::new(Kind::Heartbeat, 1, 0, 0).encode(&[]);
-        flipped[20] ^= 1;
-        assert_eq!(decode(&flipped), None, "a corrupted header");
+        let signature = sign(SECRET, SIGNED_AS, &other.encode(&[]));
+        assert_eq!(
+            decode(&[&other.encode(&signature)[..], &signature].concat(), SECRET),
+            None,
+            "another kind"
+        );
+        assert_eq!(decode(b"not a heartbeat", SECRET), None);
     }
 }

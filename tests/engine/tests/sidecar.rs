@@ -440,7 +440,7 @@ fn sidecar_under_control(dir: &Path) -> (Killed, PathBuf, SidecarControl) {
     let (sidecar, socket, _) = start_sidecar(dir, &["--index", "1", "--heartbeat-ms", "20", &heartbeat]);
     let mut datagram = [0u8; 256];
     let (n, from) = beats.recv_from(&mut datagram).unwrap();
-    let beat = decode(&datagram[..n]).expect("a heartbeat");
+    let beat = decode(&datagram[..n], SECRET.as_bytes()).expect("a heartbeat");
     let port = beat.control_port.expect("a sidecar's beats name its control listener");
     let control = SocketAddr::new(from.ip(), port);
     (sidecar, socket, SidecarControl::new(control, Duration::from_secs(10), SECRET.as_bytes()))
