@@ -50,12 +50,19 @@ pub const SIGNATURE_LEN: usize = TAG_LEN;
 /// HMAC-SHA256 keyed by the cluster secret, over `context` (what kind of message it is, so that
 /// a tag of one kind is never accepted for another) and the message.
 pub fn sign(secret: &[u8], context: &[u8], message: &[u8]) -> [u8; SIGNATURE_LEN] {
-    hmac(secret, context, message, &[]).finalize().into_bytes().into()
+    signature(secret, context, message).finalize().into_bytes().into()
 }
 
 /// Whether `tag` is [`sign`]'s tag of `message` in `context` (compared in constant time).
 pub fn verify(secret: &[u8], context: &[u8], message: &[u8], tag: &[u8]) -> bool {
-    hmac(secret, context, message, &[]).verify_slice(tag).is_ok()
+    signature(secret, context, message).verify_slice(tag).is_ok()
+}
+
+/// The MAC of a signature: the context's length leads, so that no (context, message) pair reads
+/// as another, nor as a handshake's tag (whose role strings lead with no length).
+fn signature(secret: &[u8], context: &[u8], message: &[u8]) -> HmacSha256 {
+    let length = (context.len() as u64).to_le_bytes();
+    hmac(secret, &length, context, message)
 }
 
 /// The reply of kind `kind`, or the reason the other side refused.
@@ -204,6 +211,7 @@ mod tests {
         assert!(!verify(b"secret", b"query", b"message", &tag));
         assert!(!verify(b"secret", b"beat", b"messagf", &tag));
         assert!(!verify(b"secret", b"beat", b"message", &tag[..31]));
+        assert!(!verify(b"secret", b"bea", b"tmessage", &tag), "the same bytes split otherwise");
         let mut flipped = tag;
         flipped[0] ^= 1;
         assert!(!verify(b"secret", b"beat", b"message", &flipped));

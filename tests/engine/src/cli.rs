@@ -172,8 +172,9 @@ pub struct MemberArgs {
     /// Milliseconds between heartbeats.
     #[arg(long, default_value_t = 100)]
     pub heartbeat_ms: u64,
-    /// The cluster secret: every connection between the cluster's processes proves it, and
-    /// heartbeats are signed with it.
+    /// The cluster secret: every network connection between the cluster's processes proves it
+    /// (the local socket to its own sidecar is the file system's to guard), and heartbeats are
+    /// signed with it.
     #[arg(long, default_value = DEFAULT_SECRET)]
     pub secret: String,
     /// The epoch it is started in (a replacement: the recovery's). Its heartbeats, connections and
@@ -431,10 +432,10 @@ impl StageArgs {
             replication: self.local.zip(self.successor).map(|(local, successor)| Replication {
                 local,
                 successor,
-                secret: self.member.secret.clone().into_bytes(),
                 streamer_cpus: self.streamer_cpus,
             }),
             epoch: self.member.epoch,
+            secret: self.member.secret.clone().into_bytes(),
             device_caches: self.device_caches,
             handoff,
             transport: self.transport.transports()?,

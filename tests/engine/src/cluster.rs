@@ -371,6 +371,10 @@ pub struct Cluster {
 /// Time a process has to start listening.
 const START: Duration = Duration::from_secs(30);
 
+/// The cluster secret the driver proves: it starts every process without `--secret`, so they all
+/// share the default one.
+const SECRET: &[u8] = crate::cli::DEFAULT_SECRET.as_bytes();
+
 /// How long the controller may take to carry out its part of a recovery (re-seeds move KV).
 const RECOVERY_PATIENCE: Duration = Duration::from_secs(30);
 
@@ -410,7 +414,7 @@ impl Cluster {
         }
         stages.reverse();
         let first = config.route(Link::Input, next);
-        let remote = RemotePipeline::connect(first, results, n as u32 - 1, config.deadline)?;
+        let remote = RemotePipeline::connect(first, results, n as u32 - 1, config.deadline, SECRET)?;
         let prompt = Self::start_prompt_pipeline(&config, &sidecars, &dir)?;
         let mut cluster = Self {
             prompt,
@@ -482,7 +486,7 @@ impl Cluster {
         }
         stages.reverse();
         let last = disaggregation.splits.len() as u32 - 1;
-        let remote = RemotePipeline::connect(next, results, last, config.deadline)?;
+        let remote = RemotePipeline::connect(next, results, last, config.deadline, SECRET)?;
         Ok(Some(PromptPipeline { stages, remote, shapes, fallbacks: 0, broken: false }))
     }
 
@@ -585,7 +589,7 @@ impl Cluster {
         Ok(Supervised {
             proc: started.proc,
             metrics: started.metrics,
-            client: ControllerClient::new(started.addr, patience, crate::cli::DEFAULT_SECRET),
+            client: ControllerClient::new(started.addr, patience, SECRET),
             args,
             restarts: 0,
             crash_in_recovery: false,
@@ -721,7 +725,7 @@ impl Cluster {
         if let Some(spare) = self.spares.take_stage() {
             // Without the subcommand; it serves where it listens, on its own host.
             let flags = args(spare.addr.ip());
-            match crate::spare::assign_stage(spare.addr, &flags[1..], epoch, START) {
+            match crate::spare::assign_stage(spare.addr, &flags[1..], epoch, SECRET, START) {
                 Ok(metrics) => {
                     self.spares.used.0 += 1;
                     return Ok(Spawned { metrics, ..spare });

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
+use dejavulib::net::PeerError;
 use dejavulib::wire::{read_frame, write_frame, FrameError, FrameHeader, Kind};
 use parking_lot::Mutex;
 use thiserror::Error;
@@ -39,6 +40,7 @@ use tracing::{error, info, warn};
 
 use crate::heartbeat::{Beat, Role, DATAGRAM_LEN};
 use crate::metrics::{Exposition, MetricType};
+use crate::slots::Slot;
 
 mod detect;
 mod recovery;
@@ -333,8 +335,10 @@ impl Tables {
         for &member in members {
             self.seen.remove(&member);
             self.fenced_at.insert(member, now);
-            // The fenced process's listener is no longer the member's.
+            // The fenced process's listener is no longer the member's, and its beats are stale
+            // from now on: the replacement's are the only ones taken, whatever they number.
             self.controls.remove(&member);
+            self.last_beats.remove(&member);
         }
         info!(epoch = next.epoch, fenced = ?members, "fenced in a new epoch");
         counters.fences.fetch_add(1, Ordering::Relaxed);
@@ -464,9 +468,21 @@ const MAX_QUERY_CONNECTIONS: usize = 64;
 /// How long a query connection has to prove the cluster secret.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
 
-/// The node id the controller proves the secret as, and the one its clients prove it as.
-const CONTROLLER_NODE: u32 = 0;
-const CLIENT_NODE: u32 = u32::MAX;
+/// The node ids the query port proves the secret as, and its clients.
+const QUERY_SERVER_NODE: u32 = 0;
+const QUERY_CLIENT_NODE: u32 = u32::MAX;
+
+/// What a failed handshake with the controller is: a refusal of the secret (one end is not of
+/// this cluster), or, like any connection that breaks or stalls, an [`ControllerError::Io`], which
+/// callers wait out (a controller paused, restarting, or at its connection limit).
+fn handshake_error(e: PeerError) -> ControllerError {
+    match e {
+        PeerError::Auth(reason) => ControllerError::Auth(reason),
+        PeerError::Io(e) | PeerError::Frame(FrameError::Io(e)) => ControllerError::Io(e),
+        PeerError::Timeout(_) => ControllerError::Io(ErrorKind::TimedOut.into()),
+        other => ControllerError::Io(std::io::Error::new(ErrorKind::ConnectionAborted, other.to_string())),
+    }
+}
 
 /// After a fence the detector could not make durable, how long it waits before trying again.
 const FENCE_RETRY: Duration = Duration::from_secs(1);
@@ -549,19 +565,20 @@ pub fn serve_controller(
             std::thread::sleep(Duration::from_millis(10));
             continue;
         };
-        if live.fetch_add(1, Ordering::SeqCst) >= MAX_QUERY_CONNECTIONS {
-            live.fetch_sub(1, Ordering::SeqCst);
+        let Some(slot) = Slot::take(&live, MAX_QUERY_CONNECTIONS) else {
             counters.refused_queries.fetch_add(1, Ordering::Relaxed);
             warn!("too many query connections: one closed");
             continue;
-        }
-        let (tables, counters, udp, live) = (tables.clone(), counters.clone(), udp.clone(), live.clone());
+        };
+        let (tables, counters, udp) = (tables.clone(), counters.clone(), udp.clone());
         let secret = config.secret.clone();
+        // The slot is given back when the closure is dropped: after the connection, or at once
+        // if no thread could be started for it.
         let spawned = std::thread::Builder::new().name("query".into()).spawn(move || {
+            let _slot = slot;
             if let Err(e) = answer_queries(stream, &secret, &udp, &tables, &counters) {
                 warn!(error = %e, "a query connection closed");
             }
-            live.fetch_sub(1, Ordering::SeqCst);
         });
         if let Err(e) = spawned {
             warn!(error = %e, "cannot serve a query connection");
@@ -639,7 +656,7 @@ fn answer_queries(
     counters: &Counters,
 ) -> Result<(), ControllerError> {
     stream.set_nodelay(true)?;
-    if let Err(e) = server_handshake_blocking(&stream, secret, CONTROLLER_NODE, HANDSHAKE_DEADLINE) {
+    if let Err(e) = server_handshake_blocking(&stream, secret, QUERY_SERVER_NODE, HANDSHAKE_DEADLINE) {
         counters.refused_queries.fetch_add(1, Ordering::Relaxed);
         return Err(ControllerError::Auth(e.to_string()));
     }
@@ -1046,8 +1063,8 @@ impl ControllerClient {
             stream.set_nodelay(true)?;
             stream.set_read_timeout(Some(self.deadline))?;
             stream.set_write_timeout(Some(self.deadline))?;
-            client_handshake_blocking(&stream, &self.secret, CLIENT_NODE, self.deadline)
-                .map_err(|e| ControllerError::Auth(e.to_string()))?;
+            client_handshake_blocking(&stream, &self.secret, QUERY_CLIENT_NODE, self.deadline)
+                .map_err(handshake_error)?;
             self.connection = Some((BufReader::new(stream.try_clone()?), BufWriter::new(stream)));
         }
         let (reader, writer) = self.connection.as_mut().expect("connected above");
@@ -1157,17 +1174,21 @@ mod tests {
         let mut client = ControllerClient::new(addr, Duration::from_secs(2), SECRET);
         // Beats signed with another secret register no one.
         let foreign = beat(addr, (Role::Engine, 5), 0, EVERY, None, b"another cluster").unwrap();
-        // A member's beat, recorded and replayed over and over, keeps it alive only once: the
-        // controller declares it dead and fences it when the timeout has passed.
-        let recorded =
-            Beat { member: (Role::Engine, 0), pid: 1, epoch: 0, sequence: 100, control_port: None };
+        // A member beating with growing sequence numbers stays alive past the timeout (200 ms)...
+        let sender = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut recorded =
+            Beat { member: (Role::Engine, 0), pid: 1, epoch: 0, sequence: 0, control_port: None };
+        let until = Instant::now() + Duration::from_millis(500);
+        while Instant::now() < until {
+            recorded.sequence += 1;
+            sender.send_to(&recorded.encode(SECRET), addr).unwrap();
+            std::thread::sleep(EVERY);
+        }
+        assert_eq!(client.census().unwrap().health((Role::Engine, 0)), Health::Alive);
+        // ...but its last beat, recorded and replayed over and over, does not keep it alive: the
+        // controller declares it dead and fences it once the timeout has passed.
         let datagram = recorded.encode(SECRET);
         let replayer = UdpSocket::bind("127.0.0.1:0").unwrap();
-        replayer.send_to(&datagram, addr).unwrap();
-        assert_eq!(
-            wait_for(&mut client, (Role::Engine, 0), Health::Alive).health((Role::Engine, 0)),
-            Health::Alive
-        );
         let until = Instant::now() + Duration::from_millis(600);
         while Instant::now() < until {
             replayer.send_to(&datagram, addr).unwrap();
@@ -1176,8 +1197,8 @@ mod tests {
         let census = client.census().unwrap();
         assert_eq!(census.health((Role::Engine, 0)), Health::Fenced, "replays are not beats");
         assert!(!census.members.contains_key(&(Role::Engine, 5)), "a stranger's beats: {census:?}");
-        // A newer beat of the same process, signed, is taken: the member is replaced.
-        let fresh = Beat { epoch: census.epoch, sequence: 101, ..recorded };
+        // A replacement's beat, signed, is taken whatever it numbers: the member is replaced.
+        let fresh = Beat { epoch: census.epoch, sequence: 1, ..recorded };
         replayer.send_to(&fresh.encode(SECRET), addr).unwrap();
         let census = wait_for(&mut client, (Role::Engine, 0), Health::Alive);
         assert_eq!(census.health((Role::Engine, 0)), Health::Alive);

@@ -206,6 +206,24 @@ mod tests {
             assert_eq!(decode(&datagram[..cut], SECRET), None, "cut at {cut}");
         }
         assert_eq!(decode(&[&datagram[..], b"!"].concat(), SECRET), None, "a byte too many");
+        // A signed beat with any field changed, its checksums made whole again: the signature no
+        // longer holds.
+        let (signed, _, _) = FrameHeader::decode(datagram[..FRAME_HEADER_LEN].try_into().unwrap()).unwrap();
+        let signature = &datagram[FRAME_HEADER_LEN..];
+        let changes: [fn(&mut FrameHeader); 6] = [
+            |h| h.epoch += 1,
+            |h| h.request += 1,
+            |h| h.sender += 1,
+            |h| h.ids[0] = 1,
+            |h| h.ids[1] = 3,
+            |h| h.ids[2] = 4242,
+        ];
+        for (i, change) in changes.iter().enumerate() {
+            let mut header = signed;
+            change(&mut header);
+            let altered = [&header.encode(signature)[..], signature].concat();
+            assert_eq!(decode(&altered, SECRET), None, "change {i}");
+        }
         // A forger without the secret: a well-formed frame whose signature is of anything else.
         let mut header = FrameHeader::new(Kind::Heartbeat, 9, 5, 78);
         header.ids = [0, 2, 0, 0];

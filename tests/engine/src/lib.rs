@@ -48,6 +48,7 @@ pub mod swap;
 pub mod transport;
 
 mod math;
+mod slots;
 
 pub use model::ModelConfig;
 pub use pipeline::{CacheLayout, Pipeline, Seat};

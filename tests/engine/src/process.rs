@@ -59,14 +59,16 @@ use std::io::{BufReader, BufWriter, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::slots::Slot;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use dejavulib::affinity::CpuList;
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
 use dejavulib::local::LocalSidecar;
+use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
 use dejavulib::net::{ClientConfig, PeerStore};
 use dejavulib::reshard::{install, receive, transfer_key, StreamError};
 use dejavulib::store::StoreError;
@@ -120,6 +122,8 @@ const OP_HANDOFF_TO: u8 = 5;
 const OP_REPLICATION: u8 = 6;
 /// Stage index of control frames addressed to no stage (the driver's probes).
 const NO_STAGE: u32 = u32::MAX;
+/// The driver's node id on the chain: the first stage's predecessor, the last stage's successor.
+const DRIVER: u32 = u32::MAX;
 
 /// Where a stage keeps copies of its KV.
 #[derive(Clone, Debug)]
@@ -129,8 +133,6 @@ pub struct Replication {
     pub local: PathBuf,
     /// Its ring successor's sidecar: the replica.
     pub successor: SocketAddr,
-    /// The cluster secret.
-    pub secret: Vec<u8>,
     /// CPUs of the streamer thread (`None`: the process's).
     pub streamer_cpus: Option<CpuList>,
 }
@@ -158,6 +160,8 @@ pub struct StageConfig {
     pub replication: Option<Replication>,
     /// The epoch it was started in: its hellos and KV copies carry it.
     pub epoch: u64,
+    /// The cluster secret: its connections on the chain and to sidecars prove it.
+    pub secret: Vec<u8>,
     /// KV caches in "device" memory, if fewer than microbatches: the others are swapped to host
     /// memory ([`crate::swap`]).
     pub device_caches: Option<u32>,
@@ -255,14 +259,21 @@ fn connect(addr: SocketAddr, patience: Duration) -> std::io::Result<TcpStream> {
 /// Time a new connection on the chain has to say hello.
 const HELLO_PATIENCE: Duration = Duration::from_secs(2);
 
-/// Opens a connection on the chain: says who sends and the epoch it was started in.
-fn say_hello(stream: &mut impl Write, sender: u32, epoch: u64) -> std::io::Result<()> {
-    write_frame(stream, &FrameHeader::new(Kind::Hello, sender, epoch, 0), &[])?;
-    stream.flush()
+/// Opens a connection on the chain: proves the cluster secret `secret` (the transports' HMAC
+/// handshake), then says who sends and the epoch it was started in.
+fn say_hello(stream: &TcpStream, secret: &[u8], sender: u32, epoch: u64) -> Result<(), ProcessError> {
+    client_handshake_blocking(stream, secret, sender, HELLO_PATIENCE)
+        .map_err(|e| ProcessError::Protocol(format!("handshake on the chain: {e}")))?;
+    let mut writer = stream;
+    write_frame(&mut writer, &FrameHeader::new(Kind::Hello, sender, epoch, 0), &[])?;
+    Ok(writer.flush()?)
 }
 
-/// Reads a new connection's hello (and nothing after it); returns its sender and epoch.
-fn hear_hello(stream: &TcpStream) -> Result<(u32, u64), ProcessError> {
+/// Reads a new connection's proof of the cluster secret `secret` (answering as node `node`) and
+/// its hello (and nothing after it); returns its sender and epoch.
+fn hear_hello(stream: &TcpStream, secret: &[u8], node: u32) -> Result<(u32, u64), ProcessError> {
+    server_handshake_blocking(stream, secret, node, HELLO_PATIENCE)
+        .map_err(|e| ProcessError::Protocol(format!("handshake on the chain: {e}")))?;
     stream.set_read_timeout(Some(HELLO_PATIENCE))?;
     let frame = read_frame(&mut &*stream, 0)?
         .ok_or_else(|| ProcessError::Protocol("a connection closed before its hello".into()))?;
@@ -279,6 +290,7 @@ fn accept_within(
     listener: &TcpListener,
     sender: u32,
     epoch: u64,
+    secret: &[u8],
     patience: Duration,
 ) -> Result<TcpStream, ProcessError> {
     listener.set_nonblocking(true)?;
@@ -287,7 +299,7 @@ fn accept_within(
         match listener.accept() {
             Ok((stream, _)) => {
                 stream.set_nonblocking(false)?;
-                match hear_hello(&stream) {
+                match hear_hello(&stream, secret, DRIVER) {
                     Ok((from, said)) if from == sender && said >= epoch => break Ok(stream),
                     Ok((from, _)) if from != sender => {
                         warn!(from, sender, "refused a connection from another sender")
@@ -327,14 +339,21 @@ fn closed_by_peer(stream: &TcpStream) -> bool {
 }
 
 /// Accepts a stage's input connections from a thread of its own and hands on each one that takes
-/// over: one whose hello comes from its predecessor (the stage before it, or the driver before
-/// stage 0) and says an epoch at least that of the connection in use, which is then shut so that
-/// the stage's read on it ends. A connection from an older epoch is refused and counted.
-fn accept_upstreams(listener: TcpListener, index: u32, stats: Arc<StageStats>) -> Receiver<TcpStream> {
-    let predecessor = index.checked_sub(1).unwrap_or(u32::MAX);
-    let (tx, rx) = crossbeam_channel::unbounded();
+/// over: one that proves the cluster secret and whose hello comes from its predecessor (the stage
+/// before it, or the driver before stage 0) and says an epoch at least that of the connection in
+/// use, which is then shut so that the stage's read on it ends. A connection from an older epoch
+/// is refused and counted. Each connection's handshake runs on a thread of its own (at most
+/// [`MAX_HELLOS`] at once), so one that stalls holds up no other.
+fn accept_upstreams(
+    listener: TcpListener,
+    index: u32,
+    secret: Vec<u8>,
+    stats: Arc<StageStats>,
+) -> Receiver<TcpStream> {
+    let predecessor = index.checked_sub(1).unwrap_or(DRIVER);
+    let (heard, hellos) = crossbeam_channel::unbounded::<(u64, TcpStream)>();
     std::thread::spawn(move || {
-        let mut in_use: Option<(u64, TcpStream)> = None;
+        let pending = Arc::new(AtomicUsize::new(0));
         for stream in listener.incoming() {
             let stream = match stream {
                 Ok(stream) => stream,
@@ -344,20 +363,33 @@ fn accept_upstreams(listener: TcpListener, index: u32, stats: Arc<StageStats>) -
                     continue;
                 }
             };
-            let epoch = match hear_hello(&stream) {
-                Ok((sender, epoch)) if sender == predecessor => epoch,
-                Ok((sender, _)) => {
-                    warn!(
+            let Some(slot) = Slot::take(&pending, MAX_HELLOS) else {
+                warn!(stage = index, "too many connections saying hello: one closed");
+                continue;
+            };
+            let (secret, heard) = (secret.clone(), heard.clone());
+            let spawned = std::thread::Builder::new().name("hello".into()).spawn(move || {
+                let _slot = slot;
+                match hear_hello(&stream, &secret, index) {
+                    Ok((sender, epoch)) if sender == predecessor => {
+                        let _ = heard.send((epoch, stream));
+                    }
+                    Ok((sender, _)) => warn!(
                         stage = index,
                         sender, "refused a connection from a process that is not its predecessor"
-                    );
-                    continue;
+                    ),
+                    Err(e) => warn!(stage = index, error = %e, "refused a connection"),
                 }
-                Err(e) => {
-                    warn!(stage = index, error = %e, "refused a connection");
-                    continue;
-                }
-            };
+            });
+            if let Err(e) = spawned {
+                warn!(stage = index, error = %e, "cannot hear a connection's hello");
+            }
+        }
+    });
+    let (tx, rx) = crossbeam_channel::unbounded();
+    std::thread::spawn(move || {
+        let mut in_use: Option<(u64, TcpStream)> = None;
+        for (epoch, stream) in hellos {
             if let Some((newest, old)) = &in_use {
                 if epoch < *newest {
                     StageStats::add(&stats.stale_connections_refused, 1);
@@ -376,6 +408,9 @@ fn accept_upstreams(listener: TcpListener, index: u32, stats: Arc<StageStats>) -
     });
     rx
 }
+
+/// Input connections that may be proving the secret and saying hello at once.
+const MAX_HELLOS: usize = 16;
 
 /// Counters of a stage process, read by its metrics page.
 #[derive(Debug, Default)]
@@ -605,12 +640,12 @@ struct Sidecars {
 impl Sidecars {
     fn new(
         replication: &Replication,
-        node: u32,
-        epoch: u64,
+        (node, epoch): (u32, u64),
+        secret: &[u8],
         transports: Transports,
     ) -> Result<Self, ProcessError> {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-        let mut client = ClientConfig::new(replication.secret.clone(), node);
+        let mut client = ClientConfig::new(secret.to_vec(), node);
         client.epoch = epoch;
         // A dead sidecar is given up on quickly: two connection attempts of at most 500 ms.
         client.connect_attempts = 2;
@@ -678,8 +713,12 @@ impl StageProcess {
         };
         if let Some(replication) = &process.config.replication {
             let transports = process.config.transport.clone();
-            let sidecars =
-                Sidecars::new(replication, process.config.index, process.config.epoch, transports)?;
+            let sidecars = Sidecars::new(
+                replication,
+                (process.config.index, process.config.epoch),
+                &process.config.secret,
+                transports,
+            )?;
             let to_sidecar = ToSidecar {
                 local: sidecars.local.clone(),
                 stats: process.stats.clone(),
@@ -1067,14 +1106,14 @@ pub fn serve_stage_on(
     let addr = listener.local_addr()?;
     info!(stage = index, epoch, %addr, "stage listening");
     ready(addr, metrics);
-    let upstreams = accept_upstreams(listener, index, process.stats.clone());
+    let upstreams = accept_upstreams(listener, index, process.config.secret.clone(), process.stats.clone());
     // Connect to the next stage at once: a replacement takes its successor's input over from the
     // process it replaces before that one could send anything more.
+    let secret = process.config.secret.clone();
     let connect_next = |next: SocketAddr, patience: Duration| {
-        connect(next, patience)
-            .map(|s| BufWriter::with_capacity(1 << 20, s))
-            .and_then(|mut w| say_hello(&mut w, index, epoch).map(|()| (next, w)))
-            .ok()
+        let stream = connect(next, patience).ok()?;
+        say_hello(&stream, &secret, index, epoch).ok()?;
+        Some((next, BufWriter::with_capacity(1 << 20, stream)))
     };
     let mut downstream: Option<(SocketAddr, BufWriter<TcpStream>)> =
         connect_next(process.config.next, Duration::from_secs(2));
@@ -1205,18 +1244,22 @@ pub struct RemotePipeline {
     /// The epoch the last stage in use was started in: a connection from an older one is refused
     /// (when the same last stage connects again, after a reset, it says the same).
     last_stage_epoch: u64,
+    /// The cluster secret, which its connections prove.
+    secret: Vec<u8>,
 }
 
 impl RemotePipeline {
     /// Connects to the first stage at `first` and takes the last stage's connection on `results`
-    /// (stage `last_stage`'s); a step slower than `deadline` is a [`ProcessError::Timeout`].
+    /// (stage `last_stage`'s), both proving the cluster secret `secret`; a step slower than
+    /// `deadline` is a [`ProcessError::Timeout`].
     pub fn connect(
         first: SocketAddr,
         results: TcpListener,
         last_stage: u32,
         deadline: Duration,
+        secret: &[u8],
     ) -> Result<Self, ProcessError> {
-        let to_first = Self::connect_first(first, 0, Duration::from_secs(30))?;
+        let to_first = Self::connect_first(first, 0, secret, Duration::from_secs(30))?;
         let (_, placeholder) = crossbeam_channel::bounded(0);
         let control_deadline = (deadline * 20).max(Duration::from_secs(10));
         let mut pipeline = Self {
@@ -1230,10 +1273,12 @@ impl RemotePipeline {
             epoch: 0,
             last_stage,
             last_stage_epoch: 0,
+            secret: secret.to_vec(),
         };
         // The last stage connects when it first passes something on: send a probe through.
         let request = pipeline.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?;
-        pipeline.replies = read_replies(accept_within(&pipeline.results, last_stage, 0, control_deadline)?);
+        let last = accept_within(&pipeline.results, last_stage, 0, secret, control_deadline)?;
+        pipeline.replies = read_replies(last);
         pipeline.reply(request, control_deadline)?;
         Ok(pipeline)
     }
@@ -1241,11 +1286,12 @@ impl RemotePipeline {
     fn connect_first(
         first: SocketAddr,
         epoch: u64,
+        secret: &[u8],
         patience: Duration,
     ) -> Result<BufWriter<TcpStream>, ProcessError> {
-        let mut to_first = BufWriter::new(connect(first, patience)?);
-        say_hello(&mut to_first, u32::MAX, epoch)?;
-        Ok(to_first)
+        let to_first = connect(first, patience)?;
+        say_hello(&to_first, secret, DRIVER, epoch)?;
+        Ok(BufWriter::new(to_first))
     }
 
     /// The epoch it is in: the last recovery's (0: none yet).
@@ -1272,7 +1318,7 @@ impl RemotePipeline {
         if sent.is_err() {
             // The connection broke (a reset, or a first stage that went away): connect again,
             // once, and send the frame there.
-            self.to_first = Self::connect_first(self.first, self.epoch, self.deadline)?;
+            self.to_first = Self::connect_first(self.first, self.epoch, &self.secret, self.deadline)?;
             write_frame(&mut self.to_first, &header, payload)?;
             self.to_first.flush()?;
         }
@@ -1297,7 +1343,8 @@ impl RemotePipeline {
                     return Err(ProcessError::Protocol(reason));
                 }
                 Err(RecvTimeoutError::Disconnected) => {
-                    match accept_within(&self.results, self.last_stage, self.last_stage_epoch, left) {
+                    let epoch = self.last_stage_epoch;
+                    match accept_within(&self.results, self.last_stage, epoch, &self.secret, left) {
                         Ok(stream) => self.replies = read_replies(stream),
                         Err(ProcessError::Timeout(_)) => return Err(ProcessError::Timeout(deadline)),
                         Err(e) => return Err(e),
@@ -1484,7 +1531,7 @@ impl RemotePipeline {
     ) -> Result<(), ProcessError> {
         let mut requests = Vec::new();
         if let Some(&(_, addr)) = replaced.iter().find(|(stage, _)| *stage == 0) {
-            self.to_first = Self::connect_first(addr, self.epoch, Duration::from_secs(30))?;
+            self.to_first = Self::connect_first(addr, self.epoch, &self.secret, Duration::from_secs(30))?;
             self.first = addr;
         }
         // Each rewire takes effect at its stage before it is passed on, so it goes round the
@@ -1498,7 +1545,13 @@ impl RemotePipeline {
             requests.push(self.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?);
         }
         if last_replaced {
-            let last = accept_within(&self.results, self.last_stage, self.epoch, self.control_deadline)?;
+            let last = accept_within(
+                &self.results,
+                self.last_stage,
+                self.epoch,
+                &self.secret,
+                self.control_deadline,
+            )?;
             self.replies = read_replies(last);
             self.last_stage_epoch = self.epoch;
         }
@@ -1515,9 +1568,11 @@ mod tests {
 
     use super::*;
 
+    const SECRET: &[u8] = b"test cluster";
+
     fn hello(addr: SocketAddr, epoch: u64) -> TcpStream {
-        let mut stream = TcpStream::connect(addr).unwrap();
-        say_hello(&mut stream, 1, epoch).unwrap();
+        let stream = TcpStream::connect(addr).unwrap();
+        say_hello(&stream, SECRET, 1, epoch).unwrap();
         stream
     }
 
@@ -1537,7 +1592,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let stats = Arc::new(StageStats::default());
-        let upstreams = accept_upstreams(listener, 2, stats.clone());
+        let upstreams = accept_upstreams(listener, 2, SECRET.to_vec(), stats.clone());
         let wait = || upstreams.recv_timeout(Duration::from_secs(5));
 
         let mut first = hello(addr, 3);
@@ -1551,8 +1606,12 @@ mod tests {
         assert!(!closed(&mut first), "the connection in use is untouched");
         // So is one from a process that is not its predecessor, whatever its epoch.
         let mut stranger = TcpStream::connect(addr).unwrap();
-        say_hello(&mut stranger, 5, 9).unwrap();
+        say_hello(&stranger, SECRET, 5, 9).unwrap();
         assert!(closed(&mut stranger));
+        // And one that cannot prove the cluster secret never gets to say hello; it stays open,
+        // unanswered, without holding up the connections after it.
+        let outsider = TcpStream::connect(addr).unwrap();
+        assert!(say_hello(&outsider, b"another cluster", 1, 9).is_err());
         assert!(upstreams.recv_timeout(Duration::from_millis(200)).is_err());
         // A connection that does not say hello is refused too.
         let mut rude = TcpStream::connect(addr).unwrap();

@@ -2,9 +2,10 @@
 //! controller (they heartbeat as spares), and assigned a stage by a recovery instead of starting
 //! new processes.
 //!
-//! A spare stage (`spare` subcommand) listens and waits for one assignment: a connection whose
-//! `Hello` comes from [`ASSIGNER`], then a `Control` frame whose payload is the stage's flags, one
-//! per line, exactly as `stage` takes them. It answers with a `Control` frame once it serves as
+//! A spare stage (`spare` subcommand) listens and waits for one assignment: a connection that
+//! proves the cluster secret (the transports' HMAC handshake, the assigner as [`ASSIGNER`]), then
+//! a `Control` frame whose payload is the stage's flags, one per line, exactly as `stage` takes
+//! them (the spare's own cluster secret stays the stage's: a `--secret` among them is refused). It answers with a `Control` frame once it serves as
 //! that stage (payload: its metrics address, if any), or an `Error` frame naming what is wrong
 //! with the flags, and then waits for another. A spare sidecar (`sidecar --spare N`) is assigned
 //! over its local socket ([`dejavulib::local::OP_ASSIGN`]).
@@ -14,6 +15,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use clap::{Args, Parser};
+use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameHeader, Kind};
 
 use crate::cli::{MemberArgs, StageArgs};
@@ -23,8 +25,11 @@ use crate::heartbeat::Role;
 /// plus their number), apart from every stage.
 pub const SPARE_MEMBERS: u32 = 1 << 20;
 
-/// The sender of an assignment's hello.
+/// The node id an assigner proves the cluster secret as.
 pub const ASSIGNER: u32 = u32::MAX - 1;
+
+/// The node id a spare stage proves the secret as, to its assigner.
+const SPARE: u32 = u32::MAX - 2;
 
 /// The member index a spare numbered `n` beats as.
 pub fn spare_member(n: u32) -> u32 {
@@ -66,7 +71,7 @@ impl SpareArgs {
         crate::cli::announce(addr, None);
         for stream in listener.incoming() {
             let Ok(stream) = stream else { continue };
-            let stage = match read_assignment(&stream) {
+            let stage = match read_assignment(&stream, &self.member.secret) {
                 Ok(stage) => stage,
                 Err(reason) => {
                     tracing::warn!(%reason, "refused an assignment");
@@ -87,22 +92,26 @@ impl SpareArgs {
     }
 }
 
-/// Reads an assignment off `stream`: the assigner's hello, then the stage's flags.
-fn read_assignment(stream: &TcpStream) -> Result<StageArgs, String> {
+/// Reads an assignment off `stream`: the assigner's proof of the cluster secret `secret`, then
+/// the stage's flags.
+fn read_assignment(stream: &TcpStream, secret: &str) -> Result<StageArgs, String> {
+    server_handshake_blocking(stream, secret.as_bytes(), SPARE, ASSIGNMENT_PATIENCE)
+        .map_err(|e| format!("an assigner's handshake: {e}"))?;
     stream.set_read_timeout(Some(ASSIGNMENT_PATIENCE)).map_err(|e| e.to_string())?;
     let mut reader = stream;
-    let hello = read_frame(&mut reader, 0).map_err(|e| e.to_string())?.ok_or("closed before its hello")?;
-    if hello.header.kind != Kind::Hello || hello.header.sender != ASSIGNER {
-        return Err(format!("{:?} from {}, not an assigner's hello", hello.header.kind, hello.header.sender));
-    }
     let frame =
         read_frame(&mut reader, 1 << 16).map_err(|e| e.to_string())?.ok_or("closed before its flags")?;
     if frame.header.kind != Kind::Control {
         return Err(format!("{:?}, not an assignment", frame.header.kind));
     }
     let flags = String::from_utf8(frame.payload).map_err(|_| "flags that are not UTF-8")?;
+    if flags.lines().any(|flag| flag.starts_with("--secret")) {
+        return Err("an assignment names no secret: the spare's own is the stage's".into());
+    }
     let args = std::iter::once("stage").chain(flags.lines());
-    Assigned::try_parse_from(args).map(|a| a.stage).map_err(|e| e.to_string())
+    let mut stage = Assigned::try_parse_from(args).map(|a| a.stage).map_err(|e| e.to_string())?;
+    stage.member.secret = secret.to_owned();
+    Ok(stage)
 }
 
 fn answer(mut stream: &TcpStream, kind: Kind, text: &str) -> std::io::Result<()> {
@@ -115,18 +124,20 @@ fn answer(mut stream: &TcpStream, kind: Kind, text: &str) -> std::io::Result<()>
 }
 
 /// Assigns the spare stage at `spare` the stage `flags` describe (as `stage` takes them, without
-/// the subcommand), as of `epoch`; returns its metrics address once it serves.
+/// the subcommand and the secret), as of `epoch`, proving the cluster secret `secret`; returns its
+/// metrics address once it serves.
 pub fn assign_stage(
     spare: SocketAddr,
     flags: &[String],
     epoch: u64,
+    secret: &[u8],
     patience: Duration,
 ) -> Result<Option<SocketAddr>, String> {
     let mut stream =
         TcpStream::connect_timeout(&spare, patience).map_err(|e| format!("spare at {spare}: {e}"))?;
+    client_handshake_blocking(&stream, secret, ASSIGNER, patience)
+        .map_err(|e| format!("spare at {spare}: {e}"))?;
     stream.set_read_timeout(Some(patience)).map_err(|e| e.to_string())?;
-    write_frame(&mut stream, &FrameHeader::new(Kind::Hello, ASSIGNER, epoch, 0), &[])
-        .map_err(|e| e.to_string())?;
     write_frame(
         &mut stream,
         &FrameHeader::new(Kind::Control, ASSIGNER, epoch, 1),

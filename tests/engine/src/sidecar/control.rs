@@ -33,6 +33,7 @@ use dejavulib::ChunkStore;
 use tracing::{info, warn};
 
 use super::{parse_addr, reply_error, Sidecar, SidecarError};
+use crate::slots::Slot;
 
 /// Lists the chunks kept for a stage.
 pub const OP_HELD_OF: u32 = 1;
@@ -60,17 +61,16 @@ pub(super) fn serve(sidecar: Arc<Sidecar>, listener: TcpListener) -> std::io::Re
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             };
-            if live.fetch_add(1, Ordering::SeqCst) >= MAX_CONTROL_CONNECTIONS {
-                live.fetch_sub(1, Ordering::SeqCst);
+            let Some(slot) = Slot::take(&live, MAX_CONTROL_CONNECTIONS) else {
                 warn!(stage = sidecar.index(), "too many control connections: one closed");
                 continue;
-            }
-            let (sidecar, live) = (sidecar.clone(), live.clone());
+            };
+            let sidecar = sidecar.clone();
             let spawned = std::thread::Builder::new().name("control-connection".into()).spawn(move || {
+                let _slot = slot;
                 if let Err(e) = answer(&sidecar, stream) {
                     warn!(stage = sidecar.index(), error = %e, "a control connection ended");
                 }
-                live.fetch_sub(1, Ordering::SeqCst);
             });
             if let Err(e) = spawned {
                 warn!(error = %e, "cannot serve a control connection");
