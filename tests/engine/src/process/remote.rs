@@ -1,0 +1,407 @@
+//! The driver's end of a chain of stage processes: it sends each step's tokens to the first stage,
+//! takes the next token from the last, and carries recoveries out along the chain.
+
+use std::io::{BufReader, BufWriter, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+use dejavulib::wire::{read_frame, write_frame, Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD};
+use tracing::warn;
+
+use super::chain::{accept_within, closed_by_peer, connect, say_hello, DRIVER};
+use super::{
+    control_payload, parse_control, tokens_of, tokens_payload, ProcessError, LOAD_PATIENCE, NO_STAGE,
+    OP_HANDOFF_TO, OP_LOAD, OP_REPLICATION, OP_RESTORE, OP_REWIRE,
+};
+use crate::pipeline::Seat;
+
+/// Frames coming out of the last stage, read whole by a thread of their own (a deadline never
+/// leaves half a frame read).
+pub(super) fn read_replies(stream: TcpStream) -> Receiver<Result<Frame, String>> {
+    let (tx, rx) = crossbeam_channel::bounded(64);
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(stream);
+        loop {
+            let result = match read_frame(&mut r, DEFAULT_MAX_PAYLOAD) {
+                Ok(Some(frame)) => Ok(frame),
+                Ok(None) => Err("the last stage closed its connection".to_owned()),
+                Err(e) => Err(e.to_string()),
+            };
+            let end = result.is_err();
+            if tx.send(result).is_err() || end {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// A step's result as the last stage reported it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepReply {
+    /// The next token.
+    pub token: u32,
+    /// The sequence the step ran for.
+    pub seat: Seat,
+    /// Tokens of the sequence with KV after the step (its position plus its token count).
+    pub kv_end: u32,
+}
+
+/// Where a replaced stage restores its KV from, as a recovery's controller ordered.
+#[derive(Clone, Debug)]
+pub struct RestoreSource {
+    /// The stage.
+    pub stage: u32,
+    /// The sidecar holding its KV (`None`: its own).
+    pub from: Option<SocketAddr>,
+    /// What the controller did and found for it: each sequence's first unreplicated token there.
+    pub orders: crate::controller::StageOrders,
+}
+
+/// What recovering one sequence took.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SequenceRecovery {
+    /// Steps recomputed: what the copy that lacked most did not have.
+    pub recomputed: u64,
+    /// For each source, in order, the steps its copy lacked (its replication lag).
+    pub lacked: Vec<u64>,
+}
+
+/// The driver's end of a chain of stage processes.
+pub struct RemotePipeline {
+    /// Where the first stage is reached.
+    first: SocketAddr,
+    to_first: BufWriter<TcpStream>,
+    results: TcpListener,
+    replies: Receiver<Result<Frame, String>>,
+    /// Time a step may take.
+    deadline: Duration,
+    /// Time a control operation may take (restores and copies move whole sequences).
+    control_deadline: Duration,
+    next_request: u64,
+    /// The cluster's epoch: the driver's hellos carry it, and a replacement of the last stage must
+    /// say it or a newer one.
+    epoch: u64,
+    /// The index of the last stage: only it may connect to `results`.
+    last_stage: u32,
+    /// The epoch the last stage in use was started in: a connection from an older one is refused
+    /// (when the same last stage connects again, after a reset, it says the same).
+    last_stage_epoch: u64,
+    /// The cluster secret, which its connections prove.
+    secret: Vec<u8>,
+}
+
+impl RemotePipeline {
+    /// Connects to the first stage at `first` and takes the last stage's connection on `results`
+    /// (stage `last_stage`'s), both proving the cluster secret `secret`; a step slower than
+    /// `deadline` is a [`ProcessError::Timeout`].
+    pub fn connect(
+        first: SocketAddr,
+        results: TcpListener,
+        last_stage: u32,
+        deadline: Duration,
+        secret: &[u8],
+    ) -> Result<Self, ProcessError> {
+        let to_first = Self::connect_first(first, 0, secret, Duration::from_secs(30))?;
+        let (_, placeholder) = crossbeam_channel::bounded(0);
+        let control_deadline = (deadline * 20).max(Duration::from_secs(10));
+        let mut pipeline = Self {
+            first,
+            to_first,
+            results,
+            replies: placeholder,
+            deadline,
+            control_deadline,
+            next_request: 1,
+            epoch: 0,
+            last_stage,
+            last_stage_epoch: 0,
+            secret: secret.to_vec(),
+        };
+        // The last stage connects when it first passes something on: send a probe through.
+        let request = pipeline.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?;
+        let last = accept_within(&pipeline.results, last_stage, 0, secret, control_deadline)?;
+        pipeline.replies = read_replies(last);
+        pipeline.reply(request, control_deadline)?;
+        Ok(pipeline)
+    }
+
+    fn connect_first(
+        first: SocketAddr,
+        epoch: u64,
+        secret: &[u8],
+        patience: Duration,
+    ) -> Result<BufWriter<TcpStream>, ProcessError> {
+        let to_first = connect(first, patience)?;
+        say_hello(&to_first, secret, DRIVER, epoch)?;
+        Ok(BufWriter::new(to_first))
+    }
+
+    /// The epoch it is in: the last recovery's (0: none yet).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Moves to a new epoch (a recovery's): replacements are started in it, and from now on a new
+    /// last stage must say it (or a newer one) to be taken.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = self.epoch.max(epoch);
+    }
+
+    fn write(&mut self, kind: Kind, ids: [u32; 4], payload: &[u8]) -> Result<u64, ProcessError> {
+        let request = self.next_request;
+        self.next_request += 1;
+        let mut header = FrameHeader::new(kind, u32::MAX, 0, request);
+        header.ids = ids;
+        let sent = if closed_by_peer(self.to_first.get_ref()) {
+            Err(std::io::Error::from(std::io::ErrorKind::ConnectionReset))
+        } else {
+            write_frame(&mut self.to_first, &header, payload).and_then(|()| self.to_first.flush())
+        };
+        if sent.is_err() {
+            // The connection broke (a reset, or a first stage that went away): connect again,
+            // once, and send the frame there.
+            self.to_first = Self::connect_first(self.first, self.epoch, &self.secret, self.deadline)?;
+            write_frame(&mut self.to_first, &header, payload)?;
+            self.to_first.flush()?;
+        }
+        Ok(request)
+    }
+
+    /// The reply to `request`, skipping late replies to earlier requests. When the last stage's
+    /// connection breaks (a reset, a corrupted frame), the reply it carried is lost: this returns
+    /// at once, and the next wait first takes the connection the last stage makes again as it next
+    /// sends something.
+    fn reply(&mut self, request: u64, deadline: Duration) -> Result<Frame, ProcessError> {
+        let until = Instant::now() + deadline;
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            match self.replies.recv_timeout(left) {
+                Ok(Ok(frame)) if frame.header.request == request => return Ok(frame),
+                Ok(Ok(_late)) => continue,
+                Err(RecvTimeoutError::Timeout) => return Err(ProcessError::Timeout(deadline)),
+                Ok(Err(reason)) => {
+                    let (_, closed) = crossbeam_channel::bounded(0);
+                    self.replies = closed;
+                    return Err(ProcessError::Protocol(reason));
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let epoch = self.last_stage_epoch;
+                    match accept_within(&self.results, self.last_stage, epoch, &self.secret, left) {
+                        Ok(stream) => self.replies = read_replies(stream),
+                        Err(ProcessError::Timeout(_)) => return Err(ProcessError::Timeout(deadline)),
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+        }
+    }
+
+    fn control(
+        &mut self,
+        op: u8,
+        stage: u32,
+        ids: [u32; 4],
+        argument: &[u8],
+    ) -> Result<Vec<u8>, ProcessError> {
+        let request = self.write(Kind::Control, ids, &control_payload(op, stage, argument))?;
+        Ok(self.reply(request, self.control_deadline)?.payload)
+    }
+
+    /// Runs `tokens` at `position` of `seat` through the chain; returns the next token.
+    pub fn run(&mut self, seat: Seat, tokens: &[u32], position: u32) -> Result<u32, ProcessError> {
+        Ok(self.step(seat, tokens, position)?.token)
+    }
+
+    /// Runs `tokens` at `position` of `seat` through the chain; returns the next token with what
+    /// the last stage says it computed.
+    pub fn step(&mut self, seat: Seat, tokens: &[u32], position: u32) -> Result<StepReply, ProcessError> {
+        let ids = [seat.microbatch, seat.slot, position, tokens.len() as u32];
+        let request = self.write(Kind::Activation, ids, &tokens_payload(tokens))?;
+        let Frame { header, payload } = self.reply(request, self.deadline)?;
+        let [microbatch, slot, position, count] = header.ids;
+        match tokens_of(&payload)[..] {
+            [token] => Ok(StepReply { token, seat: Seat { microbatch, slot }, kv_end: position + count }),
+            _ => Err(ProcessError::Protocol("a step's reply is one token".into())),
+        }
+    }
+
+    /// Tells stage `stage` to restore `seat`'s KV (prompt of `prompt_len`, KV of up to `kv_tokens`
+    /// tokens) from the sidecar at `from` (`None`: its own); returns how many tokens it restored.
+    pub fn restore(
+        &mut self,
+        stage: u32,
+        seat: Seat,
+        prompt_len: u32,
+        kv_tokens: u32,
+        from: Option<SocketAddr>,
+    ) -> Result<u32, ProcessError> {
+        let argument = from.map(|a| a.to_string()).unwrap_or_default();
+        let ids = [seat.microbatch, seat.slot, prompt_len, kv_tokens];
+        let reply = self.control(OP_RESTORE, stage, ids, argument.as_bytes())?;
+        match parse_control(&reply) {
+            Some((OP_RESTORE, s, count)) if s == stage && count.len() == 4 => {
+                Ok(u32::from_le_bytes(count.try_into().expect("4 bytes")))
+            }
+            _ => Err(ProcessError::Protocol(format!("stage {stage} did not report a restore"))),
+        }
+    }
+
+    /// Tells each of the first `stages` stages to load `seat`'s prompt KV (`prompt_len` tokens),
+    /// handed over by a prompt pipeline; returns the fewest tokens a stage loaded (0: some stage
+    /// could not, and the prompt must be computed here).
+    pub fn load(&mut self, stages: u32, seat: Seat, prompt_len: u32) -> Result<u32, ProcessError> {
+        let ids = [seat.microbatch, seat.slot, prompt_len, 0];
+        // All sent at once: the loads run one after another down the chain, not one round trip each.
+        let requests = (0..stages)
+            .map(|stage| Ok((stage, self.write(Kind::Control, ids, &control_payload(OP_LOAD, stage, &[]))?)))
+            .collect::<Result<Vec<_>, ProcessError>>()?;
+        // A step's time, and each stage's patience for chunks on their way.
+        let deadline = self.deadline + LOAD_PATIENCE * stages;
+        let mut fewest = prompt_len;
+        for (stage, request) in requests {
+            let reply = self.reply(request, deadline)?.payload;
+            match parse_control(&reply) {
+                Some((OP_LOAD, s, count)) if s == stage && count.len() == 4 => {
+                    fewest = fewest.min(u32::from_le_bytes(count.try_into().expect("4 bytes")));
+                }
+                _ => return Err(ProcessError::Protocol(format!("stage {stage} did not report a load"))),
+            }
+        }
+        Ok(fewest)
+    }
+
+    /// Tells prompt stage `stage` to hand token stage `token_stage`'s prompts to the sidecar at
+    /// `to` from now on.
+    pub fn handoff_to(&mut self, stage: u32, token_stage: u32, to: SocketAddr) -> Result<(), ProcessError> {
+        let mut argument = token_stage.to_le_bytes().to_vec();
+        argument.extend_from_slice(to.to_string().as_bytes());
+        let payload = control_payload(OP_HANDOFF_TO, stage, &argument);
+        let request = self.write(Kind::Control, [NO_STAGE; 4], &payload)?;
+        // Nothing to move: a step's deadline, so that a dead prompt pipeline does not hold the
+        // token pipeline's recovery up for a control operation's.
+        self.reply(request, self.deadline)?;
+        Ok(())
+    }
+
+    /// Pauses (`on` false) or resumes stage `stage`'s replication of the steps it computes (a
+    /// prompt loaded from a prompt pipeline is still replicated; a replacement starts with
+    /// replication on). A step computed while paused is not in the stage's copies: a recovery
+    /// restores a sequence up to its first such step and recomputes the rest. While paused, the
+    /// stage does not look at its earlier copies' completions either, so its pending-copies
+    /// metric and failures are counted once it resumes. For measuring what replication costs,
+    /// in one run ([`crate::cluster::Cluster::set_replication`]).
+    pub fn set_replication(&mut self, stage: u32, on: bool) -> Result<(), ProcessError> {
+        self.control(OP_REPLICATION, stage, [NO_STAGE; 4], &[u8::from(on)])?;
+        Ok(())
+    }
+
+    /// Recovers one sequence on replaced stages: restores each stage's KV from the sidecar its
+    /// source names, up to the source's mark for the sequence if the controller found one (its
+    /// first unreplicated token), then recomputes the steps the copies lacked (the replication
+    /// lag; recomputing a step rewrites the same KV everywhere), checking that they give the
+    /// tokens already generated.
+    pub fn recover(
+        &mut self,
+        sources: &[RestoreSource],
+        seat: Seat,
+        prompt: &[u32],
+        generated: &[u32],
+    ) -> Result<SequenceRecovery, ProcessError> {
+        let mut recovery = SequenceRecovery { recomputed: 0, lacked: vec![0; sources.len()] };
+        if generated.is_empty() {
+            return Ok(recovery);
+        }
+        let prompt_len = prompt.len() as u32;
+        // KV exists for the prompt and every generated token but the last.
+        let needed = prompt_len + generated.len() as u32 - 1;
+        // Steps that rebuild KV up to `needed` from `restored` tokens (the prompt is one step).
+        let steps_from = |restored: u32| {
+            if restored < prompt_len {
+                1 + u64::from(needed - prompt_len)
+            } else {
+                u64::from(needed - restored)
+            }
+        };
+        let mut restored = needed;
+        for (i, source) in sources.iter().enumerate() {
+            let mark = source.orders.mark_of(seat.microbatch, seat.slot);
+            let wanted = mark.map_or(needed, |mark| mark.min(needed));
+            let this = self.restore(source.stage, seat, prompt_len, wanted, source.from)?;
+            if mark.is_some() && this != wanted {
+                // The copy changed since the controller looked: what was restored counts.
+                warn!(stage = source.stage, ?seat, wanted, restored = this, "restored other than the mark");
+            }
+            recovery.lacked[i] = steps_from(this);
+            restored = restored.min(this);
+        }
+        let mismatch = |position| {
+            ProcessError::Protocol(format!("a recomputed step at position {position} gave another token"))
+        };
+        if restored < prompt_len {
+            if self.run(seat, prompt, 0)? != generated[0] {
+                return Err(mismatch(0));
+            }
+            restored = prompt_len;
+            recovery.recomputed += 1;
+        }
+        for position in restored..needed {
+            let index = (position - prompt_len) as usize;
+            if self.run(seat, &[generated[index]], position)? != generated[index + 1] {
+                return Err(mismatch(position));
+            }
+            recovery.recomputed += 1;
+        }
+        Ok(recovery)
+    }
+
+    /// Repairs the chain after stage `stage` was replaced by a process listening at `addr`: its
+    /// predecessor sends there from now on (or, for the first stage, the driver does; for the last,
+    /// the driver takes the replacement's connection). Returns once a frame has gone all the way
+    /// round.
+    pub fn replace(&mut self, stage: u32, addr: SocketAddr, last: bool) -> Result<(), ProcessError> {
+        self.replace_all(&[(stage, addr)], last)
+    }
+
+    /// Repairs the chain after several stages were replaced at once (`replaced`: each stage and
+    /// its replacement's address, `last_replaced`: whether the last stage is among them), in the
+    /// only order that works: the driver connects to a new first stage, then each rewire travels
+    /// the chain, then the driver takes a new last stage's connection, then every reply is awaited.
+    pub fn replace_all(
+        &mut self,
+        replaced: &[(u32, SocketAddr)],
+        last_replaced: bool,
+    ) -> Result<(), ProcessError> {
+        let mut requests = Vec::new();
+        if let Some(&(_, addr)) = replaced.iter().find(|(stage, _)| *stage == 0) {
+            self.to_first = Self::connect_first(addr, self.epoch, &self.secret, Duration::from_secs(30))?;
+            self.first = addr;
+        }
+        // Each rewire takes effect at its stage before it is passed on, so it goes round the
+        // repaired chain; a probe sent before the rewires would be lost at a stale link.
+        for &(stage, addr) in replaced.iter().filter(|(stage, _)| *stage != 0) {
+            let payload = control_payload(OP_REWIRE, stage - 1, addr.to_string().as_bytes());
+            requests.push(self.write(Kind::Control, [NO_STAGE; 4], &payload)?);
+        }
+        if requests.is_empty() {
+            // Only the first stage was replaced: a probe addressed to no stage proves the chain.
+            requests.push(self.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?);
+        }
+        if last_replaced {
+            let last = accept_within(
+                &self.results,
+                self.last_stage,
+                self.epoch,
+                &self.secret,
+                self.control_deadline,
+            )?;
+            self.replies = read_replies(last);
+            self.last_stage_epoch = self.epoch;
+        }
+        for request in requests {
+            self.reply(request, self.control_deadline)?;
+        }
+        Ok(())
+    }
+}
