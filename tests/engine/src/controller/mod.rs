@@ -20,30 +20,44 @@
 //!   from the restart to beat, so a controller crash is never a false failure detection.
 //!
 //! [`ControllerClient`] is the other end, used by [`crate::cluster`].
+//!
+//! This module holds the tables and the threads that serve them; the state file is [`State`],
+//! and the private modules `heartbeats` (the UDP socket), `detect` (who is dead), `query` (the
+//! query protocol's codes), `recovery` (the controller's part of a recovery) and `metrics` (its
+//! page) each do one job.
 
-use std::collections::{BTreeMap, HashMap};
-use std::fmt;
-use std::io::{BufReader, BufWriter, ErrorKind, Write};
+use std::collections::HashMap;
+use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
-use dejavulib::net::PeerError;
-use dejavulib::wire::{read_frame, write_frame, FrameError, FrameHeader, Kind};
+use dejavulib::net::auth::server_handshake_blocking;
+use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
 use parking_lot::Mutex;
 use thiserror::Error;
 use tracing::{error, info, warn};
 
-use crate::heartbeat::{Beat, Role, DATAGRAM_LEN};
-use crate::metrics::{Exposition, MetricType};
+use crate::heartbeat::{Beat, Role};
 use crate::slots::Slot;
 
+mod client;
 mod detect;
+mod heartbeats;
+mod metrics;
+mod query;
 mod recovery;
+mod state;
+
+pub use client::{Census, ControllerClient};
+use heartbeats::{authentic_beat, listen_heartbeats, recv_waiting, DATAGRAM_BUFFER};
+use query::{
+    decode_members, encode_member, refusal_code, OP_CENSUS, OP_FENCE, OP_FENCED_IN, OP_RECOVER,
+    OP_RESEED_RESTORED, QUERY_SERVER_NODE,
+};
+pub use state::{Membership, State};
 
 pub use recovery::{Mark, RecoveryOrders, StageOrders};
 
@@ -100,107 +114,6 @@ pub enum ControllerError {
     /// A sidecar did not do what a recovery needed of it.
     #[error(transparent)]
     Sidecar(#[from] crate::sidecar::control::ControlError),
-}
-
-/// What survives a controller crash.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct State {
-    /// The last epoch handed out (0: none yet).
-    pub epoch: u64,
-    /// How many controllers have run on this state, this one included.
-    pub incarnation: u64,
-    /// Every member heard from.
-    pub members: BTreeMap<Member, Membership>,
-}
-
-/// What the controller keeps of a member.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Membership {
-    /// The epoch of its last fence (0: never fenced): only processes started in it or later
-    /// count for the member.
-    pub fenced_in: u64,
-    /// Whether it was fenced and no replacement has beaten since.
-    pub awaiting: bool,
-}
-
-impl State {
-    /// Reads the state at `path`; a missing file is a fresh cluster.
-    pub fn load(path: &Path) -> Result<Self, ControllerError> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Self::default()),
-            Err(e) => return Err(state_error(path, e.to_string())),
-        };
-        Self::parse(&text).map_err(|why| state_error(path, why))
-    }
-
-    fn parse(text: &str) -> Result<Self, String> {
-        let mut state = Self::default();
-        let (mut epoch, mut incarnation) = (false, false);
-        for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let bad = || format!("line {}: cannot read {line:?}", n + 1);
-            let words: Vec<&str> = line.split_whitespace().collect();
-            match words.as_slice() {
-                ["epoch", e] => (state.epoch, epoch) = (e.parse().map_err(|_| bad())?, true),
-                ["incarnation", i] => {
-                    (state.incarnation, incarnation) = (i.parse().map_err(|_| bad())?, true)
-                }
-                ["member", role, index, status, fenced_in] => {
-                    let role = match *role {
-                        "engine" => Role::Engine,
-                        "sidecar" => Role::Sidecar,
-                        _ => return Err(bad()),
-                    };
-                    let awaiting = match *status {
-                        "awaiting" => true,
-                        "live" => false,
-                        _ => return Err(bad()),
-                    };
-                    let fenced_in = fenced_in.parse().map_err(|_| bad())?;
-                    let member = (role, index.parse().map_err(|_| bad())?);
-                    state.members.insert(member, Membership { fenced_in, awaiting });
-                }
-                _ => return Err(bad()),
-            }
-        }
-        // A file cut short would otherwise restart the epochs from 0.
-        if !(epoch && incarnation) {
-            return Err("no epoch or incarnation line: not a whole state file".into());
-        }
-        Ok(state)
-    }
-
-    /// Writes the state to `path` atomically and durably: a crash leaves the old state or the new.
-    pub fn save(&self, path: &Path) -> Result<(), ControllerError> {
-        let fail = |e: std::io::Error| state_error(path, e.to_string());
-        let mut partial = path.as_os_str().to_owned();
-        partial.push(".partial");
-        let partial = PathBuf::from(partial);
-        let mut file = std::fs::File::create(&partial).map_err(fail)?;
-        file.write_all(self.to_string().as_bytes()).map_err(fail)?;
-        file.sync_all().map_err(fail)?;
-        std::fs::rename(&partial, path).map_err(fail)?;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(fail)?;
-        }
-        Ok(())
-    }
-}
-
-impl fmt::Display for State {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "epoch {}", self.epoch)?;
-        writeln!(f, "incarnation {}", self.incarnation)?;
-        for (&(role, index), m) in &self.members {
-            let status = if m.awaiting { "awaiting" } else { "live" };
-            writeln!(f, "member {} {index} {status} {}", role_name(role), m.fenced_in)?;
-        }
-        Ok(())
-    }
-}
-
-fn state_error(path: &Path, why: String) -> ControllerError {
-    ControllerError::State { path: path.to_owned(), why }
 }
 
 fn role_name(role: Role) -> &'static str {
@@ -363,65 +276,6 @@ impl Tables {
     }
 }
 
-/// Room for a heartbeat datagram and a byte more, so that a longer datagram shows as one.
-const DATAGRAM_BUFFER: usize = DATAGRAM_LEN + 1;
-
-/// The beat `datagram` is, if it is one signed with the cluster secret `secret`; anything else is
-/// counted as refused.
-fn authentic_beat(datagram: &[u8], secret: &[u8], counters: &Counters) -> Option<Beat> {
-    let beat = crate::heartbeat::decode(datagram, secret);
-    if beat.is_none() {
-        counters.refused_heartbeats.fetch_add(1, Ordering::Relaxed);
-    }
-    beat
-}
-
-/// Takes one datagram waiting on `socket` into `buf`, without waiting: its length and sender.
-/// `None` when nothing waits (or the socket failed). The heartbeat thread blocks on the same
-/// socket, so the socket itself stays blocking.
-fn recv_waiting(socket: &UdpSocket, buf: &mut [u8]) -> Option<(usize, SocketAddr)> {
-    // SAFETY: an all-zero sockaddr_storage is a valid value of this plain C struct.
-    let mut from: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-    let mut from_len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-    // SAFETY: recvfrom writes at most `buf.len()` bytes into `buf`, a live, writable buffer, and
-    // at most `from_len` bytes of address into `from`, which is that large; the descriptor
-    // belongs to `socket`, open for the whole call; MSG_DONTWAIT makes it return at once when
-    // nothing is waiting.
-    let n = unsafe {
-        libc::recvfrom(
-            socket.as_raw_fd(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            libc::MSG_DONTWAIT,
-            (&mut from as *mut libc::sockaddr_storage).cast(),
-            &mut from_len,
-        )
-    };
-    let n = usize::try_from(n).ok()?;
-    Some((n, socket_addr_of(&from)?))
-}
-
-/// The address in `storage`, if it is an IPv4 or IPv6 one.
-fn socket_addr_of(storage: &libc::sockaddr_storage) -> Option<SocketAddr> {
-    match i32::from(storage.ss_family) {
-        libc::AF_INET => {
-            // SAFETY: the family says the storage holds a sockaddr_in, which it is large and
-            // aligned enough for.
-            let v4 = unsafe { &*(storage as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
-            let ip = std::net::Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr));
-            Some(SocketAddr::from((ip, u16::from_be(v4.sin_port))))
-        }
-        libc::AF_INET6 => {
-            // SAFETY: as above, for a sockaddr_in6.
-            let v6 = unsafe { &*(storage as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
-            let ip = std::net::Ipv6Addr::from(v6.sin6_addr.s6_addr);
-            let port = u16::from_be(v6.sin6_port);
-            Some(std::net::SocketAddrV6::new(ip, port, v6.sin6_flowinfo, v6.sin6_scope_id).into())
-        }
-        _ => None,
-    }
-}
-
 /// How a controller runs.
 #[derive(Clone, Debug)]
 pub struct ControllerConfig {
@@ -439,50 +293,11 @@ pub struct ControllerConfig {
     pub secret: Vec<u8>,
 }
 
-/// Query operations (the first id of a control frame).
-const OP_CENSUS: u32 = 1;
-const OP_FENCE: u32 = 2;
-/// The epoch a fenced member was fenced in, which its replacement starts in.
-const OP_FENCED_IN: u32 = 3;
-/// Carry out a recovery once its replacements are up (the `recovery` module).
-const OP_RECOVER: u32 = 4;
-/// Re-seed the replaced sidecars whose predecessors were replaced too, once those have restored.
-const OP_RESEED_RESTORED: u32 = 5;
-
-/// The code (first id) of an `Error` reply to [`OP_FENCED_IN`] for a member not fenced.
-const REFUSED_NOT_FENCED: u32 = 1;
-/// The code of any other refusal.
-const REFUSED: u32 = 0;
-
-/// The code of an `Error` reply refusing a request for `e`.
-fn refusal_code(e: &ControllerError) -> u32 {
-    match e {
-        ControllerError::NotFenced(_) => REFUSED_NOT_FENCED,
-        _ => REFUSED,
-    }
-}
-
 /// Query connections served at once; more are closed as they come (each has a thread).
 const MAX_QUERY_CONNECTIONS: usize = 64;
 
 /// How long a query connection has to prove the cluster secret.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
-
-/// The node ids the query port proves the secret as, and its clients.
-const QUERY_SERVER_NODE: u32 = 0;
-const QUERY_CLIENT_NODE: u32 = u32::MAX;
-
-/// What a failed handshake with the controller is: a refusal of the secret (one end is not of
-/// this cluster), or, like any connection that breaks or stalls, an [`ControllerError::Io`], which
-/// callers wait out (a controller paused, restarting, or at its connection limit).
-fn handshake_error(e: PeerError) -> ControllerError {
-    match e {
-        PeerError::Auth(reason) => ControllerError::Auth(reason),
-        PeerError::Io(e) | PeerError::Frame(FrameError::Io(e)) => ControllerError::Io(e),
-        PeerError::Timeout(_) => ControllerError::Io(ErrorKind::TimedOut.into()),
-        other => ControllerError::Io(std::io::Error::new(ErrorKind::ConnectionAborted, other.to_string())),
-    }
-}
 
 /// After a fence the detector could not make durable, how long it waits before trying again.
 const FENCE_RETRY: Duration = Duration::from_secs(1);
@@ -552,7 +367,7 @@ pub fn serve_controller(
     let metrics = match config.metrics {
         Some(at) => {
             let (tables, counters) = (tables.clone(), counters.clone());
-            Some(crate::metrics::serve(at, move || render(&tables.lock(), &counters))?)
+            Some(crate::metrics::serve(at, move || metrics::render(&tables.lock(), &counters))?)
         }
         None => None,
     };
@@ -585,32 +400,6 @@ pub fn serve_controller(
         }
     }
     Ok(())
-}
-
-/// Records every heartbeat that arrives on `socket`; a member heard for the first time (or a
-/// replacement) is written to the state file.
-fn listen_heartbeats(socket: &UdpSocket, tables: &Mutex<Tables>, counters: &Counters, secret: &[u8]) {
-    let mut buf = [0u8; DATAGRAM_BUFFER];
-    loop {
-        let (n, from) = match socket.recv_from(&mut buf) {
-            Ok(received) => received,
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => {
-                error!(error = %e, "the heartbeat socket failed");
-                return;
-            }
-        };
-        // Checked before the lock: a flood of forgeries costs the other threads nothing.
-        let Some(beat) = authentic_beat(&buf[..n], secret, counters) else { continue };
-        let mut tables = tables.lock();
-        if tables.heard(beat, from, counters) {
-            let Beat { member, pid, epoch, .. } = beat;
-            info!(role = role_name(member.0), stage = member.1, pid, epoch, "a member joined");
-            if let Err(e) = tables.state.save(&tables.path) {
-                error!(error = %e, "cannot record a new member");
-            }
-        }
-    }
 }
 
 /// Every `tick`, fences the members `detector` finds dead: the start of each recovery.
@@ -716,32 +505,6 @@ fn answer_queries(
     Ok(())
 }
 
-const MEMBER_LEN: usize = 5;
-
-fn encode_member(out: &mut Vec<u8>, (role, index): Member) {
-    out.push(role as u8);
-    out.extend_from_slice(&index.to_le_bytes());
-}
-
-fn decode_member(bytes: &[u8]) -> Option<Member> {
-    let role = match bytes[0] {
-        0 => Role::Engine,
-        1 => Role::Sidecar,
-        _ => return None,
-    };
-    Some((role, u32::from_le_bytes(bytes[1..MEMBER_LEN].try_into().ok()?)))
-}
-
-fn decode_members(payload: &[u8]) -> Result<Vec<Member>, ControllerError> {
-    if payload.len() % MEMBER_LEN != 0 {
-        return Err(ControllerError::Protocol("a member list of a partial member".into()));
-    }
-    payload
-        .chunks_exact(MEMBER_LEN)
-        .map(|m| decode_member(m).ok_or_else(|| ControllerError::Protocol("an unknown role".into())))
-        .collect()
-}
-
 fn encode_census(tables: &Tables) -> Vec<u8> {
     let mut out = Vec::new();
     for &member in tables.state.members.keys() {
@@ -751,358 +514,11 @@ fn encode_census(tables: &Tables) -> Vec<u8> {
     out
 }
 
-fn render(tables: &Tables, counters: &Counters) -> String {
-    let mut page = Exposition::new();
-    let get = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64;
-    page.single(
-        "dejavu_controller_epoch",
-        MetricType::Gauge,
-        "The last epoch handed out.",
-        tables.state.epoch as f64,
-    )
-    .single(
-        "dejavu_controller_incarnation",
-        MetricType::Gauge,
-        "Controllers that have run on this state file, this one included.",
-        tables.state.incarnation as f64,
-    )
-    .single(
-        "dejavu_controller_heartbeats_total",
-        MetricType::Counter,
-        "Heartbeats received.",
-        get(&counters.heartbeats),
-    )
-    .single(
-        "dejavu_controller_heartbeats_missed_total",
-        MetricType::Counter,
-        "Heartbeat intervals that passed without a beat from a member that beat again later.",
-        get(&counters.missed_heartbeats),
-    )
-    .single(
-        "dejavu_controller_stale_heartbeats_total",
-        MetricType::Counter,
-        "Heartbeats ignored because they came from a fenced process.",
-        get(&counters.stale_heartbeats),
-    )
-    .single(
-        "dejavu_controller_replayed_heartbeats_total",
-        MetricType::Counter,
-        "Heartbeats ignored because they were no newer than the last one of their member (replays).",
-        get(&counters.replayed_heartbeats),
-    )
-    .single(
-        "dejavu_controller_refused_heartbeats_total",
-        MetricType::Counter,
-        "Datagrams on the heartbeat port that were not heartbeats signed with the cluster secret.",
-        get(&counters.refused_heartbeats),
-    )
-    .single(
-        "dejavu_controller_fences_total",
-        MetricType::Counter,
-        "Epochs opened to fence failed members.",
-        get(&counters.fences),
-    )
-    .single(
-        "dejavu_controller_detections_total",
-        MetricType::Counter,
-        "Fences the controller opened on its own, declaring silent members dead.",
-        get(&counters.detections),
-    )
-    .single(
-        "dejavu_controller_queries_total",
-        MetricType::Counter,
-        "Queries answered.",
-        get(&counters.queries),
-    )
-    .single(
-        "dejavu_controller_refused_queries_total",
-        MetricType::Counter,
-        "Query connections closed unanswered: they did not prove the cluster secret, or too many were open.",
-        get(&counters.refused_queries),
-    );
-    page.family(
-        "dejavu_controller_replacement_seconds",
-        MetricType::Summary,
-        "From fencing a member to its replacement's first heartbeat.",
-    )
-    .sample("dejavu_controller_replacement_seconds_sum", &[], get(&counters.replacement_micros) / 1e6)
-    .sample("dejavu_controller_replacement_seconds_count", &[], get(&counters.replacements));
-    page.family(
-        "dejavu_controller_recovery_seconds",
-        MetricType::Summary,
-        "Recoveries the controller carried out (re-seeds and resume points), and how long they took.",
-    )
-    .sample("dejavu_controller_recovery_seconds_sum", &[], get(&counters.recovery_micros) / 1e6)
-    .sample("dejavu_controller_recovery_seconds_count", &[], get(&counters.recoveries));
-    page.single(
-        "dejavu_controller_reseeded_chunks_total",
-        MetricType::Counter,
-        "Chunks surviving sidecars sent replaced ones on the controller's orders.",
-        get(&counters.reseeded_chunks),
-    );
-    page.family("dejavu_controller_members", MetricType::Gauge, "Members by health.");
-    let healths = [
-        (Health::Alive, "alive"),
-        (Health::Suspect, "suspect"),
-        (Health::Dead, "dead"),
-        (Health::Fenced, "fenced"),
-    ];
-    for (health, name) in healths {
-        let count = tables.state.members.keys().filter(|&&m| tables.health(m) == health).count();
-        page.sample("dejavu_controller_members", &[("health", name)], count as f64);
-    }
-    page.finish()
-}
-
-/// Who is alive, as the controller said at one moment.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Census {
-    /// The last epoch handed out.
-    pub epoch: u64,
-    /// Every member it knows of.
-    pub members: BTreeMap<Member, Health>,
-}
-
-impl Census {
-    /// The health of `member` (dead if the controller never heard of it).
-    pub fn health(&self, member: Member) -> Health {
-        self.members.get(&member).copied().unwrap_or(Health::Dead)
-    }
-
-    /// Whether `member` is dead, fenced or not.
-    pub fn is_dead(&self, member: Member) -> bool {
-        matches!(self.health(member), Health::Dead | Health::Fenced)
-    }
-
-    /// Whether `member` is fenced and awaits its replacement.
-    pub fn is_fenced(&self, member: Member) -> bool {
-        self.health(member) == Health::Fenced
-    }
-
-    /// Whether `member` is suspect (silent for half the timeout, not yet dead).
-    pub fn is_suspect(&self, member: Member) -> bool {
-        self.health(member) == Health::Suspect
-    }
-}
-
-/// A connection to a controller; every call has a deadline, and a broken connection is
-/// re-established by the next call.
-pub struct ControllerClient {
-    addr: SocketAddr,
-    deadline: Duration,
-    secret: Vec<u8>,
-    connection: Option<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
-    next_request: u64,
-}
-
-impl ControllerClient {
-    /// A client of the controller at `addr`, proving the cluster secret `secret` on each
-    /// connection; a call slower than `deadline` fails.
-    pub fn new(addr: SocketAddr, deadline: Duration, secret: impl Into<Vec<u8>>) -> Self {
-        Self { addr, deadline, secret: secret.into(), connection: None, next_request: 1 }
-    }
-
-    /// The controller's address (also where heartbeats go).
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Drops the connection: the next call opens a new one (to a controller replaced on the
-    /// same port, say).
-    pub fn disconnect(&mut self) {
-        self.connection = None;
-    }
-
-    /// Who is alive.
-    pub fn census(&mut self) -> Result<Census, ControllerError> {
-        let (epoch, payload) = self.call(OP_CENSUS, &[])?;
-        let mut members = BTreeMap::new();
-        if payload.len() % (MEMBER_LEN + 1) != 0 {
-            return Err(ControllerError::Protocol("a census of a partial member".into()));
-        }
-        for entry in payload.chunks_exact(MEMBER_LEN + 1) {
-            let member =
-                decode_member(entry).ok_or_else(|| ControllerError::Protocol("an unknown role".into()))?;
-            let health = match entry[MEMBER_LEN] {
-                0 => Health::Alive,
-                1 => Health::Suspect,
-                2 => Health::Dead,
-                3 => Health::Fenced,
-                h => return Err(ControllerError::Protocol(format!("an unknown health {h}"))),
-            };
-            members.insert(member, health);
-        }
-        Ok(Census { epoch, members })
-    }
-
-    /// Fences `members` in a new epoch, which it returns once the controller has made it durable.
-    /// Their heartbeats are ignored from then on; they count as dead until a replacement beats.
-    pub fn fence(&mut self, members: &[Member]) -> Result<u64, ControllerError> {
-        self.fence_with(members, [0; 3])
-    }
-
-    /// As [`ControllerClient::fence`], unless the controller has fenced exactly these members
-    /// already (all of them await their replacements from a fence in its current epoch), in an
-    /// epoch `lowest` or later: then that epoch is returned and none opened. A recovery of what
-    /// the controller fenced uses its fence; one tried again after a failed attempt (whose
-    /// replacements may have started in that epoch) passes a `lowest` above it.
-    pub fn fence_unless_fenced(&mut self, members: &[Member], lowest: u64) -> Result<u64, ControllerError> {
-        self.fence_with(members, [1, lowest as u32, (lowest >> 32) as u32])
-    }
-
-    fn fence_with(&mut self, members: &[Member], ids: [u32; 3]) -> Result<u64, ControllerError> {
-        let mut payload = Vec::with_capacity(members.len() * MEMBER_LEN);
-        members.iter().for_each(|&m| encode_member(&mut payload, m));
-        Ok(self.call_with(OP_FENCE, ids, &payload)?.0)
-    }
-
-    /// The epoch fenced `member` was fenced in, which its replacement starts in;
-    /// [`ControllerError::NotFenced`] if it awaits no replacement.
-    pub fn fenced_in(&mut self, member: Member) -> Result<u64, ControllerError> {
-        let mut payload = Vec::with_capacity(MEMBER_LEN);
-        encode_member(&mut payload, member);
-        match self.call(OP_FENCED_IN, &payload) {
-            Ok((epoch, _)) => Ok(epoch),
-            Err(ControllerError::Refused { code: REFUSED_NOT_FENCED, .. }) => {
-                Err(ControllerError::NotFenced(member))
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Has the controller carry out its part of the recovery of epoch `epoch` (its current one)
-    /// once the replacements beat: plan the ring, re-seed replaced sidecars, find each sequence's
-    /// first unreplicated token ([`RecoveryOrders`]), for a ring whose stage `k` reaches its successor's sidecar at
-    /// `book[k]`; returns what it did and found. Re-seeds move KV: the call waits up to
-    /// `patience` for the answer. Carrying a recovery out again is harmless (a re-seed sends the
-    /// same chunks again).
-    pub fn recover(
-        &mut self,
-        epoch: u64,
-        book: &[SocketAddr],
-        patience: Duration,
-    ) -> Result<RecoveryOrders, ControllerError> {
-        let payload = self.call_patiently(OP_RECOVER, epoch, book, patience)?;
-        recovery::decode_orders(epoch, &payload)
-    }
-
-    /// The last of the controller's part of the recovery of epoch `epoch`: once the replaced
-    /// stages have restored (or recomputed) their KV, the new sidecar of each replaced stage
-    /// whose successor was replaced too re-seeds that successor's; see
-    /// [`ControllerClient::recover`]. Returns the chunks sent.
-    pub fn reseed_restored(
-        &mut self,
-        epoch: u64,
-        book: &[SocketAddr],
-        patience: Duration,
-    ) -> Result<u64, ControllerError> {
-        let payload = self.call_patiently(OP_RESEED_RESTORED, epoch, book, patience)?;
-        let sent = payload.try_into().map_err(|_| ControllerError::Protocol("a malformed count".into()))?;
-        Ok(u64::from_le_bytes(sent))
-    }
-
-    /// A recovery request `op` of epoch `epoch` with `book`, waiting up to `patience` for the
-    /// answer (it moves KV); returns the answer's payload.
-    fn call_patiently(
-        &mut self,
-        op: u32,
-        epoch: u64,
-        book: &[SocketAddr],
-        patience: Duration,
-    ) -> Result<Vec<u8>, ControllerError> {
-        let mut patient = ControllerClient::new(self.addr, patience, self.secret.clone());
-        patient.next_request = self.next_request;
-        let (answered, payload) = patient.try_call_in(op, [0; 3], epoch, &recovery::encode_book(book))?;
-        self.next_request = patient.next_request;
-        if answered != epoch {
-            return Err(ControllerError::Protocol(format!("an answer of epoch {answered} for {epoch}")));
-        }
-        Ok(payload)
-    }
-
-    fn call(&mut self, op: u32, payload: &[u8]) -> Result<(u64, Vec<u8>), ControllerError> {
-        self.call_with(op, [0; 3], payload)
-    }
-
-    /// A request of operation `op` with the other ids `ids`. A controller that cannot be reached,
-    /// does not answer in time or closes the connection is an [`ControllerError::Io`]; one that
-    /// refuses, a [`ControllerError::Refused`].
-    fn call_with(
-        &mut self,
-        op: u32,
-        ids: [u32; 3],
-        payload: &[u8],
-    ) -> Result<(u64, Vec<u8>), ControllerError> {
-        let result = self.try_call(op, ids, payload);
-        if result.is_err() {
-            // The connection may hold half an exchange: start over next time.
-            self.connection = None;
-        }
-        result
-    }
-
-    fn try_call(
-        &mut self,
-        op: u32,
-        ids: [u32; 3],
-        payload: &[u8],
-    ) -> Result<(u64, Vec<u8>), ControllerError> {
-        self.try_call_in(op, ids, 0, payload)
-    }
-
-    /// A request naming `epoch` in its header.
-    fn try_call_in(
-        &mut self,
-        op: u32,
-        ids: [u32; 3],
-        epoch: u64,
-        payload: &[u8],
-    ) -> Result<(u64, Vec<u8>), ControllerError> {
-        if self.connection.is_none() {
-            let stream = TcpStream::connect_timeout(&self.addr, self.deadline)?;
-            stream.set_nodelay(true)?;
-            stream.set_read_timeout(Some(self.deadline))?;
-            stream.set_write_timeout(Some(self.deadline))?;
-            client_handshake_blocking(&stream, &self.secret, QUERY_CLIENT_NODE, self.deadline)
-                .map_err(handshake_error)?;
-            self.connection = Some((BufReader::new(stream.try_clone()?), BufWriter::new(stream)));
-        }
-        let (reader, writer) = self.connection.as_mut().expect("connected above");
-        let request = self.next_request;
-        self.next_request += 1;
-        let mut header = FrameHeader::new(Kind::Control, u32::MAX, epoch, request);
-        header.ids = [op, ids[0], ids[1], ids[2]];
-        write_frame(writer, &header, payload)?;
-        writer.flush()?;
-        let frame = match read_frame(reader, 1 << 20) {
-            Ok(Some(frame)) => frame,
-            Ok(None) | Err(FrameError::Truncated { .. }) => {
-                return Err(ControllerError::Io(std::io::Error::new(
-                    ErrorKind::UnexpectedEof,
-                    "the controller closed the connection",
-                )))
-            }
-            Err(FrameError::Io(e)) => return Err(ControllerError::Io(e)),
-            Err(e) => return Err(ControllerError::Protocol(e.to_string())),
-        };
-        match frame.header.kind {
-            _ if frame.header.request != request => {
-                Err(ControllerError::Protocol(format!("a reply to {} for {request}", frame.header.request)))
-            }
-            Kind::Control => Ok((frame.header.epoch, frame.payload)),
-            Kind::Error => Err(ControllerError::Refused {
-                code: frame.header.ids[0],
-                reason: String::from_utf8_lossy(&frame.payload).into_owned(),
-            }),
-            other => Err(ControllerError::Protocol(format!("an unexpected {other:?}"))),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::heartbeat::beat;
+    use std::path::Path;
 
     const EVERY: Duration = Duration::from_millis(20);
     const SECRET: &[u8] = b"test cluster";
@@ -1129,37 +545,6 @@ mod tests {
                 return census;
             }
             std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    #[test]
-    fn the_state_file_round_trips_and_bad_files_are_refused() {
-        let mut state = State { epoch: 7, incarnation: 2, ..State::default() };
-        state.members.insert((Role::Engine, 0), Membership { fenced_in: 0, awaiting: false });
-        state.members.insert((Role::Sidecar, 3), Membership { fenced_in: 7, awaiting: true });
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("controller.state");
-        assert_eq!(State::load(&path).unwrap(), State::default(), "no file: a fresh cluster");
-        state.save(&path).unwrap();
-        assert_eq!(State::load(&path).unwrap(), state);
-        assert!(!dir.path().join("controller.state.partial").exists(), "the partial file was renamed");
-        for bad in [
-            "epoch x\n",
-            "member engine 0 maybe 0\n",
-            "member gpu 0 live 0\n",
-            "member engine 0 live\n",
-            "epoch\n",
-            "nonsense 1\n",
-        ] {
-            std::fs::write(&path, bad).unwrap();
-            let error = State::load(&path).unwrap_err().to_string();
-            assert!(error.contains("line 1"), "{bad:?}: {error}");
-        }
-        // A file cut short (no epoch) is not a fresh cluster: epochs would start again at 0.
-        for short in ["", "incarnation 3\n", "epoch 4\n"] {
-            std::fs::write(&path, short).unwrap();
-            let error = State::load(&path).unwrap_err().to_string();
-            assert!(error.contains("not a whole state file"), "{short:?}: {error}");
         }
     }
 

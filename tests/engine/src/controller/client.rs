@@ -1,0 +1,262 @@
+//! The other end of the controller's query port: [`ControllerClient`], used by
+//! [`crate::cluster`] and by replacements asking for their epoch.
+
+use std::collections::BTreeMap;
+use std::io::{BufReader, BufWriter, ErrorKind, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use dejavulib::net::auth::client_handshake_blocking;
+use dejavulib::wire::{read_frame, write_frame, FrameError, FrameHeader, Kind};
+
+use super::query::{
+    decode_member, encode_member, handshake_error, MEMBER_LEN, OP_CENSUS, OP_FENCE, OP_FENCED_IN, OP_RECOVER,
+    OP_RESEED_RESTORED, QUERY_CLIENT_NODE, REFUSED_NOT_FENCED,
+};
+use super::recovery::{self, RecoveryOrders};
+use super::{ControllerError, Health, Member};
+
+/// Who is alive, as the controller said at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Census {
+    /// The last epoch handed out.
+    pub epoch: u64,
+    /// Every member it knows of.
+    pub members: BTreeMap<Member, Health>,
+}
+
+impl Census {
+    /// The health of `member` (dead if the controller never heard of it).
+    pub fn health(&self, member: Member) -> Health {
+        self.members.get(&member).copied().unwrap_or(Health::Dead)
+    }
+
+    /// Whether `member` is dead, fenced or not.
+    pub fn is_dead(&self, member: Member) -> bool {
+        matches!(self.health(member), Health::Dead | Health::Fenced)
+    }
+
+    /// Whether `member` is fenced and awaits its replacement.
+    pub fn is_fenced(&self, member: Member) -> bool {
+        self.health(member) == Health::Fenced
+    }
+
+    /// Whether `member` is suspect (silent for half the timeout, not yet dead).
+    pub fn is_suspect(&self, member: Member) -> bool {
+        self.health(member) == Health::Suspect
+    }
+}
+
+/// A connection to a controller; every call has a deadline, and a broken connection is
+/// re-established by the next call.
+pub struct ControllerClient {
+    addr: SocketAddr,
+    deadline: Duration,
+    secret: Vec<u8>,
+    connection: Option<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
+    next_request: u64,
+}
+
+impl ControllerClient {
+    /// A client of the controller at `addr`, proving the cluster secret `secret` on each
+    /// connection; a call slower than `deadline` fails.
+    pub fn new(addr: SocketAddr, deadline: Duration, secret: impl Into<Vec<u8>>) -> Self {
+        Self { addr, deadline, secret: secret.into(), connection: None, next_request: 1 }
+    }
+
+    /// The controller's address (also where heartbeats go).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Drops the connection: the next call opens a new one (to a controller replaced on the
+    /// same port, say).
+    pub fn disconnect(&mut self) {
+        self.connection = None;
+    }
+
+    /// Who is alive.
+    pub fn census(&mut self) -> Result<Census, ControllerError> {
+        let (epoch, payload) = self.call(OP_CENSUS, &[])?;
+        let mut members = BTreeMap::new();
+        if payload.len() % (MEMBER_LEN + 1) != 0 {
+            return Err(ControllerError::Protocol("a census of a partial member".into()));
+        }
+        for entry in payload.chunks_exact(MEMBER_LEN + 1) {
+            let member =
+                decode_member(entry).ok_or_else(|| ControllerError::Protocol("an unknown role".into()))?;
+            let health = match entry[MEMBER_LEN] {
+                0 => Health::Alive,
+                1 => Health::Suspect,
+                2 => Health::Dead,
+                3 => Health::Fenced,
+                h => return Err(ControllerError::Protocol(format!("an unknown health {h}"))),
+            };
+            members.insert(member, health);
+        }
+        Ok(Census { epoch, members })
+    }
+
+    /// Fences `members` in a new epoch, which it returns once the controller has made it durable.
+    /// Their heartbeats are ignored from then on; they count as dead until a replacement beats.
+    pub fn fence(&mut self, members: &[Member]) -> Result<u64, ControllerError> {
+        self.fence_with(members, [0; 3])
+    }
+
+    /// As [`ControllerClient::fence`], unless the controller has fenced exactly these members
+    /// already (all of them await their replacements from a fence in its current epoch), in an
+    /// epoch `lowest` or later: then that epoch is returned and none opened. A recovery of what
+    /// the controller fenced uses its fence; one tried again after a failed attempt (whose
+    /// replacements may have started in that epoch) passes a `lowest` above it.
+    pub fn fence_unless_fenced(&mut self, members: &[Member], lowest: u64) -> Result<u64, ControllerError> {
+        self.fence_with(members, [1, lowest as u32, (lowest >> 32) as u32])
+    }
+
+    fn fence_with(&mut self, members: &[Member], ids: [u32; 3]) -> Result<u64, ControllerError> {
+        let mut payload = Vec::with_capacity(members.len() * MEMBER_LEN);
+        members.iter().for_each(|&m| encode_member(&mut payload, m));
+        Ok(self.call_with(OP_FENCE, ids, &payload)?.0)
+    }
+
+    /// The epoch fenced `member` was fenced in, which its replacement starts in;
+    /// [`ControllerError::NotFenced`] if it awaits no replacement.
+    pub fn fenced_in(&mut self, member: Member) -> Result<u64, ControllerError> {
+        let mut payload = Vec::with_capacity(MEMBER_LEN);
+        encode_member(&mut payload, member);
+        match self.call(OP_FENCED_IN, &payload) {
+            Ok((epoch, _)) => Ok(epoch),
+            Err(ControllerError::Refused { code: REFUSED_NOT_FENCED, .. }) => {
+                Err(ControllerError::NotFenced(member))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Has the controller carry out its part of the recovery of epoch `epoch` (its current one)
+    /// once the replacements beat: plan the ring, re-seed replaced sidecars, find each sequence's
+    /// first unreplicated token ([`RecoveryOrders`]), for a ring whose stage `k` reaches its successor's sidecar at
+    /// `book[k]`; returns what it did and found. Re-seeds move KV: the call waits up to
+    /// `patience` for the answer. Carrying a recovery out again is harmless (a re-seed sends the
+    /// same chunks again).
+    pub fn recover(
+        &mut self,
+        epoch: u64,
+        book: &[SocketAddr],
+        patience: Duration,
+    ) -> Result<RecoveryOrders, ControllerError> {
+        let payload = self.call_patiently(OP_RECOVER, epoch, book, patience)?;
+        recovery::decode_orders(epoch, &payload)
+    }
+
+    /// The last of the controller's part of the recovery of epoch `epoch`: once the replaced
+    /// stages have restored (or recomputed) their KV, the new sidecar of each replaced stage
+    /// whose successor was replaced too re-seeds that successor's; see
+    /// [`ControllerClient::recover`]. Returns the chunks sent.
+    pub fn reseed_restored(
+        &mut self,
+        epoch: u64,
+        book: &[SocketAddr],
+        patience: Duration,
+    ) -> Result<u64, ControllerError> {
+        let payload = self.call_patiently(OP_RESEED_RESTORED, epoch, book, patience)?;
+        let sent = payload.try_into().map_err(|_| ControllerError::Protocol("a malformed count".into()))?;
+        Ok(u64::from_le_bytes(sent))
+    }
+
+    /// A recovery request `op` of epoch `epoch` with `book`, waiting up to `patience` for the
+    /// answer (it moves KV); returns the answer's payload.
+    fn call_patiently(
+        &mut self,
+        op: u32,
+        epoch: u64,
+        book: &[SocketAddr],
+        patience: Duration,
+    ) -> Result<Vec<u8>, ControllerError> {
+        let mut patient = ControllerClient::new(self.addr, patience, self.secret.clone());
+        patient.next_request = self.next_request;
+        let (answered, payload) = patient.try_call_in(op, [0; 3], epoch, &recovery::encode_book(book))?;
+        self.next_request = patient.next_request;
+        if answered != epoch {
+            return Err(ControllerError::Protocol(format!("an answer of epoch {answered} for {epoch}")));
+        }
+        Ok(payload)
+    }
+
+    pub(super) fn call(&mut self, op: u32, payload: &[u8]) -> Result<(u64, Vec<u8>), ControllerError> {
+        self.call_with(op, [0; 3], payload)
+    }
+
+    /// A request of operation `op` with the other ids `ids`. A controller that cannot be reached,
+    /// does not answer in time or closes the connection is an [`ControllerError::Io`]; one that
+    /// refuses, a [`ControllerError::Refused`].
+    fn call_with(
+        &mut self,
+        op: u32,
+        ids: [u32; 3],
+        payload: &[u8],
+    ) -> Result<(u64, Vec<u8>), ControllerError> {
+        let result = self.try_call(op, ids, payload);
+        if result.is_err() {
+            // The connection may hold half an exchange: start over next time.
+            self.connection = None;
+        }
+        result
+    }
+
+    fn try_call(
+        &mut self,
+        op: u32,
+        ids: [u32; 3],
+        payload: &[u8],
+    ) -> Result<(u64, Vec<u8>), ControllerError> {
+        self.try_call_in(op, ids, 0, payload)
+    }
+
+    /// A request naming `epoch` in its header.
+    fn try_call_in(
+        &mut self,
+        op: u32,
+        ids: [u32; 3],
+        epoch: u64,
+        payload: &[u8],
+    ) -> Result<(u64, Vec<u8>), ControllerError> {
+        if self.connection.is_none() {
+            let stream = TcpStream::connect_timeout(&self.addr, self.deadline)?;
+            stream.set_nodelay(true)?;
+            stream.set_read_timeout(Some(self.deadline))?;
+            stream.set_write_timeout(Some(self.deadline))?;
+            client_handshake_blocking(&stream, &self.secret, QUERY_CLIENT_NODE, self.deadline)
+                .map_err(handshake_error)?;
+            self.connection = Some((BufReader::new(stream.try_clone()?), BufWriter::new(stream)));
+        }
+        let (reader, writer) = self.connection.as_mut().expect("connected above");
+        let request = self.next_request;
+        self.next_request += 1;
+        let mut header = FrameHeader::new(Kind::Control, u32::MAX, epoch, request);
+        header.ids = [op, ids[0], ids[1], ids[2]];
+        write_frame(writer, &header, payload)?;
+        writer.flush()?;
+        let frame = match read_frame(reader, 1 << 20) {
+            Ok(Some(frame)) => frame,
+            Ok(None) | Err(FrameError::Truncated { .. }) => {
+                return Err(ControllerError::Io(std::io::Error::new(
+                    ErrorKind::UnexpectedEof,
+                    "the controller closed the connection",
+                )))
+            }
+            Err(FrameError::Io(e)) => return Err(ControllerError::Io(e)),
+            Err(e) => return Err(ControllerError::Protocol(e.to_string())),
+        };
+        match frame.header.kind {
+            _ if frame.header.request != request => {
+                Err(ControllerError::Protocol(format!("a reply to {} for {request}", frame.header.request)))
+            }
+            Kind::Control => Ok((frame.header.epoch, frame.payload)),
+            Kind::Error => Err(ControllerError::Refused {
+                code: frame.header.ids[0],
+                reason: String::from_utf8_lossy(&frame.payload).into_owned(),
+            }),
+            other => Err(ControllerError::Protocol(format!("an unexpected {other:?}"))),
+        }
+    }
+}
