@@ -398,6 +398,11 @@ fn the_control_listener_its_heartbeats_name_lists_what_it_holds_and_reseeds_a_ne
     let mut expected: Vec<_> = chunks.iter().map(|(d, _)| d.key()).collect();
     expected.sort_by_key(|k| k.encode());
     assert_eq!(keys, expected);
+    // Asked for page after page, the listing is the same, in the order of the keys.
+    for page in [1, 2, 3] {
+        assert_eq!(control.clone().with_page(page).held_of(1).unwrap(), held, "pages of {page}");
+    }
+    assert_eq!(keys, held.iter().map(|h| h.key.clone()).collect::<Vec<_>>(), "in key order");
 
     // Re-seeded: the new successor gets every chunk, in the order they were put, and the
     // engine's next chunk goes there too.

@@ -131,7 +131,7 @@ pub(super) enum Start {
 
 impl Start {
     /// The flags that start stage `stage`'s process so.
-    pub(super) fn flags(self, stage: usize) -> Vec<String> {
+    fn flags(self, stage: usize) -> Vec<String> {
         match self {
             Start::First => vec![format!("--index={stage}"), "--epoch=0".to_owned()],
             Start::Replacement => vec![format!("--replace={stage}")],

@@ -5,7 +5,7 @@
 //! that replaces a dead worker. The demo, the chaos harness and the process tests share it.
 //!
 //! What a cluster runs is [`ClusterConfig`] (the `config` module); the processes' command lines
-//! are built in `args`, the recovery procedure is in `recovery` ([`Cluster::recover_all`]), and
+//! are built in `args` (their transport flags in `config`), the recovery procedure is in `recovery` ([`Cluster::recover_all`]), and
 //! spare workers in `spares`.
 
 use std::net::{SocketAddr, TcpListener};

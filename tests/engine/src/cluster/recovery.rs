@@ -27,16 +27,12 @@ impl Cluster {
         Ok(self.victims_in(&census, Census::is_fenced))
     }
 
-    pub(super) fn dead_in(&self, census: &Census) -> Vec<(usize, Kill)> {
+    fn dead_in(&self, census: &Census) -> Vec<(usize, Kill)> {
         self.victims_in(census, Census::is_dead)
     }
 
     /// The stages whose engine or sidecar is `down` in `census`, and what of each to replace.
-    pub(super) fn victims_in(
-        &self,
-        census: &Census,
-        down: fn(&Census, Member) -> bool,
-    ) -> Vec<(usize, Kill)> {
+    fn victims_in(&self, census: &Census, down: fn(&Census, Member) -> bool) -> Vec<(usize, Kill)> {
         (0..self.len() as u32)
             .filter_map(|stage| {
                 let sidecar_down = self.config.replicate && down(census, (Role::Sidecar, stage));
@@ -249,7 +245,7 @@ impl Cluster {
 
     /// Has the controller carry out a part of a recovery (`call`), replacing it once if it
     /// cannot be reached; unlike [`Cluster::ask`], a refusal is not taken for a dead controller.
-    pub(super) fn patiently<T>(
+    fn patiently<T>(
         &mut self,
         call: impl Fn(&mut ControllerClient) -> Result<T, ControllerError>,
     ) -> Result<T, ClusterError> {
@@ -265,7 +261,7 @@ impl Cluster {
 
     /// Tells every prompt stage, if there are any, that token stage `stage`'s sidecar was
     /// replaced. A prompt pipeline that cannot be told is no longer used.
-    pub(super) fn hand_prompts_to(&mut self, stage: usize) {
+    fn hand_prompts_to(&mut self, stage: usize) {
         let to = self.sidecars[stage].addr;
         let Some(p) = self.prompt.as_mut().filter(|p| !p.broken) else { return };
         for prompt_stage in 0..p.stages.len() as u32 {
@@ -278,7 +274,7 @@ impl Cluster {
     }
 
     /// Lets a replaced process go: killed (when dropped), or kept running when `spare`.
-    pub(super) fn retire(&mut self, old: Spawned, spare: bool) {
+    fn retire(&mut self, old: Spawned, spare: bool) {
         if spare {
             self.spared.push(old);
         }

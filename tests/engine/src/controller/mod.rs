@@ -13,9 +13,9 @@
 //! - A fence opens a new epoch in which the fenced members' old processes are ignored: a member
 //!   fenced in epoch `e` counts as fenced until a process started in epoch `e` or later (its
 //!   replacement) beats for it, and beats from older processes are stale.
-//! - A fence is written to the state file (write, fsync, rename) before it is answered, so a
-//!   controller that crashes and restarts never hands out an epoch twice, still waits for the
-//!   fenced members' replacements, and still ignores their old processes.
+//! - A fence is written to the state file (write, fsync, rename, directory fsync) before it is
+//!   answered, so a controller that crashes and restarts never hands out an epoch twice, still
+//!   waits for the fenced members' replacements, and still ignores their old processes.
 //! - A restarted controller has heard from no one yet: each member it knew gets a full timeout
 //!   from the restart to beat, so a controller crash is never a false failure detection.
 //!

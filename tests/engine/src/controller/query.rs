@@ -22,7 +22,7 @@ pub(super) const OP_RESEED_RESTORED: u32 = 5;
 /// The code (first id) of an `Error` reply to [`OP_FENCED_IN`] for a member not fenced.
 pub(super) const REFUSED_NOT_FENCED: u32 = 1;
 /// The code of any other refusal.
-pub(super) const REFUSED: u32 = 0;
+const REFUSED: u32 = 0;
 
 /// The code of an `Error` reply refusing a request for `e`.
 pub(super) fn refusal_code(e: &ControllerError) -> u32 {

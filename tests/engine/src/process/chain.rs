@@ -35,7 +35,7 @@ pub(super) fn connect(addr: SocketAddr, patience: Duration) -> std::io::Result<T
 }
 
 /// Time a new connection on the chain has to say hello.
-pub(super) const HELLO_PATIENCE: Duration = Duration::from_secs(2);
+const HELLO_PATIENCE: Duration = Duration::from_secs(2);
 
 /// Opens a connection on the chain: proves the cluster secret `secret` (the transports' HMAC
 /// handshake), then says who sends and the epoch it was started in.
@@ -54,7 +54,7 @@ pub(super) fn say_hello(
 
 /// Reads a new connection's proof of the cluster secret `secret` (answering as node `node`) and
 /// its hello (and nothing after it); returns its sender and epoch.
-pub(super) fn hear_hello(stream: &TcpStream, secret: &[u8], node: u32) -> Result<(u32, u64), ProcessError> {
+fn hear_hello(stream: &TcpStream, secret: &[u8], node: u32) -> Result<(u32, u64), ProcessError> {
     server_handshake_blocking(stream, secret, node, HELLO_PATIENCE)
         .map_err(|e| ProcessError::Protocol(format!("handshake on the chain: {e}")))?;
     stream.set_read_timeout(Some(HELLO_PATIENCE))?;
@@ -193,7 +193,7 @@ pub(super) fn accept_upstreams(
 }
 
 /// Input connections that may be proving the secret and saying hello at once.
-pub(super) const MAX_HELLOS: usize = 16;
+const MAX_HELLOS: usize = 16;
 
 #[cfg(test)]
 mod tests {

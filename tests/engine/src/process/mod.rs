@@ -39,10 +39,10 @@
 //! Every connection on the chain (driver to stage 0, stage to stage, last stage to driver) proves
 //! the cluster secret and then says hello (the `chain` module): a `Hello` frame whose epoch is the
 //! one its sender was started in (a replacement's is the epoch of the recovery that started it)
-//! and whose sender is the stage's predecessor. A receiver
-//! takes a connection with an epoch at least that of the one in use, which it then shuts (a
-//! replacement takes over; it connects as soon as it starts), and refuses an older one: a stage
-//! presumed dead and replaced, but back from a pause or a partition, cannot take its link back.
+//! and whose sender is the stage's predecessor. A receiver takes a connection with an epoch at
+//! least that of the one in use, which it then shuts (a replacement takes over; it connects as
+//! soon as it starts), and refuses an older one: a stage presumed dead and replaced, but back
+//! from a pause or a partition, cannot take its link back.
 //! Its sidecar, taken over by the replacement (a newer epoch on the local socket), has closed its
 //! connection too, so none of its KV is kept.
 //!
@@ -53,7 +53,8 @@
 //! error and dropped: the driver's deadline notices.
 //!
 //! The driver's end is [`RemotePipeline`] (the `remote` module); a stage's counters and metrics
-//! page are [`StageStats`], and its sidecars as its streamer reaches them the `sidecars` module.
+//! page are [`StageStats`] (`stats`), and the `sidecars` module reaches its own sidecar and a
+//! recovery's restore sources.
 
 use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, Write};

@@ -18,7 +18,7 @@ use crate::pipeline::Seat;
 
 /// Frames coming out of the last stage, read whole by a thread of their own (a deadline never
 /// leaves half a frame read).
-pub(super) fn read_replies(stream: TcpStream) -> Receiver<Result<Frame, String>> {
+fn read_replies(stream: TcpStream) -> Receiver<Result<Frame, String>> {
     let (tx, rx) = crossbeam_channel::bounded(64);
     std::thread::spawn(move || {
         let mut r = BufReader::new(stream);

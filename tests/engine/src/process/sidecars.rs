@@ -1,5 +1,5 @@
-//! A stage's sidecars as its streamer reaches them: its own through shared memory, others (the
-//! restore sources of a recovery) over the transport.
+//! A stage's sidecars: its own through shared memory (the streamer hands it each step's KV through
+//! [`ToSidecar`]), others (a recovery's restore sources) over the transport.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

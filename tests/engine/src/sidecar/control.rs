@@ -6,9 +6,11 @@
 //! a stage's sidecar now. Requests and replies are frames ([`dejavulib::wire`]) of kind `Control`,
 //! the first id the operation:
 //!
-//! - [`OP_HELD_OF`] (id 1: a stage): the chunks it keeps for that stage, as
-//!   [`HeldChunk::encode`]s one after the other: its own stage's local copy, or its predecessor's
-//!   replica. The controller finds each sequence's first unreplicated token from them.
+//! - [`OP_HELD_OF`] (id 1: a stage, id 2: entries wanted at most, payload: the last key of the
+//!   page before, empty for the first): the chunks it keeps for that stage, in the order of their
+//!   keys, as [`HeldChunk::encode`]s one after the other (its own stage's local copy, or its
+//!   predecessor's replica); the reply's id 1 is how many, id 2 how many come after them. The
+//!   controller asks page after page and finds each sequence's first unreplicated token from them.
 //! - [`OP_RESEED`] (payload: an address): forward to that sidecar from now on, and first send it
 //!   every chunk of its own stage it keeps (each sequence start alone and in put order, the chunks
 //!   between two starts all at once); the reply's id 1 is how many. A replaced successor's sidecar
@@ -40,8 +42,11 @@ pub const OP_HELD_OF: u32 = 1;
 /// Sends the sidecar's own stage's chunks to a new successor, and forwards there from now on.
 pub const OP_RESEED: u32 = 2;
 
-/// The largest request or reply: a listing of a few hundred thousand chunks.
-const MAX_CONTROL_FRAME: u64 = 64 << 20;
+/// The largest request or reply: a page of a listing, or a re-seed's address.
+const MAX_CONTROL_FRAME: u64 = 16 << 20;
+
+/// Entries of a listing in one reply at most: 3.4 MB of them.
+pub const MAX_PAGE: usize = 1 << 16;
 
 /// Control connections served at once; more are closed at once.
 pub const MAX_CONTROL_CONNECTIONS: usize = 16;
@@ -95,10 +100,16 @@ fn answer(sidecar: &Sidecar, stream: TcpStream) -> Result<(), SidecarError> {
         };
         match (frame.header.kind, frame.header.ids[0]) {
             (Kind::Control, OP_HELD_OF) => {
-                let stage = frame.header.ids[1];
+                let [_, stage, wanted, _] = frame.header.ids;
                 let held = sidecar.held_of(stage);
-                let listing: Vec<u8> = held.iter().flat_map(|(_, chunk)| chunk.encode()).collect();
-                write_frame(&mut writer, &reply([OP_HELD_OF, held.len() as u32, 0, 0]), &listing)?;
+                // The page starts after the last key of the one before (keys sort as their bytes).
+                let first = held.partition_point(|(key, _)| key.as_slice() <= frame.payload.as_slice());
+                let first = if frame.payload.is_empty() { 0 } else { first };
+                let page = &held[first..(first + (wanted as usize).min(MAX_PAGE)).min(held.len())];
+                let after = held.len() - first - page.len();
+                let listing: Vec<u8> = page.iter().flat_map(|(_, chunk)| chunk.encode()).collect();
+                let ids = [OP_HELD_OF, page.len() as u32, after.min(u32::MAX as usize) as u32, 0];
+                write_frame(&mut writer, &reply(ids), &listing)?;
             }
             (Kind::Control, OP_RESEED) => {
                 let outcome = parse_addr(&frame.payload)
@@ -244,6 +255,8 @@ pub struct SidecarControl {
     addr: SocketAddr,
     deadline: Duration,
     secret: Vec<u8>,
+    /// Entries asked for per page of a listing.
+    page: u32,
 }
 
 impl std::fmt::Debug for SidecarControl {
@@ -257,7 +270,14 @@ impl SidecarControl {
     /// A client of the control listener at `addr`, proving the cluster `secret`; a request
     /// slower than `deadline` fails.
     pub fn new(addr: SocketAddr, deadline: Duration, secret: &[u8]) -> Self {
-        Self { addr, deadline, secret: secret.to_vec() }
+        Self { addr, deadline, secret: secret.to_vec(), page: MAX_PAGE as u32 }
+    }
+
+    /// The same client, asking for listings `entries` at a time (at least 1; the sidecar gives
+    /// at most [`MAX_PAGE`]).
+    pub fn with_page(mut self, entries: u32) -> Self {
+        self.page = entries.max(1);
+        self
     }
 
     /// The control listener's address.
@@ -265,19 +285,33 @@ impl SidecarControl {
         self.addr
     }
 
-    /// The chunks the sidecar keeps for `stage`.
+    /// The chunks the sidecar keeps for `stage`, in the order of their keys, asked for page after
+    /// page.
     pub fn held_of(&self, stage: u32) -> Result<Vec<HeldChunk>, ControlError> {
-        let (ids, listing) = self.call([OP_HELD_OF, stage, 0, 0], &[])?;
-        let count = ids[1] as usize;
-        if listing.len() != count * HeldChunk::ENCODED_LEN {
-            return Err(self.protocol(format!("a listing of {count} chunks in {} bytes", listing.len())));
+        let mut held: Vec<HeldChunk> = Vec::new();
+        loop {
+            let after = held.last().map(|chunk| chunk.key.encode()).unwrap_or_default();
+            let (ids, listing) = self.call([OP_HELD_OF, stage, self.page, 0], &after)?;
+            let [_, count, more, _] = ids;
+            if listing.len() != count as usize * HeldChunk::ENCODED_LEN || count > self.page {
+                return Err(self.protocol(format!("a page of {count} chunks in {} bytes", listing.len())));
+            }
+            for entry in listing.chunks_exact(HeldChunk::ENCODED_LEN) {
+                let chunk = HeldChunk::decode(entry)
+                    .ok_or_else(|| self.protocol("a malformed chunk entry".into()))?;
+                // Each page starts after the last key of the one before: keys only grow.
+                if held.last().is_some_and(|last| last.key.encode() >= chunk.key.encode()) {
+                    return Err(self.protocol("a listing out of key order".into()));
+                }
+                held.push(chunk);
+            }
+            if more == 0 {
+                return Ok(held);
+            }
+            if count == 0 {
+                return Err(self.protocol(format!("an empty page with {more} chunks after it")));
+            }
         }
-        listing
-            .chunks_exact(HeldChunk::ENCODED_LEN)
-            .map(|entry| {
-                HeldChunk::decode(entry).ok_or_else(|| self.protocol("a malformed chunk entry".into()))
-            })
-            .collect()
     }
 
     /// Makes the sidecar forward to `to` from now on, after sending it its own stage's chunks;
