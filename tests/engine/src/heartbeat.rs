@@ -116,8 +116,8 @@ pub fn beat(
     std::thread::Builder::new().name("heartbeat".into()).spawn(move || {
         while !stopped.load(Ordering::Relaxed) {
             // The clock, so that a process started later for the same member in the same epoch
-            // (a restarted controller's members, say) goes on above its predecessor; never
-            // backwards, whatever the clock does.
+            // (replacements start in a newer one, but nothing else forbids it) goes on above its
+            // predecessor; never backwards, whatever the clock does.
             beat.sequence = clock_micros().max(beat.sequence + 1);
             // A lost datagram is a missed beat; the controller tolerates a few.
             let _ = socket.send_to(&beat.encode(&secret), controller);
