@@ -170,3 +170,44 @@ fn a_port_in_use_is_a_clear_error() {
     }
     assert!(!dir.path().join("controller.state").exists(), "nothing written when the port is taken");
 }
+
+#[test]
+fn the_cluster_secret_comes_from_the_environment_and_never_shows_in_help() {
+    use dejavu_engine::cli::{DEFAULT_SECRET, SECRET_ENV};
+    use dejavu_engine::controller::{ControllerClient, ControllerError};
+    use std::io::BufRead;
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("controller.state").display().to_string();
+    let mut controller = Command::new(env!("CARGO_BIN_EXE_dejavud"))
+        .args(["controller", "--listen", "127.0.0.1:0", "--state", &state])
+        .env(SECRET_ENV, "a secret from the environment")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start the controller");
+    let mut lines = std::io::BufReader::new(controller.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("a line before the controller exits").unwrap();
+        if let Some(addr) = line.strip_prefix("listening ") {
+            break addr.parse().unwrap();
+        }
+    };
+    let secret = b"a secret from the environment".as_slice();
+    let census = ControllerClient::new(addr, Duration::from_secs(5), secret).census();
+    let refused = ControllerClient::new(addr, Duration::from_secs(5), DEFAULT_SECRET).census();
+    let _ = controller.kill();
+    let _ = controller.wait();
+    assert_eq!(census.expect("the environment's secret is the controller's").epoch, 0);
+    assert!(matches!(refused, Err(ControllerError::Auth(_))), "the default is not: {refused:?}");
+
+    let help = Command::new(env!("CARGO_BIN_EXE_dejavud"))
+        .args(["controller", "--help"])
+        .env(SECRET_ENV, "a secret from the environment")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains(SECRET_ENV), "the help names the variable: {help}");
+    assert!(!help.contains("a secret from the environment"), "but not its value: {help}");
+}

@@ -22,10 +22,20 @@ use crate::{CacheLayout, ModelConfig};
 use dejavulib::affinity::CpuList;
 use dejavulib::spill::Spill;
 
-/// The cluster secret of every process not given one (`--secret`): a cluster of processes all
-/// started without one works, and is no more closed than its network. Give every process of a
-/// real cluster a secret of its own.
+/// The cluster secret of every process given none (`--secret` or [`SECRET_ENV`]): a cluster of
+/// processes all started without one works, and is no more closed than its network. Give every
+/// process of a real cluster a secret of its own.
 pub const DEFAULT_SECRET: &str = "dejavu reference cluster";
+
+/// The environment variable a process takes its cluster secret from when `--secret` is not
+/// given: unlike a flag, it does not show in the process list.
+pub const SECRET_ENV: &str = "DEJAVU_SECRET";
+
+/// The cluster secret this process's environment gives ([`SECRET_ENV`], else the default): the
+/// one the processes it starts without `--secret` take.
+pub fn secret_from_env() -> Vec<u8> {
+    std::env::var(SECRET_ENV).unwrap_or_else(|_| DEFAULT_SECRET.to_owned()).into_bytes()
+}
 
 /// The KV cache layout of a stage.
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -175,7 +185,7 @@ pub struct MemberArgs {
     /// The cluster secret: every network connection between the cluster's processes proves it
     /// (the local socket to its own sidecar is the file system's to guard), and heartbeats are
     /// signed with it.
-    #[arg(long, default_value = DEFAULT_SECRET)]
+    #[arg(long, env = SECRET_ENV, hide_env_values = true, default_value = DEFAULT_SECRET)]
     pub secret: String,
     /// The epoch it is started in (a replacement: the recovery's). Its heartbeats, connections and
     /// KV copies carry it; whoever has seen a newer one for its place refuses it.
@@ -266,7 +276,7 @@ pub struct ControllerArgs {
     pub metrics: Option<SocketAddr>,
     /// The cluster secret: heartbeats must be signed with it, query connections must prove it,
     /// and the controller proves it to the sidecars when it carries out a recovery.
-    #[arg(long, default_value = DEFAULT_SECRET)]
+    #[arg(long, env = SECRET_ENV, hide_env_values = true, default_value = DEFAULT_SECRET)]
     pub secret: String,
     /// Logging.
     #[command(flatten)]

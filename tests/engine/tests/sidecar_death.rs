@@ -76,7 +76,11 @@ fn the_controller_starts_the_recovery_of_a_worker_whose_sidecar_died_while_no_st
     assert!(killed.interrupted);
     assert!(killed.epoch > found.epoch);
     assert!(killed.copies_lost.is_empty(), "{killed:?}");
-    // Restored from the replacement sidecar: only the interrupted step and the copies' lag, a
-    // few steps per sequence at most, were computed again.
-    assert!(killed.recomputed <= 1 + 2 * 4, "restored from the new sidecar: {killed:?}");
+    // Restored from the replacement sidecar: only the interrupted step and what its copies
+    // lacked were computed again, and they lacked a few steps per sequence at most (forwards trail
+    // the steps by a step or two, a few more on a loaded machine), not the dozen each sequence
+    // had computed since the first recovery.
+    let lag: u64 = killed.lag.iter().map(|&(_, steps)| steps).sum();
+    assert!(killed.recomputed <= 1 + lag, "no more than the copies lacked: {killed:?}");
+    assert!(lag <= 4 * 4, "restored from the new sidecar: {killed:?}");
 }

@@ -180,9 +180,12 @@ pub struct Cluster {
 /// Time a process has to start listening.
 const START: Duration = Duration::from_secs(30);
 
-/// The cluster secret the driver proves: it starts every process without `--secret`, so they all
-/// share the default one.
-const SECRET: &[u8] = crate::cli::DEFAULT_SECRET.as_bytes();
+/// The cluster secret the driver proves. It starts every process without `--secret`, so they take
+/// it from the environment they inherit ([`crate::cli::SECRET_ENV`]) or use the default, as this
+/// does.
+fn secret() -> Vec<u8> {
+    crate::cli::secret_from_env()
+}
 
 /// How long the controller may take to carry out its part of a recovery (re-seeds move KV).
 const RECOVERY_PATIENCE: Duration = Duration::from_secs(30);
@@ -223,7 +226,7 @@ impl Cluster {
         }
         stages.reverse();
         let first = config.route(Link::Input, next);
-        let remote = RemotePipeline::connect(first, results, n as u32 - 1, config.deadline, SECRET)?;
+        let remote = RemotePipeline::connect(first, results, n as u32 - 1, config.deadline, &secret())?;
         let prompt = Self::start_prompt_pipeline(&config, &sidecars, &dir)?;
         let mut cluster = Self {
             prompt,
@@ -295,7 +298,7 @@ impl Cluster {
         }
         stages.reverse();
         let last = disaggregation.splits.len() as u32 - 1;
-        let remote = RemotePipeline::connect(next, results, last, config.deadline, SECRET)?;
+        let remote = RemotePipeline::connect(next, results, last, config.deadline, &secret())?;
         Ok(Some(PromptPipeline { stages, remote, shapes, fallbacks: 0, broken: false }))
     }
 
@@ -384,7 +387,7 @@ impl Cluster {
         Ok(Supervised {
             proc: started.proc,
             metrics: started.metrics,
-            client: ControllerClient::new(started.addr, patience, SECRET),
+            client: ControllerClient::new(started.addr, patience, secret()),
             args,
             restarts: 0,
             crash_in_recovery: false,
@@ -520,7 +523,7 @@ impl Cluster {
         if let Some(spare) = self.spares.take_stage() {
             // Without the subcommand; it serves where it listens, on its own host.
             let flags = args(spare.addr.ip());
-            match crate::spare::assign_stage(spare.addr, &flags[1..], epoch, SECRET, START) {
+            match crate::spare::assign_stage(spare.addr, &flags[1..], epoch, &secret(), START) {
                 Ok(metrics) => {
                     self.spares.used.0 += 1;
                     return Ok(Spawned { metrics, ..spare });
