@@ -101,13 +101,8 @@ fn answer(sidecar: &Sidecar, stream: TcpStream) -> Result<(), SidecarError> {
         match (frame.header.kind, frame.header.ids[0]) {
             (Kind::Control, OP_HELD_OF) => {
                 let [_, stage, wanted, _] = frame.header.ids;
-                let held = sidecar.held_of(stage);
-                // The page starts after the last key of the one before (keys sort as their bytes).
-                let first = held.partition_point(|(key, _)| key.as_slice() <= frame.payload.as_slice());
-                let first = if frame.payload.is_empty() { 0 } else { first };
-                let page = &held[first..(first + (wanted as usize).min(MAX_PAGE)).min(held.len())];
-                let after = held.len() - first - page.len();
-                let listing: Vec<u8> = page.iter().flat_map(|(_, chunk)| chunk.encode()).collect();
+                let (page, after) = sidecar.page_of(stage, &frame.payload, (wanted as usize).min(MAX_PAGE));
+                let listing: Vec<u8> = page.iter().flat_map(HeldChunk::encode).collect();
                 let ids = [OP_HELD_OF, page.len() as u32, after.min(u32::MAX as usize) as u32, 0];
                 write_frame(&mut writer, &reply(ids), &listing)?;
             }
@@ -160,11 +155,11 @@ impl Sidecar {
         };
         let store = successor.store.lock();
         store.client().set_epoch(epoch);
-        let mut own = self.held();
-        own.sort_unstable_by_key(|(_, chunk)| chunk.put);
+        let mut own: Vec<HeldChunk> = self.kept_for(self.index()).collect();
+        own.sort_unstable_by_key(|chunk| chunk.put);
         let mut sent = 0;
         let mut batch = Batch::default();
-        for (_, chunk) in own {
+        for chunk in own {
             let mut payload = Vec::new();
             // A chunk dropped meanwhile is not sent.
             let Ok(descriptor) = self.store.clone().get(&chunk.key, &mut payload) else { continue };
@@ -289,9 +284,9 @@ impl SidecarControl {
     /// page.
     pub fn held_of(&self, stage: u32) -> Result<Vec<HeldChunk>, ControlError> {
         let mut held: Vec<HeldChunk> = Vec::new();
+        let mut last_key = Vec::new();
         loop {
-            let after = held.last().map(|chunk| chunk.key.encode()).unwrap_or_default();
-            let (ids, listing) = self.call([OP_HELD_OF, stage, self.page, 0], &after)?;
+            let (ids, listing) = self.call([OP_HELD_OF, stage, self.page, 0], &last_key)?;
             let [_, count, more, _] = ids;
             if listing.len() != count as usize * HeldChunk::ENCODED_LEN || count > self.page {
                 return Err(self.protocol(format!("a page of {count} chunks in {} bytes", listing.len())));
@@ -300,9 +295,11 @@ impl SidecarControl {
                 let chunk = HeldChunk::decode(entry)
                     .ok_or_else(|| self.protocol("a malformed chunk entry".into()))?;
                 // Each page starts after the last key of the one before: keys only grow.
-                if held.last().is_some_and(|last| last.key.encode() >= chunk.key.encode()) {
+                let key = chunk.key.encode();
+                if !held.is_empty() && key <= last_key {
                     return Err(self.protocol("a listing out of key order".into()));
                 }
+                last_key = key;
                 held.push(chunk);
             }
             if more == 0 {

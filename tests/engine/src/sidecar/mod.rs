@@ -363,13 +363,10 @@ impl Sidecar {
                         continue;
                     }
                     // The keys after the one named, as many as asked for and fit the region.
-                    let held = self.held();
-                    let first = held.partition_point(|(key, _)| key.as_slice() <= frame.payload.as_slice());
                     let want = (frame.header.ids[1] as usize).min(region.capacity() / HeldChunk::ENCODED_LEN);
-                    let page = &held[first..held.len().min(first + want)];
-                    let entries: Vec<u8> = page.iter().flat_map(|(_, chunk)| chunk.encode()).collect();
+                    let (page, after) = self.page_of(self.index(), &frame.payload, want);
+                    let entries: Vec<u8> = page.iter().flat_map(HeldChunk::encode).collect();
                     region.write(&[&entries])?;
-                    let after = held.len() - first - page.len();
                     let successor = self.successor.lock().as_ref().map(|s| s.addr.to_string());
                     let mut header =
                         answer(Kind::Control, [OP_HELD, self.index(), page.len() as u32, after as u32]);
@@ -413,24 +410,31 @@ impl Sidecar {
         Ok(())
     }
 
-    /// The stage's own chunks it keeps (its predecessor's replica left out), each with its key
-    /// encoded, sorted by it: an engine asks for them page by page, each after the last it has.
-    fn held(&self) -> Vec<(Vec<u8>, HeldChunk)> {
-        self.held_of(self.index())
+    /// The chunks it keeps for stage `stage` (its own, or its predecessor's replica), in no
+    /// particular order.
+    fn kept_for(&self, stage: u32) -> impl Iterator<Item = HeldChunk> {
+        let keys = self.store.keys().into_iter();
+        keys.filter(move |(key, _)| key.destination.stage == stage).map(|(key, put)| HeldChunk { key, put })
     }
 
-    /// The chunks it keeps for stage `stage` (its own, or its predecessor's replica), as
-    /// [`Sidecar::held`].
-    fn held_of(&self, stage: u32) -> Vec<(Vec<u8>, HeldChunk)> {
-        let mut held: Vec<(Vec<u8>, HeldChunk)> = self
-            .store
-            .keys()
-            .into_iter()
-            .filter(|(key, _)| key.destination.stage == stage)
-            .map(|(key, put)| (key.encode(), HeldChunk { key, put }))
+    /// A page of the chunks it keeps for `stage`, in the order of their encoded keys: at most
+    /// `wanted` of those whose key sorts after `after` (every one, for an empty `after`), and how
+    /// many come after the page. Listings are asked for page by page, each after the last key of
+    /// the page before (an engine's through shared memory, the controller's over the control
+    /// listener); only the page is sorted, not all that is kept.
+    fn page_of(&self, stage: u32, after: &[u8], wanted: usize) -> (Vec<HeldChunk>, usize) {
+        let mut later: Vec<(Vec<u8>, HeldChunk)> = self
+            .kept_for(stage)
+            .map(|chunk| (chunk.key.encode(), chunk))
+            .filter(|(key, _)| key.as_slice() > after)
             .collect();
-        held.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        held
+        let rest = later.len().saturating_sub(wanted);
+        if rest > 0 {
+            later.select_nth_unstable_by(wanted, |a, b| a.0.cmp(&b.0));
+            later.truncate(wanted);
+        }
+        later.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        (later.into_iter().map(|(_, chunk)| chunk).collect(), rest)
     }
 
     /// Forwards to `successor` from now on, in `epoch`.
