@@ -225,7 +225,7 @@ fn demo_rows(config: &DemoConfig, r: &DemoReport) -> Vec<Row> {
             name: "e2e recovery: detection".into(),
             value: rec.detection_ms,
             unit: "ms",
-            limit_name: "the step deadline (setting)".into(),
+            limit_name: "the step deadline (setting), what a stopped process costs".into(),
             limit: config.deadline.as_secs_f64() * 1e3,
             target: 0.0,
             higher_is_better: false,

@@ -10,7 +10,9 @@ use clap::{Args, ValueEnum};
 use parking_lot::Mutex;
 use std::sync::Arc;
 
-use crate::controller::{serve_controller, ControllerClient, ControllerConfig, ControllerError, Member};
+use crate::controller::{
+    serve_controller, ControllerClient, ControllerConfig, ControllerError, Lifeline, Member,
+};
 use crate::handoff::Shapes;
 use crate::heartbeat::{beat, Heartbeat, Role};
 use crate::logging::LogArgs;
@@ -364,7 +366,11 @@ impl MemberArgs {
         self.heartbeat
             .map(|to| {
                 let interval = Duration::from_millis(self.heartbeat_ms);
-                beat(to, (role, index), epoch, interval, control_port, self.secret.as_bytes())
+                let secret = self.secret.as_bytes();
+                let lifeline = Lifeline::hold(to, (role, index), epoch, interval, secret)?;
+                Ok::<_, std::io::Error>(
+                    beat(to, (role, index), epoch, interval, control_port, secret)?.holding(lifeline),
+                )
             })
             .transpose()
             .map_err(|e| format!("cannot send heartbeats: {e}"))

@@ -19,6 +19,7 @@ mod args;
 mod config;
 mod recovery;
 mod spares;
+mod watch;
 
 use args::{spill_dir_of, worker_host, SidecarOf, Start};
 pub use config::{ClusterConfig, CpuSplit, Disaggregation, Interpose, Link, SpillLimits};
@@ -168,6 +169,8 @@ pub struct Cluster {
     spared: Vec<Spawned>,
     /// The driver's end of the chain.
     pub remote: RemotePipeline,
+    /// Tells `remote` of each fence the controller opens.
+    _fence_watch: watch::FenceWatch,
     /// The prompt pipeline, when disaggregated.
     prompt: Option<PromptPipeline>,
     /// Spare workers.
@@ -226,7 +229,11 @@ impl Cluster {
         }
         stages.reverse();
         let first = config.route(Link::Input, next);
-        let remote = RemotePipeline::connect(first, results, n as u32 - 1, config.deadline, &secret())?;
+        let mut remote = RemotePipeline::connect(first, results, n as u32 - 1, config.deadline, &secret())?;
+        // A step in flight when the controller declares a stage dead fails at once, not at its
+        // deadline.
+        let (fence_watch, fences) = watch::FenceWatch::start(heartbeat, &secret(), remote.epoch())?;
+        remote.watch_fences(fences);
         let prompt = Self::start_prompt_pipeline(&config, &sidecars, &dir)?;
         let mut cluster = Self {
             prompt,
@@ -242,6 +249,7 @@ impl Cluster {
             spare_presumed_dead: false,
             spared: Vec::new(),
             remote,
+            _fence_watch: fence_watch,
         };
         let spares = cluster.config.spares as u64;
         let sidecars = if cluster.config.replicate { spares } else { 0 };

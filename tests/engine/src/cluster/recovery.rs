@@ -47,8 +47,9 @@ impl Cluster {
 
     /// Waits at most `patience` for the controller to start a recovery, and returns its victims:
     /// the stages whose engine or sidecar it declared dead and fenced (empty if it fenced none).
-    /// The controller waits for the heartbeat timeout, and for members silent for half of it to
-    /// beat again or die too, so that workers that died together are recovered together. A
+    /// The controller fences a member whose lifeline broke after a short settling wait, and one
+    /// silent for the heartbeat timeout after waiting for members silent for half of it to beat
+    /// again or die too, so that workers that died together are recovered together. A
     /// controller replaced meanwhile has heard from no one yet: the patience starts again with it.
     pub fn detect(&mut self, patience: Duration) -> Result<Vec<(usize, Kill)>, ClusterError> {
         let mut start = Instant::now();

@@ -10,8 +10,8 @@ use dejavulib::net::auth::client_handshake_blocking;
 use dejavulib::wire::{read_frame, write_frame, FrameError, FrameHeader, Kind};
 
 use super::query::{
-    decode_member, encode_member, handshake_error, MEMBER_LEN, OP_CENSUS, OP_FENCE, OP_FENCED_IN, OP_RECOVER,
-    OP_RESEED_RESTORED, QUERY_CLIENT_NODE, REFUSED_NOT_FENCED,
+    decode_member, encode_member, handshake_error, MEMBER_LEN, OP_AWAIT_FENCE, OP_CENSUS, OP_FENCE,
+    OP_FENCED_IN, OP_RECOVER, OP_RESEED_RESTORED, QUERY_CLIENT_NODE, REFUSED_NOT_FENCED,
 };
 use super::recovery::{self, RecoveryOrders};
 use super::{ControllerError, Health, Member};
@@ -116,6 +116,13 @@ impl ControllerClient {
         let mut payload = Vec::with_capacity(members.len() * MEMBER_LEN);
         members.iter().for_each(|&m| encode_member(&mut payload, m));
         Ok(self.call_with(OP_FENCE, ids, &payload)?.0)
+    }
+
+    /// Waits until the controller opens an epoch after `after` (a fence), or for `wait` at most
+    /// (10 s at most); returns its epoch then. The call's deadline must be longer than `wait`.
+    pub fn await_fence(&mut self, after: u64, wait: Duration) -> Result<u64, ControllerError> {
+        let wait_ms = wait.as_millis().min(u32::MAX as u128) as u32;
+        Ok(self.call_with(OP_AWAIT_FENCE, [after as u32, (after >> 32) as u32, wait_ms], &[])?.0)
     }
 
     /// The epoch fenced `member` was fenced in, which its replacement starts in;

@@ -1,7 +1,8 @@
-//! The controller's failure detector: which silent members to fence, and when.
+//! The controller's failure detector: which dead members to fence, and when.
 //!
-//! A pure decision over the members' health, run every tick by the controller's detector thread,
-//! so its rules are tested without sockets or sleeps:
+//! A pure decision over the members' health (dead: silent for the timeout, or its lifeline
+//! broke), run every tick, and after each broken lifeline, by the controller's detector thread, so
+//! its rules are tested without sockets or sleeps:
 //!
 //! - only stage members are watched: spares (indices from [`SPARE_MEMBERS`]) are not part of the
 //!   pipeline, and members already fenced are waiting for their replacements;

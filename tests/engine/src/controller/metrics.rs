@@ -52,6 +52,18 @@ pub(super) fn render(tables: &Tables, counters: &Counters) -> String {
         get(&counters.refused_heartbeats),
     )
     .single(
+        "dejavu_controller_lifelines",
+        MetricType::Gauge,
+        "Lifelines held open by members now.",
+        get(&counters.lifelines),
+    )
+    .single(
+        "dejavu_controller_severed_lifelines_total",
+        MetricType::Counter,
+        "Members' lifelines that broke (their process was gone), each declaring its member dead.",
+        get(&counters.severed_lifelines),
+    )
+    .single(
         "dejavu_controller_fences_total",
         MetricType::Counter,
         "Epochs opened to fence failed members.",

@@ -5,9 +5,12 @@
 //!   carries the epoch its sender was started in. Queries come over TCP on the same port number,
 //!   in framed, checksummed messages ([`dejavulib::wire`]): a [`Census`] of who is alive, suspect,
 //!   dead or fenced; a fence; and the epoch a fenced member's replacement starts in.
+//! - Every member also holds a lifeline ([`Lifeline`]): a query connection its kernel closes
+//!   when its process dies, which the controller takes as the member's death at once.
 //! - The controller starts each recovery itself: a stage's engine or sidecar silent for the
-//!   timeout is fenced in a new epoch, together with every member that failed with it (the
-//!   private `detect` module decides). Its census then names the fenced members, the recovery's
+//!   timeout, or whose lifeline broke, is fenced in a new epoch, together with every member that
+//!   failed with it (the private `detect` module decides). Whoever waits on the query port for a
+//!   fence hears of it then. Its census then names the fenced members, the recovery's
 //!   victims, until their replacements beat; whoever drives the pipeline carries the recovery out
 //!   from there.
 //! - A fence opens a new epoch in which the fenced members' old processes are ignored: a member
@@ -22,7 +25,8 @@
 //! [`ControllerClient`] is the other end, used by [`crate::cluster`].
 //!
 //! This module holds the tables and the threads that serve them; the state file is [`State`],
-//! and the private modules `heartbeats` (the UDP socket), `detect` (who is dead), `query` (the
+//! and the private modules `heartbeats` (the UDP socket), `lifeline` (members' lifelines),
+//! `detect` (who is dead), `query` (the
 //! query protocol's codes), `recovery` (the controller's part of a recovery) and `metrics` (its
 //! page) each do one job.
 
@@ -34,9 +38,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crossbeam_channel::{Receiver, Sender};
 use dejavulib::net::auth::server_handshake_blocking;
 use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use thiserror::Error;
 use tracing::{error, info, warn};
 
@@ -46,6 +51,7 @@ use crate::slots::Slot;
 mod client;
 mod detect;
 mod heartbeats;
+mod lifeline;
 mod metrics;
 mod query;
 mod recovery;
@@ -53,9 +59,10 @@ mod state;
 
 pub use client::{Census, ControllerClient};
 use heartbeats::{authentic_beat, listen_heartbeats, recv_waiting, DATAGRAM_BUFFER};
+pub use lifeline::Lifeline;
 use query::{
-    decode_members, encode_member, refusal_code, OP_CENSUS, OP_FENCE, OP_FENCED_IN, OP_RECOVER,
-    OP_RESEED_RESTORED, QUERY_SERVER_NODE,
+    decode_members, encode_member, refusal_code, OP_AWAIT_FENCE, OP_CENSUS, OP_FENCE, OP_FENCED_IN,
+    OP_LIFELINE, OP_RECOVER, OP_RESEED_RESTORED, QUERY_SERVER_NODE,
 };
 pub use state::{Membership, State};
 
@@ -73,7 +80,7 @@ pub enum Health {
     Alive,
     /// Silent for half the timeout or more: perhaps dying.
     Suspect,
-    /// Silent for the timeout, or never heard from.
+    /// Silent for the timeout, never heard from, or its lifeline broke.
     Dead,
     /// Fenced, and no replacement has beaten since: a recovery's victim.
     Fenced,
@@ -136,6 +143,11 @@ struct Tables {
     /// Where each member that has one (a sidecar) serves control requests, as its latest
     /// heartbeat from a process not fenced says.
     controls: HashMap<Member, SocketAddr>,
+    /// The number of each member's current lifeline ([`lifeline`]).
+    lifelines: HashMap<Member, u64>,
+    /// Members whose current lifeline broke, and when: dead, until a new process of theirs holds
+    /// one or they are fenced.
+    severed: HashMap<Member, Instant>,
     /// The cluster secret, which the sidecars' control listeners ask it to prove.
     secret: Vec<u8>,
     timeout: Duration,
@@ -166,12 +178,26 @@ struct Counters {
     recoveries: AtomicU64,
     recovery_micros: AtomicU64,
     reseeded_chunks: AtomicU64,
+    /// Lifelines held now, and those that broke while they were their member's current one.
+    lifelines: AtomicU64,
+    severed_lifelines: AtomicU64,
+}
+
+/// What the controller's threads tell one another.
+struct Events {
+    /// Notified at every fence, with the tables' lock, for the queries awaiting one.
+    fenced: Condvar,
+    /// Wakes the detector when a lifeline breaks.
+    severed: Sender<()>,
 }
 
 impl Tables {
     fn health(&self, member: Member) -> Health {
         if self.state.members.get(&member).is_some_and(|m| m.awaiting) {
             return Health::Fenced;
+        }
+        if self.severed.contains_key(&member) {
+            return Health::Dead;
         }
         match self.seen.get(&member) {
             None => Health::Dead,
@@ -252,6 +278,9 @@ impl Tables {
             // from now on: the replacement's are the only ones taken, whatever they number.
             self.controls.remove(&member);
             self.last_beats.remove(&member);
+            // Its process's lifeline, if it still holds one, is no longer the member's.
+            self.lifelines.remove(&member);
+            self.severed.remove(&member);
         }
         info!(epoch = next.epoch, fenced = ?members, "fenced in a new epoch");
         counters.fences.fetch_add(1, Ordering::Relaxed);
@@ -302,6 +331,14 @@ const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
 /// After a fence the detector could not make durable, how long it waits before trying again.
 const FENCE_RETRY: Duration = Duration::from_secs(1);
 
+/// How long the detector waits, once a lifeline broke, for the lifelines of processes that died
+/// with it (a worker's engine and sidecar, killed together) to break too, so that they are fenced
+/// in one epoch.
+const SETTLE: Duration = Duration::from_millis(20);
+
+/// The longest an [`OP_AWAIT_FENCE`] query may wait.
+const MAX_FENCE_WAIT: Duration = Duration::from_secs(10);
+
 /// Attempts at binding a UDP and a TCP socket to one free port before giving up.
 const BIND_ATTEMPTS: usize = 16;
 
@@ -342,11 +379,15 @@ pub fn serve_controller(
         last_beats: HashMap::new(),
         fenced_at: HashMap::new(),
         controls: HashMap::new(),
+        lifelines: HashMap::new(),
+        severed: HashMap::new(),
         secret: config.secret.clone(),
         timeout: config.timeout,
         interval: config.interval,
     }));
     let counters = Arc::new(Counters::default());
+    let (severed, severances) = crossbeam_channel::bounded(1);
+    let events = Arc::new(Events { fenced: Condvar::new(), severed });
     let udp = Arc::new(udp);
     {
         let (tables, counters, udp, secret) =
@@ -356,13 +397,14 @@ pub fn serve_controller(
             .spawn(move || listen_heartbeats(&udp, &tables, &counters, &secret))?;
     }
     {
-        let (tables, counters, udp) = (tables.clone(), counters.clone(), udp.clone());
+        let (tables, counters, udp, events) = (tables.clone(), counters.clone(), udp.clone(), events.clone());
         // Workers that died together get the timeout to show it, so they are fenced together.
         let detector = Detector::new(config.timeout);
         let tick = (config.interval / 4).clamp(Duration::from_millis(2), Duration::from_millis(50));
+        let wake = Wake { tick, severances };
         std::thread::Builder::new()
             .name("detector".into())
-            .spawn(move || detect_failures(&udp, &tables, &counters, detector, tick))?;
+            .spawn(move || detect_failures(&udp, &tables, &counters, &events, detector, wake))?;
     }
     let metrics = match config.metrics {
         Some(at) => {
@@ -374,6 +416,7 @@ pub fn serve_controller(
     info!(%addr, epoch = tables.lock().state.epoch, "controller listening");
     ready(addr, metrics);
     let live = Arc::new(AtomicUsize::new(0));
+    let lifelines = Arc::new(AtomicUsize::new(0));
     for stream in tcp.incoming() {
         let Ok(stream) = stream else {
             // Out of descriptors, say: wait rather than spin.
@@ -385,13 +428,19 @@ pub fn serve_controller(
             warn!("too many query connections: one closed");
             continue;
         };
-        let (tables, counters, udp) = (tables.clone(), counters.clone(), udp.clone());
-        let secret = config.secret.clone();
+        let (tables, counters, udp, events) = (tables.clone(), counters.clone(), udp.clone(), events.clone());
+        let (secret, lifelines) = (config.secret.clone(), lifelines.clone());
         // The slot is given back when the closure is dropped: after the connection, or at once
         // if no thread could be started for it.
         let spawned = std::thread::Builder::new().name("query".into()).spawn(move || {
-            let _slot = slot;
-            if let Err(e) = answer_queries(stream, &secret, &udp, &tables, &counters) {
+            let query = Query {
+                secret: &secret,
+                heartbeats: &udp,
+                tables: &tables,
+                counters: &counters,
+                events: &events,
+            };
+            if let Err(e) = answer_queries(stream, slot, &lifelines, &query) {
                 warn!(error = %e, "a query connection closed");
             }
         });
@@ -402,16 +451,25 @@ pub fn serve_controller(
     Ok(())
 }
 
-/// Every `tick`, fences the members `detector` finds dead: the start of each recovery.
+/// When the detector runs: every `tick`, and at once (after [`SETTLE`]) when a lifeline breaks.
+struct Wake {
+    tick: Duration,
+    severances: Receiver<()>,
+}
+
+/// Fences the members `detector` finds dead, whenever `wake` says: the start of each recovery.
 fn detect_failures(
     heartbeats: &UdpSocket,
     tables: &Mutex<Tables>,
     counters: &Counters,
+    events: &Events,
     mut detector: Detector,
-    tick: Duration,
+    wake: Wake,
 ) {
     loop {
-        std::thread::sleep(tick);
+        if wake.severances.recv_timeout(wake.tick).is_ok() {
+            std::thread::sleep(SETTLE);
+        }
         let mut tables = tables.lock();
         // Beats that came while the controller was stopped count before anyone is declared dead.
         tables.absorb_pending(heartbeats, counters);
@@ -423,6 +481,7 @@ fn detect_failures(
         }
         match tables.fence(&dead, None, counters) {
             Ok(epoch) => {
+                events.fenced.notify_all();
                 counters.detections.fetch_add(1, Ordering::Relaxed);
                 warn!(epoch, fenced = ?dead, "declared dead and fenced");
             }
@@ -436,14 +495,24 @@ fn detect_failures(
     }
 }
 
-/// Answers queries on one connection until it closes.
+/// What a query connection's thread works with.
+struct Query<'a> {
+    secret: &'a [u8],
+    heartbeats: &'a UdpSocket,
+    tables: &'a Mutex<Tables>,
+    counters: &'a Counters,
+    events: &'a Events,
+}
+
+/// Answers queries on one connection, which holds `slot`, until it closes; a connection that
+/// becomes a lifeline trades the slot for one of `lifelines`, and is held until it ends.
 fn answer_queries(
     stream: TcpStream,
-    secret: &[u8],
-    heartbeats: &UdpSocket,
-    tables: &Mutex<Tables>,
-    counters: &Counters,
+    slot: Slot,
+    lifelines: &Arc<AtomicUsize>,
+    query: &Query<'_>,
 ) -> Result<(), ControllerError> {
+    let Query { secret, heartbeats, tables, counters, events } = *query;
     stream.set_nodelay(true)?;
     if let Err(e) = server_handshake_blocking(&stream, secret, QUERY_SERVER_NODE, HANDSHAKE_DEADLINE) {
         counters.refused_queries.fetch_add(1, Ordering::Relaxed);
@@ -456,6 +525,7 @@ fn answer_queries(
     {
         counters.queries.fetch_add(1, Ordering::Relaxed);
         let request = frame.header.request;
+        let mut lifeline = None;
         let reply = match (frame.header.kind, frame.header.ids[0]) {
             (Kind::Control, OP_CENSUS) => {
                 let mut tables = tables.lock();
@@ -465,7 +535,9 @@ fn answer_queries(
             (Kind::Control, OP_FENCE) => decode_members(&frame.payload).and_then(|members| {
                 let [_, reuse, low, high] = frame.header.ids;
                 let reuse = (reuse == 1).then_some(low as u64 | (high as u64) << 32);
-                Ok((tables.lock().fence(&members, reuse, counters)?, Vec::new()))
+                let epoch = tables.lock().fence(&members, reuse, counters)?;
+                events.fenced.notify_all();
+                Ok((epoch, Vec::new()))
             }),
             (Kind::Control, OP_FENCED_IN) => {
                 decode_members(&frame.payload).and_then(|members| match members.as_slice() {
@@ -488,6 +560,26 @@ fn answer_queries(
                     .and_then(|book| recovery::reseed_restored(tables, counters, epoch, &book))
                     .map(|sent| (epoch, sent.to_le_bytes().to_vec()))
             }
+            (Kind::Control, OP_AWAIT_FENCE) => {
+                let [_, low, high, wait_ms] = frame.header.ids;
+                let after = low as u64 | (high as u64) << 32;
+                let until = Instant::now() + Duration::from_millis(wait_ms.into()).min(MAX_FENCE_WAIT);
+                let mut tables = tables.lock();
+                while tables.state.epoch <= after && !events.fenced.wait_until(&mut tables, until).timed_out()
+                {
+                }
+                Ok((tables.state.epoch, Vec::new()))
+            }
+            (Kind::Control, OP_LIFELINE) => decode_members(&frame.payload).and_then(|members| {
+                let &[member] = members.as_slice() else {
+                    return Err(ControllerError::Protocol("a lifeline names one member".into()));
+                };
+                let held = Slot::take(lifelines, lifeline::MAX_LIFELINES)
+                    .ok_or_else(|| ControllerError::Protocol("too many lifelines".into()))?;
+                let number = lifeline::register(&mut tables.lock(), member, frame.header.epoch)?;
+                lifeline = Some((member, number, held));
+                Ok((frame.header.epoch, Vec::new()))
+            }),
             (kind, op) => Err(ControllerError::Protocol(format!("unknown request {kind:?} {op}"))),
         };
         match reply {
@@ -501,6 +593,12 @@ fn answer_queries(
             }
         }
         writer.flush()?;
+        if let Some((member, number, _held)) = lifeline {
+            // No longer a query connection: its query slot goes back, its lifeline slot is held.
+            drop(slot);
+            lifeline::wait_out(reader, (member, number), tables, counters, events);
+            return Ok(());
+        }
     }
     Ok(())
 }
@@ -524,16 +622,23 @@ mod tests {
     const SECRET: &[u8] = b"test cluster";
 
     fn start(state: &Path, listen: SocketAddr, timeout_ms: u64) -> SocketAddr {
+        start_serving_metrics(state, listen, timeout_ms).0
+    }
+
+    /// A controller as [`start`] starts it, with its metrics page: both addresses.
+    fn start_serving_metrics(state: &Path, listen: SocketAddr, timeout_ms: u64) -> (SocketAddr, SocketAddr) {
         let config = ControllerConfig {
             listen,
             state: state.to_owned(),
             timeout: Duration::from_millis(timeout_ms),
             interval: Duration::from_millis(20),
-            metrics: None,
+            metrics: Some("127.0.0.1:0".parse().unwrap()),
             secret: SECRET.to_vec(),
         };
         let (tx, rx) = crossbeam_channel::bounded(1);
-        std::thread::spawn(move || serve_controller(config, |addr, _| tx.send(addr).unwrap()));
+        std::thread::spawn(move || {
+            serve_controller(config, |addr, metrics| tx.send((addr, metrics.unwrap())).unwrap())
+        });
         rx.recv_timeout(Duration::from_secs(5)).unwrap()
     }
 
@@ -669,6 +774,78 @@ mod tests {
         assert_eq!(census.health((Role::Engine, 0)), Health::Fenced, "{census:?}");
         assert_eq!(client.fenced_in((Role::Engine, 0)).unwrap(), 2);
         assert_eq!(client.fenced_in((Role::Engine, 1)).unwrap(), 1);
+    }
+
+    #[test]
+    fn a_member_whose_lifeline_breaks_is_fenced_long_before_its_heartbeats_would_tell() {
+        let dir = tempfile::tempdir().unwrap();
+        // A timeout of 5 s: only a lifeline can get a member fenced within a second.
+        let (addr, metrics) =
+            start_serving_metrics(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 5_000);
+        let mut client = ControllerClient::new(addr, Duration::from_secs(2), SECRET);
+        let held = || {
+            let page = crate::metrics::scrape(metrics).unwrap();
+            crate::metrics::value_of(&page, "dejavu_controller_lifelines", &[]).unwrap()
+        };
+        let hold = |member, epoch| {
+            let lifeline = Lifeline::hold(addr, member, epoch, EVERY, SECRET).unwrap();
+            beat(addr, member, epoch, EVERY, None, SECRET).unwrap().holding(lifeline)
+        };
+        let engine = hold((Role::Engine, 0), 0);
+        let sidecar = hold((Role::Sidecar, 0), 0);
+        let _other = hold((Role::Engine, 1), 0);
+        let lifelines = |client: &mut ControllerClient| {
+            let until = Instant::now() + Duration::from_secs(5);
+            while client.census().unwrap().members.len() < 3 || held() < 3.0 {
+                assert!(Instant::now() < until, "the lifelines are never held");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+        lifelines(&mut client);
+        // A watcher waiting for a fence hears of it as soon as it is opened.
+        let watcher = std::thread::spawn(move || {
+            let mut watcher = ControllerClient::new(addr, Duration::from_secs(8), SECRET);
+            let asked = Instant::now();
+            (watcher.await_fence(0, Duration::from_secs(5)).unwrap(), asked.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        // The worker's processes end (as if killed) together: both are fenced, in one epoch.
+        let ended = Instant::now();
+        drop(engine);
+        drop(sidecar);
+        let census = wait_for(&mut client, (Role::Sidecar, 0), Health::Fenced);
+        assert!(ended.elapsed() < Duration::from_secs(1), "fenced after {:?}", ended.elapsed());
+        assert_eq!(census.epoch, 1, "{census:?}");
+        assert!(census.is_fenced((Role::Engine, 0)), "{census:?}");
+        assert_eq!(census.health((Role::Engine, 1)), Health::Alive);
+        let (epoch, waited) = watcher.join().unwrap();
+        assert_eq!(epoch, 1);
+        assert!(waited < Duration::from_secs(2), "the watcher heard after {waited:?}");
+        // With no fence, the wait ends with the epoch as it was.
+        let asked = Instant::now();
+        assert_eq!(client.await_fence(1, Duration::from_millis(100)).unwrap(), 1);
+        assert!(asked.elapsed() >= Duration::from_millis(100));
+        // The fenced process's lifeline is refused; its replacement's counts, and outlives an
+        // older lifeline of the same member that ends after it.
+        let stale = Lifeline::hold(addr, (Role::Engine, 0), 0, EVERY, SECRET).unwrap();
+        let first = hold((Role::Engine, 0), 1);
+        wait_for(&mut client, (Role::Engine, 0), Health::Alive);
+        let second = Lifeline::hold(addr, (Role::Engine, 0), 1, EVERY, SECRET).unwrap();
+        let until = Instant::now() + Duration::from_secs(5);
+        while held() < 3.0 {
+            assert!(Instant::now() < until, "the second lifeline is never held");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(stale);
+        drop(first);
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(
+            client.census().unwrap().health((Role::Engine, 0)),
+            Health::Alive,
+            "an older lifeline ended"
+        );
+        drop(second);
+        assert!(wait_for(&mut client, (Role::Engine, 0), Health::Fenced).is_fenced((Role::Engine, 0)));
     }
 
     #[test]

@@ -18,6 +18,10 @@ pub(super) const OP_FENCED_IN: u32 = 3;
 pub(super) const OP_RECOVER: u32 = 4;
 /// Re-seed the replaced sidecars whose predecessors were replaced too, once those have restored.
 pub(super) const OP_RESEED_RESTORED: u32 = 5;
+/// Hold this connection open as the sender's lifeline (the `lifeline` module).
+pub(super) const OP_LIFELINE: u32 = 6;
+/// Answer once an epoch after the one named is opened, or once the wait named has passed.
+pub(super) const OP_AWAIT_FENCE: u32 = 7;
 
 /// The code (first id) of an `Error` reply to [`OP_FENCED_IN`] for a member not fenced.
 pub(super) const REFUSED_NOT_FENCED: u32 = 1;

@@ -116,6 +116,10 @@ pub enum ProcessError {
     /// No reply within the deadline: a stage is presumed dead.
     #[error("no reply within {0:?}")]
     Timeout(Duration),
+    /// The controller fenced members in this epoch, one the pipeline has not recovered from,
+    /// while a step was in flight: a stage was declared dead, and the step's reply may never come.
+    #[error("the controller fenced members in epoch {0} while a step was in flight")]
+    Fenced(u64),
 }
 
 /// Control operation: restore a sequence's KV from a sidecar.

@@ -5,7 +5,7 @@ use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::Receiver;
 use dejavulib::wire::{read_frame, write_frame, Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD};
 use tracing::warn;
 
@@ -90,6 +90,8 @@ pub struct RemotePipeline {
     last_stage_epoch: u64,
     /// The cluster secret, which its connections prove.
     secret: Vec<u8>,
+    /// The epochs the controller opens, as it opens them (see [`RemotePipeline::watch_fences`]).
+    fences: Receiver<u64>,
 }
 
 impl RemotePipeline {
@@ -118,6 +120,7 @@ impl RemotePipeline {
             last_stage,
             last_stage_epoch: 0,
             secret: secret.to_vec(),
+            fences: crossbeam_channel::never(),
         };
         // The last stage connects when it first passes something on: send a probe through.
         let request = pipeline.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?;
@@ -136,6 +139,14 @@ impl RemotePipeline {
         let to_first = connect(first, patience)?;
         say_hello(&to_first, secret, DRIVER, epoch)?;
         Ok(BufWriter::new(to_first))
+    }
+
+    /// Takes the epochs the controller opens from `fences`, as it opens them: a step waiting for
+    /// its reply when one newer than the pipeline's comes fails at once, with
+    /// [`ProcessError::Fenced`] (the controller declared a stage dead: the reply may never come),
+    /// rather than at its deadline.
+    pub fn watch_fences(&mut self, fences: Receiver<u64>) {
+        self.fences = fences;
     }
 
     /// The epoch it is in: the last recovery's (0: none yet).
@@ -174,19 +185,44 @@ impl RemotePipeline {
     /// at once, and the next wait first takes the connection the last stage makes again as it next
     /// sends something.
     fn reply(&mut self, request: u64, deadline: Duration) -> Result<Frame, ProcessError> {
+        self.await_reply(request, deadline, false)
+    }
+
+    /// As [`RemotePipeline::reply`]; with `fenceable`, a fence newer than the pipeline's epoch
+    /// ends the wait too.
+    fn await_reply(
+        &mut self,
+        request: u64,
+        deadline: Duration,
+        fenceable: bool,
+    ) -> Result<Frame, ProcessError> {
         let until = Instant::now() + deadline;
+        let never = crossbeam_channel::never();
         loop {
             let left = until.saturating_duration_since(Instant::now());
-            match self.replies.recv_timeout(left) {
+            let (replies, fences) = (self.replies.clone(), if fenceable { &self.fences } else { &never });
+            let got = crossbeam_channel::select! {
+                recv(replies) -> got => got,
+                recv(fences) -> fence => match fence {
+                    Ok(epoch) if epoch > self.epoch => return Err(ProcessError::Fenced(epoch)),
+                    // An epoch the pipeline has moved to already (its own recovery's).
+                    Ok(_) => continue,
+                    Err(_) => {
+                        self.fences = crossbeam_channel::never();
+                        continue;
+                    }
+                },
+                default(left) => return Err(ProcessError::Timeout(deadline)),
+            };
+            match got {
                 Ok(Ok(frame)) if frame.header.request == request => return Ok(frame),
                 Ok(Ok(_late)) => continue,
-                Err(RecvTimeoutError::Timeout) => return Err(ProcessError::Timeout(deadline)),
                 Ok(Err(reason)) => {
                     let (_, closed) = crossbeam_channel::bounded(0);
                     self.replies = closed;
                     return Err(ProcessError::Protocol(reason));
                 }
-                Err(RecvTimeoutError::Disconnected) => {
+                Err(_disconnected) => {
                     let epoch = self.last_stage_epoch;
                     match accept_within(&self.results, self.last_stage, epoch, &self.secret, left) {
                         Ok(stream) => self.replies = read_replies(stream),
@@ -219,7 +255,7 @@ impl RemotePipeline {
     pub fn step(&mut self, seat: Seat, tokens: &[u32], position: u32) -> Result<StepReply, ProcessError> {
         let ids = [seat.microbatch, seat.slot, position, tokens.len() as u32];
         let request = self.write(Kind::Activation, ids, &tokens_payload(tokens))?;
-        let Frame { header, payload } = self.reply(request, self.deadline)?;
+        let Frame { header, payload } = self.await_reply(request, self.deadline, true)?;
         let [microbatch, slot, position, count] = header.ids;
         match tokens_of(&payload)[..] {
             [token] => Ok(StepReply { token, seat: Seat { microbatch, slot }, kv_end: position + count }),

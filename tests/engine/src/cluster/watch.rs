@@ -1,0 +1,70 @@
+//! The driver's ear on the controller: a thread that waits on the controller for each fence it
+//! opens and tells the driver at once, so that a step in flight when the controller declares a
+//! stage dead fails then rather than at its deadline.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use tracing::debug;
+
+use crate::controller::ControllerClient;
+
+/// How long one wait on the controller lasts before the watcher asks again (and sees whether it
+/// was dropped).
+const WAIT: Duration = Duration::from_secs(1);
+
+/// How long the watcher waits before asking again after a failed call (a controller stopped,
+/// restarting or replaced).
+const RETRY: Duration = Duration::from_millis(50);
+
+/// Watches the controller for fences until dropped.
+#[derive(Debug)]
+pub(super) struct FenceWatch {
+    stop: Arc<AtomicBool>,
+}
+
+impl FenceWatch {
+    /// Watches the controller at `controller` (proving the cluster secret `secret`) for epochs
+    /// after `epoch`; each new epoch it opens comes out of the receiver, in order.
+    pub(super) fn start(
+        controller: SocketAddr,
+        secret: &[u8],
+        epoch: u64,
+    ) -> std::io::Result<(Self, Receiver<u64>)> {
+        let (fences, alarm) = crossbeam_channel::unbounded();
+        let stop = Arc::new(AtomicBool::new(false));
+        let client = ControllerClient::new(controller, WAIT * 3, secret);
+        let stopped = stop.clone();
+        std::thread::Builder::new()
+            .name("fence-watch".into())
+            .spawn(move || watch(client, epoch, &fences, &stopped))?;
+        Ok((Self { stop }, alarm))
+    }
+}
+
+impl Drop for FenceWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+fn watch(mut client: ControllerClient, mut known: u64, fences: &Sender<u64>, stop: &AtomicBool) {
+    while !stop.load(Ordering::Relaxed) {
+        match client.await_fence(known, WAIT) {
+            Ok(epoch) if epoch > known => {
+                known = epoch;
+                if fences.send(epoch).is_err() {
+                    return;
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                debug!(error = %e, "cannot wait for fences");
+                std::thread::sleep(RETRY);
+            }
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! Lifelines: a connection each member holds open to the controller's query port for as long as
+//! its process lives, so that a process that dies is seen dead at once rather than after the
+//! heartbeat timeout.
+//!
+//! When a process exits or is killed, its kernel closes its sockets: the controller reads the end
+//! of the member's lifeline within a round trip, declares the member dead and wakes its detector.
+//! Heartbeats stay what detects the rest (a process stopped or hung, a host gone, a network cut):
+//! none of those closes a connection. A member that never holds a lifeline is watched by its
+//! heartbeats alone.
+//!
+//! - A lifeline is a query connection (it proves the cluster secret the same way) whose first
+//!   request, [`OP_LIFELINE`], names the member and the epoch its process was started in. A
+//!   process fenced in a newer epoch is refused, as its heartbeats are.
+//! - Only the member's latest lifeline counts: the end of an older one (a process presumed dead
+//!   and replaced, a connection the member opened again) says nothing of the member.
+//! - A fence forgets the fenced members' lifelines; the replacement holds its own.
+//! - The member's side ([`Lifeline`]) opens the connection again whenever it breaks (a controller
+//!   restarted), every retry interval, until it is dropped.
+
+use std::io::{BufReader, BufWriter, ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dejavulib::net::auth::client_handshake_blocking;
+use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
+use parking_lot::Mutex;
+use tracing::{debug, info};
+
+use super::query::{encode_member, handshake_error, OP_LIFELINE, QUERY_CLIENT_NODE};
+use super::{ControllerError, Counters, Events, Member, Tables};
+
+/// Numbers the lifelines a controller has held, so that the end of an old one is told from the
+/// member's current one.
+static NEXT_LIFELINE: AtomicU64 = AtomicU64::new(1);
+
+/// Lifelines held at once; more are refused (each holds a thread of the controller).
+pub(super) const MAX_LIFELINES: usize = 1024;
+
+/// The controller's side, when `member`, started in `epoch`, asks to hold a lifeline: its number,
+/// now the member's current one, or a refusal for a process fenced since it started.
+pub(super) fn register(tables: &mut Tables, member: Member, epoch: u64) -> Result<u64, ControllerError> {
+    if tables.state.members.get(&member).is_some_and(|m| epoch < m.fenced_in) {
+        return Err(ControllerError::Protocol(format!("a lifeline of a process fenced since epoch {epoch}")));
+    }
+    let number = NEXT_LIFELINE.fetch_add(1, Ordering::Relaxed);
+    tables.lifelines.insert(member, number);
+    tables.severed.remove(&member);
+    Ok(number)
+}
+
+/// The controller's side of lifeline `number` of `member`, once answered: waits for the
+/// connection's end, then, if it was still the member's lifeline, declares the member dead and
+/// wakes the detector.
+pub(super) fn wait_out(
+    mut reader: BufReader<TcpStream>,
+    (member, number): (Member, u64),
+    tables: &Mutex<Tables>,
+    counters: &Counters,
+    events: &Events,
+) {
+    counters.lifelines.fetch_add(1, Ordering::Relaxed);
+    // A member sends nothing more: whatever comes is read and dropped until the end.
+    let mut sink = [0u8; 64];
+    loop {
+        match reader.read(&mut sink) {
+            Ok(0) => break,
+            Ok(_) => continue,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(_) => break,
+        }
+    }
+    counters.lifelines.fetch_sub(1, Ordering::Relaxed);
+    let mut tables = tables.lock();
+    if tables.lifelines.get(&member) == Some(&number) {
+        tables.lifelines.remove(&member);
+        tables.severed.insert(member, Instant::now());
+        counters.severed_lifelines.fetch_add(1, Ordering::Relaxed);
+        info!(?member, "a lifeline broke: the member's process is gone");
+        // A full channel means the detector runs anyway.
+        let _ = events.severed.try_send(());
+    }
+}
+
+/// A member's lifeline to the controller, held by a thread of its own until this is dropped.
+#[derive(Debug)]
+pub struct Lifeline {
+    stop: Arc<AtomicBool>,
+    /// The connection now held, to be shut down when this is dropped.
+    held: Arc<Mutex<Option<TcpStream>>>,
+}
+
+impl Lifeline {
+    /// Holds a lifeline for `member`, whose process was started in `epoch`, to the controller at
+    /// `controller`, proving the cluster secret `secret`; a connection that cannot be opened or
+    /// breaks is tried again every `retry`.
+    pub fn hold(
+        controller: SocketAddr,
+        member: Member,
+        epoch: u64,
+        retry: Duration,
+        secret: &[u8],
+    ) -> std::io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let held = Arc::new(Mutex::new(None));
+        let (stopped, holding, secret) = (stop.clone(), held.clone(), secret.to_vec());
+        std::thread::Builder::new().name("lifeline".into()).spawn(move || {
+            while !stopped.load(Ordering::SeqCst) {
+                match open(controller, member, epoch, retry.max(Duration::from_secs(1)), &secret) {
+                    Ok(stream) => {
+                        let Ok(ours) = stream.try_clone() else { continue };
+                        *holding.lock() = Some(ours);
+                        // Dropped meanwhile: the drop found no connection to shut down.
+                        if stopped.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        wait_for_end(stream);
+                    }
+                    Err(e) => debug!(error = %e, "cannot hold a lifeline to the controller"),
+                }
+                std::thread::sleep(retry);
+            }
+        })?;
+        Ok(Self { stop, held })
+    }
+}
+
+impl Drop for Lifeline {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(stream) = self.held.lock().take() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// A connection to the controller at `controller`, accepted as `member`'s lifeline; `patience`
+/// bounds each step of opening it.
+fn open(
+    controller: SocketAddr,
+    member: Member,
+    epoch: u64,
+    patience: Duration,
+    secret: &[u8],
+) -> Result<TcpStream, ControllerError> {
+    let stream = TcpStream::connect_timeout(&controller, patience)?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(patience))?;
+    stream.set_write_timeout(Some(patience))?;
+    client_handshake_blocking(&stream, secret, QUERY_CLIENT_NODE, patience).map_err(handshake_error)?;
+    let mut header = FrameHeader::new(Kind::Control, u32::MAX, epoch, 1);
+    header.ids[0] = OP_LIFELINE;
+    let mut payload = Vec::new();
+    encode_member(&mut payload, member);
+    let mut writer = BufWriter::new(stream.try_clone()?);
+    write_frame(&mut writer, &header, &payload)?;
+    writer.flush()?;
+    let reply = read_frame(&mut BufReader::new(stream.try_clone()?), 1 << 16)
+        .map_err(|e| ControllerError::Protocol(e.to_string()))?;
+    match reply {
+        Some(frame) if frame.header.kind == Kind::Control => {}
+        Some(frame) => {
+            return Err(ControllerError::Protocol(String::from_utf8_lossy(&frame.payload).into_owned()))
+        }
+        None => return Err(ControllerError::Protocol("the controller closed the lifeline".into())),
+    }
+    // Held for as long as the process lives: no reads time out from now on.
+    stream.set_read_timeout(None)?;
+    Ok(stream)
+}
+
+/// Blocks until the controller's end of `stream` closes (or the stream is shut down here).
+fn wait_for_end(mut stream: TcpStream) {
+    let mut sink = [0u8; 64];
+    loop {
+        match stream.read(&mut sink) {
+            Ok(0) => return,
+            Ok(_) => continue,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(_) => return,
+        }
+    }
+}
