@@ -1,5 +1,6 @@
-//! A decode step flushed to a file: buffered (gather, then one write) against the paper's baseline
-//! (one write per extent), and a raw sequential write of the same bytes.
+//! A decode step flushed to a file: buffered (gather, then one write; or each piece written as
+//! soon as it is gathered) against the paper's baseline (one write per extent), and a raw
+//! sequential write of the same bytes.
 // criterion_group! and criterion_main! generate undocumented items.
 #![allow(missing_docs)]
 
@@ -28,6 +29,13 @@ fn flush(c: &mut Criterion) {
                 let mut staging = pool.lease(len as usize);
                 w.cache.gather(region, descriptor.packing, &mut staging).expect("gather");
                 store.put(&descriptor, &staging).expect("flush");
+            })
+        });
+        let plan = w.cache.gather_plan(region, descriptor.packing).expect("plan");
+        group.bench_function(format!("written_as_gathered/{name}"), |b| {
+            b.iter(|| {
+                let mut staging = pool.lease(len as usize);
+                store.put_gathered(&descriptor, &w.cache, &plan, &mut staging).expect("flush");
             })
         });
         let io = FileIo::new(backend).expect("io");

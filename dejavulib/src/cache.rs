@@ -1,5 +1,6 @@
 //! A KV cache in host memory that an engine writes while a streamer reads other layers of it.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::RwLock;
@@ -288,6 +289,77 @@ impl KvCache {
         Ok(unsafe { copy::execute_raw_parallel(plan, &src, &dst, threads) }?)
     }
 
+    /// Runs a plan made by [`KvCache::gather_plan`] of this cache into `out`, as
+    /// [`KvCache::gather_with`] does but on the calling thread alone, in pieces of about `piece`
+    /// bytes in the order of `out`, and hands `sink` each piece, in order, as soon as it is
+    /// gathered, on a thread of its own: whatever consumes the packed bytes (a checksum and a
+    /// write to a file, say) runs while the rest is gathered. `sink` returns whether it wants
+    /// more; once it says no, the rest is still gathered, but not handed over. The pieces handed
+    /// over are `out` whole, one after another. A plan whose blocks do not fill `out` in order is
+    /// gathered first and handed over in one piece.
+    pub fn gather_streamed(
+        &self,
+        plan: &GatherPlan,
+        out: &mut [u8],
+        piece: usize,
+        sink: impl FnMut(&[u8]) -> bool + Send,
+    ) -> Result<u64, CacheError> {
+        if plan.cache != self.id {
+            return Err(CacheError::ForeignPlan);
+        }
+        self.check_len(&plan.region, out.len())?;
+        let len = out.len();
+        let Some(groups) = copy::ordered_groups(&plan.plan, len as u64, piece as u64) else {
+            let gathered = self.gather_with(plan, out)?;
+            let mut sink = sink;
+            sink(out);
+            return Ok(gathered);
+        };
+        let region = &plan.region;
+        let _guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
+            .iter()
+            .map(RwLock::read)
+            .collect();
+        let src = self.raw_src();
+        let dst = [RawDst::from(&mut *out)];
+        copy::check_plan(&plan.plan, &src, &dst)?;
+        // The sink thread reads pieces through this address while this thread writes the next:
+        // `out` is not used again until both are done.
+        let base = dst[0].ptr as usize;
+        let (finished, pieces) = crossbeam_channel::unbounded::<Range<u64>>();
+        std::thread::scope(|scope| {
+            scope.spawn(move || {
+                let mut sink = sink;
+                let mut wanted = true;
+                for range in pieces {
+                    if wanted {
+                        // SAFETY: `range` lies in `out` (the groups cover `0..len`), which this
+                        // call borrows exclusively; the gathering thread wrote those bytes before
+                        // sending the range (the channel orders it) and writes none of them again
+                        // (a group's range holds none of the bytes later groups write).
+                        let bytes = unsafe {
+                            std::slice::from_raw_parts(
+                                (base + range.start as usize) as *const u8,
+                                (range.end - range.start) as usize,
+                            )
+                        };
+                        wanted = sink(bytes);
+                    }
+                }
+            });
+            for (range, blocks) in groups {
+                // SAFETY: the plan was checked against these buffers above; the cache's bytes are
+                // read under the layers' read locks, and the group's destination bytes are ours:
+                // the sink reads only ranges of groups already gathered, disjoint from these.
+                unsafe { copy::run_checked(blocks, &src, &dst) };
+                // The sink thread only ends once this sender is dropped: it cannot be gone.
+                let _ = finished.send(range);
+            }
+            drop(finished);
+        });
+        Ok(plan.plan.bytes())
+    }
+
     /// Buffered copy in: scatters packed `input` (exactly [`KvCache::packed_len`] bytes) into `region`.
     pub fn scatter(&self, region: &KvRegion, packing: Packing, input: &[u8]) -> Result<u64, CacheError> {
         self.layout.check_region(region)?;
@@ -477,6 +549,56 @@ mod tests {
             cache.set_gather_threads(1);
         }
         assert!(cache.packed_len(&KvRegion::new(0..4, 0..4, 0..8, 0..200)) >= PARALLEL_MIN_BYTES);
+    }
+
+    #[test]
+    fn a_streamed_gather_hands_over_every_byte_in_order_whatever_the_piece() {
+        let cache = filled_cache();
+        let packing = cache.layout().preferred_packing();
+        for region in [KvRegion::new(0..4, 0..4, 0..8, 0..200), KvRegion::new(1..3, 0..4, 2..8, 100..101)] {
+            let plan = cache.gather_plan(&region, packing).unwrap();
+            let len = cache.packed_len(&region) as usize;
+            let mut expected = vec![0u8; len];
+            cache.gather_with(&plan, &mut expected).unwrap();
+            for piece in [1, 4096, 64 << 10, usize::MAX] {
+                let mut out = vec![0u8; len];
+                let mut handed = Vec::new();
+                let mut pieces = 0;
+                let n = cache
+                    .gather_streamed(&plan, &mut out, piece, |bytes| {
+                        handed.extend_from_slice(bytes);
+                        pieces += 1;
+                        true
+                    })
+                    .unwrap();
+                assert_eq!(n, len as u64);
+                assert!(out == expected, "piece {piece}: gathered");
+                assert!(handed == expected, "piece {piece}: handed over in order");
+                if piece == usize::MAX {
+                    assert_eq!(pieces, 1);
+                } else if piece == 1 {
+                    assert!(pieces > 1, "one piece per block");
+                }
+                // A sink that wants no more after the first piece still leaves `out` gathered.
+                let mut out = vec![0u8; len];
+                let mut calls = 0;
+                cache
+                    .gather_streamed(&plan, &mut out, piece, |_| {
+                        calls += 1;
+                        false
+                    })
+                    .unwrap();
+                assert_eq!(calls, 1);
+                assert!(out == expected, "piece {piece}: gathered after the sink stopped");
+            }
+            // Wrong lengths and another cache's plans are refused before anything moves.
+            let mut short = vec![0u8; len - 1];
+            assert!(cache.gather_streamed(&plan, &mut short, 4096, |_| true).is_err());
+            let other = filled_cache();
+            let mut out = vec![0u8; len];
+            let foreign = other.gather_streamed(&plan, &mut out, 4096, |_| panic!("nothing is handed over"));
+            assert!(matches!(foreign, Err(CacheError::ForeignPlan)), "{foreign:?}");
+        }
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! block is bounds-checked against the buffers before any byte moves, so a bad plan is a typed
 //! error, never an out-of-bounds access or a partial copy.
 
+use std::ops::Range;
+
 use thiserror::Error;
 
 use crate::plan::{Axis, CopyBlock, CopyPlan};
@@ -126,6 +128,55 @@ pub unsafe fn execute_raw_parallel(
         unsafe { run_blocks(last, src, dst) };
     });
     Ok(plan.bytes())
+}
+
+/// Checks every block of `plan` against the buffers, before any byte moves: what
+/// [`run_checked`] needs.
+pub(crate) fn check_plan(plan: &CopyPlan, src: &[RawSrc], dst: &[RawDst]) -> Result<(), CopyError> {
+    plan.blocks().iter().try_for_each(|block| check_block(block, src, dst))
+}
+
+/// Runs `blocks` on the calling thread.
+///
+/// # Safety
+/// The blocks were checked against `src` and `dst` with [`check_plan`] (or are a part of a plan
+/// that was), and the conditions of [`execute_raw`] hold for them.
+pub(crate) unsafe fn run_checked(blocks: &[CopyBlock], src: &[RawSrc], dst: &[RawDst]) {
+    // SAFETY: forwarded contract.
+    unsafe { run_blocks(blocks, src, dst) }
+}
+
+/// The blocks of `plan`, which all write destination buffer 0 of `len` bytes, in consecutive
+/// groups of about `piece` bytes each, with the range of the destination each group finishes:
+/// the ranges follow one another and cover `0..len` (a group's range holds every byte its blocks
+/// write and none that a later group writes). `None` when the blocks do not write the
+/// destination in order, one after another.
+pub(crate) fn ordered_groups(
+    plan: &CopyPlan,
+    len: u64,
+    piece: u64,
+) -> Option<Vec<(Range<u64>, &[CopyBlock])>> {
+    let blocks = plan.blocks();
+    let mut groups = Vec::new();
+    let (mut group_start, mut range_start, mut written, mut bytes) = (0, 0, 0u64, 0u64);
+    for (i, block) in blocks.iter().enumerate() {
+        let end = block.dst_end()?;
+        if block.dst_buffer != 0 || block.dst_offset < written || end > len {
+            return None;
+        }
+        written = end;
+        bytes += block.bytes();
+        if bytes >= piece.max(1) {
+            groups.push((range_start..written, &blocks[group_start..=i]));
+            (group_start, range_start, bytes) = (i + 1, written, 0);
+        }
+    }
+    if group_start < blocks.len() || groups.is_empty() {
+        groups.push((range_start..len, &blocks[group_start..]));
+    } else if let Some((last, _)) = groups.last_mut() {
+        last.end = len;
+    }
+    Some(groups)
 }
 
 /// Buffer tables handed to copy threads.

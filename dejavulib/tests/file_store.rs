@@ -801,3 +801,61 @@ fn a_put_whose_region_size_overflows_is_an_error_not_a_panic() {
     }
     assert!(dir_entries(dir.path()).is_empty());
 }
+
+/// A chunk written piece by piece, and one gathered and written as it is gathered
+/// (`put_gathered`), read back equal to the region's gather; a writer given too many bytes,
+/// finished short or dropped leaves no new file and the chunk in place.
+#[test]
+fn chunks_written_in_pieces_and_as_they_are_gathered_read_back_whole() {
+    for backend in BACKENDS {
+        for (i, spec) in specs().into_iter().enumerate() {
+            let dir = tempfile::tempdir().unwrap();
+            let mut store = FileStore::open(dir.path(), backend).unwrap();
+            let (cache, region, packing, payload) = gathered(spec, 40 + i as u64);
+            let d = descriptor(&spec, &region, packing);
+
+            let mut writer = store.begin_put(&d).unwrap();
+            for piece in payload.chunks(7) {
+                writer.append(piece).unwrap();
+            }
+            writer.finish().unwrap();
+            let mut back = Vec::new();
+            assert_eq!(store.get(&d.key(), &mut back).unwrap(), d);
+            assert!(back == payload, "{backend:?}: written in pieces");
+
+            // Replaced by the same region gathered again, as it is gathered.
+            let other = filled(KvLayout::faster_transformer(spec, 3, 9).unwrap(), 99);
+            let mut expected = vec![0u8; payload.len()];
+            other.gather(&region, packing, &mut expected).unwrap();
+            let plan = other.gather_plan(&region, packing).unwrap();
+            let mut staging = vec![0u8; payload.len()];
+            store.put_gathered(&d, &other, &plan, &mut staging).unwrap();
+            assert!(staging == expected, "{backend:?}: the staging buffer holds the gather");
+            store.get(&d.key(), &mut back).unwrap();
+            assert!(back == expected, "{backend:?}: written as gathered");
+            // A plan of another cache is refused, and the chunk stays.
+            let foreign = cache.gather_plan(&region, packing).unwrap();
+            let refused = store.put_gathered(&d, &other, &foreign, &mut staging);
+            assert!(matches!(refused, Err(StoreError::Gather(_))), "{refused:?}");
+
+            // Too many bytes, too few, or given up: nothing changes.
+            let before = dir_entries(dir.path());
+            let mut writer = store.begin_put(&d).unwrap();
+            writer.append(&payload).unwrap();
+            let over = writer.append(&[0]);
+            assert!(matches!(over, Err(StoreError::PayloadLength { .. })), "{over:?}");
+            drop(writer);
+            let mut writer = store.begin_put(&d).unwrap();
+            writer.append(&payload[..payload.len() - 1]).unwrap();
+            let short = writer.finish();
+            assert!(matches!(short, Err(StoreError::PayloadLength { .. })), "{short:?}");
+            let after = dir_entries(dir.path());
+            assert!(
+                after.iter().all(|name| before.contains(name)),
+                "{backend:?}: {after:?} after {before:?}"
+            );
+            store.get(&d.key(), &mut back).unwrap();
+            assert!(back == expected, "{backend:?}: the chunk in place is untouched");
+        }
+    }
+}

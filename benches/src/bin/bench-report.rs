@@ -213,6 +213,10 @@ fn micro_rows(geometry: Geometry, quick: bool, gpu_only: bool) -> Micro {
         w.cache.gather_with(&plan, &mut staging).expect("gather");
         store.put(&descriptor, &staging).expect("flush");
     });
+    let t_streamed = median(11, || {
+        let mut staging = pool.lease(decode_len as usize);
+        store.put_gathered(&descriptor, &w.cache, &plan, &mut staging).expect("flush");
+    });
     let io = FileIo::new(FileBackend::Posix).expect("io");
     let path = dir.path().join("baseline.djv");
     let t_per_extent = median(3, || {
@@ -221,8 +225,8 @@ fn micro_rows(geometry: Geometry, quick: bool, gpu_only: bool) -> Micro {
     let raw_path = dir.path().join("raw.bin");
     let t_raw = median(11, || std::fs::write(&raw_path, &src).expect("write"));
     rows.push(Row {
-        name: "decode step to file, buffered (gather + 1 write)".into(),
-        value: t_buffered.as_secs_f64() * 1e3,
+        name: "decode step to file, buffered (each piece written as gathered)".into(),
+        value: t_streamed.as_secs_f64() * 1e3,
         unit: "ms",
         limit_name: "one write per extent (paper's baseline)".into(),
         limit: t_per_extent.as_secs_f64() * 1e3,
@@ -230,8 +234,17 @@ fn micro_rows(geometry: Geometry, quick: bool, gpu_only: bool) -> Micro {
         higher_is_better: false,
     });
     rows.push(Row {
-        name: "decode step to file, buffered".into(),
+        name: "decode step to file, buffered (gather, then 1 write)".into(),
         value: t_buffered.as_secs_f64() * 1e3,
+        unit: "ms",
+        limit_name: "one write per extent (paper's baseline)".into(),
+        limit: t_per_extent.as_secs_f64() * 1e3,
+        target: 0.0,
+        higher_is_better: false,
+    });
+    rows.push(Row {
+        name: "decode step to file, buffered (each piece written as gathered)".into(),
+        value: t_streamed.as_secs_f64() * 1e3,
         unit: "ms",
         limit_name: "raw sequential write of the same bytes".into(),
         limit: t_raw.as_secs_f64() * 1e3,

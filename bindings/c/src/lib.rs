@@ -191,6 +191,7 @@ impl From<StoreError> for Failure {
             StoreError::Chunk { .. } => DjvStatus::Corrupt,
             StoreError::PayloadLength { .. } => DjvStatus::InvalidArgument,
             StoreError::Io { .. } => DjvStatus::Io,
+            StoreError::Gather(e) => return Self::from(*e),
         };
         Failure(status, e.to_string())
     }

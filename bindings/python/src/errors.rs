@@ -28,6 +28,7 @@ pub(crate) fn store_err(e: ChunkStoreError) -> PyErr {
         ChunkStoreError::Chunk { .. } => CorruptChunkError::new_err(e.to_string()),
         ChunkStoreError::PayloadLength { .. } => PyValueError::new_err(e.to_string()),
         ChunkStoreError::Io { .. } => StoreError::new_err(e.to_string()),
+        ChunkStoreError::Gather(e) => cache_err(*e),
     }
 }
 

@@ -12,8 +12,11 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::{check_payload, ChunkStore, StoreError};
+use crate::cache::GatherPlan;
+use crate::checksum::Checksum;
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkError, ChunkKey, HEADER_LEN};
 use crate::file_io::{FileBackend, FileIo};
+use crate::KvCache;
 
 /// Chunks as files in a directory, one per key (the SSD tier).
 ///
@@ -43,6 +46,11 @@ pub struct FileStore {
 }
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The pieces [`FileStore::put_gathered`] writes while gathering the next: small enough to be
+/// checksummed and written while still in the last-level cache, large enough that a write costs
+/// far more than a system call.
+const GATHERED_PIECE: usize = 512 << 10;
 
 /// The suffix of temporary files: a flush in progress, or a displaced chunk kept for reuse.
 const TEMP_SUFFIX: &str = ".tmp";
@@ -134,14 +142,64 @@ impl FileStore {
         })
     }
 
-    /// Writes header and payload into `temp`; a reused spare longer than them is cut after.
-    fn write_file(&self, temp: &Temp, header: &[u8], payload: &[u8]) -> Result<(), StoreError> {
+    /// Starts flushing a chunk as `descriptor` says, whose payload comes in pieces, in order
+    /// ([`ChunkWriter::append`]): the pieces go to the chunk's file as they come, so that a
+    /// payload still being produced (gathered, say: [`crate::KvCache::gather_streamed`]) is
+    /// written meanwhile. [`ChunkWriter::finish`] puts the chunk in place, as
+    /// [`ChunkStore::put`] does; a writer dropped before leaves no chunk and no file behind.
+    pub fn begin_put(&self, descriptor: &ChunkDescriptor) -> Result<ChunkWriter<'_>, StoreError> {
+        descriptor
+            .validate()
+            .map_err(|source| StoreError::Chunk { key: descriptor.key().file_name(), source })?;
+        let key = descriptor.key();
+        let temp = self.open_temp(&key)?;
+        Ok(ChunkWriter {
+            store: self,
+            path: self.path_of(&key),
+            descriptor: descriptor.clone(),
+            temp: Some(temp),
+            written: 0,
+            checksum: Checksum::new(),
+        })
+    }
+
+    /// Flushes the region `plan` gathers from `cache` as `descriptor` says, through `staging`
+    /// (exactly the region's packed length): the buffered flush, with each piece of the payload
+    /// checksummed and written by a second thread as soon as it is gathered
+    /// ([`KvCache::gather_streamed`]), so that the write costs little more than the gather.
+    pub fn put_gathered(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &KvCache,
+        plan: &GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<(), StoreError> {
+        check_payload(descriptor, staging)?;
+        let mut writer = self.begin_put(descriptor)?;
+        let mut failed = None;
+        cache
+            .gather_streamed(plan, staging, GATHERED_PIECE, |piece| match writer.append(piece) {
+                Ok(()) => true,
+                Err(e) => {
+                    failed = Some(e);
+                    false
+                }
+            })
+            .map_err(|e| StoreError::Gather(Box::new(e)))?;
+        match failed {
+            Some(e) => Err(e),
+            None => writer.finish(),
+        }
+    }
+
+    /// Writes `header` into `temp`, whose payload of `payload_len` bytes is in; a reused spare
+    /// longer than them is cut after.
+    fn seal(&self, temp: &Temp, header: &[u8], payload_len: u64) -> Result<(), StoreError> {
         let Temp { path, file, reused } = temp;
         let io_err = |op| move |source| StoreError::Io { op, path: path.to_path_buf(), source };
         self.io.write_all_at(file, header, 0).map_err(io_err("write"))?;
-        self.io.write_all_at(file, payload, HEADER_LEN as u64).map_err(io_err("write"))?;
         if *reused {
-            file.set_len((header.len() + payload.len()) as u64).map_err(io_err("resize"))?;
+            file.set_len(header.len() as u64 + payload_len).map_err(io_err("resize"))?;
         }
         if self.sync {
             file.sync_data().map_err(io_err("sync"))?;
@@ -210,6 +268,98 @@ struct Temp {
     file: File,
     /// A spare that held a chunk before, perhaps longer than this one.
     reused: bool,
+}
+
+/// A chunk being flushed to a [`FileStore`] piece by piece: see [`FileStore::begin_put`].
+pub struct ChunkWriter<'a> {
+    store: &'a FileStore,
+    descriptor: ChunkDescriptor,
+    /// Where the chunk goes once finished.
+    path: PathBuf,
+    /// The file written meanwhile (`None` once finished).
+    temp: Option<Temp>,
+    /// Payload bytes appended so far.
+    written: u64,
+    checksum: Checksum,
+}
+
+impl ChunkWriter<'_> {
+    /// Writes the next `bytes` of the payload.
+    pub fn append(&mut self, bytes: &[u8]) -> Result<(), StoreError> {
+        let expected = self.descriptor.payload_len();
+        let got = self.written + bytes.len() as u64;
+        if got > expected {
+            return Err(StoreError::PayloadLength { expected, got });
+        }
+        let temp = self.temp.as_ref().expect("a writer holds its file until finished");
+        self.store
+            .io
+            .write_all_at(&temp.file, bytes, HEADER_LEN as u64 + self.written)
+            .map_err(|source| StoreError::Io { op: "write", path: temp.path.clone(), source })?;
+        self.checksum.update(bytes);
+        self.written = got;
+        Ok(())
+    }
+
+    /// Writes the header, once the whole payload is in, and puts the chunk in place (replacing
+    /// one with the same key). A payload shorter than the descriptor says is refused, and
+    /// nothing is left behind.
+    pub fn finish(mut self) -> Result<(), StoreError> {
+        let expected = self.descriptor.payload_len();
+        if self.written != expected {
+            return Err(StoreError::PayloadLength { expected, got: self.written });
+        }
+        let temp = self.temp.take().expect("a writer holds its file until finished");
+        let store = self.store;
+        let header = self.descriptor.encode_header_with_checksum(self.written, self.checksum.digest());
+        // The file stays open, and locked, until it is in place.
+        let installed =
+            store.seal(&temp, &header, self.written).and_then(|()| store.install(&temp.path, &self.path));
+        let Temp { path: temp, file, .. } = temp;
+        drop(file);
+        let displaced = match installed {
+            Ok(displaced) => displaced,
+            Err(e) => {
+                let _ = fs::remove_file(&temp);
+                return Err(e);
+            }
+        };
+        if store.sync {
+            // The displaced file is rewritten only once the exchange is on disk: before, a crash
+            // could find the chunk's name still on it.
+            if let Err(source) = File::open(&store.dir).and_then(|d| d.sync_all()) {
+                if let Some(displaced) = displaced {
+                    let _ = fs::remove_file(displaced);
+                }
+                return Err(StoreError::Io { op: "sync directory", path: store.dir.clone(), source });
+            }
+        }
+        if let Some(displaced) = displaced {
+            store.spare.keep(displaced);
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for ChunkWriter<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkWriter")
+            .field("path", &self.path)
+            .field("written", &self.written)
+            .field("expected", &self.descriptor.payload_len())
+            .finish()
+    }
+}
+
+impl Drop for ChunkWriter<'_> {
+    fn drop(&mut self) {
+        // Abandoned before it was put in place (a write failed, say: the disk is full), so
+        // never under the chunk's name: removed, a spare it reused too.
+        if let Some(Temp { path, file, .. }) = self.temp.take() {
+            drop(file);
+            let _ = fs::remove_file(path);
+        }
+    }
 }
 
 /// Times a fetch opens a chunk again because a flush replaced it meanwhile.
@@ -374,36 +524,9 @@ fn is_temp_name(name: &str) -> bool {
 impl ChunkStore for FileStore {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         check_payload(descriptor, payload)?;
-        let header = descriptor.encode_header(payload);
-        let key = descriptor.key();
-        let path = self.path_of(&key);
-        let temp = self.open_temp(&key)?;
-        // The file stays open, and locked, until it is in place.
-        let installed =
-            self.write_file(&temp, &header, payload).and_then(|()| self.install(&temp.path, &path));
-        let Temp { path: temp, file, .. } = temp;
-        drop(file);
-        let displaced = match installed {
-            Ok(displaced) => displaced,
-            Err(e) => {
-                let _ = fs::remove_file(&temp);
-                return Err(e);
-            }
-        };
-        if self.sync {
-            // The displaced file is rewritten only once the exchange is on disk: before, a crash
-            // could find the chunk's name still on it.
-            if let Err(source) = File::open(&self.dir).and_then(|d| d.sync_all()) {
-                if let Some(displaced) = displaced {
-                    let _ = fs::remove_file(displaced);
-                }
-                return Err(StoreError::Io { op: "sync directory", path: self.dir.clone(), source });
-            }
-        }
-        if let Some(displaced) = displaced {
-            self.spare.keep(displaced);
-        }
-        Ok(())
+        let mut writer = self.begin_put(descriptor)?;
+        writer.append(payload)?;
+        writer.finish()
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {

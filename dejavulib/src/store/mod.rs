@@ -15,7 +15,7 @@ use crate::chunk::{ChunkDescriptor, ChunkError, ChunkKey};
 mod file;
 mod host;
 
-pub use file::FileStore;
+pub use file::{ChunkWriter, FileStore};
 pub use host::{HostStore, PUT_LOG_LEN};
 
 /// Errors of chunk stores.
@@ -40,6 +40,10 @@ pub enum StoreError {
         /// Bytes given.
         got: u64,
     },
+    /// The payload could not be gathered (a plan of another cache, a staging buffer of the
+    /// wrong length).
+    #[error("gather: {0}")]
+    Gather(Box<crate::CacheError>),
     /// An I/O error (disk full, permissions, ...).
     #[error("{op} {path}: {source}")]
     Io {
