@@ -109,9 +109,9 @@ impl<'a> ChaosInjector<'a> {
             FaultKind::KillSidecar => cluster.signal(stage, Role::Sidecar, libc::SIGKILL)?,
             FaultKind::KillAdjacent => {
                 let what = if restarting { Kill::Engine } else { Kill::Worker };
-                for hit in stages_hit(&fault, cluster.len() as u32) {
-                    cluster.kill(hit, what)?;
-                }
+                let hits: Vec<(usize, Kill)> =
+                    stages_hit(&fault, cluster.len() as u32).into_iter().map(|hit| (hit, what)).collect();
+                cluster.kill_together(&hits)?;
             }
             FaultKind::PauseEngine => cluster.pause(stage, Role::Engine, lasting)?,
             FaultKind::PauseSidecar if restarting => {

@@ -290,13 +290,15 @@ impl KvCache {
     }
 
     /// Runs a plan made by [`KvCache::gather_plan`] of this cache into `out`, as
-    /// [`KvCache::gather_with`] does but on the calling thread alone, in pieces of about `piece`
+    /// [`KvCache::gather_with`] does but on the calling thread (whatever
+    /// [`KvCache::set_gather_threads`] says), in pieces of about `piece`
     /// bytes in the order of `out`, and hands `sink` each piece, in order, as soon as it is
     /// gathered, on a thread of its own: whatever consumes the packed bytes (a checksum and a
     /// write to a file, say) runs while the rest is gathered. `sink` returns whether it wants
     /// more; once it says no, the rest is still gathered, but not handed over. The pieces handed
     /// over are `out` whole, one after another. A plan whose blocks do not fill `out` in order is
-    /// gathered first and handed over in one piece.
+    /// gathered first ([`KvCache::gather_with`]) and handed over in one piece. The layers read
+    /// are locked against writers until the gather is done, not until the sink is.
     pub fn gather_streamed(
         &self,
         plan: &GatherPlan,
@@ -316,7 +318,7 @@ impl KvCache {
             return Ok(gathered);
         };
         let region = &plan.region;
-        let _guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
+        let guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
             .iter()
             .map(RwLock::read)
             .collect();
@@ -351,10 +353,12 @@ impl KvCache {
                 // SAFETY: the plan was checked against these buffers above; the cache's bytes are
                 // read under the layers' read locks, and the group's destination bytes are ours:
                 // the sink reads only ranges of groups already gathered, disjoint from these.
-                unsafe { copy::run_checked(blocks, &src, &dst) };
+                unsafe { copy::run_prechecked(blocks, &src, &dst) };
                 // The sink thread only ends once this sender is dropped: it cannot be gone.
                 let _ = finished.send(range);
             }
+            // The cache is read no more: writers to these layers need not wait for the sink.
+            drop(guards);
             drop(finished);
         });
         Ok(plan.plan.bytes())

@@ -131,7 +131,7 @@ pub unsafe fn execute_raw_parallel(
 }
 
 /// Checks every block of `plan` against the buffers, before any byte moves: what
-/// [`run_checked`] needs.
+/// [`run_prechecked`] needs.
 pub(crate) fn check_plan(plan: &CopyPlan, src: &[RawSrc], dst: &[RawDst]) -> Result<(), CopyError> {
     plan.blocks().iter().try_for_each(|block| check_block(block, src, dst))
 }
@@ -141,7 +141,7 @@ pub(crate) fn check_plan(plan: &CopyPlan, src: &[RawSrc], dst: &[RawDst]) -> Res
 /// # Safety
 /// The blocks were checked against `src` and `dst` with [`check_plan`] (or are a part of a plan
 /// that was), and the conditions of [`execute_raw`] hold for them.
-pub(crate) unsafe fn run_checked(blocks: &[CopyBlock], src: &[RawSrc], dst: &[RawDst]) {
+pub(crate) unsafe fn run_prechecked(blocks: &[CopyBlock], src: &[RawSrc], dst: &[RawDst]) {
     // SAFETY: forwarded contract.
     unsafe { run_blocks(blocks, src, dst) }
 }

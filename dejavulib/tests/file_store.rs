@@ -833,7 +833,13 @@ fn chunks_written_in_pieces_and_as_they_are_gathered_read_back_whole() {
             assert!(staging == expected, "{backend:?}: the staging buffer holds the gather");
             store.get(&d.key(), &mut back).unwrap();
             assert!(back == expected, "{backend:?}: written as gathered");
-            // A plan of another cache is refused, and the chunk stays.
+            // A plan of another region of the same length is refused, as is one of another
+            // cache; the chunk stays.
+            let shifted =
+                KvRegion::new(region.layers.clone(), region.slots.clone(), region.heads.clone(), 3..8);
+            let elsewhere = other.gather_plan(&shifted, packing).unwrap();
+            let refused = store.put_gathered(&d, &other, &elsewhere, &mut staging);
+            assert!(matches!(refused, Err(StoreError::Chunk { .. })), "{refused:?}");
             let foreign = cache.gather_plan(&region, packing).unwrap();
             let refused = store.put_gathered(&d, &other, &foreign, &mut staging);
             assert!(matches!(refused, Err(StoreError::Gather(_))), "{refused:?}");

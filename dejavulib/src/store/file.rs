@@ -168,13 +168,19 @@ impl FileStore {
     /// checksummed and written by a second thread as soon as it is gathered
     /// ([`KvCache::gather_streamed`]), so that the write costs little more than the gather.
     pub fn put_gathered(
-        &mut self,
+        &self,
         descriptor: &ChunkDescriptor,
         cache: &KvCache,
         plan: &GatherPlan,
         staging: &mut [u8],
     ) -> Result<(), StoreError> {
         check_payload(descriptor, staging)?;
+        if *plan.region() != descriptor.region || plan.packing() != descriptor.packing {
+            return Err(StoreError::Chunk {
+                key: descriptor.key().file_name(),
+                source: ChunkError::Invalid("the plan gathers another region or packing".into()),
+            });
+        }
         let mut writer = self.begin_put(descriptor)?;
         let mut failed = None;
         cache

@@ -391,7 +391,8 @@ fn recover(
         match cluster.recover_all(victims, &sequences) {
             Ok(recovered) => return Ok(recovered),
             Err(e) if attempt == RECOVERY_ATTEMPTS => return Err(e.into()),
-            Err(_) => {
+            Err(e) => {
+                tracing::warn!(attempt, error = %e, "a recovery attempt failed: trying again");
                 attempt += 1;
                 for (stage, what) in cluster.dead()? {
                     match victims.iter_mut().find(|v| v.0 == stage) {

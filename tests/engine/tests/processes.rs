@@ -297,8 +297,7 @@ fn adjacent_workers_lost_together_recompute_and_the_controller_reseeds_the_secon
     let so_far = start_requests(&mut chain.remote, done);
 
     // Workers 1 and 2 die together: worker 1's replica died with worker 2's sidecar.
-    chain.kill(1, Kill::Worker).unwrap();
-    chain.kill(2, Kill::Worker).unwrap();
+    chain.kill_together(&[(1, Kill::Worker), (2, Kill::Worker)]).unwrap();
     let position = (prompts[0].len() + done - 1) as u32;
     assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
     let victims = chain.detect(Duration::from_secs(3)).unwrap();
@@ -322,6 +321,31 @@ fn adjacent_workers_lost_together_recompute_and_the_controller_reseeds_the_secon
     let second = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
     assert!(second.copies_lost.is_empty());
     assert_eq!(second.lag, [(1, 0)], "worker 2's sidecar held all of worker 1's KV");
+    let mut so_far = so_far;
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "request {i}");
+    }
+}
+
+#[test]
+fn workers_apart_in_the_chain_lost_together_are_recovered_in_one_repair() {
+    let expected = reference();
+    let prompts = prompts();
+    let mut chain = cluster(true);
+    let done = 3;
+    let so_far = start_requests(&mut chain.remote, done);
+
+    // Workers 1 and 3 die together: the chain is repaired at two links at once (stage 0 to the
+    // new stage 1, stage 2 to the new stage 3), and the rewire of each must cross the other's
+    // link after its repair. Both restore from their successors' sidecars.
+    chain.kill_together(&[(1, Kill::Worker), (3, Kill::Worker)]).unwrap();
+    let position = (prompts[0].len() + done - 1) as u32;
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    let victims = chain.detect(Duration::from_secs(3)).unwrap();
+    assert_eq!(victims, [(1, Kill::Worker), (3, Kill::Worker)]);
+    let recovered = chain.recover_all(&victims, &sequences(&prompts, &so_far)).unwrap();
+    assert!(recovered.copies_lost.is_empty(), "{recovered:?}");
     let mut so_far = so_far;
     for (i, tokens) in so_far.iter_mut().enumerate() {
         *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);

@@ -567,14 +567,38 @@ impl Cluster {
 
     /// Kills stage `victim`'s engine, and with [`Kill::Worker`] its sidecar too.
     pub fn kill(&mut self, victim: usize, what: Kill) -> Result<(), ClusterError> {
-        if what == Kill::Worker && (self.sidecars.is_empty() || self.len() < 2) {
-            return Err(ClusterError::Invalid(
-                "killing a worker needs replication and two stages or more".into(),
-            ));
+        self.kill_together(&[(victim, what)])
+    }
+
+    /// Kills each of `victims` as [`Cluster::kill`] does, signalling every process before waiting
+    /// for any to exit, so that they die together, as the processes of a machine that fails do.
+    pub fn kill_together(&mut self, victims: &[(usize, Kill)]) -> Result<(), ClusterError> {
+        for &(victim, what) in victims {
+            if victim >= self.len() {
+                return Err(ClusterError::Invalid(format!("no stage {victim}")));
+            }
+            if what == Kill::Worker && (self.sidecars.is_empty() || self.len() < 2) {
+                return Err(ClusterError::Invalid(
+                    "killing a worker needs replication and two stages or more".into(),
+                ));
+            }
         }
-        self.stages[victim].proc.kill()?;
-        if what == Kill::Worker {
-            self.sidecars[victim].proc.kill()?;
+        let mut processes: Vec<&mut Spawned> = Vec::new();
+        for (stage, spawned) in self.stages.iter_mut().enumerate() {
+            if victims.iter().any(|&(victim, _)| victim == stage) {
+                processes.push(spawned);
+            }
+        }
+        for (stage, spawned) in self.sidecars.iter_mut().enumerate() {
+            if victims.iter().any(|&(victim, what)| victim == stage && what == Kill::Worker) {
+                processes.push(spawned);
+            }
+        }
+        for spawned in &mut processes {
+            spawned.proc.signal(libc::SIGKILL)?;
+        }
+        for spawned in processes {
+            spawned.proc.kill()?;
         }
         Ok(())
     }

@@ -34,14 +34,14 @@ impl FenceWatch {
         secret: &[u8],
         epoch: u64,
     ) -> std::io::Result<(Self, Receiver<u64>)> {
-        let (fences, alarm) = crossbeam_channel::unbounded();
+        let (opened, fences) = crossbeam_channel::unbounded();
         let stop = Arc::new(AtomicBool::new(false));
         let client = ControllerClient::new(controller, WAIT * 3, secret);
         let stopped = stop.clone();
         std::thread::Builder::new()
             .name("fence-watch".into())
-            .spawn(move || watch(client, epoch, &fences, &stopped))?;
-        Ok((Self { stop }, alarm))
+            .spawn(move || watch(client, epoch, &opened, &stopped))?;
+        Ok((Self { stop }, fences))
     }
 }
 
@@ -51,12 +51,13 @@ impl Drop for FenceWatch {
     }
 }
 
-fn watch(mut client: ControllerClient, mut known: u64, fences: &Sender<u64>, stop: &AtomicBool) {
+/// Sends each epoch after `known` the controller opens into `opened`, until `stop`.
+fn watch(mut client: ControllerClient, mut known: u64, opened: &Sender<u64>, stop: &AtomicBool) {
     while !stop.load(Ordering::Relaxed) {
         match client.await_fence(known, WAIT) {
             Ok(epoch) if epoch > known => {
                 known = epoch;
-                if fences.send(epoch).is_err() {
+                if opened.send(epoch).is_err() {
                     return;
                 }
             }

@@ -41,8 +41,11 @@ pub(super) const MAX_LIFELINES: usize = 1024;
 /// The controller's side, when `member`, started in `epoch`, asks to hold a lifeline: its number,
 /// now the member's current one, or a refusal for a process fenced since it started.
 pub(super) fn register(tables: &mut Tables, member: Member, epoch: u64) -> Result<u64, ControllerError> {
-    if tables.state.members.get(&member).is_some_and(|m| epoch < m.fenced_in) {
-        return Err(ControllerError::Protocol(format!("a lifeline of a process fenced since epoch {epoch}")));
+    if let Some(m) = tables.state.members.get(&member).filter(|m| epoch < m.fenced_in) {
+        return Err(ControllerError::Protocol(format!(
+            "a lifeline of a process started in epoch {epoch}, fenced in epoch {}",
+            m.fenced_in
+        )));
     }
     let number = NEXT_LIFELINE.fetch_add(1, Ordering::Relaxed);
     tables.lifelines.insert(member, number);
@@ -60,6 +63,11 @@ pub(super) fn wait_out(
     counters: &Counters,
     events: &Events,
 ) {
+    // A member's host that vanishes sends no end: probes find the connection dead within a
+    // minute, and give its thread and slot back (the heartbeats have declared it dead by then).
+    if let Err(e) = keep_alive(reader.get_ref()) {
+        debug!(error = %e, "a lifeline without keepalive probes");
+    }
     counters.lifelines.fetch_add(1, Ordering::Relaxed);
     // A member sends nothing more: whatever comes is read and dropped until the end.
     let mut sink = [0u8; 64];
@@ -108,8 +116,7 @@ impl Lifeline {
         std::thread::Builder::new().name("lifeline".into()).spawn(move || {
             while !stopped.load(Ordering::SeqCst) {
                 match open(controller, member, epoch, retry.max(Duration::from_secs(1)), &secret) {
-                    Ok(stream) => {
-                        let Ok(ours) = stream.try_clone() else { continue };
+                    Ok((stream, ours)) => {
                         *holding.lock() = Some(ours);
                         // Dropped meanwhile: the drop found no connection to shut down.
                         if stopped.load(Ordering::SeqCst) {
@@ -135,16 +142,17 @@ impl Drop for Lifeline {
     }
 }
 
-/// A connection to the controller at `controller`, accepted as `member`'s lifeline; `patience`
-/// bounds each step of opening it.
+/// A connection to the controller at `controller`, accepted as `member`'s lifeline, twice (the
+/// second handle to shut it down from elsewhere); `patience` bounds each step of opening it.
 fn open(
     controller: SocketAddr,
     member: Member,
     epoch: u64,
     patience: Duration,
     secret: &[u8],
-) -> Result<TcpStream, ControllerError> {
+) -> Result<(TcpStream, TcpStream), ControllerError> {
     let stream = TcpStream::connect_timeout(&controller, patience)?;
+    let shutter = stream.try_clone()?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(patience))?;
     stream.set_write_timeout(Some(patience))?;
@@ -167,7 +175,7 @@ fn open(
     }
     // Held for as long as the process lives: no reads time out from now on.
     stream.set_read_timeout(None)?;
-    Ok(stream)
+    Ok((stream, shutter))
 }
 
 /// Blocks until the controller's end of `stream` closes (or the stream is shut down here).
@@ -181,4 +189,32 @@ fn wait_for_end(mut stream: TcpStream) {
             Err(_) => return,
         }
     }
+}
+
+/// Probes an idle `stream` after 30 s, then every 10 s, and closes it after 3 probes unanswered.
+fn keep_alive(stream: &TcpStream) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    for (level, option, value) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 30),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3),
+    ] {
+        let value: libc::c_int = value;
+        // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from `&value`, a live c_int; the
+        // descriptor belongs to `stream`, open for the whole call.
+        let rc = unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                level,
+                option,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }

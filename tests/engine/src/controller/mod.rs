@@ -333,7 +333,7 @@ const FENCE_RETRY: Duration = Duration::from_secs(1);
 
 /// How long the detector waits, once a lifeline broke, for the lifelines of processes that died
 /// with it (a worker's engine and sidecar, killed together) to break too, so that they are fenced
-/// in one epoch.
+/// in one epoch: it waits until none has broken for this long (for half the timeout at most).
 const SETTLE: Duration = Duration::from_millis(20);
 
 /// The longest an [`OP_AWAIT_FENCE`] query may wait.
@@ -401,7 +401,7 @@ pub fn serve_controller(
         // Workers that died together get the timeout to show it, so they are fenced together.
         let detector = Detector::new(config.timeout);
         let tick = (config.interval / 4).clamp(Duration::from_millis(2), Duration::from_millis(50));
-        let wake = Wake { tick, severances };
+        let wake = Wake { tick, settle_at_most: config.timeout / 2, severances };
         std::thread::Builder::new()
             .name("detector".into())
             .spawn(move || detect_failures(&udp, &tables, &counters, &events, detector, wake))?;
@@ -416,7 +416,7 @@ pub fn serve_controller(
     info!(%addr, epoch = tables.lock().state.epoch, "controller listening");
     ready(addr, metrics);
     let live = Arc::new(AtomicUsize::new(0));
-    let lifelines = Arc::new(AtomicUsize::new(0));
+    let lifeline_slots = Arc::new(AtomicUsize::new(0));
     for stream in tcp.incoming() {
         let Ok(stream) = stream else {
             // Out of descriptors, say: wait rather than spin.
@@ -429,7 +429,7 @@ pub fn serve_controller(
             continue;
         };
         let (tables, counters, udp, events) = (tables.clone(), counters.clone(), udp.clone(), events.clone());
-        let (secret, lifelines) = (config.secret.clone(), lifelines.clone());
+        let (secret, lifeline_slots) = (config.secret.clone(), lifeline_slots.clone());
         // The slot is given back when the closure is dropped: after the connection, or at once
         // if no thread could be started for it.
         let spawned = std::thread::Builder::new().name("query".into()).spawn(move || {
@@ -440,7 +440,7 @@ pub fn serve_controller(
                 counters: &counters,
                 events: &events,
             };
-            if let Err(e) = answer_queries(stream, slot, &lifelines, &query) {
+            if let Err(e) = answer_queries(stream, slot, &lifeline_slots, &query) {
                 warn!(error = %e, "a query connection closed");
             }
         });
@@ -451,10 +451,23 @@ pub fn serve_controller(
     Ok(())
 }
 
-/// When the detector runs: every `tick`, and at once (after [`SETTLE`]) when a lifeline breaks.
+/// When the detector runs: every `tick`, and when a lifeline breaks, once lifelines have stopped
+/// breaking for [`SETTLE`] (or `settle_at_most` has passed).
 struct Wake {
     tick: Duration,
+    settle_at_most: Duration,
     severances: Receiver<()>,
+}
+
+impl Wake {
+    /// Blocks until the detector is to run.
+    fn wait(&self) {
+        if self.severances.recv_timeout(self.tick).is_err() {
+            return;
+        }
+        let until = Instant::now() + self.settle_at_most;
+        while Instant::now() < until && self.severances.recv_timeout(SETTLE).is_ok() {}
+    }
 }
 
 /// Fences the members `detector` finds dead, whenever `wake` says: the start of each recovery.
@@ -467,9 +480,7 @@ fn detect_failures(
     wake: Wake,
 ) {
     loop {
-        if wake.severances.recv_timeout(wake.tick).is_ok() {
-            std::thread::sleep(SETTLE);
-        }
+        wake.wait();
         let mut tables = tables.lock();
         // Beats that came while the controller was stopped count before anyone is declared dead.
         tables.absorb_pending(heartbeats, counters);
@@ -505,11 +516,11 @@ struct Query<'a> {
 }
 
 /// Answers queries on one connection, which holds `slot`, until it closes; a connection that
-/// becomes a lifeline trades the slot for one of `lifelines`, and is held until it ends.
+/// becomes a lifeline trades the slot for one of `lifeline_slots`, and is held until it ends.
 fn answer_queries(
     stream: TcpStream,
     slot: Slot,
-    lifelines: &Arc<AtomicUsize>,
+    lifeline_slots: &Arc<AtomicUsize>,
     query: &Query<'_>,
 ) -> Result<(), ControllerError> {
     let Query { secret, heartbeats, tables, counters, events } = *query;
@@ -565,8 +576,10 @@ fn answer_queries(
                 let after = low as u64 | (high as u64) << 32;
                 let until = Instant::now() + Duration::from_millis(wait_ms.into()).min(MAX_FENCE_WAIT);
                 let mut tables = tables.lock();
-                while tables.state.epoch <= after && !events.fenced.wait_until(&mut tables, until).timed_out()
-                {
+                while tables.state.epoch <= after {
+                    if events.fenced.wait_until(&mut tables, until).timed_out() {
+                        break;
+                    }
                 }
                 Ok((tables.state.epoch, Vec::new()))
             }
@@ -574,7 +587,7 @@ fn answer_queries(
                 let &[member] = members.as_slice() else {
                     return Err(ControllerError::Protocol("a lifeline names one member".into()));
                 };
-                let held = Slot::take(lifelines, lifeline::MAX_LIFELINES)
+                let held = Slot::take(lifeline_slots, lifeline::MAX_LIFELINES)
                     .ok_or_else(|| ControllerError::Protocol("too many lifelines".into()))?;
                 let number = lifeline::register(&mut tables.lock(), member, frame.header.epoch)?;
                 lifeline = Some((member, number, held));

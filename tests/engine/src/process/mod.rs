@@ -124,7 +124,11 @@ pub enum ProcessError {
 
 /// Control operation: restore a sequence's KV from a sidecar.
 const OP_RESTORE: u8 = 1;
-/// Control operation: send output to another address from now on.
+/// Control operation, addressed to no stage in particular: the stages it names send their
+/// output to other addresses from now on (one `stage address` line each). One frame carries every
+/// rewire of a repair: each stage applies its own before passing the frame on, so the frame
+/// crosses each repaired link after its repair (a rewire of its own, sent before another's, would
+/// be lost at a link still stale).
 const OP_REWIRE: u8 = 2;
 /// Control operation: load a sequence's prompt KV handed over by a prompt pipeline.
 const OP_LOAD: u8 = 4;
@@ -241,6 +245,24 @@ fn parse_control(payload: &[u8]) -> Option<(u8, u32, &[u8])> {
     let (&op, rest) = payload.split_first()?;
     let stage = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?);
     Some((op, stage, &rest[4..]))
+}
+
+/// The rewires of an [`OP_REWIRE`] frame's argument: `stage address` lines.
+fn rewires_argument(rewires: &[(u32, SocketAddr)]) -> Vec<u8> {
+    rewires.iter().map(|(stage, addr)| format!("{stage} {addr}\n")).collect::<String>().into_bytes()
+}
+
+/// Where stage `index` sends its output from now on, if the rewires in `argument` name it.
+fn rewire_of(argument: &[u8], index: u32) -> Result<Option<SocketAddr>, ProcessError> {
+    let bad = || ProcessError::Protocol("a malformed rewire".into());
+    let text = std::str::from_utf8(argument).map_err(|_| bad())?;
+    for line in text.lines() {
+        let (stage, addr) = line.split_once(' ').ok_or_else(bad)?;
+        if stage.parse::<u32>().map_err(|_| bad())? == index {
+            return addr.parse().map(Some).map_err(|_| bad());
+        }
+    }
+    Ok(None)
 }
 
 fn parse_address(bytes: &[u8]) -> Result<Option<SocketAddr>, ProcessError> {
@@ -511,6 +533,12 @@ impl StageProcess {
     fn control(&mut self, header: &FrameHeader, payload: Vec<u8>) -> Result<Vec<u8>, ProcessError> {
         let (op, stage, argument) = parse_control(&payload)
             .ok_or_else(|| ProcessError::Protocol("a malformed control frame".into()))?;
+        if op == OP_REWIRE {
+            if let Some(next) = rewire_of(argument, self.config.index)? {
+                self.config.next = next;
+            }
+            return Ok(payload);
+        }
         if stage != self.config.index {
             return Ok(payload);
         }
@@ -536,11 +564,6 @@ impl StageProcess {
                 let to = parse_address(&argument[4..])?
                     .ok_or_else(|| ProcessError::Protocol("a handoff target without an address".into()))?;
                 sender.retarget(token_stage, to).map_err(ProcessError::Protocol)?;
-                Ok(payload)
-            }
-            OP_REWIRE => {
-                self.config.next = parse_address(argument)?
-                    .ok_or_else(|| ProcessError::Protocol("a rewire without an address".into()))?;
                 Ok(payload)
             }
             OP_REPLICATION => {

@@ -11,8 +11,8 @@ use tracing::warn;
 
 use super::chain::{accept_within, closed_by_peer, connect, say_hello, DRIVER};
 use super::{
-    control_payload, parse_control, tokens_of, tokens_payload, ProcessError, LOAD_PATIENCE, NO_STAGE,
-    OP_HANDOFF_TO, OP_LOAD, OP_REPLICATION, OP_RESTORE, OP_REWIRE,
+    control_payload, parse_control, rewires_argument, tokens_of, tokens_payload, ProcessError, LOAD_PATIENCE,
+    NO_STAGE, OP_HANDOFF_TO, OP_LOAD, OP_REPLICATION, OP_RESTORE, OP_REWIRE,
 };
 use crate::pipeline::Seat;
 
@@ -250,12 +250,31 @@ impl RemotePipeline {
         Ok(self.step(seat, tokens, position)?.token)
     }
 
+    /// A step a recovery recomputes: a fence opened meanwhile (another failure) does not cut it
+    /// short, since the chain is only partly repaired and the recovery's attempt would be left
+    /// half done; the next step of the run finds the fence.
+    fn recompute(&mut self, seat: Seat, tokens: &[u32], position: u32) -> Result<u32, ProcessError> {
+        Ok(self.step_unless(seat, tokens, position, false)?.token)
+    }
+
     /// Runs `tokens` at `position` of `seat` through the chain; returns the next token with what
-    /// the last stage says it computed.
+    /// the last stage says it computed. A fence the pipeline has not recovered from ends the wait
+    /// ([`RemotePipeline::watch_fences`]).
     pub fn step(&mut self, seat: Seat, tokens: &[u32], position: u32) -> Result<StepReply, ProcessError> {
+        self.step_unless(seat, tokens, position, true)
+    }
+
+    /// As [`RemotePipeline::step`]; with `fenceable` false, only the deadline ends the wait.
+    fn step_unless(
+        &mut self,
+        seat: Seat,
+        tokens: &[u32],
+        position: u32,
+        fenceable: bool,
+    ) -> Result<StepReply, ProcessError> {
         let ids = [seat.microbatch, seat.slot, position, tokens.len() as u32];
         let request = self.write(Kind::Activation, ids, &tokens_payload(tokens))?;
-        let Frame { header, payload } = self.await_reply(request, self.deadline, true)?;
+        let Frame { header, payload } = self.await_reply(request, self.deadline, fenceable)?;
         let [microbatch, slot, position, count] = header.ids;
         match tokens_of(&payload)[..] {
             [token] => Ok(StepReply { token, seat: Seat { microbatch, slot }, kv_end: position + count }),
@@ -376,7 +395,7 @@ impl RemotePipeline {
             ProcessError::Protocol(format!("a recomputed step at position {position} gave another token"))
         };
         if restored < prompt_len {
-            if self.run(seat, prompt, 0)? != generated[0] {
+            if self.recompute(seat, prompt, 0)? != generated[0] {
                 return Err(mismatch(0));
             }
             restored = prompt_len;
@@ -384,7 +403,7 @@ impl RemotePipeline {
         }
         for position in restored..needed {
             let index = (position - prompt_len) as usize;
-            if self.run(seat, &[generated[index]], position)? != generated[index + 1] {
+            if self.recompute(seat, &[generated[index]], position)? != generated[index + 1] {
                 return Err(mismatch(position));
             }
             recovery.recomputed += 1;
@@ -409,21 +428,20 @@ impl RemotePipeline {
         replaced: &[(u32, SocketAddr)],
         last_replaced: bool,
     ) -> Result<(), ProcessError> {
-        let mut requests = Vec::new();
         if let Some(&(_, addr)) = replaced.iter().find(|(stage, _)| *stage == 0) {
             self.to_first = Self::connect_first(addr, self.epoch, &self.secret, Duration::from_secs(30))?;
             self.first = addr;
         }
-        // Each rewire takes effect at its stage before it is passed on, so it goes round the
-        // repaired chain; a probe sent before the rewires would be lost at a stale link.
-        for &(stage, addr) in replaced.iter().filter(|(stage, _)| *stage != 0) {
-            let payload = control_payload(OP_REWIRE, stage - 1, addr.to_string().as_bytes());
-            requests.push(self.write(Kind::Control, [NO_STAGE; 4], &payload)?);
-        }
-        if requests.is_empty() {
-            // Only the first stage was replaced: a probe addressed to no stage proves the chain.
-            requests.push(self.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?);
-        }
+        // One frame rewires every stage before a replaced one, each as the frame passes it, so it
+        // goes round the repaired chain; with nothing to rewire (only the first stage replaced)
+        // it is a probe that proves the chain.
+        let rewires: Vec<(u32, SocketAddr)> = replaced
+            .iter()
+            .filter(|(stage, _)| *stage != 0)
+            .map(|&(stage, addr)| (stage - 1, addr))
+            .collect();
+        let payload = control_payload(OP_REWIRE, NO_STAGE, &rewires_argument(&rewires));
+        let request = self.write(Kind::Control, [NO_STAGE; 4], &payload)?;
         if last_replaced {
             let last = accept_within(
                 &self.results,
@@ -435,9 +453,7 @@ impl RemotePipeline {
             self.replies = read_replies(last);
             self.last_stage_epoch = self.epoch;
         }
-        for request in requests {
-            self.reply(request, self.control_deadline)?;
-        }
+        self.reply(request, self.control_deadline)?;
         Ok(())
     }
 }
