@@ -3,7 +3,7 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use parking_lot::RwLock;
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use thiserror::Error;
 
 use crate::copy::{self, CopyError, RawDst, RawSrc};
@@ -254,6 +254,16 @@ impl KvCache {
         scatter_copy_plan(&self.layout, region, packing)
     }
 
+    /// Read locks on `layers`: no one writes them while they are held.
+    fn read_layers(&self, layers: &Range<u32>) -> Vec<RwLockReadGuard<'_, ()>> {
+        self.layer_locks[layers.start as usize..layers.end as usize].iter().map(RwLock::read).collect()
+    }
+
+    /// Write locks on `layers`: no one reads or writes them while they are held.
+    fn write_layers(&self, layers: &Range<u32>) -> Vec<RwLockWriteGuard<'_, ()>> {
+        self.layer_locks[layers.start as usize..layers.end as usize].iter().map(RwLock::write).collect()
+    }
+
     /// Buffered copy out: gathers `region` into `out` (exactly [`KvCache::packed_len`] bytes).
     pub fn gather(&self, region: &KvRegion, packing: Packing, out: &mut [u8]) -> Result<u64, CacheError> {
         self.layout.check_region(region)?;
@@ -274,10 +284,7 @@ impl KvCache {
         let region = &plan.region;
         self.check_len(region, out.len())?;
         let plan = &plan.plan;
-        let _guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
-            .iter()
-            .map(RwLock::read)
-            .collect();
+        let _guards = self.read_layers(&region.layers);
         let src = self.raw_src();
         let dst = [RawDst::from(out)];
         let threads = self.gather_threads.load(Ordering::Relaxed);
@@ -318,10 +325,7 @@ impl KvCache {
             return Ok(gathered);
         };
         let region = &plan.region;
-        let guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
-            .iter()
-            .map(RwLock::read)
-            .collect();
+        let guards = self.read_layers(&region.layers);
         let src = self.raw_src();
         let dst = [RawDst::from(&mut *out)];
         copy::check_plan(&plan.plan, &src, &dst)?;
@@ -372,10 +376,7 @@ impl KvCache {
             return Ok(0);
         }
         let plan = self.scatter_plan(region, packing)?;
-        let _guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
-            .iter()
-            .map(RwLock::write)
-            .collect();
+        let _guards = self.write_layers(&region.layers);
         let src = [RawSrc::from(input)];
         let dst = self.raw_dst();
         // SAFETY: the plan only writes bytes of the region's layers, which we hold write locks for;
@@ -399,10 +400,7 @@ impl KvCache {
             return Ok(());
         }
         let plan = self.gather_copy_plan(region, packing)?;
-        let _guards: Vec<_> = self.layer_locks[region.layers.start as usize..region.layers.end as usize]
-            .iter()
-            .map(RwLock::read)
-            .collect();
+        let _guards = self.read_layers(&region.layers);
         for block in plan.blocks() {
             let buffer = self.buffers.get(block.src_buffer as usize);
             let end = block.src_end().unwrap_or(u64::MAX);

@@ -69,16 +69,8 @@ pub(super) fn wait_out(
         debug!(error = %e, "a lifeline without keepalive probes");
     }
     counters.lifelines.fetch_add(1, Ordering::Relaxed);
-    // A member sends nothing more: whatever comes is read and dropped until the end.
-    let mut sink = [0u8; 64];
-    loop {
-        match reader.read(&mut sink) {
-            Ok(0) => break,
-            Ok(_) => continue,
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(_) => break,
-        }
-    }
+    // A member sends nothing more: whatever comes is dropped.
+    read_until_end(&mut reader);
     counters.lifelines.fetch_sub(1, Ordering::Relaxed);
     let mut tables = tables.lock();
     if tables.lifelines.get(&member) == Some(&number) {
@@ -122,7 +114,8 @@ impl Lifeline {
                         if stopped.load(Ordering::SeqCst) {
                             break;
                         }
-                        wait_for_end(stream);
+                        // Whatever the controller sends is dropped: only its end counts.
+                        read_until_end(&mut &stream);
                     }
                     Err(e) => debug!(error = %e, "cannot hold a lifeline to the controller"),
                 }
@@ -178,8 +171,8 @@ fn open(
     Ok((stream, shutter))
 }
 
-/// Blocks until the controller's end of `stream` closes (or the stream is shut down here).
-fn wait_for_end(mut stream: TcpStream) {
+/// Reads and drops what comes on `stream` until it ends, breaks, or is shut down.
+fn read_until_end(stream: &mut impl Read) {
     let mut sink = [0u8; 64];
     loop {
         match stream.read(&mut sink) {
