@@ -11,7 +11,7 @@ use dejavulib::wire::{read_frame, write_frame, FrameError, FrameHeader, Kind};
 
 use super::query::{
     decode_member, encode_member, handshake_error, MEMBER_LEN, OP_AWAIT_FENCE, OP_CENSUS, OP_FENCE,
-    OP_FENCED_IN, OP_RECOVER, OP_RESEED_RESTORED, QUERY_CLIENT_NODE, REFUSED_NOT_FENCED,
+    OP_FENCED_IN, OP_LIFELINE, OP_RECOVER, OP_RESEED_RESTORED, QUERY_CLIENT_NODE, REFUSED_NOT_FENCED,
 };
 use super::recovery::{self, RecoveryOrders};
 use super::{ControllerError, Health, Member};
@@ -123,6 +123,19 @@ impl ControllerClient {
     pub fn await_fence(&mut self, after: u64, wait: Duration) -> Result<u64, ControllerError> {
         let wait_ms = wait.as_millis().min(u32::MAX as u128) as u32;
         Ok(self.call_with(OP_AWAIT_FENCE, [after as u32, (after >> 32) as u32, wait_ms], &[])?.0)
+    }
+
+    /// Asks the controller to take this client's connection as `member`'s lifeline (see
+    /// [`super::Lifeline`]), for a process started in `epoch`, and gives the connection up: held
+    /// open, with no read timeout, it is the lifeline.
+    pub(super) fn into_lifeline(mut self, member: Member, epoch: u64) -> Result<TcpStream, ControllerError> {
+        let mut payload = Vec::with_capacity(MEMBER_LEN);
+        encode_member(&mut payload, member);
+        self.try_call_in(OP_LIFELINE, [0; 3], epoch, &payload)?;
+        let (reader, _) = self.connection.take().expect("a call that succeeded left its connection");
+        let stream = reader.into_inner();
+        stream.set_read_timeout(None)?;
+        Ok(stream)
     }
 
     /// The epoch fenced `member` was fenced in, which its replacement starts in;

@@ -17,19 +17,16 @@
 //! - The member's side ([`Lifeline`]) opens the connection again whenever it breaks (a controller
 //!   restarted), every retry interval, until it is dropped.
 
-use std::io::{BufReader, BufWriter, ErrorKind, Read, Write};
+use std::io::{BufReader, ErrorKind, Read};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dejavulib::net::auth::client_handshake_blocking;
-use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
 use parking_lot::Mutex;
 use tracing::{debug, info};
 
-use super::query::{encode_member, handshake_error, OP_LIFELINE, QUERY_CLIENT_NODE};
-use super::{ControllerError, Counters, Events, Member, Tables};
+use super::{ControllerClient, ControllerError, Counters, Events, Member, Tables};
 
 /// Numbers the lifelines a controller has held, so that the end of an old one is told from the
 /// member's current one.
@@ -108,8 +105,8 @@ impl Lifeline {
         std::thread::Builder::new().name("lifeline".into()).spawn(move || {
             while !stopped.load(Ordering::SeqCst) {
                 match open(controller, member, epoch, retry.max(Duration::from_secs(1)), &secret) {
-                    Ok((stream, ours)) => {
-                        *holding.lock() = Some(ours);
+                    Ok((stream, shutter)) => {
+                        *holding.lock() = shutter;
                         // Dropped meanwhile: the drop found no connection to shut down.
                         if stopped.load(Ordering::SeqCst) {
                             break;
@@ -135,39 +132,19 @@ impl Drop for Lifeline {
     }
 }
 
-/// A connection to the controller at `controller`, accepted as `member`'s lifeline, twice (the
-/// second handle to shut it down from elsewhere); `patience` bounds each step of opening it.
+/// A connection to the controller at `controller`, accepted as `member`'s lifeline, and a second
+/// handle on it to shut it down from elsewhere (if one could be had); `patience` bounds each step
+/// of opening it.
 fn open(
     controller: SocketAddr,
     member: Member,
     epoch: u64,
     patience: Duration,
     secret: &[u8],
-) -> Result<(TcpStream, TcpStream), ControllerError> {
-    let stream = TcpStream::connect_timeout(&controller, patience)?;
-    let shutter = stream.try_clone()?;
-    stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(patience))?;
-    stream.set_write_timeout(Some(patience))?;
-    client_handshake_blocking(&stream, secret, QUERY_CLIENT_NODE, patience).map_err(handshake_error)?;
-    let mut header = FrameHeader::new(Kind::Control, u32::MAX, epoch, 1);
-    header.ids[0] = OP_LIFELINE;
-    let mut payload = Vec::new();
-    encode_member(&mut payload, member);
-    let mut writer = BufWriter::new(stream.try_clone()?);
-    write_frame(&mut writer, &header, &payload)?;
-    writer.flush()?;
-    let reply = read_frame(&mut BufReader::new(stream.try_clone()?), 1 << 16)
-        .map_err(|e| ControllerError::Protocol(e.to_string()))?;
-    match reply {
-        Some(frame) if frame.header.kind == Kind::Control => {}
-        Some(frame) => {
-            return Err(ControllerError::Protocol(String::from_utf8_lossy(&frame.payload).into_owned()))
-        }
-        None => return Err(ControllerError::Protocol("the controller closed the lifeline".into())),
-    }
-    // Held for as long as the process lives: no reads time out from now on.
-    stream.set_read_timeout(None)?;
+) -> Result<(TcpStream, Option<TcpStream>), ControllerError> {
+    let stream = ControllerClient::new(controller, patience, secret).into_lifeline(member, epoch)?;
+    // Without a second handle the lifeline still holds; it only ends with the process.
+    let shutter = stream.try_clone().ok();
     Ok((stream, shutter))
 }
 
