@@ -163,6 +163,81 @@ pub fn source_lines_bytes(plan: &CopyPlan) -> u64 {
     total * CACHE_LINE
 }
 
+/// The hardware's limit for a gather's access pattern: one read of each cache line the gather
+/// reads, in the same order and with the same software prefetching, but nothing copied.
+pub struct LineTouch<'a> {
+    /// The cache whose lines are read: borrowed, so that it outlives the addresses below.
+    _cache: &'a KvCache,
+    /// The address of every line the gather reads, in its order.
+    lines: Vec<usize>,
+}
+
+/// How many lines ahead [`LineTouch`] prefetches, as the gather does for small runs.
+const TOUCH_AHEAD: usize = 64;
+
+impl<'a> LineTouch<'a> {
+    /// The lines a gather of `region` from `cache` reads. Nothing may write the cache's region
+    /// while this lives (the benches only read it).
+    pub fn new(cache: &'a KvCache, region: &KvRegion, packing: Packing) -> Self {
+        let mut lines: Vec<usize> = Vec::new();
+        cache
+            .for_each_extent(region, packing, |bytes, _| {
+                let (start, end) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
+                let mut line = start / CACHE_LINE as usize * CACHE_LINE as usize;
+                while line < end {
+                    // A run that starts in the line the last one ended in reads it once.
+                    if lines.last() != Some(&line) {
+                        lines.push(line);
+                    }
+                    line += CACHE_LINE as usize;
+                }
+                Ok::<(), ()>(())
+            })
+            .expect("the region fits the cache");
+        Self { _cache: cache, lines }
+    }
+
+    /// Reads every line once, the list split over `threads` threads; returns a sum of what was
+    /// read, so that the reads cannot be left out.
+    pub fn run(&self, threads: usize) -> u64 {
+        let share = self.lines.len().div_ceil(threads.max(1)).max(1);
+        std::thread::scope(|scope| {
+            let mut parts = self.lines.chunks(share);
+            let mine = parts.next().unwrap_or(&[]);
+            let others: Vec<_> = parts.map(|part| scope.spawn(move || touch(part))).collect();
+            let sum = touch(mine);
+            others.into_iter().fold(sum, |sum, t| sum.wrapping_add(t.join().expect("touch thread")))
+        })
+    }
+}
+
+/// Reads one word of each line, prefetching [`TOUCH_AHEAD`] lines ahead.
+fn touch(lines: &[usize]) -> u64 {
+    let mut sum = 0u64;
+    for (i, &line) in lines.iter().enumerate() {
+        if let Some(&ahead) = lines.get(i + TOUCH_AHEAD) {
+            prefetch_l2(ahead);
+        }
+        // SAFETY: `line` is the start of a line holding a byte of one of the cache's buffers;
+        // buffers are at least 64-byte aligned, so the line's first 8 bytes are in the buffer too.
+        // The `LineTouch` borrowing the cache keeps the buffers alive, and nothing writes them
+        // while the benches read them.
+        sum = sum.wrapping_add(unsafe { std::ptr::read_volatile(line as *const u64) });
+    }
+    sum
+}
+
+/// Prefetches the line at `address` into L2, as the gather does.
+fn prefetch_l2(address: usize) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint; it never faults, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(address as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = address;
+}
+
 /// A plain copy of `src` into `dst`: the memcpy limit.
 pub fn memcpy(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);

@@ -1,8 +1,10 @@
 //! A KV cache in host memory that an engine writes while a streamer reads other layers of it.
 
+use std::collections::BTreeSet;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use crossbeam_channel::Receiver;
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use thiserror::Error;
 
@@ -297,10 +299,9 @@ impl KvCache {
     }
 
     /// Runs a plan made by [`KvCache::gather_plan`] of this cache into `out`, as
-    /// [`KvCache::gather_with`] does but on the calling thread (whatever
-    /// [`KvCache::set_gather_threads`] says), in pieces of about `piece`
-    /// bytes in the order of `out`, and hands `sink` each piece, in order, as soon as it is
-    /// gathered, on a thread of its own: whatever consumes the packed bytes (a checksum and a
+    /// [`KvCache::gather_with`] does (on as many threads as [`KvCache::set_gather_threads`]
+    /// says), in pieces of about `piece` bytes in the order of `out`, and hands `sink` each piece,
+    /// in order, as soon as it and those before it are gathered, on a thread of its own: whatever consumes the packed bytes (a checksum and a
     /// write to a file, say) runs while the rest is gathered. `sink` returns whether it wants
     /// more; once it says no, the rest is still gathered, but not handed over. The pieces handed
     /// over are `out` whole, one after another. A plan whose blocks do not fill `out` in order is
@@ -332,17 +333,18 @@ impl KvCache {
         // The sink thread reads pieces through this address while this thread writes the next:
         // `out` is not used again until both are done.
         let base = dst[0].ptr as usize;
-        let (finished, pieces) = crossbeam_channel::unbounded::<Range<u64>>();
+        let ranges: Vec<Range<u64>> = groups.iter().map(|(range, _)| range.clone()).collect();
+        let (finished, arrivals) = crossbeam_channel::unbounded::<usize>();
         std::thread::scope(|scope| {
             scope.spawn(move || {
                 let mut sink = sink;
                 let mut wanted = true;
-                for range in pieces {
+                for range in in_order(arrivals, &ranges) {
                     if wanted {
                         // SAFETY: `range` lies in `out` (the groups cover `0..len`), which this
-                        // call borrows exclusively; the gathering thread wrote those bytes before
-                        // sending the range (the channel orders it) and writes none of them again
-                        // (a group's range holds none of the bytes later groups write).
+                        // call borrows exclusively; a gathering thread wrote those bytes before
+                        // announcing the group (the channel orders it) and no thread writes them
+                        // again (the groups' ranges are disjoint).
                         let bytes = unsafe {
                             std::slice::from_raw_parts(
                                 (base + range.start as usize) as *const u8,
@@ -353,14 +355,15 @@ impl KvCache {
                     }
                 }
             });
-            for (range, blocks) in groups {
-                // SAFETY: the plan was checked against these buffers above; the cache's bytes are
-                // read under the layers' read locks, and the group's destination bytes are ours:
-                // the sink reads only ranges of groups already gathered, disjoint from these.
-                unsafe { copy::run_prechecked(blocks, &src, &dst) };
-                // The sink thread only ends once this sender is dropped: it cannot be gone.
-                let _ = finished.send(range);
-            }
+            let threads = self.gather_threads.load(Ordering::Relaxed);
+            // The sink thread only ends once every sender is dropped: it cannot be gone.
+            let announce = |group: usize| {
+                let _ = finished.send(group);
+            };
+            // SAFETY: the plan was checked against these buffers above; the cache's bytes are read
+            // under the layers' read locks; the destination is packed (no byte written twice), and
+            // the sink reads only groups already gathered, which no thread writes again.
+            unsafe { copy::run_groups_striped(&groups, &src, &dst, threads, &announce) };
             // The cache is read no more: writers to these layers need not wait for the sink.
             drop(guards);
             drop(finished);
@@ -518,6 +521,21 @@ impl KvCache {
     }
 }
 
+/// The ranges of the groups announced on `arrivals`, in the order of `ranges`: a group that
+/// finishes before those ahead of it (gathered by another thread) waits for them.
+fn in_order(arrivals: Receiver<usize>, ranges: &[Range<u64>]) -> impl Iterator<Item = Range<u64>> + '_ {
+    let mut waiting = BTreeSet::new();
+    let mut next = 0;
+    let mut arrivals = arrivals.into_iter();
+    std::iter::from_fn(move || {
+        while !waiting.remove(&next) {
+            waiting.insert(arrivals.next()?);
+        }
+        next += 1;
+        Some(ranges[next - 1].clone())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -562,7 +580,11 @@ mod tests {
             let len = cache.packed_len(&region) as usize;
             let mut expected = vec![0u8; len];
             cache.gather_with(&plan, &mut expected).unwrap();
-            for piece in [1, 4096, 64 << 10, usize::MAX] {
+            for (piece, threads) in
+                [1, 4096, 64 << 10, usize::MAX].into_iter().flat_map(|p| [(p, 1), (p, 2), (p, 5)])
+            {
+                // Several threads finish groups out of order: the sink still sees them in order.
+                cache.set_gather_threads(threads);
                 let mut out = vec![0u8; len];
                 let mut handed = Vec::new();
                 let mut pieces = 0;
@@ -574,8 +596,8 @@ mod tests {
                     })
                     .unwrap();
                 assert_eq!(n, len as u64);
-                assert!(out == expected, "piece {piece}: gathered");
-                assert!(handed == expected, "piece {piece}: handed over in order");
+                assert!(out == expected, "piece {piece}, {threads} threads: gathered");
+                assert!(handed == expected, "piece {piece}, {threads} threads: handed over in order");
                 if piece == usize::MAX {
                     assert_eq!(pieces, 1);
                 } else if piece == 1 {
@@ -591,8 +613,9 @@ mod tests {
                     })
                     .unwrap();
                 assert_eq!(calls, 1);
-                assert!(out == expected, "piece {piece}: gathered after the sink stopped");
+                assert!(out == expected, "piece {piece}, {threads} threads: gathered after the sink stopped");
             }
+            cache.set_gather_threads(1);
             // Wrong lengths and another cache's plans are refused before anything moves.
             let mut short = vec![0u8; len - 1];
             assert!(cache.gather_streamed(&plan, &mut short, 4096, |_| true).is_err());

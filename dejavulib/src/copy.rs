@@ -131,19 +131,45 @@ pub unsafe fn execute_raw_parallel(
 }
 
 /// Checks every block of `plan` against the buffers, before any byte moves: what
-/// [`run_prechecked`] needs.
+/// [`run_groups_striped`] needs.
 pub(crate) fn check_plan(plan: &CopyPlan, src: &[RawSrc], dst: &[RawDst]) -> Result<(), CopyError> {
     plan.blocks().iter().try_for_each(|block| check_block(block, src, dst))
 }
 
-/// Runs `blocks` on the calling thread.
+/// Runs `groups` (from [`ordered_groups`]) over up to `threads` threads, the caller's included:
+/// group `i` on thread `i % threads`, each thread taking its groups in order, so that the groups
+/// finish roughly in order. `done(i)` is called on the thread that ran group `i`, once its bytes
+/// are written.
 ///
 /// # Safety
-/// The blocks were checked against `src` and `dst` with [`check_plan`] (or are a part of a plan
-/// that was), and the conditions of [`execute_raw`] hold for them.
-pub(crate) unsafe fn run_prechecked(blocks: &[CopyBlock], src: &[RawSrc], dst: &[RawDst]) {
-    // SAFETY: forwarded contract.
-    unsafe { run_blocks(blocks, src, dst) }
+/// The groups' blocks were checked against `src` and `dst` with [`check_plan`], the conditions
+/// of [`execute_raw`] hold for them, and no two blocks write the same byte.
+pub(crate) unsafe fn run_groups_striped(
+    groups: &[(Range<u64>, &[CopyBlock])],
+    src: &[RawSrc],
+    dst: &[RawDst],
+    threads: usize,
+    done: &(impl Fn(usize) + Sync),
+) {
+    let threads = threads.clamp(1, groups.len().max(1));
+    let shared = SharedBuffers { src, dst };
+    let stripe = |first: usize| {
+        // The whole table, not its fields: the table is what may be shared between threads.
+        let SharedBuffers { src, dst } = &shared;
+        for (i, (_, blocks)) in groups.iter().enumerate().skip(first).step_by(threads) {
+            // SAFETY: checked blocks (forwarded contract); each group's blocks run on one thread,
+            // and blocks write disjoint bytes, so no two threads write the same byte.
+            unsafe { run_blocks(blocks, src, dst) };
+            done(i);
+        }
+    };
+    std::thread::scope(|scope| {
+        for first in 1..threads {
+            let stripe = &stripe;
+            scope.spawn(move || stripe(first));
+        }
+        stripe(0);
+    });
 }
 
 /// The blocks of `plan`, which all write destination buffer 0 of `len` bytes, in consecutive
