@@ -2,10 +2,10 @@
 
 use std::collections::BTreeSet;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crossbeam_channel::Receiver;
-use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use thiserror::Error;
 
 use crate::copy::{self, CopyError, RawDst, RawSrc};
@@ -299,14 +299,18 @@ impl KvCache {
     }
 
     /// Runs a plan made by [`KvCache::gather_plan`] of this cache into `out`, as
-    /// [`KvCache::gather_with`] does (on as many threads as [`KvCache::set_gather_threads`]
-    /// says), in pieces of about `piece` bytes in the order of `out`, and hands `sink` each piece,
-    /// in order, as soon as it and those before it are gathered, on a thread of its own: whatever consumes the packed bytes (a checksum and a
-    /// write to a file, say) runs while the rest is gathered. `sink` returns whether it wants
-    /// more; once it says no, the rest is still gathered, but not handed over. The pieces handed
-    /// over are `out` whole, one after another. A plan whose blocks do not fill `out` in order is
-    /// gathered first ([`KvCache::gather_with`]) and handed over in one piece. The layers read
-    /// are locked against writers until the gather is done, not until the sink is.
+    /// [`KvCache::gather_with`] does, in pieces of about `piece` bytes in the order of `out`, and
+    /// hands `sink` each piece, in order, as soon as it and those before it are gathered, so that
+    /// whatever consumes the packed bytes (a checksum and a write to a file, say) runs while the
+    /// rest is gathered. With one gather thread ([`KvCache::set_gather_threads`]), the sink runs
+    /// on a thread of its own; with more, each thread gathers the next piece no thread has taken
+    /// and, between pieces, hands over those that are ready if no other thread is doing so.
+    ///
+    /// `sink` returns whether it wants more; once it says no, the rest is still gathered, but not
+    /// handed over. The pieces handed over are `out` whole, one after another. A plan whose
+    /// blocks do not fill `out` in order is gathered first ([`KvCache::gather_with`]) and handed
+    /// over in one piece. The layers read are locked against writers until the gather is done,
+    /// not until the sink is.
     pub fn gather_streamed(
         &self,
         plan: &GatherPlan,
@@ -330,10 +334,24 @@ impl KvCache {
         let src = self.raw_src();
         let dst = [RawDst::from(&mut *out)];
         copy::check_plan(&plan.plan, &src, &dst)?;
-        // The sink thread reads pieces through this address while this thread writes the next:
-        // `out` is not used again until both are done.
+        // The sink reads pieces through this address while other threads write the next: `out`
+        // is not used again until all are done.
         let base = dst[0].ptr as usize;
         let ranges: Vec<Range<u64>> = groups.iter().map(|(range, _)| range.clone()).collect();
+        let threads = self.gather_threads.load(Ordering::Relaxed).min(groups.len());
+        if threads > 1 {
+            // Every core gathers; whichever thread finds the next piece gathered and the sink free
+            // hands it over (a thread of the sink's own would take a core from the gather).
+            let handover = Handover::new(&ranges, base, sink);
+            // SAFETY: the plan was checked against these buffers above; the cache's bytes are read
+            // under the layers' read locks; the destination is packed (no byte written twice), and
+            // the sink reads only groups already gathered, which no thread writes again.
+            unsafe { copy::run_groups(&groups, &src, &dst, threads, &|group| handover.gathered(group)) };
+            // The cache is read no more: writers to these layers need not wait for the sink.
+            drop(guards);
+            handover.finish();
+            return Ok(plan.plan.bytes());
+        }
         let (finished, arrivals) = crossbeam_channel::unbounded::<usize>();
         std::thread::scope(|scope| {
             scope.spawn(move || {
@@ -341,30 +359,18 @@ impl KvCache {
                 let mut wanted = true;
                 for range in in_order(arrivals, &ranges) {
                     if wanted {
-                        // SAFETY: `range` lies in `out` (the groups cover `0..len`), which this
-                        // call borrows exclusively; a gathering thread wrote those bytes before
-                        // announcing the group (the channel orders it) and no thread writes them
-                        // again (the groups' ranges are disjoint).
-                        let bytes = unsafe {
-                            std::slice::from_raw_parts(
-                                (base + range.start as usize) as *const u8,
-                                (range.end - range.start) as usize,
-                            )
-                        };
-                        wanted = sink(bytes);
+                        // SAFETY: as in `Handover::hand_over_ready`: the gathering thread wrote
+                        // the range before announcing it (the channel orders it).
+                        wanted = sink(unsafe { piece_at(base, &range) });
                     }
                 }
             });
-            let threads = self.gather_threads.load(Ordering::Relaxed);
-            // The sink thread only ends once every sender is dropped: it cannot be gone.
+            // The sink thread only ends once the sender is dropped: it cannot be gone.
             let announce = |group: usize| {
                 let _ = finished.send(group);
             };
-            // SAFETY: the plan was checked against these buffers above; the cache's bytes are read
-            // under the layers' read locks; the destination is packed (no byte written twice), and
-            // the sink reads only groups already gathered, which no thread writes again.
-            unsafe { copy::run_groups_striped(&groups, &src, &dst, threads, &announce) };
-            // The cache is read no more: writers to these layers need not wait for the sink.
+            // SAFETY: as above.
+            unsafe { copy::run_groups(&groups, &src, &dst, 1, &announce) };
             drop(guards);
             drop(finished);
         });
@@ -518,6 +524,71 @@ impl KvCache {
 
     fn raw_dst(&self) -> Vec<RawDst> {
         self.buffers.iter().map(|b| RawDst { ptr: b.as_mut_ptr(), len: b.len() }).collect()
+    }
+}
+
+/// The bytes of `range` of the buffer at `base`.
+///
+/// # Safety
+/// `range` lies in a live buffer at `base`, whose bytes in it were written before this call (in
+/// an order another thread's write is visible to this one) and are not written while the slice
+/// lives.
+unsafe fn piece_at<'a>(base: usize, range: &Range<u64>) -> &'a [u8] {
+    // SAFETY: forwarded contract.
+    unsafe {
+        std::slice::from_raw_parts(
+            (base + range.start as usize) as *const u8,
+            (range.end - range.start) as usize,
+        )
+    }
+}
+
+/// Hands the pieces of a buffer that several threads gather to a sink, in order, on whichever
+/// gathering thread finds the next piece gathered and the sink free.
+struct Handover<'a, S> {
+    /// Each piece's range of the buffer, in order.
+    ranges: &'a [Range<u64>],
+    /// The buffer's address.
+    base: usize,
+    /// Whether each piece is gathered.
+    gathered: Vec<AtomicBool>,
+    /// The sink, the next piece to hand it, and whether it wants more.
+    sink: Mutex<(S, usize, bool)>,
+}
+
+impl<'a, S: FnMut(&[u8]) -> bool> Handover<'a, S> {
+    fn new(ranges: &'a [Range<u64>], base: usize, sink: S) -> Self {
+        let gathered = ranges.iter().map(|_| AtomicBool::new(false)).collect();
+        Self { ranges, base, gathered, sink: Mutex::new((sink, 0, true)) }
+    }
+
+    /// Piece `group` is gathered: hands it and any after it that are over, unless another thread
+    /// holds the sink (that thread, or a later call, hands them).
+    fn gathered(&self, group: usize) {
+        self.gathered[group].store(true, Ordering::Release);
+        if let Some(mut sink) = self.sink.try_lock() {
+            self.hand_over_ready(&mut sink);
+        }
+    }
+
+    /// Every piece is gathered: hands over those left.
+    fn finish(self) {
+        let mut sink = self.sink.lock();
+        self.hand_over_ready(&mut sink);
+        debug_assert_eq!(sink.1, self.ranges.len(), "every piece was gathered");
+    }
+
+    fn hand_over_ready(&self, (sink, next, wanted): &mut (S, usize, bool)) {
+        while *next < self.ranges.len() && self.gathered[*next].load(Ordering::Acquire) {
+            if *wanted {
+                // SAFETY: the piece lies in the buffer being gathered (the pieces cover it), which
+                // the gather borrows exclusively until it returns, after `finish`; its bytes were
+                // written before its flag was set (release, read above with acquire), and no
+                // thread writes them again (the pieces are disjoint).
+                *wanted = sink(unsafe { piece_at(self.base, &self.ranges[*next]) });
+            }
+            *next += 1;
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 //! error, never an out-of-bounds access or a partial copy.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use thiserror::Error;
 
@@ -136,15 +137,14 @@ pub(crate) fn check_plan(plan: &CopyPlan, src: &[RawSrc], dst: &[RawDst]) -> Res
     plan.blocks().iter().try_for_each(|block| check_block(block, src, dst))
 }
 
-/// Runs `groups` (from [`ordered_groups`]) over up to `threads` threads, the caller's included:
-/// group `i` on thread `i % threads`, each thread taking its groups in order, so that the groups
-/// finish roughly in order. `done(i)` is called on the thread that ran group `i`, once its bytes
-/// are written.
+/// Runs `groups` (from [`ordered_groups`]) on up to `threads` threads, the caller's included,
+/// each thread taking the first group no thread has taken yet, so that the groups finish about in
+/// order. `done(i)` is called on the thread that ran group `i`, once its bytes are written.
 ///
 /// # Safety
 /// The groups' blocks were checked against `src` and `dst` with [`check_plan`], the conditions
 /// of [`execute_raw`] hold for them, and no two blocks write the same byte.
-pub(crate) unsafe fn run_groups_striped(
+pub(crate) unsafe fn run_groups(
     groups: &[(Range<u64>, &[CopyBlock])],
     src: &[RawSrc],
     dst: &[RawDst],
@@ -153,22 +153,24 @@ pub(crate) unsafe fn run_groups_striped(
 ) {
     let threads = threads.clamp(1, groups.len().max(1));
     let shared = SharedBuffers { src, dst };
-    let stripe = |first: usize| {
+    let next = AtomicUsize::new(0);
+    let work = || {
         // The whole table, not its fields: the table is what may be shared between threads.
         let SharedBuffers { src, dst } = &shared;
-        for (i, (_, blocks)) in groups.iter().enumerate().skip(first).step_by(threads) {
-            // SAFETY: checked blocks (forwarded contract); each group's blocks run on one thread,
-            // and blocks write disjoint bytes, so no two threads write the same byte.
+        loop {
+            let group = next.fetch_add(1, Ordering::Relaxed);
+            let Some((_, blocks)) = groups.get(group) else { return };
+            // SAFETY: checked blocks (forwarded contract); each group is taken by one thread, and
+            // blocks write disjoint bytes, so no two threads write the same byte.
             unsafe { run_blocks(blocks, src, dst) };
-            done(i);
+            done(group);
         }
     };
     std::thread::scope(|scope| {
-        for first in 1..threads {
-            let stripe = &stripe;
-            scope.spawn(move || stripe(first));
+        for _ in 1..threads {
+            scope.spawn(work);
         }
-        stripe(0);
+        work();
     });
 }
 

@@ -169,7 +169,8 @@ pub struct Cluster {
     spared: Vec<Spawned>,
     /// The driver's end of the chain.
     pub remote: RemotePipeline,
-    /// Tells `remote` of each fence the controller opens.
+    /// Tells `remote` of each fence the controller opens. Declared after `controller`, so dropped
+    /// once the controller is stopped: its wait then ends at once.
     _fence_watch: watch::FenceWatch,
     /// The prompt pipeline, when disaggregated.
     prompt: Option<PromptPipeline>,

@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -24,6 +25,7 @@ const RETRY: Duration = Duration::from_millis(50);
 #[derive(Debug)]
 pub(super) struct FenceWatch {
     stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
 }
 
 impl FenceWatch {
@@ -38,16 +40,21 @@ impl FenceWatch {
         let stop = Arc::new(AtomicBool::new(false));
         let client = ControllerClient::new(controller, WAIT * 3, secret);
         let stopped = stop.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("fence-watch".into())
             .spawn(move || watch(client, epoch, &opened, &stopped))?;
-        Ok((Self { stop }, fences))
+        Ok((Self { stop, thread: Some(thread) }, fences))
     }
 }
 
 impl Drop for FenceWatch {
+    /// Stops the thread and waits for it: at most the wait in progress ([`WAIT`]), and no time
+    /// at all once the controller is gone (its connection fails at once).
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 
