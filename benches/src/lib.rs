@@ -243,6 +243,30 @@ pub fn memcpy(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);
 }
 
+/// Median wall times of `runs` rounds in which each of `fs` is called once, in turn, after one
+/// warm-up round: a measurement and its limits taken this way see the same machine, so their
+/// ratio does not depend on which of them ran while a neighbour was busy.
+pub fn medians_interleaved<const N: usize>(
+    runs: usize,
+    mut fs: [&mut dyn FnMut(); N],
+) -> [std::time::Duration; N] {
+    for f in fs.iter_mut() {
+        f();
+    }
+    let mut times: [Vec<std::time::Duration>; N] = std::array::from_fn(|_| Vec::with_capacity(runs));
+    for _ in 0..runs.max(1) {
+        for (f, times) in fs.iter_mut().zip(times.iter_mut()) {
+            let start = std::time::Instant::now();
+            f();
+            times.push(start.elapsed());
+        }
+    }
+    times.map(|mut t| {
+        t.sort();
+        t[t.len() / 2]
+    })
+}
+
 /// Median wall time of `runs` calls of `f` after one warm-up call.
 pub fn median_of(runs: usize, mut f: impl FnMut()) -> std::time::Duration {
     f();

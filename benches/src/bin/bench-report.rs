@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use dejavu_benches::e2e::{self, E2e};
-use dejavu_benches::{memcpy, source_lines_bytes, Geometry, LineTouch, Row, Workload};
+use dejavu_benches::{medians_interleaved, memcpy, source_lines_bytes, Geometry, LineTouch, Row, Workload};
 use dejavulib::baseline::flush_per_extent;
 use dejavulib::file_io::{FileBackend, FileIo};
 use dejavulib::store::{ChunkStore, FileStore};
@@ -132,77 +132,97 @@ fn micro_rows(geometry: Geometry, quick: bool, gpu_only: bool) -> Micro {
         let backend = "not measured (--gpu-only)";
         return Micro { rows, workload: format!("{geometry:?}"), backend, decode_len, touched, gpu_note };
     }
-    let mut staging = vec![0u8; decode_len as usize];
-    let t_gather = median(31, || {
-        w.cache.gather_with(&plan, &mut staging).expect("gather");
-    });
     let cores = std::env::var("GATHER_THREADS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    w.cache.set_gather_threads(cores);
-    let t_gather_par = median(31, || {
-        w.cache.gather_with(&plan, &mut staging).expect("gather");
-    });
     let lines = LineTouch::new(&w.cache, &w.decode, packing);
-    let t_touch_par = median(31, || {
-        std::hint::black_box(lines.run(cores));
-    });
-    w.cache.set_gather_threads(1);
-    let src = vec![3u8; decode_len as usize];
-    let t_memcpy_small = median(31, || memcpy(&mut staging, &src));
-    // DRAM memcpy bandwidth: a copy far larger than the last-level cache.
+    let mut staging = vec![0u8; decode_len as usize];
+    let cache = &w.cache;
+    let gather_on = |threads: usize, staging: &mut [u8]| {
+        cache.set_gather_threads(threads);
+        cache.gather_with(&plan, staging).expect("gather");
+    };
+    // Repeated: each run finds part of the step's 16 MB of lines still in the last-level cache,
+    // left there by the run before (what criterion measures). The three take turns, run by run.
+    let (mut one, mut all) = (staging.clone(), staging.clone());
+    let [t_gather_par, t_touch_par, t_gather] = medians_interleaved(
+        31,
+        [
+            &mut || gather_on(cores, &mut all),
+            &mut || {
+                std::hint::black_box(lines.run(cores));
+            },
+            &mut || gather_on(1, &mut one),
+        ],
+    );
+    // From memory: a copy of 256 MiB, far more than the last-level cache, before each run leaves
+    // none of the step's lines in cache; those copies are the DRAM memcpy bandwidth.
     let big = 256 << 20;
     let (big_src, mut big_dst) = (vec![5u8; big], vec![0u8; big]);
-    let t_big = median(9, || memcpy(&mut big_dst, &big_src));
+    let (evict_src, mut evict_dst) = (vec![6u8; big], vec![0u8; big]);
+    let [t_big, t_gather_cold, _, t_touch_cold] = medians_interleaved(
+        15,
+        [
+            &mut || memcpy(&mut big_dst, &big_src),
+            &mut || gather_on(cores, &mut all),
+            &mut || memcpy(&mut evict_dst, &evict_src),
+            &mut || {
+                std::hint::black_box(lines.run(cores));
+            },
+        ],
+    );
+    w.cache.set_gather_threads(1);
+    drop((big_src, big_dst, evict_src, evict_dst));
+    let src = vec![3u8; decode_len as usize];
+    let t_memcpy_small = median(31, || memcpy(&mut staging, &src));
     let dram = gbps(big as u64, t_big);
-    let useful_fraction = decode_len as f64 / touched as f64;
-    rows.push(Row {
-        name: "gather decode step (FT, 16 B K pieces), all cores".into(),
-        value: gbps(decode_len, t_gather_par),
+    let line_limit = dram * decode_len as f64 / touched as f64;
+    let line_limit_name = "cache-line limit (DRAM memcpy x useful/touched)";
+    let info = |name: &str, value: Duration, limit_name: &str, limit: f64| Row {
+        name: name.into(),
+        value: gbps(decode_len, value),
         unit: "GB/s",
-        limit_name: "cache-line limit (DRAM memcpy x useful/touched)".into(),
-        limit: dram * useful_fraction,
+        limit_name: limit_name.into(),
+        limit,
+        target: 0.0,
+        higher_is_better: true,
+    };
+    rows.push(Row {
         target: 0.8,
-        higher_is_better: true,
+        ..info("gather decode step (FT, 16 B K pieces), all cores", t_gather_par, line_limit_name, line_limit)
     });
-    rows.push(Row {
-        name: "gather decode step (FT, 16 B K pieces), all cores".into(),
-        value: gbps(decode_len, t_gather_par),
-        unit: "GB/s",
-        limit_name: "reading the same lines, all cores, nothing copied".into(),
-        limit: gbps(decode_len, t_touch_par),
-        target: 0.0,
-        higher_is_better: true,
-    });
-    rows.push(Row {
-        name: "reading the decode step's lines, all cores, nothing copied".into(),
-        value: gbps(decode_len, t_touch_par),
-        unit: "GB/s",
-        limit_name: "cache-line limit (DRAM memcpy x useful/touched)".into(),
-        limit: dram * useful_fraction,
-        target: 0.0,
-        higher_is_better: true,
-    });
-    rows.push(Row {
-        name: "gather decode step, one thread".into(),
-        value: gbps(decode_len, t_gather),
-        unit: "GB/s",
-        limit_name: "cache-line limit (DRAM memcpy x useful/touched)".into(),
-        limit: dram * useful_fraction,
-        target: 0.0,
-        higher_is_better: true,
-    });
-    rows.push(Row {
-        name: "gather decode step, one thread".into(),
-        value: gbps(decode_len, t_gather),
-        unit: "GB/s",
-        limit_name: "memcpy of the same bytes (cache-resident)".into(),
-        limit: gbps(decode_len, t_memcpy_small),
-        target: 0.0,
-        higher_is_better: true,
-    });
-    drop((big_src, big_dst));
+    rows.push(info(
+        "gather decode step (FT, 16 B K pieces), all cores",
+        t_gather_par,
+        "reading the same lines, all cores, nothing copied",
+        gbps(decode_len, t_touch_par),
+    ));
+    rows.push(info(
+        "gather decode step, all cores, every line from memory",
+        t_gather_cold,
+        line_limit_name,
+        line_limit,
+    ));
+    rows.push(info(
+        "gather decode step, all cores, every line from memory",
+        t_gather_cold,
+        "reading the same lines from memory, all cores, nothing copied",
+        gbps(decode_len, t_touch_cold),
+    ));
+    rows.push(info(
+        "reading the decode step's lines from memory, all cores, nothing copied",
+        t_touch_cold,
+        line_limit_name,
+        line_limit,
+    ));
+    rows.push(info("gather decode step, one thread", t_gather, line_limit_name, line_limit));
+    rows.push(info(
+        "gather decode step, one thread",
+        t_gather,
+        "memcpy of the same bytes (cache-resident)",
+        gbps(decode_len, t_memcpy_small),
+    ));
 
     // Prompt gather against memcpy of the same bytes.
     let prompt_len = w.cache.packed_len(&w.prompt) as usize;
@@ -228,21 +248,25 @@ fn micro_rows(geometry: Geometry, quick: bool, gpu_only: bool) -> Micro {
     let dir = tempfile::tempdir().expect("tempdir");
     let descriptor = w.descriptor(&w.decode);
     let pool = StagingPool::default();
-    let mut store =
+    let store =
         FileStore::open(dir.path().join("buffered"), FileBackend::Auto).expect("store").without_sync();
+    // The three take turns, run by run. A cell, since `put` takes the store mutably.
+    let shared_store = std::cell::RefCell::new(store);
     let streamed = |threads| {
         w.cache.set_gather_threads(threads);
-        median(11, || {
-            let mut staging = pool.lease(decode_len as usize);
-            store.put_gathered(&descriptor, &w.cache, &plan, &mut staging).expect("flush");
-        })
-    };
-    let (t_streamed_one, t_streamed) = (streamed(1), streamed(cores));
-    let t_buffered = median(11, || {
         let mut staging = pool.lease(decode_len as usize);
-        w.cache.gather_with(&plan, &mut staging).expect("gather");
-        store.put(&descriptor, &staging).expect("flush");
-    });
+        shared_store.borrow().put_gathered(&descriptor, &w.cache, &plan, &mut staging).expect("flush");
+    };
+    let [t_streamed, t_streamed_one, t_buffered] = medians_interleaved(
+        15,
+        [&mut || streamed(cores), &mut || streamed(1), &mut || {
+            w.cache.set_gather_threads(cores);
+            let mut staging = pool.lease(decode_len as usize);
+            w.cache.gather_with(&plan, &mut staging).expect("gather");
+            shared_store.borrow_mut().put(&descriptor, &staging).expect("flush");
+        }],
+    );
+    let store = shared_store.into_inner();
     w.cache.set_gather_threads(1);
     let io = FileIo::new(FileBackend::Posix).expect("io");
     let path = dir.path().join("baseline.djv");
