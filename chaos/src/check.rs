@@ -199,6 +199,7 @@ mod tests {
             resume: Duration::from_millis(1),
             recomputed: lag + 1,
             interrupted: true,
+            attempts: 1,
         }
     }
 

@@ -136,6 +136,10 @@ impl<'a> ChaosInjector<'a> {
             FaultKind::KillController => cluster.kill_controller()?,
             FaultKind::PauseController => cluster.pause_controller(lasting)?,
             FaultKind::KillControllerInRecovery => cluster.crash_controller_in_next_recovery(),
+            FaultKind::KillWorkerInRecovery if restarting => {
+                note = Some("no recovery without replication: skipped".to_owned());
+            }
+            FaultKind::KillWorkerInRecovery => cluster.kill_in_next_recovery(stage, Kill::Worker),
             _ if restarting && fault.link == LinkKind::Replica => {
                 note = Some("no replica links without replication: skipped".to_owned());
             }

@@ -104,6 +104,9 @@ pub struct Report {
     /// Recoveries that found a stage's copies dead with it (adjacent workers) and recomputed its
     /// sequences from their prompts: the ring cannot cover that failure.
     pub copies_lost: usize,
+    /// Recoveries that took more than one attempt: a fault hit an attempt (another stage died
+    /// during it, say) and the next one recovered its victims too.
+    pub retried_recoveries: usize,
     /// Steps sent again because a link lost them (no stage died).
     pub repeated_steps: u64,
     /// Controllers started to replace one that died or stopped answering.
@@ -239,6 +242,7 @@ impl Report {
                 .unwrap_or(0),
             false_detections: false_detections(recoveries, &runs.injected, stages),
             copies_lost: recoveries.iter().filter(|r| !r.copies_lost.is_empty()).count(),
+            retried_recoveries: recoveries.iter().filter(|r| r.attempts > 1).count(),
             repeated_steps: faulty.repeated_steps,
             controller_restarts: faulty.controller_restarts,
             stale_heartbeats: faulty.stale_heartbeats,
@@ -315,6 +319,13 @@ impl Report {
                 "recoveries that lost a stage's copies with its successor (adjacent failures) and \
                  recomputed from the prompts: {}",
                 self.copies_lost
+            );
+        }
+        if self.retried_recoveries > 0 {
+            let _ = writeln!(
+                t,
+                "recoveries that a fault hit and another attempt finished (with the new victims): {}",
+                self.retried_recoveries
             );
         }
         let slowdown = self.with_faults_s / self.failure_free_s;

@@ -201,11 +201,14 @@ pub enum FaultKind {
     PauseController,
     /// SIGKILL the controller in the middle of the next recovery, right after it fenced the dead.
     KillControllerInRecovery,
+    /// SIGKILL a stage's worker in the middle of the next recovery of other stages, once their
+    /// replacements are up and before they restore: a second failure during a recovery.
+    KillWorkerInRecovery,
 }
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 19] = [
+    pub const ALL: [FaultKind; 20] = [
         FaultKind::KillEngine,
         FaultKind::KillWorker,
         FaultKind::KillSidecar,
@@ -225,6 +228,7 @@ impl FaultKind {
         FaultKind::KillController,
         FaultKind::PauseController,
         FaultKind::KillControllerInRecovery,
+        FaultKind::KillWorkerInRecovery,
     ];
 
     /// Whether it acts on a stage's processes.
@@ -239,6 +243,7 @@ impl FaultKind {
                 | FaultKind::PauseSidecar
                 | FaultKind::StaleRejoin
                 | FaultKind::StaleSidecar
+                | FaultKind::KillWorkerInRecovery
         )
     }
 
@@ -283,6 +288,7 @@ impl FaultKind {
             FaultKind::KillController => "kill-controller",
             FaultKind::PauseController => "pause-controller",
             FaultKind::KillControllerInRecovery => "kill-controller-in-recovery",
+            FaultKind::KillWorkerInRecovery => "kill-worker-in-recovery",
         }
     }
 }

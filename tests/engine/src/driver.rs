@@ -143,6 +143,9 @@ pub struct RecoveryRecord {
     pub recomputed: u64,
     /// Whether a failed step started it (else the driver found the fence between steps).
     pub interrupted: bool,
+    /// Attempts it took: more than one when a fault hit a recovery attempt (another stage died
+    /// meanwhile, say), whose victims the next attempt recovered too.
+    pub attempts: u32,
 }
 
 /// What a run did.
@@ -319,6 +322,7 @@ impl RecoveryRecord {
             resume: Duration::ZERO,
             recomputed: 0,
             interrupted,
+            attempts: 0,
         }
     }
 }
@@ -333,7 +337,8 @@ fn recover_now(
     interrupted: Option<usize>,
 ) -> Result<(), DriveError> {
     let detected = Instant::now();
-    let recovered = recover(cluster, workload, run, &mut record.victims)?;
+    let (recovered, attempts) = recover(cluster, workload, run, &mut record.victims)?;
+    record.attempts = attempts;
     record.recomputed = recovered.recomputed;
     record.epoch = recovered.epoch;
     record.copies_lost = recovered.copies_lost;
@@ -376,20 +381,20 @@ fn restart(
 }
 
 /// Recovers `victims` on `cluster`, trying again (with any stage found dead meanwhile added to
-/// `victims`) when a fault hits the recovery itself.
+/// `victims`) when a fault hits the recovery itself; returns the recovery and the attempts it took.
 fn recover(
     cluster: &mut Cluster,
     workload: &Workload,
     run: &Run,
     victims: &mut Vec<(usize, Kill)>,
-) -> Result<Recovered, DriveError> {
+) -> Result<(Recovered, u32), DriveError> {
     let sequences: Vec<Sequence<'_>> = (0..workload.prompts.len())
         .map(|i| Sequence { seat: workload.seat(i), prompt: &workload.prompts[i], generated: &run.tokens[i] })
         .collect();
     let mut attempt = 1;
     loop {
         match cluster.recover_all(victims, &sequences) {
-            Ok(recovered) => return Ok(recovered),
+            Ok(recovered) => return Ok((recovered, attempt)),
             Err(e) if attempt == RECOVERY_ATTEMPTS => return Err(e.into()),
             Err(e) => {
                 tracing::warn!(attempt, error = %e, "a recovery attempt failed: trying again");

@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill, Role, Sequence};
+use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError, Kill, Role, Sequence};
 use dejavu_engine::metrics::value_of;
-use dejavu_engine::process::RemotePipeline;
+use dejavu_engine::process::{ProcessError, RemotePipeline};
 use dejavu_engine::{CacheLayout, ModelConfig, Pipeline, Seat};
 
 const SLOTS: u32 = 2;
@@ -282,6 +282,41 @@ fn after_a_worker_recovery_replication_goes_on_and_survives_a_second_failure() {
         (recomputed as usize) < steps,
         "the local copy was found: {recomputed} of {steps} steps recomputed"
     );
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "request {i}");
+    }
+}
+
+#[test]
+fn a_worker_killed_during_a_recovery_fails_it_at_its_fence_and_both_are_recovered_next() {
+    let expected = reference();
+    let prompts = prompts();
+    let mut chain = cluster(true);
+    let done = 3;
+    let so_far = start_requests(&mut chain.remote, done);
+
+    // Worker 1 dies; worker 2, whose sidecar holds worker 1's replica, dies while worker 1's
+    // replacement is about to restore from it. The restore's reply cannot come round the broken
+    // chain: the attempt ends at worker 2's fence, not at the control deadline.
+    chain.kill(1, Kill::Worker).unwrap();
+    let position = (prompts[0].len() + done - 1) as u32;
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
+    chain.kill_in_next_recovery(2, Kill::Worker);
+    let failed = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far));
+    assert!(
+        matches!(failed, Err(ClusterError::Pipeline(ProcessError::Fenced(_)))),
+        "the attempt ends at the fence: {failed:?}"
+    );
+    assert_eq!(chain.dead().unwrap(), [(2, Kill::Worker)], "worker 1's replacement lives");
+
+    // The next attempt recovers both; worker 1's replica died with worker 2's sidecar, so its
+    // sequences are recomputed; the output is the failure-free one.
+    let both =
+        chain.recover_all(&[(1, Kill::Worker), (2, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
+    assert_eq!(both.copies_lost, [1], "{both:?}");
+    let mut so_far = so_far;
     for (i, tokens) in so_far.iter_mut().enumerate() {
         *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
         assert_eq!(*tokens, expected[i], "request {i}");

@@ -167,6 +167,9 @@ pub struct Cluster {
     spare_presumed_dead: bool,
     /// Fenced processes left running; killed with the cluster.
     spared: Vec<Spawned>,
+    /// A stage to kill in the middle of the next recovery of other stages (see
+    /// [`Cluster::kill_in_next_recovery`]).
+    kill_in_recovery: Option<(usize, Kill)>,
     /// The driver's end of the chain.
     pub remote: RemotePipeline,
     /// Tells `remote` of each fence the controller opens. Declared after `controller`, so dropped
@@ -249,6 +252,7 @@ impl Cluster {
             controller,
             spare_presumed_dead: false,
             spared: Vec::new(),
+            kill_in_recovery: None,
             remote,
             _fence_watch: fence_watch,
         };
@@ -680,6 +684,15 @@ impl Cluster {
     /// processes, before their replacements have beaten.
     pub fn crash_controller_in_next_recovery(&mut self) {
         self.controller.crash_in_recovery = true;
+    }
+
+    /// Makes the next recovery that does not recover stage `stage` kill it (`what` of it, as
+    /// [`Cluster::kill`] does) in its middle, once the replacements are up and the chain repaired,
+    /// before they restore: a second failure during a recovery. That recovery then fails (a
+    /// restore or recomputed step finds the chain broken, or the controller's fence), and a
+    /// recovery of both must follow.
+    pub fn kill_in_next_recovery(&mut self, stage: usize, what: Kill) {
+        self.kill_in_recovery = Some((stage, what));
     }
 
     /// Makes the next recovery fence the processes presumed dead without killing them, as with a

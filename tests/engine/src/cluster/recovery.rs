@@ -228,6 +228,12 @@ impl Cluster {
             lag: victims.iter().map(|&(victim, _)| (victim, 0)).collect(),
             copies_lost,
         };
+        if let Some((stage, what)) =
+            self.kill_in_recovery.filter(|&(stage, _)| !victims.iter().any(|v| v.0 == stage))
+        {
+            self.kill_in_recovery = None;
+            self.kill(stage, what)?;
+        }
         for s in sequences {
             let sequence = self.remote.recover(&sources, s.seat, s.prompt, s.generated)?;
             recovered.recomputed += sequence.recomputed;

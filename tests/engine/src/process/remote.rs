@@ -242,7 +242,9 @@ impl RemotePipeline {
         argument: &[u8],
     ) -> Result<Vec<u8>, ProcessError> {
         let request = self.write(Kind::Control, ids, &control_payload(op, stage, argument))?;
-        Ok(self.reply(request, self.control_deadline)?.payload)
+        // A control frame goes round the chain: a stage that dies meanwhile keeps the reply from
+        // ever coming, and its fence says so long before the deadline.
+        Ok(self.await_reply(request, self.control_deadline, true)?.payload)
     }
 
     /// Runs `tokens` at `position` of `seat` through the chain; returns the next token.
