@@ -168,7 +168,8 @@ pub fn source_lines_bytes(plan: &CopyPlan) -> u64 {
 pub struct LineTouch<'a> {
     /// The cache whose lines are read: borrowed, so that it outlives the addresses below.
     _cache: &'a KvCache,
-    /// The address of every line the gather reads, in its order.
+    /// For every line the gather reads, in its order, the address of its first byte the gather
+    /// reads.
     lines: Vec<usize>,
 }
 
@@ -176,20 +177,21 @@ pub struct LineTouch<'a> {
 const TOUCH_AHEAD: usize = 64;
 
 impl<'a> LineTouch<'a> {
-    /// The lines a gather of `region` from `cache` reads. Nothing may write the cache's region
-    /// while this lives (the benches only read it).
+    /// The lines a gather of `region` from `cache` reads.
     pub fn new(cache: &'a KvCache, region: &KvRegion, packing: Packing) -> Self {
+        let line = CACHE_LINE as usize;
         let mut lines: Vec<usize> = Vec::new();
         cache
             .for_each_extent(region, packing, |bytes, _| {
                 let (start, end) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
-                let mut line = start / CACHE_LINE as usize * CACHE_LINE as usize;
-                while line < end {
+                // The run's first byte, then the first byte of each further line it covers.
+                let mut at = start;
+                while at < end {
                     // A run that starts in the line the last one ended in reads it once.
-                    if lines.last() != Some(&line) {
-                        lines.push(line);
+                    if lines.last().is_none_or(|&last| last / line != at / line) {
+                        lines.push(at);
                     }
-                    line += CACHE_LINE as usize;
+                    at = (at / line + 1) * line;
                 }
                 Ok::<(), ()>(())
             })
@@ -197,32 +199,43 @@ impl<'a> LineTouch<'a> {
         Self { _cache: cache, lines }
     }
 
-    /// Reads every line once, the list split over `threads` threads; returns a sum of what was
-    /// read, so that the reads cannot be left out.
-    pub fn run(&self, threads: usize) -> u64 {
+    /// Reads one byte of every line, the list split over `threads` threads; returns a sum of what
+    /// was read, so that the reads cannot be left out.
+    ///
+    /// # Safety
+    /// Nothing writes the region's bytes of the cache while this runs (the benches only read it;
+    /// a gather would hold the layers' read locks, which this does not take).
+    pub unsafe fn run(&self, threads: usize) -> u64 {
         let share = self.lines.len().div_ceil(threads.max(1)).max(1);
         std::thread::scope(|scope| {
             let mut parts = self.lines.chunks(share);
             let mine = parts.next().unwrap_or(&[]);
-            let others: Vec<_> = parts.map(|part| scope.spawn(move || touch(part))).collect();
-            let sum = touch(mine);
+            let others: Vec<_> = parts
+                .map(|part| {
+                    // SAFETY: forwarded contract (the addresses are the cache's, which outlives us).
+                    scope.spawn(move || unsafe { touch(part) })
+                })
+                .collect();
+            // SAFETY: as above.
+            let sum = unsafe { touch(mine) };
             others.into_iter().fold(sum, |sum, t| sum.wrapping_add(t.join().expect("touch thread")))
         })
     }
 }
 
-/// Reads one word of each line, prefetching [`TOUCH_AHEAD`] lines ahead.
-fn touch(lines: &[usize]) -> u64 {
+/// Reads the byte at each address, prefetching [`TOUCH_AHEAD`] lines ahead.
+///
+/// # Safety
+/// Each address is that of a byte of a live cache buffer (a byte a gather reads) that nothing
+/// writes meanwhile.
+unsafe fn touch(lines: &[usize]) -> u64 {
     let mut sum = 0u64;
-    for (i, &line) in lines.iter().enumerate() {
+    for (i, &at) in lines.iter().enumerate() {
         if let Some(&ahead) = lines.get(i + TOUCH_AHEAD) {
             prefetch_l2(ahead);
         }
-        // SAFETY: `line` is the start of a line holding a byte of one of the cache's buffers;
-        // buffers are at least 64-byte aligned, so the line's first 8 bytes are in the buffer too.
-        // The `LineTouch` borrowing the cache keeps the buffers alive, and nothing writes them
-        // while the benches read them.
-        sum = sum.wrapping_add(unsafe { std::ptr::read_volatile(line as *const u64) });
+        // SAFETY: forwarded contract: a byte inside a live buffer, not written meanwhile.
+        sum = sum.wrapping_add(u64::from(unsafe { std::ptr::read_volatile(at as *const u8) }));
     }
     sum
 }

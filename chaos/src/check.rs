@@ -200,6 +200,7 @@ mod tests {
             recomputed: lag + 1,
             interrupted: true,
             attempts: 1,
+            killed_during: Vec::new(),
         }
     }
 

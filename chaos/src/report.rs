@@ -141,14 +141,16 @@ fn blame(injected: &[Injected], step: Option<u64>) -> Option<usize> {
 
 /// Stages recovered that no kill or pause (not yet answered by a recovery) had hit.
 fn false_detections(recoveries: &[RecoveryRecord], injected: &[Injected], stages: u32) -> u64 {
-    // Each process fault, as the stages it hit, until a recovery answers it.
+    // Each process fault, as the stages it hit, until a recovery answers it. A kill armed for a
+    // recovery hits when that recovery carries it out (if ever), not when it is armed.
     let mut open: Vec<(u64, Vec<usize>)> = injected
         .iter()
-        .filter(|i| i.fault.kind.is_process_fault())
+        .filter(|i| i.fault.kind.is_process_fault() && i.fault.kind != FaultKind::KillWorkerInRecovery)
         .map(|i| (i.step, crate::inject::stages_hit(&i.fault, stages)))
         .collect();
     let mut false_ones = 0;
     for r in recoveries {
+        open.extend(r.killed_during.iter().map(|&(stage, _)| (r.step, vec![stage])));
         for &(stage, _) in &r.victims {
             let cause = open.iter_mut().find(|(step, hit)| *step <= r.step && hit.contains(&stage));
             match cause {
@@ -172,6 +174,20 @@ pub struct Runs<'a> {
     pub restart: Option<&'a Run>,
 }
 
+/// What a kill armed for a later recovery that never came says of itself.
+const NEVER_FIRED: &str = "never carried out: no later recovery of other stages";
+
+/// Notes on each armed kill-in-recovery that no recovery carried out (recoveries carry them out
+/// in the order they were armed), so that the report does not count them as survived.
+fn mark_unfired_kills(injected: &mut [Injected], recoveries: &[RecoveryRecord]) {
+    let fired: usize = recoveries.iter().map(|r| r.killed_during.len()).sum();
+    injected
+        .iter_mut()
+        .filter(|i| i.fault.kind == FaultKind::KillWorkerInRecovery && i.note.is_none())
+        .skip(fired)
+        .for_each(|i| i.note = Some(NEVER_FIRED.to_owned()));
+}
+
 impl Report {
     /// Assembles the report of `runs` and their `violations`.
     pub fn new(
@@ -183,6 +199,8 @@ impl Report {
     ) -> Self {
         let faulty = runs.faulty;
         let recoveries = &faulty.recoveries;
+        let mut runs = runs;
+        mark_unfired_kills(&mut runs.injected, recoveries);
         let blamed_faults: Vec<Option<usize>> =
             violations.iter().map(|v| blame(&runs.injected, v.step)).collect();
         let blamed: Vec<Blamed> = violations
@@ -197,17 +215,20 @@ impl Report {
             .iter()
             .filter_map(|&class| {
                 let of_class = |i: &usize| runs.injected[*i].fault.kind == class;
-                let injected = runs.injected.iter().filter(|i| i.fault.kind == class).count() as u64;
+                // A fault that never took effect was not survived.
+                let took_effect = |i: &&Injected| i.note.as_deref() != Some(NEVER_FIRED);
+                let injected =
+                    runs.injected.iter().filter(|i| i.fault.kind == class).filter(took_effect).count() as u64;
                 // Faults, not violations: one fault blamed twice counts once.
                 let mut violated: Vec<usize> =
                     blamed_faults.iter().flatten().copied().filter(of_class).collect();
                 violated.sort_unstable();
                 violated.dedup();
                 let violated = violated.len() as u64;
-                (injected > 0).then_some(ClassRow {
+                (injected > 0 || violated > 0).then_some(ClassRow {
                     class,
                     injected,
-                    survived: injected - violated,
+                    survived: injected.saturating_sub(violated),
                     violated,
                 })
             })
@@ -366,6 +387,49 @@ impl Report {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scenario::Fault;
+    use dejavu_engine::cluster::Kill;
+
+    fn injected(step: u64, kind: &str, stage: u32) -> Injected {
+        let fault: Fault =
+            toml::from_str(&format!("at_step = {step}\nkind = \"{kind}\"\nstage = {stage}")).unwrap();
+        Injected { step, at_ms: 0.0, fault, note: None }
+    }
+
+    fn recovery(step: u64, victims: &[usize], killed_during: &[usize]) -> RecoveryRecord {
+        RecoveryRecord {
+            victims: victims.iter().map(|&s| (s, Kill::Worker)).collect(),
+            epoch: 1,
+            copies_lost: Vec::new(),
+            lag: Vec::new(),
+            step,
+            detection: Duration::ZERO,
+            restore: Duration::ZERO,
+            resume: Duration::ZERO,
+            recomputed: 1,
+            interrupted: true,
+            attempts: 1 + killed_during.len() as u32,
+            killed_during: killed_during.iter().map(|&s| (s, Kill::Worker)).collect(),
+        }
+    }
+
+    #[test]
+    fn a_kill_armed_for_a_recovery_hits_when_carried_out_and_is_not_survived_when_never() {
+        // Armed at step 5 for stage 3; stage 1 dies at step 8, and stage 3 during its recovery.
+        let mut faults = vec![injected(5, "kill-worker-in-recovery", 3), injected(8, "kill-worker", 1)];
+        let recoveries = vec![recovery(8, &[1, 3], &[3])];
+        assert_eq!(false_detections(&recoveries, &faults, 4), 0);
+        // A later recovery of stage 3 alone is a false detection: the armed kill was answered.
+        let later = vec![recoveries[0].clone(), recovery(20, &[3], &[])];
+        assert_eq!(false_detections(&later, &faults, 4), 1);
+        // Armed, never carried out: it answers no recovery, and is marked so.
+        faults.push(injected(30, "kill-worker-in-recovery", 2));
+        let unfired = vec![recoveries[0].clone(), recovery(40, &[2], &[])];
+        assert_eq!(false_detections(&unfired, &faults, 4), 1);
+        mark_unfired_kills(&mut faults, &unfired);
+        assert_eq!(faults[0].note, None);
+        assert_eq!(faults[2].note.as_deref(), Some(NEVER_FIRED));
+    }
 
     #[test]
     fn percentiles_by_nearest_rank() {

@@ -302,15 +302,18 @@ impl KvCache {
     /// [`KvCache::gather_with`] does, in pieces of about `piece` bytes in the order of `out`, and
     /// hands `sink` each piece, in order, as soon as it and those before it are gathered, so that
     /// whatever consumes the packed bytes (a checksum and a write to a file, say) runs while the
-    /// rest is gathered. With one gather thread ([`KvCache::set_gather_threads`]), the sink runs
-    /// on a thread of its own; with more, each thread gathers the next piece no thread has taken
-    /// and, between pieces, hands over those that are ready if no other thread is doing so.
+    /// rest is gathered. With one gather thread ([`KvCache::set_gather_threads`]), or a region
+    /// under [`copy::PARALLEL_MIN_BYTES`], the sink runs on a thread of its own; with more, each
+    /// thread gathers the next piece no thread has taken and, after each, hands over the next
+    /// piece if it is ready and no other thread is doing so; what is left is handed over once the
+    /// gather is done.
     ///
-    /// `sink` returns whether it wants more; once it says no, the rest is still gathered, but not
-    /// handed over. The pieces handed over are `out` whole, one after another. A plan whose
-    /// blocks do not fill `out` in order is gathered first ([`KvCache::gather_with`]) and handed
-    /// over in one piece. The layers read are locked against writers until the gather is done,
-    /// not until the sink is.
+    /// `sink` returns whether it wants more; once it says no (or panics), the rest is still
+    /// gathered, but not handed over. The pieces handed over are `out` whole, one after another.
+    /// A plan whose blocks do not fill `out` in order is gathered first
+    /// ([`KvCache::gather_with`]) and handed over in one piece. The layers read are locked against
+    /// writers until the gather is done (and, with several threads, the one piece each may be
+    /// handing over then), not until the sink is: `sink` must not write to this cache.
     pub fn gather_streamed(
         &self,
         plan: &GatherPlan,
@@ -338,10 +341,14 @@ impl KvCache {
         // is not used again until all are done.
         let base = dst[0].ptr as usize;
         let ranges: Vec<Range<u64>> = groups.iter().map(|(range, _)| range.clone()).collect();
-        let threads = self.gather_threads.load(Ordering::Relaxed).min(groups.len());
+        let threads = match plan.plan.bytes() {
+            bytes if bytes < copy::PARALLEL_MIN_BYTES => 1,
+            _ => self.gather_threads.load(Ordering::Relaxed).min(groups.len()),
+        };
         if threads > 1 {
-            // Every core gathers; whichever thread finds the next piece gathered and the sink free
-            // hands it over (a thread of the sink's own would take a core from the gather).
+            // Every core gathers; between pieces, a thread that finds the next piece gathered and
+            // the sink free hands it over (a thread of the sink's own would take a core from the
+            // gather). What is left when the gather ends is handed over once the locks are gone.
             let handover = Handover::new(&ranges, base, sink);
             // SAFETY: the plan was checked against these buffers above; the cache's bytes are read
             // under the layers' read locks; the destination is packed (no byte written twice), and
@@ -562,32 +569,40 @@ impl<'a, S: FnMut(&[u8]) -> bool> Handover<'a, S> {
         Self { ranges, base, gathered, sink: Mutex::new((sink, 0, true)) }
     }
 
-    /// Piece `group` is gathered: hands it and any after it that are over, unless another thread
-    /// holds the sink (that thread, or a later call, hands them).
+    /// Piece `group` is gathered: hands over the next piece if it is gathered and no other thread
+    /// holds the sink. One piece at most, so that the thread goes back to gathering, and the
+    /// layers' locks are held for one piece's hand-over at most after the gather ends.
     fn gathered(&self, group: usize) {
         self.gathered[group].store(true, Ordering::Release);
         if let Some(mut sink) = self.sink.try_lock() {
-            self.hand_over_ready(&mut sink);
+            self.hand_over(&mut sink, 1);
         }
     }
 
     /// Every piece is gathered: hands over those left.
     fn finish(self) {
         let mut sink = self.sink.lock();
-        self.hand_over_ready(&mut sink);
+        self.hand_over(&mut sink, self.ranges.len());
         debug_assert_eq!(sink.1, self.ranges.len(), "every piece was gathered");
     }
 
-    fn hand_over_ready(&self, (sink, next, wanted): &mut (S, usize, bool)) {
-        while *next < self.ranges.len() && self.gathered[*next].load(Ordering::Acquire) {
-            if *wanted {
+    /// Hands over up to `most` pieces, in order, as long as the next one is gathered.
+    fn hand_over(&self, (sink, next, wanted): &mut (S, usize, bool), most: usize) {
+        for _ in 0..most {
+            let Some(range) = self.ranges.get(*next).filter(|_| self.gathered[*next].load(Ordering::Acquire))
+            else {
+                return;
+            };
+            // Moved on first: a sink that panics (the lock does not poison) is never handed the
+            // same piece again, nor any other.
+            *next += 1;
+            if std::mem::take(wanted) {
                 // SAFETY: the piece lies in the buffer being gathered (the pieces cover it), which
                 // the gather borrows exclusively until it returns, after `finish`; its bytes were
                 // written before its flag was set (release, read above with acquire), and no
                 // thread writes them again (the pieces are disjoint).
-                *wanted = sink(unsafe { piece_at(self.base, &self.ranges[*next]) });
+                *wanted = sink(unsafe { piece_at(self.base, range) });
             }
-            *next += 1;
         }
     }
 }
@@ -640,6 +655,49 @@ mod tests {
             cache.set_gather_threads(1);
         }
         assert!(cache.packed_len(&KvRegion::new(0..4, 0..4, 0..8, 0..200)) >= PARALLEL_MIN_BYTES);
+    }
+
+    #[test]
+    fn the_handover_gives_pieces_in_order_one_per_gathered_piece_and_stops_with_its_sink() {
+        let buffer: Vec<u8> = (0..100).collect();
+        let ranges: Vec<Range<u64>> = (0..10).map(|i| i * 10..i * 10 + 10).collect();
+        let base = buffer.as_ptr() as usize;
+        let handed = std::cell::RefCell::new(Vec::new());
+        let sink = |bytes: &[u8]| {
+            handed.borrow_mut().push(bytes.to_vec());
+            true
+        };
+        let handover = Handover::new(&ranges, base, sink);
+        // Pieces gathered out of order wait for those before them; each gathered piece lets at
+        // most one be handed over, the rest waits for `finish`.
+        let counts: Vec<usize> = [3, 1, 0, 2, 9, 4]
+            .into_iter()
+            .map(|group| {
+                handover.gathered(group);
+                handed.borrow().len()
+            })
+            .collect();
+        assert_eq!(counts, [0, 0, 1, 2, 3, 4]);
+        for group in [5, 8, 6, 7] {
+            handover.gathered(group);
+        }
+        handover.finish();
+        assert_eq!(handed.borrow().concat(), buffer, "every piece, once, in order");
+
+        // A sink that wants no more, or panics, is handed nothing after.
+        for panics in [false, true] {
+            let calls = std::cell::Cell::new(0);
+            let handover = Handover::new(&ranges, base, |_: &[u8]| {
+                calls.set(calls.get() + 1);
+                assert!(!panics || calls.get() < 2, "the sink fails");
+                calls.get() < 2
+            });
+            for group in 0..10 {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handover.gathered(group)));
+            }
+            handover.finish();
+            assert_eq!(calls.get(), 2, "panics: {panics}");
+        }
     }
 
     #[test]

@@ -132,7 +132,7 @@ pub unsafe fn execute_raw_parallel(
 }
 
 /// Checks every block of `plan` against the buffers, before any byte moves: what
-/// [`run_groups_striped`] needs.
+/// [`run_groups`] needs.
 pub(crate) fn check_plan(plan: &CopyPlan, src: &[RawSrc], dst: &[RawDst]) -> Result<(), CopyError> {
     plan.blocks().iter().try_for_each(|block| check_block(block, src, dst))
 }
@@ -142,8 +142,11 @@ pub(crate) fn check_plan(plan: &CopyPlan, src: &[RawSrc], dst: &[RawDst]) -> Res
 /// order. `done(i)` is called on the thread that ran group `i`, once its bytes are written.
 ///
 /// # Safety
-/// The groups' blocks were checked against `src` and `dst` with [`check_plan`], the conditions
-/// of [`execute_raw`] hold for them, and no two blocks write the same byte.
+/// 1. The groups' blocks were checked against `src` and `dst` with [`check_plan`].
+/// 2. The bytes the blocks read are not written by anyone during the call.
+/// 3. No two blocks write the same byte, and the bytes of group `i`'s range are neither read nor
+///    written by anyone else until `done(i)` is called (afterwards they may be read: no block
+///    writes them again).
 pub(crate) unsafe fn run_groups(
     groups: &[(Range<u64>, &[CopyBlock])],
     src: &[RawSrc],

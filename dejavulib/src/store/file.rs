@@ -165,9 +165,9 @@ impl FileStore {
 
     /// Flushes the region `plan` gathers from `cache` as `descriptor` says, through `staging`
     /// (exactly the region's packed length): the buffered flush, with each piece of the payload
-    /// checksummed and written by a second thread as soon as it is gathered
-    /// ([`KvCache::gather_streamed`]), so that the write costs little more than the gather. The
-    /// gather uses as many threads as the cache allows ([`KvCache::set_gather_threads`]).
+    /// checksummed and written as soon as it and those before it are gathered
+    /// ([`KvCache::gather_streamed`], with as many gather threads as the cache allows:
+    /// [`KvCache::set_gather_threads`]), so that the write costs little more than the gather.
     pub fn put_gathered(
         &self,
         descriptor: &ChunkDescriptor,

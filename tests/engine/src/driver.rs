@@ -146,6 +146,9 @@ pub struct RecoveryRecord {
     /// Attempts it took: more than one when a fault hit a recovery attempt (another stage died
     /// meanwhile, say), whose victims the next attempt recovered too.
     pub attempts: u32,
+    /// The stages killed during it on request ([`Cluster::kill_in_next_recovery`]): among its
+    /// victims, recovered by a later attempt.
+    pub killed_during: Vec<(usize, Kill)>,
 }
 
 /// What a run did.
@@ -251,7 +254,7 @@ fn drive_into(
                 if !victims.is_empty() {
                     let record = RecoveryRecord::new(victims, step, Duration::ZERO, false);
                     match config.on_failure {
-                        OnFailure::Recover => recover_now(&mut cluster, workload, run, record, None)?,
+                        OnFailure::Recover => recover_now(&mut cluster, workload, config, run, record, None)?,
                         OnFailure::Restart => {
                             cluster = restart(cluster, start, run, record)?;
                             continue 'rounds;
@@ -291,7 +294,7 @@ fn drive_into(
             (failures, failing_since) = (0, None);
             match config.on_failure {
                 OnFailure::Recover => {
-                    recover_now(&mut cluster, workload, run, record, Some(request))?;
+                    recover_now(&mut cluster, workload, config, run, record, Some(request))?;
                     // The interrupted step ran again: the next one is counted after it.
                     step += 1;
                 }
@@ -323,6 +326,7 @@ impl RecoveryRecord {
             recomputed: 0,
             interrupted,
             attempts: 0,
+            killed_during: Vec::new(),
         }
     }
 }
@@ -332,13 +336,15 @@ impl RecoveryRecord {
 fn recover_now(
     cluster: &mut Cluster,
     workload: &Workload,
+    config: &DriverConfig,
     run: &mut Run,
     mut record: RecoveryRecord,
     interrupted: Option<usize>,
 ) -> Result<(), DriveError> {
     let detected = Instant::now();
-    let (recovered, attempts) = recover(cluster, workload, run, &mut record.victims)?;
+    let (recovered, attempts) = recover(cluster, workload, run, &mut record.victims, config.detect_patience)?;
     record.attempts = attempts;
+    record.killed_during = cluster.take_killed_in_recovery();
     record.recomputed = recovered.recomputed;
     record.epoch = recovered.epoch;
     record.copies_lost = recovered.copies_lost;
@@ -381,12 +387,14 @@ fn restart(
 }
 
 /// Recovers `victims` on `cluster`, trying again (with any stage found dead meanwhile added to
-/// `victims`) when a fault hits the recovery itself; returns the recovery and the attempts it took.
+/// `victims`, waiting up to `patience` for the controller to name it) when a fault hits the
+/// recovery itself; returns the recovery and the attempts it took.
 fn recover(
     cluster: &mut Cluster,
     workload: &Workload,
     run: &Run,
     victims: &mut Vec<(usize, Kill)>,
+    patience: Duration,
 ) -> Result<(Recovered, u32), DriveError> {
     let sequences: Vec<Sequence<'_>> = (0..workload.prompts.len())
         .map(|i| Sequence { seat: workload.seat(i), prompt: &workload.prompts[i], generated: &run.tokens[i] })
@@ -399,7 +407,7 @@ fn recover(
             Err(e) => {
                 tracing::warn!(attempt, error = %e, "a recovery attempt failed: trying again");
                 attempt += 1;
-                for (stage, what) in cluster.dead()? {
+                for (stage, what) in dead_after_failed_attempt(cluster, victims, patience)? {
                     match victims.iter_mut().find(|v| v.0 == stage) {
                         // An engine whose sidecar died since: the whole worker now.
                         Some(victim) if what == Kill::Worker => victim.1 = Kill::Worker,
@@ -409,6 +417,25 @@ fn recover(
                 }
             }
         }
+    }
+}
+
+/// The stages dead after a recovery attempt of `victims` failed. A stage that died during the
+/// attempt can fail it (its chain broken) before the controller has named it: waits up to
+/// `patience` for the controller to name one the attempt did not recover, then takes whatever it
+/// names (nothing new: the attempt failed for another reason, and the next one tries the same).
+fn dead_after_failed_attempt(
+    cluster: &mut Cluster,
+    victims: &[(usize, Kill)],
+    patience: Duration,
+) -> Result<Vec<(usize, Kill)>, ClusterError> {
+    let until = Instant::now() + patience;
+    loop {
+        let dead = cluster.dead()?;
+        if dead.iter().any(|found| !victims.contains(found)) || Instant::now() >= until {
+            return Ok(dead);
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 

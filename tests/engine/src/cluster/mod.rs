@@ -167,9 +167,11 @@ pub struct Cluster {
     spare_presumed_dead: bool,
     /// Fenced processes left running; killed with the cluster.
     spared: Vec<Spawned>,
-    /// A stage to kill in the middle of the next recovery of other stages (see
-    /// [`Cluster::kill_in_next_recovery`]).
-    kill_in_recovery: Option<(usize, Kill)>,
+    /// Stages to kill in the middle of a recovery of other stages, in the order they were asked
+    /// for (see [`Cluster::kill_in_next_recovery`]).
+    kill_in_recovery: Vec<(usize, Kill)>,
+    /// The stages killed so, since [`Cluster::take_killed_in_recovery`] last took them.
+    killed_in_recovery: Vec<(usize, Kill)>,
     /// The driver's end of the chain.
     pub remote: RemotePipeline,
     /// Tells `remote` of each fence the controller opens. Declared after `controller`, so dropped
@@ -252,7 +254,8 @@ impl Cluster {
             controller,
             spare_presumed_dead: false,
             spared: Vec::new(),
-            kill_in_recovery: None,
+            kill_in_recovery: Vec::new(),
+            killed_in_recovery: Vec::new(),
             remote,
             _fence_watch: fence_watch,
         };
@@ -691,8 +694,16 @@ impl Cluster {
     /// before they restore: a second failure during a recovery. That recovery then fails (a
     /// restore or recomputed step finds the chain broken, or the controller's fence), and a
     /// recovery of both must follow.
+    /// Kills asked for before wait their turn: a recovery carries out the first one that does not
+    /// hit its own victims.
     pub fn kill_in_next_recovery(&mut self, stage: usize, what: Kill) {
-        self.kill_in_recovery = Some((stage, what));
+        self.kill_in_recovery.push((stage, what));
+    }
+
+    /// The stages [`Cluster::kill_in_next_recovery`] had killed during recoveries since last
+    /// asked, in order.
+    pub fn take_killed_in_recovery(&mut self) -> Vec<(usize, Kill)> {
+        std::mem::take(&mut self.killed_in_recovery)
     }
 
     /// Makes the next recovery fence the processes presumed dead without killing them, as with a

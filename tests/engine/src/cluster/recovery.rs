@@ -228,10 +228,11 @@ impl Cluster {
             lag: victims.iter().map(|&(victim, _)| (victim, 0)).collect(),
             copies_lost,
         };
-        if let Some((stage, what)) =
-            self.kill_in_recovery.filter(|&(stage, _)| !victims.iter().any(|v| v.0 == stage))
-        {
-            self.kill_in_recovery = None;
+        // A second failure in the middle of this recovery, where one was asked for.
+        let spared = |&(stage, _): &(usize, Kill)| !victims.iter().any(|v| v.0 == stage);
+        if let Some(i) = self.kill_in_recovery.iter().position(spared) {
+            let (stage, what) = self.kill_in_recovery.remove(i);
+            self.killed_in_recovery.push((stage, what));
             self.kill(stage, what)?;
         }
         for s in sequences {

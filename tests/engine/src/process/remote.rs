@@ -234,17 +234,19 @@ impl RemotePipeline {
         }
     }
 
+    /// Sends control operation `op` to stage `stage` round the chain and waits for its reply;
+    /// with `fenceable`, a fence newer than the pipeline's epoch ends the wait
+    /// ([`ProcessError::Fenced`]).
     fn control(
         &mut self,
         op: u8,
         stage: u32,
         ids: [u32; 4],
         argument: &[u8],
+        fenceable: bool,
     ) -> Result<Vec<u8>, ProcessError> {
         let request = self.write(Kind::Control, ids, &control_payload(op, stage, argument))?;
-        // A control frame goes round the chain: a stage that dies meanwhile keeps the reply from
-        // ever coming, and its fence says so long before the deadline.
-        Ok(self.await_reply(request, self.control_deadline, true)?.payload)
+        Ok(self.await_reply(request, self.control_deadline, fenceable)?.payload)
     }
 
     /// Runs `tokens` at `position` of `seat` through the chain; returns the next token.
@@ -286,6 +288,8 @@ impl RemotePipeline {
 
     /// Tells stage `stage` to restore `seat`'s KV (prompt of `prompt_len`, KV of up to `kv_tokens`
     /// tokens) from the sidecar at `from` (`None`: its own); returns how many tokens it restored.
+    /// A fence newer than the pipeline's epoch (a stage died during the recovery) fails it at once
+    /// ([`ProcessError::Fenced`]).
     pub fn restore(
         &mut self,
         stage: u32,
@@ -296,7 +300,9 @@ impl RemotePipeline {
     ) -> Result<u32, ProcessError> {
         let argument = from.map(|a| a.to_string()).unwrap_or_default();
         let ids = [seat.microbatch, seat.slot, prompt_len, kv_tokens];
-        let reply = self.control(OP_RESTORE, stage, ids, argument.as_bytes())?;
+        // Only recoveries restore: a stage that dies during one keeps the reply from ever coming
+        // round the chain, and its fence says so long before the control deadline.
+        let reply = self.control(OP_RESTORE, stage, ids, argument.as_bytes(), true)?;
         match parse_control(&reply) {
             Some((OP_RESTORE, s, count)) if s == stage && count.len() == 4 => {
                 Ok(u32::from_le_bytes(count.try_into().expect("4 bytes")))
@@ -350,7 +356,7 @@ impl RemotePipeline {
     /// metric and failures are counted once it resumes. For measuring what replication costs,
     /// in one run ([`crate::cluster::Cluster::set_replication`]).
     pub fn set_replication(&mut self, stage: u32, on: bool) -> Result<(), ProcessError> {
-        self.control(OP_REPLICATION, stage, [NO_STAGE; 4], &[u8::from(on)])?;
+        self.control(OP_REPLICATION, stage, [NO_STAGE; 4], &[u8::from(on)], false)?;
         Ok(())
     }
 
