@@ -304,15 +304,15 @@ impl KvCache {
     /// whatever consumes the packed bytes (a checksum and a write to a file, say) runs while the
     /// rest is gathered. With one gather thread ([`KvCache::set_gather_threads`]), or a region
     /// under [`copy::PARALLEL_MIN_BYTES`], the sink runs on a thread of its own; with more, each
-    /// thread gathers the next piece no thread has taken and, after each, hands over the next
-    /// piece if it is ready and no other thread is doing so; what is left is handed over once the
-    /// gather is done.
+    /// thread gathers the next piece no thread has taken and, after each, hands over the pieces
+    /// that are ready if no other thread is doing so, as long as the gather goes on; what is left
+    /// is handed over once the gather is done.
     ///
     /// `sink` returns whether it wants more; once it says no (or panics), the rest is still
     /// gathered, but not handed over. The pieces handed over are `out` whole, one after another.
     /// A plan whose blocks do not fill `out` in order is gathered first
     /// ([`KvCache::gather_with`]) and handed over in one piece. The layers read are locked against
-    /// writers until the gather is done (and, with several threads, the one piece each may be
+    /// writers until the gather is done (and, with several threads, the piece one of them may be
     /// handing over then), not until the sink is: `sink` must not write to this cache.
     pub fn gather_streamed(
         &self,
@@ -559,6 +559,8 @@ struct Handover<'a, S> {
     base: usize,
     /// Whether each piece is gathered.
     gathered: Vec<AtomicBool>,
+    /// How many pieces are gathered.
+    gathered_count: AtomicUsize,
     /// The sink, the next piece to hand it, and whether it wants more.
     sink: Mutex<(S, usize, bool)>,
 }
@@ -566,29 +568,37 @@ struct Handover<'a, S> {
 impl<'a, S: FnMut(&[u8]) -> bool> Handover<'a, S> {
     fn new(ranges: &'a [Range<u64>], base: usize, sink: S) -> Self {
         let gathered = ranges.iter().map(|_| AtomicBool::new(false)).collect();
-        Self { ranges, base, gathered, sink: Mutex::new((sink, 0, true)) }
+        Self {
+            ranges,
+            base,
+            gathered,
+            gathered_count: AtomicUsize::new(0),
+            sink: Mutex::new((sink, 0, true)),
+        }
     }
 
-    /// Piece `group` is gathered: hands over the next piece if it is gathered and no other thread
-    /// holds the sink. One piece at most, so that the thread goes back to gathering, and the
-    /// layers' locks are held for one piece's hand-over at most after the gather ends.
+    /// Piece `group` is gathered: unless another thread holds the sink, hands over the pieces
+    /// that are gathered, in order, while the gather goes on. Once the last piece is gathered,
+    /// the rest waits for [`Handover::finish`], so that the layers' locks are not held for more
+    /// than the piece a thread is handing over then.
     fn gathered(&self, group: usize) {
         self.gathered[group].store(true, Ordering::Release);
+        self.gathered_count.fetch_add(1, Ordering::AcqRel);
         if let Some(mut sink) = self.sink.try_lock() {
-            self.hand_over(&mut sink, 1);
+            self.hand_over(&mut sink, || self.gathered_count.load(Ordering::Acquire) < self.ranges.len());
         }
     }
 
     /// Every piece is gathered: hands over those left.
     fn finish(self) {
         let mut sink = self.sink.lock();
-        self.hand_over(&mut sink, self.ranges.len());
+        self.hand_over(&mut sink, || true);
         debug_assert_eq!(sink.1, self.ranges.len(), "every piece was gathered");
     }
 
-    /// Hands over up to `most` pieces, in order, as long as the next one is gathered.
-    fn hand_over(&self, (sink, next, wanted): &mut (S, usize, bool), most: usize) {
-        for _ in 0..most {
+    /// Hands over pieces, in order, as long as the next one is gathered and `go_on` says so.
+    fn hand_over(&self, (sink, next, wanted): &mut (S, usize, bool), go_on: impl Fn() -> bool) {
+        while go_on() {
             let Some(range) = self.ranges.get(*next).filter(|_| self.gathered[*next].load(Ordering::Acquire))
             else {
                 return;
@@ -658,7 +668,7 @@ mod tests {
     }
 
     #[test]
-    fn the_handover_gives_pieces_in_order_one_per_gathered_piece_and_stops_with_its_sink() {
+    fn the_handover_gives_pieces_in_order_while_the_gather_goes_on_and_stops_with_its_sink() {
         let buffer: Vec<u8> = (0..100).collect();
         let ranges: Vec<Range<u64>> = (0..10).map(|i| i * 10..i * 10 + 10).collect();
         let base = buffer.as_ptr() as usize;
@@ -668,19 +678,16 @@ mod tests {
             true
         };
         let handover = Handover::new(&ranges, base, sink);
-        // Pieces gathered out of order wait for those before them; each gathered piece lets at
-        // most one be handed over, the rest waits for `finish`.
-        let counts: Vec<usize> = [3, 1, 0, 2, 9, 4]
+        // Pieces gathered out of order wait for those before them; once the last is gathered,
+        // what is left waits for `finish`.
+        let counts: Vec<usize> = [3, 1, 0, 2, 9, 4, 5, 8, 6, 7]
             .into_iter()
             .map(|group| {
                 handover.gathered(group);
                 handed.borrow().len()
             })
             .collect();
-        assert_eq!(counts, [0, 0, 1, 2, 3, 4]);
-        for group in [5, 8, 6, 7] {
-            handover.gathered(group);
-        }
+        assert_eq!(counts, [0, 0, 2, 4, 4, 5, 6, 6, 7, 7]);
         handover.finish();
         assert_eq!(handed.borrow().concat(), buffer, "every piece, once, in order");
 
