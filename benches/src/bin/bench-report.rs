@@ -54,6 +54,19 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
+/// A row of two times, in milliseconds (lower is better).
+fn time_row(name: &str, value: Duration, limit_name: &str, limit: Duration, target: f64) -> Row {
+    Row {
+        name: name.into(),
+        value: value.as_secs_f64() * 1e3,
+        unit: "ms",
+        limit_name: limit_name.into(),
+        limit: limit.as_secs_f64() * 1e3,
+        target,
+        higher_is_better: false,
+    }
+}
+
 /// Tokens generated per request in the end-to-end demos: the demo's default, and a quarter of it
 /// with `--quick`. The two demos (eight runs) take under a minute on two cores, about 15 s quick.
 const E2E_NEW_TOKENS: u32 = 256;
@@ -285,42 +298,24 @@ fn micro_rows(geometry: Geometry, quick: bool, gpu_only: bool) -> Micro {
     });
     let raw_path = dir.path().join("raw.bin");
     let t_raw = median(11, || std::fs::write(&raw_path, &src).expect("write"));
-    rows.push(Row {
-        name: "decode step to file, buffered, all cores gathering (each piece written as gathered)".into(),
-        value: t_streamed.as_secs_f64() * 1e3,
-        unit: "ms",
-        limit_name: "one write per extent (paper's baseline)".into(),
-        limit: t_per_extent.as_secs_f64() * 1e3,
-        target: 50.0,
-        higher_is_better: false,
-    });
-    rows.push(Row {
-        name: "decode step to file, buffered, one thread gathering (each piece written as gathered)".into(),
-        value: t_streamed_one.as_secs_f64() * 1e3,
-        unit: "ms",
-        limit_name: "one write per extent (paper's baseline)".into(),
-        limit: t_per_extent.as_secs_f64() * 1e3,
-        target: 0.0,
-        higher_is_better: false,
-    });
-    rows.push(Row {
-        name: "decode step to file, buffered, all cores gathering (gather, then 1 write)".into(),
-        value: t_buffered.as_secs_f64() * 1e3,
-        unit: "ms",
-        limit_name: "one write per extent (paper's baseline)".into(),
-        limit: t_per_extent.as_secs_f64() * 1e3,
-        target: 0.0,
-        higher_is_better: false,
-    });
-    rows.push(Row {
-        name: "decode step to file, buffered, all cores gathering (each piece written as gathered)".into(),
-        value: t_streamed.as_secs_f64() * 1e3,
-        unit: "ms",
-        limit_name: "raw sequential write of the same bytes".into(),
-        limit: t_raw.as_secs_f64() * 1e3,
-        target: 0.0,
-        higher_is_better: false,
-    });
+    let baseline = "one write per extent (paper's baseline)";
+    let streamed = "decode step to file, buffered, all cores gathering (each piece written as gathered)";
+    rows.push(time_row(streamed, t_streamed, baseline, t_per_extent, 50.0));
+    rows.push(time_row(
+        "decode step to file, buffered, one thread gathering (each piece written as gathered)",
+        t_streamed_one,
+        baseline,
+        t_per_extent,
+        0.0,
+    ));
+    rows.push(time_row(
+        "decode step to file, buffered, all cores gathering (gather, then 1 write)",
+        t_buffered,
+        baseline,
+        t_per_extent,
+        0.0,
+    ));
+    rows.push(time_row(streamed, t_streamed, "raw sequential write of the same bytes", t_raw, 0.0));
 
     // A decode step to a remote peer: buffered against one put per KV vector.
     let (t_remote, t_per_vector, vectors) =
