@@ -346,9 +346,10 @@ impl KvCache {
             _ => self.gather_threads.load(Ordering::Relaxed).min(groups.len()),
         };
         if threads > 1 {
-            // Every core gathers; between pieces, a thread that finds the next piece gathered and
-            // the sink free hands it over (a thread of the sink's own would take a core from the
-            // gather). What is left when the gather ends is handed over once the locks are gone.
+            // Every core gathers; after each piece, a thread that finds the sink free hands over
+            // the pieces ready while the gather goes on (a thread of the sink's own would take a
+            // core from the gather). What is left when it ends is handed over once the locks are
+            // gone.
             let handover = Handover::new(&ranges, base, sink);
             // SAFETY: the plan was checked against these buffers above; the cache's bytes are read
             // under the layers' read locks; the destination is packed (no byte written twice), and
@@ -366,8 +367,8 @@ impl KvCache {
                 let mut wanted = true;
                 for range in in_order(arrivals, &ranges) {
                     if wanted {
-                        // SAFETY: as in `Handover::hand_over_ready`: the gathering thread wrote
-                        // the range before announcing it (the channel orders it).
+                        // SAFETY: as in `Handover::hand_over`: the gathering thread wrote the
+                        // range before announcing it (the channel orders it).
                         wanted = sink(unsafe { piece_at(base, &range) });
                     }
                 }

@@ -694,6 +694,7 @@ impl Cluster {
     /// before they restore: a second failure during a recovery. That recovery then fails (a
     /// restore or recomputed step finds the chain broken, or the controller's fence), and a
     /// recovery of both must follow.
+    ///
     /// Kills asked for before wait their turn: a recovery carries out the first one that does not
     /// hit its own victims.
     pub fn kill_in_next_recovery(&mut self, stage: usize, what: Kill) {
