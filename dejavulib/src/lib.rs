@@ -52,6 +52,7 @@ pub mod chunk;
 pub mod copy;
 pub mod cuda;
 pub mod file_io;
+mod handover;
 pub mod layout;
 pub mod local;
 pub mod memory;
