@@ -282,14 +282,6 @@ pub fn medians_interleaved<const N: usize>(
 
 /// Median wall time of `runs` calls of `f` after one warm-up call.
 pub fn median_of(runs: usize, mut f: impl FnMut()) -> std::time::Duration {
-    f();
-    let mut times: Vec<_> = (0..runs.max(1))
-        .map(|_| {
-            let start = std::time::Instant::now();
-            f();
-            start.elapsed()
-        })
-        .collect();
-    times.sort();
-    times[times.len() / 2]
+    let [median] = medians_interleaved(runs, [&mut f]);
+    median
 }
