@@ -15,13 +15,12 @@ use std::time::{Duration, Instant};
 
 use crate::checksum::xxh3_64;
 use parking_lot::Mutex;
-use tokio::io::{ReadHalf, WriteHalf};
 use tokio::sync::{oneshot, Semaphore};
 
 use super::auth::{client_handshake, expect};
 use super::codec::{read_frame, write_frame};
 use super::error::PeerError;
-use super::transport::{Stream, Transport};
+use super::transport::{ReadHalf, Transport, WriteHalf};
 use crate::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
 use crate::wire::{Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD, FLAG_CHUNK};
 
@@ -78,7 +77,7 @@ struct Waiting {
 }
 
 struct Connection {
-    writer: tokio::sync::Mutex<WriteHalf<Stream>>,
+    writer: tokio::sync::Mutex<WriteHalf>,
     waiting: Mutex<Waiting>,
     reader: tokio::task::JoinHandle<()>,
 }
@@ -104,7 +103,7 @@ impl Drop for Connection {
 }
 
 /// Hands each reply to the request waiting for it, until the connection fails.
-async fn read_replies(mut reader: ReadHalf<Stream>, connection: std::sync::Weak<Connection>, max: u64) {
+async fn read_replies(mut reader: ReadHalf, connection: std::sync::Weak<Connection>, max: u64) {
     loop {
         let result = read_frame(&mut reader, max).await;
         let Some(connection) = connection.upgrade() else { return };
@@ -441,7 +440,7 @@ impl PeerClient {
         let mut stream =
             self.inner.transport.connect(self.inner.addr).await.map_err(|e| PeerError::Io(e).at_connect())?;
         client_handshake(&mut stream, &config.secret, config.node).await.map_err(PeerError::at_connect)?;
-        let (reader, writer) = tokio::io::split(stream);
+        let (reader, writer) = stream.into_split();
         Ok(Arc::new_cyclic(|weak| Connection {
             writer: tokio::sync::Mutex::new(writer),
             waiting: Mutex::new(Waiting::default()),

@@ -53,7 +53,7 @@ impl Transport for MemoryTransport {
             let listener = listener.ok_or_else(refused)?;
             let (ours, theirs) = tokio::io::duplex(self.pipe_bytes);
             listener.send(theirs).await.map_err(|_| refused())?;
-            Ok(Box::new(ours) as Stream)
+            Ok(Stream::shared(ours))
         })
     }
 
@@ -96,7 +96,7 @@ impl Listener for MemoryListener {
     fn accept(&mut self) -> BoxFuture<'_, io::Result<Accepted>> {
         Box::pin(async move {
             let stream = self.incoming.recv().await.ok_or(io::ErrorKind::NotConnected)?;
-            Ok(Box::pin(async move { Ok(Box::new(stream) as Stream) }) as Accepted)
+            Ok(Box::pin(async move { Ok(Stream::shared(stream)) }) as Accepted)
         })
     }
 }

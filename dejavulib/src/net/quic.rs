@@ -112,7 +112,7 @@ impl Transport for QuicTransport {
                 endpoint.connect_with(self.client.clone(), addr, SERVER_NAME).map_err(io::Error::other)?;
             let connection = connecting.await.map_err(io::Error::other)?;
             let (send, recv) = connection.open_bi().await.map_err(io::Error::other)?;
-            Ok(Box::new(QuicStream { send, recv, connection }) as Stream)
+            Ok(quic_stream(send, recv, connection))
         })
     }
 
@@ -139,7 +139,7 @@ impl Listener for QuicListener {
             Ok(Box::pin(async move {
                 let connection = incoming.await.map_err(io::Error::other)?;
                 let (send, recv) = connection.accept_bi().await.map_err(io::Error::other)?;
-                Ok(Box::new(QuicStream { send, recv, connection }) as Stream)
+                Ok(quic_stream(send, recv, connection))
             }) as Accepted)
         })
     }
@@ -152,17 +152,28 @@ impl Drop for QuicListener {
     }
 }
 
-/// One bidirectional QUIC stream, keeping its connection open.
-struct QuicStream {
-    send: SendStream,
+/// One bidirectional QUIC stream: its halves are QUIC's own send and receive streams, each keeping
+/// the connection open.
+fn quic_stream(send: SendStream, recv: RecvStream, connection: Connection) -> Stream {
+    Stream::from_halves(QuicRecv { recv, _connection: connection.clone() }, QuicSend { send, connection })
+}
+
+/// The receiving half of a QUIC stream.
+struct QuicRecv {
     recv: RecvStream,
+    _connection: Connection,
+}
+
+/// The sending half of a QUIC stream.
+struct QuicSend {
+    send: SendStream,
     connection: Connection,
 }
 
 /// How long a dropped stream keeps its connection open for the peer to receive what was written.
 const LINGER: Duration = Duration::from_secs(2);
 
-impl Drop for QuicStream {
+impl Drop for QuicSend {
     fn drop(&mut self) {
         // Closing a QUIC connection abandons data not yet delivered (a refusal, a last reply), so
         // finish the stream and let the connection live until the peer has it, as TCP's close does.
@@ -178,7 +189,7 @@ impl Drop for QuicStream {
     }
 }
 
-impl AsyncRead for QuicStream {
+impl AsyncRead for QuicRecv {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -188,7 +199,7 @@ impl AsyncRead for QuicStream {
     }
 }
 
-impl AsyncWrite for QuicStream {
+impl AsyncWrite for QuicSend {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         AsyncWrite::poll_write(Pin::new(&mut self.send), cx, buf)
     }

@@ -69,10 +69,10 @@ impl Transport for TcpTransport {
             let stream = self.socket(addr)?.connect(addr).await?;
             stream.set_nodelay(true)?;
             match &self.tls {
-                None => Ok(Box::new(stream) as Stream),
+                None => Ok(plain(stream)),
                 Some((_, connector)) => {
                     let name = ServerName::try_from(SERVER_NAME).expect("a valid DNS name");
-                    Ok(Box::new(connector.connect(name, stream).await?) as Stream)
+                    Ok(Stream::shared(connector.connect(name, stream).await?))
                 }
             }
         })
@@ -90,6 +90,12 @@ impl Transport for TcpTransport {
     }
 }
 
+/// A plain TCP stream, in halves that need no lock between them.
+fn plain(stream: TcpStream) -> Stream {
+    let (read, write) = stream.into_split();
+    Stream::from_halves(read, write)
+}
+
 struct TcpIncoming {
     listener: TcpListener,
     acceptor: Option<TlsAcceptor>,
@@ -99,8 +105,8 @@ fn finish(stream: TcpStream, acceptor: Option<TlsAcceptor>) -> Accepted {
     Box::pin(async move {
         stream.set_nodelay(true)?;
         match acceptor {
-            None => Ok(Box::new(stream) as Stream),
-            Some(acceptor) => Ok(Box::new(acceptor.accept(stream).await?) as Stream),
+            None => Ok(plain(stream)),
+            Some(acceptor) => Ok(Stream::shared(acceptor.accept(stream).await?)),
         }
     })
 }
