@@ -1,10 +1,17 @@
 //! Transport benchmarks: the peer protocol over TCP and QUIC against raw streams moving the same
 //! bytes with the same request/acknowledgment pattern.
 //!
-//! Each case sends `count` messages of `size` bytes with at most `window` unacknowledged. The raw
-//! baselines write the bytes and the receiver answers each message with one byte; the peer protocol
-//! puts each message as a chunk (framed, checksummed, verified and stored by the receiver, its
-//! checksum acknowledged).
+//! Each case sends `count` messages with at most `window` unacknowledged: the [`messages`] of the
+//! case, `2 * window` encoded chunks of `size` payload bytes taken in turn. The peer protocol puts
+//! each as a chunk (framed, checksummed, verified and stored by the receiver, its checksum
+//! acknowledged); the raw baselines write its bytes and the receiver answers each with one byte.
+//!
+//! Both move the same memory: the senders send from the same buffers, and the raw receiver reads
+//! each message into its own buffer and keeps the last `2 * window` of them, as the peer's store
+//! keeps the chunk of each of the `2 * window` keys and reads the next into the buffer of the one
+//! it replaced. A raw baseline reusing one buffer at each end would keep its bytes in the L3 cache
+//! while the protocol's come from and go to memory. Both keep their connection from run to run,
+//! and both send from the runtime's worker threads.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -79,94 +86,153 @@ fn any_port() -> SocketAddr {
     "127.0.0.1:0".parse().expect("an address")
 }
 
-/// Sends `case` over a connected raw stream pair and returns the time to the last acknowledgment.
-async fn raw_run<C, S>(client: C, server: S, case: Case, payload: Arc<Vec<u8>>) -> Duration
-where
-    C: AsyncRead + AsyncWrite + Send + Unpin + 'static,
-    S: AsyncRead + AsyncWrite + Send + 'static,
-{
-    let Case { size, count, window, .. } = case;
-    let sink = tokio::spawn(async move {
-        let (mut r, mut w) = tokio::io::split(server);
-        let mut buf = vec![0u8; size];
-        // One more message than timed: the first warms the connection up, as the peer's ping does.
-        for _ in 0..=count {
-            r.read_exact(&mut buf).await.expect("raw receive");
-            w.write_all(&[1]).await.expect("raw ack");
-            w.flush().await.expect("raw ack");
-        }
-        // Keep the stream open until the sender has read the last acknowledgment.
-        let _ = r.read(&mut [0u8; 1]).await;
-    });
-    let (mut r, mut w) = tokio::io::split(client);
-    w.write_all(&payload).await.expect("raw warm-up");
-    r.read_exact(&mut [0u8; 1]).await.expect("raw warm-up ack");
-    let room = Arc::new(Semaphore::new(window));
-    let start = Instant::now();
-    let acks = {
-        let room = room.clone();
-        tokio::spawn(async move {
-            for _ in 0..count {
-                r.read_exact(&mut [0u8; 1]).await.expect("raw ack");
-                room.add_permits(1);
-            }
-            r
-        })
+/// The messages of `case`: `2 * window` chunks of `payload` (for keys that differ in their
+/// microbatch), encoded before any clock starts with their checksums computed once, as a chunk is
+/// when it is gathered. Run `i` sends message `i % len`: the keys cycle as a swap space or replica
+/// store replaces the chunks of a microbatch each iteration.
+pub fn messages(case: Case, payload: &[u8]) -> Arc<Vec<Vec<u8>>> {
+    let encode = |m: usize| {
+        let descriptor = descriptor(case.size, m as u32);
+        [&descriptor.encode_header(payload)[..], payload].concat()
     };
-    for _ in 0..count {
-        room.acquire().await.expect("open").forget();
-        w.write_all(&payload).await.expect("raw send");
+    Arc::new((0..2 * case.window).map(encode).collect())
+}
+
+/// A raw stream both ends of which stay open from run to run, as the peer protocol's connection
+/// does (a new connection per run would start each run with small windows and buffers), and the
+/// receiver's buffers, kept as the peer's store keeps its own.
+pub struct RawLink {
+    client: Option<(Reader, Writer)>,
+    server: Option<Duplex>,
+    kept: Vec<Vec<u8>>,
+    /// Endpoints and connections that must live as long as the streams.
+    _owners: Vec<Box<dyn std::any::Any + Send>>,
+}
+
+/// One end of a raw stream.
+type Duplex = Box<dyn Io>;
+/// The sender's halves of a raw stream, each used by its own task without a lock between them.
+type Reader = Box<dyn AsyncRead + Send + Unpin>;
+type Writer = Box<dyn AsyncWrite + Send + Unpin>;
+
+trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
+
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
+
+impl RawLink {
+    /// Raw tokio TCP (TCP_NODELAY), the limit for the TCP transport, receiving messages of `len`
+    /// bytes into `buffers` buffers in turn.
+    pub async fn tcp(len: usize, buffers: usize) -> Self {
+        let listener = tokio::net::TcpListener::bind(any_port()).await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (client, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let client = client.expect("connect");
+        let (server, _) = accepted.expect("accept");
+        client.set_nodelay(true).expect("nodelay");
+        server.set_nodelay(true).expect("nodelay");
+        let (r, w) = client.into_split();
+        Self::warmed_up((Box::new(r), Box::new(w)), Box::new(server), len, buffers, vec![]).await
     }
-    w.flush().await.expect("raw flush");
-    let r = acks.await.expect("acks");
-    let elapsed = start.elapsed();
-    let mut stream = r.unsplit(w);
-    let _ = stream.shutdown().await;
-    drop(stream);
-    let _ = sink.await;
-    elapsed
-}
 
-/// Raw tokio TCP (TCP_NODELAY), the limit for the TCP transport.
-pub async fn raw_tcp(case: Case, payload: Arc<Vec<u8>>) -> Duration {
-    let listener = tokio::net::TcpListener::bind(any_port()).await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (client, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-    let client = client.expect("connect");
-    let (server, _) = accepted.expect("accept");
-    client.set_nodelay(true).expect("nodelay");
-    server.set_nodelay(true).expect("nodelay");
-    raw_run(client, server, case, payload).await
-}
+    /// One raw quinn stream with the transport's own TLS and flow-control settings, the limit for
+    /// the QUIC transport; receives as [`RawLink::tcp`] does.
+    pub async fn quic(len: usize, buffers: usize, ids: &(NodeIdentity, NodeIdentity)) -> Self {
+        let (server_config, _) = endpoint_configs(&ids.0, ids.0.client_config().expect("tls")).expect("quic");
+        let (_, client_config) = endpoint_configs(&ids.1, ids.1.client_config().expect("tls")).expect("quic");
+        let server = quinn::Endpoint::server(server_config, any_port()).expect("endpoint");
+        let addr = server.local_addr().expect("addr");
+        let client = quinn::Endpoint::client(any_port()).expect("endpoint");
+        let accepting = async {
+            let connection = server.accept().await.expect("incoming").await.expect("handshake");
+            let (send, mut recv) = connection.accept_bi().await.expect("stream");
+            recv.read_exact(&mut [0u8; 1]).await.expect("preamble");
+            (connection, tokio::io::join(recv, send))
+        };
+        let dialing = async {
+            let connection = client
+                .connect_with(client_config, addr, SERVER_NAME)
+                .expect("dial")
+                .await
+                .expect("handshake");
+            let (mut send, recv) = connection.open_bi().await.expect("stream");
+            // The peer learns of a stream from its first byte.
+            send.write_all(&[0]).await.expect("preamble");
+            (connection, (recv, send))
+        };
+        let ((client_connection, client_stream), (server_connection, server_stream)) =
+            tokio::join!(dialing, accepting);
+        let owners: Vec<Box<dyn std::any::Any + Send>> = vec![
+            Box::new(server),
+            Box::new(client),
+            Box::new(client_connection),
+            Box::new(server_connection),
+        ];
+        let client_halves: (Reader, Writer) = (Box::new(client_stream.0), Box::new(client_stream.1));
+        Self::warmed_up(client_halves, Box::new(server_stream), len, buffers, owners).await
+    }
 
-/// One raw quinn stream with the transport's own TLS and flow-control settings, the limit for the
-/// QUIC transport.
-pub async fn raw_quic(case: Case, payload: Arc<Vec<u8>>, ids: &(NodeIdentity, NodeIdentity)) -> Duration {
-    let (server_config, _) = endpoint_configs(&ids.0, ids.0.client_config().expect("tls")).expect("quic");
-    let (_, client_config) = endpoint_configs(&ids.1, ids.1.client_config().expect("tls")).expect("quic");
-    let server = quinn::Endpoint::server(server_config, any_port()).expect("endpoint");
-    let addr = server.local_addr().expect("addr");
-    let client = quinn::Endpoint::client(any_port()).expect("endpoint");
-    let accepting = async {
-        let connection = server.accept().await.expect("incoming").await.expect("handshake");
-        let (send, mut recv) = connection.accept_bi().await.expect("stream");
-        recv.read_exact(&mut [0u8; 1]).await.expect("preamble");
-        (connection, tokio::io::join(recv, send))
-    };
-    let dialing = async {
-        let connection =
-            client.connect_with(client_config, addr, SERVER_NAME).expect("dial").await.expect("handshake");
-        let (mut send, recv) = connection.open_bi().await.expect("stream");
-        // The peer learns of a stream from its first byte.
-        send.write_all(&[0]).await.expect("preamble");
-        (connection, send, recv)
-    };
-    let ((_client_connection, send, recv), (_server_connection, server_stream)) =
-        tokio::join!(dialing, accepting);
-    let elapsed = raw_run(tokio::io::join(recv, send), server_stream, case, payload).await;
-    server.close(0u32.into(), b"done");
-    client.close(0u32.into(), b"done");
-    elapsed
+    /// The link after one untimed message, as the peer's connection is warmed up by its ping.
+    async fn warmed_up(
+        client: (Reader, Writer),
+        server: Duplex,
+        len: usize,
+        buffers: usize,
+        owners: Vec<Box<dyn std::any::Any + Send>>,
+    ) -> Self {
+        // Written once, so no page is first touched while a clock runs.
+        let kept = vec![vec![1u8; len]; buffers];
+        let mut link = Self { client: Some(client), server: Some(server), kept, _owners: owners };
+        let warm_up = Case { name: "warm-up", size: len, count: 1, window: 1 };
+        link.run(warm_up, Arc::new(vec![vec![0u8; len]])).await;
+        link
+    }
+
+    /// Sends `case`'s `messages` in turn, at most `window` unacknowledged, the receiver reading each
+    /// into the next of its buffers and answering it with one byte. Returns the time to the last
+    /// acknowledgment.
+    pub async fn run(&mut self, case: Case, messages: Arc<Vec<Vec<u8>>>) -> Duration {
+        let Case { count, window, .. } = case;
+        let (mut server, mut kept) =
+            (self.server.take().expect("a server end"), std::mem::take(&mut self.kept));
+        let sink = tokio::spawn(async move {
+            for i in 0..count {
+                let n = kept.len();
+                server.read_exact(&mut kept[i % n]).await.expect("raw receive");
+                server.write_all(&[1]).await.expect("raw ack");
+                server.flush().await.expect("raw ack");
+            }
+            (server, kept)
+        });
+        // The sender runs on the runtime's workers, as the peer protocol's puts do (they are
+        // spawned), not on the thread blocking on the runtime: waking that thread costs more.
+        let client = self.client.take().expect("a client end");
+        let sender = tokio::spawn(async move {
+            let (mut r, mut w) = client;
+            let room = Arc::new(Semaphore::new(window));
+            let start = Instant::now();
+            let acks = {
+                let room = room.clone();
+                tokio::spawn(async move {
+                    for _ in 0..count {
+                        r.read_exact(&mut [0u8; 1]).await.expect("raw ack");
+                        room.add_permits(1);
+                    }
+                    r
+                })
+            };
+            for i in 0..count {
+                room.acquire().await.expect("open").forget();
+                w.write_all(&messages[i % messages.len()]).await.expect("raw send");
+            }
+            w.flush().await.expect("raw flush");
+            let r = acks.await.expect("acks");
+            (start.elapsed(), (r, w))
+        });
+        let (elapsed, client) = sender.await.expect("raw sender");
+        self.client = Some(client);
+        (self.server, self.kept) = sink.await.map(|(s, k)| (Some(s), k)).expect("raw receiver");
+        elapsed
+    }
 }
 
 /// A peer and a client of it over `server`/`client` transports, with room for `case`'s window.
@@ -186,24 +252,14 @@ pub async fn peer_pair(
     (peer, sender)
 }
 
-/// Puts `case` through `sender`. Keys cycle through twice the window, as a swap space or replica
-/// store replaces the chunks of a microbatch each iteration, so the peer reuses replaced buffers.
-///
-/// The chunks are encoded before the clock starts, their checksums computed once, as a chunk is
-/// when it is made (gathered); the transport sends them as a sidecar forwards what it keeps,
-/// without hashing them again, and the receiver verifies every byte.
-pub async fn peer(case: Case, payload: Arc<Vec<u8>>, sender: &PeerClient) -> Duration {
-    let encoded: Vec<Arc<Vec<u8>>> = (0..2 * case.window)
-        .map(|m| {
-            let descriptor = descriptor(case.size, m as u32);
-            Arc::new([&descriptor.encode_header(&payload)[..], &payload[..]].concat())
-        })
-        .collect();
+/// Puts `case`'s [`messages`] through `sender`. The transport sends them as a sidecar forwards
+/// what it keeps, without hashing them again; the receiver verifies every byte.
+pub async fn peer(case: Case, messages: Arc<Vec<Vec<u8>>>, sender: &PeerClient) -> Duration {
     let start = Instant::now();
     let puts: Vec<_> = (0..case.count)
         .map(|i| {
-            let (sender, chunk) = (sender.clone(), encoded[i % encoded.len()].clone());
-            tokio::spawn(async move { sender.put_encoded(&chunk).await })
+            let (sender, messages) = (sender.clone(), messages.clone());
+            tokio::spawn(async move { sender.put_encoded(&messages[i % messages.len()]).await })
         })
         .collect();
     for put in puts {
@@ -222,6 +278,10 @@ pub struct Comparison {
     pub peer: Duration,
     /// Median time of the raw baseline.
     pub raw: Duration,
+    /// Median time of raw TCP sending one message over and over into one receive buffer, whose
+    /// bytes stay in cache where they fit (the baseline of earlier builds, shown beside the
+    /// other; measured for TCP only).
+    pub raw_one_buffer: Option<Duration>,
 }
 
 impl Comparison {
@@ -246,23 +306,42 @@ pub fn compare_transports(runs: usize) -> Vec<Comparison> {
     let quic_client: Arc<dyn Transport> = Arc::new(QuicTransport::new(&ids.1).expect("quic"));
     let mut out = Vec::new();
     for case in CASES {
-        let payload = Arc::new(noise(case.size));
+        let messages = messages(case, &noise(case.size));
+        let one_message = Arc::new(vec![messages[0].clone()]);
         let (mut tcp_peer, mut tcp_raw, mut quic_peer, mut quic_raw) = (vec![], vec![], vec![], vec![]);
+        let mut tcp_raw_one = vec![];
         runtime.block_on(async {
             let (_tcp_server, tcp_sender) = peer_pair(case, &*tcp, tcp.clone()).await;
             let (_quic_server, quic_sender) = peer_pair(case, &quic_server, quic_client.clone()).await;
             // One untimed round each: connections warm, the peers' buffers in steady state.
-            peer(case, payload.clone(), &tcp_sender).await;
-            peer(case, payload.clone(), &quic_sender).await;
-            for _ in 0..runs {
-                tcp_raw.push(raw_tcp(case, payload.clone()).await);
-                tcp_peer.push(peer(case, payload.clone(), &tcp_sender).await);
-                quic_raw.push(raw_quic(case, payload.clone(), &ids).await);
-                quic_peer.push(peer(case, payload.clone(), &quic_sender).await);
+            peer(case, messages.clone(), &tcp_sender).await;
+            peer(case, messages.clone(), &quic_sender).await;
+            // As many receive buffers as the peer's store cycles through: one per key, and the
+            // one being read into.
+            let (len, buffers) = (messages[0].len(), messages.len() + 1);
+            let mut tcp_link = RawLink::tcp(len, buffers).await;
+            let mut quic_link = RawLink::quic(len, buffers, &ids).await;
+            let mut one_buffer_link = RawLink::tcp(len, 1).await;
+            for run in 0..runs {
+                // The order flips every run: a run can slow the one after it, so no measurement
+                // always follows the same one.
+                let order = if run % 2 == 0 { [0, 1, 2, 3, 4] } else { [4, 3, 2, 1, 0] };
+                for measurement in order {
+                    let m = messages.clone();
+                    match measurement {
+                        0 => tcp_raw.push(tcp_link.run(case, m).await),
+                        1 => tcp_peer.push(peer(case, m, &tcp_sender).await),
+                        2 => quic_raw.push(quic_link.run(case, m).await),
+                        3 => quic_peer.push(peer(case, m, &quic_sender).await),
+                        _ => tcp_raw_one.push(one_buffer_link.run(case, one_message.clone()).await),
+                    }
+                }
             }
         });
-        out.push(Comparison { transport: "tcp", case, peer: median(tcp_peer), raw: median(tcp_raw) });
-        out.push(Comparison { transport: "quic", case, peer: median(quic_peer), raw: median(quic_raw) });
+        let (peer, raw, raw_one_buffer) = (median(tcp_peer), median(tcp_raw), Some(median(tcp_raw_one)));
+        out.push(Comparison { transport: "tcp", case, peer, raw, raw_one_buffer });
+        let (peer, raw) = (median(quic_peer), median(quic_raw));
+        out.push(Comparison { transport: "quic", case, peer, raw, raw_one_buffer: None });
     }
     out
 }
