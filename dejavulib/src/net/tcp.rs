@@ -123,3 +123,21 @@ impl Listener for TcpIncoming {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWrite;
+
+    #[tokio::test]
+    async fn streams_in_halves_still_write_vectored() {
+        for transport in [TcpTransport::plain(), TcpTransport::plain().socket_buffer(1 << 20)] {
+            let mut listener = transport.listen("127.0.0.1:0".parse().unwrap()).await.unwrap();
+            let (dialled, accepted) =
+                tokio::join!(transport.connect(listener.local_addr()), listener.accept());
+            let (client, server) = (dialled.unwrap(), accepted.unwrap().await.unwrap());
+            // A frame's header and payload parts go out in one system call, not one per part.
+            assert!(client.is_write_vectored() && server.is_write_vectored());
+        }
+    }
+}
