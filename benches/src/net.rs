@@ -8,8 +8,8 @@
 //!
 //! Both move the same memory: the senders send from the same buffers, and the raw receiver reads
 //! each message into its own buffer and keeps the last `2 * window` of them, as the peer's store
-//! keeps the chunk of each of the `2 * window` keys and reads the next into the buffer of the one
-//! it replaced. A raw baseline reusing one buffer at each end would keep its bytes in the L3 cache
+//! keeps the chunk of each of the `2 * window` keys and reads each new chunk into a buffer freed
+//! by an earlier replacement. A raw baseline reusing one buffer at each end would keep its bytes in the L3 cache
 //! while the protocol's come from and go to memory. Both keep their connection from run to run,
 //! and both send from the runtime's worker threads.
 
@@ -171,7 +171,7 @@ impl RawLink {
         Self::warmed_up(client_halves, Box::new(server_stream), len, buffers, owners).await
     }
 
-    /// The link after one untimed message, as the peer's connection is warmed up by its ping.
+    /// The link after one untimed message: connected, its receive buffers touched.
     async fn warmed_up(
         client: (Reader, Writer),
         server: Duplex,
@@ -255,17 +255,36 @@ pub async fn peer_pair(
 /// Puts `case`'s [`messages`] through `sender`. The transport sends them as a sidecar forwards
 /// what it keeps, without hashing them again; the receiver verifies every byte.
 pub async fn peer(case: Case, messages: Arc<Vec<Vec<u8>>>, sender: &PeerClient) -> Duration {
-    let start = Instant::now();
-    let puts: Vec<_> = (0..case.count)
-        .map(|i| {
-            let (sender, messages) = (sender.clone(), messages.clone());
-            tokio::spawn(async move { sender.put_encoded(&messages[i % messages.len()]).await })
-        })
-        .collect();
-    for put in puts {
-        put.await.expect("task").expect("put");
+    // Timed on the runtime's workers, as the raw baselines are.
+    let sender = sender.clone();
+    let timed = tokio::spawn(async move {
+        let start = Instant::now();
+        let puts: Vec<_> = (0..case.count)
+            .map(|i| {
+                let (sender, messages) = (sender.clone(), messages.clone());
+                tokio::spawn(async move { sender.put_encoded(&messages[i % messages.len()]).await })
+            })
+            .collect();
+        for put in puts {
+            put.await.expect("task").expect("put");
+        }
+        start.elapsed()
+    });
+    timed.await.expect("the timed puts")
+}
+
+/// The order of `n` measurements in run `run`: a shuffle, the same for every report, so that each
+/// follows each of the others about as often (a run can slow the one after it).
+fn shuffled(n: usize, run: usize) -> Vec<usize> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ (run as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        order.swap(i, (state % (i as u64 + 1)) as usize);
     }
-    start.elapsed()
+    order
 }
 
 /// One measurement: the peer protocol and its raw baseline, medians of `runs` interleaved runs.
@@ -279,8 +298,9 @@ pub struct Comparison {
     /// Median time of the raw baseline.
     pub raw: Duration,
     /// Median time of raw TCP sending one message over and over into one receive buffer, whose
-    /// bytes stay in cache where they fit (the baseline of earlier builds, shown beside the
-    /// other; measured for TCP only).
+    /// bytes stay in cache where they fit (the memory pattern of earlier builds' baseline, which
+    /// was otherwise slower: a new connection per run, a sender on the blocking thread, a locked
+    /// split; measured for TCP only).
     pub raw_one_buffer: Option<Duration>,
 }
 
@@ -322,11 +342,12 @@ pub fn compare_transports(runs: usize) -> Vec<Comparison> {
             let mut tcp_link = RawLink::tcp(len, buffers).await;
             let mut quic_link = RawLink::quic(len, buffers, &ids).await;
             let mut one_buffer_link = RawLink::tcp(len, 1).await;
+            // One untimed round each, as the peers had.
+            tcp_link.run(case, messages.clone()).await;
+            quic_link.run(case, messages.clone()).await;
+            one_buffer_link.run(case, one_message.clone()).await;
             for run in 0..runs {
-                // The order flips every run: a run can slow the one after it, so no measurement
-                // always follows the same one.
-                let order = if run % 2 == 0 { [0, 1, 2, 3, 4] } else { [4, 3, 2, 1, 0] };
-                for measurement in order {
+                for measurement in shuffled(5, run) {
                     let m = messages.clone();
                     match measurement {
                         0 => tcp_raw.push(tcp_link.run(case, m).await),

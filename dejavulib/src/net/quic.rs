@@ -13,7 +13,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Connection, Endpoint, RecvStream, SendStream, TransportConfig, VarInt};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::AsyncWrite;
 
 use super::error::PeerError;
 use super::tls::{NodeIdentity, SERVER_NAME};
@@ -152,25 +152,24 @@ impl Drop for QuicListener {
     }
 }
 
-/// One bidirectional QUIC stream: its halves are QUIC's own send and receive streams, each keeping
-/// the connection open.
+/// One bidirectional QUIC stream: its halves are QUIC's own receive and send streams (each keeps
+/// the connection open). Called within the runtime, whose handle the send half keeps for its drop.
 fn quic_stream(send: SendStream, recv: RecvStream, connection: Connection) -> Stream {
-    Stream::from_halves(QuicRecv { recv, _connection: connection.clone() }, QuicSend { send, connection })
-}
-
-/// The receiving half of a QUIC stream.
-struct QuicRecv {
-    recv: RecvStream,
-    _connection: Connection,
+    let runtime = tokio::runtime::Handle::current();
+    Stream::from_halves(recv, QuicSend { send, connection, runtime })
 }
 
 /// The sending half of a QUIC stream.
 struct QuicSend {
     send: SendStream,
     connection: Connection,
+    /// Where the drop lets the connection linger: a send half may be dropped on a thread outside
+    /// the runtime (a blocking `PeerStore`'s).
+    runtime: tokio::runtime::Handle,
 }
 
-/// How long a dropped stream keeps its connection open for the peer to receive what was written.
+/// How long a dropped send half keeps its connection open for the peer to receive what was
+/// written.
 const LINGER: Duration = Duration::from_secs(2);
 
 impl Drop for QuicSend {
@@ -178,24 +177,13 @@ impl Drop for QuicSend {
         // Closing a QUIC connection abandons data not yet delivered (a refusal, a last reply), so
         // finish the stream and let the connection live until the peer has it, as TCP's close does.
         let _ = self.send.finish();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let delivered = self.send.stopped();
-            let connection = self.connection.clone();
-            runtime.spawn(async move {
-                let _ = tokio::time::timeout(LINGER, delivered).await;
-                drop(connection);
-            });
-        }
-    }
-}
-
-impl AsyncRead for QuicRecv {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.recv).poll_read(cx, buf)
+        let delivered = self.send.stopped();
+        let connection = self.connection.clone();
+        // A runtime already shut down cancels the task at once: nothing is left to deliver to.
+        self.runtime.spawn(async move {
+            let _ = tokio::time::timeout(LINGER, delivered).await;
+            drop(connection);
+        });
     }
 }
 
