@@ -21,9 +21,10 @@ use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::net::quic::{endpoint_configs, QuicTransport};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::tls::{ClusterCa, NodeIdentity, SERVER_NAME};
-use dejavulib::net::{ClientConfig, PeerClient, PeerServer, ServerConfig, Transport};
+use dejavulib::net::transport::{ReadHalf, WriteHalf};
+use dejavulib::net::{ClientConfig, Duplex, PeerClient, PeerServer, ServerConfig, Transport};
 use dejavulib::{DType, HostStore, KvRegion, KvSpec, Packing, WorkerId};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
 const SECRET: &[u8] = b"bench cluster secret";
@@ -102,22 +103,12 @@ pub fn messages(case: Case, payload: &[u8]) -> Arc<Vec<Vec<u8>>> {
 /// does (a new connection per run would start each run with small windows and buffers), and the
 /// receiver's buffers, kept as the peer's store keeps its own.
 pub struct RawLink {
-    client: Option<(Reader, Writer)>,
-    server: Option<Duplex>,
+    client: Option<(ReadHalf, WriteHalf)>,
+    server: Option<Box<dyn Duplex>>,
     kept: Vec<Vec<u8>>,
     /// Endpoints and connections that must live as long as the streams.
     _owners: Vec<Box<dyn std::any::Any + Send>>,
 }
-
-/// One end of a raw stream.
-type Duplex = Box<dyn Io>;
-/// The sender's halves of a raw stream, each used by its own task without a lock between them.
-type Reader = Box<dyn AsyncRead + Send + Unpin>;
-type Writer = Box<dyn AsyncWrite + Send + Unpin>;
-
-trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
-
-impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
 
 impl RawLink {
     /// Raw tokio TCP (TCP_NODELAY), the limit for the TCP transport, receiving messages of `len`
@@ -167,14 +158,14 @@ impl RawLink {
             Box::new(client_connection),
             Box::new(server_connection),
         ];
-        let client_halves: (Reader, Writer) = (Box::new(client_stream.0), Box::new(client_stream.1));
+        let client_halves: (ReadHalf, WriteHalf) = (Box::new(client_stream.0), Box::new(client_stream.1));
         Self::warmed_up(client_halves, Box::new(server_stream), len, buffers, owners).await
     }
 
     /// The link after one untimed message: connected, its receive buffers touched.
     async fn warmed_up(
-        client: (Reader, Writer),
-        server: Duplex,
+        client: (ReadHalf, WriteHalf),
+        server: Box<dyn Duplex>,
         len: usize,
         buffers: usize,
         owners: Vec<Box<dyn std::any::Any + Send>>,

@@ -333,25 +333,19 @@ fn micro_rows(geometry: Geometry, quick: bool, gpu_only: bool) -> Micro {
     // The transports against raw streams moving the same bytes.
     for c in dejavu_benches::net::compare_transports(if quick { 1 } else { 15 }) {
         let raw = if c.transport == "tcp" { "raw tokio TCP" } else { "raw quinn stream" };
-        rows.push(Row {
+        let row = |limit_name: String, limit: Duration, target: f64| Row {
             name: format!("{} transport, {} ({} in flight)", c.transport, c.case.name, c.case.window),
             value: gbps(c.bytes(), c.peer),
             unit: "GB/s",
-            limit_name: format!("{raw}, same bytes, buffers and acks"),
-            limit: gbps(c.bytes(), c.raw),
-            target: 0.9,
+            limit_name,
+            limit: gbps(c.bytes(), limit),
+            target,
             higher_is_better: true,
-        });
+        };
+        rows.push(row(format!("{raw}, same bytes, buffers and acks"), c.raw, 0.9));
         if let Some(one_buffer) = c.raw_one_buffer {
-            rows.push(Row {
-                name: format!("{} transport, {} ({} in flight)", c.transport, c.case.name, c.case.window),
-                value: gbps(c.bytes(), c.peer),
-                unit: "GB/s",
-                limit_name: format!("{raw}, one message and one receive buffer (in cache where it fits)"),
-                limit: gbps(c.bytes(), one_buffer),
-                target: 0.0,
-                higher_is_better: true,
-            });
+            let limit_name = format!("{raw}, one message and one receive buffer (in cache where it fits)");
+            rows.push(row(limit_name, one_buffer, 0.0));
         }
     }
 
