@@ -6,6 +6,7 @@
 
 pub mod e2e;
 pub mod gpu;
+pub mod gpu_host;
 pub mod net;
 
 use dejavulib::chunk::ChunkDescriptor;
@@ -138,11 +139,17 @@ pub fn fill(cache: &KvCache) {
 
 /// Bytes of the distinct cache lines a plan reads: what a gather must pull from memory.
 pub fn source_lines_bytes(plan: &CopyPlan) -> u64 {
+    source_granules_bytes(plan, CACHE_LINE)
+}
+
+/// Bytes of the distinct `granule`-byte pieces of memory a plan reads (cache lines on a CPU,
+/// 32-byte sectors on a GPU), with its buffers aligned to `granule`.
+pub fn source_granules_bytes(plan: &CopyPlan, granule: u64) -> u64 {
     // Each run covers lines [first, last]; merge overlapping intervals per buffer and count.
     let mut lines: Vec<(u32, u64, u64)> = plan
         .runs()
         .iter()
-        .map(|r| (r.src_buffer, r.src_offset / CACHE_LINE, (r.src_offset + r.len - 1) / CACHE_LINE))
+        .map(|r| (r.src_buffer, r.src_offset / granule, (r.src_offset + r.len - 1) / granule))
         .collect();
     lines.sort_unstable();
     let mut total = 0;
@@ -160,7 +167,7 @@ pub fn source_lines_bytes(plan: &CopyPlan) -> u64 {
     if let Some((_, lo, hi)) = current {
         total += hi - lo + 1;
     }
-    total * CACHE_LINE
+    total * granule
 }
 
 /// The hardware's limit for a gather's access pattern: one read of each cache line the gather

@@ -1,8 +1,9 @@
 // Copy plans on the GPU: the strided blocks of a dejavulib copy plan (gather into a staging
-// buffer, scatter out of one), executed by one of four kernels: by items (each run cut into its
+// buffer, scatter out of one), executed by one of six kernels: by items (each run cut into its
 // block's unit of up to 16 aligned bytes, one item per thread: short runs) or by runs (one thread
-// block per run: long runs), with the table in device memory or passed by value as a kernel
-// parameter (small tables: no upload at all). Compiled at run time by NVRTC.
+// block per run: long runs), with the table passed by value as a kernel parameter (small tables:
+// no upload at all), uploaded and copied into shared memory (up to 256 blocks), or read from
+// device memory (larger ones). Compiled at run time by NVRTC.
 //
 // A block is 19 unsigned 64-bit words:
 //   [0] source address of its first run      [1] destination address of its first run
@@ -212,6 +213,35 @@ extern "C" __global__ void djv_copy_items(const unsigned long long* words, unsig
 extern "C" __global__ void djv_copy_runs(const unsigned long long* words, unsigned int blocks,
                                          unsigned long long runs) {
     DeviceTable table = {words, blocks};
+    copy_runs(table, blocks, runs);
+}
+
+// A table in device memory, copied into each thread block's shared memory first: every item's
+// binary search and address arithmetic then read shared memory instead of global memory. (A
+// decode step over per-layer tensors has a block per layer and part, 80 for 40 layers: its
+// searches reading global memory made the kernel four times slower than a copy.) The launch
+// gives `blocks * WORDS` words of dynamic shared memory.
+extern __shared__ unsigned long long shared_words[];
+
+__device__ static DeviceTable load_shared(const unsigned long long* words, unsigned int blocks) {
+    unsigned int n = blocks * WORDS;
+    for (unsigned int i = threadIdx.x; i < n; i += blockDim.x) {
+        shared_words[i] = words[i];
+    }
+    __syncthreads();
+    DeviceTable table = {shared_words, blocks};
+    return table;
+}
+
+extern "C" __global__ void djv_copy_items_shared(const unsigned long long* words, unsigned int blocks,
+                                                 unsigned long long items) {
+    DeviceTable table = load_shared(words, blocks);
+    copy_items(table, blocks, items);
+}
+
+extern "C" __global__ void djv_copy_runs_shared(const unsigned long long* words, unsigned int blocks,
+                                                unsigned long long runs) {
+    DeviceTable table = load_shared(words, blocks);
     copy_runs(table, blocks, runs);
 }
 

@@ -1,8 +1,14 @@
 //! The GPU streaming path, where a GPU is present: the background streamer sending layers out of
 //! device memory once the engine's compute stream has written them, and a swap-in prefetch that
-//! the engine's compute stream waits for. Each ordering is made observable: the stream the copy
-//! must wait for is held back by a host function that sleeps, so a copy that did not wait would
-//! read the memory before it is written, and the bytes would differ.
+//! the engine's compute stream waits for, and the pipelined copies between device caches and
+//! host memory. Each ordering is made observable: the stream the copy must wait for is held back
+//! by a host function until the test opens its gate, so a copy that did not wait would read the
+//! memory before it is written, and the bytes would differ.
+//!
+//! A test that holds a stream back runs alone (`Device::Alone`): a call in another test that
+//! synchronises the whole device (freeing pinned memory, loading a module) would wait for the
+//! held stream while holding the driver's lock, and the holding test's own calls would queue
+//! behind it. Seen on an H200: a prefetch blocked until the gate opened by itself.
 //!
 //! Each test says "skipped: no GPU" and passes only where no CUDA driver can be loaded; anywhere
 //! else an error fails it.
@@ -10,7 +16,8 @@
 mod common;
 
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
@@ -26,10 +33,37 @@ const LAYERS: u32 = 4;
 const SLOTS: u32 = 3;
 const TOKENS: u32 = 9;
 const W0: WorkerId = WorkerId { stage: 0, rank: 0 };
-/// How long a held-back stream sleeps: far longer than any of these copies takes.
-const HOLD: Duration = Duration::from_millis(300);
 
 /// The engine, or `None` (and a message) where no CUDA driver loads.
+/// Tests that hold a stream back take it for writing, the others for reading.
+static DEVICE: RwLock<()> = RwLock::new(());
+
+/// How a test shares the device with the others of this binary.
+enum Device {
+    /// With the other tests that do not hold a stream back.
+    Shared,
+    /// Alone: it holds a stream back.
+    Alone,
+}
+
+/// The device for a test, as `sharing` says, and the engine: `None` (and a message) where no
+/// CUDA driver loads. Bound in this order, the engine is dropped (its module unloaded, which
+/// synchronises the device) before the turn ends.
+fn engine_for(sharing: Device) -> Option<(DeviceTurn, Arc<CudaEngine>)> {
+    let turn = match sharing {
+        Device::Shared => DeviceTurn::Shared(DEVICE.read().unwrap_or_else(|e| e.into_inner())),
+        Device::Alone => DeviceTurn::Alone(DEVICE.write().unwrap_or_else(|e| e.into_inner())),
+    };
+    engine().map(|engine| (turn, engine))
+}
+
+/// A test's turn on the device, held for the whole test.
+#[allow(dead_code)] // held for its drop only
+enum DeviceTurn {
+    Shared(RwLockReadGuard<'static, ()>),
+    Alone(RwLockWriteGuard<'static, ()>),
+}
+
 fn engine() -> Option<Arc<CudaEngine>> {
     if !driver_present() {
         eprintln!("skipped: no GPU (no CUDA driver on this machine)");
@@ -56,18 +90,62 @@ fn noisy_cache(seed: u64) -> Arc<KvCache> {
     Arc::new(cache)
 }
 
-unsafe extern "C" fn sleep_on_stream(_: *mut c_void) {
-    std::thread::sleep(HOLD);
+/// A stream held back until the test opens it: work enqueued on the stream after
+/// [`hold_back`] starts only once [`Gate::open`] is called (or the gate is dropped). The test
+/// decides when, so an assertion that the work has not run yet cannot race the clock. A call that
+/// blocked the host until the held stream ran would hang the test; the gate opens by itself after
+/// `GATE_DEADLINE` instead, and the test then fails, saying so.
+struct Gate(Arc<GateState>);
+
+#[derive(Default)]
+struct GateState {
+    open: Mutex<bool>,
+    changed: Condvar,
+    /// Whether it had to open by itself.
+    forced: AtomicBool,
 }
 
-/// Holds `stream` back: work enqueued on it later starts only after `HOLD`.
-fn hold_back(stream: &CudaStream) {
+/// Far longer than anything a test does before it opens its gate.
+const GATE_DEADLINE: Duration = Duration::from_secs(20);
+
+impl Gate {
+    fn open(&self) {
+        *self.0.open.lock().unwrap() = true;
+        self.0.changed.notify_all();
+        assert!(
+            !self.0.forced.load(Ordering::SeqCst),
+            "the gate had to open by itself: a call blocked the host until the held stream ran"
+        );
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        *self.0.open.lock().unwrap() = true;
+        self.0.changed.notify_all();
+    }
+}
+
+unsafe extern "C" fn wait_for_gate(gate: *mut c_void) {
+    // SAFETY: `gate` is the `Arc` that `hold_back` leaked for this call alone.
+    let gate = unsafe { Arc::from_raw(gate as *const GateState) };
+    let open = gate.open.lock().unwrap();
+    let (_open, waited) = gate.changed.wait_timeout_while(open, GATE_DEADLINE, |open| !*open).unwrap();
+    if waited.timed_out() {
+        gate.forced.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Holds `stream` back until the returned gate opens.
+fn hold_back(stream: &CudaStream) -> Gate {
+    let gate = Arc::new(GateState::default());
     stream.context().bind_to_thread().unwrap();
-    // SAFETY: a live stream of the bound context; the host function takes no data and does not
-    // call CUDA.
-    let result =
-        unsafe { sys::cuLaunchHostFunc(stream.cu_stream(), Some(sleep_on_stream), std::ptr::null_mut()) };
+    let data = Arc::into_raw(gate.clone()) as *mut c_void;
+    // SAFETY: a live stream of the bound context; the host function takes the leaked `Arc` back
+    // and only waits on it (it calls no CUDA).
+    let result = unsafe { sys::cuLaunchHostFunc(stream.cu_stream(), Some(wait_for_gate), data) };
     assert_eq!(result, sys::CUresult::CUDA_SUCCESS);
+    Gate(gate)
 }
 
 /// Device memory for every buffer of `layout`, allocated on `stream` as an engine would (zeroed),
@@ -105,7 +183,7 @@ fn plan() -> Vec<Transfer> {
 
 #[test]
 fn the_streamer_sends_layers_out_of_device_memory_once_the_compute_stream_has_written_them() {
-    let Some(engine) = engine() else { return };
+    let Some((_turn, engine)) = engine_for(Device::Alone) else { return };
     let compute = engine.context().new_stream().unwrap();
     let cache = noisy_cache(7);
     // The engine's new KV, uploaded to the side, and its (still zero) cache.
@@ -113,7 +191,7 @@ fn the_streamer_sends_layers_out_of_device_memory_once_the_compute_stream_has_wr
         cache.snapshot().iter().map(|b| compute.clone_htod(b).unwrap()).collect();
     let (mut buffers, kv) = engine_owned_kv(&compute, &layout());
     // The "layer kernels": held back, then writing the new KV into the cache.
-    hold_back(&compute);
+    let gate = hold_back(&compute);
     for (from, to) in written.iter().zip(&mut buffers) {
         compute.memcpy_dtod(from, to).unwrap();
     }
@@ -131,6 +209,7 @@ fn the_streamer_sends_layers_out_of_device_memory_once_the_compute_stream_has_wr
     assert!(!completions.is_empty());
     // The host was not held back: nothing can be done while the compute stream sleeps.
     assert!(completions.iter().all(|c| !c.is_finished()), "a copy finished before its layer was written");
+    gate.open();
     for completion in completions {
         assert!(completion.wait().unwrap().bytes > 0);
     }
@@ -153,7 +232,7 @@ fn the_streamer_sends_layers_out_of_device_memory_once_the_compute_stream_has_wr
 
 #[test]
 fn a_device_job_outside_its_cache_is_a_typed_error() {
-    let Some(engine) = engine() else { return };
+    let Some((_turn, engine)) = engine_for(Device::Shared) else { return };
     let kv = Arc::new(engine.alloc_kv(layout()).unwrap());
     let streamer = Streamer::spawn(StreamerConfig::default(), Box::new(HostStore::new())).unwrap();
     let transfer = plan().into_iter().next().unwrap();
@@ -170,7 +249,7 @@ fn a_device_job_outside_its_cache_is_a_typed_error() {
 
 #[test]
 fn a_prefetch_is_in_place_before_the_compute_stream_reads_it() {
-    let Some(engine) = engine() else { return };
+    let Some((_turn, engine)) = engine_for(Device::Alone) else { return };
     let compute = engine.context().new_stream().unwrap();
     let cache = noisy_cache(11);
     let region = KvRegion::new(1..3, 0..SLOTS, 0..spec().kv_heads(), 0..TOKENS);
@@ -182,7 +261,7 @@ fn a_prefetch_is_in_place_before_the_compute_stream_reads_it() {
     let (buffers, kv) = engine_owned_kv(&compute, &layout());
     // Hold the copy stream back, so the prefetch is still pending when the engine reads.
     let blocker = engine.context().new_stream().unwrap();
-    hold_back(&blocker);
+    let gate = hold_back(&blocker);
     // SAFETY: `blocker` is a live stream of the engine's context.
     unsafe { engine.after(blocker.cu_stream()) }.unwrap();
     let mut staging = engine.alloc(packed.len() + 100).unwrap();
@@ -192,6 +271,9 @@ fn a_prefetch_is_in_place_before_the_compute_stream_reads_it() {
     // SAFETY: `compute` is a live stream of the engine's context.
     unsafe { done.make_wait(compute.cu_stream()) }.unwrap();
     let read: Vec<CudaSlice<u8>> = buffers.iter().map(|b| compute.clone_dtod(b).unwrap()).collect();
+    // The reads are queued behind the prefetch, which still waits for the gate.
+    assert!(!done.is_done().unwrap());
+    gate.open();
     let read: Vec<Vec<u8>> = read.iter().map(|b| compute.clone_dtoh(b).unwrap()).collect();
     done.wait().unwrap();
     assert!(done.is_done().unwrap());
@@ -204,7 +286,7 @@ fn a_prefetch_is_in_place_before_the_compute_stream_reads_it() {
 
 #[test]
 fn a_prefetch_of_the_wrong_length_is_refused() {
-    let Some(engine) = engine() else { return };
+    let Some((_turn, engine)) = engine_for(Device::Shared) else { return };
     let kv = engine.alloc_kv(layout()).unwrap();
     let region = KvRegion::new(0..1, 0..1, 0..1, 0..TOKENS);
     let needed = kv.packed_len(&region) as usize;
@@ -221,7 +303,7 @@ fn a_prefetch_of_the_wrong_length_is_refused() {
 
 #[test]
 fn memory_handed_over_as_device_memory_is_checked() {
-    let Some(engine) = engine() else { return };
+    let Some((_turn, engine)) = engine_for(Device::Shared) else { return };
     let stream = engine.context().new_stream().unwrap();
     let buffer = stream.alloc_zeros::<u8>(4096).unwrap();
     let address = buffer.device_ptr(&stream).0;
@@ -240,7 +322,7 @@ fn memory_handed_over_as_device_memory_is_checked() {
 
 #[test]
 fn long_runs_are_copied_a_run_per_thread_block_as_the_cpu_engine_copies_them() {
-    let Some(engine) = engine() else { return };
+    let Some((_turn, engine)) = engine_for(Device::Shared) else { return };
     // Per-layer [B][H][S][D]: a head's 64 tokens are one run of 16 KiB.
     let spec = KvSpec::new(2, 3, 128, DType::F16).unwrap();
     let layout = KvLayout::per_layer(spec, 2, 64, dejavulib::layout::PerLayerOrder::Bhsd).unwrap();
@@ -264,7 +346,7 @@ fn long_runs_are_copied_a_run_per_thread_block_as_the_cpu_engine_copies_them() {
 
 #[test]
 fn transfers_to_and_from_pinned_memory_move_what_the_cpu_engine_moves() {
-    let Some(engine) = engine() else { return };
+    let Some((_turn, engine)) = engine_for(Device::Shared) else { return };
     // 8 MB over 8 layers.
     let spec = KvSpec::new(8, 8, 128, DType::F16).unwrap();
     let layout = KvLayout::faster_transformer(spec, 4, 96).unwrap();
@@ -297,4 +379,128 @@ fn transfers_to_and_from_pinned_memory_move_what_the_cpu_engine_moves() {
     let reference = KvCache::new(layout).unwrap();
     reference.scatter(&region, packing, &incoming).unwrap();
     assert_eq!(engine.download_kv(&target).unwrap(), reference.snapshot());
+}
+
+/// A per-layer `[B][H][S][D]` cache of `layers` layers, 2 MiB each, filled with noise on the host
+/// and on the GPU, and a region of it: every layer, every slot and head, `tokens`.
+fn per_layer_noise(
+    engine: &CudaEngine,
+    layers: u32,
+    tokens: std::ops::Range<u32>,
+) -> (KvCache, DeviceKv, KvRegion) {
+    // 8 slots x 8 heads x 64 tokens x 128 elements x 2 bytes x K and V: 2 MiB a layer.
+    let spec = KvSpec::new(layers, 8, 128, DType::F16).unwrap();
+    let layout = KvLayout::per_layer(spec, 8, 64, dejavulib::layout::PerLayerOrder::Bhsd).unwrap();
+    let cache = KvCache::new(layout.clone()).unwrap();
+    let whole = KvRegion::new(0..layers, 0..8, 0..8, 0..64);
+    let noise = common::Rng(u64::from(layers) * 31 + 1).bytes(cache.packed_len(&whole) as usize);
+    cache.scatter(&whole, layout.preferred_packing(), &noise).unwrap();
+    let mut kv = engine.alloc_kv(layout).unwrap();
+    engine.upload_kv(&cache.snapshot(), &mut kv).unwrap();
+    (cache, kv, KvRegion::new(0..layers, 0..8, 0..8, tokens))
+}
+
+#[test]
+fn host_copies_in_pieces_move_what_the_cpu_engine_moves_into_pinned_and_pageable_memory() {
+    let Some((_turn, engine)) = engine_for(Device::Shared) else { return };
+    // 12 layers of 2 MiB: pieces of 3 layers, more pieces than the staging ring holds.
+    let (cache, kv, region) = per_layer_noise(&engine, 12, 0..64);
+    let packing = cache.layout().preferred_packing();
+    let len = cache.packed_len(&region) as usize;
+    assert_eq!(len, 24 << 20);
+    let mut expected = vec![0u8; len];
+    cache.gather(&region, packing, &mut expected).unwrap();
+    // Pageable memory.
+    let mut pageable = vec![0u8; len];
+    assert_eq!(engine.host_memory(&pageable).unwrap(), dejavulib::cuda::HostMemory::Pageable);
+    engine.gather_into_host(&kv, &region, packing, &mut pageable).unwrap();
+    assert!(pageable == expected, "the gather into pageable memory differs from the CPU engine's");
+    // Pinned memory from the pool, twice: the second lease reuses the first buffer.
+    for round in 0..2 {
+        let mut pinned = engine.pinned_pool().lease(len).unwrap();
+        assert_eq!(
+            engine.host_memory(pinned.as_slice().unwrap()).unwrap(),
+            dejavulib::cuda::HostMemory::Pinned
+        );
+        engine.gather_into_host(&kv, &region, packing, pinned.as_mut_slice().unwrap()).unwrap();
+        assert!(
+            pinned.as_slice().unwrap() == expected.as_slice(),
+            "round {round}: the pinned gather differs"
+        );
+        drop(pinned);
+        assert!(engine.pinned_pool().kept_bytes() >= len, "the buffer went back to the pool");
+    }
+    // Up again, from pinned and from pageable memory, into a zeroed cache: what the CPU engine's
+    // scatter of the same bytes gives.
+    let incoming = common::Rng(41).bytes(len);
+    let reference = KvCache::new(cache.layout().clone()).unwrap();
+    reference.scatter(&region, packing, &incoming).unwrap();
+    let target = engine.alloc_kv(cache.layout().clone()).unwrap();
+    engine.scatter_from_host(&incoming, &target, &region, packing).unwrap();
+    assert!(engine.download_kv(&target).unwrap() == reference.snapshot(), "the pageable scatter differs");
+    let target = engine.alloc_kv(cache.layout().clone()).unwrap();
+    let mut pinned = engine.pinned_pool().lease(len).unwrap();
+    pinned.as_mut_slice().unwrap().copy_from_slice(&incoming);
+    engine.scatter_from_host(pinned.as_slice().unwrap(), &target, &region, packing).unwrap();
+    assert!(engine.download_kv(&target).unwrap() == reference.snapshot(), "the pinned scatter differs");
+}
+
+#[test]
+fn a_decode_step_and_an_odd_layer_count_go_through_the_host_path_whole() {
+    let Some((_turn, engine)) = engine_for(Device::Shared) else { return };
+    // One token of 7 layers: a single piece; then 7 layers of 64 tokens: 7 pieces of a layer;
+    // then one token of 40 layers in two pieces, as a decode step of a 13B-class stage.
+    for (layers, tokens) in [(7, 40..41), (7, 0..64), (40, 40..41)] {
+        let (cache, kv, region) = per_layer_noise(&engine, layers, tokens.clone());
+        let packing = cache.layout().preferred_packing();
+        let mut expected = vec![0u8; cache.packed_len(&region) as usize];
+        cache.gather(&region, packing, &mut expected).unwrap();
+        let mut pinned = engine.pinned_pool().lease(expected.len()).unwrap();
+        engine.gather_into_host(&kv, &region, packing, pinned.as_mut_slice().unwrap()).unwrap();
+        assert!(pinned.as_slice().unwrap() == expected.as_slice(), "tokens {tokens:?}");
+    }
+}
+
+#[test]
+fn the_host_path_refuses_a_buffer_of_the_wrong_length() {
+    let Some((_turn, engine)) = engine_for(Device::Shared) else { return };
+    let (cache, kv, region) = per_layer_noise(&engine, 2, 0..8);
+    let packing = cache.layout().preferred_packing();
+    let len = cache.packed_len(&region) as usize;
+    let mut short = vec![0u8; len - 1];
+    let error = engine.gather_into_host(&kv, &region, packing, &mut short).unwrap_err();
+    assert!(matches!(error, dejavulib::cuda::CudaError::Size { .. }), "{error}");
+    let error = engine.scatter_from_host(&vec![0u8; len + 1], &kv, &region, packing).unwrap_err();
+    assert!(matches!(error, dejavulib::cuda::CudaError::Size { .. }), "{error}");
+}
+
+#[test]
+fn a_host_gather_waits_for_the_compute_stream_the_engine_marked() {
+    let Some((_turn, engine)) = engine_for(Device::Alone) else { return };
+    let compute = engine.context().new_stream().unwrap();
+    let (cache, _, region) = per_layer_noise(&engine, 4, 0..64);
+    let layout = cache.layout().clone();
+    let written: Vec<CudaSlice<u8>> =
+        cache.snapshot().iter().map(|b| compute.clone_htod(b).unwrap()).collect();
+    let (mut buffers, kv) = engine_owned_kv(&compute, &layout);
+    // The "layer kernels", held back until the gather is queued behind them.
+    let gate = hold_back(&compute);
+    for (from, to) in written.iter().zip(&mut buffers) {
+        compute.memcpy_dtod(from, to).unwrap();
+    }
+    // SAFETY: `compute` is a live stream of the engine's context.
+    unsafe { engine.after(compute.cu_stream()) }.unwrap();
+    let opener = std::thread::spawn(move || {
+        // The gather below blocks until its copies are done, so the gate opens from here; had the
+        // gather not waited for the compute stream, it would have read the zeroed cache.
+        std::thread::sleep(Duration::from_millis(50));
+        gate.open();
+    });
+    let mut out = engine.pinned_pool().lease(cache.packed_len(&region) as usize).unwrap();
+    engine.gather_into_host(&kv, &region, layout.preferred_packing(), out.as_mut_slice().unwrap()).unwrap();
+    opener.join().unwrap();
+    let mut expected = vec![0u8; out.len()];
+    cache.gather(&region, layout.preferred_packing(), &mut expected).unwrap();
+    assert!(out.as_slice().unwrap() == expected.as_slice());
+    drop(kv);
 }

@@ -123,12 +123,29 @@ class DeviceKvCache:
     def layout(self) -> KvLayout: ...
     def packed_len(self, region: KvRegion) -> int:
         """Bytes a gather of ``region`` produces."""
-    def gather(self, region: KvRegion, out: Optional[Buffer] = None, stream: Optional[StreamLike] = None) -> Buffer:
-        """One gather kernel and one copy down into host ``out`` (exactly ``packed_len`` bytes) or
-        a new bytearray, after the work queued on ``stream`` (default: the legacy default stream)."""
+    def gather(
+        self, region: KvRegion, out: Optional[Buffer] = None, stream: Optional[StreamLike] = None
+    ) -> Union[Buffer, "PinnedBuffer"]:
+        """Gathers ``region`` into host ``out`` (exactly ``packed_len`` bytes) or, without one, into
+        a ``PinnedBuffer`` from the engine's pool, after the work queued on ``stream`` (default:
+        the legacy default stream). Kernels and copies run in pieces of whole layers on two
+        streams, each piece's kernel overlapping the copy of another: into pinned memory (a
+        pinned torch tensor, a ``PinnedBuffer``) a prompt moves at the speed of one plain copy, a
+        decode step somewhat slower (its kernel is not all hidden)."""
     def scatter(self, region: KvRegion, data: Buffer, stream: Optional[StreamLike] = None) -> None:
-        """Host ``data`` (as ``gather`` packs it) up and scattered into ``region`` by one kernel,
-        after the work queued on ``stream``; returns once it is in place."""
+        """Host ``data`` (as ``gather`` packs it) up and scattered into ``region``, in pieces as
+        ``gather``, after the work queued on ``stream``; returns once it is in place."""
+
+class PinnedBuffer:
+    """Page-locked host memory from a ``CudaEngine``'s pool (what ``DeviceKvCache.gather`` returns
+    without ``out``). ``numpy.asarray(buf)`` is a writable ``uint8`` view of it, no copy (and
+    ``torch.from_numpy`` of that view too); ``bytes(buf)`` copies it. The memory goes back to the
+    pool once nothing holds it."""
+
+    def __len__(self) -> int: ...
+    def __bytes__(self) -> bytes: ...
+    @property
+    def __array_interface__(self) -> dict: ...
 
 class Store:
     """Where chunks go: a file directory, host memory, a remote peer or the local sidecar."""

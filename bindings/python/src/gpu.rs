@@ -7,11 +7,11 @@ use std::sync::Arc;
 use dejavulib::cuda::{CudaEngine, CudaError as LibCudaError, DeviceKv};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyByteArray;
 
 use crate::buffer::{array_interface, raw_buffer};
 use crate::errors::*;
 use crate::layout::*;
+use crate::pinned::PyPinnedBuffer;
 
 pub(crate) fn cuda_err(e: LibCudaError) -> PyErr {
     match e {
@@ -101,10 +101,13 @@ impl PyDeviceCache {
         Ok(self.kv.packed_len(&region.0))
     }
 
-    /// Gathers `region` (one kernel into GPU staging, one copy down) into host buffer `out`
-    /// (exactly `packed_len` bytes) or a new bytearray; returns it. The copies first wait for the
-    /// work already queued on `stream` (a raw `CUstream` or an object with `.cuda_stream`, as
-    /// `torch.cuda.current_stream()`; 0, the default, is the legacy default stream).
+    /// Gathers `region` into host buffer `out` (exactly `packed_len` bytes) or, without one, into
+    /// a `PinnedBuffer` from the engine's pool; returns it. Kernels and copies run in pieces of
+    /// whole layers on two streams, each piece's kernel overlapping the copy of the one before:
+    /// into pinned memory (a pinned torch tensor, a `PinnedBuffer`) a prompt moves at the speed
+    /// of one plain copy, a decode step somewhat slower (its kernel is not all hidden). The work first waits for what is already queued on `stream` (a raw `CUstream` or an
+    /// object with `.cuda_stream`, as `torch.cuda.current_stream()`; 0, the default, is the legacy
+    /// default stream).
     #[pyo3(signature = (region, out = None, stream = None))]
     fn gather<'py>(
         &self,
@@ -116,25 +119,36 @@ impl PyDeviceCache {
         let len = self.packed_len(region)? as usize;
         // Crosses into the GIL-free section as a number.
         let stream = stream_arg(stream.as_ref())? as usize;
-        let out = match out {
-            Some(out) => out,
-            None => PyByteArray::new_with(py, len, |_| Ok(()))?.into_any(),
+        let (engine, kv, region) = (self.engine.clone(), self.kv.clone(), region.0.clone());
+        let Some(out) = out else {
+            let pinned = py
+                .detach(move || {
+                    let mut pinned = engine.pinned_pool().lease(len)?;
+                    // SAFETY: `stream` is the caller's live stream of this device (documented).
+                    unsafe { engine.after(stream as dejavulib::cuda::RawStream) }?;
+                    engine.gather_into_host(
+                        &kv,
+                        &region,
+                        kv.layout().preferred_packing(),
+                        pinned.as_mut_slice()?,
+                    )?;
+                    Ok(pinned)
+                })
+                .map_err(cuda_err)?;
+            return Ok(Bound::new(py, PyPinnedBuffer::new(pinned)?)?.into_any());
         };
         let target = raw_buffer(&out, true, "out")?;
         if target.len != len {
             return Err(PyValueError::new_err(format!("out: {} bytes where {len} are needed", target.len)));
         }
-        let (parts, engine, kv, region) =
-            (target.parts(), self.engine.clone(), self.kv.clone(), region.0.clone());
+        let parts = target.parts();
         py.detach(move || {
             let parts = parts; // moved whole: its fields alone are not `Send`
                                // SAFETY: `target` keeps the object alive; the buffer is writable and contiguous.
             let out = unsafe { std::slice::from_raw_parts_mut(parts.0, parts.1) };
             // SAFETY: `stream` is the caller's live stream of this device (documented).
             unsafe { engine.after(stream as dejavulib::cuda::RawStream) }?;
-            let mut staging = engine.alloc(len)?;
-            engine.gather_region(&kv, &region, kv.layout().preferred_packing(), &mut staging)?;
-            engine.download(&staging, out)
+            engine.gather_into_host(&kv, &region, kv.layout().preferred_packing(), out)
         })
         .map_err(cuda_err)?;
         drop(target);
@@ -143,7 +157,7 @@ impl PyDeviceCache {
 
     /// Scatters host buffer `data` (packed as `gather` packs, exactly `packed_len` bytes) into
     /// `region`, after the work already queued on `stream` (as for `gather`); returns once it is
-    /// in place.
+    /// in place. In pieces, as `gather`.
     #[pyo3(signature = (region, data, stream = None))]
     fn scatter(
         &self,
@@ -166,10 +180,7 @@ impl PyDeviceCache {
             let input = unsafe { std::slice::from_raw_parts(parts.0, parts.1) };
             // SAFETY: `stream` is the caller's live stream of this device (documented).
             unsafe { engine.after(stream as dejavulib::cuda::RawStream) }?;
-            let mut staging = engine.alloc(len)?;
-            engine.upload(input, &mut staging)?;
-            engine.scatter_region(&staging, &kv, &region, kv.layout().preferred_packing())?;
-            engine.synchronize()
+            engine.scatter_from_host(input, &kv, &region, kv.layout().preferred_packing())
         })
         .map_err(cuda_err)?;
         drop(source);

@@ -219,6 +219,54 @@ def test_gpu_tensors_that_do_not_fit_are_refused():
         gpu.gather(dejavu.KvRegion(range(0, 9), range(SLOTS), range(3), range(TOKENS)))
 
 
+def test_gpu_gathers_and_scatters_in_pieces_to_pinned_pageable_and_pooled_host_memory():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    engine = cuda_engine_or_skip()
+    # 12 layers of 2 MiB (8 slots x 8 heads x 64 tokens x 128 fp16, K and V): more pieces than
+    # the engine's staging ring.
+    layers, slots, heads, tokens, dim = 12, 8, 8, 64, 128
+    layout = dejavu.KvLayout.per_layer(dejavu.KvSpec(layers=layers, kv_heads=heads, head_dim=dim, dtype="float16"), slots, tokens, "bhsd")
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda") for n in layout.buffer_sizes]
+    gpu = engine.wrap(layout, tensors)
+    host = [t.cpu().numpy() for t in tensors]
+    cpu = dejavu.KvCache.wrap(layout, host)
+    region = dejavu.KvRegion(range(layers), range(slots), range(heads), range(tokens))
+    expected = bytes(cpu.gather(region))
+    assert len(expected) == 24 << 20
+    # No buffer: pinned memory from the pool, seen by numpy and torch without a copy.
+    pooled = gpu.gather(region)
+    assert isinstance(pooled, dejavu.PinnedBuffer) and len(pooled) == len(expected)
+    view = np.asarray(pooled)
+    assert view.dtype == np.uint8 and view.tobytes() == expected
+    as_torch = torch.from_numpy(view)
+    assert as_torch.data_ptr() == view.ctypes.data
+    del as_torch
+    # A pinned torch tensor and a pageable numpy array given as `out`.
+    pinned = torch.empty(len(expected), dtype=torch.uint8, pin_memory=True)
+    assert gpu.gather(region, pinned) is pinned
+    assert pinned.numpy().tobytes() == expected
+    pageable = np.zeros(len(expected), dtype=np.uint8)
+    assert gpu.gather(region, pageable) is pageable
+    assert pageable.tobytes() == expected
+    # Scatter back from each kind into a zeroed cache: the CPU engine's result.
+    incoming = np.random.default_rng(9).integers(0, 256, len(expected), dtype=np.uint8)
+    cpu.scatter(region, incoming)
+    view[:] = incoming
+    for data in (incoming, torch.from_numpy(incoming).pin_memory(), pooled):
+        for t in tensors:
+            t.zero_()
+        gpu.scatter(region, data)
+        for t, h in zip(tensors, host):
+            assert t.cpu().numpy().tobytes() == h.tobytes()
+    # Dropped, the pooled buffer's memory is reused by the next gather of the same size.
+    address = view.ctypes.data
+    del view, pooled, data
+    again = gpu.gather(region)
+    assert np.asarray(again).ctypes.data == address
+
+
 def test_the_streamer_sends_layers_out_of_torch_cuda_tensors_after_the_torch_stream_writes_them():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

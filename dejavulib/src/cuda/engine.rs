@@ -5,8 +5,10 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::event::{CopiesDone, ReadyMarker};
+use super::host::RING;
 use super::kernels::Kernels;
 use super::memory::{DeviceBuffer, DeviceKv, DeviceMem, PinnedBuffer};
+use super::pool::{EventPool, PinnedPool, StagingPool, PINNED_POOL_BYTES};
 use super::table::{encode, Table, TokenSteps};
 use super::{driver_present, nvrtc_present, CudaError};
 use crate::cache::{gather_copy_plan, scatter_copy_plan};
@@ -16,8 +18,15 @@ use crate::region::KvRegion;
 /// A device with the copy kernels loaded and a stream of its own for copies.
 pub struct CudaEngine {
     ctx: Arc<CudaContext>,
+    /// Where kernels and the copies ordered after an engine's compute stream run.
     copy: Arc<CudaStream>,
+    /// The second stream of the pipelined host copies: copies over the bus, overlapping the
+    /// kernels on `copy`.
+    transfer: Arc<CudaStream>,
     kernels: Kernels,
+    staging: StagingPool,
+    events: EventPool,
+    pinned: Arc<PinnedPool>,
     /// Copies seen before, at every token offset: the next decode step's table without planning.
     steps: parking_lot::Mutex<Vec<(StepsKey, TokenSteps)>>,
 }
@@ -27,7 +36,7 @@ const KEPT_STEPS: usize = 256;
 
 /// Which way a copy between a cache and a staging buffer goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Direction {
+pub(super) enum Direction {
     /// Cache to staging.
     Gather,
     /// Staging to cache.
@@ -88,9 +97,44 @@ impl CudaEngine {
             return Err(CudaError::NoNvrtc);
         }
         let ctx = CudaContext::new(ordinal)?;
-        let kernels = Kernels::load(&ctx)?;
         let copy = ctx.new_stream()?;
-        Ok(Self { ctx, copy, kernels, steps: parking_lot::Mutex::new(Vec::new()) })
+        let kernels = Kernels::load(&ctx, &copy)?;
+        kernels.warm(&copy)?;
+        let transfer = ctx.new_stream()?;
+        let pinned = Arc::new(PinnedPool::new(ctx.clone(), PINNED_POOL_BYTES));
+        let events = EventPool::new(ctx.clone());
+        Ok(Self {
+            ctx,
+            copy,
+            transfer,
+            kernels,
+            staging: StagingPool::new(RING),
+            events,
+            pinned,
+            steps: parking_lot::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The pool of pinned host buffers this engine hands out where a caller gives none
+    /// ([`PinnedPool::lease`]): a buffer dropped goes back to it.
+    pub fn pinned_pool(&self) -> &Arc<PinnedPool> {
+        &self.pinned
+    }
+
+    pub(super) fn copy_stream(&self) -> &Arc<CudaStream> {
+        &self.copy
+    }
+
+    pub(super) fn transfer_stream(&self) -> &Arc<CudaStream> {
+        &self.transfer
+    }
+
+    pub(super) fn staging_pool(&self) -> &StagingPool {
+        &self.staging
+    }
+
+    pub(super) fn event_pool(&self) -> &EventPool {
+        &self.events
     }
 
     /// `bytes` of device memory, zeroed.
@@ -445,7 +489,7 @@ impl CudaEngine {
     /// already seen at another token offset (the previous decode step) is moved along the tokens
     /// ([`TokenSteps`]); a new one is planned at two neighbouring offsets to learn its steps.
     /// Paged layouts, whose addresses jump between blocks, are planned every time.
-    fn table(
+    pub(super) fn table(
         &self,
         kv: &DeviceKv,
         region: &KvRegion,
@@ -516,7 +560,7 @@ impl CudaEngine {
     }
 
     /// `buffer`'s device address, if this engine allocated it.
-    fn address_of(&self, buffer: &DeviceBuffer) -> Result<u64, CudaError> {
+    pub(super) fn address_of(&self, buffer: &DeviceBuffer) -> Result<u64, CudaError> {
         self.mine(buffer)?;
         Ok(buffer.address())
     }
@@ -534,7 +578,7 @@ impl CudaEngine {
     }
 
     /// Launches `table` on the copy stream.
-    fn run(&self, table: &Table) -> Result<(), CudaError> {
+    pub(super) fn run(&self, table: &Table) -> Result<(), CudaError> {
         // SAFETY: every table comes from `encode` over a plan made for the cache's layout and
         // the buffers' addresses, after the callers' length checks (so its addresses lie inside
         // them), and those buffers outlive the copy (owned ones synchronise the copy stream before

@@ -8,6 +8,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchCo
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
 use super::table::{by_items, Table, INLINE_BLOCKS, WORDS};
+use super::upload::{TableUploads, SLOT_WORDS};
 use super::CudaError;
 
 /// The kernels' source, compiled by NVRTC when an engine opens.
@@ -52,11 +53,17 @@ pub(super) struct Kernels {
     runs: CudaFunction,
     items_inline: CudaFunction,
     runs_inline: CudaFunction,
+    /// The kernels that copy an uploaded table into shared memory first.
+    items_shared: CudaFunction,
+    runs_shared: CudaFunction,
+    /// Where tables too large to be a kernel parameter are uploaded.
+    uploads: TableUploads,
 }
 
 impl Kernels {
-    /// Compiles the kernels for `ctx`'s device and loads them.
-    pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<Self, CudaError> {
+    /// Compiles the kernels for `ctx`'s device and loads them; `stream` is where the tables are
+    /// uploaded from then on.
+    pub(super) fn load(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Result<Self, CudaError> {
         let (major, minor) = ctx.compute_capability()?;
         // NVRTC takes the architecture as a static string: one per device kind, kept.
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
@@ -68,7 +75,35 @@ impl Kernels {
             runs: module.load_function("djv_copy_runs")?,
             items_inline: module.load_function("djv_copy_items_inline")?,
             runs_inline: module.load_function("djv_copy_runs_inline")?,
+            items_shared: module.load_function("djv_copy_items_shared")?,
+            runs_shared: module.load_function("djv_copy_runs_shared")?,
+            uploads: TableUploads::new(ctx, stream)?,
         })
+    }
+
+    /// Launches every kernel once with nothing to copy, and waits: the driver loads a kernel
+    /// lazily at its first launch (CUDA 11.7 and later by default), and that load can wait for
+    /// the whole context, so a first copy queued behind an engine's compute stream would block
+    /// the host until that stream is done. Loaded here, no later launch waits.
+    pub(super) fn warm(&self, stream: &Arc<CudaStream>) -> Result<(), CudaError> {
+        let config = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let (none, blocks) = (0u64, 0u32);
+        let inline = InlineTable { words: [0; INLINE_BLOCKS * WORDS], blocks, unused: 0 };
+        let words = stream.alloc_zeros::<u64>(WORDS)?;
+        for kernel in [&self.items_inline, &self.runs_inline] {
+            let mut launch = stream.launch_builder(kernel);
+            launch.arg(&inline).arg(&none);
+            // SAFETY: the kernel's arguments in order; with no item or run to copy, no thread
+            // reads the table.
+            unsafe { launch.launch(config) }?;
+        }
+        for kernel in [&self.items, &self.runs, &self.items_shared, &self.runs_shared] {
+            let mut launch = stream.launch_builder(kernel);
+            launch.arg(&words).arg(&blocks).arg(&none);
+            // SAFETY: as above; `words` outlives the launch (the stream is synchronised below).
+            unsafe { launch.launch(config) }?;
+        }
+        Ok(stream.synchronize()?)
     }
 
     /// Launches the kernel that fits `table`'s runs: the table travels as a kernel parameter when
@@ -103,8 +138,23 @@ impl Kernels {
             unsafe { launch.launch(config) }?;
             return Ok(());
         }
-        let words = stream.clone_htod(&table.words)?;
+        if table.words.len() <= SLOT_WORDS {
+            let kernel = if items { &self.items_shared } else { &self.runs_shared };
+            // Each thread block copies the table into its shared memory (at most 38 KiB: under
+            // the 48 KiB every device gives without asking).
+            let shared = (table.words.len() * std::mem::size_of::<u64>()) as u32;
+            let config = LaunchConfig { shared_mem_bytes: shared, ..config };
+            return self.uploads.with_table(stream, &table.words, |words| {
+                let mut launch = stream.launch_builder(kernel);
+                launch.arg(&words).arg(&table.blocks).arg(&count);
+                // SAFETY: see above; the table's slot is not reused before the kernel is done, and
+                // the launch gives the kernel the shared memory the table takes.
+                unsafe { launch.launch(config) }?;
+                Ok(())
+            });
+        }
         let kernel = if items { &self.items } else { &self.runs };
+        let words = stream.clone_htod(&table.words)?;
         let mut launch = stream.launch_builder(kernel);
         launch.arg(&words).arg(&table.blocks).arg(&count);
         // SAFETY: see above; the uploaded table lives until its kernel has run: dropping it frees

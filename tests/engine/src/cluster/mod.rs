@@ -652,9 +652,17 @@ impl Cluster {
     /// The metrics page of the `i`th process a recovery fenced but left running (see
     /// [`Cluster::spare_presumed_dead_in_next_recovery`]).
     pub fn spared_metrics(&self, i: usize) -> Result<String, ClusterError> {
-        let at = self.spared.get(i).and_then(|s| s.metrics);
-        let at = at.ok_or_else(|| ClusterError::Invalid(format!("no spared process {i} with metrics")))?;
-        Ok(crate::metrics::scrape(at)?)
+        let spared = self.spared.get(i).filter(|s| s.metrics.is_some());
+        let spared =
+            spared.ok_or_else(|| ClusterError::Invalid(format!("no spared process {i} with metrics")))?;
+        let at = spared.metrics.expect("filtered");
+        crate::metrics::scrape(at).map_err(|e| {
+            ClusterError::Invalid(format!(
+                "spared process {i}'s metrics at {at}: {e} (pid {}; its last words: {})",
+                spared.proc.pid(),
+                spared.proc.stderr_tail()
+            ))
+        })
     }
 
     /// Heartbeats the current controller ignored as coming from fenced processes (0 if it cannot
@@ -668,7 +676,15 @@ impl Cluster {
     pub fn controller_metrics(&self) -> Result<String, ClusterError> {
         let at =
             self.controller.metrics.ok_or_else(|| ClusterError::Invalid("no controller metrics".into()))?;
-        Ok(crate::metrics::scrape(at)?)
+        crate::metrics::scrape(at).map_err(|e| {
+            // Say what became of it: a scrape that fails has no other trace.
+            ClusterError::Invalid(format!(
+                "the controller's metrics at {at}: {e} (controller pid {}, {} restarts; its last words: {})",
+                self.controller.proc.pid(),
+                self.controller.restarts,
+                self.controller.proc.stderr_tail()
+            ))
+        })
     }
 
     /// SIGKILLs the controller. The cluster notices when it next asks it something (after a
