@@ -18,7 +18,7 @@ use crate::e2e::REPLICATION_TARGET;
 use crate::{median_of, Row, Workload};
 
 /// The synthetic layer kernel's source.
-const LAYER_KERNEL: &str = include_str!("../kernels/synthetic_layer.cu");
+const LAYER_KERNEL: &str = dejavu_kernels::SYNTHETIC_LAYER;
 
 /// A synthetic decode step's length, the paper's order of magnitude for a 13B-class stage.
 const STEP: Duration = Duration::from_millis(10);

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use dejavu_engine::driver::{Delivery, Run};
+use dejavud::driver::{Delivery, Run};
 use serde::Serialize;
 
 use crate::scenario::Limits;
@@ -164,9 +164,9 @@ fn epochs_only_grow(run: &Run, out: &mut Vec<Violation>) {
 
 #[cfg(test)]
 mod tests {
-    use dejavu_engine::cluster::Kill;
-    use dejavu_engine::driver::RecoveryRecord;
     use dejavu_engine::Seat;
+    use dejavud::cluster::Kill;
+    use dejavud::driver::RecoveryRecord;
 
     use super::*;
 

@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, Disaggregation, SpillLimits, TransportKind};
-use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
-use dejavu_engine::netns::{Fabric, NetnsError};
 use dejavu_engine::ModelConfig;
+use dejavud::cluster::{Cluster, ClusterConfig, Disaggregation, SpillLimits, TransportKind};
+use dejavud::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
+use dejavud::netns::{Fabric, NetnsError};
 
 use crate::check::{check, Violation};
 use crate::inject::{plan, ChaosInjector, Injected};

@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use dejavu_engine::cluster::{Cluster, ClusterError, Kill, Link, Role};
-use dejavu_engine::driver::{Injector, OnFailure};
+use dejavud::cluster::{Cluster, ClusterError, Kill, Link, Role};
+use dejavud::driver::{Injector, OnFailure};
 use serde::Serialize;
 
 use crate::proxy::{NetFault, Proxies};

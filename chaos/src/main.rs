@@ -5,8 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use dejavu_chaos::{Options, Scenario};
-use dejavu_engine::cli::{ControllerArgs, SidecarArgs, StageArgs};
-use dejavu_engine::spare::SpareArgs;
+use dejavud::cli::ProcessCommand;
 
 /// Chaos harness: real multi-process DéjàVu clusters under injected faults, invariants checked.
 /// Exits with 1 when an invariant was violated, 2 when the scenario or the harness failed.
@@ -17,6 +16,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run a scenario (a TOML file; see chaos/scenarios and docs/operations.md).
@@ -38,18 +39,9 @@ enum Command {
         #[arg(long)]
         namespaces: bool,
     },
-    /// One stage of the reference engine (started by `run`).
-    #[command(hide = true)]
-    Stage(StageArgs),
-    /// A stage's sidecar (started by `run`).
-    #[command(hide = true)]
-    Sidecar(SidecarArgs),
-    /// The cluster's controller (started by `run`).
-    #[command(hide = true)]
-    Controller(ControllerArgs),
-    /// A spare stage (started by `run`).
-    #[command(hide = true)]
-    Spare(SpareArgs),
+    /// The cluster's processes, which `run` starts from this executable: `dejavud`'s.
+    #[command(flatten)]
+    Process(ProcessCommand),
 }
 
 fn main() -> ExitCode {
@@ -86,9 +78,6 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         }
-        Command::Stage(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
-        Command::Sidecar(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
-        Command::Controller(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
-        Command::Spare(args) => args.run().map_or_else(failed, |()| ExitCode::SUCCESS),
+        Command::Process(process) => process.run().map_or_else(failed, |()| ExitCode::SUCCESS),
     }
 }

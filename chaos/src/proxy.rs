@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dejavu_engine::cluster::{Interpose, Link};
+use dejavud::cluster::{Interpose, Link};
 use parking_lot::Mutex;
 
 use crate::rng::SplitMix;

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use dejavu_engine::driver::{RecoveryRecord, Run};
+use dejavud::driver::{RecoveryRecord, Run};
 use serde::Serialize;
 
 use crate::check::Violation;
@@ -388,7 +388,7 @@ impl Report {
 mod tests {
     use super::*;
     use crate::scenario::Fault;
-    use dejavu_engine::cluster::Kill;
+    use dejavud::cluster::Kill;
 
     fn injected(step: u64, kind: &str, stage: u32) -> Injected {
         let fault: Fault =

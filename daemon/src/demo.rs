@@ -8,11 +8,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use dejavu_engine::cluster::Kill;
-use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError, CpuSplit, Role, TransportKind};
-use dejavu_engine::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
-use dejavu_engine::metrics::value_of;
-use dejavu_engine::netns::Fabric;
+pub use crate::cluster::Kill;
+use crate::cluster::{Cluster, ClusterConfig, ClusterError, CpuSplit, Role, TransportKind};
+use crate::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
+use crate::metrics::value_of;
+use crate::netns::Fabric;
 use dejavu_engine::ModelConfig;
 use dejavulib::affinity::CpuList;
 use serde::Serialize;

@@ -5,9 +5,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use dejavu_engine::cli::{ControllerArgs, SidecarArgs, StageArgs};
-use dejavu_engine::spare::SpareArgs;
 use dejavud::certs;
+use dejavud::cli::ProcessCommand;
 use dejavud::demo::{self, DemoConfig, DemoSettings};
 use dejavud::plan::{self, Overrides};
 
@@ -19,6 +18,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the reference model as a pipeline of stage processes on loopback, SIGKILL one stage in
@@ -34,20 +35,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Run one stage of the reference engine (started by `demo`).
-    Stage(StageArgs),
-    /// A worker's sidecar (also `dejavud worker`), beside its engine: keeps the engine's KV,
-    /// received through shared memory, forwards it to the ring successor's sidecar, and keeps its
-    /// predecessor's replica (started by `demo`).
-    #[command(alias = "worker")]
-    Sidecar(SidecarArgs),
-    /// The cluster's controller: receives every process's heartbeats, declares the silent dead
-    /// and issues the epoch of each recovery, kept in a state file that survives its crashes
-    /// (started by `demo`).
-    Controller(ControllerArgs),
-    /// A spare stage: starts ahead of any failure, heartbeats to the controller as a spare, and
-    /// becomes the stage a recovery assigns it (a spare sidecar is `dejavud sidecar --spare N`).
-    Spare(SpareArgs),
+    #[command(flatten)]
+    Process(ProcessCommand),
     /// Size KV caches, split machines between prompt and token pipelines, check the swapping
     /// condition, estimate KV transfer costs and check stage memory, from a TOML or JSON file.
     Plan {
@@ -183,10 +172,7 @@ process heartbeating to a controller process{cpus}"
                 }
             }
         }
-        Command::Stage(args) => served("stage", args.run()),
-        Command::Sidecar(args) => served("sidecar", args.run()),
-        Command::Controller(args) => served("controller", args.run()),
-        Command::Spare(args) => served("spare", args.run()),
+        Command::Process(process) => served(process.name(), process.run()),
         Command::Certs { cluster, out, force, nodes } => match certs::issue(&cluster, &out, &nodes, force) {
             Ok(report) => {
                 print!("{report}");

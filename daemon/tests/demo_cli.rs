@@ -173,8 +173,8 @@ fn a_port_in_use_is_a_clear_error() {
 
 #[test]
 fn the_cluster_secret_comes_from_the_environment_and_never_shows_in_help() {
-    use dejavu_engine::cli::{DEFAULT_SECRET, SECRET_ENV};
-    use dejavu_engine::controller::{ControllerClient, ControllerError};
+    use dejavud::cli::{DEFAULT_SECRET, SECRET_ENV};
+    use dejavud::controller::{ControllerClient, ControllerError};
     use std::io::BufRead;
     use std::time::Duration;
 

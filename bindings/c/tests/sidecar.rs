@@ -7,7 +7,7 @@ use std::ffi::{CStr, CString};
 use std::ptr;
 
 use dejavu::*;
-use dejavu_engine::sidecar::{serve_sidecar, SidecarConfig};
+use dejavud::sidecar::{serve_sidecar, SidecarConfig};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{PeerServer, ServerConfig};
 use dejavulib::HostStore;
@@ -50,7 +50,7 @@ fn sidecar(dir: &std::path::Path) -> Sidecar {
         skip_forwarding: false,
         spill: None,
         spare: None,
-        transport: dejavu_engine::transport::Transports::tcp(),
+        transport: dejavud::transport::Transports::tcp(),
     };
     let (ready, listening) = std::sync::mpsc::channel();
     std::thread::spawn(move || serve_sidecar(config, None, None, |addr, _| ready.send(addr).unwrap()));

@@ -12,7 +12,7 @@ use super::upload::{TableUploads, SLOT_WORDS};
 use super::CudaError;
 
 /// The kernels' source, compiled by NVRTC when an engine opens.
-const KERNELS: &str = include_str!("../../kernels/copy_blocks.cu");
+const KERNELS: &str = dejavu_kernels::COPY_BLOCKS;
 
 /// Threads per block of both kernels.
 const THREADS: u32 = 256;

@@ -9,8 +9,8 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use dejavu_engine::heartbeat::decode;
-use dejavu_engine::sidecar::control::{ControlError, SidecarControl};
+use dejavud::heartbeat::decode;
+use dejavud::sidecar::control::{ControlError, SidecarControl};
 use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::local::{LocalError, LocalSidecar};
 use dejavulib::net::tcp::TcpTransport;
@@ -21,7 +21,7 @@ use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
 use dejavulib::{ChunkStore, DType, HostStore, KvRegion, KvSpec, Packing, WorkerId};
 use std::time::Duration;
 
-const EXE: &str = env!("CARGO_BIN_EXE_dejavu-engine");
+const EXE: &str = env!("CARGO_BIN_EXE_dejavud");
 const SECRET: &str = "dejavu reference cluster";
 
 /// A child process, killed when dropped.
@@ -372,7 +372,7 @@ fn a_spare_sidecar_has_no_stage_to_tell_until_it_is_assigned() {
         other => panic!("an unassigned spare answered {other:?}"),
     }
     // Assigned to stage 2 by the recovery of epoch 7: it says so, with that epoch.
-    dejavu_engine::spare::assign_sidecar(&socket, 2, 7, std::time::Duration::from_secs(5)).unwrap();
+    dejavud::spare::assign_sidecar(&socket, 2, 7, std::time::Duration::from_secs(5)).unwrap();
     let serving = engine.serving().unwrap();
     assert_eq!((serving.stage, serving.epoch), (2, 7));
 }

@@ -26,8 +26,8 @@ use dejavulib::{
 };
 use parking_lot::Mutex;
 
-use crate::pipeline::Seat;
 use crate::transport::Transports;
+use dejavu_engine::pipeline::Seat;
 
 /// The shapes of the two pipelines, which both sides need to plan the handoff.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -347,7 +347,7 @@ impl HandoffReceiver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ModelConfig;
+    use dejavu_engine::ModelConfig;
 
     fn shapes() -> Shapes {
         Shapes {

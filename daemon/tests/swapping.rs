@@ -150,9 +150,9 @@ fn stage_processes_with_two_device_caches_swap_and_recover_bit_identically() {
     use std::path::PathBuf;
     use std::time::Duration;
 
-    use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill, Role};
-    use dejavu_engine::driver::{drive, DriverConfig, OnFailure, Workload};
-    use dejavu_engine::metrics::value_of;
+    use dejavud::cluster::{Cluster, ClusterConfig, Kill, Role};
+    use dejavud::driver::{drive, DriverConfig, OnFailure, Workload};
+    use dejavud::metrics::value_of;
 
     let workload = Workload::synthetic(8, 6, NEW_TOKENS as u32, SLOTS, ModelConfig::reference().vocab);
     assert_eq!(workload.microbatches(), MICROBATCHES);
@@ -174,7 +174,7 @@ fn stage_processes_with_two_device_caches_swap_and_recover_bit_identically() {
         device_caches: Some(DEVICE_CACHES),
         max_tokens: MAX_TOKENS,
         deadline: Duration::from_secs(1),
-        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
+        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavud")))
     };
     let driver = DriverConfig {
         on_failure: OnFailure::Recover,

@@ -7,10 +7,10 @@ mod common;
 
 use std::time::Duration;
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill, Role, SpillLimits};
-use dejavu_engine::driver::{drive, Workload};
-use dejavu_engine::metrics::value_of;
 use dejavu_engine::ModelConfig;
+use dejavud::cluster::{Cluster, ClusterConfig, Kill, Role, SpillLimits};
+use dejavud::driver::{drive, Workload};
+use dejavud::metrics::value_of;
 
 const NEW_TOKENS: u32 = 24;
 

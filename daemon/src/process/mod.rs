@@ -79,11 +79,11 @@ use thiserror::Error;
 use tracing::{error, info, warn};
 
 use crate::handoff::{HandoffReceiver, HandoffSender, Shapes};
-use crate::model::ModelConfig;
-use crate::pipeline::{cache_layout, CacheLayout, Seat};
-use crate::stage::{Stage, StageError};
 use crate::swap::SwapCaches;
 use crate::transport::Transports;
+use dejavu_engine::model::ModelConfig;
+use dejavu_engine::pipeline::{cache_layout, CacheLayout, Seat};
+use dejavu_engine::stage::{Stage, StageError};
 
 mod chain;
 mod remote;

@@ -20,7 +20,7 @@ use crate::process::{serve_stage, serve_stage_on, Handoff, Replication, StageCon
 use crate::sidecar::{serve_sidecar, OnAssign, SidecarConfig};
 use crate::spare::spare_member;
 use crate::transport::TransportArgs;
-use crate::{CacheLayout, ModelConfig};
+use dejavu_engine::{CacheLayout, ModelConfig};
 use dejavulib::affinity::CpuList;
 use dejavulib::spill::Spill;
 
@@ -519,5 +519,47 @@ impl ControllerArgs {
             secret: self.secret.into_bytes(),
         };
         serve_controller(config, announce).map_err(|e| e.to_string())
+    }
+}
+
+/// The processes a cluster is made of, as subcommands: `dejavud` declares them, and so does
+/// every binary that starts a cluster from its own executable (the chaos harness).
+#[derive(Debug, clap::Subcommand)]
+pub enum ProcessCommand {
+    /// Run one stage of the reference engine (started by `demo`).
+    Stage(StageArgs),
+    /// A worker's sidecar (also `dejavud worker`), beside its engine: keeps the engine's KV,
+    /// received through shared memory, forwards it to the ring successor's sidecar, and keeps its
+    /// predecessor's replica (started by `demo`).
+    #[command(alias = "worker")]
+    Sidecar(SidecarArgs),
+    /// The cluster's controller: receives every process's heartbeats, declares the silent dead
+    /// and issues the epoch of each recovery, kept in a state file that survives its crashes
+    /// (started by `demo`).
+    Controller(ControllerArgs),
+    /// A spare stage: starts ahead of any failure, heartbeats to the controller as a spare, and
+    /// becomes the stage a recovery assigns it (a spare sidecar is `dejavud sidecar --spare N`).
+    Spare(crate::spare::SpareArgs),
+}
+
+impl ProcessCommand {
+    /// The subcommand's name, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ProcessCommand::Stage(_) => "stage",
+            ProcessCommand::Sidecar(_) => "sidecar",
+            ProcessCommand::Controller(_) => "controller",
+            ProcessCommand::Spare(_) => "spare",
+        }
+    }
+
+    /// Runs the process until it is told to stop or fails.
+    pub fn run(self) -> Result<(), String> {
+        match self {
+            ProcessCommand::Stage(args) => args.run(),
+            ProcessCommand::Sidecar(args) => args.run(),
+            ProcessCommand::Controller(args) => args.run(),
+            ProcessCommand::Spare(args) => args.run(),
+        }
     }
 }

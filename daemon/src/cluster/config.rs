@@ -11,8 +11,8 @@ use dejavulib::affinity::CpuList;
 use super::{certs_in, ClusterError, TransportKind, START};
 use crate::handoff::Shapes;
 use crate::netns::{Fabric, Host};
-use crate::pipeline::CacheLayout;
 use crate::proc::{spawn_on, SpawnError, Spawned};
+use dejavu_engine::pipeline::CacheLayout;
 
 /// A connection between the processes of a cluster that something (a fault-injecting proxy) may be
 /// put on.
@@ -145,7 +145,7 @@ impl ClusterConfig {
     pub fn new(exe: PathBuf) -> Self {
         Self {
             exe,
-            splits: std::iter::once(0..crate::ModelConfig::reference().layers).collect(),
+            splits: std::iter::once(0..dejavu_engine::ModelConfig::reference().layers).collect(),
             slots: 4,
             microbatches: 1,
             device_caches: None,

@@ -29,11 +29,11 @@ use crate::controller::{Census, ControllerClient, ControllerError, Member};
 use crate::handoff::Shapes;
 pub use crate::heartbeat::Role;
 use crate::netns::NetnsError;
-use crate::pipeline::Seat;
 use crate::proc::{spawn, Spawned};
 pub use crate::proc::{Proc, SpawnError};
 use crate::process::{ProcessError, RemotePipeline, StepReply};
 pub use crate::transport::TransportKind;
+use dejavu_engine::pipeline::Seat;
 
 /// What dies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -282,7 +282,7 @@ impl Cluster {
         let (Some(disaggregation), Some(shapes)) = (&config.disaggregation, config.shapes()) else {
             return Ok(None);
         };
-        shapes.setups(crate::ModelConfig::reference().kv_spec()).map_err(ClusterError::Invalid)?;
+        shapes.setups(dejavu_engine::ModelConfig::reference().kv_spec()).map_err(ClusterError::Invalid)?;
         if sidecars.is_empty() {
             return Err(ClusterError::Invalid(
                 "a token pipeline loads prompts from its sidecars: replicate".into(),

@@ -4,10 +4,10 @@
 
 mod common;
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill, Role, TransportKind};
-use dejavu_engine::driver::{drive, Workload};
-use dejavu_engine::metrics::value_of;
 use dejavu_engine::ModelConfig;
+use dejavud::cluster::{Cluster, ClusterConfig, Kill, Role, TransportKind};
+use dejavud::driver::{drive, Workload};
+use dejavud::metrics::value_of;
 
 const NEW_TOKENS: u32 = 24;
 

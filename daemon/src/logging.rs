@@ -1,6 +1,6 @@
 //! Logs of the cluster's processes: `tracing` events on standard error, as text for people or as
 //! JSON lines for a log pipeline, filtered by a `tracing` directive (`info`, `warn`,
-//! `dejavu_engine=debug`, ...).
+//! `dejavud=debug`, ...).
 
 use clap::{Args, ValueEnum};
 use tracing_subscriber::EnvFilter;
@@ -21,7 +21,7 @@ pub struct LogArgs {
     /// Log format on standard error.
     #[arg(long, value_enum, default_value = "human")]
     pub log_format: LogFormat,
-    /// Which events to log: a `tracing` filter directive (`info`, `warn`, `dejavu_engine=debug`).
+    /// Which events to log: a `tracing` filter directive (`info`, `warn`, `dejavud=debug`).
     #[arg(long, default_value = "info")]
     pub log: String,
 }

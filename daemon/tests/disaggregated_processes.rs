@@ -7,10 +7,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, Disaggregation, Kill, Role};
-use dejavu_engine::driver::{drive, DriverConfig, OnFailure, Workload};
-use dejavu_engine::metrics::value_of;
 use dejavu_engine::{CacheLayout, ModelConfig, Pipeline};
+use dejavud::cluster::{Cluster, ClusterConfig, Disaggregation, Kill, Role};
+use dejavud::driver::{drive, DriverConfig, OnFailure, Workload};
+use dejavud::metrics::value_of;
 
 const REQUESTS: u32 = 8;
 const TOKEN_SLOTS: u32 = 2;
@@ -41,7 +41,7 @@ fn config(workload: &Workload) -> ClusterConfig {
         layout: CacheLayout::PerLayer,
         disaggregation: Some(Disaggregation { splits: vec![0..4, 4..8], slots: PROMPT_SLOTS }),
         deadline: Duration::from_secs(1),
-        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
+        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavud")))
     }
 }
 

@@ -9,10 +9,10 @@ mod common;
 
 use std::time::Duration;
 
-use dejavu_engine::cluster::ClusterError;
-use dejavu_engine::cluster::{Cluster, Kill, Role};
-use dejavu_engine::driver::{drive, Injector, Run, Workload};
 use dejavu_engine::ModelConfig;
+use dejavud::cluster::ClusterError;
+use dejavud::cluster::{Cluster, Kill, Role};
+use dejavud::driver::{drive, Injector, Run, Workload};
 
 const NEW_TOKENS: u32 = 24;
 

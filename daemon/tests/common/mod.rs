@@ -6,9 +6,9 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use dejavu_engine::cluster::ClusterConfig;
-use dejavu_engine::driver::{DriverConfig, OnFailure, Workload};
 use dejavu_engine::{CacheLayout, ModelConfig, Pipeline};
+use dejavud::cluster::ClusterConfig;
+use dejavud::driver::{DriverConfig, OnFailure, Workload};
 
 /// The tokens of `workload` from the in-process pipeline split as `splits`: what every
 /// distributed run must produce.
@@ -35,7 +35,7 @@ pub fn cluster_config(workload: &Workload, splits: Vec<Range<u32>>) -> ClusterCo
         microbatches: workload.microbatches(),
         max_tokens: workload.max_tokens(),
         deadline: Duration::from_secs(1),
-        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
+        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavud")))
     }
 }
 

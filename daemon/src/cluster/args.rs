@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use super::{Cluster, ClusterConfig, Link};
 use crate::handoff::Shapes;
-use crate::pipeline::CacheLayout;
 use crate::proc::Spawned;
+use dejavu_engine::pipeline::CacheLayout;
 
 impl Cluster {
     /// The flags that give a stage both pipelines' shapes.

@@ -4,9 +4,9 @@
 
 mod common;
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill};
-use dejavu_engine::driver::{drive, Workload};
 use dejavu_engine::ModelConfig;
+use dejavud::cluster::{Cluster, ClusterConfig, Kill};
+use dejavud::driver::{drive, Workload};
 
 const NEW_TOKENS: u32 = 16;
 

@@ -13,7 +13,7 @@ use thiserror::Error;
 
 use crate::cluster::{Cluster, ClusterError, Kill, Recovered, Sequence};
 use crate::process::{ProcessError, StepReply};
-use crate::Seat;
+use dejavu_engine::Seat;
 
 /// Requests and how many tokens each generates.
 #[derive(Clone, Debug)]

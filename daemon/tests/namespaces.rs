@@ -8,10 +8,10 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, Kill, Role};
-use dejavu_engine::driver::{drive, Workload};
-use dejavu_engine::netns::{Fabric, NetnsError};
 use dejavu_engine::ModelConfig;
+use dejavud::cluster::{Cluster, ClusterConfig, Kill, Role};
+use dejavud::driver::{drive, Workload};
+use dejavud::netns::{Fabric, NetnsError};
 
 #[test]
 fn workers_on_hosts_of_their_own_survive_a_dead_worker_with_identical_output() {

@@ -5,10 +5,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use dejavu_engine::cluster::{Cluster, ClusterConfig, ClusterError, Kill, Role, Sequence};
-use dejavu_engine::metrics::value_of;
-use dejavu_engine::process::{ProcessError, RemotePipeline};
 use dejavu_engine::{CacheLayout, ModelConfig, Pipeline, Seat};
+use dejavud::cluster::{Cluster, ClusterConfig, ClusterError, Kill, Role, Sequence};
+use dejavud::metrics::value_of;
+use dejavud::process::{ProcessError, RemotePipeline};
 
 const SLOTS: u32 = 2;
 const MICROBATCHES: u32 = 2;
@@ -27,7 +27,7 @@ fn cluster(replicate: bool) -> Cluster {
         max_tokens: MAX_TOKENS,
         replicate,
         deadline: Duration::from_secs(1),
-        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
+        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavud")))
     })
     .unwrap()
 }
@@ -109,7 +109,7 @@ fn thread_cpus(pid: u32) -> Vec<(String, String)> {
 
 #[test]
 fn stages_compute_and_streamers_and_sidecars_copy_on_the_cpus_set_apart_for_them() {
-    use dejavu_engine::cluster::CpuSplit;
+    use dejavud::cluster::CpuSplit;
     use dejavulib::affinity::CpuList;
     // The first and the last CPU this test may use (one and the same on a single CPU).
     let available = CpuList::of_current_thread().unwrap();
@@ -123,7 +123,7 @@ fn stages_compute_and_streamers_and_sidecars_copy_on_the_cpus_set_apart_for_them
         max_tokens: MAX_TOKENS,
         deadline: Duration::from_secs(1),
         cpus: Some(split),
-        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavu-engine")))
+        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavud")))
     })
     .unwrap();
     assert_eq!(start_requests(&mut chain.remote, NEW_TOKENS), reference());

@@ -14,7 +14,7 @@ use super::{
     control_payload, parse_control, rewires_argument, tokens_of, tokens_payload, ProcessError, LOAD_PATIENCE,
     NO_STAGE, OP_HANDOFF_TO, OP_LOAD, OP_REPLICATION, OP_RESTORE, OP_REWIRE,
 };
-use crate::pipeline::Seat;
+use dejavu_engine::pipeline::Seat;
 
 /// Frames coming out of the last stage, read whole by a thread of their own (a deadline never
 /// leaves half a frame read).
