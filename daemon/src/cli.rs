@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
@@ -33,10 +33,46 @@ pub const DEFAULT_SECRET: &str = "dejavu reference cluster";
 /// given: unlike a flag, it does not show in the process list.
 pub const SECRET_ENV: &str = "DEJAVU_SECRET";
 
-/// The cluster secret this process's environment gives ([`SECRET_ENV`], else the default): the
-/// one the processes it starts without `--secret` take.
-pub fn secret_from_env() -> Vec<u8> {
-    std::env::var(SECRET_ENV).unwrap_or_else(|_| DEFAULT_SECRET.to_owned()).into_bytes()
+/// The cluster secret of the clusters this process starts (the demo's, the chaos harness's):
+/// its environment's ([`SECRET_ENV`]) if it has one, else one drawn from the kernel's random
+/// source once per process. The processes it starts take it from their environment
+/// ([`crate::proc::spawn`] puts it there), so no cluster it starts runs on [`DEFAULT_SECRET`].
+pub fn cluster_secret() -> &'static str {
+    static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SECRET.get_or_init(|| {
+        std::env::var(SECRET_ENV).unwrap_or_else(|_| {
+            let random = dejavulib::net::auth::nonce().expect("the kernel's random source (/dev/urandom)");
+            random.iter().map(|b| format!("{b:02x}")).collect()
+        })
+    })
+}
+
+/// The cluster secret a process runs with: the contents of `file` if given (without a trailing
+/// newline; an empty or unreadable file is an error), else `given` (`--secret`, [`SECRET_ENV`] or
+/// the default). A process listening anywhere but on loopback (any of `listening`) refuses the
+/// built-in default: anyone can read it in this program.
+pub fn secret_for(given: &str, file: Option<&Path>, listening: &[SocketAddr]) -> Result<String, String> {
+    let secret = match file {
+        Some(file) => {
+            let read = std::fs::read_to_string(file)
+                .map_err(|e| format!("cannot read the secret file {}: {e}", file.display()))?;
+            let secret = read.trim_end_matches(['\n', '\r']).to_owned();
+            if secret.is_empty() {
+                return Err(format!("the secret file {} is empty", file.display()));
+            }
+            secret
+        }
+        None => given.to_owned(),
+    };
+    let exposed = listening.iter().find(|addr| !addr.ip().is_loopback());
+    if let (Some(addr), true) = (exposed, secret == DEFAULT_SECRET) {
+        return Err(format!(
+            "refusing to listen at {addr} with the built-in default cluster secret, which anyone can \
+             read in this program: give the cluster a secret of its own, the same for each of its \
+             processes, with --secret-file FILE (or the {SECRET_ENV} environment variable)"
+        ));
+    }
+    Ok(secret)
 }
 
 /// The KV cache layout of a stage.
@@ -186,9 +222,14 @@ pub struct MemberArgs {
     pub heartbeat_ms: u64,
     /// The cluster secret: every network connection between the cluster's processes proves it
     /// (the local socket to its own sidecar is the file system's to guard), and heartbeats are
-    /// signed with it.
+    /// signed with it. The built-in default is refused where the process listens beyond
+    /// loopback.
     #[arg(long, env = SECRET_ENV, hide_env_values = true, default_value = DEFAULT_SECRET)]
     pub secret: String,
+    /// Read the cluster secret from this file instead (without its trailing newline): it then
+    /// shows neither in the process list nor in the environment.
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
     /// The epoch it is started in (a replacement: the recovery's). Its heartbeats, connections and
     /// KV copies carry it; whoever has seen a newer one for its place refuses it.
     #[arg(long, default_value_t = 0)]
@@ -277,9 +318,13 @@ pub struct ControllerArgs {
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
     /// The cluster secret: heartbeats must be signed with it, query connections must prove it,
-    /// and the controller proves it to the sidecars when it carries out a recovery.
+    /// and the controller proves it to the sidecars when it carries out a recovery. The built-in
+    /// default is refused where the controller listens beyond loopback.
     #[arg(long, env = SECRET_ENV, hide_env_values = true, default_value = DEFAULT_SECRET)]
     pub secret: String,
+    /// Read the cluster secret from this file instead (without its trailing newline).
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
@@ -339,6 +384,14 @@ impl MemberArgs {
     pub(crate) fn start(&self, role: Role, index: u32) -> Result<Option<Heartbeat>, String> {
         self.init()?;
         self.beat(role, index, self.epoch, None)
+    }
+
+    /// Takes the secret from `--secret-file` if given, and refuses the default one where the
+    /// process listens beyond loopback (`listening`).
+    pub(crate) fn secure(&mut self, listening: &[SocketAddr]) -> Result<(), String> {
+        self.secret = secret_for(&self.secret, self.secret_file.as_deref(), listening)?;
+        self.secret_file = None;
+        Ok(())
     }
 
     /// Its logs, its death with the parent that started it, and its CPUs (before it starts any
@@ -408,8 +461,9 @@ impl StageArgs {
     }
 
     /// Runs the stage until it is killed.
-    pub fn run(self) -> Result<(), String> {
+    pub fn run(mut self) -> Result<(), String> {
         self.member.init()?;
+        self.member.secure(&[self.listen])?;
         let this = self.resolved()?;
         let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, None)?;
         let (listen, metrics) = (this.listen, this.member.metrics);
@@ -463,6 +517,7 @@ impl SidecarArgs {
     /// Serves until killed.
     pub fn run(mut self) -> Result<(), String> {
         self.member.init()?;
+        self.member.secure(&[self.listen])?;
         if let Some(stage) = self.replace.take() {
             self.member.replace((Role::Sidecar, stage))?;
             self.index = stage;
@@ -510,13 +565,14 @@ impl ControllerArgs {
     pub fn run(self) -> Result<(), String> {
         self.log.init()?;
         die_with_parent();
+        let secret = secret_for(&self.secret, self.secret_file.as_deref(), &[self.listen])?;
         let config = ControllerConfig {
             listen: self.listen,
             state: self.state,
             timeout: Duration::from_millis(self.timeout_ms),
             interval: Duration::from_millis(self.heartbeat_ms),
             metrics: self.metrics,
-            secret: self.secret.into_bytes(),
+            secret: secret.into_bytes(),
         };
         serve_controller(config, announce).map_err(|e| e.to_string())
     }
@@ -561,5 +617,36 @@ impl ProcessCommand {
             ProcessCommand::Controller(args) => args.run(),
             ProcessCommand::Spare(args) => args.run(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cluster_started_here_never_runs_on_the_default_secret() {
+        let secret = cluster_secret();
+        match std::env::var(SECRET_ENV) {
+            Ok(given) => assert_eq!(secret, given),
+            Err(_) => {
+                assert_ne!(secret, DEFAULT_SECRET);
+                assert_eq!(secret.len(), 64, "32 random bytes in hex: {secret}");
+                assert!(secret.bytes().all(|b| b.is_ascii_hexdigit()));
+            }
+        }
+        // Drawn once: every process of every cluster of this process shares it.
+        assert_eq!(cluster_secret(), secret);
+    }
+
+    #[test]
+    fn the_default_secret_is_refused_beyond_loopback_only() {
+        let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let everywhere: SocketAddr = "0.0.0.0:7400".parse().unwrap();
+        let v6_loopback: SocketAddr = "[::1]:0".parse().unwrap();
+        assert_eq!(secret_for(DEFAULT_SECRET, None, &[loopback, v6_loopback]).unwrap(), DEFAULT_SECRET);
+        let refused = secret_for(DEFAULT_SECRET, None, &[loopback, everywhere]).unwrap_err();
+        assert!(refused.contains("0.0.0.0:7400"), "{refused}");
+        assert_eq!(secret_for("ours", None, &[everywhere]).unwrap(), "ours");
     }
 }

@@ -120,7 +120,8 @@ pub struct Spawned {
 }
 
 /// Starts `exe args...` and waits (at most `patience`) for its `listening ADDR` line, after an
-/// optional `metrics ADDR` line.
+/// optional `metrics ADDR` line. Its environment names the cluster's secret
+/// ([`crate::cli::cluster_secret`]).
 pub fn spawn(exe: &Path, args: &[String], what: &str, patience: Duration) -> Result<Spawned, SpawnError> {
     spawn_on(None, exe, args, what, patience)
 }
@@ -135,6 +136,8 @@ pub fn spawn_on(
 ) -> Result<Spawned, SpawnError> {
     let fail = |why: String| SpawnError { what: what.to_owned(), why };
     let mut command = Command::new(exe);
+    // The cluster's secret, where flags would show it to every user of the machine.
+    command.env(crate::cli::SECRET_ENV, crate::cli::cluster_secret());
     if let Some(host) = host {
         host.enter(&mut command).map_err(|e| fail(format!("cannot enter {}: {e}", host.name())))?;
     }

@@ -63,7 +63,8 @@ const ASSIGNMENT_PATIENCE: Duration = Duration::from_secs(5);
 
 impl SpareArgs {
     /// Waits for an assignment, then serves as the stage it names until killed.
-    pub fn run(self) -> Result<(), String> {
+    pub fn run(mut self) -> Result<(), String> {
+        self.member.secure(&[self.listen])?;
         let heartbeat = self.member.start(Role::Engine, spare_member(self.id))?;
         let listener =
             TcpListener::bind(self.listen).map_err(|e| format!("cannot listen at {}: {e}", self.listen))?;

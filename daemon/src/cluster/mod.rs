@@ -190,10 +190,9 @@ pub struct Cluster {
 const START: Duration = Duration::from_secs(30);
 
 /// The cluster secret the driver proves. It starts every process without `--secret`, so they take
-/// it from the environment they inherit ([`crate::cli::SECRET_ENV`]) or use the default, as this
-/// does.
+/// it from the environment [`crate::proc::spawn`] gives them ([`crate::cli::cluster_secret`]).
 fn secret() -> Vec<u8> {
-    crate::cli::secret_from_env()
+    crate::cli::cluster_secret().as_bytes().to_vec()
 }
 
 /// How long the controller may take to carry out its part of a recovery (re-seeds move KV).
