@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use dejavu_chaos::{Options, Scenario};
-use dejavud::cli::ProcessCommand;
+use dejavud::commands::ProcessCommand;
 
 /// Chaos harness: real multi-process DéjàVu clusters under injected faults, invariants checked.
 /// Exits with 1 when an invariant was violated, 2 when the scenario or the harness failed.

@@ -14,11 +14,11 @@ use crate::controller::{
     serve_controller, ControllerClient, ControllerConfig, ControllerError, Lifeline, Member,
 };
 use crate::handoff::Shapes;
-use crate::heartbeat::{beat, Heartbeat, Role};
+use crate::heartbeat::{beat, spare_member, Role};
 use crate::logging::LogArgs;
+use crate::membership::Membership;
 use crate::process::{serve_stage, serve_stage_on, Handoff, Replication, StageConfig};
 use crate::sidecar::{serve_sidecar, OnAssign, SidecarConfig};
-use crate::spare::spare_member;
 use crate::transport::TransportArgs;
 use dejavu_engine::{CacheLayout, ModelConfig};
 use dejavulib::affinity::CpuList;
@@ -381,7 +381,7 @@ impl MemberArgs {
     /// Sets the process up as a member: its logs, its death with the parent that started it, and
     /// its heartbeats as (`role`, `index`) to the controller, if given (they stop when the handle
     /// is dropped).
-    pub(crate) fn start(&self, role: Role, index: u32) -> Result<Option<Heartbeat>, String> {
+    pub(crate) fn start(&self, role: Role, index: u32) -> Result<Option<Membership>, String> {
         self.init()?;
         self.beat(role, index, self.epoch, None)
     }
@@ -415,15 +415,14 @@ impl MemberArgs {
         index: u32,
         epoch: u64,
         control_port: Option<u16>,
-    ) -> Result<Option<Heartbeat>, String> {
+    ) -> Result<Option<Membership>, String> {
         self.heartbeat
             .map(|to| {
                 let interval = Duration::from_millis(self.heartbeat_ms);
                 let secret = self.secret.as_bytes();
                 let lifeline = Lifeline::hold(to, (role, index), epoch, interval, secret)?;
-                Ok::<_, std::io::Error>(
-                    beat(to, (role, index), epoch, interval, control_port, secret)?.holding(lifeline),
-                )
+                let heartbeat = beat(to, (role, index), epoch, interval, control_port, secret)?;
+                Ok::<_, std::io::Error>(Membership::new(heartbeat, lifeline))
             })
             .transpose()
             .map_err(|e| format!("cannot send heartbeats: {e}"))
@@ -575,48 +574,6 @@ impl ControllerArgs {
             secret: secret.into_bytes(),
         };
         serve_controller(config, announce).map_err(|e| e.to_string())
-    }
-}
-
-/// The processes a cluster is made of, as subcommands: `dejavud` declares them, and so does
-/// every binary that starts a cluster from its own executable (the chaos harness).
-#[derive(Debug, clap::Subcommand)]
-pub enum ProcessCommand {
-    /// Run one stage of the reference engine (started by `demo`).
-    Stage(StageArgs),
-    /// A worker's sidecar (also `dejavud worker`), beside its engine: keeps the engine's KV,
-    /// received through shared memory, forwards it to the ring successor's sidecar, and keeps its
-    /// predecessor's replica (started by `demo`).
-    #[command(alias = "worker")]
-    Sidecar(SidecarArgs),
-    /// The cluster's controller: receives every process's heartbeats, declares the silent dead
-    /// and issues the epoch of each recovery, kept in a state file that survives its crashes
-    /// (started by `demo`).
-    Controller(ControllerArgs),
-    /// A spare stage: starts ahead of any failure, heartbeats to the controller as a spare, and
-    /// becomes the stage a recovery assigns it (a spare sidecar is `dejavud sidecar --spare N`).
-    Spare(crate::spare::SpareArgs),
-}
-
-impl ProcessCommand {
-    /// The subcommand's name, for messages.
-    pub fn name(&self) -> &'static str {
-        match self {
-            ProcessCommand::Stage(_) => "stage",
-            ProcessCommand::Sidecar(_) => "sidecar",
-            ProcessCommand::Controller(_) => "controller",
-            ProcessCommand::Spare(_) => "spare",
-        }
-    }
-
-    /// Runs the process until it is told to stop or fails.
-    pub fn run(self) -> Result<(), String> {
-        match self {
-            ProcessCommand::Stage(args) => args.run(),
-            ProcessCommand::Sidecar(args) => args.run(),
-            ProcessCommand::Controller(args) => args.run(),
-            ProcessCommand::Spare(args) => args.run(),
-        }
     }
 }
 

@@ -2,8 +2,8 @@
 //! controller ([`crate::controller`]), which declares a process dead once it has been silent for a
 //! few intervals. Failure detection then depends on neither the pipeline's traffic nor on being
 //! the processes' parent. A process that dies is seen sooner through its lifeline
-//! ([`crate::controller::Lifeline`], held with the beats: [`Heartbeat::holding`]); the beats are
-//! what detect a process that lives on but is stopped, hung or cut off.
+//! ([`crate::controller::Lifeline`], held with the beats in a [`crate::membership::Membership`]);
+//! the beats are what detect a process that lives on but is stopped, hung or cut off.
 //!
 //! A heartbeat is a frame ([`dejavulib::wire`]) of kind `Heartbeat`: the epoch field holds the
 //! epoch the process was started in (so beats from a fenced process can be told from its
@@ -26,8 +26,6 @@ use std::time::{Duration, SystemTime};
 use dejavulib::net::auth::{sign, verify, SIGNATURE_LEN};
 use dejavulib::wire::{FrameHeader, Kind, FRAME_HEADER_LEN};
 
-use crate::controller::Lifeline;
-
 /// What a signature of a heartbeat is over, besides the header (never a signature of anything else).
 const SIGNED_AS: &[u8] = b"dejavu heartbeat";
 
@@ -43,24 +41,24 @@ pub enum Role {
     Sidecar = 1,
 }
 
+/// Added to a spare's number to make its member index: spares beat as (engine or sidecar, this
+/// plus their number), apart from every stage.
+pub const SPARE_MEMBERS: u32 = 1 << 20;
+
+/// The member index a spare numbered `n` beats as.
+pub fn spare_member(n: u32) -> u32 {
+    SPARE_MEMBERS + n
+}
+
 /// A thread sending heartbeats; it stops when this is dropped (or [`Heartbeat::stop`]ped).
 #[derive(Debug)]
 pub struct Heartbeat {
     stop: Arc<AtomicBool>,
-    /// The process's lifeline to the controller, if it holds one, let go with the beats.
-    lifeline: Option<Lifeline>,
 }
 
 impl Heartbeat {
-    /// Stops beating (within one interval), and lets go of the lifeline.
+    /// Stops beating (within one interval).
     pub fn stop(self) {}
-
-    /// These heartbeats, and `lifeline` with them: both stop together, so that the controller
-    /// sees the member gone at once when its process is (see [`Lifeline`]).
-    pub fn holding(mut self, lifeline: Lifeline) -> Self {
-        self.lifeline = Some(lifeline);
-        self
-    }
 }
 
 impl Drop for Heartbeat {
@@ -137,7 +135,7 @@ pub fn beat(
             std::thread::sleep(interval);
         }
     })?;
-    Ok(Heartbeat { stop, lifeline: None })
+    Ok(Heartbeat { stop })
 }
 
 /// Microseconds since the Unix epoch (0 for a clock set before it).

@@ -9,6 +9,7 @@
 //! - [`controller`]: a process that declares the silent dead and issues the epoch of each
 //!   recovery, with a state file that survives its crashes;
 //! - [`heartbeat`]: processes beat every interval to the controller;
+//! - [`membership`]: a process's heartbeats and lifeline, held and let go together;
 //! - [`process`]: the stage host: an engine's stages as separate processes passing activations
 //!   over TCP, copying their KV to sidecars and restoring it after a replacement;
 //! - [`swap`]: microbatch swapping, fewer device caches than microbatches, the rest in host memory;
@@ -23,18 +24,21 @@
 //! - [`metrics`]: each process's counters on a Prometheus text endpoint;
 //! - [`logging`]: each process's `tracing` events on standard error, as text or JSON;
 //! - [`transport`]: the TCP or QUIC links between processes;
-//! - [`cli`]: the subcommands' arguments;
+//! - [`cli`]: the subcommands' arguments, and [`commands`]: the subcommands of a cluster's
+//!   processes, declared once;
 //! - [`demo`], [`plan`], [`certs`]: `dejavud demo`, `dejavud plan`, `dejavud certs`.
 
 pub mod certs;
 pub mod cli;
 pub mod cluster;
+pub mod commands;
 pub mod controller;
 pub mod demo;
 pub mod driver;
 pub mod handoff;
 pub mod heartbeat;
 pub mod logging;
+pub mod membership;
 pub mod metrics;
 pub mod netns;
 pub mod plan;

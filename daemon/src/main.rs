@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use dejavud::certs;
-use dejavud::cli::ProcessCommand;
+use dejavud::commands::ProcessCommand;
 use dejavud::demo::{self, DemoConfig, DemoSettings};
 use dejavud::plan::{self, Overrides};
 

@@ -19,22 +19,13 @@ use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking}
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameHeader, Kind};
 
 use crate::cli::{MemberArgs, StageArgs};
-use crate::heartbeat::Role;
-
-/// Added to a spare's number to make its member index: spares beat as (engine or sidecar, this
-/// plus their number), apart from every stage.
-pub const SPARE_MEMBERS: u32 = 1 << 20;
+use crate::heartbeat::{spare_member, Role};
 
 /// The node id an assigner proves the cluster secret as.
 pub const ASSIGNER: u32 = u32::MAX - 1;
 
 /// The node id a spare stage proves the secret as, to its assigner.
 const SPARE: u32 = u32::MAX - 2;
-
-/// The member index a spare numbered `n` beats as.
-pub fn spare_member(n: u32) -> u32 {
-    SPARE_MEMBERS + n
-}
 
 /// A spare stage: waits, registered with the controller, until a recovery makes it a stage.
 #[derive(Clone, Debug, Args)]

@@ -237,7 +237,7 @@ fn a_device_job_outside_its_cache_is_a_typed_error() {
     let streamer = Streamer::spawn(StreamerConfig::default(), Box::new(HostStore::new())).unwrap();
     let transfer = plan().into_iter().next().unwrap();
     // Tokens past the cache's capacity.
-    let job = dejavulib::cuda::DeviceJob { engine, kv, transfer, tokens: 0..TOKENS + 5, ready: None };
+    let job = dejavulib::streamer::DeviceJob { engine, kv, transfer, tokens: 0..TOKENS + 5, ready: None };
     let result = streamer.submit_device(job).unwrap().wait();
     assert!(matches!(result, Err(StreamerError::Stream(StreamError::Cache(_)))), "{result:?}");
     // The streamer goes on working.

@@ -15,6 +15,17 @@ create_exception!(dejavu, CorruptChunkError, StoreError, "A chunk failed verific
 create_exception!(dejavu, NotFoundError, StoreError, "No chunk under the key asked for.");
 create_exception!(dejavu, CudaError, Error, "No CUDA driver, NVRTC or device, or a CUDA call failed.");
 
+/// A CUDA engine's error as Python sees it: wrong sizes and memory a `ValueError`, layout errors
+/// as `cache_err` says, the rest `dejavu.CudaError`.
+pub(crate) fn cuda_err(e: dejavulib::cuda::CudaError) -> PyErr {
+    use dejavulib::cuda::CudaError as Lib;
+    match e {
+        Lib::Size { .. } | Lib::NotDeviceMemory { .. } => PyValueError::new_err(e.to_string()),
+        Lib::Cache(e) => cache_err(e),
+        other => CudaError::new_err(other.to_string()),
+    }
+}
+
 pub(crate) fn cache_err(e: CacheError) -> PyErr {
     match e {
         CacheError::WrongLength { .. } => PyValueError::new_err(e.to_string()),

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use dejavulib::cuda::{CudaEngine, CudaError as LibCudaError, DeviceKv};
+use dejavulib::cuda::{CudaEngine, DeviceKv};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -12,16 +12,6 @@ use crate::buffer::{array_interface, raw_buffer};
 use crate::errors::*;
 use crate::layout::*;
 use crate::pinned::PyPinnedBuffer;
-
-pub(crate) fn cuda_err(e: LibCudaError) -> PyErr {
-    match e {
-        LibCudaError::Size { .. } | LibCudaError::NotDeviceMemory { .. } => {
-            PyValueError::new_err(e.to_string())
-        }
-        LibCudaError::Cache(e) => cache_err(e),
-        other => CudaError::new_err(other.to_string()),
-    }
-}
 
 /// A GPU: the library's copy kernels compiled for it, and its copy stream.
 #[pyclass(name = "CudaEngine", module = "dejavu", frozen)]

@@ -17,7 +17,7 @@ pub(crate) struct PyPinnedBuffer {
 
 impl PyPinnedBuffer {
     pub(crate) fn new(mut memory: PooledPinned) -> PyResult<Self> {
-        let address = memory.as_mut_slice().map_err(crate::gpu::cuda_err)?.as_mut_ptr() as usize;
+        let address = memory.as_mut_slice().map_err(crate::errors::cuda_err)?.as_mut_ptr() as usize;
         Ok(Self { memory, address })
     }
 }
@@ -30,7 +30,7 @@ impl PyPinnedBuffer {
 
     /// A copy of the bytes.
     fn __bytes__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self.memory.as_slice().map_err(crate::gpu::cuda_err)?;
+        let bytes = self.memory.as_slice().map_err(crate::errors::cuda_err)?;
         Ok(PyBytes::new(py, bytes))
     }
 

@@ -10,8 +10,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::cache::PyCache;
+use crate::errors::cuda_err;
 use crate::errors::*;
-use crate::gpu::{cuda_err, stream_arg, PyDeviceCache};
+use crate::gpu::{stream_arg, PyDeviceCache};
 use crate::layout::*;
 use crate::reshard::PySetup;
 use crate::store::{worker, PyStore};

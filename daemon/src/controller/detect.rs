@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::{Health, Member};
 use crate::heartbeat::Role;
-use crate::spare::SPARE_MEMBERS;
+use crate::heartbeat::SPARE_MEMBERS;
 
 /// Decides, tick after tick, which members to fence.
 #[derive(Debug)]

@@ -802,7 +802,8 @@ mod tests {
         };
         let hold = |member, epoch| {
             let lifeline = Lifeline::hold(addr, member, epoch, EVERY, SECRET).unwrap();
-            beat(addr, member, epoch, EVERY, None, SECRET).unwrap().holding(lifeline)
+            let heartbeat = beat(addr, member, epoch, EVERY, None, SECRET).unwrap();
+            crate::membership::Membership::new(heartbeat, lifeline)
         };
         let engine = hold((Role::Engine, 0), 0);
         let sidecar = hold((Role::Sidecar, 0), 0);

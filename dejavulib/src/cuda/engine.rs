@@ -5,10 +5,9 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::event::{CopiesDone, ReadyMarker};
-use super::host::RING;
 use super::kernels::Kernels;
 use super::memory::{DeviceBuffer, DeviceKv, DeviceMem, PinnedBuffer};
-use super::pool::{EventPool, PinnedPool, StagingPool, PINNED_POOL_BYTES};
+use super::pool::{EventPool, PinnedPool, StagingPool, PINNED_POOL_BYTES, RING};
 use super::table::{encode, Table, TokenSteps};
 use super::{driver_present, nvrtc_present, CudaError};
 use crate::cache::{gather_copy_plan, scatter_copy_plan};

@@ -16,15 +16,13 @@ use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 
 use super::engine::Direction;
 use super::memory::{DeviceBuffer, DeviceKv};
+use super::pool::RING;
 use super::{CudaEngine, CudaError};
 use crate::layout::Packing;
 use crate::region::KvRegion;
 
 /// Largest piece, in bytes, unless one layer alone is larger (a piece holds whole layers).
 const MAX_PIECE_BYTES: u64 = 16 << 20;
-
-/// Staging pieces in the ring: one being filled by a kernel, one being copied, one spare.
-pub(super) const RING: usize = 3;
 
 /// Host memory as the driver sees it: page-locked memory is copied by the DMA engines straight
 /// from and to the caller's buffer, pageable memory through the driver's own staging.

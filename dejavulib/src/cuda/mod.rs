@@ -16,7 +16,6 @@ mod host;
 mod kernels;
 mod memory;
 mod pool;
-mod send;
 pub mod table;
 mod upload;
 
@@ -25,7 +24,6 @@ pub use event::{CopiesDone, ReadyMarker};
 pub use host::{HostMemory, HostPath};
 pub use memory::{DeviceBuffer, DeviceKv, PinnedBuffer};
 pub use pool::{PinnedPool, PooledPinned, PINNED_POOL_BYTES};
-pub use send::{send_from_device, DeviceJob, DeviceStaging};
 
 /// A raw CUDA stream handle, as engines hand theirs over (PyTorch's `cuda_stream`); null is the
 /// legacy default stream.

@@ -11,6 +11,10 @@ use parking_lot::Mutex;
 use super::memory::{DeviceBuffer, PinnedBuffer};
 use super::CudaError;
 
+/// Staging pieces in the ring of a pipelined host copy: one being filled by a kernel, one being
+/// copied, one spare; the engine's pool keeps as many.
+pub(super) const RING: usize = 3;
+
 /// Device staging buffers kept for the next copy: at most `keep` of them, the largest.
 pub(super) struct StagingPool {
     free: Mutex<Vec<DeviceBuffer>>,

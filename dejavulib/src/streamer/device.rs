@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{CopiesDone, CudaEngine, CudaError, DeviceBuffer, DeviceKv, PinnedBuffer, ReadyMarker};
+use crate::cuda::{CopiesDone, CudaEngine, CudaError, DeviceBuffer, DeviceKv, PinnedBuffer, ReadyMarker};
 use crate::reshard::{describe, ChunkReceipt, StreamError, Transfer};
 use crate::store::ChunkStore;
 

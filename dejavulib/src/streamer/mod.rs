@@ -11,6 +11,10 @@
 //! before the gather kernel and the copy to pinned memory; the streamer thread sleeps until they
 //! are done and flushes the chunk.
 
+mod device;
+
+pub use device::{send_from_device, DeviceJob, DeviceStaging};
+
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -22,7 +26,7 @@ use thiserror::Error;
 
 use crate::affinity::CpuList;
 use crate::cache::KvCache;
-use crate::cuda::{send_from_device, CudaEngine, DeviceJob, DeviceKv, DeviceStaging};
+use crate::cuda::{CudaEngine, DeviceKv};
 use crate::memory::StagingPool;
 use crate::reshard::{send, ChunkReceipt, StreamError, Transfer};
 use crate::store::ChunkStore;
