@@ -62,6 +62,7 @@ pub mod plan;
 pub mod planner;
 pub mod region;
 pub mod reshard;
+pub mod restore;
 pub mod resume;
 pub mod shm;
 pub mod spec;

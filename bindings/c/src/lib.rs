@@ -17,6 +17,7 @@ use dejavulib::file_io::FileBackend;
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
 use dejavulib::local::LocalSidecar;
 use dejavulib::reshard::{receive, send, StreamError};
+use dejavulib::restore::{restore_from_sidecar, RestoreError, Restored};
 use dejavulib::store::StoreError;
 use dejavulib::{
     CacheError, ChunkStore, DType, FileStore, KvCache, KvLayout, KvRegion, KvSpec, StagingPool, Transfer,
@@ -774,30 +775,29 @@ pub unsafe extern "C" fn djv_sidecar_restore(
             n => unsafe { std::slice::from_raw_parts(caches, n) },
         };
         let me = WorkerId { stage: worker.stage, rank: worker.rank };
-        let recovery = store.sidecar()?.recovery().map_err(|e| Failure(DjvStatus::Io, e.to_string()))?;
-        let mine: Vec<_> = recovery.resume_points().into_iter().filter(|p| p.destination == me).collect();
-        if capacity == 0 || mine.len() > capacity {
-            *count = mine.len();
+        let sidecar = store.sidecar()?;
+        let io = |e: &dyn std::fmt::Display| Failure(DjvStatus::Io, e.to_string());
+        let recovery = sidecar.recovery().map_err(|e| io(&e))?;
+        let needed = recovery.resume_points().iter().filter(|p| p.destination == me).count();
+        if capacity == 0 || needed > capacity {
+            *count = needed;
             return match capacity {
                 0 => Ok(()),
-                _ => {
-                    Err(Failure::invalid(format!("room for {capacity} resume points, {} needed", mine.len())))
-                }
+                _ => Err(Failure::invalid(format!("room for {capacity} resume points, {needed} needed"))),
             };
         }
         if points.is_null() {
             return Err(Failure::invalid("points is NULL"));
         }
-        let mut payload = Vec::new();
-        for (i, point) in mine.iter().enumerate() {
-            let cache = caches.get(point.microbatch as usize).copied().unwrap_or(std::ptr::null());
-            // SAFETY: each entry is NULL or a live cache per the contract.
-            if let Some(cache) = unsafe { cache.as_ref() } {
-                for region in &point.chunks {
-                    let t = Transfer::in_place(me, me, point.microbatch, region);
-                    receive(&cache.cache, &t, region.tokens.clone(), store.chunks(), &mut payload)?;
-                }
-            }
+        // SAFETY: each entry is NULL or a live cache per the contract.
+        let cache_of = |microbatch: u32| unsafe { caches.get(microbatch as usize).and_then(|c| c.as_ref()) };
+        let (restored, failed) = match restore_from_sidecar(sidecar, me, |m| cache_of(m).map(|c| &c.cache)) {
+            Ok(restored) => (restored, None),
+            Err(RestoreError::Fetch { restored, error, .. }) => (restored, Some(Failure::from(error))),
+            Err(e @ RestoreError::Sidecar(_)) => (Vec::new(), Some(io(&e))),
+        };
+        // The sidecar may have been told of a sequence since it was counted: only `capacity` fit.
+        for (i, Restored { point, .. }) in restored.into_iter().take(capacity).enumerate() {
             let held = DjvRegion {
                 layers_start: point.layers.start,
                 layers_end: point.layers.end,
@@ -809,11 +809,11 @@ pub unsafe extern "C" fn djv_sidecar_restore(
                 tokens_end: point.tokens,
             };
             let resume = DjvResumePoint { destination: worker, microbatch: point.microbatch, held };
-            // SAFETY: `i < mine.len() <= capacity`, and `points` (not NULL: checked) is valid for
-            // `capacity` writes.
+            // SAFETY: `i < capacity`, and `points` (not NULL: checked) is valid for `capacity`
+            // writes.
             unsafe { points.add(i).write(resume) };
             *count = i + 1;
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     })
 }

@@ -1,7 +1,7 @@
 """Type stubs of the native module ``dejavu._dejavu`` (re-exported by ``dejavu``)."""
 
 from os import PathLike
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 RangeLike = Union[range, Tuple[int, int], int]
 Worker = Tuple[int, int]
@@ -171,6 +171,11 @@ class Store:
         stage's own it keeps) and ``resume``, one dict per sequence with ``destination``,
         ``microbatch``, ``slots``, ``layers``, ``heads``, ``tokens`` (KV held for tokens
         ``0..tokens``: compute from there) and ``chunks`` (the ``KvRegion``s to ``fetch``)."""
+    def restore(self, worker: Tuple[int, int], caches: Dict[int, KvCache]) -> List[dict]:
+        """What a restarted engine does first (sidecar stores only): fetches each sequence of
+        ``worker`` the sidecar keeps into ``caches[microbatch]`` (a microbatch not in it is listed,
+        not fetched) through shared memory; returns one dict per sequence, as ``recovery()``'s
+        ``resume`` lists them, with ``fetched``."""
 
 class PeerServer:
     """A peer that keeps chunks flushed to it, serving clients that know the cluster secret."""

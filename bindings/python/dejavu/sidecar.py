@@ -6,7 +6,7 @@ from __future__ import annotations
 from os import PathLike
 from typing import Dict, Optional, Tuple, Union
 
-from ._dejavu import KvCache, KvRegion, Store, fetch, flush
+from ._dejavu import KvCache, KvRegion, Store, flush
 
 Span = Union[range, Tuple[int, int], int]
 
@@ -65,16 +65,12 @@ class SidecarClient:
         """Fetches every sequence's KV the sidecar keeps for this worker into the registered
         caches (up to the first gap) and returns ``{(microbatch, (slot_start, slot_end)): tokens}``:
         the next token each sequence computes. Microbatches not registered are left out."""
-        resume = {}
-        for point in self.store.recovery()["resume"]:
-            microbatch = point["microbatch"]
-            if tuple(point["destination"]) != self.worker or microbatch not in self._caches:
-                continue
-            cache, _, _ = self._caches[microbatch]
-            for region in point["chunks"]:
-                fetch(self.store, cache, region, self.worker, self.worker, microbatch)
-            resume[(microbatch, tuple(point["slots"]))] = point["tokens"]
-        return resume
+        caches = {microbatch: cache for microbatch, (cache, _, _) in self._caches.items()}
+        return {
+            (point["microbatch"], tuple(point["slots"])): point["tokens"]
+            for point in self.store.restore(self.worker, caches)
+            if point["fetched"]
+        }
 
     def _registered(self, microbatch: int) -> Tuple[KvCache, Span, Span]:
         try:

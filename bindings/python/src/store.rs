@@ -8,8 +8,10 @@ use dejavulib::local::LocalSidecar;
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerServer, PeerStore, ServerConfig, Transport};
 use dejavulib::reshard::{receive, send};
+use dejavulib::restore::{restore_from_sidecar, RestoreError};
+use dejavulib::resume::ResumePoint;
 use dejavulib::store::StoreError as ChunkStoreError;
-use dejavulib::{ChunkStore, FileStore, HostStore, KvRegion, Transfer, WorkerId};
+use dejavulib::{ChunkStore, FileStore, HostStore, KvCache, KvRegion, Transfer, WorkerId};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -80,6 +82,21 @@ fn sidecar_err(e: dejavulib::local::LocalError) -> PyErr {
     Error::new_err(format!("sidecar: {e}"))
 }
 
+/// A resume point as a dict: `destination`, `microbatch`, `slots`, `layers`, `heads`, `tokens`
+/// and `chunks` (the `KvRegion`s to fetch).
+fn point_dict(py: Python<'_>, p: ResumePoint) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let point = pyo3::types::PyDict::new(py);
+    point.set_item("destination", (p.destination.stage, p.destination.rank))?;
+    point.set_item("microbatch", p.microbatch)?;
+    point.set_item("slots", py_range(&p.slots))?;
+    point.set_item("layers", py_range(&p.layers))?;
+    point.set_item("heads", py_range(&p.heads))?;
+    point.set_item("tokens", p.tokens)?;
+    let chunks: Vec<PyRegion> = p.chunks.into_iter().map(PyRegion).collect();
+    point.set_item("chunks", chunks)?;
+    Ok(point)
+}
+
 /// `serving` as a dict: `stage`, `epoch`, `successor` ("host:port" or None).
 fn serving_dict<'py>(
     py: Python<'py>,
@@ -147,29 +164,47 @@ impl PyStore {
     /// `tokens` whose KV is held for all of them (from token 0, up to the first gap), and the
     /// `chunks` (`KvRegion`s) to `fetch` to restore it. The engine computes from `tokens` on.
     fn recovery<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
-        use pyo3::types::PyDict;
         let connection = self.connection()?;
         let recovery = py.detach(|| connection.0.lock().recovery()).map_err(sidecar_err)?;
-        let resume = recovery
-            .resume_points()
-            .into_iter()
-            .map(|p| {
-                let point = PyDict::new(py);
-                point.set_item("destination", (p.destination.stage, p.destination.rank))?;
-                point.set_item("microbatch", p.microbatch)?;
-                point.set_item("slots", py_range(&p.slots))?;
-                point.set_item("layers", py_range(&p.layers))?;
-                point.set_item("heads", py_range(&p.heads))?;
-                point.set_item("tokens", p.tokens)?;
-                let chunks: Vec<PyRegion> = p.chunks.into_iter().map(PyRegion).collect();
-                point.set_item("chunks", chunks)?;
-                Ok(point)
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        let resume =
+            recovery.resume_points().into_iter().map(|p| point_dict(py, p)).collect::<PyResult<Vec<_>>>()?;
         let out = serving_dict(py, &recovery.serving)?;
         out.set_item("chunks", recovery.held.len())?;
         out.set_item("resume", resume)?;
         Ok(out)
+    }
+
+    /// What a restarted engine does first (sidecar stores only; `TypeError` otherwise): fetches
+    /// each sequence of `worker` ((stage, rank)) that the sidecar keeps into `caches[microbatch]`
+    /// (a dict of `KvCache`s; a microbatch not in it is listed, not fetched), through shared
+    /// memory. Returns one dict per sequence, as `recovery()["resume"]` lists them, with
+    /// `fetched`: the engine computes each from its `tokens` on.
+    fn restore<'py>(
+        &self,
+        py: Python<'py>,
+        worker: (u32, u32),
+        caches: std::collections::HashMap<u32, PyRef<'py, PyCache>>,
+    ) -> PyResult<Vec<Bound<'py, pyo3::types::PyDict>>> {
+        let connection = self.connection()?;
+        let me = WorkerId { stage: worker.0, rank: worker.1 };
+        let caches: std::collections::HashMap<u32, Arc<KvCache>> =
+            caches.into_iter().map(|(microbatch, cache)| (microbatch, cache.cache.clone())).collect();
+        let restored = py.detach(|| {
+            let mut sidecar = connection.0.lock();
+            restore_from_sidecar(&mut sidecar, me, |microbatch| caches.get(&microbatch).map(|c| &**c))
+        });
+        let restored = restored.map_err(|e| match e {
+            RestoreError::Sidecar(e) => sidecar_err(e),
+            RestoreError::Fetch { error, .. } => stream_err(error),
+        })?;
+        restored
+            .into_iter()
+            .map(|r| {
+                let point = point_dict(py, r.point)?;
+                point.set_item("fetched", r.fetched)?;
+                Ok(point)
+            })
+            .collect()
     }
 
     /// Chunks in this process's memory.
