@@ -85,11 +85,14 @@ fn main() -> std::process::ExitCode {
     } else {
         Geometry::thirteen_b()
     };
+    // First, on a machine nothing of ours loads yet.
+    let machine = dejavu_benches::machine::Machine::read();
+    eprintln!("{}", machine.line());
     let mut micro = micro_rows(geometry, options.quick, options.gpu_only);
     // Last, so that the demos' processes do not share the cores with the measurements above.
     let e2e = end_to_end(&options);
     micro.rows.extend(e2e.rows.iter().cloned());
-    print_report(&micro, &e2e, options.json);
+    print_report(&machine, &micro, &e2e, options.json);
     std::process::ExitCode::SUCCESS
 }
 
@@ -382,7 +385,7 @@ fn target_text(target: f64) -> String {
     text.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
-fn print_report(micro: &Micro, e2e: &E2e, json: bool) {
+fn print_report(machine: &dejavu_benches::machine::Machine, micro: &Micro, e2e: &E2e, json: bool) {
     let Micro { rows, workload, backend, decode_len, touched, gpu_note } = micro;
     if json {
         let items: Vec<String> = rows
@@ -405,8 +408,17 @@ fn print_report(micro: &Micro, e2e: &E2e, json: bool) {
         let demo = |d: &Option<dejavud::demo::DemoReport>| {
             d.as_ref().map_or("null".into(), |d| serde_json::to_string(d).expect("JSON of numbers"))
         };
+        let machine = format!(
+            "{{\"cpu\":{},\"cores\":{},\"l2_bytes\":{},\"l3_bytes\":{},\"transparent_huge_pages\":{},\"memcpy_gbps\":{}}}",
+            json_str(&machine.cpu),
+            machine.cores,
+            machine.l2.map_or("null".into(), |b| b.to_string()),
+            machine.l3.map_or("null".into(), |b| b.to_string()),
+            json_str(&machine.huge_pages),
+            json_num(machine.memcpy_gbps),
+        );
         println!(
-            "{{\"workload\":{},\"file_backend\":\"{backend}\",\"rows\":[{}],\"notes\":[{}],\"e2e\":{{\"demo\":{},\"swapping\":{}}}}}",
+            "{{\"machine\":{machine},\"workload\":{},\"file_backend\":\"{backend}\",\"rows\":[{}],\"notes\":[{}],\"e2e\":{{\"demo\":{},\"swapping\":{}}}}}",
             json_str(workload),
             items.join(","),
             notes.join(","),
@@ -415,6 +427,7 @@ fn print_report(micro: &Micro, e2e: &E2e, json: bool) {
         );
         return;
     }
+    println!("{}", machine.line());
     println!("workload: {workload}; file I/O: {backend}");
     println!(
         "decode step: {decode_len} useful bytes in {touched} bytes of touched cache lines ({:.0}% useful)\n",
