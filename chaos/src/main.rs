@@ -78,6 +78,8 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         }
-        Command::Process(process) => process.run().map_or_else(failed, |()| ExitCode::SUCCESS),
+        Command::Process(process) => {
+            process.run().map_or_else(|e| failed(e.to_string()), |()| ExitCode::SUCCESS)
+        }
     }
 }

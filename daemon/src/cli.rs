@@ -33,6 +33,85 @@ pub const DEFAULT_SECRET: &str = "dejavu reference cluster";
 /// given: unlike a flag, it does not show in the process list.
 pub const SECRET_ENV: &str = "DEJAVU_SECRET";
 
+/// Why the cluster secret a process was given cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    /// `--secret-file` names a file that cannot be read.
+    #[error("cannot read the secret file {}: {source}", file.display())]
+    Unreadable {
+        /// The file.
+        file: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// `--secret-file` names an empty file.
+    #[error("the secret file {} is empty", file.display())]
+    Empty {
+        /// The file.
+        file: PathBuf,
+    },
+    /// The built-in default, where the process listens beyond loopback.
+    #[error(
+        "refusing to listen at {at} with the built-in default cluster secret, which anyone can read in \
+         this program: give the cluster a secret of its own, the same for each of its processes, with \
+         --secret-file FILE (or the {SECRET_ENV} environment variable)"
+    )]
+    DefaultExposed {
+        /// The address beyond loopback.
+        at: SocketAddr,
+    },
+}
+
+/// Why a cluster process (`stage`, `sidecar`, `controller`, `spare`) did not start, or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Flags that do not fit together, or name nothing usable.
+    #[error("{0}")]
+    Flags(String),
+    /// Its cluster secret.
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+    /// Its logs could not be set up.
+    #[error(transparent)]
+    Logging(#[from] crate::logging::LoggingError),
+    /// It could not move to the CPUs it was given.
+    #[error(transparent)]
+    Cpus(#[from] dejavulib::affinity::AffinityError),
+    /// It could not start beating to the controller, or holding its lifeline.
+    #[error("cannot send heartbeats: {0}")]
+    Heartbeat(#[source] std::io::Error),
+    /// The controller did not say in which epoch it replaces a fenced member.
+    #[error("cannot replace {member:?}: {source}")]
+    Replace {
+        /// The member replaced.
+        member: Member,
+        /// What the controller said, or why it did not.
+        source: ControllerError,
+    },
+    /// A socket could not be bound.
+    #[error("cannot listen {what} at {at}: {source}")]
+    Listen {
+        /// What for.
+        what: &'static str,
+        /// Where.
+        at: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The stage failed.
+    #[error(transparent)]
+    Stage(#[from] crate::process::ProcessError),
+    /// The sidecar failed.
+    #[error(transparent)]
+    Sidecar(#[from] crate::sidecar::SidecarError),
+    /// The controller failed.
+    #[error(transparent)]
+    Controller(#[from] ControllerError),
+    /// A spare stopped before it was assigned a stage.
+    #[error("the spare stopped listening")]
+    SpareStopped,
+}
+
 /// The cluster secret of the clusters this process starts (the demo's, the chaos harness's):
 /// its environment's ([`SECRET_ENV`]) if it has one, else one drawn from the kernel's random
 /// source once per process. The processes it starts take it from their environment
@@ -51,26 +130,22 @@ pub fn cluster_secret() -> &'static str {
 /// newline; an empty or unreadable file is an error), else `given` (`--secret`, [`SECRET_ENV`] or
 /// the default). A process listening anywhere but on loopback (any of `listening`) refuses the
 /// built-in default: anyone can read it in this program.
-pub fn secret_for(given: &str, file: Option<&Path>, listening: &[SocketAddr]) -> Result<String, String> {
+pub fn secret_for(given: &str, file: Option<&Path>, listening: &[SocketAddr]) -> Result<String, SecretError> {
     let secret = match file {
         Some(file) => {
             let read = std::fs::read_to_string(file)
-                .map_err(|e| format!("cannot read the secret file {}: {e}", file.display()))?;
+                .map_err(|source| SecretError::Unreadable { file: file.to_owned(), source })?;
             let secret = read.trim_end_matches(['\n', '\r']).to_owned();
             if secret.is_empty() {
-                return Err(format!("the secret file {} is empty", file.display()));
+                return Err(SecretError::Empty { file: file.to_owned() });
             }
             secret
         }
         None => given.to_owned(),
     };
     let exposed = listening.iter().find(|addr| !addr.ip().is_loopback());
-    if let (Some(addr), true) = (exposed, secret == DEFAULT_SECRET) {
-        return Err(format!(
-            "refusing to listen at {addr} with the built-in default cluster secret, which anyone can \
-             read in this program: give the cluster a secret of its own, the same for each of its \
-             processes, with --secret-file FILE (or the {SECRET_ENV} environment variable)"
-        ));
+    if let (Some(&at), true) = (exposed, secret == DEFAULT_SECRET) {
+        return Err(SecretError::DefaultExposed { at });
     }
     Ok(secret)
 }
@@ -358,9 +433,10 @@ impl MemberArgs {
     /// Makes this the replacement of fenced `member`: it starts in the epoch the controller
     /// fenced the member in. An unreachable controller is asked again for a while; one that
     /// says the member is not fenced is an error.
-    fn replace(&mut self, member: Member) -> Result<(), String> {
-        let controller =
-            self.heartbeat.ok_or("a replacement needs the controller's address (--heartbeat)")?;
+    fn replace(&mut self, member: Member) -> Result<(), CliError> {
+        let controller = self.heartbeat.ok_or_else(|| {
+            CliError::Flags("a replacement needs the controller's address (--heartbeat)".into())
+        })?;
         let mut client = ControllerClient::new(controller, Duration::from_secs(1), self.secret.as_bytes());
         let start = Instant::now();
         loop {
@@ -373,7 +449,7 @@ impl MemberArgs {
                     tracing::debug!(error = %e, "the controller does not answer yet");
                     std::thread::sleep(Duration::from_millis(50));
                 }
-                Err(e) => return Err(format!("cannot replace {member:?}: {e}")),
+                Err(source) => return Err(CliError::Replace { member, source }),
             }
         }
     }
@@ -381,14 +457,14 @@ impl MemberArgs {
     /// Sets the process up as a member: its logs, its death with the parent that started it, and
     /// its heartbeats as (`role`, `index`) to the controller, if given (they stop when the handle
     /// is dropped).
-    pub(crate) fn start(&self, role: Role, index: u32) -> Result<Option<Membership>, String> {
+    pub(crate) fn start(&self, role: Role, index: u32) -> Result<Option<Membership>, CliError> {
         self.init()?;
         self.beat(role, index, self.epoch, None)
     }
 
     /// Takes the secret from `--secret-file` if given, and refuses the default one where the
     /// process listens beyond loopback (`listening`).
-    pub(crate) fn secure(&mut self, listening: &[SocketAddr]) -> Result<(), String> {
+    pub(crate) fn secure(&mut self, listening: &[SocketAddr]) -> Result<(), CliError> {
         self.secret = secret_for(&self.secret, self.secret_file.as_deref(), listening)?;
         self.secret_file = None;
         Ok(())
@@ -396,15 +472,15 @@ impl MemberArgs {
 
     /// Its logs, its death with the parent that started it, and its CPUs (before it starts any
     /// thread, so that every thread inherits them).
-    fn init(&self) -> Result<(), String> {
+    fn init(&self) -> Result<(), CliError> {
         self.log.init()?;
         die_with_parent();
         self.pin()
     }
 
     /// Moves the calling thread, and the threads it starts from now on, to its CPUs (if given).
-    fn pin(&self) -> Result<(), String> {
-        self.cpus.as_ref().map_or(Ok(()), |cpus| cpus.pin_current_thread().map_err(|e| e.to_string()))
+    fn pin(&self) -> Result<(), CliError> {
+        Ok(self.cpus.as_ref().map_or(Ok(()), |cpus| cpus.pin_current_thread())?)
     }
 
     /// Its heartbeats as (`role`, `index`), started in `epoch`, naming its control listener's
@@ -415,7 +491,7 @@ impl MemberArgs {
         index: u32,
         epoch: u64,
         control_port: Option<u16>,
-    ) -> Result<Option<Membership>, String> {
+    ) -> Result<Option<Membership>, CliError> {
         self.heartbeat
             .map(|to| {
                 let interval = Duration::from_millis(self.heartbeat_ms);
@@ -425,7 +501,7 @@ impl MemberArgs {
                 Ok::<_, std::io::Error>(Membership::new(heartbeat, lifeline))
             })
             .transpose()
-            .map_err(|e| format!("cannot send heartbeats: {e}"))
+            .map_err(CliError::Heartbeat)
     }
 }
 
@@ -445,13 +521,15 @@ fn die_with_parent() {
 
 impl StageArgs {
     /// Its position in the chain, from `--index` or `--replace`.
-    fn position(&self) -> Result<u32, String> {
-        self.index.or(self.replace).ok_or_else(|| "a stage needs --index or --replace".to_owned())
+    fn position(&self) -> Result<u32, CliError> {
+        self.index
+            .or(self.replace)
+            .ok_or_else(|| CliError::Flags("a stage needs --index or --replace".into()))
     }
 
     /// The same flags with `--replace` resolved: the stage's index, and the epoch the controller
     /// fenced its engine in.
-    pub fn resolved(mut self) -> Result<Self, String> {
+    pub fn resolved(mut self) -> Result<Self, CliError> {
         if let Some(stage) = self.replace.take() {
             self.member.replace((Role::Engine, stage))?;
             self.index = Some(stage);
@@ -460,13 +538,13 @@ impl StageArgs {
     }
 
     /// Runs the stage until it is killed.
-    pub fn run(mut self) -> Result<(), String> {
+    pub fn run(mut self) -> Result<(), CliError> {
         self.member.init()?;
         self.member.secure(&[self.listen])?;
         let this = self.resolved()?;
         let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, None)?;
         let (listen, metrics) = (this.listen, this.member.metrics);
-        serve_stage(this.config()?, listen, metrics, announce).map_err(|e| e.to_string())
+        Ok(serve_stage(this.config()?, listen, metrics, announce)?)
     }
 
     /// Runs the stage on `listener`, a spare's (logs already set up), answering `assigned` once
@@ -475,17 +553,17 @@ impl StageArgs {
         self,
         listener: std::net::TcpListener,
         assigned: impl FnOnce(std::net::SocketAddr, Option<std::net::SocketAddr>),
-    ) -> Result<(), String> {
+    ) -> Result<(), CliError> {
         self.member.pin()?;
         let this = self.resolved()?;
         let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, None)?;
         let metrics = this.member.metrics;
-        serve_stage_on(this.config()?, listener, metrics, assigned).map_err(|e| e.to_string())
+        Ok(serve_stage_on(this.config()?, listener, metrics, assigned)?)
     }
 
     /// What the flags describe.
-    fn config(self) -> Result<StageConfig, String> {
-        let handoff = self.handoff.handoff(&self.member.secret)?;
+    fn config(self) -> Result<StageConfig, CliError> {
+        let handoff = self.handoff.handoff(&self.member.secret).map_err(CliError::Flags)?;
         Ok(StageConfig {
             model: ModelConfig::reference(),
             index: self.position()?,
@@ -507,14 +585,14 @@ impl StageArgs {
             secret: self.member.secret.clone().into_bytes(),
             device_caches: self.device_caches,
             handoff,
-            transport: self.transport.transports()?,
+            transport: self.transport.transports().map_err(CliError::Flags)?,
         })
     }
 }
 
 impl SidecarArgs {
     /// Serves until killed.
-    pub fn run(mut self) -> Result<(), String> {
+    pub fn run(mut self) -> Result<(), CliError> {
         self.member.init()?;
         self.member.secure(&[self.listen])?;
         if let Some(stage) = self.replace.take() {
@@ -526,9 +604,10 @@ impl SidecarArgs {
             None => self.index,
         };
         // Bound before it beats: the beats name it, and the controller may use it at once.
-        let control = std::net::TcpListener::bind((self.listen.ip(), 0))
-            .map_err(|e| format!("cannot listen for control at {}: {e}", self.listen.ip()))?;
-        let port = control.local_addr().map_err(|e| e.to_string())?.port();
+        let listen =
+            |source| CliError::Listen { what: "for control", at: self.listen.ip().to_string(), source };
+        let control = std::net::TcpListener::bind((self.listen.ip(), 0)).map_err(listen)?;
+        let port = control.local_addr().map_err(listen)?.port();
         let heartbeat =
             Arc::new(Mutex::new(self.member.beat(Role::Sidecar, member, self.member.epoch, Some(port))?));
         let spare = self.spare.map(|_| {
@@ -553,15 +632,15 @@ impl SidecarArgs {
                 memory_bytes,
                 dir_bytes: self.spill_dir_bytes,
             }),
-            transport: self.transport.transports()?,
+            transport: self.transport.transports().map_err(CliError::Flags)?,
         };
-        serve_sidecar(config, Some(control), self.member.metrics, announce).map_err(|e| e.to_string())
+        Ok(serve_sidecar(config, Some(control), self.member.metrics, announce)?)
     }
 }
 
 impl ControllerArgs {
     /// Serves until killed.
-    pub fn run(self) -> Result<(), String> {
+    pub fn run(self) -> Result<(), CliError> {
         self.log.init()?;
         die_with_parent();
         let secret = secret_for(&self.secret, self.secret_file.as_deref(), &[self.listen])?;
@@ -573,7 +652,7 @@ impl ControllerArgs {
             metrics: self.metrics,
             secret: secret.into_bytes(),
         };
-        serve_controller(config, announce).map_err(|e| e.to_string())
+        Ok(serve_controller(config, announce)?)
     }
 }
 
@@ -603,7 +682,7 @@ mod tests {
         let v6_loopback: SocketAddr = "[::1]:0".parse().unwrap();
         assert_eq!(secret_for(DEFAULT_SECRET, None, &[loopback, v6_loopback]).unwrap(), DEFAULT_SECRET);
         let refused = secret_for(DEFAULT_SECRET, None, &[loopback, everywhere]).unwrap_err();
-        assert!(refused.contains("0.0.0.0:7400"), "{refused}");
+        assert!(matches!(refused, SecretError::DefaultExposed { at } if at == everywhere), "{refused}");
         assert_eq!(secret_for("ours", None, &[everywhere]).unwrap(), "ours");
     }
 }

@@ -2,7 +2,7 @@
 //! that starts a cluster from its own executable (the chaos harness) flatten them into their
 //! command lines.
 
-use crate::cli::{ControllerArgs, SidecarArgs, StageArgs};
+use crate::cli::{CliError, ControllerArgs, SidecarArgs, StageArgs};
 use crate::spare::SpareArgs;
 
 /// The processes a cluster is made of, as subcommands: `dejavud` declares them, and so does
@@ -37,7 +37,7 @@ impl ProcessCommand {
     }
 
     /// Runs the process until it is told to stop or fails.
-    pub fn run(self) -> Result<(), String> {
+    pub fn run(self) -> Result<(), CliError> {
         match self {
             ProcessCommand::Stage(args) => args.run(),
             ProcessCommand::Sidecar(args) => args.run(),

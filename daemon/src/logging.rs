@@ -32,16 +32,32 @@ impl Default for LogArgs {
     }
 }
 
+/// Why a process's logs could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum LoggingError {
+    /// `--log` is not a `tracing` filter.
+    #[error("bad --log filter {filter:?}: {reason}")]
+    Filter {
+        /// The filter given.
+        filter: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A subscriber was installed already.
+    #[error("cannot install the logger: {0}")]
+    Install(String),
+}
+
 impl LogArgs {
     /// Installs the process's log subscriber; a bad filter is an error naming it.
-    pub fn init(&self) -> Result<(), String> {
-        let filter =
-            EnvFilter::try_new(&self.log).map_err(|e| format!("bad --log filter {:?}: {e}", self.log))?;
+    pub fn init(&self) -> Result<(), LoggingError> {
+        let filter = EnvFilter::try_new(&self.log)
+            .map_err(|e| LoggingError::Filter { filter: self.log.clone(), reason: e.to_string() })?;
         let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
         let installed = match self.log_format {
             LogFormat::Human => builder.with_ansi(false).try_init(),
             LogFormat::Json => builder.json().with_current_span(false).try_init(),
         };
-        installed.map_err(|e| format!("cannot install the logger: {e}"))
+        installed.map_err(|e| LoggingError::Install(e.to_string()))
     }
 }

@@ -187,7 +187,7 @@ process heartbeating to a controller process{cpus}"
 }
 
 /// The exit of a process the demo starts: 0 when it stops cleanly, 2 with the reason otherwise.
-fn served(what: &str, result: Result<(), String>) -> ExitCode {
+fn served(what: &str, result: Result<(), dejavud::cli::CliError>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -18,7 +18,7 @@ use clap::{Args, Parser};
 use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameHeader, Kind};
 
-use crate::cli::{MemberArgs, StageArgs};
+use crate::cli::{CliError, MemberArgs, StageArgs};
 use crate::heartbeat::{spare_member, Role};
 
 /// The node id an assigner proves the cluster secret as.
@@ -54,12 +54,13 @@ const ASSIGNMENT_PATIENCE: Duration = Duration::from_secs(5);
 
 impl SpareArgs {
     /// Waits for an assignment, then serves as the stage it names until killed.
-    pub fn run(mut self) -> Result<(), String> {
+    pub fn run(mut self) -> Result<(), CliError> {
         self.member.secure(&[self.listen])?;
         let heartbeat = self.member.start(Role::Engine, spare_member(self.id))?;
-        let listener =
-            TcpListener::bind(self.listen).map_err(|e| format!("cannot listen at {}: {e}", self.listen))?;
-        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let at = self.listen;
+        let listen = |source| CliError::Listen { what: "for an assignment", at: at.to_string(), source };
+        let listener = TcpListener::bind(at).map_err(listen)?;
+        let addr = listener.local_addr().map_err(listen)?;
         crate::cli::announce(addr, None);
         for stream in listener.incoming() {
             let Ok(stream) = stream else { continue };
@@ -74,13 +75,13 @@ impl SpareArgs {
             tracing::info!(spare = self.id, stage = ?stage.index.or(stage.replace), "a spare was assigned its stage");
             // From now on it beats as the stage, in the recovery's epoch.
             drop(heartbeat);
-            let listener = listener.try_clone().map_err(|e| e.to_string())?;
+            let listener = listener.try_clone().map_err(listen)?;
             return stage.run_on(listener, |_, metrics| {
                 let metrics = metrics.map(|m| m.to_string()).unwrap_or_default();
                 let _ = answer(&stream, Kind::Control, &metrics);
             });
         }
-        Err("the spare stopped listening".into())
+        Err(CliError::SpareStopped)
     }
 }
 
