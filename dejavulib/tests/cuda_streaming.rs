@@ -504,3 +504,32 @@ fn a_host_gather_waits_for_the_compute_stream_the_engine_marked() {
     assert!(out.as_slice().unwrap() == expected.as_slice());
     drop(kv);
 }
+
+#[test]
+fn a_scatter_into_new_staging_waits_for_its_zeroing_behind_a_held_copy_stream() {
+    let Some((_turn, engine)) = engine_for(Device::Alone) else { return };
+    // A fresh engine: its staging pool is empty, so the scatter allocates (and zeroes, on the copy
+    // stream) the ring it fills from the transfer stream.
+    let (cache, _, region) = per_layer_noise(&engine, 12, 0..64);
+    let packing = cache.layout().preferred_packing();
+    let fresh = Arc::new(CudaEngine::open(0).unwrap());
+    let target = fresh.alloc_kv(cache.layout().clone()).unwrap();
+    let incoming = common::Rng(43).bytes(cache.packed_len(&region) as usize);
+    let blocker = fresh.context().new_stream().unwrap();
+    let gate = hold_back(&blocker);
+    // SAFETY: `blocker` is a live stream of the engine's context.
+    unsafe { fresh.after(blocker.cu_stream()) }.unwrap();
+    let opener = std::thread::spawn(move || {
+        // The scatter blocks until its copies are done, so the gate opens from here.
+        std::thread::sleep(Duration::from_millis(50));
+        gate.open();
+    });
+    fresh.scatter_from_host(&incoming, &target, &region, packing).unwrap();
+    opener.join().unwrap();
+    let reference = KvCache::new(cache.layout().clone()).unwrap();
+    reference.scatter(&region, packing, &incoming).unwrap();
+    assert!(
+        fresh.download_kv(&target).unwrap() == reference.snapshot(),
+        "the staging was zeroed after it was filled"
+    );
+}

@@ -95,8 +95,9 @@ impl PyDeviceCache {
     /// a `PinnedBuffer` from the engine's pool; returns it. Kernels and copies run in pieces of
     /// whole layers on two streams, each piece's kernel overlapping the copy of the one before:
     /// into pinned memory (a pinned torch tensor, a `PinnedBuffer`) a prompt moves at the speed
-    /// of one plain copy, a decode step somewhat slower (its kernel is not all hidden). The work first waits for what is already queued on `stream` (a raw `CUstream` or an
-    /// object with `.cuda_stream`, as `torch.cuda.current_stream()`; 0, the default, is the legacy
+    /// of one plain copy, a decode step somewhat slower (its kernel is not all hidden). The work
+    /// first waits for what is already queued on `stream` (a raw `CUstream` or an object with
+    /// `.cuda_stream`, as `torch.cuda.current_stream()`; `None`, the default, is the legacy
     /// default stream).
     #[pyo3(signature = (region, out = None, stream = None))]
     fn gather<'py>(
@@ -133,8 +134,9 @@ impl PyDeviceCache {
         }
         let parts = target.parts();
         py.detach(move || {
-            let parts = parts; // moved whole: its fields alone are not `Send`
-                               // SAFETY: `target` keeps the object alive; the buffer is writable and contiguous.
+            // Moved whole: its fields alone are not `Send`.
+            let parts = parts;
+            // SAFETY: `target` keeps the object alive; the buffer is writable and contiguous.
             let out = unsafe { std::slice::from_raw_parts_mut(parts.0, parts.1) };
             // SAFETY: `stream` is the caller's live stream of this device (documented).
             unsafe { engine.after(stream as dejavulib::cuda::RawStream) }?;
@@ -165,8 +167,9 @@ impl PyDeviceCache {
         let (parts, engine, kv, region) =
             (source.parts(), self.engine.clone(), self.kv.clone(), region.0.clone());
         py.detach(move || {
-            let parts = parts; // moved whole: its fields alone are not `Send`
-                               // SAFETY: `source` keeps the object alive; the buffer is contiguous.
+            // Moved whole: its fields alone are not `Send`.
+            let parts = parts;
+            // SAFETY: `source` keeps the object alive; the buffer is contiguous.
             let input = unsafe { std::slice::from_raw_parts(parts.0, parts.1) };
             // SAFETY: `stream` is the caller's live stream of this device (documented).
             unsafe { engine.after(stream as dejavulib::cuda::RawStream) }?;

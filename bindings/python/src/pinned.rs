@@ -30,8 +30,14 @@ impl PyPinnedBuffer {
 
     /// A copy of the bytes.
     fn __bytes__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self.memory.as_slice().map_err(crate::errors::cuda_err)?;
-        Ok(PyBytes::new(py, bytes))
+        let (from, len) = (self.address as *const u8, self.memory.len());
+        PyBytes::new_with(py, len, |to| {
+            // SAFETY: `from` is `len` bytes of memory this object owns (alive while `self` is);
+            // copied as raw bytes, not through a shared slice, since numpy may write the memory
+            // meanwhile (the bytes are then those of some moment of the write).
+            unsafe { std::ptr::copy_nonoverlapping(from, to.as_mut_ptr(), len) };
+            Ok(())
+        })
     }
 
     /// numpy's array interface: writable `uint8` of `len` bytes, at an address that holds while

@@ -82,8 +82,9 @@ impl PreparedCopy {
 
 impl CudaEngine {
     /// Opens device `ordinal`: checks that the driver and NVRTC can be loaded (a typed error, not
-    /// a panic, where they cannot), compiles the kernels for its architecture and makes a copy
-    /// stream.
+    /// a panic, where they cannot), compiles and loads the kernels for its architecture, and makes
+    /// its two streams (the copy stream, which kernels and the copies ordered after an engine's
+    /// compute stream take, and the transfer stream of the pipelined host copies).
     pub fn open(ordinal: usize) -> Result<Self, CudaError> {
         if !driver_present() {
             return Err(CudaError::NoDriver);

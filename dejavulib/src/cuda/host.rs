@@ -126,18 +126,20 @@ impl CudaEngine {
             self.run(&self.table(kv, region, packing, Direction::Gather, address)?)?;
             return Ok(self.copy_stream().synchronize()?);
         }
-        let ring = self.staging_ring(&pieces)?;
+        let mut filled = Vec::with_capacity(pieces.len() + 1);
+        let ring = self.staging_ring(&pieces, &mut filled)?;
         // Into pinned memory nothing here blocks the host, so the kernel of the next piece is
         // queued while this one's copy runs; a copy into pageable memory returns once it is done.
-        let (mut filled, mut copied) = (Vec::with_capacity(pieces.len()), Vec::new());
+        let mut copied = Vec::new();
         // One piece has nothing to overlap: its copy follows its kernel on the same stream.
         let (one, bus) = self.bus(&pieces);
         let mut queue = || -> Result<(), CudaError> {
             for (i, piece) in pieces.iter().enumerate() {
                 let staging = &ring[i % RING];
-                if let Some(done) = i.checked_sub(RING).and_then(|j| copied.get(j)) {
-                    // The copy out of this staging must be done before a kernel refills it.
-                    self.copy_stream().wait(done)?;
+                if let Some(j) = i.checked_sub(RING) {
+                    // The copy out of this staging must be done before a kernel refills it (with
+                    // more pieces than the ring, every copy is marked).
+                    self.copy_stream().wait(&copied[j])?;
                 }
                 let address = self.address_of(staging)?;
                 let table = self.table(kv, &piece.region, packing, Direction::Gather, address)?;
@@ -149,7 +151,8 @@ impl CudaEngine {
                 let out = &mut host[piece.offset as usize..(piece.offset + piece.bytes) as usize];
                 // SAFETY: `address` is the staging buffer's, at least `piece.bytes` long (the
                 // ring's buffers are as large as the largest piece), and stays allocated until
-                // both streams are synchronised below; `out` is exactly `piece.bytes` long.
+                // both streams are synchronised in `finish`; `out` is exactly `piece.bytes` long
+                // and stays borrowed until then too.
                 unsafe { result::memcpy_dtoh_async(out, address, bus.cu_stream()) }?;
                 if pieces.len() > RING {
                     self.mark(bus, &mut copied)?;
@@ -158,7 +161,7 @@ impl CudaEngine {
             Ok(())
         };
         let queued = queue();
-        self.finish(queued, ring, [filled, copied])
+        self.finish(queued, one, ring, [filled, copied])
     }
 
     /// Scatters host memory `host` (packed as `packing`, exactly `region`'s packed length) into
@@ -190,20 +193,23 @@ impl CudaEngine {
             self.run(&self.table(kv, region, packing, Direction::Scatter, address)?)?;
             return Ok(self.copy_stream().synchronize()?);
         }
-        let ring = self.staging_ring(&pieces)?;
-        let (mut arrived, mut scattered) = (Vec::with_capacity(pieces.len()), Vec::new());
+        let mut arrived = Vec::with_capacity(pieces.len() + 1);
+        let ring = self.staging_ring(&pieces, &mut arrived)?;
+        let mut scattered = Vec::new();
         let (one, bus) = self.bus(&pieces);
         let mut queue = || -> Result<(), CudaError> {
             for (i, piece) in pieces.iter().enumerate() {
                 let staging = &ring[i % RING];
-                if let Some(done) = i.checked_sub(RING).and_then(|j| scattered.get(j)) {
-                    // The kernel that read this staging last must be done before a copy refills it.
-                    bus.wait(done)?;
+                if let Some(j) = i.checked_sub(RING) {
+                    // The kernel that read this staging last must be done before a copy refills
+                    // it (with more pieces than the ring, every kernel is marked).
+                    bus.wait(&scattered[j])?;
                 }
                 let address = self.address_of(staging)?;
                 let data = &host[piece.offset as usize..(piece.offset + piece.bytes) as usize];
                 // SAFETY: `address` is the staging buffer's, at least `piece.bytes` long, and
-                // stays allocated until both streams are synchronised below; `data` is that long.
+                // stays allocated until both streams are synchronised in `finish`; `data` is that
+                // long and stays borrowed until then too.
                 unsafe { result::memcpy_htod_async(address, data, bus.cu_stream()) }?;
                 if !one {
                     let up = self.mark(bus, &mut arrived)?;
@@ -218,7 +224,7 @@ impl CudaEngine {
             Ok(())
         };
         let queued = queue();
-        self.finish(queued, ring, [arrived, scattered])
+        self.finish(queued, one, ring, [arrived, scattered])
     }
 
     /// The device address of `host`, if it is page-locked memory mapped into the device's address
@@ -286,15 +292,30 @@ impl CudaEngine {
     }
 
     /// Staging for the ring of `pieces`: `RING` buffers as large as the largest piece (fewer
-    /// when there are fewer pieces), from the engine's pool.
-    fn staging_ring(&self, pieces: &[Piece]) -> Result<Vec<DeviceBuffer>, CudaError> {
+    /// when there are fewer pieces), from the engine's pool. A buffer allocated here is zeroed on
+    /// the copy stream: the transfer stream, which a scatter fills staging from first, is made to
+    /// wait for that (`events` keeps the mark).
+    fn staging_ring(
+        &self,
+        pieces: &[Piece],
+        events: &mut Vec<CudaEvent>,
+    ) -> Result<Vec<DeviceBuffer>, CudaError> {
         let largest = pieces.iter().map(|p| p.bytes).max().unwrap_or(0) as usize;
-        (0..pieces.len().min(RING))
+        let mut allocated = false;
+        let ring = (0..pieces.len().min(RING))
             .map(|_| match self.staging_pool().take(largest) {
                 Some(buffer) => Ok(buffer),
-                None => self.alloc(largest),
+                None => {
+                    allocated = true;
+                    self.alloc(largest)
+                }
             })
-            .collect()
+            .collect::<Result<Vec<_>, _>>()?;
+        if allocated && ring.len() > 1 {
+            let zeroed = self.mark(self.copy_stream(), events)?;
+            self.transfer_stream().wait(zeroed)?;
+        }
+        Ok(ring)
     }
 
     /// Whether `pieces` is a single piece, and the stream its copies over the bus take: the copy
@@ -320,17 +341,18 @@ impl CudaEngine {
         Ok(events.last().expect("just pushed"))
     }
 
-    /// Waits for both streams (only the copy stream is used where the ring has one buffer, for
-    /// one piece), whether or not everything was queued (`queued`: the staging must not be
-    /// reused or freed while a copy queued before an error still runs), then keeps the
-    /// ring's buffers and the events for the next copy. Returns the first error.
+    /// Waits for both streams (only the copy stream where the copy was `one` piece, which used
+    /// no other), whether or not everything was queued (`queued`: the staging must not be reused
+    /// or freed while a copy queued before an error still runs), then keeps the ring's buffers
+    /// and the events for the next copy. Returns the first error.
     fn finish(
         &self,
         queued: Result<(), CudaError>,
+        one: bool,
         ring: Vec<DeviceBuffer>,
         events: [Vec<CudaEvent>; 2],
     ) -> Result<(), CudaError> {
-        let transfer = if ring.len() > 1 { self.transfer_stream().synchronize() } else { Ok(()) };
+        let transfer = if one { Ok(()) } else { self.transfer_stream().synchronize() };
         let copy = self.copy_stream().synchronize();
         queued?;
         transfer?;

@@ -24,6 +24,19 @@ const MAX_BLOCKS: u32 = 8192;
 /// the launch has enough threads for each to have that many.
 const ITEMS_PER_THREAD: u64 = 4;
 
+/// NVRTC's name of the architecture `major`.`minor`: NVRTC takes it as a static string, so one
+/// per device kind is made and kept for the life of the process.
+fn architecture(major: i32, minor: i32) -> &'static str {
+    static NAMES: parking_lot::Mutex<Vec<(i32, i32, &'static str)>> = parking_lot::Mutex::new(Vec::new());
+    let mut names = NAMES.lock();
+    if let Some(&(_, _, name)) = names.iter().find(|&&(a, b, _)| (a, b) == (major, minor)) {
+        return name;
+    }
+    let name: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+    names.push((major, minor, name));
+    name
+}
+
 /// A table passed to the kernels by value (`InlineTable<INLINE_BLOCKS>` in
 /// `kernels/copy_blocks.cu`): the blocks' words, then the block count.
 #[repr(C)]
@@ -65,8 +78,7 @@ impl Kernels {
     /// uploaded from then on.
     pub(super) fn load(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Result<Self, CudaError> {
         let (major, minor) = ctx.compute_capability()?;
-        // NVRTC takes the architecture as a static string: one per device kind, kept.
-        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+        let arch = architecture(major, minor);
         let options = CompileOptions { arch: Some(arch), ..CompileOptions::default() };
         let ptx = compile_ptx_with_opts(KERNELS, options).map_err(|e| CudaError::Compile(e.to_string()))?;
         let module = ctx.load_module(ptx)?;
@@ -144,14 +156,19 @@ impl Kernels {
             // the 48 KiB every device gives without asking).
             let shared = (table.words.len() * std::mem::size_of::<u64>()) as u32;
             let config = LaunchConfig { shared_mem_bytes: shared, ..config };
-            return self.uploads.with_table(stream, &table.words, |words| {
+            let launched = self.uploads.with_table(stream, &table.words, |words| {
                 let mut launch = stream.launch_builder(kernel);
                 launch.arg(&words).arg(&table.blocks).arg(&count);
                 // SAFETY: see above; the table's slot is not reused before the kernel is done, and
                 // the launch gives the kernel the shared memory the table takes.
                 unsafe { launch.launch(config) }?;
                 Ok(())
-            });
+            })?;
+            if launched.is_some() {
+                return Ok(());
+            }
+            // Every slot still in use (uploads queued far behind): rather than wait, the table goes
+            // up the slow way below, and the kernel reads it from device memory.
         }
         let kernel = if items { &self.items } else { &self.runs };
         let words = stream.clone_htod(&table.words)?;

@@ -41,12 +41,16 @@ impl StagingPool {
     /// Keeps `buffer` for a later copy, once the copies that used it are done (the caller's
     /// duty); the smallest kept buffer goes when there are too many.
     pub(super) fn give_back(&self, buffer: DeviceBuffer) {
-        let mut free = self.free.lock();
-        free.push(buffer);
-        if free.len() > self.keep {
-            let smallest = (0..free.len()).min_by_key(|&i| free[i].len()).expect("not empty");
-            free.swap_remove(smallest);
-        }
+        let evicted = {
+            let mut free = self.free.lock();
+            free.push(buffer);
+            (free.len() > self.keep).then(|| {
+                let smallest = (0..free.len()).min_by_key(|&i| free[i].len()).expect("not empty");
+                free.swap_remove(smallest)
+            })
+        };
+        // Freed outside the lock: dropping device memory synchronises the copy stream.
+        drop(evicted);
     }
 }
 
@@ -70,8 +74,9 @@ impl EventPool {
         }
     }
 
-    /// Keeps `events` for later copies, once the work they mark is done (the caller's duty: an
-    /// event recorded again while a stream still waits on it would move that wait).
+    /// Keeps `events` for later copies. (A stream's wait on an event is fixed when it is queued,
+    /// so an event may be recorded again while a queued wait on it is pending; the copies give
+    /// theirs back once done all the same.)
     pub(super) fn give_back(&self, events: Vec<CudaEvent>) {
         self.free.lock().extend(events);
     }
@@ -91,8 +96,9 @@ impl std::fmt::Debug for PinnedPool {
     }
 }
 
-/// Pinned memory kept when nothing else is: the largest buffer handed back is always kept, so
-/// that a caller alternating one large gather with small ones never allocates twice.
+/// Pinned memory a pool keeps besides its largest buffer: the largest one handed back is always
+/// kept, so that a caller alternating one large gather with small ones does not allocate the
+/// large one again, and up to this much more in smaller ones.
 pub const PINNED_POOL_BYTES: usize = 1 << 30;
 
 impl PinnedPool {
@@ -132,13 +138,22 @@ impl PinnedPool {
     }
 
     fn give_back(&self, buffer: PinnedBuffer) {
-        let mut free = self.free.lock();
-        free.push(buffer);
-        // Over budget: drop the smallest first, never the last one.
-        while free.len() > 1 && free.iter().map(PinnedBuffer::len).sum::<usize>() > self.keep_bytes {
-            let smallest = (0..free.len()).min_by_key(|&i| free[i].len()).expect("not empty");
-            free.swap_remove(smallest);
+        let mut evicted = Vec::new();
+        {
+            let mut free = self.free.lock();
+            free.push(buffer);
+            // Over budget (the largest buffer aside): drop the smallest first.
+            let over = |free: &[PinnedBuffer]| {
+                let all: usize = free.iter().map(PinnedBuffer::len).sum();
+                all - free.iter().map(PinnedBuffer::len).max().unwrap_or(0) > self.keep_bytes
+            };
+            while free.len() > 1 && over(&free) {
+                let smallest = (0..free.len()).min_by_key(|&i| free[i].len()).expect("not empty");
+                evicted.push(free.swap_remove(smallest));
+            }
         }
+        // Freed outside the lock: freeing pinned memory synchronises the device.
+        drop(evicted);
     }
 }
 
@@ -167,7 +182,8 @@ impl PooledPinned {
         self.len == 0
     }
 
-    /// The bytes, once the copies the library queued into them are done.
+    /// The bytes. The library's copies into them ([`super::CudaEngine::gather_into_host`]) are
+    /// done when they return.
     pub fn as_slice(&self) -> Result<&[u8], CudaError> {
         Ok(&self.buffer().as_slice()?[..self.len])
     }

@@ -1,7 +1,8 @@
 //! Copy tables too large to travel as a kernel parameter, uploaded without blocking the host: a
 //! ring of slots, each a piece of pinned host memory and a piece of device memory allocated once.
 //! A table is written into a slot's pinned memory, copied up on the launching stream, and read by
-//! its kernel there; an event after the kernel says when the slot is free again. (A copy from
+//! its kernel there; an event after the kernel says when the slot is free again. Where the next
+//! slot is still in use, the table goes up the slow way rather than wait. (A copy from
 //! pageable memory, as `clone_htod` of a `Vec` is, goes through the driver's own staging and
 //! costs an allocation and a free per launch.)
 
@@ -45,25 +46,29 @@ impl TableUploads {
         Ok(Self { _pinned: pinned, _device: device, host, device: address, state: Mutex::new((0, events)) })
     }
 
-    /// Uploads `words` (at most `SLOT_WORDS`) on `stream` and calls `launch` with their device
-    /// address, then marks the slot busy until the work `launch` queued on `stream` is done.
+    /// Uploads `words` (at most `SLOT_WORDS`) on `stream` into the next slot and calls `launch`
+    /// with their device address, then marks the slot busy until the work queued on `stream` so
+    /// far is done (the copy up and the kernel, also when the launch failed). Returns `None`,
+    /// launching nothing, where the next slot is still busy (sixteen uploads queued behind a
+    /// stream that has not run them): the caller uploads the slow way instead of waiting.
     pub(super) fn with_table(
         &self,
         stream: &Arc<CudaStream>,
         words: &[u64],
         launch: impl FnOnce(u64) -> Result<(), CudaError>,
-    ) -> Result<(), CudaError> {
+    ) -> Result<Option<()>, CudaError> {
         assert!(words.len() <= SLOT_WORDS, "a table of {} words in a slot of {SLOT_WORDS}", words.len());
         let (next, events) = &mut *self.state.lock();
         let slot = *next;
-        *next = (slot + 1) % SLOTS;
-        if let Some(busy) = events[slot].take() {
-            // Sixteen kernels ago: long done, unless the copies run far behind the host.
-            busy.synchronize()?;
+        if let Some(busy) = &events[slot] {
+            if !busy.is_complete() {
+                return Ok(None);
+            }
         }
+        *next = (slot + 1) % SLOTS;
         let offset = slot * SLOT_WORDS;
         // SAFETY: the slot lies inside the pinned ring (`SLOTS * SLOT_WORDS` words at `host`),
-        // and nothing reads it now: its last copy up finished before its event (just waited for).
+        // and nothing reads it now: its last copy up finished before its event (complete).
         let host =
             unsafe { std::slice::from_raw_parts_mut((self.host as *mut u64).add(offset), words.len()) };
         host.copy_from_slice(words);
@@ -71,10 +76,14 @@ impl TableUploads {
         // SAFETY: `address` is this slot of the device ring, `host` pinned memory as long; the
         // slot is not written again before the event recorded below (after the kernel) is done.
         unsafe { result::memcpy_htod_async(address, &*host, stream.cu_stream()) }?;
-        launch(address)?;
-        let done = stream.context().new_event(None)?;
+        let launched = launch(address);
+        let done = match events[slot].take() {
+            Some(event) => event,
+            None => stream.context().new_event(None)?,
+        };
+        // Recorded whatever the launch did: the copy up is queued either way.
         done.record(stream)?;
         events[slot] = Some(done);
-        Ok(())
+        launched.map(Some)
     }
 }
