@@ -74,6 +74,9 @@ pub enum CliError {
     /// Its logs could not be set up.
     #[error(transparent)]
     Logging(#[from] crate::logging::LoggingError),
+    /// Its transport (`--transport`, `--certs`).
+    #[error(transparent)]
+    Transport(#[from] crate::transport::TransportError),
     /// It could not move to the CPUs it was given.
     #[error(transparent)]
     Cpus(#[from] dejavulib::affinity::AffinityError),
@@ -585,7 +588,7 @@ impl StageArgs {
             secret: self.member.secret.clone().into_bytes(),
             device_caches: self.device_caches,
             handoff,
-            transport: self.transport.transports().map_err(CliError::Flags)?,
+            transport: self.transport.transports()?,
         })
     }
 }
@@ -632,7 +635,7 @@ impl SidecarArgs {
                 memory_bytes,
                 dir_bytes: self.spill_dir_bytes,
             }),
-            transport: self.transport.transports().map_err(CliError::Flags)?,
+            transport: self.transport.transports()?,
         };
         Ok(serve_sidecar(config, Some(control), self.member.metrics, announce)?)
     }

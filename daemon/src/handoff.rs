@@ -44,6 +44,69 @@ pub struct Shapes {
     pub requests: u32,
 }
 
+/// Why a prompt or token stage cannot take part in a handoff.
+#[derive(Debug, thiserror::Error)]
+pub enum HandoffError {
+    /// A stage given shapes that are not its own: it would hand over or load other requests' KV.
+    #[error(
+        "stage {index} runs layers {layers:?} with {microbatches} microbatches of {slots}, but the \
+         {pipeline} pipeline's shapes give it {theirs:?} with {their_microbatches} microbatches of \
+         {their_slots}"
+    )]
+    NotItsShape {
+        /// The stage.
+        index: u32,
+        /// Its layers.
+        layers: Range<u32>,
+        /// Its microbatches.
+        microbatches: u32,
+        /// Its sequences per microbatch.
+        slots: u32,
+        /// `prompt` or `token`.
+        pipeline: &'static str,
+        /// The layers the shapes give it, if they give it any.
+        theirs: Option<Range<u32>>,
+        /// The microbatches they give it.
+        their_microbatches: u32,
+        /// The sequences per microbatch they give it.
+        their_slots: u32,
+    },
+    /// The requests do not fill a pipeline's microbatches.
+    #[error("{requests} requests do not fill microbatches of {slots}")]
+    Microbatches {
+        /// Requests in all.
+        requests: u32,
+        /// Sequences per microbatch.
+        slots: u32,
+    },
+    /// The prompt and token setups are not setups, or do not fit together.
+    #[error(transparent)]
+    Setup(#[from] dejavulib::placement::SetupError),
+    /// The handoff cannot be planned between them.
+    #[error(transparent)]
+    Plan(#[from] StreamError),
+    /// Not one sidecar per token stage.
+    #[error("{sidecars} token sidecars for {stages} token stages")]
+    Sidecars {
+        /// Sidecars given.
+        sidecars: usize,
+        /// Token stages.
+        stages: usize,
+    },
+    /// A token stage the handoff does not know.
+    #[error("no token stage {0}")]
+    NoStage(u32),
+    /// A connection to a token sidecar could not be made ready.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The handoff's thread or runtime could not start.
+    #[error("cannot start the handoff: {0}")]
+    Start(#[from] std::io::Error),
+    /// A prompt could not be queued for handing over.
+    #[error(transparent)]
+    Streamer(#[from] dejavulib::streamer::StreamerError),
+}
+
 impl Shapes {
     /// Checks that stage `index` of the prompt pipeline (or of the token pipeline, if not
     /// `prompt`) is the one these shapes describe: its layers, sequences per microbatch and
@@ -56,7 +119,7 @@ impl Shapes {
         layers: &Range<u32>,
         slots: u32,
         microbatches: u32,
-    ) -> Result<(), String> {
+    ) -> Result<(), HandoffError> {
         let (pipeline, splits, their_slots) = match prompt {
             true => ("prompt", &self.prompt, self.prompt_slots),
             false => ("token", &self.token, self.token_slots),
@@ -69,25 +132,30 @@ impl Shapes {
         if fits {
             return Ok(());
         }
-        Err(format!(
-            "stage {index} runs layers {layers:?} with {microbatches} microbatches of {slots}, but the {pipeline} \
-             pipeline's shapes give it {theirs:?} with {} microbatches of {their_slots}",
-            self.requests.checked_div(their_slots).unwrap_or(0)
-        ))
+        Err(HandoffError::NotItsShape {
+            index,
+            layers: layers.clone(),
+            microbatches,
+            slots,
+            pipeline,
+            theirs: theirs.cloned(),
+            their_microbatches: self.requests.checked_div(their_slots).unwrap_or(0),
+            their_slots,
+        })
     }
 
     /// The prompt and token setups, or why they do not fit together.
-    pub fn setups(&self, spec: KvSpec) -> Result<(Setup, Setup), String> {
+    pub fn setups(&self, spec: KvSpec) -> Result<(Setup, Setup), HandoffError> {
         let setup = |splits: &[Range<u32>], slots: u32| {
             if slots == 0 || self.requests % slots != 0 {
-                return Err(format!("{} requests do not fill microbatches of {slots}", self.requests));
+                return Err(HandoffError::Microbatches { requests: self.requests, slots });
             }
             let stages = splits.iter().map(|layers| StageSpec { layers: layers.clone(), tp: 1 }).collect();
-            Setup::new(spec, stages, slots, self.requests / slots).map_err(|e| e.to_string())
+            Ok(Setup::new(spec, stages, slots, self.requests / slots)?)
         };
         let (prompt, token) =
             (setup(&self.prompt, self.prompt_slots)?, setup(&self.token, self.token_slots)?);
-        prompt.check_compatible(&token).map_err(|e| e.to_string())?;
+        prompt.check_compatible(&token)?;
         Ok((prompt, token))
     }
 
@@ -213,22 +281,13 @@ impl HandoffSender {
         sidecars: &[SocketAddr],
         secret: &[u8],
         transports: &Transports,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, HandoffError> {
         let (prompt, token) = shapes.setups(spec)?;
         if sidecars.len() != token.stages().len() {
-            return Err(format!(
-                "{} token sidecars for {} token stages",
-                sidecars.len(),
-                token.stages().len()
-            ));
+            return Err(HandoffError::Sidecars { sidecars: sidecars.len(), stages: token.stages().len() });
         }
-        let plan = plan_stream_out(&prompt, WorkerId { stage: index, rank: 0 }, &token)
-            .map_err(|e| e.to_string())?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
+        let plan = plan_stream_out(&prompt, WorkerId { stage: index, rank: 0 }, &token)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
         let mut client = ClientConfig::new(secret.to_vec(), prompt_node(index));
         client.epoch = epoch;
         client.connect_attempts = 2;
@@ -241,20 +300,17 @@ impl HandoffSender {
             transports: transports.clone(),
             runtime,
         };
-        store.stores = sidecars
-            .iter()
-            .map(|&addr| store.store_on(addr).map(|s| (addr, s)))
-            .collect::<Result<_, _>>()
-            .map_err(|e| e.to_string())?;
+        store.stores =
+            sidecars.iter().map(|&addr| store.store_on(addr).map(|s| (addr, s))).collect::<Result<_, _>>()?;
         let config = StreamerConfig { name: format!("handoff-{index}"), ..StreamerConfig::default() };
-        let streamer = Streamer::spawn(config, Box::new(store)).map_err(|e| e.to_string())?;
+        let streamer = Streamer::spawn(config, Box::new(store))?;
         Ok(Self { plan, streamer, pending: VecDeque::new(), targets })
     }
 
     /// Hands over to token stage `stage`'s sidecar at `to` from now on (it was replaced).
-    pub fn retarget(&self, stage: u32, to: SocketAddr) -> Result<(), String> {
+    pub fn retarget(&self, stage: u32, to: SocketAddr) -> Result<(), HandoffError> {
         let mut targets = self.targets.lock();
-        let target = targets.get_mut(stage as usize).ok_or_else(|| format!("no token stage {stage}"))?;
+        let target = targets.get_mut(stage as usize).ok_or(HandoffError::NoStage(stage))?;
         *target = to;
         Ok(())
     }
@@ -265,10 +321,10 @@ impl HandoffSender {
         cache: &Arc<KvCache>,
         seat: Seat,
         tokens: Range<u32>,
-    ) -> Result<(), String> {
+    ) -> Result<(), HandoffError> {
         for transfer in for_sequence(&self.plan, seat, End::Source) {
             let job = StreamJob { cache: cache.clone(), transfer, tokens: tokens.clone() };
-            self.pending.push_back(self.streamer.submit(job).map_err(|e| e.to_string())?);
+            self.pending.push_back(self.streamer.submit(job)?);
         }
         Ok(())
     }
@@ -300,10 +356,9 @@ pub struct HandoffReceiver {
 
 impl HandoffReceiver {
     /// The receiver of token stage `index`.
-    pub fn new(shapes: &Shapes, spec: KvSpec, index: u32) -> Result<Self, String> {
+    pub fn new(shapes: &Shapes, spec: KvSpec, index: u32) -> Result<Self, HandoffError> {
         let (prompt, token) = shapes.setups(spec)?;
-        let plan =
-            plan_stream_in(&prompt, &token, WorkerId { stage: index, rank: 0 }).map_err(|e| e.to_string())?;
+        let plan = plan_stream_in(&prompt, &token, WorkerId { stage: index, rank: 0 })?;
         Ok(Self { plan })
     }
 
@@ -391,7 +446,7 @@ mod tests {
     fn shapes_that_do_not_fit_are_refused() {
         let spec = ModelConfig::reference().kv_spec();
         let odd = Shapes { requests: 6, ..shapes() };
-        assert!(odd.setups(spec).unwrap_err().contains("microbatches of 4"));
+        assert!(matches!(odd.setups(spec), Err(HandoffError::Microbatches { requests: 6, slots: 4 })));
         let short = Shapes { token: vec![0..3, 3..7], ..shapes() };
         assert!(short.setups(spec).is_err());
     }

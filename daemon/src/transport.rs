@@ -60,11 +60,11 @@ impl Transports {
     }
 
     /// A transport (each holds its own sockets).
-    pub fn make(&self) -> Result<Arc<dyn Transport>, String> {
+    pub fn make(&self) -> Result<Arc<dyn Transport>, TransportError> {
         Ok(match &self.identity {
             None => Arc::new(TcpTransport::plain()),
             Some(identity) => {
-                Arc::new(QuicTransport::new(identity).map_err(|e| e.to_string())?.idle_timeout(QUIC_IDLE))
+                Arc::new(QuicTransport::new(identity).map_err(TransportError::Quic)?.idle_timeout(QUIC_IDLE))
             }
         })
     }
@@ -79,16 +79,38 @@ impl Transports {
     }
 }
 
+/// Why a process's transport cannot be had.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// QUIC without the cluster's certificates.
+    #[error("--transport quic needs --certs")]
+    NeedsCerts,
+    /// The node's certificate could not be loaded.
+    #[error("certificate {name:?} in {}: {source}", dir.display())]
+    Certificate {
+        /// The certificate's name.
+        name: String,
+        /// The certificates' directory.
+        dir: PathBuf,
+        /// Why.
+        source: dejavulib::net::PeerError,
+    },
+    /// The QUIC endpoint could not be made.
+    #[error("cannot make the QUIC endpoint: {0}")]
+    Quic(#[source] dejavulib::net::PeerError),
+}
+
 impl TransportArgs {
     /// The transports these flags describe, with QUIC's certificate loaded (checked now, so a
     /// missing or bad one stops the process at start).
-    pub fn transports(&self) -> Result<Transports, String> {
+    pub fn transports(&self) -> Result<Transports, TransportError> {
         match self.transport {
             TransportKind::Tcp => Ok(Transports::tcp()),
             TransportKind::Quic => {
-                let dir = self.certs.as_ref().ok_or("--transport quic needs --certs")?;
-                let identity = NodeIdentity::load(dir, &self.cert_name)
-                    .map_err(|e| format!("certificate {:?} in {}: {e}", self.cert_name, dir.display()))?;
+                let dir = self.certs.as_ref().ok_or(TransportError::NeedsCerts)?;
+                let identity = NodeIdentity::load(dir, &self.cert_name).map_err(|source| {
+                    TransportError::Certificate { name: self.cert_name.clone(), dir: dir.clone(), source }
+                })?;
                 let transports = Transports::quic(identity);
                 transports.make()?;
                 Ok(transports)

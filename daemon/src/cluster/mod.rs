@@ -59,6 +59,9 @@ pub enum ClusterError {
     /// A worker's network namespace could not be made.
     #[error(transparent)]
     Netns(#[from] NetnsError),
+    /// The prompt and token pipelines' shapes do not fit together.
+    #[error(transparent)]
+    Handoff(#[from] crate::handoff::HandoffError),
     /// A local operation failed.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
@@ -281,7 +284,7 @@ impl Cluster {
         let (Some(disaggregation), Some(shapes)) = (&config.disaggregation, config.shapes()) else {
             return Ok(None);
         };
-        shapes.setups(dejavu_engine::ModelConfig::reference().kv_spec()).map_err(ClusterError::Invalid)?;
+        shapes.setups(dejavu_engine::ModelConfig::reference().kv_spec())?;
         if sidecars.is_empty() {
             return Err(ClusterError::Invalid(
                 "a token pipeline loads prompts from its sidecars: replicate".into(),

@@ -107,6 +107,9 @@ pub enum ProcessError {
     /// A malformed frame.
     #[error(transparent)]
     Frame(#[from] dejavulib::wire::FrameError),
+    /// The stage's part in a handoff between prompt and token pipelines.
+    #[error(transparent)]
+    Handoff(#[from] crate::handoff::HandoffError),
     /// A sidecar refused or failed.
     #[error("sidecar: {0}")]
     Sidecar(String),
@@ -338,9 +341,7 @@ impl StageProcess {
             None => None,
             Some(Handoff::Prompt { shapes, sidecars, secret }) => {
                 let c = &process.config;
-                shapes
-                    .check_stage(true, index, &c.layers, c.slots, c.microbatches)
-                    .map_err(ProcessError::Protocol)?;
+                shapes.check_stage(true, index, &c.layers, c.slots, c.microbatches)?;
                 if c.device_caches.is_some_and(|d| d < c.microbatches) {
                     // The handoff reads each prompt's cache in the background; swapping would
                     // refill it meanwhile.
@@ -349,23 +350,18 @@ impl StageProcess {
                     ));
                 }
                 let transports = &process.config.transport;
-                let sender = HandoffSender::new(shapes, spec, (index, epoch), sidecars, secret, transports)
-                    .map_err(ProcessError::Protocol)?;
+                let sender = HandoffSender::new(shapes, spec, (index, epoch), sidecars, secret, transports)?;
                 Some(HandoffEnd::Sender(sender))
             }
             Some(Handoff::Token { shapes }) => {
                 let c = &process.config;
-                shapes
-                    .check_stage(false, index, &c.layers, c.slots, c.microbatches)
-                    .map_err(ProcessError::Protocol)?;
+                shapes.check_stage(false, index, &c.layers, c.slots, c.microbatches)?;
                 if process.sidecars.is_none() {
                     return Err(ProcessError::Protocol(
                         "a token stage loads prompts from its sidecar: it needs one".into(),
                     ));
                 }
-                Some(HandoffEnd::Receiver(
-                    HandoffReceiver::new(shapes, spec, index).map_err(ProcessError::Protocol)?,
-                ))
+                Some(HandoffEnd::Receiver(HandoffReceiver::new(shapes, spec, index)?))
             }
         };
         Ok(process)
@@ -458,7 +454,7 @@ impl StageProcess {
         StageStats::add(&self.stats.tokens, count as u64);
         if let Some(HandoffEnd::Sender(sender)) = &mut self.handoff {
             if position == 0 {
-                sender.prompt_done(&cache, seat, 0..count).map_err(ProcessError::Sidecar)?;
+                sender.prompt_done(&cache, seat, 0..count)?;
             }
             let handed = sender.finished();
             StageStats::add(&self.stats.handed_chunks, handed.chunks);
@@ -563,7 +559,7 @@ impl StageProcess {
                     .ok_or_else(|| ProcessError::Protocol("a handoff target without a stage".into()))?;
                 let to = parse_address(&argument[4..])?
                     .ok_or_else(|| ProcessError::Protocol("a handoff target without an address".into()))?;
-                sender.retarget(token_stage, to).map_err(ProcessError::Protocol)?;
+                sender.retarget(token_stage, to)?;
                 Ok(payload)
             }
             OP_REPLICATION => {

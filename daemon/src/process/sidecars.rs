@@ -95,7 +95,7 @@ impl Sidecars {
         if let Some(store) = self.peers.lock().get(&addr) {
             return Ok(store.clone());
         }
-        let transport = self.transports.make().map_err(ProcessError::Sidecar)?;
+        let transport = self.transports.make().map_err(|e| ProcessError::Sidecar(e.to_string()))?;
         let store =
             Arc::new(PeerStore::new(self.runtime.handle().clone(), transport, addr, self.client.clone()));
         self.peers.lock().insert(addr, store.clone());

@@ -181,7 +181,7 @@ pub fn serve_sidecar(
     use dejavulib::net::ServerConfig;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let store = config.spill.clone().map_or_else(HostStore::new, HostStore::with_spill);
-    let transport = config.transport.make().map_err(SidecarError::Protocol)?;
+    let transport = config.transport.make().map_err(|e| SidecarError::Protocol(e.to_string()))?;
     let server = runtime
         .block_on(PeerServer::bind(
             &*transport,
