@@ -78,19 +78,25 @@ fn successor(runtime: &tokio::runtime::Runtime, store: &HostStore) -> PeerServer
         .unwrap()
 }
 
-/// A chunk of `tokens` tokens of one layer and head, as stage 1 of microbatch 0 would flush it.
+/// The prompt of `tokens` tokens of one layer and head of a request in slot `seed` (each its own
+/// slot, so that none replaces another), as stage 1 of microbatch 0 would flush it.
 fn chunk(tokens: u32, seed: u8) -> (ChunkDescriptor, Vec<u8>) {
-    chunk_of(0..tokens, seed)
+    chunk_in(u32::from(seed), 0..tokens, seed)
 }
 
-/// As [`chunk`], of tokens `tokens`.
+/// As [`chunk`], of tokens `tokens` of the request in slot 0.
 fn chunk_of(tokens: std::ops::Range<u32>, seed: u8) -> (ChunkDescriptor, Vec<u8>) {
+    chunk_in(0, tokens, seed)
+}
+
+/// As [`chunk`], of tokens `tokens` of the request in slot `slot`.
+fn chunk_in(slot: u32, tokens: std::ops::Range<u32>, seed: u8) -> (ChunkDescriptor, Vec<u8>) {
     let spec = KvSpec::new(1, 1, 4, DType::F32).unwrap();
     let descriptor = ChunkDescriptor {
         source: WorkerId { stage: 1, rank: 0 },
         destination: WorkerId { stage: 1, rank: 0 },
         microbatch: 0,
-        region: KvRegion::new(0..1, 0..1, 0..1, tokens),
+        region: KvRegion::new(0..1, slot..slot + 1, 0..1, tokens),
         spec,
         packing: Packing::token_major(&spec),
     };
@@ -347,8 +353,8 @@ fn a_restarted_engine_learns_what_its_sidecar_keeps_and_where_each_sequence_resu
             assert_eq!(out, payload);
         }
     }
-    // A new request's prompt in slot 0: the old request's chunks there no longer count (they are
-    // still kept), slot 1's do.
+    // A new request's prompt in slot 0: the old request's chunks there are dropped, slot 1's
+    // stay.
     let (prompt, prompt_kv) = step_chunk(0, 0..3);
     restarted.put(&prompt, &prompt_kv).unwrap();
     let summary: Vec<(u32, u32, usize)> = restarted
@@ -471,8 +477,8 @@ fn a_reseeded_successor_finds_the_same_resume_points_though_the_steps_between_st
     assert_eq!(source.len(), 1);
     assert_eq!(source[0].tokens, 6, "the second request's KV, not the first's stale steps");
 
-    // Every chunk it keeps goes: 12 (the second request's 5..6 replaced the first's).
-    assert_eq!(control.reseed(second.addr()).unwrap(), 12);
+    // Every chunk it keeps goes: the second request's 4 (its start dropped the first's).
+    assert_eq!(control.reseed(second.addr()).unwrap(), 4);
     let held: Vec<HeldChunk> =
         second_store.keys().into_iter().map(|(key, put)| HeldChunk { key, put }).collect();
     assert_eq!(resume_points(&held), source, "the new successor resumes where this sidecar does");

@@ -39,6 +39,11 @@ pub struct StoreUsage {
     pub spilled_chunks: u64,
     /// Chunks that should have been spilled but could not be (kept in memory instead).
     pub spill_failures: u64,
+    /// Chunks dropped because a new sequence started where they were
+    /// ([`crate::HostStore::keeping_current_sequences`]).
+    pub replaced_chunks: u64,
+    /// Bytes of those chunks.
+    pub replaced_bytes: u64,
 }
 
 static TEMP: AtomicU64 = AtomicU64::new(0);

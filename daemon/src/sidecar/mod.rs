@@ -180,7 +180,9 @@ pub fn serve_sidecar(
 ) -> Result<(), SidecarError> {
     use dejavulib::net::ServerConfig;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let store = config.spill.clone().map_or_else(HostStore::new, HostStore::with_spill);
+    // Only the current sequence of each place: a sidecar serving traffic holds a cache's worth.
+    let store =
+        config.spill.clone().map_or_else(HostStore::new, HostStore::with_spill).keeping_current_sequences();
     let transport = config.transport.make().map_err(|e| SidecarError::Protocol(e.to_string()))?;
     let server = runtime
         .block_on(PeerServer::bind(
@@ -686,6 +688,18 @@ impl Sidecar {
                 MetricType::Counter,
                 "Chunks that could not be spilled (the directory was full) and stayed in memory.",
                 usage.spill_failures,
+            ),
+            (
+                "dejavu_sidecar_replaced_chunks_total",
+                MetricType::Counter,
+                "Chunks dropped because a new sequence started in their slots (own and replicas).",
+                usage.replaced_chunks,
+            ),
+            (
+                "dejavu_sidecar_replaced_bytes_total",
+                MetricType::Counter,
+                "Bytes of the chunks dropped because a new sequence started in their slots.",
+                usage.replaced_bytes,
             ),
         ];
         for (name, kind, help, value) in tiers {

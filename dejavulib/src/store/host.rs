@@ -42,6 +42,47 @@ struct HostInner {
     /// Buffers of replaced chunks, kept for the next chunks received: a fresh allocation of tens of
     /// MiB costs a page fault per 4 KiB when first written, more than the network transfer itself.
     spare: Vec<Vec<u8>>,
+    /// Whether a sequence's start drops the chunks of the sequences before it in the same place
+    /// ([`HostStore::keeping_current_sequences`]).
+    current_sequences_only: bool,
+}
+
+impl HostInner {
+    /// Drops every chunk held for `start`'s worker and microbatch whose layers, slots and heads
+    /// overlap `start`'s (but `start` itself, which is being put again): the sequences that
+    /// `start`, a token-0 chunk, replaces there.
+    fn drop_before(&mut self, start: &ChunkKey) {
+        let overlap = |a: &std::ops::Range<u32>, b: &std::ops::Range<u32>| a.start < b.end && b.start < a.end;
+        let (s, r) = (start, &start.region);
+        let replaced: Vec<ChunkKey> = self
+            .chunks
+            .keys()
+            .filter(|k| {
+                *k != s
+                    && k.destination == s.destination
+                    && k.microbatch == s.microbatch
+                    && overlap(&k.region.slots, &r.slots)
+                    && overlap(&k.region.layers, &r.layers)
+                    && overlap(&k.region.heads, &r.heads)
+            })
+            .cloned()
+            .collect();
+        for key in replaced {
+            self.put_numbers.remove(&key);
+            let Some(held) = self.chunks.remove(&key) else { continue };
+            self.usage.replaced_chunks += 1;
+            self.usage.replaced_bytes += held.len() as u64;
+            match held {
+                Held::Memory(bytes) => self.usage.memory_bytes -= bytes.len() as u64,
+                Held::Spilled(path, len) => {
+                    self.usage.spilled_bytes -= len;
+                    self.usage.spilled_chunks -= 1;
+                    // Small and rare (a sequence start): removed under the lock.
+                    let _ = fs::remove_file(path);
+                }
+            }
+        }
+    }
 }
 
 impl Drop for HostInner {
@@ -79,6 +120,18 @@ impl HostStore {
         let store = Self::default();
         store.inner.lock().spill = Some(Arc::new(SpillDir::new(spill)));
         store
+    }
+
+    /// From now on, holds only the current sequence's chunks in each place: a chunk that starts
+    /// a sequence (its tokens start at 0) drops every chunk put before it for the same worker and
+    /// microbatch whose layers, slots and heads overlap its own. Those chunks belong to requests
+    /// that occupied the slots before, which no restore uses ([`crate::resume`]), so a store that
+    /// serves traffic holds at most the caches' worth of KV instead of every request's. A
+    /// sidecar keeps its engine's chunks and its predecessor's this way; the same chunk reaches
+    /// both, so both drop the same ones.
+    pub fn keeping_current_sequences(self) -> Self {
+        self.inner.lock().current_sequences_only = true;
+        self
     }
 
     /// How its bytes are split between memory and the spill directory.
@@ -159,6 +212,9 @@ impl HostStore {
         // holds up no reader or writer of other chunks.
         let spill = {
             let mut inner = self.inner.lock();
+            if inner.current_sequences_only && key.region.tokens.start == 0 && !key.region.is_empty() {
+                inner.drop_before(&key);
+            }
             if inner.log.len() == PUT_LOG_LEN {
                 inner.log.pop_front();
             }
