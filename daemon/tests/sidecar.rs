@@ -483,3 +483,54 @@ fn a_reseeded_successor_finds_the_same_resume_points_though_the_steps_between_st
         second_store.keys().into_iter().map(|(key, put)| HeldChunk { key, put }).collect();
     assert_eq!(resume_points(&held), source, "the new successor resumes where this sidecar does");
 }
+
+#[test]
+fn a_new_request_in_a_slot_drops_the_old_ones_chunks_and_the_gauges_say_what_is_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("sidecar.sock");
+    let mut child = Command::new(EXE)
+        .args(["sidecar", "--index", "1", "--metrics", "127.0.0.1:0"])
+        .arg(format!("--local={}", socket.display()))
+        .arg(format!("--shm-dir={}", dir.path().display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    lines.read_line(&mut line).unwrap();
+    let metrics: SocketAddr = line.trim().strip_prefix("metrics ").unwrap().parse().unwrap();
+    line.clear();
+    lines.read_line(&mut line).unwrap();
+    assert!(line.starts_with("listening "), "{line:?}");
+    let _sidecar = Killed(child);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let successor_store = HostStore::new();
+    let successor = successor(&runtime, &successor_store);
+    let mut engine = LocalSidecar::connect(&socket, 0, successor.addr()).unwrap();
+    // A request in slot 0 (a 5-token prompt, two steps), then the next one in the same slot.
+    for (i, tokens) in [0..5, 5..6, 6..7, 0..3].into_iter().enumerate() {
+        let (descriptor, kv) = chunk_of(tokens, i as u8);
+        engine.put(&descriptor, &kv).unwrap();
+    }
+    let (kept, kept_kv) = chunk_of(0..3, 3);
+    let mut out = Vec::new();
+    assert_eq!(engine.get(&kept.key(), &mut out).unwrap(), kept);
+    let (old, _) = chunk_of(5..6, 1);
+    assert!(
+        matches!(engine.get(&old.key(), &mut out), Err(StoreError::NotFound(_))),
+        "the old request's step"
+    );
+    let page = dejavud::metrics::scrape(metrics).unwrap();
+    let value = |name: &str, role: Option<&str>| {
+        let labels: Vec<(&str, &str)> = role.map(|r| ("role", r)).into_iter().collect();
+        dejavud::metrics::value_of(&page, name, &labels).unwrap_or_else(|| panic!("no {name}: {page}"))
+    };
+    assert_eq!(value("dejavu_sidecar_held_chunks", Some("own")), 1.0);
+    assert_eq!(value("dejavu_sidecar_held_chunks", Some("replica")), 0.0);
+    let encoded = (kept.encode_header(&kept_kv).len() + kept_kv.len()) as f64;
+    assert_eq!(value("dejavu_sidecar_held_bytes", Some("own")), encoded);
+    assert_eq!(value("dejavu_sidecar_replaced_chunks_total", None), 3.0);
+    // The successor (a plain store here) got every forward; a sidecar there drops the same ones.
+    assert_eq!(successor_store.len(), 4);
+}

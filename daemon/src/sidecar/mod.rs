@@ -669,6 +669,29 @@ impl Sidecar {
             "KV chunks held (in memory or spilled).",
         )
         .sample("dejavu_sidecar_chunks_held", &label, self.store.len() as f64);
+        // Whose the chunks held are: this stage's engine's, or its predecessor's replicas.
+        let (mut own, mut replicas) = ((0u64, 0u64), (0u64, 0u64));
+        for (key, _) in self.store.keys() {
+            let held = if key.destination.stage == self.index() { &mut own } else { &mut replicas };
+            held.0 += 1;
+            held.1 += self.store.encoded_len(&key).unwrap_or(0) as u64;
+        }
+        for (name, help, (own, replicas)) in [
+            (
+                "dejavu_sidecar_held_chunks",
+                "KV chunks held, by role: the engine's own, or the predecessor's replicas.",
+                (own.0, replicas.0),
+            ),
+            (
+                "dejavu_sidecar_held_bytes",
+                "Bytes of KV chunks held (in memory or spilled), by role.",
+                (own.1, replicas.1),
+            ),
+        ] {
+            page.family(name, MetricType::Gauge, help)
+                .sample(name, &[("stage", index.as_str()), ("role", "own")], own as f64)
+                .sample(name, &[("stage", index.as_str()), ("role", "replica")], replicas as f64);
+        }
         let usage = self.store.usage();
         let tiers = [
             (
