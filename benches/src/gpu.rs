@@ -26,7 +26,8 @@ const STEP: Duration = Duration::from_millis(10);
 /// Steps per block of the overlap run; blocks alternate streaming on and off.
 const OVERLAP_BLOCK: usize = 8;
 
-fn gbps(bytes: u64, d: Duration) -> f64 {
+/// GB/s of `bytes` moved in `d`.
+pub(crate) fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 

@@ -12,6 +12,7 @@ use dejavulib::cuda::{CudaEngine, CudaError, HostMemory, HostPath};
 use dejavulib::layout::PerLayerOrder;
 use dejavulib::{KvLayout, KvRegion, KvSpec};
 
+use crate::gpu::gbps;
 use crate::{median_of, Row, Workload};
 
 /// Warm-up rounds before each measurement: the first pinned copies of a sitting run slower
@@ -20,10 +21,6 @@ const WARM_UP: usize = 10;
 
 /// Timed runs per measurement (their median is reported).
 const RUNS: usize = 21;
-
-fn gbps(bytes: u64, d: Duration) -> f64 {
-    bytes as f64 / d.as_secs_f64() / 1e9
-}
 
 /// The median time of `f` after `WARM_UP` untimed runs.
 fn timed(f: &mut dyn FnMut() -> Result<(), CudaError>) -> Result<Duration, CudaError> {

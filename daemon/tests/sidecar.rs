@@ -49,6 +49,12 @@ fn sidecar_with_region(dir: &Path, region_bytes: usize) -> (Killed, PathBuf, Soc
 /// Starts `sidecar FLAGS` with its local socket and regions in `dir`; returns it, its local
 /// socket and its transport's address.
 fn start_sidecar(dir: &Path, flags: &[&str]) -> (Killed, PathBuf, SocketAddr) {
+    let (sidecar, socket, addr, _) = start_sidecar_serving(dir, flags);
+    (sidecar, socket, addr)
+}
+
+/// As [`start_sidecar`], with where it serves its metrics if `flags` ask for them (`--metrics`).
+fn start_sidecar_serving(dir: &Path, flags: &[&str]) -> (Killed, PathBuf, SocketAddr, Option<SocketAddr>) {
     let socket = dir.join("sidecar.sock");
     let mut child = Command::new(EXE)
         .arg("sidecar")
@@ -59,11 +65,17 @@ fn start_sidecar(dir: &Path, flags: &[&str]) -> (Killed, PathBuf, SocketAddr) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    lines.read_line(&mut line).unwrap();
+    let metrics = line.trim().strip_prefix("metrics ").map(|a| a.parse().unwrap());
+    if metrics.is_some() {
+        line.clear();
+        lines.read_line(&mut line).unwrap();
+    }
     let addr = line.strip_prefix("listening ").and_then(|a| a.trim().parse().ok());
     let addr = addr.unwrap_or_else(|| panic!("not a listening line: {line:?}"));
-    (Killed(child), socket, addr)
+    (Killed(child), socket, addr, metrics)
 }
 
 /// A ring successor's sidecar transport in this process, keeping what it is sent in `store`.
@@ -487,23 +499,9 @@ fn a_reseeded_successor_finds_the_same_resume_points_though_the_steps_between_st
 #[test]
 fn a_new_request_in_a_slot_drops_the_old_ones_chunks_and_the_gauges_say_what_is_held() {
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("sidecar.sock");
-    let mut child = Command::new(EXE)
-        .args(["sidecar", "--index", "1", "--metrics", "127.0.0.1:0"])
-        .arg(format!("--local={}", socket.display()))
-        .arg(format!("--shm-dir={}", dir.path().display()))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    lines.read_line(&mut line).unwrap();
-    let metrics: SocketAddr = line.trim().strip_prefix("metrics ").unwrap().parse().unwrap();
-    line.clear();
-    lines.read_line(&mut line).unwrap();
-    assert!(line.starts_with("listening "), "{line:?}");
-    let _sidecar = Killed(child);
+    let (_sidecar, socket, _, metrics) =
+        start_sidecar_serving(dir.path(), &["--index", "1", "--metrics", "127.0.0.1:0"]);
+    let metrics = metrics.expect("it serves metrics");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let successor_store = HostStore::new();
     let successor = successor(&runtime, &successor_store);

@@ -8,6 +8,7 @@ use crate::local::{LocalError, LocalSidecar};
 use crate::placement::WorkerId;
 use crate::reshard::{receive, StreamError, Transfer};
 use crate::resume::ResumePoint;
+use crate::store::ChunkStore;
 
 /// A sequence of the engine's that its sidecar keeps, and whether its KV was fetched.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,17 +43,29 @@ pub enum RestoreError {
 pub fn restore_from_sidecar<'c>(
     sidecar: &mut LocalSidecar,
     me: WorkerId,
+    cache_of: impl FnMut(u32) -> Option<&'c KvCache>,
+) -> Result<Vec<Restored>, RestoreError> {
+    let mine = sidecar.recovery()?.resume_points().into_iter().filter(|p| p.destination == me).collect();
+    fetch_points(sidecar, me, mine, cache_of)
+}
+
+/// The fetching half of [`restore_from_sidecar`], for a caller that asked the sidecar itself
+/// (to size its output first): fetches each of `points` (worker `me`'s) from `store` into
+/// `cache_of(microbatch)`.
+pub fn fetch_points<'c>(
+    store: &mut dyn ChunkStore,
+    me: WorkerId,
+    points: Vec<ResumePoint>,
     mut cache_of: impl FnMut(u32) -> Option<&'c KvCache>,
 ) -> Result<Vec<Restored>, RestoreError> {
-    let recovery = sidecar.recovery()?;
     let mut payload = Vec::new();
     let mut restored = Vec::new();
-    for point in recovery.resume_points().into_iter().filter(|p| p.destination == me) {
+    for point in points {
         let cache = cache_of(point.microbatch);
         if let Some(cache) = cache {
             for region in &point.chunks {
                 let transfer = Transfer::in_place(me, me, point.microbatch, region);
-                if let Err(error) = receive(cache, &transfer, region.tokens.clone(), sidecar, &mut payload) {
+                if let Err(error) = receive(cache, &transfer, region.tokens.clone(), store, &mut payload) {
                     return Err(RestoreError::Fetch { restored, microbatch: point.microbatch, error });
                 }
             }

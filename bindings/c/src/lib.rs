@@ -17,7 +17,7 @@ use dejavulib::file_io::FileBackend;
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
 use dejavulib::local::LocalSidecar;
 use dejavulib::reshard::{receive, send, StreamError};
-use dejavulib::restore::{restore_from_sidecar, RestoreError, Restored};
+use dejavulib::restore::{fetch_points, RestoreError, Restored};
 use dejavulib::store::StoreError;
 use dejavulib::{
     CacheError, ChunkStore, DType, FileStore, KvCache, KvLayout, KvRegion, KvSpec, StagingPool, Transfer,
@@ -778,7 +778,8 @@ pub unsafe extern "C" fn djv_sidecar_restore(
         let sidecar = store.sidecar()?;
         let io = |e: &dyn std::fmt::Display| Failure(DjvStatus::Io, e.to_string());
         let recovery = sidecar.recovery().map_err(|e| io(&e))?;
-        let needed = recovery.resume_points().iter().filter(|p| p.destination == me).count();
+        let mine: Vec<_> = recovery.resume_points().into_iter().filter(|p| p.destination == me).collect();
+        let needed = mine.len();
         if capacity == 0 || needed > capacity {
             *count = needed;
             return match capacity {
@@ -791,13 +792,12 @@ pub unsafe extern "C" fn djv_sidecar_restore(
         }
         // SAFETY: each entry is NULL or a live cache per the contract.
         let cache_of = |microbatch: u32| unsafe { caches.get(microbatch as usize).and_then(|c| c.as_ref()) };
-        let (restored, failed) = match restore_from_sidecar(sidecar, me, |m| cache_of(m).map(|c| &c.cache)) {
+        let (restored, failed) = match fetch_points(sidecar, me, mine, |m| cache_of(m).map(|c| &c.cache)) {
             Ok(restored) => (restored, None),
             Err(RestoreError::Fetch { restored, error, .. }) => (restored, Some(Failure::from(error))),
             Err(e @ RestoreError::Sidecar(_)) => (Vec::new(), Some(io(&e))),
         };
-        // The sidecar may have been told of a sequence since it was counted: only `capacity` fit.
-        for (i, Restored { point, .. }) in restored.into_iter().take(capacity).enumerate() {
+        for (i, Restored { point, .. }) in restored.into_iter().enumerate() {
             let held = DjvRegion {
                 layers_start: point.layers.start,
                 layers_end: point.layers.end,
@@ -809,8 +809,8 @@ pub unsafe extern "C" fn djv_sidecar_restore(
                 tokens_end: point.tokens,
             };
             let resume = DjvResumePoint { destination: worker, microbatch: point.microbatch, held };
-            // SAFETY: `i < capacity`, and `points` (not NULL: checked) is valid for `capacity`
-            // writes.
+            // SAFETY: `i < mine.len() <= capacity` (checked above), and `points` (not NULL:
+            // checked) is valid for `capacity` writes.
             unsafe { points.add(i).write(resume) };
             *count = i + 1;
         }

@@ -670,12 +670,8 @@ impl Sidecar {
         )
         .sample("dejavu_sidecar_chunks_held", &label, self.store.len() as f64);
         // Whose the chunks held are: this stage's engine's, or its predecessor's replicas.
-        let (mut own, mut replicas) = ((0u64, 0u64), (0u64, 0u64));
-        for (key, _) in self.store.keys() {
-            let held = if key.destination.stage == self.index() { &mut own } else { &mut replicas };
-            held.0 += 1;
-            held.1 += self.store.encoded_len(&key).unwrap_or(0) as u64;
-        }
+        let stage = self.index();
+        let [own, replicas] = self.store.held_split(|key| key.destination.stage == stage);
         for (name, help, (own, replicas)) in [
             (
                 "dejavu_sidecar_held_chunks",

@@ -267,6 +267,19 @@ impl HostStore {
         kept
     }
 
+    /// Chunks held and their bytes (in memory or spilled), split by `first`: those whose key
+    /// it takes, then the others. One pass under the store's lock.
+    pub fn held_split(&self, first: impl Fn(&ChunkKey) -> bool) -> [(u64, u64); 2] {
+        let inner = self.inner.lock();
+        let mut split = [(0, 0); 2];
+        for (key, held) in &inner.chunks {
+            let side = &mut split[usize::from(!first(key))];
+            side.0 += 1;
+            side.1 += held.len() as u64;
+        }
+        split
+    }
+
     /// An empty buffer with room for `len` bytes: a kept one of a replaced chunk if one fits
     /// without wasting more than half of it, otherwise a new one.
     pub(crate) fn buffer_for(&self, len: usize) -> Vec<u8> {
