@@ -67,6 +67,21 @@ fn decode(remote: &mut RemotePipeline, i: usize, mut out: Vec<u32>, until: usize
 }
 
 /// Prefills every request and decodes each to `done` tokens.
+/// Waits until stage `stage`'s engine has handed its sidecar a chunk for every step it computed
+/// (its copies run behind its steps); returns its metrics page then.
+fn copies_landed(chain: &mut Cluster, stage: usize) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let page = chain.metrics(stage, Role::Engine).unwrap();
+        let of = |name| value_of(&page, name, &[]).unwrap();
+        if of("dejavu_stage_copied_chunks_total") >= of("dejavu_stage_steps_total") {
+            return page;
+        }
+        assert!(std::time::Instant::now() < deadline, "stage {stage}'s copies never landed: {page}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn start_requests(remote: &mut RemotePipeline, done: usize) -> Vec<Vec<u32>> {
     prompts()
         .iter()
@@ -399,7 +414,9 @@ fn a_stale_engine_back_from_a_pause_is_fenced_out() {
     // Stage 2's engine stops for longer than the heartbeat timeout: presumed dead, it is fenced and
     // replaced, but left running, as a machine cut off from the cluster could not be killed.
     let engine = |page: &str, name: &str| value_of(page, name, &[]).unwrap();
-    let before = chain.metrics(2, Role::Engine).unwrap();
+    // Its copies trail its steps: a copy still in flight when it stops would find the sidecar
+    // taken over as it resumes, and it would stop before computing anything.
+    let before = copies_landed(&mut chain, 2);
     let pause = Duration::from_millis(2500);
     let paused = std::time::Instant::now();
     chain.pause(2, Role::Engine, pause).unwrap();
@@ -415,8 +432,7 @@ fn a_stale_engine_back_from_a_pause_is_fenced_out() {
         let page = chain.metrics(2, Role::Sidecar).unwrap();
         value_of(&page, "dejavu_sidecar_local_chunks_total", &[]).unwrap()
     };
-    // The replacement's copies trail its steps: let the last ones land.
-    std::thread::sleep(Duration::from_millis(300));
+    copies_landed(&mut chain, 2);
     let kept_before = kept(&mut chain);
 
     // It comes back: it beats, and it finishes the step it had been sent and hands that KV to its
