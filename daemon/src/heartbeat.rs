@@ -33,13 +33,7 @@ const SIGNED_AS: &[u8] = b"dejavu heartbeat";
 pub const DATAGRAM_LEN: usize = FRAME_HEADER_LEN + SIGNATURE_LEN;
 
 /// Which kind of process beats.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Role {
-    /// A stage's engine.
-    Engine = 0,
-    /// A stage's sidecar.
-    Sidecar = 1,
-}
+pub use dejavulib::message::Role;
 
 /// Added to a spare's number to make its member index: spares beat as (engine or sidecar, this
 /// plus their number), apart from every stage.

@@ -4,17 +4,18 @@
 //!
 //! A spare stage (`spare` subcommand) listens and waits for one assignment: a connection that
 //! proves the cluster secret (the transports' HMAC handshake, the assigner as [`ASSIGNER`]), then
-//! a `Control` frame whose payload is the stage's flags, one per line, exactly as `stage` takes
-//! them (the spare's own cluster secret stays the stage's: a `--secret` among them is refused). It answers with a `Control` frame once it serves as
-//! that stage (payload: its metrics address, if any), or an `Error` frame naming what is wrong
-//! with the flags, and then waits for another. A spare sidecar (`sidecar --spare N`) is assigned
-//! over its local socket ([`dejavulib::local::OP_ASSIGN`]).
+//! [`Message::AssignStage`], the stage's flags exactly as `stage` takes them (the spare's own
+//! cluster secret stays the stage's: a `--secret` among them is refused). It answers with
+//! [`Message::StageServing`] once it serves as that stage, or an `Error` frame naming what is
+//! wrong with the flags, and then waits for another. A spare sidecar (`sidecar --spare N`) is
+//! assigned over its local socket ([`Message::Assign`]).
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use clap::{Args, Parser};
+use dejavulib::message::Message;
 use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameHeader, Kind};
 
@@ -68,7 +69,7 @@ impl SpareArgs {
                 Ok(stage) => stage,
                 Err(reason) => {
                     tracing::warn!(%reason, "refused an assignment");
-                    let _ = answer(&stream, Kind::Error, &reason);
+                    let _ = refuse(&stream, &reason);
                     continue;
                 }
             };
@@ -77,8 +78,8 @@ impl SpareArgs {
             drop(heartbeat);
             let listener = listener.try_clone().map_err(listen)?;
             return stage.run_on(listener, |_, metrics| {
-                let metrics = metrics.map(|m| m.to_string()).unwrap_or_default();
-                let _ = answer(&stream, Kind::Control, &metrics);
+                let (header, payload) = Message::StageServing { metrics }.frame(SPARE, 0, 1);
+                let _ = write_frame(&mut &stream, &header, &payload).and_then(|()| (&stream).flush());
             });
         }
         Err(CliError::SpareStopped)
@@ -94,25 +95,25 @@ fn read_assignment(stream: &TcpStream, secret: &str) -> Result<StageArgs, String
     let mut reader = stream;
     let frame =
         read_frame(&mut reader, 1 << 16).map_err(|e| e.to_string())?.ok_or("closed before its flags")?;
-    if frame.header.kind != Kind::Control {
-        return Err(format!("{:?}, not an assignment", frame.header.kind));
-    }
-    let flags = String::from_utf8(frame.payload).map_err(|_| "flags that are not UTF-8")?;
-    if flags.lines().any(|flag| flag.starts_with("--secret")) {
+    let flags = match Message::of_frame(&frame) {
+        Ok(Message::AssignStage { flags }) => flags,
+        Ok(other) => return Err(format!("{other:?}, not an assignment")),
+        Err(e) => return Err(e.to_string()),
+    };
+    if flags.iter().any(|flag| flag.starts_with("--secret")) {
         return Err("an assignment names no secret: the spare's own is the stage's".into());
     }
-    let args = std::iter::once("stage").chain(flags.lines());
+    let args = std::iter::once("stage").chain(flags.iter().map(String::as_str));
     let mut stage = Assigned::try_parse_from(args).map(|a| a.stage).map_err(|e| e.to_string())?;
     stage.member.secret = secret.to_owned();
     Ok(stage)
 }
 
-fn answer(mut stream: &TcpStream, kind: Kind, text: &str) -> std::io::Result<()> {
-    let mut header = FrameHeader::new(kind, 0, 0, 0);
-    if kind == Kind::Error {
-        header.ids[0] = ErrorCode::Unexpected as u32;
-    }
-    write_frame(&mut stream, &header, text.as_bytes())?;
+/// Refuses an assignment, saying why.
+fn refuse(mut stream: &TcpStream, reason: &str) -> std::io::Result<()> {
+    let mut header = FrameHeader::new(Kind::Error, SPARE, 0, 1);
+    header.ids[0] = ErrorCode::Unexpected as u32;
+    write_frame(&mut stream, &header, reason.as_bytes())?;
     stream.flush()
 }
 
@@ -131,19 +132,16 @@ pub fn assign_stage(
     client_handshake_blocking(&stream, secret, ASSIGNER, patience)
         .map_err(|e| format!("spare at {spare}: {e}"))?;
     stream.set_read_timeout(Some(patience)).map_err(|e| e.to_string())?;
-    write_frame(
-        &mut stream,
-        &FrameHeader::new(Kind::Control, ASSIGNER, epoch, 1),
-        flags.join("\n").as_bytes(),
-    )
-    .map_err(|e| e.to_string())?;
+    let (header, payload) = Message::AssignStage { flags: flags.to_vec() }.frame(ASSIGNER, epoch, 1);
+    write_frame(&mut stream, &header, &payload).map_err(|e| e.to_string())?;
     stream.flush().map_err(|e| e.to_string())?;
     let reply = read_frame(&mut stream, 1 << 16).map_err(|e| e.to_string())?.ok_or("the spare closed")?;
-    let text = String::from_utf8_lossy(&reply.payload).into_owned();
-    match reply.header.kind {
-        Kind::Control if text.is_empty() => Ok(None),
-        Kind::Control => text.parse().map(Some).map_err(|_| format!("a spare answered {text:?}")),
-        _ => Err(format!("the spare refused its assignment: {text}")),
+    match Message::of_frame(&reply) {
+        Ok(Message::StageServing { metrics }) => Ok(metrics),
+        Ok(other) => Err(format!("a spare answered {other:?}")),
+        Err(_) => {
+            Err(format!("the spare refused its assignment: {}", String::from_utf8_lossy(&reply.payload)))
+        }
     }
 }
 
@@ -158,14 +156,14 @@ pub fn assign_sidecar(
     let mut stream =
         UnixStream::connect(socket).map_err(|e| format!("spare sidecar {}: {e}", socket.display()))?;
     stream.set_read_timeout(Some(patience)).map_err(|e| e.to_string())?;
-    let mut header = FrameHeader::new(Kind::Control, ASSIGNER, epoch, 1);
-    header.ids = [dejavulib::local::OP_ASSIGN, stage, epoch as u32, (epoch >> 32) as u32];
-    write_frame(&mut stream, &header, &[]).map_err(|e| e.to_string())?;
+    let (header, payload) = Message::Assign { stage, epoch }.frame(ASSIGNER, epoch, 1);
+    write_frame(&mut stream, &header, &payload).map_err(|e| e.to_string())?;
     stream.flush().map_err(|e| e.to_string())?;
     let reply =
         read_frame(&mut stream, 1 << 16).map_err(|e| e.to_string())?.ok_or("the spare sidecar closed")?;
-    match reply.header.kind {
-        Kind::Control => Ok(()),
-        _ => Err(format!("the spare sidecar refused: {}", String::from_utf8_lossy(&reply.payload))),
+    match Message::of_frame(&reply) {
+        Ok(Message::Done) => Ok(()),
+        Ok(other) => Err(format!("a spare sidecar answered {other:?}")),
+        Err(_) => Err(format!("the spare sidecar refused: {}", String::from_utf8_lossy(&reply.payload))),
     }
 }

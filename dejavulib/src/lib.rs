@@ -56,6 +56,7 @@ mod handover;
 pub mod layout;
 pub mod local;
 pub mod memory;
+pub mod message;
 pub mod net;
 pub mod placement;
 pub mod plan;

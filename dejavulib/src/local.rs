@@ -5,13 +5,15 @@
 //! | request (engine) | reply (sidecar) |
 //! |---|---|
 //! | `Hello`, epoch = the engine's, payload = the successor sidecar's address | `Welcome`, ids 0-1 = the region's capacity, payload = its file; `Error` (`StaleEpoch`) if a newer engine is connected |
-//! | `Control` [`OP_MAPPED`] | `Control`; the sidecar removes the region's file |
+//! | [`Message::Mapped`] | [`Message::Done`]; the sidecar removes the region's file |
 //! | `Put`, id 0 = length of the chunk (header and payload) written into the region | `PutAck` once the sidecar keeps it and has forwarded it to the successor; `Error` otherwise |
 //! | `Get`, payload = a chunk key | `GetReply`, id 0 = length of the chunk written into the region; `Error` (`NotFound`) |
-//! | `Control` [`OP_SUCCESSOR`], payload = an address (also as the first and only frame of a connection of its own, epoch = the engine's) | `Control`; forwards go there from now on (a forward under way to the replaced successor fails at once); `Error` (`StaleEpoch`) on its own connection from an engine older than the one in use |
-//! | `Control` [`OP_ASSIGN`] (first and only frame of a connection of the cluster's), id 1 = a stage, ids 2-3 = an epoch | `Control` once a spare sidecar has become that stage's; `Error` if it is not a spare waiting for one |
-//! | `Control` [`OP_KEEP`], id 1 = chunks, ids 2-3 = their length, the chunks (each header and payload) written one after the other into the region | `Control` once the sidecar keeps them all (it forwards none: they came from a copy that exists); `Error` otherwise |
-//! | `Control` [`OP_HELD`], id 1 = keys wanted at most (0: none), payload = the last key received (empty: from the first) | `Control`, id 1 = the stage the sidecar serves, id 2 = keys in this reply, id 3 = keys after them, epoch = the newest it knows (its engine's, or its assignment's), payload = the successor's address; each of the stage's own chunks it keeps after the one named, in the order of their keys' encoding, as a [`HeldChunk`] (its key, [`ChunkKey::encode`], and when it was put), written one after the other into the region; `Error` from a spare not assigned yet |
+//! | [`Message::Successor`] (also as the first and only frame of a connection of its own, epoch = the engine's) | `Done`; forwards go there from now on (a forward under way to the replaced successor fails at once); `Error` (`StaleEpoch`) on its own connection from an engine older than the one in use |
+//! | [`Message::Assign`] (first and only frame of a connection of the cluster's) | `Done` once a spare sidecar has become that stage's; `Error` if it is not a spare waiting for one |
+//! | [`Message::Keep`], the chunks (each header and payload) written one after the other into the region | `Done` once the sidecar keeps them all (it forwards none: they came from a copy that exists); `Error` otherwise |
+//! | [`Message::Held`] | [`Message::HeldPage`]: what the sidecar serves as, and each of the stage's own chunks it keeps after the one named, in the order of their keys' encoding, as a [`HeldChunk`] (its key, [`ChunkKey::encode`], and when it was put), written one after the other into the region; `Error` from a spare not assigned yet |
+//!
+//! The control messages are [`crate::message`]'s.
 //!
 //! The sidecar itself is a process of the daemon (`dejavud sidecar`).
 
@@ -23,24 +25,11 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
+use crate::message::Message;
 use crate::resume::{resume_points, HeldChunk, ResumePoint};
 use crate::shm::{SharedRegion, ShmError};
 use crate::store::{ChunkStore, StoreError};
 use crate::wire::{read_frame, write_frame, ErrorCode, Frame, FrameError, FrameHeader, Kind};
-
-/// Control operation: the engine has mapped the region.
-pub const OP_MAPPED: u32 = 1;
-/// Control operation: forward to another successor sidecar from now on.
-pub const OP_SUCCESSOR: u32 = 2;
-/// Control operation: keep these chunks, without forwarding them.
-pub const OP_KEEP: u32 = 3;
-/// Control operation, on a connection of its own: a spare sidecar becomes a stage's (id 1 = the
-/// stage, ids 2-3 = the epoch of the recovery that assigned it).
-pub const OP_ASSIGN: u32 = 4;
-
-/// Control operation: which of the stage's own chunks the sidecar keeps, and what it serves as
-/// (see [`LocalSidecar::recovery`]).
-pub const OP_HELD: u32 = 5;
 
 /// Largest payload of a frame on the local socket (addresses, keys, paths, reasons).
 pub const MAX_LOCAL_PAYLOAD: u64 = 64 << 10;
@@ -148,6 +137,21 @@ impl Channel {
         result
     }
 
+    /// Sends a control message and returns the message that answers it.
+    fn control(&mut self, epoch: u64, message: &Message) -> Result<Message, LocalError> {
+        let (_, payload) = message.frame(0, epoch, 0);
+        let reply = self.call(Kind::Control, epoch, [0; 4], &payload, Kind::Control)?;
+        Message::of_frame(&reply).map_err(|e| LocalError::Protocol(e.to_string()))
+    }
+
+    /// Sends a control message whose answer says only that it was carried out.
+    fn command(&mut self, epoch: u64, message: &Message) -> Result<(), LocalError> {
+        match self.control(epoch, message)? {
+            Message::Done => Ok(()),
+            other => Err(LocalError::Protocol(format!("{message:?} answered with {other:?}"))),
+        }
+    }
+
     /// Writes a request; returns its number.
     fn send(&mut self, kind: Kind, epoch: u64, ids: [u32; 4], payload: &[u8]) -> Result<u64, LocalError> {
         let request = self.next_request;
@@ -200,19 +204,17 @@ impl LocalSidecar {
         let file = String::from_utf8(welcome.payload)
             .map_err(|_| LocalError::Protocol("a region path that is not UTF-8".into()))?;
         let region = SharedRegion::open(Path::new(&file), capacity as usize, epoch)?;
-        channel.call(Kind::Control, epoch, [OP_MAPPED, 0, 0, 0], &[], Kind::Control)?;
+        channel.command(epoch, &Message::Mapped)?;
         Ok(Self { path: path.to_owned(), channel, region })
     }
 
     /// Has the sidecar at `path` forward to `successor` from now on, over a connection of its own
-    /// (the first and only frame: [`OP_SUCCESSOR`] with the engine's `epoch`): it takes effect
+    /// (the first and only frame: [`Message::Successor`] in the engine's `epoch`): it takes effect
     /// even while the engine's own connection waits for a forward to the successor it replaces,
     /// which the sidecar then cuts short (a dead QUIC peer would hold it until a timeout).
     pub fn retarget_now(path: &Path, successor: SocketAddr, epoch: u64) -> Result<(), LocalError> {
         let mut channel = Channel::new(UnixStream::connect(path)?)?;
-        let addr = successor.to_string();
-        channel.call(Kind::Control, epoch, [OP_SUCCESSOR, 0, 0, 0], addr.as_bytes(), Kind::Control)?;
-        Ok(())
+        channel.command(epoch, &Message::Successor(successor))
     }
 
     /// Whether the sidecar closed the connection (see [`LocalError::Closed`]): every request fails
@@ -223,9 +225,7 @@ impl LocalSidecar {
 
     /// Has the sidecar forward to `successor` from now on.
     pub fn retarget(&mut self, successor: SocketAddr) -> Result<(), LocalError> {
-        let addr = successor.to_string();
-        self.channel.call(Kind::Control, 0, [OP_SUCCESSOR, 0, 0, 0], addr.as_bytes(), Kind::Control)?;
-        Ok(())
+        self.channel.command(0, &Message::Successor(successor))
     }
 
     /// Has the sidecar keep `chunks` (each encoded: header, then payload), many per request, and
@@ -244,8 +244,8 @@ impl LocalSidecar {
             let n = fit.count().max(1);
             let (batch, after) = rest.split_at(n);
             let written = self.region.write(batch).map_err(|e| self.store_error(e.into()))? as u64;
-            let ids = [OP_KEEP, n as u32, written as u32, (written >> 32) as u32];
-            self.channel.call(Kind::Control, 0, ids, &[], Kind::Control).map_err(|e| self.store_error(e))?;
+            let keep = Message::Keep { chunks: n as u32, bytes: written };
+            self.channel.command(0, &keep).map_err(|e| self.store_error(e))?;
             rest = after;
         }
         Ok(())
@@ -281,25 +281,18 @@ impl LocalSidecar {
         }
     }
 
-    /// One [`OP_HELD`] request for at most `want` keys after `last`: what the sidecar serves as,
-    /// and (keys in the region now, keys after them).
+    /// One [`Message::Held`] request for at most `want` keys after `last`: what the sidecar
+    /// serves as, and (keys in the region now, keys after them).
     fn held_page(&mut self, want: u32, last: Option<&ChunkKey>) -> Result<(Serving, (u32, u32)), LocalError> {
-        let cursor = last.map(ChunkKey::encode).unwrap_or_default();
-        let reply = self.channel.call(Kind::Control, 0, [OP_HELD, want, 0, 0], &cursor, Kind::Control)?;
-        let [_, stage, count, after] = reply.header.ids;
+        let request = Message::Held { want, after: last.cloned() };
+        let Message::HeldPage { stage, epoch, successor, count, left } = self.channel.control(0, &request)?
+        else {
+            return Err(LocalError::Protocol("a held request answered with another message".into()));
+        };
         if count > want {
             return Err(LocalError::Protocol(format!("{count} keys for {want} asked")));
         }
-        let successor = match reply.payload.as_slice() {
-            [] => None,
-            addr => Some(
-                std::str::from_utf8(addr)
-                    .ok()
-                    .and_then(|a| a.parse().ok())
-                    .ok_or_else(|| LocalError::Protocol("a malformed successor address".into()))?,
-            ),
-        };
-        Ok((Serving { stage, epoch: reply.header.epoch, successor }, (count, after)))
+        Ok((Serving { stage, epoch, successor }, (count, left)))
     }
 
     fn store_error(&self, e: LocalError) -> StoreError {

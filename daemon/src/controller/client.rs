@@ -6,14 +6,11 @@ use std::io::{BufReader, BufWriter, ErrorKind, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
+use dejavulib::message::{Message, RecoveryOrders};
 use dejavulib::net::auth::client_handshake_blocking;
 use dejavulib::wire::{read_frame, write_frame, FrameError, FrameHeader, Kind};
 
-use super::query::{
-    decode_member, encode_member, handshake_error, MEMBER_LEN, OP_AWAIT_FENCE, OP_CENSUS, OP_FENCE,
-    OP_FENCED_IN, OP_LIFELINE, OP_RECOVER, OP_RESEED_RESTORED, QUERY_CLIENT_NODE, REFUSED_NOT_FENCED,
-};
-use super::recovery::{self, RecoveryOrders};
+use super::query::{handshake_error, QUERY_CLIENT_NODE, REFUSED_NOT_FENCED};
 use super::{ControllerError, Health, Member};
 
 /// Who is alive, as the controller said at one moment.
@@ -77,30 +74,18 @@ impl ControllerClient {
 
     /// Who is alive.
     pub fn census(&mut self) -> Result<Census, ControllerError> {
-        let (epoch, payload) = self.call(OP_CENSUS, &[])?;
-        let mut members = BTreeMap::new();
-        if payload.len() % (MEMBER_LEN + 1) != 0 {
-            return Err(ControllerError::Protocol("a census of a partial member".into()));
+        match self.call(&Message::Census)? {
+            (_, Message::CensusReply { epoch, members }) => {
+                Ok(Census { epoch, members: members.into_iter().collect() })
+            }
+            (_, other) => Err(unexpected("a census", &other)),
         }
-        for entry in payload.chunks_exact(MEMBER_LEN + 1) {
-            let member =
-                decode_member(entry).ok_or_else(|| ControllerError::Protocol("an unknown role".into()))?;
-            let health = match entry[MEMBER_LEN] {
-                0 => Health::Alive,
-                1 => Health::Suspect,
-                2 => Health::Dead,
-                3 => Health::Fenced,
-                h => return Err(ControllerError::Protocol(format!("an unknown health {h}"))),
-            };
-            members.insert(member, health);
-        }
-        Ok(Census { epoch, members })
     }
 
     /// Fences `members` in a new epoch, which it returns once the controller has made it durable.
     /// Their heartbeats are ignored from then on; they count as dead until a replacement beats.
     pub fn fence(&mut self, members: &[Member]) -> Result<u64, ControllerError> {
-        self.fence_with(members, [0; 3])
+        self.epoch_of(&Message::Fence { members: members.to_vec(), reuse: None })
     }
 
     /// As [`ControllerClient::fence`], unless the controller has fenced exactly these members
@@ -109,29 +94,21 @@ impl ControllerClient {
     /// the controller fenced uses its fence; one tried again after a failed attempt (whose
     /// replacements may have started in that epoch) passes a `lowest` above it.
     pub fn fence_unless_fenced(&mut self, members: &[Member], lowest: u64) -> Result<u64, ControllerError> {
-        self.fence_with(members, [1, lowest as u32, (lowest >> 32) as u32])
-    }
-
-    fn fence_with(&mut self, members: &[Member], ids: [u32; 3]) -> Result<u64, ControllerError> {
-        let mut payload = Vec::with_capacity(members.len() * MEMBER_LEN);
-        members.iter().for_each(|&m| encode_member(&mut payload, m));
-        Ok(self.call_with(OP_FENCE, ids, &payload)?.0)
+        self.epoch_of(&Message::Fence { members: members.to_vec(), reuse: Some(lowest) })
     }
 
     /// Waits until the controller opens an epoch after `after` (a fence), or for `wait` at most
     /// (10 s at most); returns its epoch then. The call's deadline must be longer than `wait`.
     pub fn await_fence(&mut self, after: u64, wait: Duration) -> Result<u64, ControllerError> {
         let wait_ms = wait.as_millis().min(u32::MAX as u128) as u32;
-        Ok(self.call_with(OP_AWAIT_FENCE, [after as u32, (after >> 32) as u32, wait_ms], &[])?.0)
+        self.epoch_of(&Message::AwaitFence { after, wait_ms })
     }
 
     /// Asks the controller to take this client's connection as `member`'s lifeline (see
     /// [`super::Lifeline`]), for a process started in `epoch`, and gives the connection up: held
     /// open, with no read timeout, it is the lifeline.
     pub(super) fn into_lifeline(mut self, member: Member, epoch: u64) -> Result<TcpStream, ControllerError> {
-        let mut payload = Vec::with_capacity(MEMBER_LEN);
-        encode_member(&mut payload, member);
-        self.try_call_in(OP_LIFELINE, [0; 3], epoch, &payload)?;
+        self.try_call(&Message::Lifeline { member, epoch })?;
         let (reader, _) = self.connection.take().expect("a call that succeeded left its connection");
         let stream = reader.into_inner();
         stream.set_read_timeout(None)?;
@@ -141,31 +118,30 @@ impl ControllerClient {
     /// The epoch fenced `member` was fenced in, which its replacement starts in;
     /// [`ControllerError::NotFenced`] if it awaits no replacement.
     pub fn fenced_in(&mut self, member: Member) -> Result<u64, ControllerError> {
-        let mut payload = Vec::with_capacity(MEMBER_LEN);
-        encode_member(&mut payload, member);
-        match self.call(OP_FENCED_IN, &payload) {
-            Ok((epoch, _)) => Ok(epoch),
+        match self.epoch_of(&Message::FencedIn(member)) {
             Err(ControllerError::Refused { code: REFUSED_NOT_FENCED, .. }) => {
                 Err(ControllerError::NotFenced(member))
             }
-            Err(e) => Err(e),
+            other => other,
         }
     }
 
     /// Has the controller carry out its part of the recovery of epoch `epoch` (its current one)
     /// once the replacements beat: plan the ring, re-seed replaced sidecars, find each sequence's
-    /// first unreplicated token ([`RecoveryOrders`]), for a ring whose stage `k` reaches its successor's sidecar at
-    /// `book[k]`; returns what it did and found. Re-seeds move KV: the call waits up to
-    /// `patience` for the answer. Carrying a recovery out again is harmless (a re-seed sends the
-    /// same chunks again).
+    /// first unreplicated token ([`RecoveryOrders`]), for a ring whose stage `k` reaches its
+    /// successor's sidecar at `book[k]`; returns what it did and found. Re-seeds move KV: the
+    /// call waits up to `patience` for the answer. Carrying a recovery out again is harmless (a
+    /// re-seed sends the same chunks again).
     pub fn recover(
         &mut self,
         epoch: u64,
         book: &[SocketAddr],
         patience: Duration,
     ) -> Result<RecoveryOrders, ControllerError> {
-        let payload = self.call_patiently(OP_RECOVER, epoch, book, patience)?;
-        recovery::decode_orders(epoch, &payload)
+        match self.call_patiently(&Message::Recover { epoch, book: book.to_vec() }, patience)? {
+            Message::Orders(orders) if orders.epoch == epoch => Ok(orders),
+            other => Err(unexpected("a recovery", &other)),
+        }
     }
 
     /// The last of the controller's part of the recovery of epoch `epoch`: once the replaced
@@ -178,44 +154,40 @@ impl ControllerClient {
         book: &[SocketAddr],
         patience: Duration,
     ) -> Result<u64, ControllerError> {
-        let payload = self.call_patiently(OP_RESEED_RESTORED, epoch, book, patience)?;
-        let sent = payload.try_into().map_err(|_| ControllerError::Protocol("a malformed count".into()))?;
-        Ok(u64::from_le_bytes(sent))
+        match self.call_patiently(&Message::ReseedRestored { epoch, book: book.to_vec() }, patience)? {
+            Message::Reseeded { chunks } => Ok(chunks),
+            other => Err(unexpected("a re-seed", &other)),
+        }
     }
 
-    /// A recovery request `op` of epoch `epoch` with `book`, waiting up to `patience` for the
-    /// answer (it moves KV); returns the answer's payload.
-    fn call_patiently(
-        &mut self,
-        op: u32,
-        epoch: u64,
-        book: &[SocketAddr],
-        patience: Duration,
-    ) -> Result<Vec<u8>, ControllerError> {
+    /// A recovery request, waiting up to `patience` for the answer (it moves KV).
+    fn call_patiently(&mut self, request: &Message, patience: Duration) -> Result<Message, ControllerError> {
         let mut patient = ControllerClient::new(self.addr, patience, self.secret.clone());
         patient.next_request = self.next_request;
-        let (answered, payload) = patient.try_call_in(op, [0; 3], epoch, &recovery::encode_book(book))?;
+        let (_, answer) = patient.try_call(request)?;
         self.next_request = patient.next_request;
-        if answered != epoch {
-            return Err(ControllerError::Protocol(format!("an answer of epoch {answered} for {epoch}")));
+        Ok(answer)
+    }
+
+    /// A request whose answer is an epoch.
+    fn epoch_of(&mut self, request: &Message) -> Result<u64, ControllerError> {
+        match self.call(request)? {
+            (_, Message::Epoch(epoch)) => Ok(epoch),
+            (_, other) => Err(unexpected("an epoch", &other)),
         }
-        Ok(payload)
     }
 
-    pub(super) fn call(&mut self, op: u32, payload: &[u8]) -> Result<(u64, Vec<u8>), ControllerError> {
-        self.call_with(op, [0; 3], payload)
+    /// A request; returns the epoch its answer came in, and the answer. A controller that cannot
+    /// be reached, does not answer in time or closes the connection is an
+    /// [`ControllerError::Io`]; one that refuses, a [`ControllerError::Refused`].
+    pub(super) fn call(&mut self, request: &Message) -> Result<(u64, Message), ControllerError> {
+        self.call_with_payload(request.encode())
     }
 
-    /// A request of operation `op` with the other ids `ids`. A controller that cannot be reached,
-    /// does not answer in time or closes the connection is an [`ControllerError::Io`]; one that
-    /// refuses, a [`ControllerError::Refused`].
-    fn call_with(
-        &mut self,
-        op: u32,
-        ids: [u32; 3],
-        payload: &[u8],
-    ) -> Result<(u64, Vec<u8>), ControllerError> {
-        let result = self.try_call(op, ids, payload);
+    /// As [`ControllerClient::call`], with the request's payload as it is (tests send malformed
+    /// ones).
+    pub(super) fn call_with_payload(&mut self, request: Vec<u8>) -> Result<(u64, Message), ControllerError> {
+        let result = self.try_call_with_payload(request);
         if result.is_err() {
             // The connection may hold half an exchange: start over next time.
             self.connection = None;
@@ -223,23 +195,11 @@ impl ControllerClient {
         result
     }
 
-    fn try_call(
-        &mut self,
-        op: u32,
-        ids: [u32; 3],
-        payload: &[u8],
-    ) -> Result<(u64, Vec<u8>), ControllerError> {
-        self.try_call_in(op, ids, 0, payload)
+    fn try_call(&mut self, message: &Message) -> Result<(u64, Message), ControllerError> {
+        self.try_call_with_payload(message.encode())
     }
 
-    /// A request naming `epoch` in its header.
-    fn try_call_in(
-        &mut self,
-        op: u32,
-        ids: [u32; 3],
-        epoch: u64,
-        payload: &[u8],
-    ) -> Result<(u64, Vec<u8>), ControllerError> {
+    fn try_call_with_payload(&mut self, payload: Vec<u8>) -> Result<(u64, Message), ControllerError> {
         if self.connection.is_none() {
             let stream = TcpStream::connect_timeout(&self.addr, self.deadline)?;
             stream.set_nodelay(true)?;
@@ -252,9 +212,8 @@ impl ControllerClient {
         let (reader, writer) = self.connection.as_mut().expect("connected above");
         let request = self.next_request;
         self.next_request += 1;
-        let mut header = FrameHeader::new(Kind::Control, u32::MAX, epoch, request);
-        header.ids = [op, ids[0], ids[1], ids[2]];
-        write_frame(writer, &header, payload)?;
+        let header = FrameHeader::new(Kind::Control, QUERY_CLIENT_NODE, 0, request);
+        write_frame(writer, &header, &payload)?;
         writer.flush()?;
         let frame = match read_frame(reader, 1 << 20) {
             Ok(Some(frame)) => frame,
@@ -271,7 +230,10 @@ impl ControllerClient {
             _ if frame.header.request != request => {
                 Err(ControllerError::Protocol(format!("a reply to {} for {request}", frame.header.request)))
             }
-            Kind::Control => Ok((frame.header.epoch, frame.payload)),
+            Kind::Control => match Message::of_frame(&frame) {
+                Ok(answer) => Ok((frame.header.epoch, answer)),
+                Err(e) => Err(ControllerError::Protocol(e.to_string())),
+            },
             Kind::Error => Err(ControllerError::Refused {
                 code: frame.header.ids[0],
                 reason: String::from_utf8_lossy(&frame.payload).into_owned(),
@@ -279,4 +241,9 @@ impl ControllerClient {
             other => Err(ControllerError::Protocol(format!("an unexpected {other:?}"))),
         }
     }
+}
+
+/// An answer that is not the one `what` calls for.
+fn unexpected(what: &str, answer: &Message) -> ControllerError {
+    ControllerError::Protocol(format!("{what} answered with {answer:?}"))
 }

@@ -9,7 +9,7 @@
 //! heartbeats alone.
 //!
 //! - A lifeline is a query connection (it proves the cluster secret the same way) whose first
-//!   request, [`OP_LIFELINE`], names the member and the epoch its process was started in. A
+//!   request, [`dejavulib::message::Message::Lifeline`], names the member and the epoch its process was started in. A
 //!   process fenced in a newer epoch is refused, as its heartbeats are.
 //! - Only the member's latest lifeline counts: the end of an older one (a process presumed dead
 //!   and replaced, a connection the member opened again) says nothing of the member.

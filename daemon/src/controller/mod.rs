@@ -39,6 +39,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
+use dejavulib::message::Message;
 use dejavulib::net::auth::server_handshake_blocking;
 use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
 use parking_lot::{Condvar, Mutex};
@@ -60,31 +61,14 @@ mod state;
 pub use client::{Census, ControllerClient};
 use heartbeats::{authentic_beat, listen_heartbeats, recv_waiting, DATAGRAM_BUFFER};
 pub use lifeline::Lifeline;
-use query::{
-    decode_members, encode_member, refusal_code, OP_AWAIT_FENCE, OP_CENSUS, OP_FENCE, OP_FENCED_IN,
-    OP_LIFELINE, OP_RECOVER, OP_RESEED_RESTORED, QUERY_SERVER_NODE,
-};
+use query::{refusal_code, QUERY_SERVER_NODE};
 pub use state::{Membership, State};
 
-pub use recovery::{Mark, RecoveryOrders, StageOrders};
+pub use dejavulib::message::{Mark, RecoveryOrders, StageOrders};
 
 use detect::Detector;
 
-/// A process of the cluster, as the controller knows it.
-pub type Member = (Role, u32);
-
-/// What the controller says of a member.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Health {
-    /// Beat within half the timeout.
-    Alive,
-    /// Silent for half the timeout or more: perhaps dying.
-    Suspect,
-    /// Silent for the timeout, never heard from, or its lifeline broke.
-    Dead,
-    /// Fenced, and no replacement has beaten since: a recovery's victim.
-    Fenced,
-}
+pub use dejavulib::message::{Health, Member};
 
 /// Errors of the controller and of talking to it.
 #[derive(Debug, Error)]
@@ -336,7 +320,7 @@ const FENCE_RETRY: Duration = Duration::from_secs(1);
 /// in one epoch: it waits until none has broken for this long (for half the timeout at most).
 const SETTLE: Duration = Duration::from_millis(20);
 
-/// The longest an [`OP_AWAIT_FENCE`] query may wait.
+/// The longest a [`Message::AwaitFence`] query may wait.
 const MAX_FENCE_WAIT: Duration = Duration::from_secs(10);
 
 /// Attempts at binding a UDP and a TCP socket to one free port before giving up.
@@ -537,43 +521,29 @@ fn answer_queries(
         counters.queries.fetch_add(1, Ordering::Relaxed);
         let request = frame.header.request;
         let mut lifeline = None;
-        let reply = match (frame.header.kind, frame.header.ids[0]) {
-            (Kind::Control, OP_CENSUS) => {
+        let request_message = Message::of_frame(&frame).map_err(|e| ControllerError::Protocol(e.to_string()));
+        let reply = request_message.and_then(|message| match message {
+            Message::Census => {
                 let mut tables = tables.lock();
                 tables.absorb_pending(heartbeats, counters);
-                Ok((tables.state.epoch, encode_census(&tables)))
+                Ok((tables.state.epoch, census_of(&tables)))
             }
-            (Kind::Control, OP_FENCE) => decode_members(&frame.payload).and_then(|members| {
-                let [_, reuse, low, high] = frame.header.ids;
-                let reuse = (reuse == 1).then_some(low as u64 | (high as u64) << 32);
+            Message::Fence { members, reuse } => {
                 let epoch = tables.lock().fence(&members, reuse, counters)?;
                 events.fenced.notify_all();
-                Ok((epoch, Vec::new()))
-            }),
-            (Kind::Control, OP_FENCED_IN) => {
-                decode_members(&frame.payload).and_then(|members| match members.as_slice() {
-                    &[member] => match tables.lock().state.members.get(&member) {
-                        Some(m) if m.awaiting => Ok((m.fenced_in, Vec::new())),
-                        _ => Err(ControllerError::NotFenced(member)),
-                    },
-                    _ => Err(ControllerError::Protocol("a fenced-in query names one member".into())),
-                })
+                Ok((epoch, Message::Epoch(epoch)))
             }
-            (Kind::Control, OP_RECOVER) => {
-                let epoch = frame.header.epoch;
-                recovery::decode_book(&frame.payload)
-                    .and_then(|book| recovery::carry_out(tables, counters, epoch, &book))
-                    .map(|orders| (epoch, recovery::encode_orders(&orders)))
+            Message::FencedIn(member) => match tables.lock().state.members.get(&member) {
+                Some(m) if m.awaiting => Ok((m.fenced_in, Message::Epoch(m.fenced_in))),
+                _ => Err(ControllerError::NotFenced(member)),
+            },
+            Message::Recover { epoch, book } => recovery::carry_out(tables, counters, epoch, &book)
+                .map(|orders| (epoch, Message::Orders(orders))),
+            Message::ReseedRestored { epoch, book } => {
+                recovery::reseed_restored(tables, counters, epoch, &book)
+                    .map(|chunks| (epoch, Message::Reseeded { chunks }))
             }
-            (Kind::Control, OP_RESEED_RESTORED) => {
-                let epoch = frame.header.epoch;
-                recovery::decode_book(&frame.payload)
-                    .and_then(|book| recovery::reseed_restored(tables, counters, epoch, &book))
-                    .map(|sent| (epoch, sent.to_le_bytes().to_vec()))
-            }
-            (Kind::Control, OP_AWAIT_FENCE) => {
-                let [_, low, high, wait_ms] = frame.header.ids;
-                let after = low as u64 | (high as u64) << 32;
+            Message::AwaitFence { after, wait_ms } => {
                 let until = Instant::now() + Duration::from_millis(wait_ms.into()).min(MAX_FENCE_WAIT);
                 let mut tables = tables.lock();
                 while tables.state.epoch <= after {
@@ -581,23 +551,21 @@ fn answer_queries(
                         break;
                     }
                 }
-                Ok((tables.state.epoch, Vec::new()))
+                Ok((tables.state.epoch, Message::Epoch(tables.state.epoch)))
             }
-            (Kind::Control, OP_LIFELINE) => decode_members(&frame.payload).and_then(|members| {
-                let &[member] = members.as_slice() else {
-                    return Err(ControllerError::Protocol("a lifeline names one member".into()));
-                };
+            Message::Lifeline { member, epoch } => {
                 let held = Slot::take(lifeline_slots, lifeline::MAX_LIFELINES)
                     .ok_or_else(|| ControllerError::Protocol("too many lifelines".into()))?;
-                let number = lifeline::register(&mut tables.lock(), member, frame.header.epoch)?;
+                let number = lifeline::register(&mut tables.lock(), member, epoch)?;
                 lifeline = Some((member, number, held));
-                Ok((frame.header.epoch, Vec::new()))
-            }),
-            (kind, op) => Err(ControllerError::Protocol(format!("unknown request {kind:?} {op}"))),
-        };
+                Ok((epoch, Message::Epoch(epoch)))
+            }
+            other => Err(ControllerError::Protocol(format!("unexpected {other:?}"))),
+        });
         match reply {
-            Ok((epoch, payload)) => {
-                write_frame(&mut writer, &FrameHeader::new(Kind::Control, 0, epoch, request), &payload)?
+            Ok((epoch, answer)) => {
+                let (header, payload) = answer.frame(QUERY_SERVER_NODE, epoch, request);
+                write_frame(&mut writer, &header, &payload)?
             }
             Err(e) => {
                 let mut header = FrameHeader::new(Kind::Error, 0, 0, request);
@@ -616,13 +584,10 @@ fn answer_queries(
     Ok(())
 }
 
-fn encode_census(tables: &Tables) -> Vec<u8> {
-    let mut out = Vec::new();
-    for &member in tables.state.members.keys() {
-        encode_member(&mut out, member);
-        out.push(tables.health(member) as u8);
-    }
-    out
+/// Every member the controller knows, and its health.
+fn census_of(tables: &Tables) -> Message {
+    let members = tables.state.members.keys().map(|&member| (member, tables.health(member))).collect();
+    Message::CensusReply { epoch: tables.state.epoch, members }
 }
 
 #[cfg(test)]
@@ -924,10 +889,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let addr = start(&dir.path().join("state"), "127.0.0.1:0".parse().unwrap(), 200);
         let mut client = ControllerClient::new(addr, Duration::from_secs(2), SECRET);
-        let error = client.call(OP_FENCE, &[9, 0, 0, 0, 0]).unwrap_err().to_string();
-        assert!(error.contains("unknown role"), "{error}");
-        let error = client.call(77, &[]).unwrap_err().to_string();
-        assert!(error.contains("unknown request"), "{error}");
+        // A fence of one member whose role is 9.
+        let mut fence = Message::Fence { members: vec![(Role::Engine, 0)], reuse: None }.encode();
+        fence[8] = 9;
+        let error = client.call_with_payload(fence).unwrap_err().to_string();
+        assert!(error.contains("malformed a member's role"), "{error}");
+        let mut unknown = Message::Census.encode();
+        unknown[2] = 77;
+        let error = client.call_with_payload(unknown).unwrap_err().to_string();
+        assert!(error.contains("unknown message code 77"), "{error}");
+        let error = client.call(&Message::Probe).unwrap_err().to_string();
+        assert!(error.contains("unexpected Probe"), "{error}");
         assert_eq!(client.census().unwrap().epoch, 0, "nothing was fenced");
     }
 

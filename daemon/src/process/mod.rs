@@ -68,6 +68,7 @@ use std::time::Duration;
 use dejavulib::affinity::CpuList;
 use dejavulib::chunk::ChunkKey;
 use dejavulib::local::LocalSidecar;
+use dejavulib::message::Message;
 use dejavulib::net::PeerStore;
 use dejavulib::reshard::{install, receive, transfer_key, StreamError};
 use dejavulib::store::StoreError;
@@ -124,23 +125,6 @@ pub enum ProcessError {
     #[error("the controller fenced members in epoch {0} while a step was in flight")]
     Fenced(u64),
 }
-
-/// Control operation: restore a sequence's KV from a sidecar.
-const OP_RESTORE: u8 = 1;
-/// Control operation, addressed to no stage in particular: the stages it names send their
-/// output to other addresses from now on (one `stage address` line each). One frame carries every
-/// rewire of a repair: each stage applies its own before passing the frame on, so the frame
-/// crosses each repaired link after its repair (a rewire of its own, sent before another's, would
-/// be lost at a link still stale).
-const OP_REWIRE: u8 = 2;
-/// Control operation: load a sequence's prompt KV handed over by a prompt pipeline.
-const OP_LOAD: u8 = 4;
-/// Control operation: a prompt stage hands a token stage's prompts to another sidecar from now on.
-const OP_HANDOFF_TO: u8 = 5;
-/// Control operation: pause (argument 0) or resume (1) the stage's replication.
-const OP_REPLICATION: u8 = 6;
-/// Stage index of control frames addressed to no stage (the driver's probes).
-const NO_STAGE: u32 = u32::MAX;
 
 /// Where a stage keeps copies of its KV.
 #[derive(Clone, Debug)]
@@ -233,47 +217,6 @@ fn floats_of(payload: &[u8]) -> Vec<f32> {
 
 fn floats_payload(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
-/// A control frame's payload: operation, target stage, argument.
-fn control_payload(op: u8, stage: u32, argument: &[u8]) -> Vec<u8> {
-    let mut payload = vec![op];
-    payload.extend_from_slice(&stage.to_le_bytes());
-    payload.extend_from_slice(argument);
-    payload
-}
-
-/// Splits a control payload into operation, target stage and argument.
-fn parse_control(payload: &[u8]) -> Option<(u8, u32, &[u8])> {
-    let (&op, rest) = payload.split_first()?;
-    let stage = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?);
-    Some((op, stage, &rest[4..]))
-}
-
-/// The rewires of an [`OP_REWIRE`] frame's argument: `stage address` lines.
-fn rewires_argument(rewires: &[(u32, SocketAddr)]) -> Vec<u8> {
-    rewires.iter().map(|(stage, addr)| format!("{stage} {addr}\n")).collect::<String>().into_bytes()
-}
-
-/// Where stage `index` sends its output from now on, if the rewires in `argument` name it.
-fn rewire_of(argument: &[u8], index: u32) -> Result<Option<SocketAddr>, ProcessError> {
-    let bad = || ProcessError::Protocol("a malformed rewire".into());
-    let text = std::str::from_utf8(argument).map_err(|_| bad())?;
-    for line in text.lines() {
-        let (stage, addr) = line.split_once(' ').ok_or_else(bad)?;
-        if stage.parse::<u32>().map_err(|_| bad())? == index {
-            return addr.parse().map(Some).map_err(|_| bad());
-        }
-    }
-    Ok(None)
-}
-
-fn parse_address(bytes: &[u8]) -> Result<Option<SocketAddr>, ProcessError> {
-    if bytes.is_empty() {
-        return Ok(None);
-    }
-    let addr = std::str::from_utf8(bytes).ok().and_then(|a| a.parse().ok());
-    addr.map(Some).ok_or_else(|| ProcessError::Protocol("a control frame with a bad address".into()))
 }
 
 /// A running stage: its layers, caches and replication.
@@ -494,9 +437,8 @@ impl StageProcess {
     /// Loads `seat`'s prompt KV, handed over by the prompt pipeline, from the stage's own sidecar,
     /// and replicates it as a computed prompt's; returns the tokens loaded (0 if it could not:
     /// the driver then has the prompt computed here).
-    fn load(&mut self, header: &FrameHeader) -> u32 {
-        let [microbatch, slot, prompt_len, _] = header.ids;
-        let seat = Seat { microbatch, slot };
+    fn load(&mut self, seat: Seat, prompt_len: u32) -> u32 {
+        let Seat { microbatch, slot } = seat;
         let loaded = self.cache(seat).and_then(|cache| {
             let (Some(HandoffEnd::Receiver(receiver)), Some(sidecars)) = (&self.handoff, &self.sidecars)
             else {
@@ -525,52 +467,43 @@ impl StageProcess {
         prompt_len
     }
 
-    /// Carries out a control frame if it is addressed to this stage; returns the payload to pass on.
-    fn control(&mut self, header: &FrameHeader, payload: Vec<u8>) -> Result<Vec<u8>, ProcessError> {
-        let (op, stage, argument) = parse_control(&payload)
-            .ok_or_else(|| ProcessError::Protocol("a malformed control frame".into()))?;
-        if op == OP_REWIRE {
-            if let Some(next) = rewire_of(argument, self.config.index)? {
+    /// Carries out a control message if it is addressed to this stage; returns the payload to
+    /// pass on (the message's answer, or the message itself).
+    fn control(&mut self, payload: Vec<u8>) -> Result<Vec<u8>, ProcessError> {
+        let message = Message::decode(&payload).map_err(|e| ProcessError::Protocol(e.to_string()))?;
+        if let Message::Rewire(rewires) = &message {
+            if let Some(&(_, next)) = rewires.iter().find(|(stage, _)| *stage == self.config.index) {
                 self.config.next = next;
             }
             return Ok(payload);
         }
-        if stage != self.config.index {
+        if message.stage() != self.config.index {
             return Ok(payload);
         }
-        match op {
-            OP_RESTORE => {
-                let from = parse_address(argument)?;
-                let restored = self.restore(header, from);
-                Ok(control_payload(OP_RESTORE, stage, &restored.to_le_bytes()))
+        match message {
+            Message::Restore { stage, seat, prompt_len, kv_tokens, from } => {
+                let seat = Seat { microbatch: seat.microbatch, slot: seat.slot };
+                let tokens = self.restore(seat, prompt_len, kv_tokens, from);
+                Ok(Message::Restored { stage, tokens }.encode())
             }
-            OP_LOAD => {
-                let loaded = self.load(header);
-                Ok(control_payload(OP_LOAD, stage, &loaded.to_le_bytes()))
+            Message::Load { stage, seat, prompt_len } => {
+                let tokens = self.load(Seat { microbatch: seat.microbatch, slot: seat.slot }, prompt_len);
+                Ok(Message::Loaded { stage, tokens }.encode())
             }
-            OP_HANDOFF_TO => {
+            Message::HandoffTo { token_stage, to, .. } => {
                 let Some(HandoffEnd::Sender(sender)) = &self.handoff else {
                     return Err(ProcessError::Protocol(
                         "a handoff target for a stage that is not a prompt stage".into(),
                     ));
                 };
-                let token_stage = argument.get(..4).and_then(|b| b.try_into().ok()).map(u32::from_le_bytes);
-                let token_stage = token_stage
-                    .ok_or_else(|| ProcessError::Protocol("a handoff target without a stage".into()))?;
-                let to = parse_address(&argument[4..])?
-                    .ok_or_else(|| ProcessError::Protocol("a handoff target without an address".into()))?;
                 sender.retarget(token_stage, to)?;
                 Ok(payload)
             }
-            OP_REPLICATION => {
-                self.replication_paused = match argument {
-                    [0] => true,
-                    [1] => false,
-                    _ => return Err(ProcessError::Protocol("replication neither paused nor resumed".into())),
-                };
+            Message::Replication { on, .. } => {
+                self.replication_paused = !on;
                 Ok(payload)
             }
-            other => Err(ProcessError::Protocol(format!("unknown control operation {other}"))),
+            other => Err(ProcessError::Protocol(format!("unexpected {other:?}"))),
         }
     }
 
@@ -584,9 +517,8 @@ impl StageProcess {
     /// cannot be read: the driver then recomputes everything). KV restored from a peer's sidecar
     /// is handed to the stage's own sidecar to keep (not to forward: it came from the replica), so
     /// a later failure of the engine alone finds it there.
-    fn restore(&mut self, header: &FrameHeader, from: Option<SocketAddr>) -> u32 {
-        let [microbatch, slot, prompt_len, kv_tokens] = header.ids;
-        let seat = Seat { microbatch, slot };
+    fn restore(&mut self, seat: Seat, prompt_len: u32, kv_tokens: u32, from: Option<SocketAddr>) -> u32 {
+        let Seat { microbatch, slot } = seat;
         let Ok(cache) = self.cache(seat) else { return 0 };
         let Some(sidecars) = &self.sidecars else { return 0 };
         let transfer = self.transfer(seat);
@@ -728,7 +660,7 @@ pub fn serve_stage_on(
             let Frame { header, payload } = frame;
             let out = match header.kind {
                 Kind::Activation => process.step(&header, &payload),
-                Kind::Control => process.control(&header, payload),
+                Kind::Control => process.control(payload),
                 other => Err(ProcessError::Protocol(format!("unexpected {other:?} frame"))),
             };
             let out = match out {

@@ -10,11 +10,9 @@ use dejavulib::wire::{read_frame, write_frame, Frame, FrameHeader, Kind, DEFAULT
 use tracing::warn;
 
 use super::chain::{accept_within, closed_by_peer, connect, say_hello, DRIVER};
-use super::{
-    control_payload, parse_control, rewires_argument, tokens_of, tokens_payload, ProcessError, LOAD_PATIENCE,
-    NO_STAGE, OP_HANDOFF_TO, OP_LOAD, OP_REPLICATION, OP_RESTORE, OP_REWIRE,
-};
+use super::{tokens_of, tokens_payload, ProcessError, LOAD_PATIENCE};
 use dejavu_engine::pipeline::Seat;
+use dejavulib::message::{Message, SeatIds, NO_STAGE};
 
 /// Frames coming out of the last stage, read whole by a thread of their own (a deadline never
 /// leaves half a frame read).
@@ -123,7 +121,7 @@ impl RemotePipeline {
             fences: crossbeam_channel::never(),
         };
         // The last stage connects when it first passes something on: send a probe through.
-        let request = pipeline.write(Kind::Control, [NO_STAGE; 4], &control_payload(0, NO_STAGE, &[]))?;
+        let request = pipeline.send(&Message::Probe)?;
         let last = accept_within(&pipeline.results, last_stage, 0, secret, control_deadline)?;
         pipeline.replies = read_replies(last);
         pipeline.reply(request, control_deadline)?;
@@ -234,19 +232,17 @@ impl RemotePipeline {
         }
     }
 
-    /// Sends control operation `op` to stage `stage` round the chain and waits for its reply;
-    /// with `fenceable`, a fence newer than the pipeline's epoch ends the wait
-    /// ([`ProcessError::Fenced`]).
-    fn control(
-        &mut self,
-        op: u8,
-        stage: u32,
-        ids: [u32; 4],
-        argument: &[u8],
-        fenceable: bool,
-    ) -> Result<Vec<u8>, ProcessError> {
-        let request = self.write(Kind::Control, ids, &control_payload(op, stage, argument))?;
-        Ok(self.await_reply(request, self.control_deadline, fenceable)?.payload)
+    /// Sends a control message round the chain.
+    fn send(&mut self, message: &Message) -> Result<u64, ProcessError> {
+        self.write(Kind::Control, [NO_STAGE; 4], &message.encode())
+    }
+
+    /// Sends a control message round the chain and waits for what comes back; with `fenceable`,
+    /// a fence newer than the pipeline's epoch ends the wait ([`ProcessError::Fenced`]).
+    fn control(&mut self, message: &Message, fenceable: bool) -> Result<Message, ProcessError> {
+        let request = self.send(message)?;
+        let reply = self.await_reply(request, self.control_deadline, fenceable)?;
+        Message::decode(&reply.payload).map_err(|e| ProcessError::Protocol(e.to_string()))
     }
 
     /// Runs `tokens` at `position` of `seat` through the chain; returns the next token.
@@ -298,15 +294,12 @@ impl RemotePipeline {
         kv_tokens: u32,
         from: Option<SocketAddr>,
     ) -> Result<u32, ProcessError> {
-        let argument = from.map(|a| a.to_string()).unwrap_or_default();
-        let ids = [seat.microbatch, seat.slot, prompt_len, kv_tokens];
+        let seat = SeatIds { microbatch: seat.microbatch, slot: seat.slot };
+        let restore = Message::Restore { stage, seat, prompt_len, kv_tokens, from };
         // Only recoveries restore: a stage that dies during one keeps the reply from ever coming
         // round the chain, and its fence says so long before the control deadline.
-        let reply = self.control(OP_RESTORE, stage, ids, argument.as_bytes(), true)?;
-        match parse_control(&reply) {
-            Some((OP_RESTORE, s, count)) if s == stage && count.len() == 4 => {
-                Ok(u32::from_le_bytes(count.try_into().expect("4 bytes")))
-            }
+        match self.control(&restore, true)? {
+            Message::Restored { stage: s, tokens } if s == stage => Ok(tokens),
             _ => Err(ProcessError::Protocol(format!("stage {stage} did not report a restore"))),
         }
     }
@@ -315,20 +308,18 @@ impl RemotePipeline {
     /// handed over by a prompt pipeline; returns the fewest tokens a stage loaded (0: some stage
     /// could not, and the prompt must be computed here).
     pub fn load(&mut self, stages: u32, seat: Seat, prompt_len: u32) -> Result<u32, ProcessError> {
-        let ids = [seat.microbatch, seat.slot, prompt_len, 0];
+        let seat = SeatIds { microbatch: seat.microbatch, slot: seat.slot };
         // All sent at once: the loads run one after another down the chain, not one round trip each.
         let requests = (0..stages)
-            .map(|stage| Ok((stage, self.write(Kind::Control, ids, &control_payload(OP_LOAD, stage, &[]))?)))
+            .map(|stage| Ok((stage, self.send(&Message::Load { stage, seat, prompt_len })?)))
             .collect::<Result<Vec<_>, ProcessError>>()?;
         // A step's time, and each stage's patience for chunks on their way.
         let deadline = self.deadline + LOAD_PATIENCE * stages;
         let mut fewest = prompt_len;
         for (stage, request) in requests {
             let reply = self.reply(request, deadline)?.payload;
-            match parse_control(&reply) {
-                Some((OP_LOAD, s, count)) if s == stage && count.len() == 4 => {
-                    fewest = fewest.min(u32::from_le_bytes(count.try_into().expect("4 bytes")));
-                }
+            match Message::decode(&reply) {
+                Ok(Message::Loaded { stage: s, tokens }) if s == stage => fewest = fewest.min(tokens),
                 _ => return Err(ProcessError::Protocol(format!("stage {stage} did not report a load"))),
             }
         }
@@ -338,10 +329,7 @@ impl RemotePipeline {
     /// Tells prompt stage `stage` to hand token stage `token_stage`'s prompts to the sidecar at
     /// `to` from now on.
     pub fn handoff_to(&mut self, stage: u32, token_stage: u32, to: SocketAddr) -> Result<(), ProcessError> {
-        let mut argument = token_stage.to_le_bytes().to_vec();
-        argument.extend_from_slice(to.to_string().as_bytes());
-        let payload = control_payload(OP_HANDOFF_TO, stage, &argument);
-        let request = self.write(Kind::Control, [NO_STAGE; 4], &payload)?;
+        let request = self.send(&Message::HandoffTo { stage, token_stage, to })?;
         // Nothing to move: a step's deadline, so that a dead prompt pipeline does not hold the
         // token pipeline's recovery up for a control operation's.
         self.reply(request, self.deadline)?;
@@ -356,7 +344,7 @@ impl RemotePipeline {
     /// metric and failures are counted once it resumes. For measuring what replication costs,
     /// in one run ([`crate::cluster::Cluster::set_replication`]).
     pub fn set_replication(&mut self, stage: u32, on: bool) -> Result<(), ProcessError> {
-        self.control(OP_REPLICATION, stage, [NO_STAGE; 4], &[u8::from(on)], false)?;
+        self.control(&Message::Replication { stage, on }, false)?;
         Ok(())
     }
 
@@ -448,8 +436,7 @@ impl RemotePipeline {
             .filter(|(stage, _)| *stage != 0)
             .map(|&(stage, addr)| (stage - 1, addr))
             .collect();
-        let payload = control_payload(OP_REWIRE, NO_STAGE, &rewires_argument(&rewires));
-        let request = self.write(Kind::Control, [NO_STAGE; 4], &payload)?;
+        let request = self.send(&Message::Rewire(rewires))?;
         if last_replaced {
             let last = accept_within(
                 &self.results,

@@ -3,18 +3,16 @@
 //!
 //! The listener is a TCP port on the sidecar's transport address; the sidecar's heartbeats name it
 //! ([`crate::heartbeat::Beat::control_port`]), so the controller reaches whichever process holds
-//! a stage's sidecar now. Requests and replies are frames ([`dejavulib::wire`]) of kind `Control`,
-//! the first id the operation:
+//! a stage's sidecar now. Requests and replies are control messages ([`dejavulib::message`]):
 //!
-//! - [`OP_HELD_OF`] (id 1: a stage, id 2: entries wanted at most, payload: the last key of the
-//!   page before, empty for the first): the chunks it keeps for that stage, in the order of their
-//!   keys, as [`HeldChunk::encode`]s one after the other (its own stage's local copy, or its
-//!   predecessor's replica); the reply's id 1 is how many, id 2 how many come after them. The
-//!   controller asks page after page and finds each sequence's first unreplicated token from them.
-//! - [`OP_RESEED`] (payload: an address): forward to that sidecar from now on, and first send it
-//!   every chunk of its own stage it keeps (each sequence start alone and in put order, the chunks
-//!   between two starts all at once); the reply's id 1 is how many. A replaced successor's sidecar
-//!   gets the replica it must hold this way.
+//! - [`Message::HeldOf`]: the chunks it keeps for a stage (its own stage's local copy, or its
+//!   predecessor's replica), a page of them in the order of their keys
+//!   ([`Message::HeldOfPage`]). The controller asks page after page and finds each sequence's
+//!   first unreplicated token from them.
+//! - [`Message::Reseed`]: forward to that sidecar from now on, and first send it every chunk of
+//!   its own stage it keeps (each sequence start alone and in put order, the chunks between two
+//!   starts all at once); the reply ([`Message::Reseeded`]) says how many. A replaced
+//!   successor's sidecar gets the replica it must hold this way.
 //!
 //! A connection first proves the cluster secret (the transports' HMAC challenge-response,
 //! [`dejavulib::net::auth`]); one that cannot is closed before any request is read. A refusal is
@@ -26,21 +24,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dejavulib::chunk::ChunkDescriptor;
+use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
+use dejavulib::message::Message;
 use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
 use dejavulib::net::PeerStore;
 use dejavulib::resume::HeldChunk;
-use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameError, FrameHeader, Kind};
+use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameError, Kind};
 use dejavulib::ChunkStore;
 use tracing::{info, warn};
 
-use super::{parse_addr, reply_error, Sidecar, SidecarError};
+use super::{reply, reply_error, Sidecar, SidecarError};
 use crate::slots::Slot;
-
-/// Lists the chunks kept for a stage.
-pub const OP_HELD_OF: u32 = 1;
-/// Sends the sidecar's own stage's chunks to a new successor, and forwards there from now on.
-pub const OP_RESEED: u32 = 2;
 
 /// The largest request or reply: a page of a listing, or a re-seed's address.
 const MAX_CONTROL_FRAME: u64 = 16 << 20;
@@ -93,35 +87,27 @@ fn answer(sidecar: &Sidecar, stream: TcpStream) -> Result<(), SidecarError> {
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut writer = BufWriter::new(stream);
     while let Some(frame) = read_frame(&mut reader, MAX_CONTROL_FRAME)? {
-        let reply = |ids: [u32; 4]| {
-            let mut header = FrameHeader::new(Kind::Control, sidecar.index(), 0, frame.header.request);
-            header.ids = ids;
-            header
+        let message = match Message::of_frame(&frame) {
+            Ok(message) => message,
+            Err(e) => {
+                reply_error(&mut writer, &frame, ErrorCode::Unexpected, &e.to_string())?;
+                continue;
+            }
         };
-        match (frame.header.kind, frame.header.ids[0]) {
-            (Kind::Control, OP_HELD_OF) => {
-                let [_, stage, wanted, _] = frame.header.ids;
-                let (page, after) = sidecar.page_of(stage, &frame.payload, (wanted as usize).min(MAX_PAGE));
-                let listing: Vec<u8> = page.iter().flat_map(HeldChunk::encode).collect();
-                let ids = [OP_HELD_OF, page.len() as u32, after.min(u32::MAX as usize) as u32, 0];
-                write_frame(&mut writer, &reply(ids), &listing)?;
+        let answer = match message {
+            Message::HeldOf { stage, want, after } => {
+                let (chunks, left) = sidecar.page_of(stage, after.as_ref(), (want as usize).min(MAX_PAGE));
+                Ok(Message::HeldOfPage { chunks, left: left.min(u32::MAX as usize) as u32 })
             }
-            (Kind::Control, OP_RESEED) => {
-                let outcome = parse_addr(&frame.payload)
-                    .map_err(|e| e.to_string())
-                    .and_then(|to| sidecar.reseed(to).map(|sent| (to, sent)));
-                match outcome {
-                    Ok((to, sent)) => {
-                        info!(stage = sidecar.index(), %to, chunks = sent, "re-seeded a new successor");
-                        write_frame(&mut writer, &reply([OP_RESEED, sent as u32, 0, 0]), &[])?;
-                    }
-                    Err(reason) => reply_error(&mut writer, &frame, ErrorCode::Other, &reason)?,
-                }
-            }
-            (kind, op) => {
-                let reason = format!("unexpected {kind:?} {op}");
-                reply_error(&mut writer, &frame, ErrorCode::Unexpected, &reason)?
-            }
+            Message::Reseed { to } => sidecar.reseed(to).map(|chunks| {
+                info!(stage = sidecar.index(), %to, chunks, "re-seeded a new successor");
+                Message::Reseeded { chunks }
+            }),
+            other => Err(format!("unexpected {other:?}")),
+        };
+        match answer {
+            Ok(answer) => reply(&mut writer, &frame, sidecar.index(), 0, &answer)?,
+            Err(reason) => reply_error(&mut writer, &frame, ErrorCode::Other, &reason)?,
         }
         writer.flush()?;
     }
@@ -284,29 +270,37 @@ impl SidecarControl {
     /// page.
     pub fn held_of(&self, stage: u32) -> Result<Vec<HeldChunk>, ControlError> {
         let mut held: Vec<HeldChunk> = Vec::new();
-        let mut last_key = Vec::new();
         loop {
-            let (ids, listing) = self.call([OP_HELD_OF, stage, self.page, 0], &last_key)?;
-            let [_, count, more, _] = ids;
-            if listing.len() != count as usize * HeldChunk::ENCODED_LEN || count > self.page {
-                return Err(self.protocol(format!("a page of {count} chunks in {} bytes", listing.len())));
+            let after = held.last().map(|h| h.key.clone());
+            let last_key = after.as_ref().map(ChunkKey::encode);
+            let Message::HeldOfPage { chunks, left } =
+                self.call(&Message::HeldOf { stage, want: self.page, after })?
+            else {
+                return Err(self.protocol("a listing answered with another message".into()));
+            };
+            if chunks.len() > self.page as usize {
+                return Err(self.protocol(format!(
+                    "a page of {} chunks for {} asked",
+                    chunks.len(),
+                    self.page
+                )));
             }
-            for entry in listing.chunks_exact(HeldChunk::ENCODED_LEN) {
-                let chunk = HeldChunk::decode(entry)
-                    .ok_or_else(|| self.protocol("a malformed chunk entry".into()))?;
+            let count = chunks.len();
+            let mut previous = last_key;
+            for chunk in chunks {
                 // Each page starts after the last key of the one before: keys only grow.
                 let key = chunk.key.encode();
-                if !held.is_empty() && key <= last_key {
+                if previous.as_ref().is_some_and(|p| key <= *p) {
                     return Err(self.protocol("a listing out of key order".into()));
                 }
-                last_key = key;
+                previous = Some(key);
                 held.push(chunk);
             }
-            if more == 0 {
+            if left == 0 {
                 return Ok(held);
             }
             if count == 0 {
-                return Err(self.protocol(format!("an empty page with {more} chunks after it")));
+                return Err(self.protocol(format!("an empty page with {left} chunks after it")));
             }
         }
     }
@@ -314,15 +308,17 @@ impl SidecarControl {
     /// Makes the sidecar forward to `to` from now on, after sending it its own stage's chunks;
     /// returns how many it sent.
     pub fn reseed(&self, to: SocketAddr) -> Result<u64, ControlError> {
-        let (ids, _) = self.call([OP_RESEED, 0, 0, 0], to.to_string().as_bytes())?;
-        Ok(u64::from(ids[1]))
+        match self.call(&Message::Reseed { to })? {
+            Message::Reseeded { chunks } => Ok(chunks),
+            other => Err(self.protocol(format!("a re-seed answered with {other:?}"))),
+        }
     }
 
     fn protocol(&self, reason: String) -> ControlError {
         ControlError::Protocol { addr: self.addr, reason }
     }
 
-    fn call(&self, ids: [u32; 4], payload: &[u8]) -> Result<([u32; 4], Vec<u8>), ControlError> {
+    fn call(&self, request: &Message) -> Result<Message, ControlError> {
         let io = |source| ControlError::Io { addr: self.addr, source };
         let stream = TcpStream::connect_timeout(&self.addr, self.deadline).map_err(io)?;
         stream.set_nodelay(true).map_err(io)?;
@@ -331,9 +327,8 @@ impl SidecarControl {
         client_handshake_blocking(&stream, &self.secret, CONTROLLER_NODE, self.deadline)
             .map_err(|e| ControlError::Auth { addr: self.addr, reason: e.to_string() })?;
         let mut writer = BufWriter::new(stream.try_clone().map_err(io)?);
-        let mut header = FrameHeader::new(Kind::Control, u32::MAX, 0, 1);
-        header.ids = ids;
-        write_frame(&mut writer, &header, payload).map_err(|e| self.protocol(e.to_string()))?;
+        let (header, payload) = request.frame(CONTROLLER_NODE, 0, 1);
+        write_frame(&mut writer, &header, &payload).map_err(|e| self.protocol(e.to_string()))?;
         writer.flush().map_err(io)?;
         let frame = match read_frame(&mut BufReader::new(stream), MAX_CONTROL_FRAME) {
             Ok(Some(frame)) => frame,
@@ -342,7 +337,7 @@ impl SidecarControl {
             Err(e) => return Err(self.protocol(e.to_string())),
         };
         match frame.header.kind {
-            Kind::Control if frame.header.ids[0] == ids[0] => Ok((frame.header.ids, frame.payload)),
+            Kind::Control => Message::of_frame(&frame).map_err(|e| self.protocol(e.to_string())),
             Kind::Error => Err(ControlError::Refused {
                 addr: self.addr,
                 reason: String::from_utf8_lossy(&frame.payload).into_owned(),

@@ -21,7 +21,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
-use dejavulib::local::{MAX_LOCAL_PAYLOAD, OP_ASSIGN, OP_HELD, OP_KEEP, OP_MAPPED, OP_SUCCESSOR};
+use dejavulib::local::MAX_LOCAL_PAYLOAD;
+use dejavulib::message::Message;
 use dejavulib::net::{ClientConfig, PeerClient, PeerError, PeerServer, PeerStore};
 use dejavulib::resume::HeldChunk;
 use dejavulib::store::StoreError;
@@ -242,11 +243,14 @@ impl Sidecar {
         self.index.load(Ordering::Relaxed)
     }
 
-    /// A spare's assignment (`Control` [`OP_ASSIGN`], ids 1 = the stage, 2-3 = the epoch): it
-    /// becomes that stage's sidecar, once.
-    fn assign(&self, frame: &Frame, writer: &mut impl Write) -> Result<(), SidecarError> {
-        let [_, stage, lo, hi] = frame.header.ids;
-        let epoch = lo as u64 | (hi as u64) << 32;
+    /// A spare's assignment ([`Message::Assign`]): it becomes that stage's sidecar, once.
+    fn assign(
+        &self,
+        frame: &Frame,
+        stage: u32,
+        epoch: u64,
+        writer: &mut impl Write,
+    ) -> Result<(), SidecarError> {
         let hook = self.config.spare.as_ref().filter(|_| self.unassigned.swap(false, Ordering::SeqCst));
         let Some(OnAssign(hook)) = hook else {
             reply_error(writer, frame, ErrorCode::Unexpected, "not a spare waiting for a stage")?;
@@ -256,29 +260,26 @@ impl Sidecar {
         self.assigned_epoch.store(epoch, Ordering::SeqCst);
         hook(stage, epoch);
         info!(stage, epoch, "a spare sidecar was assigned its stage");
-        let mut ack = FrameHeader::new(Kind::Control, stage, epoch, frame.header.request);
-        ack.ids = [OP_ASSIGN, stage, 0, 0];
-        write_frame(writer, &ack, &[])?;
-        writer.flush()?;
-        Ok(())
+        reply(writer, frame, stage, epoch, &Message::Done)
     }
 
-    /// A new successor named on a connection of its own (`Control` [`OP_SUCCESSOR`], the engine's
+    /// A new successor named on a connection of its own ([`Message::Successor`] in the engine's
     /// epoch), so that it takes effect even while the engine's connection waits for a forward
     /// to the successor it replaces: that forward is cut short. An engine older than the one in
     /// use is refused.
-    fn retarget(&self, frame: &Frame, writer: &mut impl Write) -> Result<(), SidecarError> {
+    fn retarget(
+        &self,
+        frame: &Frame,
+        successor: SocketAddr,
+        writer: &mut impl Write,
+    ) -> Result<(), SidecarError> {
         let epoch = frame.header.epoch;
         if self.engine.lock().as_ref().is_some_and(|(newest, _, _)| epoch < *newest) {
             reply_error(writer, frame, ErrorCode::StaleEpoch, "an older engine than the one in use")?;
             return Ok(());
         }
-        self.set_successor(parse_addr(&frame.payload)?, epoch);
-        let mut ack = FrameHeader::new(Kind::Control, self.index(), epoch, frame.header.request);
-        ack.ids = [OP_SUCCESSOR, 0, 0, 0];
-        write_frame(writer, &ack, &[])?;
-        writer.flush()?;
-        Ok(())
+        self.set_successor(successor, epoch);
+        reply(writer, frame, self.index(), epoch, &Message::Done)
     }
 
     /// Serves one engine connection until it closes or a newer engine takes over (or a spare's
@@ -288,11 +289,16 @@ impl Sidecar {
         let mut writer = BufWriter::new(stream.try_clone()?);
         let hello = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)?
             .ok_or_else(|| SidecarError::Protocol("the engine left before its hello".into()))?;
-        if hello.header.kind == Kind::Control && hello.header.ids[0] == OP_ASSIGN {
-            return self.assign(&hello, &mut writer);
-        }
-        if hello.header.kind == Kind::Control && hello.header.ids[0] == OP_SUCCESSOR {
-            return self.retarget(&hello, &mut writer);
+        if hello.header.kind == Kind::Control {
+            return match Message::of_frame(&hello) {
+                Ok(Message::Assign { stage, epoch }) => self.assign(&hello, stage, epoch, &mut writer),
+                Ok(Message::Successor(successor)) => self.retarget(&hello, successor, &mut writer),
+                other => {
+                    let reason = format!("a connection opened with {other:?}");
+                    reply_error(&mut writer, &hello, ErrorCode::Unexpected, &reason)?;
+                    Err(SidecarError::Protocol(reason))
+                }
+            };
         }
         if hello.header.kind != Kind::Hello {
             return Err(SidecarError::Protocol(format!("an engine opened with {:?}", hello.header.kind)));
@@ -337,44 +343,15 @@ impl Sidecar {
                 header.ids = ids;
                 header
             };
+            if frame.header.kind == Kind::Control {
+                match Message::of_frame(&frame) {
+                    Ok(message) => self.answer_engine(&frame, message, epoch, &mut region, &mut writer)?,
+                    Err(e) => reply_error(&mut writer, &frame, ErrorCode::Unexpected, &e.to_string())?,
+                }
+                writer.flush()?;
+                continue;
+            }
             match (frame.header.kind, frame.header.ids[0]) {
-                (Kind::Control, OP_MAPPED) => {
-                    region.unlink();
-                    write_frame(&mut writer, &answer(Kind::Control, [OP_MAPPED, 0, 0, 0]), &[])?;
-                }
-                (Kind::Control, OP_SUCCESSOR) => {
-                    self.set_successor(parse_addr(&frame.payload)?, epoch);
-                    write_frame(&mut writer, &answer(Kind::Control, [OP_SUCCESSOR, 0, 0, 0]), &[])?;
-                }
-                (Kind::Control, OP_KEEP) => {
-                    let [_, count, lo, hi] = frame.header.ids;
-                    let len = lo as u64 | (hi as u64) << 32;
-                    let kept = region
-                        .read(len as usize)
-                        .map_err(|e| e.to_string())
-                        .and_then(|c| self.keep(c, count));
-                    match kept {
-                        Ok(()) => write_frame(&mut writer, &answer(Kind::Control, [OP_KEEP, 0, 0, 0]), &[])?,
-                        Err(reason) => reply_error(&mut writer, &frame, ErrorCode::Other, &reason)?,
-                    }
-                }
-                (Kind::Control, OP_HELD) => {
-                    if self.unassigned.load(Ordering::SeqCst) {
-                        let reason = "a spare sidecar, not assigned a stage yet";
-                        reply_error(&mut writer, &frame, ErrorCode::Unexpected, reason)?;
-                        continue;
-                    }
-                    // The keys after the one named, as many as asked for and fit the region.
-                    let want = (frame.header.ids[1] as usize).min(region.capacity() / HeldChunk::ENCODED_LEN);
-                    let (page, after) = self.page_of(self.index(), &frame.payload, want);
-                    let entries: Vec<u8> = page.iter().flat_map(HeldChunk::encode).collect();
-                    region.write(&[&entries])?;
-                    let successor = self.successor.lock().as_ref().map(|s| s.addr.to_string());
-                    let mut header =
-                        answer(Kind::Control, [OP_HELD, self.index(), page.len() as u32, after as u32]);
-                    header.epoch = epoch.max(self.assigned_epoch.load(Ordering::SeqCst));
-                    write_frame(&mut writer, &header, successor.unwrap_or_default().as_bytes())?;
-                }
                 // Copied out of the region first: the engine's process can write it at any time,
                 // and what is verified must be what is kept.
                 (Kind::Put, len) => match self.keep_and_forward(region.read(len as usize)?.to_vec(), epoch) {
@@ -419,16 +396,67 @@ impl Sidecar {
         keys.filter(move |(key, _)| key.destination.stage == stage).map(|(key, put)| HeldChunk { key, put })
     }
 
+    /// Answers a control message on the connection of the engine of `epoch`.
+    fn answer_engine(
+        &self,
+        frame: &Frame,
+        message: Message,
+        epoch: u64,
+        region: &mut SharedRegion,
+        writer: &mut impl Write,
+    ) -> Result<(), SidecarError> {
+        match message {
+            Message::Mapped => {
+                region.unlink();
+                reply(writer, frame, self.index(), epoch, &Message::Done)
+            }
+            Message::Successor(successor) => {
+                self.set_successor(successor, epoch);
+                reply(writer, frame, self.index(), epoch, &Message::Done)
+            }
+            Message::Keep { chunks, bytes } => {
+                let kept = usize::try_from(bytes)
+                    .map_err(|_| format!("{bytes} bytes to keep"))
+                    .and_then(|len| region.read(len).map_err(|e| e.to_string()))
+                    .and_then(|c| self.keep(c, chunks));
+                match kept {
+                    Ok(()) => reply(writer, frame, self.index(), epoch, &Message::Done),
+                    Err(reason) => reply_error(writer, frame, ErrorCode::Other, &reason),
+                }
+            }
+            Message::Held { .. } if self.unassigned.load(Ordering::SeqCst) => {
+                reply_error(writer, frame, ErrorCode::Unexpected, "a spare sidecar, not assigned a stage yet")
+            }
+            Message::Held { want, after } => {
+                // The keys after the one named, as many as asked for and fit the region.
+                let want = (want as usize).min(region.capacity() / HeldChunk::ENCODED_LEN);
+                let (page, left) = self.page_of(self.index(), after.as_ref(), want);
+                let entries: Vec<u8> = page.iter().flat_map(HeldChunk::encode).collect();
+                region.write(&[&entries])?;
+                let page = Message::HeldPage {
+                    stage: self.index(),
+                    epoch: epoch.max(self.assigned_epoch.load(Ordering::SeqCst)),
+                    successor: self.successor.lock().as_ref().map(|s| s.addr),
+                    count: page.len() as u32,
+                    left: left.min(u32::MAX as usize) as u32,
+                };
+                reply(writer, frame, self.index(), epoch, &page)
+            }
+            other => reply_error(writer, frame, ErrorCode::Unexpected, &format!("unexpected {other:?}")),
+        }
+    }
+
     /// A page of the chunks it keeps for `stage`, in the order of their encoded keys: at most
     /// `wanted` of those whose key sorts after `after` (every one, for an empty `after`), and how
     /// many come after the page. Listings are asked for page by page, each after the last key of
     /// the page before (an engine's through shared memory, the controller's over the control
     /// listener); only the page is sorted, not all that is kept.
-    fn page_of(&self, stage: u32, after: &[u8], wanted: usize) -> (Vec<HeldChunk>, usize) {
+    fn page_of(&self, stage: u32, after: Option<&ChunkKey>, wanted: usize) -> (Vec<HeldChunk>, usize) {
+        let after = after.map(ChunkKey::encode).unwrap_or_default();
         let mut later: Vec<(Vec<u8>, HeldChunk)> = self
             .kept_for(stage)
             .map(|chunk| (chunk.key.encode(), chunk))
-            .filter(|(key, _)| key.as_slice() > after)
+            .filter(|(key, _)| *key > after)
             .collect();
         let rest = later.len().saturating_sub(wanted);
         if rest > 0 {
@@ -776,6 +804,20 @@ fn parse_addr(payload: &[u8]) -> Result<SocketAddr, SidecarError> {
         .ok()
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| SidecarError::Protocol("a malformed address".into()))
+}
+
+/// Answers `to` with `message`, from `sender` in `epoch`.
+fn reply(
+    w: &mut impl Write,
+    to: &Frame,
+    sender: u32,
+    epoch: u64,
+    message: &Message,
+) -> Result<(), SidecarError> {
+    let (header, payload) = message.frame(sender, epoch, to.header.request);
+    write_frame(w, &header, &payload)?;
+    w.flush()?;
+    Ok(())
 }
 
 fn reply_error(w: &mut impl Write, to: &Frame, code: ErrorCode, reason: &str) -> Result<(), SidecarError> {
