@@ -35,9 +35,7 @@ pub const DATAGRAM_LEN: usize = FRAME_HEADER_LEN + SIGNATURE_LEN;
 /// Which kind of process beats.
 pub use dejavulib::message::Role;
 
-/// Added to a spare's number to make its member index: spares beat as (engine or sidecar, this
-/// plus their number), apart from every stage.
-pub const SPARE_MEMBERS: u32 = 1 << 20;
+pub use dejavu_proto::liveness::SPARE_MEMBERS;
 
 /// The member index a spare numbered `n` beats as.
 pub fn spare_member(n: u32) -> u32 {

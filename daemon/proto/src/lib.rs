@@ -4,9 +4,9 @@
 //! raft-rs: a [`Controller`] and a [`Worker`] take messages and ticks as inputs and return what to
 //! do as outputs. They contain no sockets, threads, clocks or randomness (this crate has no
 //! dependencies, and a test checks its sources), so a seeded simulator can run them through
-//! millions of fault schedules (`dejavu-sim`). The `dejavud` processes follow the same rules (epochs,
-//! fencing, recovery from the ring) in their own controller and driver, and plan recoveries with
-//! [`plan::ring`], as the [`Controller`] state machine does.
+//! millions of fault schedules (`dejavu-sim`). The `dejavud` controller is a shell around
+//! [`liveness::Liveness`]: every liveness, fencing and epoch decision it takes is the machine's;
+//! it plans recoveries with [`plan::ring`], as the [`Controller`] state machine does.
 //!
 //! - [`message`]: identifiers, epochs and every message; control messages are state-based and
 //!   re-sent every tick, data messages are re-sent until acknowledged.
@@ -15,11 +15,14 @@
 //! - [`cluster`]: several pipelines (prompt and token, of different depths) under one controller,
 //!   each its own ring with its own epochs.
 //! - [`plan`]: where each failed stage restores from, and who re-seeds each replaced sidecar.
+//! - [`liveness`]: the running controller's heartbeats, lifelines, failure detection, fences and
+//!   epochs, which `dejavud controller` drives.
 //! - [`worker`]: the sidecar's side: registration, heartbeats, the step pipeline, replication to the
 //!   ring successor, fencing, and executing recovery.
 
 pub mod cluster;
 pub mod controller;
+pub mod liveness;
 pub mod message;
 pub mod plan;
 pub mod worker;

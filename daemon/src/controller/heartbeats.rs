@@ -96,7 +96,7 @@ pub(super) fn listen_heartbeats(
         if tables.heard(beat, from, counters) {
             let Beat { member, pid, epoch, .. } = beat;
             info!(role = role_name(member.0), stage = member.1, pid, epoch, "a member joined");
-            if let Err(e) = tables.state.save(&tables.path) {
+            if let Err(e) = tables.save() {
                 error!(error = %e, "cannot record a new member");
             }
         }

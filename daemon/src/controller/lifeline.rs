@@ -19,18 +19,14 @@
 
 use std::io::{BufReader, ErrorKind, Read};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tracing::{debug, info};
 
 use super::{ControllerClient, ControllerError, Counters, Events, Member, Tables};
-
-/// Numbers the lifelines a controller has held, so that the end of an old one is told from the
-/// member's current one.
-static NEXT_LIFELINE: AtomicU64 = AtomicU64::new(1);
 
 /// Lifelines held at once; more are refused (each holds a thread of the controller).
 pub(super) const MAX_LIFELINES: usize = 1024;
@@ -38,16 +34,12 @@ pub(super) const MAX_LIFELINES: usize = 1024;
 /// The controller's side, when `member`, started in `epoch`, asks to hold a lifeline: its number,
 /// now the member's current one, or a refusal for a process fenced since it started.
 pub(super) fn register(tables: &mut Tables, member: Member, epoch: u64) -> Result<u64, ControllerError> {
-    if let Some(m) = tables.state.members.get(&member).filter(|m| epoch < m.fenced_in) {
-        return Err(ControllerError::Protocol(format!(
-            "a lifeline of a process started in epoch {epoch}, fenced in epoch {}",
-            m.fenced_in
-        )));
-    }
-    let number = NEXT_LIFELINE.fetch_add(1, Ordering::Relaxed);
-    tables.lifelines.insert(member, number);
-    tables.severed.remove(&member);
-    Ok(number)
+    tables.liveness.lifeline_opened(member, epoch).map_err(|stale| {
+        ControllerError::Protocol(format!(
+            "a lifeline of a process started in epoch {}, fenced in epoch {}",
+            stale.epoch, stale.fenced_in
+        ))
+    })
 }
 
 /// The controller's side of lifeline `number` of `member`, once answered: waits for the
@@ -70,9 +62,8 @@ pub(super) fn wait_out(
     read_until_end(&mut reader);
     counters.lifelines.fetch_sub(1, Ordering::Relaxed);
     let mut tables = tables.lock();
-    if tables.lifelines.get(&member) == Some(&number) {
-        tables.lifelines.remove(&member);
-        tables.severed.insert(member, Instant::now());
+    let now = tables.now();
+    if tables.liveness.lifeline_closed(member, number, now) {
         counters.severed_lifelines.fetch_add(1, Ordering::Relaxed);
         info!(?member, "a lifeline broke: the member's process is gone");
         // A full channel means the detector runs anyway.

@@ -13,13 +13,13 @@ pub(super) fn render(tables: &Tables, counters: &Counters) -> String {
         "dejavu_controller_epoch",
         MetricType::Gauge,
         "The last epoch handed out.",
-        tables.state.epoch as f64,
+        tables.liveness.epoch() as f64,
     )
     .single(
         "dejavu_controller_incarnation",
         MetricType::Gauge,
         "Controllers that have run on this state file, this one included.",
-        tables.state.incarnation as f64,
+        tables.liveness.record().incarnation as f64,
     )
     .single(
         "dejavu_controller_heartbeats_total",
@@ -108,6 +108,7 @@ pub(super) fn render(tables: &Tables, counters: &Counters) -> String {
         get(&counters.reseeded_chunks),
     );
     page.family("dejavu_controller_members", MetricType::Gauge, "Members by health.");
+    let census = tables.liveness.census(tables.now());
     let healths = [
         (Health::Alive, "alive"),
         (Health::Suspect, "suspect"),
@@ -115,7 +116,7 @@ pub(super) fn render(tables: &Tables, counters: &Counters) -> String {
         (Health::Fenced, "fenced"),
     ];
     for (health, name) in healths {
-        let count = tables.state.members.keys().filter(|&&m| tables.health(m) == health).count();
+        let count = census.iter().filter(|&&(_, h)| h == health).count();
         page.sample("dejavu_controller_members", &[("health", name)], count as f64);
     }
     page.finish()

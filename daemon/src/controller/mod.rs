@@ -24,11 +24,13 @@
 //!
 //! [`ControllerClient`] is the other end, used by [`crate::cluster`].
 //!
-//! This module holds the tables and the threads that serve them; the state file is [`State`],
-//! and the private modules `heartbeats` (the UDP socket), `lifeline` (members' lifelines),
-//! `detect` (who is dead), `query` (the
-//! query protocol's codes), `recovery` (the controller's part of a recovery) and `metrics` (its
-//! page) each do one job.
+//! The controller is an I/O shell around [`dejavu_proto::liveness::Liveness`]: every decision
+//! above (whose beat counts, who is alive, suspect or dead, whom to fence and in which epoch, what
+//! a restart keeps) is the machine's; the shell turns datagrams, connections, its clock and the
+//! state file into its calls. This module holds the tables and the threads that serve them; the
+//! state file is [`State`], and the private modules `heartbeats` (the UDP socket), `lifeline`
+//! (members' lifelines), `query` (the query protocol's refusal codes), `recovery` (the
+//! controller's part of a recovery) and `metrics` (its page) each do one job.
 
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Write};
@@ -46,11 +48,12 @@ use parking_lot::{Condvar, Mutex};
 use thiserror::Error;
 use tracing::{error, info, warn};
 
+use dejavu_proto::liveness::{self, Heard, Liveness, LivenessConfig};
+
 use crate::heartbeat::{Beat, Role};
 use crate::slots::Slot;
 
 mod client;
-mod detect;
 mod heartbeats;
 mod lifeline;
 mod metrics;
@@ -62,11 +65,9 @@ pub use client::{Census, ControllerClient};
 use heartbeats::{authentic_beat, listen_heartbeats, recv_waiting, DATAGRAM_BUFFER};
 pub use lifeline::Lifeline;
 use query::{refusal_code, QUERY_SERVER_NODE};
-pub use state::{Membership, State};
+pub use state::{Membership, Record, State};
 
 pub use dejavulib::message::{Mark, RecoveryOrders, StageOrders};
-
-use detect::Detector;
 
 pub use dejavulib::message::{Health, Member};
 
@@ -114,24 +115,17 @@ fn role_name(role: Role) -> &'static str {
     }
 }
 
-/// The controller's tables, shared by its heartbeat, detector, query and metrics threads.
+/// The controller's tables, shared by its heartbeat, detector, query and metrics threads: the
+/// liveness machine, which takes every decision, and what the shell keeps beside it.
 struct Tables {
-    state: State,
+    liveness: Liveness,
+    /// The state file, where the machine's record is written.
     path: PathBuf,
-    /// When each member was last heard from.
-    seen: HashMap<Member, Instant>,
-    /// The last beat taken for each member: an older one is a replay.
-    last_beats: HashMap<Member, Beat>,
-    /// When each member awaiting a replacement was fenced (by this controller).
-    fenced_at: HashMap<Member, Instant>,
+    /// The machine's clock: its time is the milliseconds since this instant.
+    clock: Instant,
     /// Where each member that has one (a sidecar) serves control requests, as its latest
     /// heartbeat from a process not fenced says.
     controls: HashMap<Member, SocketAddr>,
-    /// The number of each member's current lifeline ([`lifeline`]).
-    lifelines: HashMap<Member, u64>,
-    /// Members whose current lifeline broke, and when: dead, until a new process of theirs holds
-    /// one or they are fenced.
-    severed: HashMap<Member, Instant>,
     /// The cluster secret, which the sidecars' control listeners ask it to prove.
     secret: Vec<u8>,
     timeout: Duration,
@@ -176,100 +170,72 @@ struct Events {
 }
 
 impl Tables {
-    fn health(&self, member: Member) -> Health {
-        if self.state.members.get(&member).is_some_and(|m| m.awaiting) {
-            return Health::Fenced;
-        }
-        if self.severed.contains_key(&member) {
-            return Health::Dead;
-        }
-        match self.seen.get(&member) {
-            None => Health::Dead,
-            Some(at) if at.elapsed() >= self.timeout => Health::Dead,
-            Some(at) if at.elapsed() >= self.timeout / 2 => Health::Suspect,
-            Some(_) => Health::Alive,
-        }
+    /// The machine's time now.
+    fn now(&self) -> u64 {
+        self.clock.elapsed().as_millis() as u64
     }
 
     /// Records a heartbeat `beat` that came from `from`; returns whether the state file must be
     /// written (a new member, or a fenced one's replacement).
     fn heard(&mut self, beat: Beat, from: SocketAddr, counters: &Counters) -> bool {
-        let Beat { member, epoch, .. } = beat;
-        let known = self.state.members.get(&member).copied();
-        if known.is_some_and(|m| epoch < m.fenced_in) {
-            counters.stale_heartbeats.fetch_add(1, Ordering::Relaxed);
-            return false;
-        }
-        if self.last_beats.get(&member).is_some_and(|last| !beat.is_newer_than(last)) {
-            counters.replayed_heartbeats.fetch_add(1, Ordering::Relaxed);
-            return false;
-        }
-        self.last_beats.insert(member, beat);
-        if let Some(port) = beat.control_port {
+        let Beat { member, epoch, sequence, control_port, .. } = beat;
+        let now = self.now();
+        let (first_of_process, fenced_for_ms, gap_ms) =
+            match self.liveness.heartbeat(liveness::Beat { member, epoch, sequence }, now) {
+                Heard::Stale => {
+                    counters.stale_heartbeats.fetch_add(1, Ordering::Relaxed);
+                    return false;
+                }
+                Heard::Replay => {
+                    counters.replayed_heartbeats.fetch_add(1, Ordering::Relaxed);
+                    return false;
+                }
+                Heard::Taken { first_of_process, fenced_for_ms, gap_ms } => {
+                    (first_of_process, fenced_for_ms, gap_ms)
+                }
+            };
+        if let Some(port) = control_port {
             self.controls.insert(member, SocketAddr::new(from.ip(), port));
         }
         counters.heartbeats.fetch_add(1, Ordering::Relaxed);
-        let now = Instant::now();
-        if let Some(previous) = self.seen.insert(member, now) {
-            let gap = now - previous;
+        if let Some(gap) = gap_ms {
             // A beat is missed when the gap holds more than one interval (with some slack).
-            let missed = (gap.as_secs_f64() / self.interval.as_secs_f64() - 0.5).floor().max(1.0) - 1.0;
+            let intervals = gap as f64 / self.interval.as_secs_f64() / 1e3;
+            let missed = (intervals - 0.5).floor().max(1.0) - 1.0;
             counters.missed_heartbeats.fetch_add(missed as u64, Ordering::Relaxed);
         }
-        if let Some(fenced) = self.fenced_at.remove(&member) {
+        if let Some(waited) = fenced_for_ms {
             counters.replacements.fetch_add(1, Ordering::Relaxed);
-            counters.replacement_micros.fetch_add(fenced.elapsed().as_micros() as u64, Ordering::Relaxed);
+            counters.replacement_micros.fetch_add(waited * 1000, Ordering::Relaxed);
         }
-        match known {
-            Some(m) if !m.awaiting => false,
-            _ => {
-                let fenced_in = known.map_or(0, |m| m.fenced_in);
-                self.state.members.insert(member, Membership { fenced_in, awaiting: false });
-                true
-            }
-        }
+        first_of_process
     }
 
-    /// Opens a new epoch in which `members` are fenced; returns it once it is durable. With
-    /// `reuse` (the lowest epoch acceptable), members that all await their replacements from a
-    /// fence in the current epoch, at least that one (the controller fenced them itself), are
-    /// fenced already: that epoch is returned and none opened.
+    /// Writes the machine's record to the state file.
+    fn save(&self) -> Result<(), ControllerError> {
+        State::save(self.liveness.record(), &self.path)
+    }
+
+    /// Has the machine fence `members` (see [`Liveness::fence`]), its record written first;
+    /// returns the epoch.
     fn fence(
         &mut self,
         members: &[Member],
         reuse: Option<u64>,
         counters: &Counters,
     ) -> Result<u64, ControllerError> {
-        let current = |member| {
-            let membership = self.state.members.get(member);
-            membership.is_some_and(|m: &Membership| m.awaiting && m.fenced_in == self.state.epoch)
-        };
-        let reusable = reuse.is_some_and(|lowest| self.state.epoch >= lowest);
-        if reusable && !members.is_empty() && members.iter().all(current) {
-            return Ok(self.state.epoch);
+        let (before, now, path) = (self.liveness.epoch(), self.now(), self.path.clone());
+        let epoch = self.liveness.fence(members, reuse, now, |record| State::save(record, &path))?;
+        if epoch == before {
+            return Ok(epoch);
         }
-        let mut next = self.state.clone();
-        next.epoch += 1;
-        for &member in members {
-            next.members.insert(member, Membership { fenced_in: next.epoch, awaiting: true });
+        for member in members {
+            // The fenced process's listener is no longer the member's.
+            self.controls.remove(member);
         }
-        next.save(&self.path)?;
-        let now = Instant::now();
-        for &member in members {
-            self.seen.remove(&member);
-            self.fenced_at.insert(member, now);
-            // The fenced process's listener is no longer the member's, and its beats are stale
-            // from now on: the replacement's are the only ones taken, whatever they number.
-            self.controls.remove(&member);
-            self.last_beats.remove(&member);
-            // Its process's lifeline, if it still holds one, is no longer the member's.
-            self.lifelines.remove(&member);
-            self.severed.remove(&member);
-        }
-        info!(epoch = next.epoch, fenced = ?members, "fenced in a new epoch");
+        info!(epoch, fenced = ?members, "fenced in a new epoch");
         counters.fences.fetch_add(1, Ordering::Relaxed);
-        self.state = next;
-        Ok(self.state.epoch)
+        Ok(epoch)
     }
 
     /// Takes in the heartbeats waiting on `socket` without blocking, so that a census answered
@@ -281,7 +247,7 @@ impl Tables {
             let Some((n, from)) = recv_waiting(socket, &mut buf) else { return };
             let Some(beat) = authentic_beat(&buf[..n], &self.secret, counters) else { continue };
             if self.heard(beat, from, counters) {
-                if let Err(e) = self.state.save(&self.path) {
+                if let Err(e) = self.save() {
                     error!(error = %e, "cannot record a member");
                 }
             }
@@ -347,28 +313,24 @@ pub fn serve_controller(
     config: ControllerConfig,
     ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
 ) -> Result<(), ControllerError> {
-    let mut state = State::load(&config.state)?;
+    let record = State::load(&config.state)?;
     let (udp, tcp) = bind_pair(config.listen)?;
     let addr = tcp.local_addr()?;
-    state.incarnation += 1;
-    state.save(&config.state)?;
+    // Workers that died together get the timeout to show it, so they are fenced together.
+    let timeout_ms = config.timeout.as_millis().max(1) as u64;
+    let settings = LivenessConfig { timeout_ms, grace_ms: timeout_ms };
     // A restarted controller gives every live member it knew a full timeout from now.
-    let start = Instant::now();
-    let seen =
-        state.members.iter().filter(|(_, m)| !m.awaiting).map(|(&member, _)| (member, start)).collect();
-    let tables = Arc::new(Mutex::new(Tables {
-        state,
+    let tables = Tables {
+        liveness: Liveness::start(settings, record, 0),
         path: config.state.clone(),
-        seen,
-        last_beats: HashMap::new(),
-        fenced_at: HashMap::new(),
+        clock: Instant::now(),
         controls: HashMap::new(),
-        lifelines: HashMap::new(),
-        severed: HashMap::new(),
         secret: config.secret.clone(),
         timeout: config.timeout,
         interval: config.interval,
-    }));
+    };
+    tables.save()?;
+    let tables = Arc::new(Mutex::new(tables));
     let counters = Arc::new(Counters::default());
     let (severed, severances) = crossbeam_channel::bounded(1);
     let events = Arc::new(Events { fenced: Condvar::new(), severed });
@@ -382,13 +344,10 @@ pub fn serve_controller(
     }
     {
         let (tables, counters, udp, events) = (tables.clone(), counters.clone(), udp.clone(), events.clone());
-        // Workers that died together get the timeout to show it, so they are fenced together.
-        let detector = Detector::new(config.timeout);
-        let tick = (config.interval / 4).clamp(Duration::from_millis(2), Duration::from_millis(50));
-        let wake = Wake { tick, settle_at_most: config.timeout / 2, severances };
+        let wake = Wake { longest: config.timeout / 2, settle_at_most: config.timeout / 2, severances };
         std::thread::Builder::new()
             .name("detector".into())
-            .spawn(move || detect_failures(&udp, &tables, &counters, &events, detector, wake))?;
+            .spawn(move || detect_failures(&udp, &tables, &counters, &events, wake))?;
     }
     let metrics = match config.metrics {
         Some(at) => {
@@ -397,7 +356,7 @@ pub fn serve_controller(
         }
         None => None,
     };
-    info!(%addr, epoch = tables.lock().state.epoch, "controller listening");
+    info!(%addr, epoch = tables.lock().liveness.epoch(), "controller listening");
     ready(addr, metrics);
     let live = Arc::new(AtomicUsize::new(0));
     let lifeline_slots = Arc::new(AtomicUsize::new(0));
@@ -435,18 +394,20 @@ pub fn serve_controller(
     Ok(())
 }
 
-/// When the detector runs: every `tick`, and when a lifeline breaks, once lifelines have stopped
-/// breaking for [`SETTLE`] (or `settle_at_most` has passed).
+/// When the detector runs: at the machine's next deadline ([`Liveness::poll_timeout`]; at most
+/// `longest` from now, the least time before a member that joins meanwhile can turn suspect), and
+/// when a lifeline breaks, once lifelines have stopped breaking for [`SETTLE`] (or
+/// `settle_at_most` has passed).
 struct Wake {
-    tick: Duration,
+    longest: Duration,
     settle_at_most: Duration,
     severances: Receiver<()>,
 }
 
 impl Wake {
-    /// Blocks until the detector is to run.
-    fn wait(&self) {
-        if self.severances.recv_timeout(self.tick).is_err() {
+    /// Blocks for `sleep` at most, or until a lifeline breaks and the breaks settle.
+    fn wait(&self, sleep: Duration) {
+        if self.severances.recv_timeout(sleep.min(self.longest)).is_err() {
             return;
         }
         let until = Instant::now() + self.settle_at_most;
@@ -460,17 +421,20 @@ fn detect_failures(
     tables: &Mutex<Tables>,
     counters: &Counters,
     events: &Events,
-    mut detector: Detector,
     wake: Wake,
 ) {
+    let mut sleep = Duration::ZERO;
     loop {
-        wake.wait();
+        wake.wait(sleep);
         let mut tables = tables.lock();
         // Beats that came while the controller was stopped count before anyone is declared dead.
         tables.absorb_pending(heartbeats, counters);
-        let members: Vec<(Member, Health)> =
-            tables.state.members.keys().map(|&member| (member, tables.health(member))).collect();
-        let dead = detector.decide(&members, Instant::now());
+        let now = tables.now();
+        let dead = tables.liveness.tick(now);
+        sleep = match tables.liveness.poll_timeout(now) {
+            Some(at) => Duration::from_millis(at - now),
+            None => wake.longest,
+        };
         if dead.is_empty() {
             continue;
         }
@@ -526,14 +490,14 @@ fn answer_queries(
             Message::Census => {
                 let mut tables = tables.lock();
                 tables.absorb_pending(heartbeats, counters);
-                Ok((tables.state.epoch, census_of(&tables)))
+                Ok((tables.liveness.epoch(), census_of(&tables)))
             }
             Message::Fence { members, reuse } => {
                 let epoch = tables.lock().fence(&members, reuse, counters)?;
                 events.fenced.notify_all();
                 Ok((epoch, Message::Epoch(epoch)))
             }
-            Message::FencedIn(member) => match tables.lock().state.members.get(&member) {
+            Message::FencedIn(member) => match tables.lock().liveness.membership(member) {
                 Some(m) if m.awaiting => Ok((m.fenced_in, Message::Epoch(m.fenced_in))),
                 _ => Err(ControllerError::NotFenced(member)),
             },
@@ -546,12 +510,13 @@ fn answer_queries(
             Message::AwaitFence { after, wait_ms } => {
                 let until = Instant::now() + Duration::from_millis(wait_ms.into()).min(MAX_FENCE_WAIT);
                 let mut tables = tables.lock();
-                while tables.state.epoch <= after {
+                while tables.liveness.epoch() <= after {
                     if events.fenced.wait_until(&mut tables, until).timed_out() {
                         break;
                     }
                 }
-                Ok((tables.state.epoch, Message::Epoch(tables.state.epoch)))
+                let epoch = tables.liveness.epoch();
+                Ok((epoch, Message::Epoch(epoch)))
             }
             Message::Lifeline { member, epoch } => {
                 let held = Slot::take(lifeline_slots, lifeline::MAX_LIFELINES)
@@ -586,8 +551,7 @@ fn answer_queries(
 
 /// Every member the controller knows, and its health.
 fn census_of(tables: &Tables) -> Message {
-    let members = tables.state.members.keys().map(|&member| (member, tables.health(member))).collect();
-    Message::CensusReply { epoch: tables.state.epoch, members }
+    Message::CensusReply { epoch: tables.liveness.epoch(), members: tables.liveness.census(tables.now()) }
 }
 
 #[cfg(test)]

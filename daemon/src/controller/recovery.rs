@@ -109,13 +109,13 @@ pub(super) fn reseed_restored(
 /// was. A late request for an older epoch is refused: it must not retarget sidecars from an old
 /// book.
 fn losses_in(tables: &Tables, epoch: u64, depth: u32) -> Result<Vec<(u32, Loss)>, ControllerError> {
-    let current = tables.state.epoch;
+    let current = tables.liveness.epoch();
     if epoch != current {
         return Err(ControllerError::Protocol(format!(
             "a recovery of epoch {epoch}, not the current {current}"
         )));
     }
-    let fenced = |member: Member| tables.state.members.get(&member).is_some_and(|m| m.fenced_in == epoch);
+    let fenced = |member: Member| tables.liveness.membership(member).is_some_and(|m| m.fenced_in == epoch);
     let losses: Vec<(u32, Loss)> = (0..depth)
         .filter_map(|stage| {
             if fenced((Role::Sidecar, stage)) {

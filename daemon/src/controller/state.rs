@@ -2,48 +2,32 @@
 //! fences), written whole (temporary file, fsync, rename, directory fsync) before a fence is
 //! answered.
 
-use std::collections::BTreeMap;
-use std::fmt;
+use std::fmt::Write as _;
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
 
-use super::{role_name, ControllerError, Member};
+use super::{role_name, ControllerError};
 use crate::heartbeat::Role;
 
-/// What survives a controller crash.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct State {
-    /// The last epoch handed out (0: none yet).
-    pub epoch: u64,
-    /// How many controllers have run on this state, this one included.
-    pub incarnation: u64,
-    /// Every member heard from.
-    pub members: BTreeMap<Member, Membership>,
-}
+pub use dejavu_proto::liveness::{Membership, Record};
 
-/// What the controller keeps of a member.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Membership {
-    /// The epoch of its last fence (0: never fenced): only processes started in it or later
-    /// count for the member.
-    pub fenced_in: u64,
-    /// Whether it was fenced and no replacement has beaten since.
-    pub awaiting: bool,
-}
+/// The controller's state file: the [`Record`] of its liveness machine, one fact per line.
+#[derive(Clone, Debug)]
+pub struct State;
 
 impl State {
-    /// Reads the state at `path`; a missing file is a fresh cluster.
-    pub fn load(path: &Path) -> Result<Self, ControllerError> {
+    /// Reads the record at `path`; a missing file is a fresh cluster.
+    pub fn load(path: &Path) -> Result<Record, ControllerError> {
         let text = match std::fs::read_to_string(path) {
             Ok(text) => text,
-            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Self::default()),
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Record::default()),
             Err(e) => return Err(state_error(path, e.to_string())),
         };
         Self::parse(&text).map_err(|why| state_error(path, why))
     }
 
-    fn parse(text: &str) -> Result<Self, String> {
-        let mut state = Self::default();
+    fn parse(text: &str) -> Result<Record, String> {
+        let mut state = Record::default();
         let (mut epoch, mut incarnation) = (false, false);
         for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let bad = || format!("line {}: cannot read {line:?}", n + 1);
@@ -78,14 +62,14 @@ impl State {
         Ok(state)
     }
 
-    /// Writes the state to `path` atomically and durably: a crash leaves the old state or the new.
-    pub fn save(&self, path: &Path) -> Result<(), ControllerError> {
+    /// Writes `record` to `path` atomically and durably: a crash leaves the old record or the new.
+    pub fn save(record: &Record, path: &Path) -> Result<(), ControllerError> {
         let fail = |e: std::io::Error| state_error(path, e.to_string());
         let mut partial = path.as_os_str().to_owned();
         partial.push(".partial");
         let partial = PathBuf::from(partial);
         let mut file = std::fs::File::create(&partial).map_err(fail)?;
-        file.write_all(self.to_string().as_bytes()).map_err(fail)?;
+        file.write_all(Self::encode(record).as_bytes()).map_err(fail)?;
         file.sync_all().map_err(fail)?;
         std::fs::rename(&partial, path).map_err(fail)?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -95,15 +79,15 @@ impl State {
     }
 }
 
-impl fmt::Display for State {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "epoch {}", self.epoch)?;
-        writeln!(f, "incarnation {}", self.incarnation)?;
-        for (&(role, index), m) in &self.members {
+impl State {
+    /// The file's text for `record`.
+    fn encode(record: &Record) -> String {
+        let mut text = format!("epoch {}\nincarnation {}\n", record.epoch, record.incarnation);
+        for (&(role, index), m) in &record.members {
             let status = if m.awaiting { "awaiting" } else { "live" };
-            writeln!(f, "member {} {index} {status} {}", role_name(role), m.fenced_in)?;
+            let _ = writeln!(text, "member {} {index} {status} {}", role_name(role), m.fenced_in);
         }
-        Ok(())
+        text
     }
 }
 
@@ -117,13 +101,13 @@ mod tests {
 
     #[test]
     fn the_state_file_round_trips_and_bad_files_are_refused() {
-        let mut state = State { epoch: 7, incarnation: 2, ..State::default() };
+        let mut state = Record { epoch: 7, incarnation: 2, ..Record::default() };
         state.members.insert((Role::Engine, 0), Membership { fenced_in: 0, awaiting: false });
         state.members.insert((Role::Sidecar, 3), Membership { fenced_in: 7, awaiting: true });
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("controller.state");
-        assert_eq!(State::load(&path).unwrap(), State::default(), "no file: a fresh cluster");
-        state.save(&path).unwrap();
+        assert_eq!(State::load(&path).unwrap(), Record::default(), "no file: a fresh cluster");
+        State::save(&state, &path).unwrap();
         assert_eq!(State::load(&path).unwrap(), state);
         assert!(!dir.path().join("controller.state.partial").exists(), "the partial file was renamed");
         for bad in [

@@ -50,54 +50,7 @@ pub const fn decode_allocation_bound(len: usize) -> usize {
 /// A stage to which a message is addressed that concerns no stage in particular.
 pub const NO_STAGE: u32 = u32::MAX;
 
-/// Which kind of process a member of the cluster is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Role {
-    /// A stage's engine.
-    Engine = 0,
-    /// A stage's sidecar.
-    Sidecar = 1,
-}
-
-impl Role {
-    /// The role of code `code` (its discriminant).
-    pub fn from_code(code: u8) -> Option<Self> {
-        match code {
-            0 => Some(Self::Engine),
-            1 => Some(Self::Sidecar),
-            _ => None,
-        }
-    }
-}
-
-/// A process of the cluster, as the controller knows it: its role and its stage (or spare number).
-pub type Member = (Role, u32);
-
-/// What the controller says of a member.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Health {
-    /// Beat within half the timeout.
-    Alive = 0,
-    /// Silent for half the timeout or more: perhaps dying.
-    Suspect = 1,
-    /// Silent for the timeout, never heard from, or its lifeline broke.
-    Dead = 2,
-    /// Fenced, and no replacement has beaten since: a recovery's victim.
-    Fenced = 3,
-}
-
-impl Health {
-    /// The health of code `code` (its discriminant).
-    pub fn from_code(code: u8) -> Option<Self> {
-        match code {
-            0 => Some(Self::Alive),
-            1 => Some(Self::Suspect),
-            2 => Some(Self::Dead),
-            3 => Some(Self::Fenced),
-            _ => None,
-        }
-    }
-}
+pub use dejavu_proto::liveness::{Health, Member, Role};
 
 /// A sequence's place in a stage's caches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

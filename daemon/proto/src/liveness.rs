@@ -1,0 +1,501 @@
+//! The running controller's liveness and fencing, as a state machine: who is alive, suspect, dead
+//! or fenced; which heartbeats and lifelines count; when the dead are fenced, in which epoch; and
+//! what a restarted controller keeps.
+//!
+//! `dejavud controller` is an I/O shell around [`Liveness`]: it turns heartbeat datagrams,
+//! lifeline connections, fence queries and its clock into calls, writes the [`Record`] it is
+//! handed before anything depends on it, and answers with what the machine decided. The
+//! simulator (`dejavu-sim`, `liveness` module) drives the same machine through kills, pauses,
+//! replays and controller restarts.
+//!
+//! Time is milliseconds on the shell's monotonic clock, passed with every call.
+//!
+//! The rules:
+//!
+//! - Every member beats with the epoch its process was started in. A fence opens a new epoch `e`
+//!   in which its members are fenced: they await a replacement, and beats from processes started
+//!   before `e` are stale from then on. The first beat of a process started in `e` or later
+//!   ends the wait.
+//! - A member's beat counts only if it is newer than the last one taken for it (epoch, then
+//!   sequence number): an older one is a replay.
+//! - A member is suspect once silent for half the timeout, dead once silent for the timeout, or
+//!   at once when its current lifeline closes (a process that exits or is killed closes its
+//!   sockets). Only a member's latest lifeline counts, and only from a process not fenced.
+//! - The detector ([`Liveness::tick`]) fences the dead stage members (spares, from
+//!   [`SPARE_MEMBERS`], are not watched). Suspects may hold the fence up by the grace, to beat
+//!   again or die too, so that workers that failed together are fenced in one epoch; a dead
+//!   sidecar takes its engine with it.
+//! - Every fence is durable before it takes effect: the machine hands the shell the next
+//!   [`Record`] and commits only once the shell has written it. A controller restarted from its
+//!   record never hands out an epoch twice, keeps every fence, and gives every live member it
+//!   knew a full timeout to beat.
+
+use std::collections::BTreeMap;
+
+/// Which kind of process a member of the cluster is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    /// A stage's engine.
+    Engine = 0,
+    /// A stage's sidecar.
+    Sidecar = 1,
+}
+
+impl Role {
+    /// The role of code `code` (its discriminant).
+    pub fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(Self::Engine),
+            1 => Some(Self::Sidecar),
+            _ => None,
+        }
+    }
+}
+
+/// A process of the cluster, as the controller knows it: its role and its stage (or spare number).
+pub type Member = (Role, u32);
+
+/// Added to a spare's number to make its member index: spares beat as (engine or sidecar, this
+/// plus their number), apart from every stage.
+pub const SPARE_MEMBERS: u32 = 1 << 20;
+
+/// What the controller says of a member.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Health {
+    /// Beat within half the timeout.
+    Alive = 0,
+    /// Silent for half the timeout or more: perhaps dying.
+    Suspect = 1,
+    /// Silent for the timeout, never heard from, or its lifeline broke.
+    Dead = 2,
+    /// Fenced, and no replacement has beaten since: a recovery's victim.
+    Fenced = 3,
+}
+
+impl Health {
+    /// The health of code `code` (its discriminant).
+    pub fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(Self::Alive),
+            1 => Some(Self::Suspect),
+            2 => Some(Self::Dead),
+            3 => Some(Self::Fenced),
+            _ => None,
+        }
+    }
+}
+
+/// What the controller keeps of a member across its restarts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Membership {
+    /// The epoch of its last fence (0: never fenced): only processes started in it or later
+    /// count for the member.
+    pub fenced_in: u64,
+    /// Whether it was fenced and no replacement has beaten since.
+    pub awaiting: bool,
+}
+
+/// What survives a controller crash (the shell writes it whole, durably).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Record {
+    /// The last epoch handed out (0: none yet).
+    pub epoch: u64,
+    /// How many controllers have run on this record, this one included.
+    pub incarnation: u64,
+    /// Every member heard from.
+    pub members: BTreeMap<Member, Membership>,
+}
+
+/// A heartbeat, as the shell read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Beat {
+    /// Who beats.
+    pub member: Member,
+    /// The epoch its process was started in.
+    pub epoch: u64,
+    /// Its sequence number: later beats of a process number higher.
+    pub sequence: u64,
+}
+
+/// What became of a heartbeat.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Heard {
+    /// Taken. `first_of_process` when it is the first from a new member or from a fenced
+    /// member's replacement: the record changed, and the shell must write it
+    /// ([`Liveness::record`]). `fenced_for_ms`: for a replacement, how long after the fence.
+    Taken {
+        /// The record changed.
+        first_of_process: bool,
+        /// How long the member awaited this replacement, if this controller fenced it.
+        fenced_for_ms: Option<u64>,
+        /// Milliseconds since the member's previous beat, if any.
+        gap_ms: Option<u64>,
+    },
+    /// From a process started before the member's last fence: ignored.
+    Stale,
+    /// No newer than the last beat taken for the member: ignored.
+    Replay,
+}
+
+/// Why a lifeline is refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StaleLifeline {
+    /// The epoch the process was started in.
+    pub epoch: u64,
+    /// The epoch the member was fenced in since.
+    pub fenced_in: u64,
+}
+
+/// A fence the machine decided or was asked for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fence {
+    /// Its epoch.
+    pub epoch: u64,
+    /// The members fenced in it.
+    pub members: Vec<Member>,
+}
+
+/// Settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LivenessConfig {
+    /// Silence after which a member is dead, in milliseconds.
+    pub timeout_ms: u64,
+    /// How long suspects may hold up the fence of the dead, in milliseconds.
+    pub grace_ms: u64,
+}
+
+/// The controller's liveness and fencing state machine.
+#[derive(Clone, Debug)]
+pub struct Liveness {
+    config: LivenessConfig,
+    record: Record,
+    /// When each member was last heard from.
+    seen: BTreeMap<Member, u64>,
+    /// The last beat taken for each member (epoch, sequence): an older one is a replay.
+    last_beats: BTreeMap<Member, (u64, u64)>,
+    /// When each member awaiting a replacement was fenced (by this controller).
+    fenced_at: BTreeMap<Member, u64>,
+    /// The number of each member's current lifeline.
+    lifelines: BTreeMap<Member, u64>,
+    /// Members whose current lifeline closed: dead, until a new process of theirs holds one or
+    /// they are fenced.
+    severed: BTreeMap<Member, u64>,
+    next_lifeline: u64,
+    /// When the first member of the failure being decided was seen dead.
+    first_dead: Option<u64>,
+}
+
+impl Liveness {
+    /// A controller starting at `now` from `record` (the default for a fresh cluster): it counts
+    /// itself as one more incarnation, and every live member it knew gets a full timeout from
+    /// `now`. The shell must write [`Liveness::record`] before it answers anyone.
+    pub fn start(config: LivenessConfig, mut record: Record, now: u64) -> Self {
+        record.incarnation += 1;
+        let seen =
+            record.members.iter().filter(|(_, m)| !m.awaiting).map(|(&member, _)| (member, now)).collect();
+        Self {
+            config,
+            record,
+            seen,
+            last_beats: BTreeMap::new(),
+            fenced_at: BTreeMap::new(),
+            lifelines: BTreeMap::new(),
+            severed: BTreeMap::new(),
+            next_lifeline: 1,
+            first_dead: None,
+        }
+    }
+
+    /// What the shell keeps durable.
+    pub fn record(&self) -> &Record {
+        &self.record
+    }
+
+    /// The last epoch handed out.
+    pub fn epoch(&self) -> u64 {
+        self.record.epoch
+    }
+
+    /// The settings.
+    pub fn config(&self) -> LivenessConfig {
+        self.config
+    }
+
+    /// What the controller knows of `member`.
+    pub fn membership(&self, member: Member) -> Option<Membership> {
+        self.record.members.get(&member).copied()
+    }
+
+    /// Lifelines held now.
+    pub fn lifelines_held(&self) -> usize {
+        self.lifelines.len()
+    }
+
+    /// The health of `member` at `now`.
+    pub fn health(&self, member: Member, now: u64) -> Health {
+        if self.record.members.get(&member).is_some_and(|m| m.awaiting) {
+            return Health::Fenced;
+        }
+        if self.severed.contains_key(&member) {
+            return Health::Dead;
+        }
+        match self.seen.get(&member) {
+            None => Health::Dead,
+            Some(&at) if now.saturating_sub(at) >= self.config.timeout_ms => Health::Dead,
+            Some(&at) if 2 * now.saturating_sub(at) >= self.config.timeout_ms => Health::Suspect,
+            Some(_) => Health::Alive,
+        }
+    }
+
+    /// Every member the controller knows, and its health at `now`.
+    pub fn census(&self, now: u64) -> Vec<(Member, Health)> {
+        self.record.members.keys().map(|&member| (member, self.health(member, now))).collect()
+    }
+
+    /// Takes in a heartbeat that arrived at `now`.
+    pub fn heartbeat(&mut self, beat: Beat, now: u64) -> Heard {
+        let Beat { member, epoch, sequence } = beat;
+        let known = self.record.members.get(&member).copied();
+        if known.is_some_and(|m| epoch < m.fenced_in) {
+            return Heard::Stale;
+        }
+        if self.last_beats.get(&member).is_some_and(|&last| (epoch, sequence) <= last) {
+            return Heard::Replay;
+        }
+        self.last_beats.insert(member, (epoch, sequence));
+        let gap_ms = self.seen.insert(member, now).map(|previous| now.saturating_sub(previous));
+        let fenced_for_ms = self.fenced_at.remove(&member).map(|at| now.saturating_sub(at));
+        let first_of_process = match known {
+            Some(m) if !m.awaiting => false,
+            _ => {
+                let fenced_in = known.map_or(0, |m| m.fenced_in);
+                self.record.members.insert(member, Membership { fenced_in, awaiting: false });
+                true
+            }
+        };
+        Heard::Taken { first_of_process, fenced_for_ms, gap_ms }
+    }
+
+    /// `member`'s process, started in `epoch`, holds a lifeline from now on; returns its number,
+    /// now the member's current one (the end of an older one says nothing any more).
+    pub fn lifeline_opened(&mut self, member: Member, epoch: u64) -> Result<u64, StaleLifeline> {
+        if let Some(m) = self.record.members.get(&member).filter(|m| epoch < m.fenced_in) {
+            return Err(StaleLifeline { epoch, fenced_in: m.fenced_in });
+        }
+        let number = self.next_lifeline;
+        self.next_lifeline += 1;
+        self.lifelines.insert(member, number);
+        self.severed.remove(&member);
+        Ok(number)
+    }
+
+    /// Lifeline `number` of `member` closed at `now`; returns whether it was the member's
+    /// current one (the member is then dead, and the detector should run soon).
+    pub fn lifeline_closed(&mut self, member: Member, number: u64, now: u64) -> bool {
+        if self.lifelines.get(&member) != Some(&number) {
+            return false;
+        }
+        self.lifelines.remove(&member);
+        self.severed.insert(member, now);
+        true
+    }
+
+    /// Fences `members` in a new epoch, written with `persist` before it takes effect; returns
+    /// the epoch. With `reuse` (the lowest epoch acceptable), members that all await their
+    /// replacements from a fence in the current epoch, at least that one, are fenced already:
+    /// that epoch is returned and none opened. If `persist` fails, nothing changes.
+    pub fn fence<E>(
+        &mut self,
+        members: &[Member],
+        reuse: Option<u64>,
+        now: u64,
+        persist: impl FnOnce(&Record) -> Result<(), E>,
+    ) -> Result<u64, E> {
+        let current = |member: &Member| {
+            let m = self.record.members.get(member);
+            m.is_some_and(|m| m.awaiting && m.fenced_in == self.record.epoch)
+        };
+        if reuse.is_some_and(|lowest| self.record.epoch >= lowest)
+            && !members.is_empty()
+            && members.iter().all(current)
+        {
+            return Ok(self.record.epoch);
+        }
+        let mut next = self.record.clone();
+        next.epoch += 1;
+        for &member in members {
+            next.members.insert(member, Membership { fenced_in: next.epoch, awaiting: true });
+        }
+        persist(&next)?;
+        for member in members {
+            self.seen.remove(member);
+            self.fenced_at.insert(*member, now);
+            // The fenced process's beats are stale from now on: the replacement's are the only
+            // ones taken, whatever they number; its lifeline is no longer the member's.
+            self.last_beats.remove(member);
+            self.lifelines.remove(member);
+            self.severed.remove(member);
+        }
+        self.record = next;
+        Ok(self.record.epoch)
+    }
+
+    /// The detector, run at `now`: the members to fence (empty: none yet). The shell fences them
+    /// with [`Liveness::fence`].
+    pub fn tick(&mut self, now: u64) -> Vec<Member> {
+        let census = self.census(now);
+        let watched = || census.iter().filter(|&&((_, index), _)| index < SPARE_MEMBERS);
+        let mut dead: Vec<Member> =
+            watched().filter(|&&(_, health)| health == Health::Dead).map(|&(member, _)| member).collect();
+        if dead.is_empty() {
+            self.first_dead = None;
+            return dead;
+        }
+        let since = *self.first_dead.get_or_insert(now);
+        let dying = watched().any(|&(_, health)| health == Health::Suspect);
+        if dying && now.saturating_sub(since) < self.config.grace_ms {
+            return Vec::new();
+        }
+        self.first_dead = None;
+        let engines_of_dead_sidecars: Vec<Member> = dead
+            .iter()
+            .filter(|&&(role, _)| role == Role::Sidecar)
+            .map(|&(_, index)| (Role::Engine, index))
+            .filter(|&engine| watched().any(|&(member, health)| member == engine && health != Health::Fenced))
+            .collect();
+        dead.extend(engines_of_dead_sidecars);
+        dead.sort();
+        dead.dedup();
+        dead
+    }
+
+    /// The next time at which a member's health changes by the clock alone (a suspect, a death,
+    /// the end of a grace), if any: the shell need not run the detector before it.
+    pub fn poll_timeout(&self, now: u64) -> Option<u64> {
+        let timeout = self.config.timeout_ms;
+        let live = self.seen.iter().filter(|(member, _)| {
+            !self.severed.contains_key(member) && !self.record.members.get(member).is_some_and(|m| m.awaiting)
+        });
+        let changes = live.flat_map(|(_, &at)| [at + timeout.div_ceil(2), at + timeout]);
+        let grace = self.first_dead.map(|since| since + self.config.grace_ms);
+        changes.chain(grace).filter(|&at| at > now).min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONFIG: LivenessConfig = LivenessConfig { timeout_ms: 400, grace_ms: 400 };
+
+    fn engine(i: u32) -> Member {
+        (Role::Engine, i)
+    }
+
+    fn sidecar(i: u32) -> Member {
+        (Role::Sidecar, i)
+    }
+
+    fn beat(member: Member, epoch: u64, sequence: u64) -> Beat {
+        Beat { member, epoch, sequence }
+    }
+
+    fn durable(_: &Record) -> Result<(), ()> {
+        Ok(())
+    }
+
+    fn live(members: &[Member]) -> Liveness {
+        let mut l = Liveness::start(CONFIG, Record::default(), 0);
+        for &m in members {
+            assert!(matches!(l.heartbeat(beat(m, 0, 1), 0), Heard::Taken { first_of_process: true, .. }));
+        }
+        l
+    }
+
+    #[test]
+    fn health_follows_silence_and_lifelines() {
+        let mut l = live(&[engine(0), engine(1)]);
+        assert_eq!(l.health(engine(0), 199), Health::Alive);
+        assert_eq!(l.health(engine(0), 200), Health::Suspect);
+        assert_eq!(l.health(engine(0), 400), Health::Dead);
+        assert_eq!(l.health(engine(9), 0), Health::Dead, "never heard of");
+        let number = l.lifeline_opened(engine(1), 0).unwrap();
+        assert!(l.lifeline_closed(engine(1), number, 10));
+        assert_eq!(l.health(engine(1), 10), Health::Dead, "its lifeline broke");
+        assert!(!l.lifeline_closed(engine(1), number, 11), "no longer its lifeline");
+        assert_eq!(l.poll_timeout(10), Some(200));
+    }
+
+    #[test]
+    fn fenced_processes_are_stale_and_replays_are_refused() {
+        let mut l = live(&[engine(0)]);
+        assert_eq!(l.heartbeat(beat(engine(0), 0, 1), 5), Heard::Replay);
+        assert_eq!(l.fence(&[engine(0)], None, 10, durable), Ok(1));
+        assert_eq!(l.health(engine(0), 10), Health::Fenced);
+        assert_eq!(l.heartbeat(beat(engine(0), 0, 99), 20), Heard::Stale);
+        assert_eq!(l.lifeline_opened(engine(0), 0), Err(StaleLifeline { epoch: 0, fenced_in: 1 }));
+        let heard = l.heartbeat(beat(engine(0), 1, 1), 30);
+        assert_eq!(heard, Heard::Taken { first_of_process: true, fenced_for_ms: Some(20), gap_ms: None });
+        assert_eq!(l.health(engine(0), 30), Health::Alive);
+    }
+
+    #[test]
+    fn a_fence_that_cannot_be_written_changes_nothing_and_a_retry_reuses_the_epoch() {
+        let mut l = live(&[engine(0), engine(1)]);
+        assert_eq!(l.fence(&[engine(0)], None, 10, |_| Err("disk full")), Err("disk full"));
+        assert_eq!(l.epoch(), 0);
+        assert_eq!(l.health(engine(0), 10), Health::Alive);
+        assert_eq!(l.fence(&[engine(0)], Some(0), 10, durable), Ok(1));
+        assert_eq!(l.fence(&[engine(0)], Some(1), 20, durable), Ok(1), "fenced already");
+        assert_eq!(l.fence(&[engine(0)], Some(2), 20, durable), Ok(2), "a newer one asked for");
+        assert_eq!(l.fence(&[engine(0), engine(1)], Some(0), 20, durable), Ok(3), "not all of them");
+    }
+
+    #[test]
+    fn the_detector_groups_failures_and_takes_a_dead_sidecars_engine() {
+        let mut l = live(&[engine(0), sidecar(0), engine(1), sidecar(1), engine(2)]);
+        for m in [engine(1), sidecar(1), engine(2)] {
+            l.heartbeat(beat(m, 0, 2), 250);
+        }
+        // Engine 0 and sidecar 0 are dead at 400, engine 1 (beat at 250) is not suspect yet.
+        assert_eq!(l.tick(400), [engine(0), sidecar(0)]);
+        let mut l = live(&[engine(0), engine(1), sidecar(1)]);
+        l.heartbeat(beat(engine(1), 0, 2), 100);
+        l.heartbeat(beat(sidecar(1), 0, 2), 399);
+        // Engine 0 is dead at 400 and engine 1 is suspect: the fence waits for it.
+        assert!(l.tick(400).is_empty());
+        assert_eq!(l.poll_timeout(400), Some(500), "engine 1 dies at 500");
+        assert_eq!(l.tick(500), [engine(0), engine(1)], "one epoch for both");
+        // A sidecar whose lifeline breaks takes its engine, once the suspects are settled.
+        let mut l = live(&[engine(0), sidecar(0)]);
+        let n0 = l.lifeline_opened(sidecar(0), 0).unwrap();
+        l.lifeline_closed(sidecar(0), n0, 50);
+        assert_eq!(l.tick(50), [engine(0), sidecar(0)]);
+    }
+
+    #[test]
+    fn spares_are_not_watched_and_the_grace_is_bounded() {
+        let spare = (Role::Engine, SPARE_MEMBERS + 1);
+        let mut l = live(&[engine(0), engine(1), spare]);
+        l.heartbeat(beat(engine(1), 0, 2), 300);
+        assert!(l.tick(500).is_empty(), "engine 1, suspect, holds engine 0's fence up");
+        // Engine 1 stays suspect without dying: it holds the fence up for the grace at most.
+        l.heartbeat(beat(engine(1), 0, 3), 550);
+        assert!(l.tick(800).is_empty());
+        assert_eq!(l.poll_timeout(800), Some(900), "the grace ends at 900");
+        assert_eq!(l.tick(900), [engine(0)], "the dead spare is not fenced");
+    }
+
+    #[test]
+    fn a_restarted_controller_keeps_epochs_and_fences_and_gives_members_a_timeout() {
+        let mut l = live(&[engine(0), engine(1)]);
+        l.fence(&[engine(0)], None, 10, durable).unwrap();
+        let record = l.record().clone();
+        let mut restarted = Liveness::start(CONFIG, record, 5_000);
+        assert_eq!(restarted.record().incarnation, 2);
+        assert_eq!(restarted.health(engine(0), 5_000), Health::Fenced);
+        assert_eq!(restarted.health(engine(1), 5_000), Health::Alive, "a full timeout from the restart");
+        assert_eq!(restarted.heartbeat(beat(engine(0), 0, 7), 5_001), Heard::Stale);
+        assert_eq!(restarted.fence(&[engine(1)], None, 5_002, durable), Ok(2), "no epoch twice");
+    }
+}
