@@ -107,7 +107,7 @@ pub struct Record {
 }
 
 /// A heartbeat, as the shell read it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Beat {
     /// Who beats.
     pub member: Member,
@@ -122,7 +122,8 @@ pub struct Beat {
 pub enum Heard {
     /// Taken. `first_of_process` when it is the first from a new member or from a fenced
     /// member's replacement: the record changed, and the shell must write it
-    /// ([`Liveness::record`]). `fenced_for_ms`: for a replacement, how long after the fence.
+    /// ([`Liveness::unwritten_record`]). `fenced_for_ms`: for a replacement, how long after the
+    /// fence.
     Taken {
         /// The record changed.
         first_of_process: bool,
@@ -183,12 +184,15 @@ pub struct Liveness {
     next_lifeline: u64,
     /// When the first member of the failure being decided was seen dead.
     first_dead: Option<u64>,
+    /// Whether the record changed since the shell last wrote it.
+    unwritten: bool,
 }
 
 impl Liveness {
     /// A controller starting at `now` from `record` (the default for a fresh cluster): it counts
     /// itself as one more incarnation, and every live member it knew gets a full timeout from
-    /// `now`. The shell must write [`Liveness::record`] before it answers anyone.
+    /// `now`. The shell must write the record ([`Liveness::unwritten_record`]) before it answers
+    /// anyone.
     pub fn start(config: LivenessConfig, mut record: Record, now: u64) -> Self {
         record.incarnation += 1;
         let seen =
@@ -203,7 +207,21 @@ impl Liveness {
             severed: BTreeMap::new(),
             next_lifeline: 1,
             first_dead: None,
+            unwritten: true,
         }
+    }
+
+    /// The record, if it changed since the shell last wrote it (a member joined, a replacement
+    /// beat, the controller started): the shell writes it, then says so with
+    /// [`Liveness::record_written`], or tries again later. A member the record lacks is unknown
+    /// to a controller restarted from it.
+    pub fn unwritten_record(&self) -> Option<&Record> {
+        self.unwritten.then_some(&self.record)
+    }
+
+    /// The shell wrote the record it was handed by [`Liveness::unwritten_record`].
+    pub fn record_written(&mut self) {
+        self.unwritten = false;
     }
 
     /// What the shell keeps durable.
@@ -270,6 +288,7 @@ impl Liveness {
             _ => {
                 let fenced_in = known.map_or(0, |m| m.fenced_in);
                 self.record.members.insert(member, Membership { fenced_in, awaiting: false });
+                self.unwritten = true;
                 true
             }
         };
@@ -327,6 +346,7 @@ impl Liveness {
             next.members.insert(member, Membership { fenced_in: next.epoch, awaiting: true });
         }
         persist(&next)?;
+        self.unwritten = false;
         for member in members {
             self.seen.remove(member);
             self.fenced_at.insert(*member, now);
@@ -484,6 +504,23 @@ mod tests {
         assert!(l.tick(800).is_empty());
         assert_eq!(l.poll_timeout(800), Some(900), "the grace ends at 900");
         assert_eq!(l.tick(900), [engine(0)], "the dead spare is not fenced");
+    }
+
+    #[test]
+    fn the_record_is_unwritten_until_the_shell_writes_it() {
+        let mut l = Liveness::start(CONFIG, Record::default(), 0);
+        assert_eq!(l.unwritten_record().map(|r| r.incarnation), Some(1), "a start changes it");
+        l.record_written();
+        assert!(matches!(l.heartbeat(beat(engine(0), 0, 1), 1), Heard::Taken { first_of_process: true, .. }));
+        // The shell could not write it: it stays unwritten, whatever comes next.
+        assert!(l.unwritten_record().is_some_and(|r| r.members.contains_key(&engine(0))));
+        l.heartbeat(beat(engine(0), 0, 2), 2);
+        assert!(l.unwritten_record().is_some(), "still to be written");
+        l.record_written();
+        l.heartbeat(beat(engine(0), 0, 3), 3);
+        assert!(l.unwritten_record().is_none(), "nothing new");
+        l.fence(&[engine(0)], None, 4, durable).unwrap();
+        assert!(l.unwritten_record().is_none(), "a fence writes it whole");
     }
 
     #[test]

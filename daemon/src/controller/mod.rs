@@ -211,9 +211,13 @@ impl Tables {
         first_of_process
     }
 
-    /// Writes the machine's record to the state file.
-    fn save(&self) -> Result<(), ControllerError> {
-        State::save(self.liveness.record(), &self.path)
+    /// Writes the machine's record to the state file if it changed since it was last written.
+    fn save(&mut self) -> Result<(), ControllerError> {
+        if let Some(record) = self.liveness.unwritten_record() {
+            State::save(record, &self.path)?;
+            self.liveness.record_written();
+        }
+        Ok(())
     }
 
     /// Has the machine fence `members` (see [`Liveness::fence`]), its record written first;
@@ -329,6 +333,7 @@ pub fn serve_controller(
         timeout: config.timeout,
         interval: config.interval,
     };
+    let mut tables = tables;
     tables.save()?;
     let tables = Arc::new(Mutex::new(tables));
     let counters = Arc::new(Counters::default());
@@ -429,6 +434,11 @@ fn detect_failures(
         let mut tables = tables.lock();
         // Beats that came while the controller was stopped count before anyone is declared dead.
         tables.absorb_pending(heartbeats, counters);
+        // A record that could not be written before is written now: a member it lacks would be
+        // unknown to a restarted controller.
+        if let Err(e) = tables.save() {
+            error!(error = %e, "cannot write the state file");
+        }
         let now = tables.now();
         let dead = tables.liveness.tick(now);
         sleep = match tables.liveness.poll_timeout(now) {

@@ -6,13 +6,18 @@
 //! crashes, pauses, partitions and controller restarts ([`sim`]), and checks the reliability
 //! contract after every tick: no acknowledged KV lost, bit-identical tokens delivered exactly once,
 //! at most one owner per (stage, epoch), bounded recompute, every request finishes after healing.
+//! [`liveness`] drives the machine the running controller is built on
+//! ([`dejavu_proto::liveness::Liveness`]) through process kills, pauses, replayed beats, an
+//! unwritable state file and controller restarts.
 //!
 //! Replay a seed with `cargo run --release -p dejavu-sim -- --seed N`; with `DEJAVU_SIM_TRACE=1` it
 //! prints crashes, recovery plans and the computations of microbatch 0 as they happen.
 
 pub mod engine;
+pub mod liveness;
 pub mod sim;
 
+pub use liveness::{run_liveness_seed, LivenessReport, LivenessSimConfig};
 pub use sim::{Faults, Report, Sim, SimConfig};
 
 /// Runs one seed with `cfg`.

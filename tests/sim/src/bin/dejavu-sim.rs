@@ -1,18 +1,21 @@
 //! `dejavu-sim`: runs seeds of the control-plane simulator and reports violations.
 //!
-//! `dejavu-sim [--seed N | --seeds A..B] [--varied] [--quiet]`: `--varied` draws each seed's
-//! cluster shape and delays from the seed (`SimConfig::varied`).
+//! `dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness] [--quiet]`: `--varied` draws
+//! each seed's cluster shape and delays from the seed (`SimConfig::varied`); `--liveness` runs the
+//! controller's liveness machine instead (`dejavu_sim::liveness`; `DEJAVU_SIM_TRACE=1` prints its
+//! events).
 
 use std::process::ExitCode;
 use std::time::Instant;
 
-use dejavu_sim::{run_seed, SimConfig};
+use dejavu_sim::{run_liveness_seed, run_seed, LivenessSimConfig, SimConfig};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut range = 0..1000u64;
     let mut quiet = false;
     let mut varied = false;
+    let mut liveness = false;
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
             }
             "--quiet" => quiet = true,
             "--varied" => varied = true,
+            "--liveness" => liveness = true,
             _ => return usage(),
         }
         i += 1;
@@ -39,13 +43,29 @@ fn main() -> ExitCode {
     let config = |seed: u64| if varied { SimConfig::varied(seed) } else { SimConfig::default() };
     let started = Instant::now();
     let (mut runs, mut failed) = (0u64, 0u64);
+    let flags =
+        format!("{}{}", if varied { " --varied" } else { "" }, if liveness { " --liveness" } else { "" });
     for seed in range.clone() {
-        let report = run_seed(seed, &config(seed));
         runs += 1;
+        if liveness {
+            let cfg = if varied { LivenessSimConfig::varied(seed) } else { LivenessSimConfig::default() };
+            let report = run_liveness_seed(seed, &cfg);
+            if !report.violations.is_empty() {
+                failed += 1;
+                println!(
+                    "seed {seed}: {:?} (replay: cargo run --release -p dejavu-sim -- --seed {seed}{flags})",
+                    report.violations
+                );
+            } else if !quiet && range.end - range.start == 1 {
+                println!("seed {seed}: ok, {} fences, faults {:?}", report.fences, report.faults);
+            }
+            continue;
+        }
+        let report = run_seed(seed, &config(seed));
         if !report.violations.is_empty() {
             failed += 1;
             println!(
-                "seed {seed}: {} violations (replay: cargo run --release -p dejavu-sim -- --seed {seed})",
+                "seed {seed}: {} violations (replay: cargo run --release -p dejavu-sim -- --seed {seed}{flags})",
                 report.violations.len()
             );
             for v in &report.violations {
@@ -68,6 +88,6 @@ fn main() -> ExitCode {
 }
 
 fn usage() -> ExitCode {
-    eprintln!("usage: dejavu-sim [--seed N | --seeds A..B] [--varied] [--quiet]");
+    eprintln!("usage: dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness] [--quiet]");
     ExitCode::from(2)
 }
