@@ -403,6 +403,11 @@ pub struct ControllerArgs {
     /// Read the cluster secret from this file instead (without its trailing newline).
     #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
+    /// Append a journal of its liveness machine's life to this file: how it started, then every
+    /// heartbeat, lifeline, detection and fence and what it decided, one line each (`dejavu-sim`
+    /// replays it).
+    #[arg(long, value_name = "FILE")]
+    pub journal: Option<PathBuf>,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
@@ -654,6 +659,7 @@ impl ControllerArgs {
             interval: Duration::from_millis(self.heartbeat_ms),
             metrics: self.metrics,
             secret: secret.into_bytes(),
+            journal: self.journal,
         };
         Ok(serve_controller(config, announce)?)
     }

@@ -403,6 +403,53 @@ fn workers_apart_in_the_chain_lost_together_are_recovered_in_one_repair() {
     }
 }
 
+/// The controller's decisions replay: a run of real processes in which a whole worker is killed,
+/// detected, fenced and recovered writes the journal of the controller's liveness machine, and a
+/// fresh machine in the simulator, given the same calls, answers every one the same.
+#[test]
+fn the_controllers_decisions_in_a_real_run_replay_through_the_simulated_machine() {
+    let expected = reference();
+    let prompts = prompts();
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("controller.journal");
+    let mut chain = Cluster::start(ClusterConfig {
+        splits: splits(),
+        slots: SLOTS,
+        microbatches: MICROBATCHES,
+        max_tokens: MAX_TOKENS,
+        deadline: Duration::from_secs(1),
+        journal: Some(journal.clone()),
+        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavud")))
+    })
+    .unwrap();
+    let done = 3;
+    let mut so_far = start_requests(&mut chain.remote, done);
+    chain.kill(1, Kill::Worker).unwrap();
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
+    let recovered = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "request {i}");
+    }
+    drop(chain);
+
+    let text = std::fs::read_to_string(&journal).unwrap();
+    let replayed = dejavu_sim::replay_journal(&text).unwrap();
+    // The journal holds the run's decisions, not only its beats: the worker's fence in the
+    // recovery's epoch, and its replacements' first beats in that epoch.
+    let fenced = text.lines().find(|l| l.starts_with("fence engine:1,sidecar:1 - "));
+    let fenced = fenced.unwrap_or_else(|| panic!("no fence: {text}"));
+    assert!(fenced.ends_with(&format!("1 -> {}", recovered.epoch)), "{fenced}");
+    for member in ["engine:1", "sidecar:1"] {
+        let first = format!("beat {member} {} ", recovered.epoch);
+        assert!(
+            text.lines().any(|l| l.starts_with(&first) && l.contains("-> taken 1")),
+            "{member}'s replacement"
+        );
+    }
+    assert!(replayed > 20, "{replayed} entries replayed");
+}
+
 #[test]
 fn a_stale_engine_back_from_a_pause_is_fenced_out() {
     let expected = reference();

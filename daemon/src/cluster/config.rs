@@ -90,6 +90,9 @@ pub struct ClusterConfig {
     /// CPUs for the stages' compute and for replication, if set apart; by default every process
     /// runs on any CPU.
     pub cpus: Option<CpuSplit>,
+    /// Where the controller (and each controller that replaces it) appends the journal of its
+    /// liveness machine, if anywhere (`dejavud controller --journal`).
+    pub journal: Option<PathBuf>,
 }
 
 /// CPUs set apart for computing and for copying KV: the stages run on `compute` but for their
@@ -162,6 +165,7 @@ impl ClusterConfig {
             disaggregation: None,
             fabric: None,
             cpus: None,
+            journal: None,
         }
     }
 

@@ -395,6 +395,7 @@ impl Cluster {
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
             format!("--metrics={}", SocketAddr::new(config.gateway(), 0)),
         ];
+        args.extend(config.journal.iter().map(|path| format!("--journal={}", path.display())));
         let first =
             [args.clone(), vec![format!("--listen={}", SocketAddr::new(config.gateway(), 0))]].concat();
         let started = spawn(&config.exe, &first, "the controller", START)?;

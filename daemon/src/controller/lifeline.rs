@@ -34,7 +34,9 @@ pub(super) const MAX_LIFELINES: usize = 1024;
 /// The controller's side, when `member`, started in `epoch`, asks to hold a lifeline: its number,
 /// now the member's current one, or a refusal for a process fenced since it started.
 pub(super) fn register(tables: &mut Tables, member: Member, epoch: u64) -> Result<u64, ControllerError> {
-    tables.liveness.lifeline_opened(member, epoch).map_err(|stale| {
+    let opened = tables.liveness.lifeline_opened(member, epoch);
+    tables.write_journal();
+    opened.map_err(|stale| {
         ControllerError::Protocol(format!(
             "a lifeline of a process started in epoch {}, fenced in epoch {}",
             stale.epoch, stale.fenced_in
@@ -63,7 +65,9 @@ pub(super) fn wait_out(
     counters.lifelines.fetch_sub(1, Ordering::Relaxed);
     let mut tables = tables.lock();
     let now = tables.now();
-    if tables.liveness.lifeline_closed(member, number, now) {
+    let current = tables.liveness.lifeline_closed(member, number, now);
+    tables.write_journal();
+    if current {
         counters.severed_lifelines.fetch_add(1, Ordering::Relaxed);
         info!(?member, "a lifeline broke: the member's process is gone");
         // A full channel means the detector runs anyway.

@@ -130,6 +130,8 @@ struct Tables {
     secret: Vec<u8>,
     timeout: Duration,
     interval: Duration,
+    /// Where the machine's journal goes, if it keeps one.
+    journal: Option<BufWriter<std::fs::File>>,
 }
 
 /// Counters for the metrics page.
@@ -175,6 +177,21 @@ impl Tables {
         self.clock.elapsed().as_millis() as u64
     }
 
+    /// Appends what the machine journaled since the last call to the journal file, if any.
+    fn write_journal(&mut self) {
+        let Some(file) = self.journal.as_mut() else { return };
+        let written = self
+            .liveness
+            .drain_journal()
+            .iter()
+            .try_for_each(|entry| writeln!(file, "{}", entry.encode()))
+            .and_then(|()| file.flush());
+        if let Err(e) = written {
+            error!(error = %e, "cannot write the journal: it stops here");
+            self.journal = None;
+        }
+    }
+
     /// Records a heartbeat `beat` that came from `from`; returns whether the state file must be
     /// written (a new member, or a fenced one's replacement).
     fn heard(&mut self, beat: Beat, from: SocketAddr, counters: &Counters) -> bool {
@@ -194,6 +211,7 @@ impl Tables {
                     (first_of_process, fenced_for_ms, gap_ms)
                 }
             };
+        self.write_journal();
         if let Some(port) = control_port {
             self.controls.insert(member, SocketAddr::new(from.ip(), port));
         }
@@ -216,6 +234,7 @@ impl Tables {
         if let Some(record) = self.liveness.unwritten_record() {
             State::save(record, &self.path)?;
             self.liveness.record_written();
+            self.write_journal();
         }
         Ok(())
     }
@@ -229,7 +248,9 @@ impl Tables {
         counters: &Counters,
     ) -> Result<u64, ControllerError> {
         let (before, now, path) = (self.liveness.epoch(), self.now(), self.path.clone());
-        let epoch = self.liveness.fence(members, reuse, now, |record| State::save(record, &path))?;
+        let fenced = self.liveness.fence(members, reuse, now, |record| State::save(record, &path));
+        self.write_journal();
+        let epoch = fenced?;
         if epoch == before {
             return Ok(epoch);
         }
@@ -274,6 +295,8 @@ pub struct ControllerConfig {
     pub metrics: Option<SocketAddr>,
     /// The cluster secret: recoveries reach the sidecars with it.
     pub secret: Vec<u8>,
+    /// Where to append the journal of its liveness machine, if anywhere.
+    pub journal: Option<PathBuf>,
 }
 
 /// Query connections served at once; more are closed as they come (each has a thread).
@@ -295,6 +318,11 @@ const MAX_FENCE_WAIT: Duration = Duration::from_secs(10);
 
 /// Attempts at binding a UDP and a TCP socket to one free port before giving up.
 const BIND_ATTEMPTS: usize = 16;
+
+/// The error of a journal that cannot be opened or started.
+fn journal_error(path: &std::path::Path, e: std::io::Error) -> ControllerError {
+    ControllerError::State { path: path.to_owned(), why: format!("the journal: {e}") }
+}
 
 /// Binds a UDP and a TCP socket on the same port of `addr` (a free one if its port is 0).
 fn bind_pair(addr: SocketAddr) -> std::io::Result<(UdpSocket, TcpListener)> {
@@ -324,14 +352,27 @@ pub fn serve_controller(
     let timeout_ms = config.timeout.as_millis().max(1) as u64;
     let settings = LivenessConfig { timeout_ms, grace_ms: timeout_ms };
     // A restarted controller gives every live member it knew a full timeout from now.
+    let (liveness, start) = Liveness::start_journaled(settings, record, 0);
+    let journal = match &config.journal {
+        Some(path) => {
+            let open = std::fs::OpenOptions::new().create(true).append(true).open(path);
+            let mut file = BufWriter::new(open.map_err(|e| journal_error(path, e))?);
+            writeln!(file, "{}", start.encode())
+                .and_then(|()| file.flush())
+                .map_err(|e| journal_error(path, e))?;
+            Some(file)
+        }
+        None => None,
+    };
     let tables = Tables {
-        liveness: Liveness::start(settings, record, 0),
+        liveness,
         path: config.state.clone(),
         clock: Instant::now(),
         controls: HashMap::new(),
         secret: config.secret.clone(),
         timeout: config.timeout,
         interval: config.interval,
+        journal,
     };
     let mut tables = tables;
     tables.save()?;
@@ -441,6 +482,7 @@ fn detect_failures(
         }
         let now = tables.now();
         let dead = tables.liveness.tick(now);
+        tables.write_journal();
         sleep = match tables.liveness.poll_timeout(now) {
             Some(at) => Duration::from_millis(at - now),
             None => wake.longest,
@@ -586,6 +628,7 @@ mod tests {
             interval: Duration::from_millis(20),
             metrics: Some("127.0.0.1:0".parse().unwrap()),
             secret: SECRET.to_vec(),
+            journal: None,
         };
         let (tx, rx) = crossbeam_channel::bounded(1);
         std::thread::spawn(move || {
@@ -888,6 +931,7 @@ mod tests {
             interval: Duration::from_millis(20),
             metrics: None,
             secret: SECRET.to_vec(),
+            journal: None,
         };
         let error = serve_controller(config, |_, _| panic!("it cannot be ready")).unwrap_err();
         assert!(matches!(error, ControllerError::Io(_)), "{error}");

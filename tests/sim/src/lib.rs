@@ -17,7 +17,7 @@ pub mod engine;
 pub mod liveness;
 pub mod sim;
 
-pub use liveness::{run_liveness_seed, LivenessReport, LivenessSimConfig};
+pub use liveness::{replay_journal, run_liveness_seed, LivenessReport, LivenessSimConfig};
 pub use sim::{Faults, Report, Sim, SimConfig};
 
 /// Runs one seed with `cfg`.

@@ -28,7 +28,8 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
 use dejavu_proto::liveness::{
-    Beat, Health, Heard, Liveness, LivenessConfig, Member, Record, Role, SPARE_MEMBERS,
+    Beat, Divergence, Entry, Health, Heard, Liveness, LivenessConfig, Member, Record, Role, Start,
+    SPARE_MEMBERS,
 };
 
 use crate::sim::Rng;
@@ -594,4 +595,30 @@ impl LivenessSim {
             self.processes[p].died_at = None;
         }
     }
+}
+
+/// Replays a journal the running controller wrote (`dejavud controller --journal`; one run per
+/// `start` line, a restarted controller appending its own) through fresh machines, checking
+/// that each answers every call as the controller's did; returns the entries replayed.
+pub fn replay_journal(text: &str) -> Result<usize, String> {
+    let mut machine: Option<(Liveness, usize)> = None;
+    let mut replayed = 0;
+    for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        if line.starts_with("start ") {
+            let start = Start::parse(line).map_err(|e| format!("line {}: {e}", n + 1))?;
+            machine = Some((Liveness::start(start.config, start.record, start.now), 0));
+            continue;
+        }
+        let (liveness, index) =
+            machine.as_mut().ok_or_else(|| format!("line {}: an entry before any start", n + 1))?;
+        let recorded = Entry::parse(line).map_err(|e| format!("line {}: {e}", n + 1))?;
+        let answer = liveness.replay(&recorded);
+        if answer != recorded {
+            let divergence = Divergence { index: *index, recorded, replayed: answer };
+            return Err(format!("line {}: {divergence:?}", n + 1));
+        }
+        *index += 1;
+        replayed += 1;
+    }
+    Ok(replayed)
 }

@@ -32,6 +32,10 @@
 
 use std::collections::BTreeMap;
 
+mod journal;
+
+pub use journal::{Divergence, Entry, Start};
+
 /// Which kind of process a member of the cluster is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Role {
@@ -186,6 +190,9 @@ pub struct Liveness {
     first_dead: Option<u64>,
     /// Whether the record changed since the shell last wrote it.
     unwritten: bool,
+    /// Every call and its answer since the start, if journaled ([`Liveness::start_journaled`]),
+    /// until drained.
+    journal: Option<Vec<Entry>>,
 }
 
 impl Liveness {
@@ -208,6 +215,28 @@ impl Liveness {
             next_lifeline: 1,
             first_dead: None,
             unwritten: true,
+            journal: None,
+        }
+    }
+
+    /// As [`Liveness::start`], keeping a journal of every call that can change the machine and
+    /// its answer ([`Liveness::drain_journal`]), which replays through a machine started from the
+    /// returned [`Start`].
+    pub fn start_journaled(config: LivenessConfig, record: Record, now: u64) -> (Self, Start) {
+        let start = Start { config, record: record.clone(), now };
+        let mut liveness = Self::start(config, record, now);
+        liveness.journal = Some(Vec::new());
+        (liveness, start)
+    }
+
+    /// The journal's entries since the last drain (none if not journaled).
+    pub fn drain_journal(&mut self) -> Vec<Entry> {
+        self.journal.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn log(&mut self, entry: impl FnOnce() -> Entry) {
+        if let Some(journal) = self.journal.as_mut() {
+            journal.push(entry());
         }
     }
 
@@ -222,6 +251,7 @@ impl Liveness {
     /// The shell wrote the record it was handed by [`Liveness::unwritten_record`].
     pub fn record_written(&mut self) {
         self.unwritten = false;
+        self.log(|| Entry::RecordWritten);
     }
 
     /// What the shell keeps durable.
@@ -272,6 +302,12 @@ impl Liveness {
 
     /// Takes in a heartbeat that arrived at `now`.
     pub fn heartbeat(&mut self, beat: Beat, now: u64) -> Heard {
+        let heard = self.take_heartbeat(beat, now);
+        self.log(|| Entry::Heartbeat { beat, now, heard });
+        heard
+    }
+
+    fn take_heartbeat(&mut self, beat: Beat, now: u64) -> Heard {
         let Beat { member, epoch, sequence } = beat;
         let known = self.record.members.get(&member).copied();
         if known.is_some_and(|m| epoch < m.fenced_in) {
@@ -298,25 +334,30 @@ impl Liveness {
     /// `member`'s process, started in `epoch`, holds a lifeline from now on; returns its number,
     /// now the member's current one (the end of an older one says nothing any more).
     pub fn lifeline_opened(&mut self, member: Member, epoch: u64) -> Result<u64, StaleLifeline> {
-        if let Some(m) = self.record.members.get(&member).filter(|m| epoch < m.fenced_in) {
-            return Err(StaleLifeline { epoch, fenced_in: m.fenced_in });
-        }
-        let number = self.next_lifeline;
-        self.next_lifeline += 1;
-        self.lifelines.insert(member, number);
-        self.severed.remove(&member);
-        Ok(number)
+        let result = match self.record.members.get(&member).filter(|m| epoch < m.fenced_in) {
+            Some(m) => Err(StaleLifeline { epoch, fenced_in: m.fenced_in }),
+            None => {
+                let number = self.next_lifeline;
+                self.next_lifeline += 1;
+                self.lifelines.insert(member, number);
+                self.severed.remove(&member);
+                Ok(number)
+            }
+        };
+        self.log(|| Entry::LifelineOpened { member, epoch, result });
+        result
     }
 
     /// Lifeline `number` of `member` closed at `now`; returns whether it was the member's
     /// current one (the member is then dead, and the detector should run soon).
     pub fn lifeline_closed(&mut self, member: Member, number: u64, now: u64) -> bool {
-        if self.lifelines.get(&member) != Some(&number) {
-            return false;
+        let current = self.lifelines.get(&member) == Some(&number);
+        if current {
+            self.lifelines.remove(&member);
+            self.severed.insert(member, now);
         }
-        self.lifelines.remove(&member);
-        self.severed.insert(member, now);
-        true
+        self.log(|| Entry::LifelineClosed { member, number, now, current });
+        current
     }
 
     /// Fences `members` in a new epoch, written with `persist` before it takes effect; returns
@@ -324,6 +365,19 @@ impl Liveness {
     /// replacements from a fence in the current epoch, at least that one, are fenced already:
     /// that epoch is returned and none opened. If `persist` fails, nothing changes.
     pub fn fence<E>(
+        &mut self,
+        members: &[Member],
+        reuse: Option<u64>,
+        now: u64,
+        persist: impl FnOnce(&Record) -> Result<(), E>,
+    ) -> Result<u64, E> {
+        let result = self.fence_with(members, reuse, now, persist);
+        let (written, epoch) = (result.is_ok(), result.as_ref().ok().copied());
+        self.log(|| Entry::Fence { members: members.to_vec(), reuse, now, written, epoch });
+        result
+    }
+
+    fn fence_with<E>(
         &mut self,
         members: &[Member],
         reuse: Option<u64>,
@@ -363,6 +417,12 @@ impl Liveness {
     /// The detector, run at `now`: the members to fence (empty: none yet). The shell fences them
     /// with [`Liveness::fence`].
     pub fn tick(&mut self, now: u64) -> Vec<Member> {
+        let dead = self.detect(now);
+        self.log(|| Entry::Tick { now, dead: dead.clone() });
+        dead
+    }
+
+    fn detect(&mut self, now: u64) -> Vec<Member> {
         let census = self.census(now);
         let watched = || census.iter().filter(|&&((_, index), _)| index < SPARE_MEMBERS);
         let mut dead: Vec<Member> =
@@ -521,6 +581,37 @@ mod tests {
         assert!(l.unwritten_record().is_none(), "nothing new");
         l.fence(&[engine(0)], None, 4, durable).unwrap();
         assert!(l.unwritten_record().is_none(), "a fence writes it whole");
+    }
+
+    #[test]
+    fn a_journal_survives_its_text_and_replays_to_the_same_answers() {
+        let (mut l, start) = Liveness::start_journaled(CONFIG, Record::default(), 0);
+        l.record_written();
+        l.heartbeat(beat(engine(0), 0, 1), 1);
+        l.heartbeat(beat(sidecar(0), 0, 1), 1);
+        l.heartbeat(beat(sidecar(0), 0, 1), 2);
+        let n = l.lifeline_opened(sidecar(0), 0).unwrap();
+        l.lifeline_closed(sidecar(0), n, 30);
+        let dead = l.tick(30);
+        assert_eq!(l.fence(&dead, None, 31, |_| Err("disk full")), Err("disk full"));
+        l.fence(&dead, None, 32, durable).unwrap();
+        l.heartbeat(beat(engine(0), 0, 9), 40);
+        let _ = l.lifeline_opened(engine(0), 0);
+        l.heartbeat(beat(engine(0), 1, 1), 41);
+        let entries = l.drain_journal();
+        assert_eq!(entries.len(), 12);
+        let start = Start::parse(&start.encode()).unwrap();
+        let mut replayed = Liveness::start(start.config, start.record, start.now);
+        for entry in entries {
+            let parsed = Entry::parse(&entry.encode()).unwrap();
+            assert_eq!(parsed, entry, "{}", entry.encode());
+            assert_eq!(replayed.replay(&parsed), entry);
+        }
+        assert_eq!(replayed.record(), l.record());
+        assert!(l.drain_journal().is_empty(), "drained");
+        for garbage in ["", "beat engine:0 1 2", "fence gpu:1 - 3 1 -> 2", "tick x -> -", "start 1 2"] {
+            assert!(Entry::parse(garbage).is_err() && Start::parse(garbage).is_err(), "{garbage:?}");
+        }
     }
 
     #[test]
