@@ -3,15 +3,21 @@
 //! `dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness] [--quiet]`: `--varied` draws
 //! each seed's cluster shape and delays from the seed (`SimConfig::varied`); `--liveness` runs the
 //! controller's liveness machine instead (`dejavu_sim::liveness`; `DEJAVU_SIM_TRACE=1` prints its
-//! events).
+//! events). `dejavu-sim --journal FILE` replays a journal `dejavud controller --journal FILE` wrote
+//! through fresh machines, and fails where one decides otherwise.
 
 use std::process::ExitCode;
 use std::time::Instant;
 
-use dejavu_sim::{run_liveness_seed, run_seed, LivenessSimConfig, SimConfig};
+use dejavu_sim::{replay_journal, run_liveness_seed, run_seed, LivenessSimConfig, SimConfig};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, path] = args.as_slice() {
+        if flag == "--journal" {
+            return replay(path);
+        }
+    }
     let mut range = 0..1000u64;
     let mut quiet = false;
     let mut varied = false;
@@ -87,7 +93,30 @@ fn main() -> ExitCode {
     }
 }
 
+/// Replays the controller journal at `path`.
+fn replay(path: &str) -> ExitCode {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) => {
+            eprintln!("{path}: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match replay_journal(&text) {
+        Ok(n) => {
+            println!("{n} entries replayed: every decision is the same");
+            ExitCode::SUCCESS
+        }
+        Err(divergence) => {
+            println!("the replay diverges at {divergence}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn usage() -> ExitCode {
-    eprintln!("usage: dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness] [--quiet]");
+    eprintln!(
+        "usage: dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness] [--quiet] | --journal FILE"
+    );
     ExitCode::from(2)
 }
