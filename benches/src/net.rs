@@ -267,13 +267,10 @@ pub async fn peer(case: Case, messages: Arc<Vec<Vec<u8>>>, sender: &PeerClient) 
 /// The order of `n` measurements in run `run`: a shuffle, the same for every report, so that each
 /// follows each of the others about as often (a run can slow the one after it).
 fn shuffled(n: usize, run: usize) -> Vec<usize> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ (run as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    let mut rng = dejavu_proto::rng::SplitMix64::new(run as u64 + 1);
     let mut order: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        order.swap(i, (state % (i as u64 + 1)) as usize);
+        order.swap(i, rng.below(i as u64 + 1) as usize);
     }
     order
 }

@@ -8,15 +8,15 @@ use dejavud::driver::{Injector, OnFailure};
 use serde::Serialize;
 
 use crate::proxy::{NetFault, Proxies};
-use crate::rng::SplitMix;
 use crate::scenario::{Fault, FaultKind, LinkKind, Scenario, Transport};
+use dejavu_proto::rng::SplitMix64;
 
 /// The faults of a scenario with `seed`, by step: the scheduled ones, and for each of `steps`
 /// steps one drawn with the random rate (process faults at least `min_gap_steps` apart).
 pub fn plan(scenario: &Scenario, seed: u64, steps: u64) -> Vec<Fault> {
     let mut faults = scenario.faults.clone();
     if let Some(random) = &scenario.random {
-        let mut rng = SplitMix::new(seed);
+        let mut rng = SplitMix64::new(seed);
         let stages = scenario.cluster.stages as u64;
         let mut last_process_fault: Option<u64> = None;
         for step in 0..steps {

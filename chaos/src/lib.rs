@@ -21,8 +21,6 @@ pub mod proxy;
 pub mod report;
 pub mod scenario;
 
-mod rng;
-
 pub use harness::{run, Options};
 pub use report::Report;
 pub use scenario::Scenario;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use dejavud::cluster::{Interpose, Link};
 use parking_lot::Mutex;
 
-use crate::rng::SplitMix;
+use dejavu_proto::rng::SplitMix64;
 
 /// Towards the link's target, or back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,7 +94,7 @@ struct Treatment {
 #[derive(Debug)]
 pub struct LinkState {
     faults: Mutex<Faults>,
-    rng: Mutex<SplitMix>,
+    rng: Mutex<SplitMix64>,
     /// Both ends of every open connection, by number, to close on a reset.
     connections: Mutex<HashMap<u64, [TcpStream; 2]>>,
     /// Counters.
@@ -105,7 +105,7 @@ impl LinkState {
     fn new(seed: u64) -> Self {
         Self {
             faults: Mutex::default(),
-            rng: Mutex::new(SplitMix::new(seed)),
+            rng: Mutex::new(SplitMix64::new(seed)),
             connections: Mutex::default(),
             stats: LinkStats::default(),
         }

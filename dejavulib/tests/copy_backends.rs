@@ -149,15 +149,7 @@ fn whole(layout: &KvLayout) -> KvRegion {
 }
 
 fn noise(len: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    dejavu_proto::rng::SplitMix64::new(seed).bytes(len)
 }
 
 /// Every layout of the core, with an odd head count and sizes that are not multiples of 16.

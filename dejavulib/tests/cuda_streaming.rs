@@ -84,7 +84,7 @@ fn layout() -> KvLayout {
 fn noisy_cache(seed: u64) -> Arc<KvCache> {
     let cache = KvCache::new(layout()).unwrap();
     let whole = KvRegion::new(0..LAYERS, 0..SLOTS, 0..spec().kv_heads(), 0..TOKENS);
-    let mut rng = common::Rng(seed | 1);
+    let mut rng = common::Rng::new(seed | 1);
     let noise = rng.bytes(cache.packed_len(&whole) as usize);
     cache.scatter(&whole, cache.layout().preferred_packing(), &noise).unwrap();
     Arc::new(cache)
@@ -332,7 +332,7 @@ fn long_runs_are_copied_a_run_per_thread_block_as_the_cpu_engine_copies_them() {
     let table = dejavulib::cuda::table::encode(&plan, &[0; 4], &[0]).unwrap();
     assert!(!dejavulib::cuda::table::by_items(&table), "the run kernel must copy this");
     let cache = KvCache::new(layout.clone()).unwrap();
-    let noise = common::Rng(17).bytes(cache.packed_len(&region) as usize);
+    let noise = common::Rng::new(17).bytes(cache.packed_len(&region) as usize);
     cache.scatter(&region, packing, &noise).unwrap();
     let mut kv = engine.alloc_kv(layout).unwrap();
     engine.upload_kv(&cache.snapshot(), &mut kv).unwrap();
@@ -354,7 +354,7 @@ fn transfers_to_and_from_pinned_memory_move_what_the_cpu_engine_moves() {
     let packing = layout.preferred_packing();
     let cache = KvCache::new(layout.clone()).unwrap();
     let whole = KvRegion::new(0..8, 0..4, 0..8, 0..96);
-    let noise = common::Rng(23).bytes(cache.packed_len(&whole) as usize);
+    let noise = common::Rng::new(23).bytes(cache.packed_len(&whole) as usize);
     cache.scatter(&whole, packing, &noise).unwrap();
     let mut kv = engine.alloc_kv(layout.clone()).unwrap();
     engine.upload_kv(&cache.snapshot(), &mut kv).unwrap();
@@ -370,7 +370,7 @@ fn transfers_to_and_from_pinned_memory_move_what_the_cpu_engine_moves() {
     assert_eq!(&pinned.as_slice().unwrap()[..len], &expected[..]);
     assert!(done.is_done().unwrap());
     // Up: other bytes into a zeroed cache, as the CPU engine scatters them.
-    let incoming = common::Rng(29).bytes(len);
+    let incoming = common::Rng::new(29).bytes(len);
     let mut upload = engine.pinned(len).unwrap();
     upload.as_mut_slice().unwrap().copy_from_slice(&incoming);
     let target = engine.alloc_kv(layout.clone()).unwrap();
@@ -393,7 +393,7 @@ fn per_layer_noise(
     let layout = KvLayout::per_layer(spec, 8, 64, dejavulib::layout::PerLayerOrder::Bhsd).unwrap();
     let cache = KvCache::new(layout.clone()).unwrap();
     let whole = KvRegion::new(0..layers, 0..8, 0..8, 0..64);
-    let noise = common::Rng(u64::from(layers) * 31 + 1).bytes(cache.packed_len(&whole) as usize);
+    let noise = common::Rng::new(u64::from(layers) * 31 + 1).bytes(cache.packed_len(&whole) as usize);
     cache.scatter(&whole, layout.preferred_packing(), &noise).unwrap();
     let mut kv = engine.alloc_kv(layout).unwrap();
     engine.upload_kv(&cache.snapshot(), &mut kv).unwrap();
@@ -432,7 +432,7 @@ fn host_copies_in_pieces_move_what_the_cpu_engine_moves_into_pinned_and_pageable
     }
     // Up again, from pinned and from pageable memory, into a zeroed cache: what the CPU engine's
     // scatter of the same bytes gives.
-    let incoming = common::Rng(41).bytes(len);
+    let incoming = common::Rng::new(41).bytes(len);
     let reference = KvCache::new(cache.layout().clone()).unwrap();
     reference.scatter(&region, packing, &incoming).unwrap();
     let target = engine.alloc_kv(cache.layout().clone()).unwrap();
@@ -514,7 +514,7 @@ fn a_scatter_into_new_staging_waits_for_its_zeroing_behind_a_held_copy_stream() 
     let packing = cache.layout().preferred_packing();
     let fresh = Arc::new(CudaEngine::open(0).unwrap());
     let target = fresh.alloc_kv(cache.layout().clone()).unwrap();
-    let incoming = common::Rng(43).bytes(cache.packed_len(&region) as usize);
+    let incoming = common::Rng::new(43).bytes(cache.packed_len(&region) as usize);
     let blocker = fresh.context().new_stream().unwrap();
     let gate = hold_back(&blocker);
     // SAFETY: `blocker` is a live stream of the engine's context.

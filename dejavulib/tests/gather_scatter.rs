@@ -253,7 +253,7 @@ fn params() -> impl Strategy<Value = Params> {
 
 fn draw(p: &Params) -> Case {
     let spec = p.spec;
-    let mut rng = Rng(p.seed);
+    let mut rng = Rng::new(p.seed);
     let src_kinds = kinds_for(&spec, None);
     let src_kind = src_kinds[p.src_kind % src_kinds.len()];
     if !ft_fits(&spec) {
@@ -534,7 +534,7 @@ proptest! {
 fn a_region_whose_packed_size_overflows_is_out_of_bounds_not_a_panic() {
     let spec = KvSpec::new(2, 2, 16, DType::F16).unwrap();
     let cache = KvCache::new(KvLayout::faster_transformer(spec, 2, 4).unwrap()).unwrap();
-    let mut rng = Rng(1);
+    let mut rng = Rng::new(1);
     fill(&cache, &mut rng);
     let snap = cache.snapshot();
     let huge = KvRegion::new(0..1 << 29, 0..1 << 29, 0..1, 0..1);

@@ -634,7 +634,7 @@ proptest! {
     /// range lands in B, every byte of it, nothing else, without duplicate chunks.
     #[test]
     fn random_setup_pairs_reshard_exactly(seed in any::<u64>()) {
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let layers = 1 + rng.below(6);
         let kv = rng.pick(&[1, 2, 4]);
         let spec = if rng.below(3) == 0 {

@@ -29,7 +29,7 @@ fn chunk_of(worker: u32, microbatch: u32, region: KvRegion) -> (ChunkDescriptor,
         spec,
         packing: Packing::token_major(&spec),
     };
-    let payload = common::Rng(u64::from(worker) * 7 + u64::from(microbatch) + bytes as u64).bytes(bytes);
+    let payload = common::Rng::new(u64::from(worker) * 7 + u64::from(microbatch) + bytes as u64).bytes(bytes);
     (descriptor, payload)
 }
 
@@ -109,7 +109,7 @@ fn many_requests_of_random_lengths_in_one_slot_hold_one_sequence_at_a_time() {
     // A small memory budget, so that chunks spill too and their files are removed with them.
     let spill = Spill { dir: dir.path().to_path_buf(), memory_bytes: 4096, dir_bytes: None };
     let mut store = HostStore::with_spill(spill).keeping_current_sequences();
-    let mut rng = common::Rng(2024);
+    let mut rng = common::Rng::new(2024);
     let per_token = 2 * 2 * 4 * 2; // layers x heads x head_dim x (K, V), int8
     let mut most = 0;
     for _ in 0..400 {

@@ -82,15 +82,7 @@ fn chunk(bytes: u32, seed: u64, microbatch: u32) -> (ChunkDescriptor, Vec<u8>) {
         spec,
         packing: Packing::token_major(&spec),
     };
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let payload = (0..bytes)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect::<Vec<_>>();
+    let payload = dejavu_proto::rng::SplitMix64::new(seed).bytes(bytes as usize);
     assert_eq!(descriptor.payload_len(), bytes as u64);
     (descriptor, payload)
 }

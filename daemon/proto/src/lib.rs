@@ -17,6 +17,8 @@
 //! - [`plan`]: where each failed stage restores from, and who re-seeds each replaced sidecar.
 //! - [`liveness`]: the running controller's heartbeats, lifelines, failure detection, fences and
 //!   epochs, which `dejavud controller` drives.
+//! - [`rng`]: SplitMix64, the one seeded generator the simulator, the chaos harness, the reference
+//!   model and the tests draw from.
 //! - [`worker`]: the sidecar's side: registration, heartbeats, the step pipeline, replication to the
 //!   ring successor, fencing, and executing recovery.
 
@@ -25,6 +27,7 @@ pub mod controller;
 pub mod liveness;
 pub mod message;
 pub mod plan;
+pub mod rng;
 pub mod worker;
 
 pub use cluster::Cluster;

@@ -6,22 +6,22 @@
 
 use dejavulib::{Coord, KvLayout, Part};
 
-/// SplitMix64's finaliser: a well-mixed 64-bit hash of `x`.
-pub fn mix(x: u64) -> u64 {
-    let mut z = x;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+pub use dejavu_proto::rng::mix;
+use dejavu_proto::rng::{SplitMix64, GOLDEN};
 
-/// SplitMix64: every random choice of a test comes from its seed, so failures replay.
-pub struct Rng(pub u64);
+/// The project's SplitMix64 with the draws the tests need: every random choice of a test comes
+/// from its seed, so failures replay.
+pub struct Rng(SplitMix64);
 
 impl Rng {
+    /// A generator seeded with `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(SplitMix64::new(seed))
+    }
+
     /// The next 64 random bits.
     pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
+        self.0.next_u64()
     }
 
     /// A value in `lo..=hi`.
@@ -49,7 +49,7 @@ impl Rng {
 
     /// `n` random bytes.
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
+        self.0.bytes(n)
     }
 
     /// Fisher-Yates shuffle.
@@ -66,7 +66,7 @@ impl Rng {
 pub fn kv_byte(seed: u64, part: Part, layer: u32, request: u32, head: u32, token: u32, byte: u32) -> u8 {
     let mut x = seed;
     for v in [part.index() as u64, layer as u64, request as u64, head as u64, token as u64, byte as u64] {
-        x = mix(x.wrapping_add(v).wrapping_add(0x9e37_79b9_7f4a_7c15));
+        x = mix(x.wrapping_add(v).wrapping_add(GOLDEN));
     }
     (x as u8) | 1
 }

@@ -1,5 +1,7 @@
 //! The few kernels the model needs, in a fixed evaluation order (bit-reproducible).
 
+use dejavu_proto::rng::SplitMix64;
+
 /// `out[j] = sum_i x[i] * w[i * cols + j]` for a row-major `w` of `x.len()` rows and `cols` columns.
 pub fn matvec(x: &[f32], w: &[f32], cols: usize, out: &mut [f32]) {
     debug_assert_eq!(w.len(), x.len() * cols);
@@ -62,25 +64,17 @@ pub fn argmax(x: &[f32]) -> usize {
     best
 }
 
-/// A small seeded generator (splitmix64) for the weights.
-pub struct Rng(u64);
+/// The weights' generator: the project's SplitMix64, drawing floats.
+pub struct Rng(SplitMix64);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        Self(SplitMix64::new(seed))
     }
 
     /// Uniform in `[-scale, scale)`.
     pub fn uniform(&mut self, scale: f32) -> f32 {
-        let unit = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+        let unit = (self.0.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
         (unit * 2.0 - 1.0) * scale
     }
 

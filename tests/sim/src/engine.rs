@@ -5,14 +5,11 @@
 //! holds for `j`: a stage that resumes with missing or wrong KV produces a different token, so the
 //! token check also checks the KV.
 
-use dejavu_proto::Payload;
+use dejavu_proto::{rng, Payload};
 
-/// SplitMix64's finaliser.
+/// A well-mixed hash of `x`, with no fixed point at 0: SplitMix64's step.
 pub fn mix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    rng::mix(x.wrapping_add(rng::GOLDEN))
 }
 
 /// Hash of several words.

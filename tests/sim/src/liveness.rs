@@ -32,7 +32,7 @@ use dejavu_proto::liveness::{
     SPARE_MEMBERS,
 };
 
-use crate::sim::Rng;
+use dejavu_proto::rng::SplitMix64;
 
 /// The shape and fault rates of a liveness run.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -76,8 +76,8 @@ impl Default for LivenessSimConfig {
 impl LivenessSimConfig {
     /// A shape and rates drawn from `seed`.
     pub fn varied(seed: u64) -> Self {
-        let mut rng = Rng::new(seed ^ 0x11fe_11fe_0000_0000);
-        let pick = |rng: &mut Rng, options: &[u64]| options[rng.below(options.len() as u64) as usize];
+        let mut rng = SplitMix64::new(seed ^ 0x11fe_11fe_0000_0000);
+        let pick = |rng: &mut SplitMix64, options: &[u64]| options[rng.below(options.len() as u64) as usize];
         let interval = pick(&mut rng, &[5, 10, 20]);
         Self {
             stages: pick(&mut rng, &[1, 2, 4, 6]) as u32,
@@ -147,7 +147,7 @@ struct Process {
 /// One seeded run.
 struct LivenessSim {
     cfg: LivenessSimConfig,
-    rng: Rng,
+    rng: SplitMix64,
     now: u64,
     queue: BinaryHeap<Reverse<(u64, u64, Event)>>,
     order: u64,
@@ -180,7 +180,7 @@ impl LivenessSim {
     fn new(seed: u64, cfg: LivenessSimConfig) -> Self {
         let mut sim = Self {
             cfg,
-            rng: Rng::new(seed),
+            rng: SplitMix64::new(seed),
             now: 0,
             queue: BinaryHeap::new(),
             order: 0,

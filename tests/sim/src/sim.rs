@@ -16,6 +16,7 @@ use dejavu_proto::{
 };
 
 use crate::engine::{self, hash, mix, Reference};
+use dejavu_proto::rng::SplitMix64;
 
 /// Fault rates of the chaos phase (probabilities per message or per node and tick).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -107,8 +108,8 @@ impl SimConfig {
     /// A cluster shape and fault mix drawn from `seed`: depth 2-6, 1-8 microbatches, 0-3 spares,
     /// delays up to 10 ticks (deeply reordered streams), timeouts of 1-6 ticks, checkpoints or none.
     pub fn varied(seed: u64) -> Self {
-        let mut rng = Rng::new(seed ^ 0x5eed_c0f1_6000_0000);
-        let pick = |rng: &mut Rng, options: &[u64]| options[rng.below(options.len() as u64) as usize];
+        let mut rng = SplitMix64::new(seed ^ 0x5eed_c0f1_6000_0000);
+        let pick = |rng: &mut SplitMix64, options: &[u64]| options[rng.below(options.len() as u64) as usize];
         let depth = pick(&mut rng, &[2, 3, 4, 6]) as u32;
         let microbatches = pick(&mut rng, &[1, 2, 4, 8]) as u32;
         let spares = pick(&mut rng, &[0, 1, 2, 3]) as u32;
@@ -138,34 +139,6 @@ pub struct Report {
     pub faults: BTreeMap<&'static str, u32>,
     /// Tokens delivered again after a recovery (recomputed and checked bit-identical).
     pub recomputed_tokens: u64,
-}
-
-/// SplitMix64 seeded per run.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// A generator for `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
-    }
-
-    pub(crate) fn chance(&mut self, p: f64) -> bool {
-        p > 0.0 && ((self.next() >> 11) as f64 / (1u64 << 53) as f64) < p
-    }
-
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
 }
 
 struct Node {
@@ -199,7 +172,7 @@ struct Compute {
 /// A simulated cluster.
 pub struct Sim {
     cfg: SimConfig,
-    rng: Rng,
+    rng: SplitMix64,
     now: u64,
     controller: Option<Controller>,
     persisted: Option<Persisted>,
@@ -260,7 +233,7 @@ impl Sim {
             controller: Some(Controller::new(controller_config(&cfg))),
             persisted: None,
             controller_restart_at: None,
-            rng: Rng::new(seed),
+            rng: SplitMix64::new(seed),
             now: 0,
             nodes,
             queue: BinaryHeap::new(),
