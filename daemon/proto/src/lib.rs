@@ -15,6 +15,8 @@
 //! - [`cluster`]: several pipelines (prompt and token, of different depths) under one controller,
 //!   each its own ring with its own epochs.
 //! - [`plan`]: where each failed stage restores from, and who re-seeds each replaced sidecar.
+//! - [`fencing`]: the epoch rule every process applies to its peers (the newest holds a place, the
+//!   stale are refused, a newer fence ends what an older epoch started).
 //! - [`liveness`]: the running controller's heartbeats, lifelines, failure detection, fences and
 //!   epochs, which `dejavud controller` drives.
 //! - [`rng`]: SplitMix64, the one seeded generator the simulator, the chaos harness, the reference
@@ -24,6 +26,7 @@
 
 pub mod cluster;
 pub mod controller;
+pub mod fencing;
 pub mod liveness;
 pub mod message;
 pub mod plan;

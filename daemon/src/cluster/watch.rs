@@ -9,6 +9,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
+use dejavu_proto::fencing::fenced_since;
 use tracing::debug;
 
 use crate::controller::ControllerClient;
@@ -62,7 +63,7 @@ impl Drop for FenceWatch {
 fn watch(mut client: ControllerClient, mut known: u64, opened: &Sender<u64>, stop: &AtomicBool) {
     while !stop.load(Ordering::Relaxed) {
         match client.await_fence(known, WAIT) {
-            Ok(epoch) if epoch > known => {
+            Ok(epoch) if fenced_since(known, epoch) => {
                 known = epoch;
                 if opened.send(epoch).is_err() {
                     return;

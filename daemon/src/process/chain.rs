@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
+use dejavu_proto::fencing::{Claim, Newest};
 use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
 use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
 use tracing::{info, warn};
@@ -171,19 +172,19 @@ pub(super) fn accept_upstreams(
     });
     let (tx, rx) = crossbeam_channel::unbounded();
     std::thread::spawn(move || {
-        let mut in_use: Option<(u64, TcpStream)> = None;
+        let mut newest = Newest::new();
+        let mut in_use: Option<TcpStream> = None;
         for (epoch, stream) in hellos {
-            if let Some((newest, old)) = &in_use {
-                if epoch < *newest {
-                    StageStats::add(&stats.stale_connections_refused, 1);
-                    warn!(stage = index, epoch, newest, "refused a predecessor from an older epoch");
-                    continue;
-                }
+            let Ok(handle) = stream.try_clone() else { continue };
+            if let Claim::Stale { newest } = newest.claim(epoch) {
+                StageStats::add(&stats.stale_connections_refused, 1);
+                warn!(stage = index, epoch, newest, "refused a predecessor from an older epoch");
+                continue;
+            }
+            if let Some(old) = in_use.replace(handle) {
                 let _ = old.shutdown(Shutdown::Both);
                 info!(stage = index, epoch, "a predecessor took over the input");
             }
-            let Ok(handle) = stream.try_clone() else { continue };
-            in_use = Some((epoch, handle));
             if tx.send(stream).is_err() {
                 return;
             }

@@ -12,6 +12,7 @@ use tracing::warn;
 use super::chain::{accept_within, closed_by_peer, connect, say_hello, DRIVER};
 use super::{tokens_of, tokens_payload, ProcessError, LOAD_PATIENCE};
 use dejavu_engine::pipeline::Seat;
+use dejavu_proto::fencing::fenced_since;
 use dejavulib::message::{Message, SeatIds, NO_STAGE};
 
 /// Frames coming out of the last stage, read whole by a thread of their own (a deadline never
@@ -202,7 +203,7 @@ impl RemotePipeline {
             let got = crossbeam_channel::select! {
                 recv(replies) -> got => got,
                 recv(fences) -> fence => match fence {
-                    Ok(epoch) if epoch > self.epoch => return Err(ProcessError::Fenced(epoch)),
+                    Ok(epoch) if fenced_since(self.epoch, epoch) => return Err(ProcessError::Fenced(epoch)),
                     // An epoch the pipeline has moved to already (its own recovery's).
                     Ok(_) => continue,
                     Err(_) => {

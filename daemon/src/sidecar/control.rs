@@ -128,11 +128,8 @@ impl Sidecar {
             return Err("a spare sidecar, not assigned a stage yet".into());
         }
         // As the engine in use, so that the new successor takes its later forwards too.
-        let epoch = self
-            .engine
-            .lock()
-            .as_ref()
-            .map_or_else(|| self.assigned_epoch.load(Ordering::SeqCst), |&(epoch, _, _)| epoch);
+        let newest = self.engine.lock().newest.epoch();
+        let epoch = newest.unwrap_or_else(|| self.assigned_epoch.load(Ordering::SeqCst));
         self.set_successor(to, epoch);
         // Another request may have named another successor since: then this re-seed is void.
         let successor = self.successor.lock().clone().filter(|s| s.addr == to);

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use dejavu_proto::fencing::{Claim, Newest};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
 use dejavulib::local::MAX_LOCAL_PAYLOAD;
 use dejavulib::message::Message;
@@ -137,13 +138,20 @@ fn add(counter: &AtomicU64, n: u64) {
 }
 
 /// What the connections of a sidecar share.
+/// The engine a sidecar serves: the newest to connect ([`Newest`]), and its connection.
+#[derive(Default)]
+struct EngineInUse {
+    newest: Newest,
+    /// The connection's number and a handle to shut it.
+    connection: Option<(u64, UnixStream)>,
+}
+
 struct Sidecar {
     config: SidecarConfig,
     store: HostStore,
     stats: SidecarStats,
-    /// The engine connection in use and its epoch.
-    /// The engine connection in use: its epoch, its number and a handle to shut it.
-    engine: Mutex<Option<(u64, u64, UnixStream)>>,
+    /// The engine in use: the epoch of the newest engine admitted, and its connection.
+    engine: Mutex<EngineInUse>,
     /// Where and as what it forwards: the successor's address and a store on it (locked apart,
     /// so that a retarget never waits for a forward to a dead or partitioned successor).
     successor: Mutex<Option<Successor>>,
@@ -200,7 +208,7 @@ pub fn serve_sidecar(
         config,
         store,
         stats: SidecarStats::default(),
-        engine: Mutex::new(None),
+        engine: Mutex::new(EngineInUse::default()),
         successor: Mutex::new(None),
         runtime: runtime.handle().clone(),
         connections: AtomicU64::new(0),
@@ -274,7 +282,7 @@ impl Sidecar {
         writer: &mut impl Write,
     ) -> Result<(), SidecarError> {
         let epoch = frame.header.epoch;
-        if self.engine.lock().as_ref().is_some_and(|(newest, _, _)| epoch < *newest) {
+        if self.engine.lock().newest.admits(epoch).is_err() {
             reply_error(writer, frame, ErrorCode::StaleEpoch, "an older engine than the one in use")?;
             return Ok(());
         }
@@ -308,16 +316,15 @@ impl Sidecar {
         let n = self.connections.fetch_add(1, Ordering::Relaxed);
         {
             let mut engine = self.engine.lock();
-            if let Some((newest, _, old)) = engine.as_ref() {
-                if epoch < *newest {
-                    add(&self.stats.stale_engines_refused, 1);
-                    let reason = format!("epoch {epoch} is older than the engine's in use, {newest}");
-                    reply_error(&mut writer, &hello, ErrorCode::StaleEpoch, &reason)?;
-                    return Err(SidecarError::Protocol(reason));
-                }
+            if let Claim::Stale { newest } = engine.newest.claim(epoch) {
+                add(&self.stats.stale_engines_refused, 1);
+                let reason = format!("epoch {epoch} is older than the engine's in use, {newest}");
+                reply_error(&mut writer, &hello, ErrorCode::StaleEpoch, &reason)?;
+                return Err(SidecarError::Protocol(reason));
+            }
+            if let Some((_, old)) = engine.connection.replace((n, stream)) {
                 let _ = old.shutdown(std::net::Shutdown::Both);
             }
-            *engine = Some((epoch, n, stream));
         }
         self.set_successor(successor, epoch);
         let path = self.config.shm_dir.join(format!(
@@ -334,7 +341,7 @@ impl Sidecar {
         info!(stage = self.index(), epoch, %successor, "an engine connected");
         while let Some(frame) = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)? {
             // A frame read before a newer engine took over is not acted on.
-            if self.engine.lock().as_ref().map(|e| e.1) != Some(n) {
+            if self.engine.lock().connection.as_ref().map(|c| c.0) != Some(n) {
                 return Ok(());
             }
             let request = frame.header.request;
