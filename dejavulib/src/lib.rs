@@ -44,6 +44,9 @@
 //! # }
 //! ```
 
+// Without the `net` feature the crate documentation still names the transports it leaves out.
+#![cfg_attr(not(feature = "net"), allow(rustdoc::broken_intra_doc_links))]
+
 pub mod affinity;
 pub mod baseline;
 pub mod cache;
@@ -57,6 +60,7 @@ pub mod layout;
 pub mod local;
 pub mod memory;
 pub mod message;
+#[cfg(feature = "net")]
 pub mod net;
 pub mod placement;
 pub mod plan;

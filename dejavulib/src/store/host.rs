@@ -281,7 +281,9 @@ impl HostStore {
     }
 
     /// An empty buffer with room for `len` bytes: a kept one of a replaced chunk if one fits
-    /// without wasting more than half of it, otherwise a new one.
+    /// without wasting more than half of it, otherwise a new one. (The peer server reads chunks
+    /// into them.)
+    #[cfg(feature = "net")]
     pub(crate) fn buffer_for(&self, len: usize) -> Vec<u8> {
         let mut inner = self.inner.lock();
         let fits = inner.spare.iter().position(|b| b.capacity() >= len && b.capacity() / 2 <= len);
