@@ -260,11 +260,13 @@ pub struct HandoffArgs {
 
 impl HandoffArgs {
     /// The stage's part, or why the flags do not describe one.
-    fn handoff(&self, secret: &str) -> Result<Option<Handoff>, String> {
+    fn handoff(&self, secret: &str) -> Result<Option<Handoff>, CliError> {
         if self.pipeline == PipelineRole::Both {
             return Ok(None);
         }
-        let missing = |flag: &str| format!("--pipeline {:?} needs {flag}", self.pipeline).to_lowercase();
+        let missing = |flag: &str| {
+            CliError::Flags(format!("--pipeline {:?} needs {flag}", self.pipeline).to_lowercase())
+        };
         let shapes = Shapes {
             prompt: Some(self.prompt_stages.clone())
                 .filter(|s| !s.is_empty())
@@ -571,7 +573,7 @@ impl StageArgs {
 
     /// What the flags describe.
     fn config(self) -> Result<StageConfig, CliError> {
-        let handoff = self.handoff.handoff(&self.member.secret).map_err(CliError::Flags)?;
+        let handoff = self.handoff.handoff(&self.member.secret)?;
         Ok(StageConfig {
             model: ModelConfig::reference(),
             index: self.position()?,

@@ -10,7 +10,7 @@
 //! wrong with the flags, and then waits for another. A spare sidecar (`sidecar --spare N`) is
 //! assigned over its local socket ([`Message::Assign`]).
 
-use std::io::Write;
+use std::io::{ErrorKind, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
@@ -69,7 +69,7 @@ impl SpareArgs {
                 Ok(stage) => stage,
                 Err(reason) => {
                     tracing::warn!(%reason, "refused an assignment");
-                    let _ = refuse(&stream, &reason);
+                    let _ = refuse(&stream, &reason.to_string());
                     continue;
                 }
             };
@@ -86,25 +86,80 @@ impl SpareArgs {
     }
 }
 
+/// Why an assignment failed, at the spare or at its assigner.
+#[derive(Debug, thiserror::Error)]
+pub enum SpareError {
+    /// The other end did not prove the cluster secret, or refused ours.
+    #[error("{who}'s handshake: {reason}")]
+    Handshake {
+        /// The spare, or its assigner.
+        who: String,
+        /// What failed.
+        reason: String,
+    },
+    /// A socket failed, or the other end went away.
+    #[error("{who}: {source}")]
+    Io {
+        /// The spare, or its assigner.
+        who: String,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// A frame that is not what the exchange expects.
+    #[error("{who}: {what}")]
+    Protocol {
+        /// The spare, or its assigner.
+        who: String,
+        /// What came.
+        what: String,
+    },
+    /// The flags of a stage do not parse, or name a secret.
+    #[error("the stage's flags: {0}")]
+    Flags(String),
+    /// The spare refused its assignment, saying why.
+    #[error("the spare refused its assignment: {0}")]
+    Refused(String),
+}
+
+impl SpareError {
+    fn io(who: &str) -> impl Fn(std::io::Error) -> Self + '_ {
+        move |source| Self::Io { who: who.to_owned(), source }
+    }
+
+    fn frame(who: &str) -> impl Fn(dejavulib::wire::FrameError) -> Self + '_ {
+        move |e| Self::Protocol { who: who.to_owned(), what: e.to_string() }
+    }
+}
+
 /// Reads an assignment off `stream`: the assigner's proof of the cluster secret `secret`, then
 /// the stage's flags.
-fn read_assignment(stream: &TcpStream, secret: &str) -> Result<StageArgs, String> {
+fn read_assignment(stream: &TcpStream, secret: &str) -> Result<StageArgs, SpareError> {
+    let who = "an assigner";
     server_handshake_blocking(stream, secret.as_bytes(), SPARE, ASSIGNMENT_PATIENCE)
-        .map_err(|e| format!("an assigner's handshake: {e}"))?;
-    stream.set_read_timeout(Some(ASSIGNMENT_PATIENCE)).map_err(|e| e.to_string())?;
+        .map_err(|e| SpareError::Handshake { who: who.into(), reason: e.to_string() })?;
+    stream.set_read_timeout(Some(ASSIGNMENT_PATIENCE)).map_err(SpareError::io(who))?;
     let mut reader = stream;
+    let frame = read_frame(&mut reader, 1 << 16).map_err(SpareError::frame(who))?;
     let frame =
-        read_frame(&mut reader, 1 << 16).map_err(|e| e.to_string())?.ok_or("closed before its flags")?;
+        frame.ok_or_else(|| SpareError::Io { who: who.into(), source: ErrorKind::UnexpectedEof.into() })?;
     let flags = match Message::of_frame(&frame) {
         Ok(Message::AssignStage { flags }) => flags,
-        Ok(other) => return Err(format!("{other:?}, not an assignment")),
-        Err(e) => return Err(e.to_string()),
+        Ok(other) => {
+            return Err(SpareError::Protocol {
+                who: who.into(),
+                what: format!("{other:?}, not an assignment"),
+            })
+        }
+        Err(e) => return Err(SpareError::Protocol { who: who.into(), what: e.to_string() }),
     };
     if flags.iter().any(|flag| flag.starts_with("--secret")) {
-        return Err("an assignment names no secret: the spare's own is the stage's".into());
+        return Err(SpareError::Flags(
+            "an assignment names no secret: the spare's own is the stage's".into(),
+        ));
     }
     let args = std::iter::once("stage").chain(flags.iter().map(String::as_str));
-    let mut stage = Assigned::try_parse_from(args).map(|a| a.stage).map_err(|e| e.to_string())?;
+    let mut stage =
+        Assigned::try_parse_from(args).map(|a| a.stage).map_err(|e| SpareError::Flags(e.to_string()))?;
     stage.member.secret = secret.to_owned();
     Ok(stage)
 }
@@ -126,23 +181,19 @@ pub fn assign_stage(
     epoch: u64,
     secret: &[u8],
     patience: Duration,
-) -> Result<Option<SocketAddr>, String> {
-    let mut stream =
-        TcpStream::connect_timeout(&spare, patience).map_err(|e| format!("spare at {spare}: {e}"))?;
+) -> Result<Option<SocketAddr>, SpareError> {
+    let who = format!("the spare at {spare}");
+    let mut stream = TcpStream::connect_timeout(&spare, patience).map_err(SpareError::io(&who))?;
     client_handshake_blocking(&stream, secret, ASSIGNER, patience)
-        .map_err(|e| format!("spare at {spare}: {e}"))?;
-    stream.set_read_timeout(Some(patience)).map_err(|e| e.to_string())?;
+        .map_err(|e| SpareError::Handshake { who: who.clone(), reason: e.to_string() })?;
+    stream.set_read_timeout(Some(patience)).map_err(SpareError::io(&who))?;
     let (header, payload) = Message::AssignStage { flags: flags.to_vec() }.frame(ASSIGNER, epoch, 1);
-    write_frame(&mut stream, &header, &payload).map_err(|e| e.to_string())?;
-    stream.flush().map_err(|e| e.to_string())?;
-    let reply = read_frame(&mut stream, 1 << 16).map_err(|e| e.to_string())?.ok_or("the spare closed")?;
-    match Message::of_frame(&reply) {
-        Ok(Message::StageServing { metrics }) => Ok(metrics),
-        Ok(other) => Err(format!("a spare answered {other:?}")),
-        Err(_) => {
-            Err(format!("the spare refused its assignment: {}", String::from_utf8_lossy(&reply.payload)))
-        }
-    }
+    write_frame(&mut stream, &header, &payload).map_err(SpareError::io(&who))?;
+    stream.flush().map_err(SpareError::io(&who))?;
+    answer(&mut stream, &who).and_then(|reply| match reply {
+        Message::StageServing { metrics } => Ok(metrics),
+        other => Err(SpareError::Protocol { who, what: format!("answered {other:?}") }),
+    })
 }
 
 /// Assigns the spare sidecar whose local socket is `socket` to stage `stage`, as of `epoch`.
@@ -151,19 +202,27 @@ pub fn assign_sidecar(
     stage: u32,
     epoch: u64,
     patience: Duration,
-) -> Result<(), String> {
+) -> Result<(), SpareError> {
     use std::os::unix::net::UnixStream;
-    let mut stream =
-        UnixStream::connect(socket).map_err(|e| format!("spare sidecar {}: {e}", socket.display()))?;
-    stream.set_read_timeout(Some(patience)).map_err(|e| e.to_string())?;
+    let who = format!("the spare sidecar at {}", socket.display());
+    let mut stream = UnixStream::connect(socket).map_err(SpareError::io(&who))?;
+    stream.set_read_timeout(Some(patience)).map_err(SpareError::io(&who))?;
     let (header, payload) = Message::Assign { stage, epoch }.frame(ASSIGNER, epoch, 1);
-    write_frame(&mut stream, &header, &payload).map_err(|e| e.to_string())?;
-    stream.flush().map_err(|e| e.to_string())?;
+    write_frame(&mut stream, &header, &payload).map_err(SpareError::io(&who))?;
+    stream.flush().map_err(SpareError::io(&who))?;
+    answer(&mut stream, &who).and_then(|reply| match reply {
+        Message::Done => Ok(()),
+        other => Err(SpareError::Protocol { who, what: format!("answered {other:?}") }),
+    })
+}
+
+/// The message a spare (`who`) answered an assignment with, or its refusal.
+fn answer(stream: &mut impl std::io::Read, who: &str) -> Result<Message, SpareError> {
+    let reply = read_frame(stream, 1 << 16).map_err(SpareError::frame(who))?;
     let reply =
-        read_frame(&mut stream, 1 << 16).map_err(|e| e.to_string())?.ok_or("the spare sidecar closed")?;
-    match Message::of_frame(&reply) {
-        Ok(Message::Done) => Ok(()),
-        Ok(other) => Err(format!("a spare sidecar answered {other:?}")),
-        Err(_) => Err(format!("the spare sidecar refused: {}", String::from_utf8_lossy(&reply.payload))),
+        reply.ok_or_else(|| SpareError::Io { who: who.into(), source: ErrorKind::UnexpectedEof.into() })?;
+    if reply.header.kind == Kind::Error {
+        return Err(SpareError::Refused(String::from_utf8_lossy(&reply.payload).into_owned()));
     }
+    Message::of_frame(&reply).map_err(|e| SpareError::Protocol { who: who.into(), what: e.to_string() })
 }

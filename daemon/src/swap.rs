@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use dejavulib::reshard::{receive, send, StreamError};
-use dejavulib::{HostStore, KvCache, KvRegion, StagingPool, Transfer, WorkerId};
+use dejavulib::{CacheError, HostStore, KvCache, KvRegion, StagingPool, Transfer, WorkerId};
 
 /// Counters of a stage's swapping.
 #[derive(Debug, Default)]
@@ -66,9 +66,9 @@ impl SwapCaches {
         device_caches: u32,
         stage: u32,
         region: KvRegion,
-        mut make: impl FnMut() -> Result<KvCache, String>,
+        mut make: impl FnMut() -> Result<KvCache, CacheError>,
         stats: Arc<SwapStats>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, CacheError> {
         let device =
             (0..device_caches.max(1)).map(|_| make().map(Arc::new)).collect::<Result<Vec<_>, _>>()?;
         let n = device.len();
@@ -216,9 +216,7 @@ mod tests {
     fn caches(device: u32) -> SwapCaches {
         let spec = KvSpec::new(2, 2, 4, DType::F32).unwrap();
         let region = KvRegion::new(0..2, 0..SLOTS, 0..2, 0..0);
-        let make = || {
-            KvCache::new(KvLayout::faster_transformer(spec, SLOTS, 16).unwrap()).map_err(|e| e.to_string())
-        };
+        let make = || KvCache::new(KvLayout::faster_transformer(spec, SLOTS, 16).unwrap());
         SwapCaches::new(device, 1, region, make, Arc::default()).unwrap()
     }
 

@@ -117,6 +117,12 @@ pub enum ProcessError {
     /// A message that does not belong in the chain.
     #[error("protocol: {0}")]
     Protocol(String),
+    /// The stage's KV caches cannot be made.
+    #[error(transparent)]
+    Cache(#[from] dejavulib::CacheError),
+    /// The last stage closed its connection to whoever feeds the pipeline.
+    #[error("the last stage closed its connection")]
+    LastStageClosed,
     /// No reply within the deadline: a stage is presumed dead.
     #[error("no reply within {0:?}")]
     Timeout(Duration),
@@ -246,9 +252,8 @@ impl StageProcess {
         stats.device_bytes.store(bytes * device_caches as u64, Ordering::Relaxed);
         let layers = config.layers.len() as u32;
         let region = KvRegion::new(0..layers, 0..config.slots, 0..config.model.kv_heads, 0..0);
-        let make = || KvCache::new(layout.clone()).map_err(|e| e.to_string());
-        let caches = SwapCaches::new(device_caches, config.index, region, make, stats.swap.clone())
-            .map_err(ProcessError::Protocol)?;
+        let make = || KvCache::new(layout.clone());
+        let caches = SwapCaches::new(device_caches, config.index, region, make, stats.swap.clone())?;
         let mut process = Self {
             stage,
             caches,

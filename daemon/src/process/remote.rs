@@ -17,15 +17,15 @@ use dejavulib::message::{Message, SeatIds, NO_STAGE};
 
 /// Frames coming out of the last stage, read whole by a thread of their own (a deadline never
 /// leaves half a frame read).
-fn read_replies(stream: TcpStream) -> Receiver<Result<Frame, String>> {
+fn read_replies(stream: TcpStream) -> Receiver<Result<Frame, ProcessError>> {
     let (tx, rx) = crossbeam_channel::bounded(64);
     std::thread::spawn(move || {
         let mut r = BufReader::new(stream);
         loop {
             let result = match read_frame(&mut r, DEFAULT_MAX_PAYLOAD) {
                 Ok(Some(frame)) => Ok(frame),
-                Ok(None) => Err("the last stage closed its connection".to_owned()),
-                Err(e) => Err(e.to_string()),
+                Ok(None) => Err(ProcessError::LastStageClosed),
+                Err(e) => Err(ProcessError::Frame(e)),
             };
             let end = result.is_err();
             if tx.send(result).is_err() || end {
@@ -73,7 +73,7 @@ pub struct RemotePipeline {
     first: SocketAddr,
     to_first: BufWriter<TcpStream>,
     results: TcpListener,
-    replies: Receiver<Result<Frame, String>>,
+    replies: Receiver<Result<Frame, ProcessError>>,
     /// Time a step may take.
     deadline: Duration,
     /// Time a control operation may take (restores and copies move whole sequences).
@@ -216,10 +216,10 @@ impl RemotePipeline {
             match got {
                 Ok(Ok(frame)) if frame.header.request == request => return Ok(frame),
                 Ok(Ok(_late)) => continue,
-                Ok(Err(reason)) => {
+                Ok(Err(e)) => {
                     let (_, closed) = crossbeam_channel::bounded(0);
                     self.replies = closed;
-                    return Err(ProcessError::Protocol(reason));
+                    return Err(e);
                 }
                 Err(_disconnected) => {
                     let epoch = self.last_stage_epoch;

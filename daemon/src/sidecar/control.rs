@@ -103,11 +103,11 @@ fn answer(sidecar: &Sidecar, stream: TcpStream) -> Result<(), SidecarError> {
                 info!(stage = sidecar.index(), %to, chunks, "re-seeded a new successor");
                 Message::Reseeded { chunks }
             }),
-            other => Err(format!("unexpected {other:?}")),
+            other => Err(SidecarError::Protocol(format!("unexpected {other:?}"))),
         };
         match answer {
             Ok(answer) => reply(&mut writer, &frame, sidecar.index(), 0, &answer)?,
-            Err(reason) => reply_error(&mut writer, &frame, ErrorCode::Other, &reason)?,
+            Err(e) => reply_error(&mut writer, &frame, ErrorCode::Other, &e.to_string())?,
         }
         writer.flush()?;
     }
@@ -123,9 +123,9 @@ impl Sidecar {
     /// a sequence's token-0 chunk counts as its start, so what came before it must arrive before
     /// it, and what came after it after ([`dejavulib::resume`]). Each token-0 chunk is therefore
     /// sent alone, in put order, and the chunks between two of them all at once.
-    fn reseed(&self, to: SocketAddr) -> Result<u64, String> {
+    fn reseed(&self, to: SocketAddr) -> Result<u64, SidecarError> {
         if self.unassigned.load(Ordering::SeqCst) {
-            return Err("a spare sidecar, not assigned a stage yet".into());
+            return Err(SidecarError::Unassigned);
         }
         // As the engine in use, so that the new successor takes its later forwards too.
         let newest = self.engine.lock().newest.epoch();
@@ -134,7 +134,7 @@ impl Sidecar {
         // Another request may have named another successor since: then this re-seed is void.
         let successor = self.successor.lock().clone().filter(|s| s.addr == to);
         let Some(successor) = successor else {
-            return Err(format!("{to} is not the successor (any more)"));
+            return Err(SidecarError::NotTheSuccessor(to));
         };
         let store = successor.store.lock();
         store.client().set_epoch(epoch);
@@ -179,12 +179,12 @@ impl Batch {
 
     /// Sends the chunks to `store` (at `to`) all at once, and empties the batch; returns how
     /// many it sent.
-    fn send(&mut self, store: &PeerStore, to: SocketAddr) -> Result<u64, String> {
+    fn send(&mut self, store: &PeerStore, to: SocketAddr) -> Result<u64, SidecarError> {
         let chunks = std::mem::take(&mut self.chunks);
         self.bytes = 0;
         let count = chunks.len() as u64;
         for put in store.put_many(chunks) {
-            put.map_err(|e| format!("re-seeding {to} failed: {e}"))?;
+            put.map_err(|source| SidecarError::Reseed { to, source })?;
         }
         Ok(count)
     }

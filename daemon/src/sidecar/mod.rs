@@ -61,6 +61,37 @@ pub enum SidecarError {
     /// A malformed or unexpected frame.
     #[error("local sidecar protocol: {0}")]
     Protocol(String),
+    /// Chunks an engine wrote into the shared region are not whole chunks.
+    #[error("malformed chunks in the shared region: {0}")]
+    Malformed(&'static str),
+    /// A chunk could not be kept (bad checksum, bad header, store full).
+    #[error("a chunk could not be kept: {0}")]
+    Keep(#[from] StoreError),
+    /// A chunk was kept but could not be forwarded to the successor (it is forwarded later).
+    #[error("forwarding to {to} failed: {source}")]
+    Forward {
+        /// The successor's sidecar.
+        to: SocketAddr,
+        /// Why.
+        source: StoreError,
+    },
+    /// No successor has been named to forward to.
+    #[error("no successor to forward to")]
+    NoSuccessor,
+    /// A spare sidecar that no recovery has assigned a stage yet.
+    #[error("a spare sidecar, not assigned a stage yet")]
+    Unassigned,
+    /// A re-seed named a sidecar that another request replaced as the successor meanwhile.
+    #[error("{0} is not the successor (any more)")]
+    NotTheSuccessor(SocketAddr),
+    /// Re-seeding a new successor failed.
+    #[error("re-seeding {to} failed: {source}")]
+    Reseed {
+        /// The new successor's sidecar.
+        to: SocketAddr,
+        /// Why.
+        source: StoreError,
+    },
 }
 
 impl From<dejavulib::wire::FrameError> for SidecarError {
@@ -363,7 +394,7 @@ impl Sidecar {
                 // and what is verified must be what is kept.
                 (Kind::Put, len) => match self.keep_and_forward(region.read(len as usize)?.to_vec(), epoch) {
                     Ok(()) => write_frame(&mut writer, &answer(Kind::PutAck, [0; 4]), &[])?,
-                    Err(reason) => reply_error(&mut writer, &frame, ErrorCode::Other, &reason)?,
+                    Err(e) => reply_error(&mut writer, &frame, ErrorCode::Other, &e.to_string())?,
                 },
                 (Kind::Get, _) => {
                     let Some(key) = ChunkKey::decode(&frame.payload) else {
@@ -423,12 +454,12 @@ impl Sidecar {
             }
             Message::Keep { chunks, bytes } => {
                 let kept = usize::try_from(bytes)
-                    .map_err(|_| format!("{bytes} bytes to keep"))
-                    .and_then(|len| region.read(len).map_err(|e| e.to_string()))
+                    .map_err(|_| SidecarError::Malformed("more bytes to keep than memory holds"))
+                    .and_then(|len| Ok(region.read(len)?))
                     .and_then(|c| self.keep(c, chunks));
                 match kept {
                     Ok(()) => reply(writer, frame, self.index(), epoch, &Message::Done),
-                    Err(reason) => reply_error(writer, frame, ErrorCode::Other, &reason),
+                    Err(e) => reply_error(writer, frame, ErrorCode::Other, &e.to_string()),
                 }
             }
             Message::Held { .. } if self.unassigned.load(Ordering::SeqCst) => {
@@ -508,14 +539,20 @@ impl Sidecar {
 
     /// Verifies and keeps `count` chunks the engine wrote one after the other (`chunks`), without
     /// forwarding them.
-    fn keep(&self, mut chunks: &[u8], count: u32) -> Result<(), String> {
+    fn keep(&self, mut chunks: &[u8], count: u32) -> Result<(), SidecarError> {
         for _ in 0..count {
-            let header = chunks.get(..HEADER_LEN).ok_or("a chunk shorter than its header")?;
-            let (_, len, _) = ChunkDescriptor::decode_header(header).map_err(|e| e.to_string())?;
-            let end = HEADER_LEN + usize::try_from(len).map_err(|e| e.to_string())?;
-            let chunk = chunks.get(..end).ok_or("chunks longer than what was written")?;
+            let header =
+                chunks.get(..HEADER_LEN).ok_or(SidecarError::Malformed("a chunk shorter than its header"))?;
+            let (_, len, _) = ChunkDescriptor::decode_header(header)
+                .map_err(|_| SidecarError::Malformed("a chunk header that does not decode"))?;
+            let end = usize::try_from(len)
+                .ok()
+                .and_then(|len| len.checked_add(HEADER_LEN))
+                .ok_or(SidecarError::Malformed("a chunk longer than memory"))?;
+            let chunk =
+                chunks.get(..end).ok_or(SidecarError::Malformed("chunks longer than what was written"))?;
             // Copied out of the region before it is verified, as a put's.
-            self.store.put_encoded(chunk.to_vec()).map_err(|e| e.to_string())?;
+            self.store.put_encoded(chunk.to_vec())?;
             add(&self.stats.local_chunks, 1);
             add(&self.stats.local_bytes, len);
             chunks = &chunks[end..];
@@ -524,9 +561,9 @@ impl Sidecar {
     }
 
     /// Verifies and keeps a chunk the engine wrote into the region, then forwards it.
-    fn keep_and_forward(&self, encoded: Vec<u8>, epoch: u64) -> Result<(), String> {
+    fn keep_and_forward(&self, encoded: Vec<u8>, epoch: u64) -> Result<(), SidecarError> {
         // Checked and kept without another copy; forwarded from the bytes kept.
-        let (descriptor, kept) = self.store.put_encoded(encoded).map_err(|e| e.to_string())?;
+        let (descriptor, kept) = self.store.put_encoded(encoded)?;
         let payload = &kept[HEADER_LEN..];
         let bytes = payload.len() as u64;
         add(&self.stats.local_chunks, 1);
@@ -535,14 +572,14 @@ impl Sidecar {
             return Ok(());
         }
         let Some(Successor { addr, store, .. }) = self.successor.lock().clone() else {
-            return Err("no successor to forward to".into());
+            return Err(SidecarError::NoSuccessor);
         };
         let mut store = store.lock();
         // Chunks whose forward failed go first; if the successor still cannot take them, this
         // one waits with them (one failed attempt per put, not two).
-        if let Err(e) = self.forward_backlog(&mut store) {
+        if let Err(source) = self.forward_backlog(&mut store) {
             self.unforwarded.lock().push(descriptor.key(), epoch, &self.stats);
-            return Err(format!("forwarding to {addr} failed: {e}"));
+            return Err(SidecarError::Forward { to: addr, source });
         }
         // Forwarded as kept, with the checksum the engine computed: not hashed again here.
         store.client().set_epoch(epoch);
@@ -552,10 +589,10 @@ impl Sidecar {
                 add(&self.stats.forwarded_bytes, bytes);
                 Ok(())
             }
-            Err(e) => {
+            Err(source) => {
                 add(&self.stats.forward_failures, 1);
                 self.unforwarded.lock().push(descriptor.key(), epoch, &self.stats);
-                Err(format!("forwarding to {addr} failed: {e}"))
+                Err(SidecarError::Forward { to: addr, source })
             }
         }
     }
