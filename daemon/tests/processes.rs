@@ -19,17 +19,20 @@ fn splits() -> Vec<std::ops::Range<u32>> {
     vec![0..2, 2..4, 4..6, 6..8]
 }
 
-fn cluster(replicate: bool) -> Cluster {
-    Cluster::start(ClusterConfig {
+/// The tests' cluster: four stages of the reference model, replicated.
+fn config() -> ClusterConfig {
+    ClusterConfig {
         splits: splits(),
         slots: SLOTS,
         microbatches: MICROBATCHES,
         max_tokens: MAX_TOKENS,
-        replicate,
         deadline: Duration::from_secs(1),
         ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavud")))
-    })
-    .unwrap()
+    }
+}
+
+fn cluster(replicate: bool) -> Cluster {
+    Cluster::start(ClusterConfig { replicate, ..config() }).unwrap()
 }
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -131,16 +134,7 @@ fn stages_compute_and_streamers_and_sidecars_copy_on_the_cpus_set_apart_for_them
     let first = CpuList::new([available.cpus()[0]]).unwrap();
     let last = CpuList::new([*available.cpus().last().unwrap()]).unwrap();
     let split = CpuSplit { compute: first.clone(), replication: last.clone() };
-    let mut chain = Cluster::start(ClusterConfig {
-        splits: splits(),
-        slots: SLOTS,
-        microbatches: MICROBATCHES,
-        max_tokens: MAX_TOKENS,
-        deadline: Duration::from_secs(1),
-        cpus: Some(split),
-        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavud")))
-    })
-    .unwrap();
+    let mut chain = Cluster::start(ClusterConfig { cpus: Some(split), ..config() }).unwrap();
     assert_eq!(start_requests(&mut chain.remote, NEW_TOKENS), reference());
     for stage in 0..splits().len() {
         let threads = thread_cpus(chain.pid(stage, Role::Engine).unwrap());
@@ -412,16 +406,7 @@ fn the_controllers_decisions_in_a_real_run_replay_through_the_simulated_machine(
     let prompts = prompts();
     let dir = tempfile::tempdir().unwrap();
     let journal = dir.path().join("controller.journal");
-    let mut chain = Cluster::start(ClusterConfig {
-        splits: splits(),
-        slots: SLOTS,
-        microbatches: MICROBATCHES,
-        max_tokens: MAX_TOKENS,
-        deadline: Duration::from_secs(1),
-        journal: Some(journal.clone()),
-        ..ClusterConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_dejavud")))
-    })
-    .unwrap();
+    let mut chain = Cluster::start(ClusterConfig { journal: Some(journal.clone()), ..config() }).unwrap();
     let done = 3;
     let mut so_far = start_requests(&mut chain.remote, done);
     chain.kill(1, Kill::Worker).unwrap();
