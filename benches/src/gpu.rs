@@ -15,7 +15,7 @@ use dejavulib::streamer::Shutdown;
 use dejavulib::{HostStore, KvRegion, Streamer, StreamerConfig, WorkerId};
 
 use crate::e2e::REPLICATION_TARGET;
-use crate::{median_of, Row, Workload};
+use crate::{gbps, median_of, Row, Workload};
 
 /// The synthetic layer kernel's source.
 const LAYER_KERNEL: &str = dejavu_kernels::SYNTHETIC_LAYER;
@@ -25,11 +25,6 @@ const STEP: Duration = Duration::from_millis(10);
 
 /// Steps per block of the overlap run; blocks alternate streaming on and off.
 const OVERLAP_BLOCK: usize = 8;
-
-/// GB/s of `bytes` moved in `d`.
-pub(crate) fn gbps(bytes: u64, d: Duration) -> f64 {
-    bytes as f64 / d.as_secs_f64() / 1e9
-}
 
 /// The GPU rows for `w`'s decode step and prompt, or why there are none.
 pub fn rows(w: &Workload) -> Result<Vec<Row>, String> {

@@ -12,7 +12,7 @@ use dejavulib::cuda::{CudaEngine, CudaError, HostMemory, HostPath};
 use dejavulib::layout::PerLayerOrder;
 use dejavulib::{KvLayout, KvRegion, KvSpec};
 
-use crate::gpu::gbps;
+use crate::gbps;
 use crate::{median_of, Row, Workload};
 
 /// Warm-up rounds before each measurement: the first pinned copies of a sitting run slower

@@ -288,6 +288,11 @@ pub fn medians_interleaved<const N: usize>(
     })
 }
 
+/// GB/s of `bytes` moved in `d`.
+pub fn gbps(bytes: u64, d: std::time::Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
 /// Median wall time of `runs` calls of `f` after one warm-up call.
 pub fn median_of(runs: usize, mut f: impl FnMut()) -> std::time::Duration {
     let [median] = medians_interleaved(runs, [&mut f]);
