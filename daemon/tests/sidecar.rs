@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 
 use dejavud::heartbeat::decode;
 use dejavud::sidecar::control::{ControlError, SidecarControl};
-use dejavulib::chunk::ChunkDescriptor;
+use dejavulib::chunk::{ChunkDescriptor, SequencePlace};
 use dejavulib::local::{LocalError, LocalSidecar};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{PeerServer, ServerConfig};
@@ -531,4 +531,47 @@ fn a_new_request_in_a_slot_drops_the_old_ones_chunks_and_the_gauges_say_what_is_
     assert_eq!(value("dejavu_sidecar_replaced_chunks_total", None), 3.0);
     // The successor (a plain store here) got every forward; a sidecar there drops the same ones.
     assert_eq!(successor_store.len(), 4);
+}
+
+/// An engine that finished a sequence releases it: its sidecar drops the sequence's chunks and
+/// its successor drops the replica, others stay; a second release drops nothing and succeeds.
+#[test]
+fn a_released_sequence_is_dropped_here_and_at_the_replica_and_releasing_again_is_harmless() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_sidecar, socket, _, metrics) =
+        start_sidecar_serving(dir.path(), &["--index", "1", "--metrics", "127.0.0.1:0"]);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let successor_store = HostStore::new();
+    let successor = successor(&runtime, &successor_store);
+    let mut engine = LocalSidecar::connect(&socket, 0, successor.addr()).unwrap();
+    // Requests in slots 0, 1 and 2: a prompt and a step each.
+    for slot in 0..3 {
+        for tokens in [0..4, 4..5] {
+            let (descriptor, kv) = chunk_in(slot, tokens, slot as u8);
+            engine.put(&descriptor, &kv).unwrap();
+        }
+    }
+    let place = |slots| SequencePlace { destination: WorkerId { stage: 1, rank: 0 }, microbatch: 0, slots };
+    assert_eq!(engine.release(&place(1..2)).unwrap(), 2, "the prompt and the step of slot 1");
+    let mut out = Vec::new();
+    for slot in 0..3 {
+        let (descriptor, _) = chunk_in(slot, 4..5, slot as u8);
+        let here = engine.get(&descriptor.key(), &mut out);
+        let replica = successor_store.encoded_len(&descriptor.key());
+        if slot == 1 {
+            assert!(matches!(here, Err(StoreError::NotFound(_))), "released here");
+            assert!(replica.is_none(), "released at the replica");
+        } else {
+            assert!(here.is_ok() && replica.is_some(), "slot {slot} is kept");
+        }
+    }
+    assert_eq!(successor_store.len(), 4);
+    assert_eq!(engine.release(&place(1..2)).unwrap(), 0, "released already");
+    // Another worker's place, or another microbatch, holds nothing of this one.
+    let elsewhere = SequencePlace { microbatch: 1, ..place(0..3) };
+    assert_eq!(engine.release(&elsewhere).unwrap(), 0);
+    let page = dejavud::metrics::scrape(metrics.expect("it serves metrics")).unwrap();
+    let value = |name: &str| dejavud::metrics::value_of(&page, name, &[]).unwrap_or_else(|| panic!("{page}"));
+    assert_eq!(value("dejavu_sidecar_released_chunks_total"), 2.0);
+    assert_eq!(value("dejavu_sidecar_replaced_chunks_total"), 0.0);
 }

@@ -88,6 +88,30 @@ pub struct ChunkDescriptor {
     pub packing: Packing,
 }
 
+/// Where a sequence's KV lives at a worker: a microbatch and its slots. Releasing it drops every
+/// chunk kept there ([`crate::ChunkStore::release`]).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SequencePlace {
+    /// The worker the KV is for.
+    pub destination: WorkerId,
+    /// Its microbatch there.
+    pub microbatch: u32,
+    /// Its slots.
+    pub slots: std::ops::Range<u32>,
+}
+
+impl SequencePlace {
+    /// Whether the chunk under `key` holds KV of this place: the same worker and microbatch, and
+    /// slots that overlap.
+    pub fn holds(&self, key: &ChunkKey) -> bool {
+        let slots = &key.region.slots;
+        key.destination == self.destination
+            && key.microbatch == self.microbatch
+            && slots.start < self.slots.end
+            && self.slots.start < slots.end
+    }
+}
+
 /// The identity of a chunk in a store: destination, microbatch and region.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ChunkKey {

@@ -11,6 +11,7 @@
 //! | [`Message::Successor`] (also as the first and only frame of a connection of its own, epoch = the engine's) | `Done`; forwards go there from now on (a forward under way to the replaced successor fails at once); `Error` (`StaleEpoch`) on its own connection from an engine older than the one in use |
 //! | [`Message::Assign`] (first and only frame of a connection of the cluster's) | `Done` once a spare sidecar has become that stage's; `Error` if it is not a spare waiting for one |
 //! | [`Message::Keep`], the chunks (each header and payload) written one after the other into the region | `Done` once the sidecar keeps them all (it forwards none: they came from a copy that exists); `Error` otherwise |
+//! | [`Message::Release`] | [`Message::Released`] once the sidecar has dropped the sequence's chunks and its successor's sidecar the replica's; `Error` if the successor could not be told |
 //! | [`Message::Held`] | [`Message::HeldPage`]: what the sidecar serves as, and each of the stage's own chunks it keeps after the one named, in the order of their keys' encoding, as a [`HeldChunk`] (its key, [`ChunkKey::encode`], and when it was put), written one after the other into the region; `Error` from a spare not assigned yet |
 //!
 //! The control messages are [`crate::message`]'s.
@@ -24,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
+use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
 use crate::message::Message;
 use crate::resume::{resume_points, HeldChunk, ResumePoint};
 use crate::shm::{SharedRegion, ShmError};
@@ -251,6 +252,15 @@ impl LocalSidecar {
         Ok(())
     }
 
+    /// Releases the sequence at `place`: the sidecar drops every chunk of it, and has its
+    /// successor's sidecar drop the replica; returns the chunks it dropped itself. Idempotent.
+    pub fn release_place(&mut self, place: &SequencePlace) -> Result<u64, LocalError> {
+        match self.channel.control(0, &Message::Release(place.clone()))? {
+            Message::Released { chunks } => Ok(chunks),
+            other => Err(LocalError::Protocol(format!("a release answered with {other:?}"))),
+        }
+    }
+
     /// Asks the sidecar what it serves as (no keys).
     pub fn serving(&mut self) -> Result<Serving, LocalError> {
         Ok(self.held_page(0, None)?.0)
@@ -301,6 +311,10 @@ impl LocalSidecar {
 }
 
 impl ChunkStore for LocalSidecar {
+    fn release(&mut self, place: &SequencePlace) -> Result<u64, StoreError> {
+        self.release_place(place).map_err(|e| self.store_error(e))
+    }
+
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         let header = descriptor.encode_header(payload);
         let len = self.region.write(&[&header, payload]).map_err(|e| self.store_error(e.into()))?;

@@ -44,6 +44,10 @@ pub struct StoreUsage {
     pub replaced_chunks: u64,
     /// Bytes of those chunks.
     pub replaced_bytes: u64,
+    /// Chunks dropped because their sequence was released ([`crate::ChunkStore::release`]).
+    pub released_chunks: u64,
+    /// Bytes of those chunks.
+    pub released_bytes: u64,
 }
 
 static TEMP: AtomicU64 = AtomicU64::new(0);

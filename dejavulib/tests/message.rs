@@ -6,7 +6,7 @@ use std::cell::Cell;
 use std::net::SocketAddr;
 
 use dejavu_proto::plan::{Loss, Reseed, Source, StagePlan};
-use dejavulib::chunk::ChunkKey;
+use dejavulib::chunk::{ChunkKey, SequencePlace};
 use dejavulib::message::{
     decode_allocation_bound, Health, Mark, Message, MessageError, RecoveryOrders, Role, SeatIds, StageOrders,
     MESSAGE_VERSION,
@@ -118,6 +118,12 @@ fn every_message() -> Vec<Message> {
         Message::HeldPage { stage: 2, epoch: 9, successor: None, count: 0, left: 0 },
         Message::HeldPage { stage: 2, epoch: 9, successor: Some(addr("[::1]:7")), count: 4, left: 1 },
         Message::Assign { stage: 3, epoch: 1 << 40 },
+        Message::Release(SequencePlace {
+            destination: WorkerId { stage: 2, rank: 1 },
+            microbatch: 3,
+            slots: 4..6,
+        }),
+        Message::Released { chunks: 12 },
         Message::HeldOf { stage: 1, want: 65536, after: Some(key(1)) },
         Message::HeldOfPage {
             chunks: vec![HeldChunk { key: key(1), put: 4 }, HeldChunk { key: key(2), put: 5 }],

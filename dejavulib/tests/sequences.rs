@@ -7,8 +7,11 @@ mod common;
 
 use std::ops::Range;
 
-use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
+use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace};
+use dejavulib::net::tcp::TcpTransport;
+use dejavulib::net::{ClientConfig, PeerServer, PeerStore, ServerConfig};
 use dejavulib::spill::Spill;
+use dejavulib::store::StoreError;
 use dejavulib::{ChunkStore, DType, HostStore, KvRegion, KvSpec, Packing, WorkerId};
 
 /// A chunk for `worker` (stage), `microbatch`, of `slots`, every layer and head, `tokens`.
@@ -128,4 +131,58 @@ fn many_requests_of_random_lengths_in_one_slot_hold_one_sequence_at_a_time() {
     let files = std::fs::read_dir(dir.path()).unwrap().count() as u64;
     assert_eq!(files, store.usage().spilled_chunks, "a dropped chunk's spill file went with it");
     assert!(most > 0);
+}
+
+/// A released place drops every chunk of it (any layers, heads and tokens, and partly overlapping
+/// slot ranges), in a plain store too; releasing again drops nothing. Over a peer, a release from
+/// a fenced sender is refused, as its puts are.
+#[test]
+fn a_release_drops_the_place_whole_and_a_fenced_sender_cannot_release() {
+    let mut store = HostStore::new();
+    let a: Vec<ChunkKey> = [0..5, 5..6].into_iter().map(|t| put(&mut store, chunk(1, 0, 0..2, t))).collect();
+    let neighbour = put(&mut store, chunk(1, 0, 2..4, 0..3));
+    let other_microbatch = put(&mut store, chunk(1, 1, 0..2, 0..3));
+    let layer = put(&mut store, chunk_of(1, 0, KvRegion::new(1..2, 1..2, 0..1, 0..9)));
+    let place = SequencePlace { destination: WorkerId { stage: 1, rank: 0 }, microbatch: 0, slots: 1..2 };
+    assert_eq!(store.release(&place).unwrap(), 3, "both of A's chunks and the one-layer chunk");
+    assert_eq!(held(&store), [neighbour.clone(), other_microbatch.clone()]);
+    assert_eq!(store.release(&place).unwrap(), 0);
+    let usage = store.usage();
+    assert_eq!(usage.released_chunks, 3);
+    assert!(usage.released_bytes > 0 && usage.replaced_chunks == 0);
+    drop((a, layer));
+
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let peer_store = HostStore::new();
+    let server = runtime
+        .block_on(PeerServer::bind(
+            &TcpTransport::plain(),
+            "127.0.0.1:0".parse().unwrap(),
+            ServerConfig::new("release", 9),
+            peer_store.clone(),
+        ))
+        .unwrap();
+    let client_of = |epoch| {
+        let mut config = ClientConfig::new("release", 1);
+        config.epoch = epoch;
+        PeerStore::new(
+            runtime.handle().clone(),
+            std::sync::Arc::new(TcpTransport::plain()),
+            server.addr(),
+            config,
+        )
+    };
+    let (mut newer, mut older) = (client_of(2), client_of(1));
+    put_into(&mut newer, chunk(1, 0, 0..2, 0..5));
+    put_into(&mut newer, chunk(1, 0, 2..4, 0..5));
+    let whole = SequencePlace { slots: 0..2, ..place };
+    let stale = older.release(&whole).unwrap_err();
+    assert!(matches!(stale, StoreError::Io { .. }) && stale.to_string().contains("older"), "{stale}");
+    assert_eq!(peer_store.len(), 2, "the stale release dropped nothing");
+    assert_eq!(newer.release(&whole).unwrap(), 1);
+    assert_eq!(peer_store.len(), 1);
+}
+
+fn put_into(store: &mut PeerStore, (descriptor, payload): (ChunkDescriptor, Vec<u8>)) {
+    store.put(&descriptor, &payload).unwrap();
 }

@@ -308,6 +308,21 @@ enum DjvStatus djv_fetch(struct DjvStore *store,
                          struct DjvWorker destination,
                          uint32_t microbatch);
 
+// Releases the finished sequence in slots `slots_start..slots_end` of `microbatch` for `worker`:
+// the store drops every chunk of it, and a sidecar store also has its successor's sidecar drop
+// the replica. `*released` (unless NULL) is the number of chunks this store dropped; releasing
+// again drops nothing. A file store cannot (`DJV_STATUS_INVALID_ARGUMENT`).
+//
+// # Safety
+//
+// `store` is a live handle; `released` is NULL or valid for a write.
+enum DjvStatus djv_release(struct DjvStore *store,
+                           struct DjvWorker worker,
+                           uint32_t microbatch,
+                           uint32_t slots_start,
+                           uint32_t slots_end,
+                           uint64_t *released);
+
 // Asks the engine's sidecar which stage it serves (a spare learns the stage it was assigned) and
 // the newest engine epoch it has accepted.
 //

@@ -13,6 +13,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use dejavulib::chunk::SequencePlace;
 use dejavulib::file_io::FileBackend;
 use dejavulib::layout::{BlockTables, KvInterleave, PagedConfig, PagedOrder, PerLayerOrder};
 use dejavulib::local::LocalSidecar;
@@ -192,6 +193,7 @@ impl From<StoreError> for Failure {
             StoreError::Chunk { .. } => DjvStatus::Corrupt,
             StoreError::PayloadLength { .. } => DjvStatus::InvalidArgument,
             StoreError::Io { .. } => DjvStatus::Io,
+            StoreError::Unsupported(_) => DjvStatus::InvalidArgument,
             StoreError::Gather(e) => return Self::from(*e),
         };
         Failure(status, e.to_string())
@@ -708,6 +710,40 @@ pub unsafe extern "C" fn djv_fetch(
         let t = transfer(r, source, destination, microbatch);
         let mut payload = Vec::new();
         receive(&cache.cache, &t, r.tokens_start..r.tokens_end, store.chunks(), &mut payload)?;
+        Ok(())
+    })
+}
+
+/// Releases the finished sequence in slots `slots_start..slots_end` of `microbatch` for `worker`:
+/// the store drops every chunk of it, and a sidecar store also has its successor's sidecar drop
+/// the replica. `*released` (unless NULL) is the number of chunks this store dropped; releasing
+/// again drops nothing. A file store cannot (`DJV_STATUS_INVALID_ARGUMENT`).
+///
+/// # Safety
+///
+/// `store` is a live handle; `released` is NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn djv_release(
+    store: *mut DjvStore,
+    worker: DjvWorker,
+    microbatch: u32,
+    slots_start: u32,
+    slots_end: u32,
+    released: *mut u64,
+) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract.
+        let store = unsafe { store.as_mut() }.ok_or_else(|| Failure::invalid("store is NULL"))?;
+        if slots_start > slots_end {
+            return Err(Failure::invalid("slots_start is after slots_end"));
+        }
+        let destination = WorkerId { stage: worker.stage, rank: worker.rank };
+        let place = SequencePlace { destination, microbatch, slots: slots_start..slots_end };
+        let chunks = store.chunks().release(&place)?;
+        // SAFETY: per the contract.
+        if let Some(out) = unsafe { released.as_mut() } {
+            *out = chunks;
+        }
         Ok(())
     })
 }

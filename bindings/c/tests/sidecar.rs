@@ -131,6 +131,15 @@ fn a_region_flushed_to_the_sidecar_is_forwarded_and_comes_back() {
         assert_eq!(back, noise);
         assert_eq!(djv_fetch(store, restored, &region, worker, worker, 7), DjvStatus::NotFound);
 
+        // The sequence is finished: released here and at the successor, once.
+        let mut released = 0u64;
+        assert_eq!(djv_release(store, worker, 2, 0, 2, &mut released), DjvStatus::Ok, "{}", last_error());
+        assert_eq!(released, 1);
+        assert_eq!(successor_store.len(), 0, "the replica is released too");
+        assert_eq!(djv_fetch(store, restored, &region, worker, worker, 2), DjvStatus::NotFound);
+        assert_eq!(djv_release(store, worker, 2, 0, 2, ptr::null_mut()), DjvStatus::Ok);
+        assert_eq!(djv_release(store, worker, 2, 2, 0, ptr::null_mut()), DjvStatus::InvalidArgument);
+
         let nowhere = CString::new(dir.path().join("nobody.sock").to_str().unwrap()).unwrap();
         let mut none = ptr::null_mut();
         assert_eq!(

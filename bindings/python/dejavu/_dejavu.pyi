@@ -176,6 +176,11 @@ class Store:
         ``worker`` the sidecar keeps into ``caches[microbatch]`` (a microbatch not in it is listed,
         not fetched) through shared memory; returns one dict per sequence, as ``recovery()``'s
         ``resume`` lists them, with ``fetched``."""
+    def release(self, worker: Tuple[int, int], microbatch: int, slots: Union[range, Tuple[int, int]]) -> int:
+        """Releases the finished sequence in ``slots`` of ``microbatch`` for ``worker``: drops
+        every chunk of it (a sidecar store also has its successor drop the replica). Returns the
+        chunks this store dropped; releasing again drops nothing. File stores raise
+        ``StoreError``."""
 
 class PeerServer:
     """A peer that keeps chunks flushed to it, serving clients that know the cluster secret."""

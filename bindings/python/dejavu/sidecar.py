@@ -57,6 +57,12 @@ class SidecarClient:
         region = KvRegion(layers=layers, slots=slots, heads=heads, tokens=tokens)
         return flush(self.store, cache, region, self.worker, self.worker, microbatch)
 
+    def release(self, microbatch: int, slots: Span) -> int:
+        """Reports the sequences in ``slots`` of ``microbatch`` finished: the sidecar drops their
+        KV, and its successor the replica, so that a sidecar holds only sequences still running.
+        Returns the chunks the sidecar dropped; releasing again drops nothing."""
+        return self.store.release(self.worker, microbatch, slots)
+
     def recovery(self) -> dict:
         """The sidecar's recovery instructions, as ``Store.recovery`` returns them."""
         return self.store.recovery()

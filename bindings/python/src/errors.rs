@@ -38,7 +38,7 @@ pub(crate) fn store_err(e: ChunkStoreError) -> PyErr {
         ChunkStoreError::NotFound(_) => NotFoundError::new_err(e.to_string()),
         ChunkStoreError::Chunk { .. } => CorruptChunkError::new_err(e.to_string()),
         ChunkStoreError::PayloadLength { .. } => PyValueError::new_err(e.to_string()),
-        ChunkStoreError::Io { .. } => StoreError::new_err(e.to_string()),
+        ChunkStoreError::Io { .. } | ChunkStoreError::Unsupported(_) => StoreError::new_err(e.to_string()),
         ChunkStoreError::Gather(e) => cache_err(*e),
     }
 }

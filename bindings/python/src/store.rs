@@ -3,6 +3,7 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, OnceLock};
 
+use dejavulib::chunk::SequencePlace;
 use dejavulib::file_io::FileBackend;
 use dejavulib::local::LocalSidecar;
 use dejavulib::net::tcp::TcpTransport;
@@ -48,6 +49,10 @@ impl<S: ChunkStore + ?Sized> ChunkStore for Shared<S> {
         out: &mut Vec<u8>,
     ) -> Result<dejavulib::chunk::ChunkDescriptor, ChunkStoreError> {
         self.0.lock().get(key, out)
+    }
+
+    fn release(&mut self, place: &SequencePlace) -> Result<u64, ChunkStoreError> {
+        self.0.lock().release(place)
     }
 }
 
@@ -205,6 +210,26 @@ impl PyStore {
                 Ok(point)
             })
             .collect()
+    }
+
+    /// Releases the finished sequence in `slots` (a range, or (start, end)) of `microbatch` for
+    /// `worker` ((stage, rank)): the store drops every chunk of it (a sidecar also has its
+    /// successor drop the replica). Returns the chunks this store dropped; releasing again drops
+    /// nothing. File stores cannot (`StoreError`).
+    fn release(
+        &self,
+        py: Python<'_>,
+        worker: (u32, u32),
+        microbatch: u32,
+        slots: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let place = SequencePlace {
+            destination: self::worker(worker),
+            microbatch,
+            slots: range_arg(slots, "slots")?,
+        };
+        let mut store = self.inner.clone();
+        py.detach(|| store.release(&place)).map_err(store_err)
     }
 
     /// Chunks in this process's memory.

@@ -613,3 +613,23 @@ def test_the_sidecar_client_reports_steps_and_restores_after_a_restart(tmp_path)
         # The old engine is cut off.
         with pytest.raises(dejavu.Error, match="older"):
             dejavu.SidecarClient(socket, successor.address, epoch=1)
+
+
+def test_a_finished_sequence_released_is_dropped_by_the_sidecar_and_at_its_successor(tmp_path):
+    with running_sidecar(tmp_path, index=2) as (socket, successor):
+        layout = layouts()["faster_transformer"]
+        client = dejavu.SidecarClient(socket, successor.address, epoch=1)
+        client.register(dejavu.KvCache.wrap(layout, engine_buffers(layout, 30)), microbatch=0)
+        # Two sequences in slots 0 and 1: a prompt and two steps each.
+        for slot in (0, 1):
+            client.step_done(0, slot, range(0, 8))
+            for token in (8, 9):
+                client.step_done(0, slot, range(token, token + 1))
+        assert successor.chunks == 6
+        # Slot 0's sequence is finished: released here and at the successor, once.
+        assert client.release(0, range(0, 1)) == 3
+        assert successor.chunks == 3
+        assert client.release(0, 0) == 0
+        assert [p["slots"] for p in client.recovery()["resume"]] == [(1, 2)]
+        with pytest.raises(dejavu.StoreError, match="cannot release"):
+            dejavu.Store.file(tmp_path / "files").release((2, 0), 0, range(0, 1))

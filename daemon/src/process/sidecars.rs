@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
+use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace};
 use dejavulib::local::LocalSidecar;
 use dejavulib::net::{ClientConfig, PeerStore};
 use dejavulib::store::StoreError;
@@ -48,6 +48,10 @@ impl ChunkStore for ToSidecar {
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
         self.local.lock().get(key, out)
+    }
+
+    fn release(&mut self, place: &SequencePlace) -> Result<u64, StoreError> {
+        self.local.lock().release(place)
     }
 }
 

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dejavu_proto::fencing::{Claim, Newest};
-use dejavulib::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
+use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
 use dejavulib::local::MAX_LOCAL_PAYLOAD;
 use dejavulib::message::Message;
 use dejavulib::net::{ClientConfig, PeerClient, PeerError, PeerServer, PeerStore};
@@ -462,6 +462,10 @@ impl Sidecar {
                     Err(e) => reply_error(writer, frame, ErrorCode::Other, &e.to_string()),
                 }
             }
+            Message::Release(place) => match self.release(&place, epoch) {
+                Ok(chunks) => reply(writer, frame, self.index(), epoch, &Message::Released { chunks }),
+                Err(e) => reply_error(writer, frame, ErrorCode::Other, &e.to_string()),
+            },
             Message::Held { .. } if self.unassigned.load(Ordering::SeqCst) => {
                 reply_error(writer, frame, ErrorCode::Unexpected, "a spare sidecar, not assigned a stage yet")
             }
@@ -558,6 +562,23 @@ impl Sidecar {
             chunks = &chunks[end..];
         }
         Ok(())
+    }
+
+    /// Drops the sequence at `place` here, then at the successor's sidecar (its replica), as the
+    /// engine of `epoch`; returns the chunks dropped here. Chunks of it still waiting to be
+    /// forwarded are dropped with it (the backlog skips what the store no longer holds).
+    fn release(&self, place: &SequencePlace, epoch: u64) -> Result<u64, SidecarError> {
+        let chunks = self.store.release_place(place);
+        if self.config.skip_forwarding {
+            return Ok(chunks);
+        }
+        let Some(Successor { addr, store, .. }) = self.successor.lock().clone() else {
+            return Err(SidecarError::NoSuccessor);
+        };
+        let mut store = store.lock();
+        store.client().set_epoch(epoch);
+        store.release(place).map_err(|source| SidecarError::Forward { to: addr, source })?;
+        Ok(chunks)
     }
 
     /// Verifies and keeps a chunk the engine wrote into the region, then forwards it.
@@ -791,6 +812,18 @@ impl Sidecar {
                 MetricType::Counter,
                 "Bytes of the chunks dropped because a new sequence started in their slots.",
                 usage.replaced_bytes,
+            ),
+            (
+                "dejavu_sidecar_released_chunks_total",
+                MetricType::Counter,
+                "Chunks dropped because their engine released the sequence (own and replicas).",
+                usage.released_chunks,
+            ),
+            (
+                "dejavu_sidecar_released_bytes_total",
+                MetricType::Counter,
+                "Bytes of the chunks dropped because their engine released the sequence.",
+                usage.released_bytes,
             ),
         ];
         for (name, kind, help, value) in tiers {

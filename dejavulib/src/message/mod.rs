@@ -11,7 +11,7 @@
 //!
 //! | codes | connection | requests (→ reply) |
 //! |---|---|---|
-//! | 1–9 | an engine to its sidecar, on its local socket | [`Message::Mapped`], [`Message::Successor`], [`Message::Keep`] (→ [`Message::Done`]); [`Message::Held`] (→ [`Message::HeldPage`]); from the cluster to a spare sidecar, [`Message::Assign`] (→ `Done`) |
+//! | 1–9 | an engine to its sidecar, on its local socket | [`Message::Mapped`], [`Message::Successor`], [`Message::Keep`] (→ [`Message::Done`]); [`Message::Held`] (→ [`Message::HeldPage`]); [`Message::Release`] (→ [`Message::Released`]), also from a sidecar to its successor's over the transport; from the cluster to a spare sidecar, [`Message::Assign`] (→ `Done`) |
 //! | 20–29 | the controller to a sidecar's control port | [`Message::HeldOf`] (→ [`Message::HeldOfPage`]); [`Message::Reseed`] (→ [`Message::Reseeded`]) |
 //! | 30–49 | anyone to the controller's query port | [`Message::Census`] (→ [`Message::CensusReply`]); [`Message::Fence`], [`Message::FencedIn`], [`Message::AwaitFence`], [`Message::Lifeline`] (→ [`Message::Epoch`]); [`Message::Recover`] (→ [`Message::Orders`]); [`Message::ReseedRestored`] (→ [`Message::Reseeded`]) |
 //! | 50–69 | whoever feeds a pipeline to its stages, round the chain | [`Message::Probe`], [`Message::Rewire`], [`Message::HandoffTo`], [`Message::Replication`] (passed on as they are); [`Message::Restore`] (→ [`Message::Restored`]); [`Message::Load`] (→ [`Message::Loaded`]) |
@@ -28,7 +28,8 @@ use std::net::SocketAddr;
 
 use thiserror::Error;
 
-use crate::chunk::ChunkKey;
+use crate::chunk::{ChunkKey, SequencePlace};
+use crate::placement::WorkerId;
 use crate::resume::HeldChunk;
 use crate::wire::{Frame, FrameHeader, Kind};
 
@@ -109,6 +110,15 @@ pub enum Message {
         stage: u32,
         /// The recovery's epoch.
         epoch: u64,
+    },
+
+    /// The sequence at this place is finished: drop every chunk of it (an engine to its sidecar,
+    /// and a sidecar to its successor's over the transport, to drop the replica).
+    Release(SequencePlace),
+    /// The reply to [`Message::Release`]: chunks the receiver dropped.
+    Released {
+        /// How many.
+        chunks: u64,
     },
 
     /// The chunks a sidecar keeps for `stage` (its own stage's, or its predecessor's replica): at
@@ -300,6 +310,8 @@ impl Message {
             Self::Held { .. } => 4,
             Self::HeldPage { .. } => 5,
             Self::Assign { .. } => 6,
+            Self::Release(_) => 7,
+            Self::Released { .. } => 8,
             Self::HeldOf { .. } => 20,
             Self::HeldOfPage { .. } => 21,
             Self::Reseed { .. } => 22,
@@ -376,7 +388,14 @@ impl Message {
                 chunks.iter().for_each(|c| w.0.extend_from_slice(&c.encode()));
                 w.u32(*left);
             }
-            Self::Reseeded { chunks } => w.u64(*chunks),
+            Self::Reseeded { chunks } | Self::Released { chunks } => w.u64(*chunks),
+            Self::Release(place) => {
+                w.u32(place.destination.stage);
+                w.u32(place.destination.rank);
+                w.u32(place.microbatch);
+                w.u32(place.slots.start);
+                w.u32(place.slots.end);
+            }
             Self::CensusReply { epoch, members } => {
                 w.u64(*epoch);
                 w.len(members.len());
@@ -477,6 +496,12 @@ impl Message {
                 left: r.u32("a held page")?,
             },
             6 => Self::Assign { stage: r.u32("an assignment")?, epoch: r.u64("an assignment")? },
+            7 => Self::Release(SequencePlace {
+                destination: WorkerId { stage: r.u32("a release")?, rank: r.u32("a release")? },
+                microbatch: r.u32("a release")?,
+                slots: r.u32("a release")?..r.u32("a release")?,
+            }),
+            8 => Self::Released { chunks: r.u64("a release's reply")? },
             20 => Self::HeldOf {
                 stage: r.u32("a listing request")?,
                 want: r.u32("a listing request")?,

@@ -8,7 +8,7 @@ use tokio::runtime::Handle;
 use super::client::{ClientConfig, Fetched, PeerClient};
 use super::error::PeerError;
 use super::transport::Transport;
-use crate::chunk::{ChunkDescriptor, ChunkKey};
+use crate::chunk::{ChunkDescriptor, ChunkKey, SequencePlace};
 use crate::store::{ChunkStore, StoreError};
 use crate::wire::ErrorCode;
 
@@ -127,5 +127,13 @@ impl ChunkStore for PeerStore {
         out.clear();
         out.extend_from_slice(chunk.payload());
         Ok(chunk.descriptor)
+    }
+
+    fn release(&mut self, place: &SequencePlace) -> Result<u64, StoreError> {
+        let released = match self.runtime.block_on(self.client.release(place)) {
+            Err(PeerError::ConnectionLost(_)) => self.runtime.block_on(self.client.release(place)),
+            other => other,
+        };
+        released.map_err(StoreError::from)
     }
 }

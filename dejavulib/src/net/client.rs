@@ -21,7 +21,8 @@ use super::auth::{client_handshake, expect};
 use super::codec::{read_frame, write_frame};
 use super::error::PeerError;
 use super::transport::{ReadHalf, Transport, WriteHalf};
-use crate::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
+use crate::chunk::{ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
+use crate::message::Message;
 use crate::wire::{Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD, FLAG_CHUNK};
 
 /// Settings of a peer client.
@@ -320,6 +321,17 @@ impl PeerClient {
             return Err(corrupt("the peer returned another chunk".into()));
         }
         Ok(Fetched { descriptor, encoded })
+    }
+
+    /// Releases the sequence at `place` on the peer ([`crate::ChunkStore::release`]); returns the
+    /// chunks it dropped. Fenced by epoch as a put is.
+    pub async fn release(&self, place: &SequencePlace) -> Result<u64, PeerError> {
+        let request = Message::Release(place.clone()).encode();
+        let reply = self.request(Kind::Control, 0, &[&request], Kind::Control).await?;
+        match Message::decode(&reply.payload) {
+            Ok(Message::Released { chunks }) => Ok(chunks),
+            other => Err(PeerError::Protocol(format!("a release answered with {other:?}"))),
+        }
     }
 
     /// Round-trip time of a heartbeat.

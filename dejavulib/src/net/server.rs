@@ -14,6 +14,7 @@ use super::auth::server_handshake;
 use super::codec::{read_frame_into, write_frame};
 use super::transport::{Accepted, Listener, Stream, Transport};
 use crate::chunk::{ChunkDescriptor, ChunkKey, HEADER_LEN};
+use crate::message::Message;
 use crate::store::HostStore;
 use crate::wire::{ErrorCode, Frame, FrameHeader, Kind, DEFAULT_MAX_PAYLOAD, FLAG_CHUNK};
 
@@ -231,7 +232,7 @@ fn decide(frame: Frame, shared: &Shared) -> Reply {
         Reply::Bytes(header, reason.into_bytes())
     };
     match frame.header.kind {
-        Kind::Put | Kind::Get if frame.header.epoch < epoch => {
+        Kind::Put | Kind::Get | Kind::Control if frame.header.epoch < epoch => {
             shared.stats.stale.fetch_add(1, Ordering::Relaxed);
             refuse(ErrorCode::StaleEpoch, format!("epoch {} is older than {epoch}", frame.header.epoch))
         }
@@ -276,6 +277,26 @@ fn decide(frame: Frame, shared: &Shared) -> Reply {
                 Reply::Chunk(reply, chunk)
             }
             None => refuse(ErrorCode::NotFound, "no such chunk".into()),
+        },
+        Kind::Control => match Message::of_frame(&frame) {
+            // A release drops KV as a put replaces it: from the sender's newest epoch only.
+            Ok(Message::Release(place)) => {
+                let mut senders = shared.senders.lock();
+                let newest = senders.entry(frame.header.sender).or_insert(frame.header.epoch);
+                if frame.header.epoch < *newest {
+                    shared.stats.stale.fetch_add(1, Ordering::Relaxed);
+                    return refuse(
+                        ErrorCode::StaleEpoch,
+                        format!("epoch {} is older than {newest}", frame.header.epoch),
+                    );
+                }
+                *newest = frame.header.epoch;
+                let chunks = shared.store.release_place(&place);
+                let (header, payload) = Message::Released { chunks }.frame(node, epoch, request);
+                Reply::Bytes(header, payload)
+            }
+            Ok(other) => refuse(ErrorCode::Unexpected, format!("unexpected {other:?}")),
+            Err(e) => refuse(ErrorCode::Unexpected, e.to_string()),
         },
         Kind::Heartbeat => Reply::Bytes(FrameHeader::new(Kind::Heartbeat, node, epoch, request), Vec::new()),
         other => refuse(ErrorCode::Unexpected, format!("unexpected {other:?}")),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::{check_payload, ChunkStore, StoreError};
-use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, HEADER_LEN};
+use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
 use crate::spill::{Spill, SpillDir, StoreUsage};
 
 /// Where a [`HostStore`] holds one chunk, encoded as on disk and on the wire: header, then payload.
@@ -54,34 +54,38 @@ impl HostInner {
     fn drop_before(&mut self, start: &ChunkKey) {
         let overlap = |a: &std::ops::Range<u32>, b: &std::ops::Range<u32>| a.start < b.end && b.start < a.end;
         let (s, r) = (start, &start.region);
-        let replaced: Vec<ChunkKey> = self
-            .chunks
-            .keys()
-            .filter(|k| {
-                *k != s
-                    && k.destination == s.destination
-                    && k.microbatch == s.microbatch
-                    && overlap(&k.region.slots, &r.slots)
-                    && overlap(&k.region.layers, &r.layers)
-                    && overlap(&k.region.heads, &r.heads)
-            })
-            .cloned()
-            .collect();
-        for key in replaced {
+        let place =
+            SequencePlace { destination: s.destination, microbatch: s.microbatch, slots: r.slots.clone() };
+        let (chunks, bytes) = self.drop_where(|k| {
+            k != s
+                && place.holds(k)
+                && overlap(&k.region.layers, &r.layers)
+                && overlap(&k.region.heads, &r.heads)
+        });
+        self.usage.replaced_chunks += chunks;
+        self.usage.replaced_bytes += bytes;
+    }
+
+    /// Drops every chunk whose key `drop` picks; returns (chunks, bytes) dropped.
+    fn drop_where(&mut self, drop: impl Fn(&ChunkKey) -> bool) -> (u64, u64) {
+        let dropped: Vec<ChunkKey> = self.chunks.keys().filter(|k| drop(k)).cloned().collect();
+        let (mut chunks, mut bytes) = (0, 0);
+        for key in dropped {
             self.put_numbers.remove(&key);
             let Some(held) = self.chunks.remove(&key) else { continue };
-            self.usage.replaced_chunks += 1;
-            self.usage.replaced_bytes += held.len() as u64;
+            chunks += 1;
+            bytes += held.len() as u64;
             match held {
                 Held::Memory(bytes) => self.usage.memory_bytes -= bytes.len() as u64,
                 Held::Spilled(path, len) => {
                     self.usage.spilled_bytes -= len;
                     self.usage.spilled_chunks -= 1;
-                    // Small and rare (a sequence start): removed under the lock.
+                    // Small and rare (a sequence start or release): removed under the lock.
                     let _ = fs::remove_file(path);
                 }
             }
         }
+        (chunks, bytes)
     }
 }
 
@@ -308,6 +312,17 @@ impl HostStore {
     }
 }
 
+impl HostStore {
+    /// Drops every chunk of the sequence at `place` ([`ChunkStore::release`]); returns how many.
+    pub fn release_place(&self, place: &SequencePlace) -> u64 {
+        let mut inner = self.inner.lock();
+        let (chunks, bytes) = inner.drop_where(|k| place.holds(k));
+        inner.usage.released_chunks += chunks;
+        inner.usage.released_bytes += bytes;
+        chunks
+    }
+}
+
 impl ChunkStore for HostStore {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         check_payload(descriptor, payload)?;
@@ -330,5 +345,9 @@ impl ChunkStore for HostStore {
         out.clear();
         out.extend_from_slice(payload);
         Ok(descriptor)
+    }
+
+    fn release(&mut self, place: &SequencePlace) -> Result<u64, StoreError> {
+        Ok(self.release_place(place))
     }
 }

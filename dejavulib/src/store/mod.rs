@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
-use crate::chunk::{ChunkDescriptor, ChunkError, ChunkKey};
+use crate::chunk::{ChunkDescriptor, ChunkError, ChunkKey, SequencePlace};
 
 mod file;
 mod host;
@@ -44,6 +44,9 @@ pub enum StoreError {
     /// wrong length).
     #[error("gather: {0}")]
     Gather(Box<crate::CacheError>),
+    /// The store cannot do this.
+    #[error("this store cannot {0}")]
+    Unsupported(&'static str),
     /// An I/O error (disk full, permissions, ...).
     #[error("{op} {path}: {source}")]
     Io {
@@ -63,6 +66,15 @@ pub trait ChunkStore: Send {
 
     /// Fetches the chunk under `key` into `out` (resized to the payload) after verifying it.
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError>;
+
+    /// Releases the sequence at `place`: drops every chunk kept there (any layers, heads and
+    /// tokens); returns how many this store dropped. Releasing again drops nothing. A store that
+    /// replicates (a sidecar) releases the replica too. Stores that keep no sequences apart
+    /// refuse it ([`StoreError::Unsupported`]).
+    fn release(&mut self, place: &SequencePlace) -> Result<u64, StoreError> {
+        let _ = place;
+        Err(StoreError::Unsupported("release"))
+    }
 }
 
 fn check_payload(descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
