@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 
 use dejavud::heartbeat::decode;
 use dejavud::sidecar::control::{ControlError, SidecarControl};
-use dejavulib::chunk::{ChunkDescriptor, SequencePlace};
+use dejavulib::chunk::{ChunkDescriptor, SequencePlace, HEADER_LEN};
 use dejavulib::local::{LocalError, LocalSidecar};
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{PeerServer, ServerConfig};
@@ -574,4 +574,119 @@ fn a_released_sequence_is_dropped_here_and_at_the_replica_and_releasing_again_is
     let value = |name: &str| dejavud::metrics::value_of(&page, name, &[]).unwrap_or_else(|| panic!("{page}"));
     assert_eq!(value("dejavu_sidecar_released_chunks_total"), 2.0);
     assert_eq!(value("dejavu_sidecar_replaced_chunks_total"), 0.0);
+}
+
+/// Issue-sized traffic through a ring of two real sidecars: 240 requests one after another in
+/// partly overlapping slot ranges, each a prompt of a random length and a few decode steps, with
+/// the successor paused under load and the engine restarted (and restoring) in the middle. After
+/// every request, what each sidecar holds of the engine's KV (its own copy, the successor's
+/// replica) stays within the engine's cache, and the restore is bit-identical.
+#[test]
+fn held_kv_stays_within_the_cache_over_many_requests_of_random_lengths_through_a_pause_and_a_restart() {
+    const SLOTS: u32 = 4;
+    const MAX_TOKENS: u32 = 64;
+    let (here, there) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let metrics = ["--metrics", "127.0.0.1:0"];
+    let (_own, socket, _, own_metrics) =
+        start_sidecar_serving(here.path(), &[&["--index", "1"][..], &metrics].concat());
+    let (replica, _, replica_addr, replica_metrics) =
+        start_sidecar_serving(there.path(), &[&["--index", "2"][..], &metrics].concat());
+    let (own_metrics, replica_metrics) = (own_metrics.unwrap(), replica_metrics.unwrap());
+    // KV bytes the engine's cache holds (every slot full), and what one token of one slot takes.
+    let (descriptor, _) = chunk_in(0, 0..1, 0);
+    let per_token = descriptor.payload_len();
+    let cache_bytes = u64::from(SLOTS * MAX_TOKENS) * per_token;
+    // The KV a sidecar holds of stage 1, without the chunk headers.
+    let held = |at: SocketAddr, role: &str| {
+        let page = dejavud::metrics::scrape(at).unwrap();
+        let value = |name| dejavud::metrics::value_of(&page, name, &[("role", role)]).unwrap() as u64;
+        value("dejavu_sidecar_held_bytes") - value("dejavu_sidecar_held_chunks") * HEADER_LEN as u64
+    };
+
+    let mut rng = dejavu_proto::rng::SplitMix64::new(30);
+    let places = [0..1, 1..2, 2..3, 3..4, 0..2, 1..3, 2..4];
+    let mut engine = LocalSidecar::connect(&socket, 0, replica_addr).unwrap();
+    // What each slot holds now: the request's seed and its tokens.
+    let mut current: Vec<Option<(u8, u32)>> = vec![None; SLOTS as usize];
+    for request in 0..240u32 {
+        let slots = places[rng.below(places.len() as u64) as usize].clone();
+        let prompt = 1 + rng.below(48) as u32;
+        let steps = rng.below(9) as u32;
+        let seed = request as u8;
+        if request == 120 {
+            // The successor stops for a while as the next request starts: forwards wait for it.
+            let pid = replica.0.id() as libc::pid_t;
+            // SAFETY: kill(2) with a live child's pid and a signal number has no memory effects.
+            unsafe { libc::kill(pid, libc::SIGSTOP) };
+            let resume = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                // SAFETY: as above.
+                unsafe { libc::kill(pid, libc::SIGCONT) };
+            });
+            put_sequence(&mut engine, slots.clone(), prompt, steps, seed);
+            resume.join().unwrap();
+        } else {
+            put_sequence(&mut engine, slots.clone(), prompt, steps, seed);
+        }
+        // A request that shared a slot with this one was dropped whole, in all its slots.
+        let replaced: Vec<u8> =
+            slots.clone().filter_map(|slot| current[slot as usize].map(|(s, _)| s)).collect();
+        for place in current.iter_mut().filter(|c| c.is_some_and(|(s, _)| replaced.contains(&s))) {
+            *place = None;
+        }
+        for slot in slots {
+            current[slot as usize] = Some((seed, prompt + steps));
+        }
+        assert!(
+            held(own_metrics, "own") <= cache_bytes,
+            "request {request}: the sidecar holds more than the cache"
+        );
+        assert!(
+            held(replica_metrics, "replica") <= cache_bytes,
+            "request {request}: the successor holds more than the cache"
+        );
+        if request == 160 {
+            // The engine restarts beside its sidecar and restores every running sequence.
+            drop(engine);
+            engine = LocalSidecar::connect(&socket, 1, replica_addr).unwrap();
+            let points = engine.recovery().unwrap().resume_points();
+            let running: Vec<u32> = (0..SLOTS).filter(|&s| current[s as usize].is_some()).collect();
+            let restored: Vec<u32> = points.iter().flat_map(|p| p.slots.clone()).collect();
+            assert_eq!(restored, running, "a point for every slot of a running sequence");
+            let mut out = Vec::new();
+            for point in &points {
+                let (seed, tokens) = current[point.slots.start as usize].unwrap();
+                assert_eq!(point.tokens, tokens, "{point:?}");
+                for region in &point.chunks {
+                    let (descriptor, expected) =
+                        sequence_chunk(point.slots.clone(), region.tokens.clone(), seed);
+                    assert_eq!(engine.get(&descriptor.key(), &mut out).unwrap(), descriptor);
+                    assert_eq!(out, expected, "bit-identical");
+                }
+            }
+        }
+    }
+}
+
+/// A request in `slots`: a prompt of `prompt` tokens, then `steps` decode steps.
+fn put_sequence(engine: &mut LocalSidecar, slots: std::ops::Range<u32>, prompt: u32, steps: u32, seed: u8) {
+    let (descriptor, kv) = sequence_chunk(slots.clone(), 0..prompt, seed);
+    engine.put(&descriptor, &kv).unwrap();
+    for token in prompt..prompt + steps {
+        let (descriptor, kv) = sequence_chunk(slots.clone(), token..token + 1, seed);
+        engine.put(&descriptor, &kv).unwrap();
+    }
+}
+
+/// As [`chunk_in`], over the slots `slots`.
+fn sequence_chunk(
+    slots: std::ops::Range<u32>,
+    tokens: std::ops::Range<u32>,
+    seed: u8,
+) -> (ChunkDescriptor, Vec<u8>) {
+    let (mut descriptor, _) = chunk_in(0, tokens, seed);
+    descriptor.region.slots = slots;
+    let len = descriptor.payload_len() as usize;
+    let kv = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+    (descriptor, kv)
 }
