@@ -156,7 +156,7 @@ fn file_store_without_sync_round_trips_too() {
 
 #[test]
 fn host_store_round_trips_a_gathered_region() {
-    let mut store = HostStore::new();
+    let mut store = HostStore::new().logging_puts();
     round_trip(&mut store, "host");
     assert_eq!(store.len(), 2);
     assert_eq!(store.put_log().len(), 2);
@@ -562,7 +562,7 @@ fn payload_length_must_match_the_descriptor() {
         check(store.put(&d, &[]), 0, &what);
         assert!(dir_entries(dir.path()).is_empty(), "{what}: nothing written");
     }
-    let mut host = HostStore::new();
+    let mut host = HostStore::new().logging_puts();
     check(host.put(&d, &payload[..1]), 1, "host");
     assert!(host.is_empty() && host.put_log().is_empty());
 }

@@ -310,7 +310,7 @@ fn run_case(a: Setup, a_kinds: &[Kind], b: Setup, b_kinds: &[Kind], tokens: u32)
     let a = Side::new(a, a_kinds, tokens + 1);
     let b = Side::new(b, b_kinds, tokens + 1);
     a.fill(0..tokens);
-    let store = HostStore::new();
+    let store = HostStore::new().logging_puts();
     let mut sent = 0;
     let prompt = tokens - 1;
     if prompt > 0 {
@@ -654,7 +654,7 @@ proptest! {
         let a = Side::new(a_setup, &a_kinds, tokens);
         let b = Side::new(b_setup, &b_kinds, tokens);
         a.fill(0..tokens);
-        let store = HostStore::new();
+        let store = HostStore::new().logging_puts();
         let r = reshard(&a, &b, lo..hi, &store);
         prop_assert_eq!(r.into.bytes, b.bytes_for(hi - lo));
         prop_assert_eq!(r.out.bytes, r.into.bytes);
@@ -675,7 +675,7 @@ fn empty_token_range_round_trips_consistently() {
     let a = Side::new(setup.clone(), &[Kind::Ft], 4);
     let b = Side::new(setup, &[BHSD], 4);
     a.fill(0..4);
-    let store = HostStore::new();
+    let store = HostStore::new().logging_puts();
     let w = WorkerId { stage: 0, rank: 0 };
     let plan = plan_stream_out(&a.setup, w, &b.setup).unwrap();
     let src: Vec<&KvCache> = a.caches[0].iter().collect();

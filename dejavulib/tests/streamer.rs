@@ -230,7 +230,7 @@ fn wait(c: Completion) -> Result<dejavulib::reshard::ChunkReceipt, StreamerError
 /// the engine wrote.
 #[test]
 fn layer_by_layer_prompt_streaming_delivers_every_layer_once_in_order() {
-    let store = HostStore::new();
+    let store = HostStore::new().logging_puts();
     let streamer = Streamer::spawn(config("djv-layers", 2), Box::new(store.clone())).unwrap();
     let plan = plan();
     let caches = [new_cache(), new_cache()];
@@ -321,7 +321,7 @@ fn layer_by_layer_prompt_streaming_delivers_every_layer_once_in_order() {
 
 #[test]
 fn a_failing_put_fails_only_its_own_job() {
-    let inner = HostStore::new();
+    let inner = HostStore::new().logging_puts();
     let store = FailingStore { inner: inner.clone(), puts: 0, fail_on: 3 };
     let streamer = Streamer::spawn(config("djv-failing", 8), Box::new(store)).unwrap();
     let cache = new_cache();
@@ -352,7 +352,7 @@ fn a_failing_put_fails_only_its_own_job() {
 
 #[test]
 fn cancel_pending_cancels_queued_jobs_but_not_the_running_one() {
-    let inner = HostStore::new();
+    let inner = HostStore::new().logging_puts();
     let (store, gate) = gate_store(inner.clone(), AfterGate::Store);
     let streamer = Streamer::spawn(config("djv-cancel", 8), Box::new(store)).unwrap();
     // Declared after the streamer, so a failing test drops (opens) the gate before the streamer.
@@ -385,7 +385,7 @@ fn cancel_pending_cancels_queued_jobs_but_not_the_running_one() {
 /// nothing hangs. Which of the two a queued job gets depends on timing; the totals may not.
 #[test]
 fn shutdown_cancel_from_another_thread_resolves_every_job() {
-    let inner = HostStore::new();
+    let inner = HostStore::new().logging_puts();
     let (store, gate) = gate_store(inner.clone(), AfterGate::Store);
     let streamer = Streamer::spawn(config("djv-shutcancel", 8), Box::new(store)).unwrap();
     let gate = gate;
@@ -418,7 +418,7 @@ fn shutdown_cancel_from_another_thread_resolves_every_job() {
 /// worker) resolves every completion and leaves no thread behind.
 #[test]
 fn dropping_the_streamer_resolves_every_completion() {
-    let inner = HostStore::new();
+    let inner = HostStore::new().logging_puts();
     let (store, gate) = gate_store(inner.clone(), AfterGate::Store);
     let streamer = Streamer::spawn(config("djv-dropped", 8), Box::new(store)).unwrap();
     let gate = gate;
@@ -440,7 +440,7 @@ fn dropping_the_streamer_resolves_every_completion() {
 
 #[test]
 fn poll_and_wait_timeout_while_a_job_is_blocked() {
-    let (store, gate) = gate_store(HostStore::new(), AfterGate::Store);
+    let (store, gate) = gate_store(HostStore::new().logging_puts(), AfterGate::Store);
     let streamer = Streamer::spawn(config("djv-poll", 8), Box::new(store)).unwrap();
     let gate = gate;
     let cache = new_cache();
@@ -471,7 +471,7 @@ fn poll_and_wait_timeout_while_a_job_is_blocked() {
 /// the worker frees a place.
 #[test]
 fn a_full_queue_blocks_submit() {
-    let (store, gate) = gate_store(HostStore::new(), AfterGate::Store);
+    let (store, gate) = gate_store(HostStore::new().logging_puts(), AfterGate::Store);
     let streamer = Streamer::spawn(config("djv-backpres", 1), Box::new(store)).unwrap();
     let gate = gate;
     let cache = new_cache();
@@ -504,7 +504,7 @@ fn a_full_queue_blocks_submit() {
 
 #[test]
 fn a_panicking_store_reports_worker_gone_and_shutdown_does_not_hang() {
-    let (store, gate) = gate_store(HostStore::new(), AfterGate::Panic);
+    let (store, gate) = gate_store(HostStore::new().logging_puts(), AfterGate::Panic);
     let streamer = Streamer::spawn(config("djv-panic", 8), Box::new(store)).unwrap();
     let gate = gate;
     let cache = new_cache();
@@ -535,7 +535,7 @@ fn a_panicking_store_reports_worker_gone_and_shutdown_does_not_hang() {
 /// on its completions *before* calling `shutdown`.
 #[test]
 fn jobs_queued_behind_a_panic_resolve_without_shutdown() {
-    let (store, gate) = gate_store(HostStore::new(), AfterGate::Panic);
+    let (store, gate) = gate_store(HostStore::new().logging_puts(), AfterGate::Panic);
     let streamer = Streamer::spawn(config("djv-panicq", 8), Box::new(store)).unwrap();
     let gate = gate;
     let cache = new_cache();

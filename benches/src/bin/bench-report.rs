@@ -102,13 +102,30 @@ fn end_to_end(options: &Options) -> E2e {
         return E2e::skipped("--no-e2e");
     }
     match e2e::find_dejavud() {
-        Ok(exe) => e2e::measure(&exe, if options.quick { E2E_NEW_TOKENS_QUICK } else { E2E_NEW_TOKENS }),
+        Ok(exe) => {
+            let mut e2e =
+                e2e::measure(&exe, if options.quick { E2E_NEW_TOKENS_QUICK } else { E2E_NEW_TOKENS });
+            let requests = if options.quick { HELD_REQUESTS_QUICK } else { HELD_REQUESTS };
+            match dejavu_benches::held::measure(&exe, requests) {
+                Ok((row, note)) => {
+                    e2e.rows.push(row);
+                    e2e.notes.push(note);
+                }
+                Err(e) => e2e.notes.push(format!("sidecar memory: failed: {e}")),
+            }
+            e2e
+        }
         Err(e) => {
             eprintln!("bench-report: {e}; skipping the end-to-end rows");
             E2e::skipped(e)
         }
     }
 }
+
+/// Requests through one sidecar slot in the long run whose memory must stay flat, and in a quick
+/// report.
+const HELD_REQUESTS: usize = 10_000;
+const HELD_REQUESTS_QUICK: usize = 2_000;
 
 /// The rows measured in this process, and what the table's header says about them.
 struct Micro {

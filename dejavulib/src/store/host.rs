@@ -33,8 +33,9 @@ struct HostInner {
     /// Where chunks beyond the memory budget go, if anywhere.
     spill: Option<Arc<SpillDir>>,
     usage: StoreUsage,
-    /// The most recent [`PUT_LOG_LEN`] keys put.
-    log: VecDeque<ChunkKey>,
+    /// The most recent [`PUT_LOG_LEN`] keys put, if the store logs them
+    /// ([`HostStore::logging_puts`]).
+    log: Option<VecDeque<ChunkKey>>,
     /// When each chunk held was last put: the number of puts before it.
     put_numbers: HashMap<ChunkKey, u64>,
     /// Puts so far.
@@ -143,10 +144,18 @@ impl HostStore {
         self.inner.lock().usage
     }
 
+    /// From now on, logs the keys put, in order ([`HostStore::put_log`]): for tests of what
+    /// reaches a store in which order. A store that serves traffic does not: the log takes up to
+    /// [`PUT_LOG_LEN`] keys of memory.
+    pub fn logging_puts(self) -> Self {
+        self.inner.lock().log = Some(VecDeque::new());
+        self
+    }
+
     /// Keys in the order they were put (a key put twice appears twice), the most recent
-    /// [`PUT_LOG_LEN`] of them.
+    /// [`PUT_LOG_LEN`] of them, since [`HostStore::logging_puts`] (none if not logging).
     pub fn put_log(&self) -> Vec<ChunkKey> {
-        self.inner.lock().log.iter().cloned().collect()
+        self.inner.lock().log.iter().flatten().cloned().collect()
     }
 
     /// Keys of the chunks held (in memory or spilled), each with when it was last put (the
@@ -219,10 +228,12 @@ impl HostStore {
             if inner.current_sequences_only && key.region.tokens.start == 0 && !key.region.is_empty() {
                 inner.drop_before(&key);
             }
-            if inner.log.len() == PUT_LOG_LEN {
-                inner.log.pop_front();
+            if let Some(log) = inner.log.as_mut() {
+                if log.len() == PUT_LOG_LEN {
+                    log.pop_front();
+                }
+                log.push_back(key.clone());
             }
-            inner.log.push_back(key.clone());
             let put = inner.puts;
             inner.put_numbers.insert(key.clone(), put);
             inner.puts += 1;
