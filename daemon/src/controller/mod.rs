@@ -179,10 +179,10 @@ impl Tables {
 
     /// Appends what the machine journaled since the last call to the journal file, if any.
     fn write_journal(&mut self) {
+        // Drained whatever becomes of them: entries left in the machine would pile up.
+        let entries = self.liveness.drain_journal();
         let Some(file) = self.journal.as_mut() else { return };
-        let written = self
-            .liveness
-            .drain_journal()
+        let written = entries
             .iter()
             .try_for_each(|entry| writeln!(file, "{}", entry.encode()))
             .and_then(|()| file.flush());
@@ -352,17 +352,18 @@ pub fn serve_controller(
     let timeout_ms = config.timeout.as_millis().max(1) as u64;
     let settings = LivenessConfig { timeout_ms, grace_ms: timeout_ms };
     // A restarted controller gives every live member it knew a full timeout from now.
-    let (liveness, start) = Liveness::start_journaled(settings, record, 0);
-    let journal = match &config.journal {
+    // Journaled only with a file to write to.
+    let (liveness, journal) = match &config.journal {
         Some(path) => {
+            let (liveness, start) = Liveness::start_journaled(settings, record, 0);
             let open = std::fs::OpenOptions::new().create(true).append(true).open(path);
             let mut file = BufWriter::new(open.map_err(|e| journal_error(path, e))?);
             writeln!(file, "{}", start.encode())
                 .and_then(|()| file.flush())
                 .map_err(|e| journal_error(path, e))?;
-            Some(file)
+            (liveness, Some(file))
         }
-        None => None,
+        None => (Liveness::start(settings, record, 0), None),
     };
     let tables = Tables {
         liveness,
