@@ -1,12 +1,13 @@
 //! A pipeline of stage and sidecar processes on loopback (or each worker in a network namespace
 //! of its own, see [`crate::netns`]), started from an executable that has the
-//! `stage`, `sidecar` and `controller` subcommands of [`crate::cli`] (`dejavu-engine` or
-//! `dejavud`), the controller process that says which of them died, and the recovery procedure
-//! that replaces a dead worker. The demo, the chaos harness and the process tests share it.
+//! `stage`, `sidecar` and `controller` subcommands of [`crate::cli`] (`dejavud`), the controller
+//! process that says which of them died, and the recovery procedure that replaces a dead worker.
+//! The demo, the chaos harness and the process tests share it.
 //!
 //! What a cluster runs is [`ClusterConfig`] (the `config` module); the processes' command lines
-//! are built in `args` (their transport flags in `config`), the recovery procedure is in `recovery` ([`Cluster::recover_all`]), and
-//! spare workers in `spares`.
+//! are built in `args` (their transport flags in `config`), the recovery procedure is in
+//! `recovery` ([`Cluster::recover_all`]), the faults injected at its points in `hooks`
+//! ([`RecoveryHooks`]), and spare workers in `spares`.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -17,12 +18,14 @@ use thiserror::Error;
 
 mod args;
 mod config;
+mod hooks;
 mod recovery;
 mod spares;
 mod watch;
 
 use args::{spill_dir_of, worker_host, SidecarOf, Start};
 pub use config::{ClusterConfig, CpuSplit, Disaggregation, Interpose, Link, SpillLimits};
+pub use hooks::{RecoveryHooks, ScheduledFaults};
 pub use recovery::Recovered;
 
 use crate::controller::{Census, ControllerClient, ControllerError, Member};
@@ -101,8 +104,6 @@ struct Supervised {
     client: ControllerClient,
     args: Vec<String>,
     restarts: u64,
-    /// Whether to kill the controller in the middle of the next recovery.
-    crash_in_recovery: bool,
 }
 
 /// A directory of the cluster's own, in shared memory (`/dev/shm`) where there is one, else under
@@ -165,16 +166,10 @@ pub struct Cluster {
     stages: Vec<Spawned>,
     driver: SocketAddr,
     controller: Supervised,
-    /// Whether the next recovery leaves the processes it fences running (see
-    /// [`Cluster::spare_presumed_dead_in_next_recovery`]).
-    spare_presumed_dead: bool,
+    /// The faults asked of the next recoveries.
+    faults: ScheduledFaults,
     /// Fenced processes left running; killed with the cluster.
     spared: Vec<Spawned>,
-    /// Stages to kill in the middle of a recovery of other stages, in the order they were asked
-    /// for (see [`Cluster::kill_in_next_recovery`]).
-    kill_in_recovery: Vec<(usize, Kill)>,
-    /// The stages killed so, since [`Cluster::take_killed_in_recovery`] last took them.
-    killed_in_recovery: Vec<(usize, Kill)>,
     /// The driver's end of the chain.
     pub remote: RemotePipeline,
     /// Tells `remote` of each fence the controller opens. Declared after `controller`, so dropped
@@ -254,10 +249,8 @@ impl Cluster {
             stages,
             driver,
             controller,
-            spare_presumed_dead: false,
+            faults: ScheduledFaults::default(),
             spared: Vec::new(),
-            kill_in_recovery: Vec::new(),
-            killed_in_recovery: Vec::new(),
             remote,
             _fence_watch: fence_watch,
         };
@@ -409,7 +402,6 @@ impl Cluster {
             client: ControllerClient::new(started.addr, patience, secret()),
             args,
             restarts: 0,
-            crash_in_recovery: false,
         })
     }
 
@@ -705,7 +697,7 @@ impl Cluster {
     /// Makes the next recovery SIGKILL the controller right after it has fenced the dead
     /// processes, before their replacements have beaten.
     pub fn crash_controller_in_next_recovery(&mut self) {
-        self.controller.crash_in_recovery = true;
+        self.faults.crash_controller = true;
     }
 
     /// Makes the next recovery that does not recover stage `stage` kill it (`what` of it, as
@@ -717,20 +709,20 @@ impl Cluster {
     /// Kills asked for before wait their turn: a recovery carries out the first one that does not
     /// hit its own victims.
     pub fn kill_in_next_recovery(&mut self, stage: usize, what: Kill) {
-        self.kill_in_recovery.push((stage, what));
+        self.faults.kill.push((stage, what));
     }
 
     /// The stages [`Cluster::kill_in_next_recovery`] had killed during recoveries since last
     /// asked, in order.
     pub fn take_killed_in_recovery(&mut self) -> Vec<(usize, Kill)> {
-        std::mem::take(&mut self.killed_in_recovery)
+        std::mem::take(&mut self.faults.killed)
     }
 
     /// Makes the next recovery fence the processes presumed dead without killing them, as with a
     /// machine cut off from the cluster: if they were only stopped, they come back, stale, while
     /// their replacements run (a stale worker rejoining). They are killed with the cluster.
     pub fn spare_presumed_dead_in_next_recovery(&mut self) {
-        self.spare_presumed_dead = true;
+        self.faults.spare_presumed_dead = true;
     }
 
     /// Controllers started to replace one that died or stopped answering.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use dejavu_proto::plan::{Loss, Reseed, Source};
 
-use super::{Cluster, ClusterError, Kill, Link, Role, Sequence, RECOVERY_PATIENCE};
+use super::{Cluster, ClusterError, Kill, Link, RecoveryHooks, Role, Sequence, RECOVERY_PATIENCE};
 use crate::controller::{Census, ControllerClient, ControllerError, Member};
 use crate::proc::Spawned;
 use crate::process::RestoreSource;
@@ -99,8 +99,23 @@ impl Cluster {
     ///    ([`Recovered::copies_lost`] says so);
     /// 5. the controller has the new sidecar of a replaced predecessor of a replaced sidecar
     ///    re-seed it, now that it holds the restored KV ([`ControllerClient::reseed_restored`]).
+    ///
+    /// The faults asked of it ([`ScheduledFaults`]) are injected at their points.
     pub fn recover_all(
         &mut self,
+        victims: &[(usize, Kill)],
+        sequences: &[Sequence<'_>],
+    ) -> Result<Recovered, ClusterError> {
+        let mut faults = std::mem::take(&mut self.faults);
+        let recovered = self.recover_with(&mut faults, victims, sequences);
+        self.faults = faults;
+        recovered
+    }
+
+    /// As [`Cluster::recover_all`], calling `hooks` at each of its points.
+    pub fn recover_with(
+        &mut self,
+        hooks: &mut dyn RecoveryHooks,
         victims: &[(usize, Kill)],
         sequences: &[Sequence<'_>],
     ) -> Result<Recovered, ClusterError> {
@@ -131,18 +146,14 @@ impl Cluster {
         let lowest = self.remote.epoch() + 1;
         let epoch = self.ask(|client| client.fence_unless_fenced(&fenced, lowest))?;
         self.remote.set_epoch(epoch);
-        let spare = std::mem::take(&mut self.spare_presumed_dead);
+        let spare = hooks.leave_presumed_dead_running();
         for &(victim, what) in victims.iter().filter(|_| !spare) {
             let _ = self.stages[victim].proc.kill();
             if what == Kill::Worker {
                 let _ = self.sidecars[victim].proc.kill();
             }
         }
-        if std::mem::take(&mut self.controller.crash_in_recovery) {
-            let _ = self.controller.proc.kill();
-            // Its replacement, started now, is the one the replacements ask for their epoch.
-            self.census()?;
-        }
+        hooks.after_fence(self)?;
         let used = self.spares.used;
         for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
             let (new, socket) = self.replacement_sidecar(victim, epoch)?;
@@ -228,13 +239,7 @@ impl Cluster {
             lag: victims.iter().map(|&(victim, _)| (victim, 0)).collect(),
             copies_lost,
         };
-        // A second failure in the middle of this recovery, where one was asked for.
-        let spared = |&(stage, _): &(usize, Kill)| !victims.iter().any(|v| v.0 == stage);
-        if let Some(i) = self.kill_in_recovery.iter().position(spared) {
-            let (stage, what) = self.kill_in_recovery.remove(i);
-            self.killed_in_recovery.push((stage, what));
-            self.kill(stage, what)?;
-        }
+        hooks.before_restore(self, &victims)?;
         for s in sequences {
             let sequence = self.remote.recover(&sources, s.seat, s.prompt, s.generated)?;
             recovered.recomputed += sequence.recomputed;
