@@ -100,7 +100,7 @@ impl Cluster {
     /// 5. the controller has the new sidecar of a replaced predecessor of a replaced sidecar
     ///    re-seed it, now that it holds the restored KV ([`ControllerClient::reseed_restored`]).
     ///
-    /// The faults asked of it ([`ScheduledFaults`]) are injected at their points.
+    /// The faults asked of it ([`super::ScheduledFaults`]) are injected at their points.
     pub fn recover_all(
         &mut self,
         victims: &[(usize, Kill)],
