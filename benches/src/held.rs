@@ -4,11 +4,11 @@
 //! memory is read from `/proc` after each request. A sidecar that kept finished requests' KV would
 //! grow by their bytes; one that holds only the current sequence stays flat.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use dejavu_proto::rng::SplitMix64;
+use dejavud::proc::spawn;
 use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::local::LocalSidecar;
 use dejavulib::net::tcp::TcpTransport;
@@ -27,35 +27,18 @@ const STEPS: u32 = 2;
 /// Requests averaged at each end of the run.
 const WINDOW: usize = 1_000;
 
-/// A child process, killed when dropped.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The row of a run of `requests` requests through a sidecar started from `exe`, and a note on
 /// the workload.
 pub fn measure(exe: &Path, requests: usize) -> Result<(Row, String), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let socket = dir.path().join("sidecar.sock");
-    let mut child = Command::new(exe)
-        .args(["sidecar", "--index", "1"])
-        .arg(format!("--local={}", socket.display()))
-        .arg(format!("--shm-dir={}", dir.path().display()))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).map_err(|e| e.to_string())?;
-    let sidecar = Killed(child);
-    if !line.starts_with("listening ") {
-        return Err(format!("the sidecar said {line:?}"));
-    }
+    let args = [
+        "sidecar".to_owned(),
+        "--index=1".to_owned(),
+        format!("--local={}", socket.display()),
+        format!("--shm-dir={}", dir.path().display()),
+    ];
+    let sidecar = spawn(exe, &args, "a sidecar", Duration::from_secs(30)).map_err(|e| e.to_string())?;
     // The successor keeps only current sequences, as the next sidecar of the ring does.
     let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
     let successor_store = HostStore::new().keeping_current_sequences();
@@ -63,12 +46,12 @@ pub fn measure(exe: &Path, requests: usize) -> Result<(Row, String), String> {
         .block_on(PeerServer::bind(
             &TcpTransport::plain(),
             "127.0.0.1:0".parse().expect("an address"),
-            ServerConfig::new(dejavud::cli::DEFAULT_SECRET, 2),
+            ServerConfig::new(dejavud::cli::cluster_secret(), 2),
             successor_store,
         ))
         .map_err(|e| e.to_string())?;
     let mut engine = LocalSidecar::connect(&socket, 0, successor.addr()).map_err(|e| e.to_string())?;
-    let pid = sidecar.0.id();
+    let pid = sidecar.proc.pid();
     let mut rng = SplitMix64::new(10_000);
     let mut rss = Vec::with_capacity(requests);
     for request in 0..requests {

@@ -140,8 +140,7 @@ impl Channel {
 
     /// Sends a control message and returns the message that answers it.
     fn control(&mut self, epoch: u64, message: &Message) -> Result<Message, LocalError> {
-        let (_, payload) = message.frame(0, epoch, 0);
-        let reply = self.call(Kind::Control, epoch, [0; 4], &payload, Kind::Control)?;
+        let reply = self.call(Kind::Control, epoch, [0; 4], &message.encode(), Kind::Control)?;
         Message::of_frame(&reply).map_err(|e| LocalError::Protocol(e.to_string()))
     }
 

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Mutex, MutexGuard, RwLock};
 use std::collections::HashMap;
 use tokio::task::JoinSet;
 
@@ -237,17 +237,10 @@ fn decide(frame: Frame, shared: &Shared) -> Reply {
             refuse(ErrorCode::StaleEpoch, format!("epoch {} is older than {epoch}", frame.header.epoch))
         }
         Kind::Put => {
-            let mut senders = shared.senders.lock();
-            let newest = senders.entry(frame.header.sender).or_insert(frame.header.epoch);
-            if frame.header.epoch < *newest {
-                shared.stats.stale.fetch_add(1, Ordering::Relaxed);
-                let reason = format!(
-                    "epoch {} is older than sender {}'s epoch {newest}",
-                    frame.header.epoch, frame.header.sender
-                );
-                return refuse(ErrorCode::StaleEpoch, reason);
-            }
-            *newest = frame.header.epoch;
+            let _sender = match admit_sender(shared, &frame.header) {
+                Ok(held) => held,
+                Err(reason) => return refuse(ErrorCode::StaleEpoch, reason),
+            };
             let bytes = frame.payload.len() as u64;
             let stored = if frame.header.flags & FLAG_CHUNK == 0 {
                 Err("a put must carry a chunk".to_owned())
@@ -281,16 +274,10 @@ fn decide(frame: Frame, shared: &Shared) -> Reply {
         Kind::Control => match Message::of_frame(&frame) {
             // A release drops KV as a put replaces it: from the sender's newest epoch only.
             Ok(Message::Release(place)) => {
-                let mut senders = shared.senders.lock();
-                let newest = senders.entry(frame.header.sender).or_insert(frame.header.epoch);
-                if frame.header.epoch < *newest {
-                    shared.stats.stale.fetch_add(1, Ordering::Relaxed);
-                    return refuse(
-                        ErrorCode::StaleEpoch,
-                        format!("epoch {} is older than {newest}", frame.header.epoch),
-                    );
-                }
-                *newest = frame.header.epoch;
+                let _sender = match admit_sender(shared, &frame.header) {
+                    Ok(held) => held,
+                    Err(reason) => return refuse(ErrorCode::StaleEpoch, reason),
+                };
                 let chunks = shared.store.release_place(&place);
                 let (header, payload) = Message::Released { chunks }.frame(node, epoch, request);
                 Reply::Bytes(header, payload)
@@ -301,6 +288,26 @@ fn decide(frame: Frame, shared: &Shared) -> Reply {
         Kind::Heartbeat => Reply::Bytes(FrameHeader::new(Kind::Heartbeat, node, epoch, request), Vec::new()),
         other => refuse(ErrorCode::Unexpected, format!("unexpected {other:?}")),
     }
+}
+
+/// Admits a put or a release from `header`'s sender unless that sender has stored something in a
+/// newer epoch already (a fenced incarnation of it); the sender's epoch is recorded. The guard is
+/// held while the frame is carried out, so that nothing of a newer epoch overtakes it.
+fn admit_sender<'a>(
+    shared: &'a Shared,
+    header: &FrameHeader,
+) -> Result<MutexGuard<'a, HashMap<u32, u64>>, String> {
+    let mut senders = shared.senders.lock();
+    let newest = senders.entry(header.sender).or_insert(header.epoch);
+    if header.epoch < *newest {
+        shared.stats.stale.fetch_add(1, Ordering::Relaxed);
+        return Err(format!(
+            "epoch {} is older than sender {}'s epoch {newest}",
+            header.epoch, header.sender
+        ));
+    }
+    *newest = header.epoch;
+    Ok(senders)
 }
 
 /// Keeps an encoded chunk (header and payload) from a chunk frame; returns the payload checksum.
