@@ -209,9 +209,6 @@ pub struct Failed {
     pub run: Box<Run>,
 }
 
-/// Attempts at one recovery before the run gives up (a fault can hit the recovery itself).
-const RECOVERY_ATTEMPTS: u32 = 3;
-
 /// Runs `workload` on clusters made by `start` (a new one after each restart).
 pub fn drive(
     workload: &Workload,
@@ -254,7 +251,7 @@ fn drive_into(
                 if !victims.is_empty() {
                     let record = RecoveryRecord::new(victims, step, Duration::ZERO, false);
                     match config.on_failure {
-                        OnFailure::Recover => recover_now(&mut cluster, workload, config, run, record, None)?,
+                        OnFailure::Recover => recover_now(&mut cluster, workload, run, record, None)?,
                         OnFailure::Restart => {
                             cluster = restart(cluster, start, run, record)?;
                             continue 'rounds;
@@ -294,7 +291,7 @@ fn drive_into(
             (failures, failing_since) = (0, None);
             match config.on_failure {
                 OnFailure::Recover => {
-                    recover_now(&mut cluster, workload, config, run, record, Some(request))?;
+                    recover_now(&mut cluster, workload, run, record, Some(request))?;
                     // The interrupted step ran again: the next one is counted after it.
                     step += 1;
                 }
@@ -336,14 +333,14 @@ impl RecoveryRecord {
 fn recover_now(
     cluster: &mut Cluster,
     workload: &Workload,
-    config: &DriverConfig,
     run: &mut Run,
     mut record: RecoveryRecord,
     interrupted: Option<usize>,
 ) -> Result<(), DriveError> {
     let detected = Instant::now();
-    let (recovered, attempts) = recover(cluster, workload, run, &mut record.victims, config.detect_patience)?;
-    record.attempts = attempts;
+    let recovered = recover(cluster, workload, run, &record.victims)?;
+    record.victims = recovered.victims;
+    record.attempts = recovered.attempts;
     record.killed_during = cluster.take_killed_in_recovery();
     record.recomputed = recovered.recomputed;
     record.epoch = recovered.epoch;
@@ -386,57 +383,18 @@ fn restart(
     Ok(cluster)
 }
 
-/// Recovers `victims` on `cluster`, trying again (with any stage found dead meanwhile added to
-/// `victims`, waiting up to `patience` for the controller to name it) when a fault hits the
-/// recovery itself; returns the recovery and the attempts it took.
+/// Recovers `victims` on `cluster` ([`Cluster::recover_all`] tries again when a fault hits the
+/// recovery itself, with any stage found dead meanwhile added to the victims).
 fn recover(
     cluster: &mut Cluster,
     workload: &Workload,
     run: &Run,
-    victims: &mut Vec<(usize, Kill)>,
-    patience: Duration,
-) -> Result<(Recovered, u32), DriveError> {
+    victims: &[(usize, Kill)],
+) -> Result<Recovered, DriveError> {
     let sequences: Vec<Sequence<'_>> = (0..workload.prompts.len())
         .map(|i| Sequence { seat: workload.seat(i), prompt: &workload.prompts[i], generated: &run.tokens[i] })
         .collect();
-    let mut attempt = 1;
-    loop {
-        match cluster.recover_all(victims, &sequences) {
-            Ok(recovered) => return Ok((recovered, attempt)),
-            Err(e) if attempt == RECOVERY_ATTEMPTS => return Err(e.into()),
-            Err(e) => {
-                tracing::warn!(attempt, error = %e, "a recovery attempt failed: trying again");
-                attempt += 1;
-                for (stage, what) in dead_after_failed_attempt(cluster, victims, patience)? {
-                    match victims.iter_mut().find(|v| v.0 == stage) {
-                        // An engine whose sidecar died since: the whole worker now.
-                        Some(victim) if what == Kill::Worker => victim.1 = Kill::Worker,
-                        Some(_) => {}
-                        None => victims.push((stage, what)),
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// The stages dead after a recovery attempt of `victims` failed. A stage that died during the
-/// attempt can fail it (its chain broken) before the controller has named it: waits up to
-/// `patience` for the controller to name one the attempt did not recover, then takes whatever it
-/// names (nothing new: the attempt failed for another reason, and the next one tries the same).
-fn dead_after_failed_attempt(
-    cluster: &mut Cluster,
-    victims: &[(usize, Kill)],
-    patience: Duration,
-) -> Result<Vec<(usize, Kill)>, ClusterError> {
-    let until = Instant::now() + patience;
-    loop {
-        let dead = cluster.dead()?;
-        if dead.iter().any(|found| !victims.contains(found)) || Instant::now() >= until {
-            return Ok(dead);
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    Ok(cluster.recover_all(victims, &sequences)?)
 }
 
 /// Runs request `request`'s next step: its prompt, or its last token.

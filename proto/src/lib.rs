@@ -6,7 +6,8 @@
 //! dependencies, and a test checks its sources), so a seeded simulator can run them through
 //! millions of fault schedules (`dejavu-sim`). The `dejavud` controller is a shell around
 //! [`liveness::Liveness`]: every liveness, fencing and epoch decision it takes is the machine's;
-//! it plans recoveries with [`plan::ring`], as the [`Controller`] state machine does.
+//! it plans recoveries with [`plan::ring`], as the [`Controller`] state machine does, and every
+//! recovery the cluster supervisor carries out follows [`recovery::Recovery`].
 //!
 //! - [`message`]: identifiers, epochs and every message; control messages are state-based and
 //!   re-sent every tick, data messages are re-sent until acknowledged.
@@ -19,6 +20,9 @@
 //!   stale are refused, a newer fence ends what an older epoch started).
 //! - [`liveness`]: the running controller's heartbeats, lifelines, failure detection, fences and
 //!   epochs, which `dejavud controller` drives.
+//! - [`recovery`]: the running recovery procedure (fence, replace, carry out, restore, re-seed) and
+//!   its retries after a death in the middle of it, which the demo's driver and the chaos harness
+//!   drive.
 //! - [`rng`]: SplitMix64, the one seeded generator the simulator, the chaos harness, the reference
 //!   model and the tests draw from.
 //! - [`worker`]: the sidecar's side: registration, heartbeats, the step pipeline, replication to the
@@ -30,6 +34,7 @@ pub mod fencing;
 pub mod liveness;
 pub mod message;
 pub mod plan;
+pub mod recovery;
 pub mod rng;
 pub mod worker;
 

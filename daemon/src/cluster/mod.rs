@@ -26,7 +26,7 @@ mod watch;
 use args::{spill_dir_of, worker_host, SidecarOf, Start};
 pub use config::{ClusterConfig, CpuSplit, Disaggregation, Interpose, Link, SpillLimits};
 pub use hooks::{RecoveryHooks, ScheduledFaults};
-pub use recovery::Recovered;
+pub use recovery::{Recovered, RECOVERY_ATTEMPTS};
 
 use crate::controller::{Census, ControllerClient, ControllerError, Member};
 use crate::handoff::Shapes;
@@ -68,6 +68,9 @@ pub enum ClusterError {
     /// A local operation failed.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// A recovery was asked of stages outside the cluster, or answered out of turn.
+    #[error("recovery: {0}")]
+    Recovery(#[from] dejavu_proto::recovery::RecoveryError),
     /// The cluster cannot do what was asked.
     #[error("{0}")]
     Invalid(String),

@@ -1,10 +1,13 @@
 //! Failure detection as the driver sees it (the controller's census) and the recovery procedure
-//! that replaces dead workers and resumes their sequences ([`Cluster::recover_all`]).
+//! that replaces dead workers and resumes their sequences ([`Cluster::recover_all`]): a shell that
+//! carries out the steps [`dejavu_proto::recovery::Recovery`] decides.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use dejavu_proto::plan::{Loss, Reseed, Source};
+use dejavu_proto::plan::{Loss, Source};
+use dejavu_proto::recovery::{Answer, Outcome, Recovery, RecoveryConfig, Step};
+use dejavulib::message::StageOrders;
 
 use super::{Cluster, ClusterError, Kill, Link, RecoveryHooks, Role, Sequence, RECOVERY_PATIENCE};
 use crate::controller::{Census, ControllerClient, ControllerError, Member};
@@ -78,7 +81,8 @@ impl Cluster {
         Ok(self.recover_all(&[(victim, what)], sequences)?.recomputed)
     }
 
-    /// Replaces the dead stages `victims` and recovers every sequence on them:
+    /// Replaces the dead stages `victims` and recovers every sequence on them, following the
+    /// steps of [`dejavu_proto::recovery::Recovery`]:
     ///
     /// 1. the controller fences the presumed-dead processes in a new epoch (durably, so a
     ///    controller crash cannot undo it; when it declared exactly them dead itself, since the
@@ -100,7 +104,9 @@ impl Cluster {
     /// 5. the controller has the new sidecar of a replaced predecessor of a replaced sidecar
     ///    re-seed it, now that it holds the restored KV ([`ControllerClient::reseed_restored`]).
     ///
-    /// The faults asked of it ([`super::ScheduledFaults`]) are injected at their points.
+    /// A step that fails starts a new attempt, in a newer epoch, with every stage the controller
+    /// names dead meanwhile added to the victims; after [`RECOVERY_ATTEMPTS`] the last failure is
+    /// returned. The faults asked of it ([`super::ScheduledFaults`]) are injected at their points.
     pub fn recover_all(
         &mut self,
         victims: &[(usize, Kill)],
@@ -119,141 +125,194 @@ impl Cluster {
         victims: &[(usize, Kill)],
         sequences: &[Sequence<'_>],
     ) -> Result<Recovered, ClusterError> {
-        let n = self.len();
         if self.sidecars.is_empty() {
             return Err(ClusterError::Invalid("recovery needs replication".into()));
         }
-        let mut victims = victims.to_vec();
-        victims.sort_by_key(|&(stage, _)| stage);
-        victims.dedup_by_key(|&mut (stage, _)| stage);
-        if victims.iter().any(|&(stage, _)| stage >= n) {
-            return Err(ClusterError::Invalid(format!("no such stage in {victims:?}")));
-        }
-        // Fencing: the controller opens a new epoch in which the presumed-dead processes are
-        // ignored, durably, before anything else happens. Replacements start in that epoch, so
-        // their successors and the sidecars refuse the old processes' connections and copies
-        // once they have seen them; a process presumed dead may only be slow, so it is also
-        // killed before its replacement takes its place (when it can be).
-        let mut fenced: Vec<Member> = Vec::new();
-        for &(victim, what) in &victims {
-            fenced.push((Role::Engine, victim as u32));
-            if what == Kill::Worker {
-                fenced.push((Role::Sidecar, victim as u32));
-            }
-        }
-        // Only a fence newer than the last recovery's: a recovery tried again opens a newer epoch,
-        // since the failed attempt's replacements may have started in that one.
-        let lowest = self.remote.epoch() + 1;
-        let epoch = self.ask(|client| client.fence_unless_fenced(&fenced, lowest))?;
-        self.remote.set_epoch(epoch);
-        let spare = hooks.leave_presumed_dead_running();
-        for &(victim, what) in victims.iter().filter(|_| !spare) {
-            let _ = self.stages[victim].proc.kill();
-            if what == Kill::Worker {
-                let _ = self.sidecars[victim].proc.kill();
-            }
-        }
-        hooks.after_fence(self)?;
-        let used = self.spares.used;
-        for &(victim, _) in victims.iter().filter(|&&(_, what)| what == Kill::Worker) {
-            let (new, socket) = self.replacement_sidecar(victim, epoch)?;
-            self.sockets[victim] = socket;
-            let old = std::mem::replace(&mut self.sidecars[victim], new);
-            self.retire(old, spare);
-            self.wait_alive((Role::Sidecar, victim as u32))?;
-            self.hand_prompts_to(victim);
-        }
-        for &(victim, _) in victims.iter().rev() {
-            let next = if victim + 1 == n { self.driver } else { self.stages[victim + 1].addr };
-            let new = self.replacement_stage(victim, epoch, next)?;
-            let old = std::mem::replace(&mut self.stages[victim], new);
-            self.retire(old, spare);
-            self.wait_alive((Role::Engine, victim as u32))?;
-        }
-        let reachable: Vec<(u32, SocketAddr)> = victims
-            .iter()
-            .map(|&(victim, _)| {
-                let (index, addr) = (victim as u32, self.stages[victim].addr);
-                let reach = if victim == 0 {
-                    self.config.route(Link::Input, addr)
-                } else {
-                    self.config.route(Link::Activation { from: index - 1 }, addr)
-                };
-                (index, reach)
-            })
-            .collect();
-        let last_replaced = victims.iter().any(|&(stage, _)| stage == n - 1);
-        self.remote.replace_all(&reachable, last_replaced)?;
-        // The controller's part: it re-seeds each replaced sidecar from its surviving
-        // predecessor's, and finds each sequence's first unreplicated token in the copy each
-        // replacement restores from. The addresses a re-seed may use (a replaced sidecar's, from
-        // its predecessor) go through the routes that link takes; the others are not used.
-        let book: Vec<SocketAddr> = (0..n)
-            .map(|k| {
-                let successor = (k + 1) % n;
-                let sidecar = self.sidecars[successor].addr;
-                if victims.contains(&(successor, Kill::Worker)) {
-                    self.config.route(Link::Replica { from: k as u32 }, sidecar)
-                } else {
-                    sidecar
-                }
-            })
-            .collect();
-        let orders = self.patiently(|client| client.recover(epoch, &book, RECOVERY_PATIENCE))?;
-        let planned: Vec<(usize, Kill)> = orders
-            .stages
-            .iter()
-            .map(|o| {
-                (o.plan.stage as usize, if o.plan.loss == Loss::Worker { Kill::Worker } else { Kill::Engine })
-            })
-            .collect();
-        if planned != victims {
-            return Err(ClusterError::Invalid(format!(
-                "the controller recovered {planned:?} in epoch {epoch}, not the victims {victims:?}"
-            )));
-        }
-        // A predecessor replaced too re-seeds the new sidecar once it has restored its KV.
-        let reseed_after_restore =
-            orders.stages.iter().any(|o| matches!(o.plan.reseed, Some((_, Reseed::AfterRestore))));
-        let mut copies_lost = Vec::new();
-        let mut sources = Vec::new();
-        for o in &orders.stages {
-            let stage = o.plan.stage;
-            let replica_at = |holder: u32| {
-                self.config.route(Link::Replica { from: stage }, self.sidecars[holder as usize].addr)
-            };
-            let from = match o.plan.source {
-                Source::Own => None,
-                Source::Successor(holder) => Some(replica_at(holder)),
-                Source::Lost => {
-                    // Its successor's new sidecar holds nothing: the stage recomputes.
-                    copies_lost.push(stage as usize);
-                    Some(replica_at((stage + 1) % n as u32))
-                }
-            };
-            sources.push(RestoreSource { stage, from, orders: o.clone() });
-        }
-        let mut recovered = Recovered {
-            epoch,
-            recomputed: 0,
-            lag: victims.iter().map(|&(victim, _)| (victim, 0)).collect(),
-            copies_lost,
+        let losses: Vec<(u32, Loss)> = victims.iter().map(|&(stage, what)| (stage as u32, what.into())).collect();
+        let config = RecoveryConfig {
+            depth: self.len() as u32,
+            last_epoch: self.remote.epoch(),
+            attempts: RECOVERY_ATTEMPTS,
         };
-        hooks.before_restore(self, &victims)?;
-        for s in sequences {
-            let sequence = self.remote.recover(&sources, s.seat, s.prompt, s.generated)?;
-            recovered.recomputed += sequence.recomputed;
-            for (total, lacked) in recovered.lag.iter_mut().zip(sequence.lacked) {
-                total.1 += lacked;
+        let mut recovery = Recovery::new(config, &losses)?;
+        let used = self.spares.used;
+        let mut attempt = Attempt::default();
+        let mut failures: Vec<ClusterError> = Vec::new();
+        loop {
+            let answer = match recovery.step().clone() {
+                Step::Done(outcome) => {
+                    // The spares used are replaced in the background, off the recovery.
+                    let (stages, sidecars) = (self.spares.used.0 - used.0, self.spares.used.1 - used.1);
+                    self.start_spares((stages, sidecars), false)?;
+                    return Ok(attempt.recovered(&outcome, failures.iter().map(ToString::to_string).collect()));
+                }
+                Step::GiveUp { .. } => {
+                    return Err(failures.pop().expect("a recovery gives up after a failed attempt"))
+                }
+                step => self.carry_out(hooks, &recovery, step, &mut attempt, sequences),
+            };
+            match answer {
+                Ok(answer) => recovery.complete(answer)?,
+                Err(e) => {
+                    tracing::warn!(attempt = recovery.attempt(), error = %e, "a recovery attempt failed");
+                    let dead = self.dead_after_failed_attempt(&recovery.victims())?;
+                    let dead: Vec<(u32, Loss)> = dead.iter().map(|&(stage, what)| (stage as u32, what.into())).collect();
+                    failures.push(e);
+                    attempt = Attempt::default();
+                    recovery.fail(&dead);
+                }
             }
         }
-        if reseed_after_restore {
-            self.patiently(|client| client.reseed_restored(epoch, &book, RECOVERY_PATIENCE))?;
+    }
+
+    /// Carries out one `step` of `recovery`.
+    fn carry_out(
+        &mut self,
+        hooks: &mut dyn RecoveryHooks,
+        recovery: &Recovery,
+        step: Step,
+        attempt: &mut Attempt,
+        sequences: &[Sequence<'_>],
+    ) -> Result<Answer, ClusterError> {
+        let n = self.len();
+        let victims: Vec<(usize, Kill)> =
+            recovery.victims().into_iter().map(|(stage, loss)| (stage as usize, loss.into())).collect();
+        match step {
+            Step::Fence { members, lowest } => {
+                // Fencing: the controller opens a new epoch in which the presumed-dead processes
+                // are ignored, durably, before anything else happens. Replacements start in that
+                // epoch, so their successors and the sidecars refuse the old processes'
+                // connections and copies once they have seen them.
+                let epoch = self.ask(|client| client.fence_unless_fenced(&members, lowest))?;
+                self.remote.set_epoch(epoch);
+                Ok(Answer::Fenced(epoch))
+            }
+            Step::Retire { .. } => {
+                // A process presumed dead may only be slow: it is killed before its replacement
+                // takes its place (when it can be).
+                attempt.spare = hooks.leave_presumed_dead_running();
+                for &(victim, what) in victims.iter().filter(|_| !attempt.spare) {
+                    let _ = self.stages[victim].proc.kill();
+                    if what == Kill::Worker {
+                        let _ = self.sidecars[victim].proc.kill();
+                    }
+                }
+                hooks.after_fence(self)?;
+                Ok(Answer::Retired)
+            }
+            Step::Start { member: (Role::Sidecar, stage), epoch } => {
+                let victim = stage as usize;
+                let (new, socket) = self.replacement_sidecar(victim, epoch)?;
+                self.sockets[victim] = socket;
+                let old = std::mem::replace(&mut self.sidecars[victim], new);
+                self.retire(old, attempt.spare);
+                self.wait_alive((Role::Sidecar, stage))?;
+                self.hand_prompts_to(victim);
+                Ok(Answer::Started((Role::Sidecar, stage)))
+            }
+            Step::Start { member: (Role::Engine, stage), epoch } => {
+                let victim = stage as usize;
+                let next = if victim + 1 == n { self.driver } else { self.stages[victim + 1].addr };
+                let new = self.replacement_stage(victim, epoch, next)?;
+                let old = std::mem::replace(&mut self.stages[victim], new);
+                self.retire(old, attempt.spare);
+                self.wait_alive((Role::Engine, stage))?;
+                Ok(Answer::Started((Role::Engine, stage)))
+            }
+            Step::Repair { stages } => {
+                let reachable: Vec<(u32, SocketAddr)> = stages
+                    .iter()
+                    .map(|&index| {
+                        let addr = self.stages[index as usize].addr;
+                        let reach = if index == 0 {
+                            self.config.route(Link::Input, addr)
+                        } else {
+                            self.config.route(Link::Activation { from: index - 1 }, addr)
+                        };
+                        (index, reach)
+                    })
+                    .collect();
+                let last_replaced = stages.last() == Some(&(n as u32 - 1));
+                self.remote.replace_all(&reachable, last_replaced)?;
+                Ok(Answer::Repaired)
+            }
+            Step::CarryOut { epoch } => {
+                // The controller's part: it re-seeds each replaced sidecar from its surviving
+                // predecessor's, and finds each sequence's first unreplicated token in the copy
+                // each replacement restores from. The addresses a re-seed may use (a replaced
+                // sidecar's, from its predecessor) go through the routes that link takes; the
+                // others are not used.
+                attempt.book = (0..n)
+                    .map(|k| {
+                        let successor = (k + 1) % n;
+                        let sidecar = self.sidecars[successor].addr;
+                        if victims.contains(&(successor, Kill::Worker)) {
+                            self.config.route(Link::Replica { from: k as u32 }, sidecar)
+                        } else {
+                            sidecar
+                        }
+                    })
+                    .collect();
+                let book = attempt.book.clone();
+                let orders = self.patiently(|client| client.recover(epoch, &book, RECOVERY_PATIENCE))?;
+                let plans = orders.stages.iter().map(|o| o.plan).collect();
+                attempt.orders = orders.stages;
+                Ok(Answer::CarriedOut(plans))
+            }
+            Step::Restore { epoch, .. } => {
+                let sources: Vec<RestoreSource> = attempt
+                    .orders
+                    .iter()
+                    .map(|o| {
+                        let stage = o.plan.stage;
+                        let replica_at = |holder: u32| {
+                            self.config.route(Link::Replica { from: stage }, self.sidecars[holder as usize].addr)
+                        };
+                        let from = match o.plan.source {
+                            Source::Own => None,
+                            Source::Successor(holder) => Some(replica_at(holder)),
+                            // Its successor's new sidecar holds nothing: the stage recomputes.
+                            Source::Lost => Some(replica_at((stage + 1) % n as u32)),
+                        };
+                        RestoreSource { stage, from, orders: o.clone() }
+                    })
+                    .collect();
+                hooks.before_restore(self, &victims)?;
+                attempt.epoch = epoch;
+                attempt.lag = victims.iter().map(|&(victim, _)| (victim, 0)).collect();
+                for s in sequences {
+                    let sequence = self.remote.recover(&sources, s.seat, s.prompt, s.generated)?;
+                    attempt.recomputed += sequence.recomputed;
+                    for (total, lacked) in attempt.lag.iter_mut().zip(sequence.lacked) {
+                        total.1 += lacked;
+                    }
+                }
+                Ok(Answer::Restored)
+            }
+            Step::ReseedRestored { epoch } => {
+                let book = attempt.book.clone();
+                self.patiently(|client| client.reseed_restored(epoch, &book, RECOVERY_PATIENCE))?;
+                Ok(Answer::Reseeded)
+            }
+            Step::Done(_) | Step::GiveUp { .. } => unreachable!("the recovery is over"),
         }
-        // The spares used are replaced in the background, off the recovery.
-        let (stages, sidecars) = (self.spares.used.0 - used.0, self.spares.used.1 - used.1);
-        self.start_spares((stages, sidecars), false)?;
-        Ok(recovered)
+    }
+
+    /// The stages dead after a recovery attempt of `victims` failed. A stage that died during the
+    /// attempt can fail it (its chain broken) before the controller has named it: waits up to
+    /// [`NAMING_PATIENCE`] heartbeats for the controller to name one the attempt did not recover,
+    /// then takes whatever it names (nothing new: the attempt failed for another reason, and the
+    /// next one tries the same).
+    fn dead_after_failed_attempt(&mut self, victims: &[(u32, Loss)]) -> Result<Vec<(usize, Kill)>, ClusterError> {
+        let until = Instant::now() + self.config.heartbeat * NAMING_PATIENCE;
+        loop {
+            let dead = self.dead()?;
+            let new = |&(stage, what): &(usize, Kill)| !victims.contains(&(stage as u32, what.into()));
+            if dead.iter().any(new) || Instant::now() >= until {
+                return Ok(dead);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Has the controller carry out a part of a recovery (`call`), replacing it once if it
@@ -297,8 +356,15 @@ impl Cluster {
 /// What a recovery did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Recovered {
-    /// The epoch the controller opened for it.
+    /// The epoch of the attempt that succeeded.
     pub epoch: u64,
+    /// The stages recovered, with what of each (more than asked for when others died during the
+    /// recovery).
+    pub victims: Vec<(usize, Kill)>,
+    /// Attempts it took.
+    pub attempts: u32,
+    /// Why each failed attempt failed, in order.
+    pub failures: Vec<String>,
     /// Steps recomputed (the largest replication lag among the victims, summed over the
     /// sequences).
     pub recomputed: u64,
@@ -307,4 +373,57 @@ pub struct Recovered {
     /// Replaced stages whose copies died with them (their successor's worker died too): their
     /// sequences were recomputed from the prompt, as the ring cannot restore them.
     pub copies_lost: Vec<usize>,
+}
+
+/// Attempts at a recovery before it fails.
+pub const RECOVERY_ATTEMPTS: u32 = 3;
+
+/// Heartbeats a failed attempt waits for the controller to name a stage that died during it.
+const NAMING_PATIENCE: u32 = 6;
+
+/// What the shell keeps of the current attempt between its steps.
+#[derive(Default)]
+struct Attempt {
+    /// Whether its presumed dead were left running.
+    spare: bool,
+    /// The address book the controller's part used.
+    book: Vec<SocketAddr>,
+    /// The controller's orders for each replaced stage.
+    orders: Vec<StageOrders>,
+    /// The epoch it restored in.
+    epoch: u64,
+    recomputed: u64,
+    lag: Vec<(usize, u64)>,
+}
+
+impl Attempt {
+    fn recovered(self, outcome: &Outcome, failures: Vec<String>) -> Recovered {
+        Recovered {
+            epoch: self.epoch,
+            victims: outcome.plans.iter().map(|p| (p.stage as usize, p.loss.into())).collect(),
+            attempts: outcome.attempts,
+            failures,
+            recomputed: self.recomputed,
+            lag: self.lag,
+            copies_lost: outcome.copies_lost().into_iter().map(|stage| stage as usize).collect(),
+        }
+    }
+}
+
+impl From<Kill> for Loss {
+    fn from(kill: Kill) -> Self {
+        match kill {
+            Kill::Engine => Loss::Engine,
+            Kill::Worker => Loss::Worker,
+        }
+    }
+}
+
+impl From<Loss> for Kill {
+    fn from(loss: Loss) -> Self {
+        match loss {
+            Loss::Engine => Kill::Engine,
+            Loss::Worker => Kill::Worker,
+        }
+    }
 }
