@@ -244,7 +244,8 @@ impl Recovery {
     /// Reports the current step done. A controller whose plan is not the machine's (it fenced
     /// other stages in the epoch: one died meanwhile) fails the attempt, with its victims added.
     pub fn complete(&mut self, answer: Answer) -> Result<(), RecoveryError> {
-        let unexpected = |step: &Step, answer: Answer| RecoveryError::Unexpected { step: Box::new(step.clone()), answer };
+        let unexpected =
+            |step: &Step, answer: Answer| RecoveryError::Unexpected { step: Box::new(step.clone()), answer };
         match (&self.step, answer) {
             (Step::Fence { lowest, .. }, Answer::Fenced(epoch)) => {
                 if epoch < *lowest {
@@ -271,7 +272,8 @@ impl Recovery {
             }
             (Step::Restore { plans, .. }, Answer::Restored) => {
                 let after_restore = plans.iter().any(|p| matches!(p.reseed, Some((_, Reseed::AfterRestore))));
-                self.step = if after_restore { Step::ReseedRestored { epoch: self.lowest } } else { self.done() };
+                self.step =
+                    if after_restore { Step::ReseedRestored { epoch: self.lowest } } else { self.done() };
             }
             (Step::ReseedRestored { .. }, Answer::Reseeded) => self.step = self.done(),
             (step, answer) => return Err(unexpected(step, answer)),
@@ -286,7 +288,8 @@ impl Recovery {
         if matches!(self.step, Step::Done(_) | Step::GiveUp { .. }) {
             return;
         }
-        let in_ring: Vec<(u32, Loss)> = dead.iter().copied().filter(|&(stage, _)| stage < self.config.depth).collect();
+        let in_ring: Vec<(u32, Loss)> =
+            dead.iter().copied().filter(|&(stage, _)| stage < self.config.depth).collect();
         self.add_victims(&in_ring);
         if self.attempt >= self.config.attempts {
             self.step = Step::GiveUp { attempts: self.attempt, victims: self.victims() };
@@ -318,7 +321,8 @@ impl Recovery {
         self.step = Step::Fence { members, lowest: self.lowest };
         // Sidecars first, so that each replacement engine finds its sidecar; then the engines from
         // the last stage, so that each knows where to send.
-        let sidecars = self.victims.iter().filter(|&(_, &loss)| loss == Loss::Worker).map(|(&s, _)| (Role::Sidecar, s));
+        let sidecars =
+            self.victims.iter().filter(|&(_, &loss)| loss == Loss::Worker).map(|(&s, _)| (Role::Sidecar, s));
         let engines = self.victims.keys().rev().map(|&s| (Role::Engine, s));
         self.to_start = sidecars.chain(engines).collect();
     }
@@ -408,7 +412,9 @@ mod tests {
     #[test]
     fn a_death_during_the_restore_starts_a_newer_attempt_with_the_larger_loss() {
         let mut recovery = Recovery::new(config(4), &[(1, Loss::Engine)]).unwrap();
-        for answer in [Answer::Fenced(5), Answer::Retired, Answer::Started((Role::Engine, 1)), Answer::Repaired] {
+        for answer in
+            [Answer::Fenced(5), Answer::Retired, Answer::Started((Role::Engine, 1)), Answer::Repaired]
+        {
             recovery.complete(answer).unwrap();
         }
         recovery.complete(Answer::CarriedOut(recovery.plans())).unwrap();
@@ -418,9 +424,15 @@ mod tests {
         assert_eq!(recovery.victims(), [(1, Loss::Worker), (3, Loss::Engine)]);
         assert_eq!(
             recovery.step(),
-            &Step::Fence { members: vec![(Role::Engine, 1), (Role::Sidecar, 1), (Role::Engine, 3)], lowest: 6 }
+            &Step::Fence {
+                members: vec![(Role::Engine, 1), (Role::Sidecar, 1), (Role::Engine, 3)],
+                lowest: 6
+            }
         );
-        assert_eq!(recovery.complete(Answer::Fenced(5)), Err(RecoveryError::StaleFence { epoch: 5, lowest: 6 }));
+        assert_eq!(
+            recovery.complete(Answer::Fenced(5)),
+            Err(RecoveryError::StaleFence { epoch: 5, lowest: 6 })
+        );
         let Step::Done(outcome) = run_clean(&mut recovery, 6).pop().unwrap() else { panic!() };
         assert_eq!((outcome.epoch, outcome.attempts), (6, 2));
     }
@@ -429,13 +441,18 @@ mod tests {
     fn a_failed_fence_is_tried_again_at_the_same_lowest_epoch() {
         let mut recovery = Recovery::new(config(3), &[(0, Loss::Worker)]).unwrap();
         recovery.fail(&[]);
-        assert_eq!(recovery.step(), &Step::Fence { members: vec![(Role::Engine, 0), (Role::Sidecar, 0)], lowest: 5 });
+        assert_eq!(
+            recovery.step(),
+            &Step::Fence { members: vec![(Role::Engine, 0), (Role::Sidecar, 0)], lowest: 5 }
+        );
     }
 
     #[test]
     fn a_controller_that_fenced_more_fails_the_attempt_and_its_stages_join() {
         let mut recovery = Recovery::new(config(4), &[(0, Loss::Engine)]).unwrap();
-        for answer in [Answer::Fenced(5), Answer::Retired, Answer::Started((Role::Engine, 0)), Answer::Repaired] {
+        for answer in
+            [Answer::Fenced(5), Answer::Retired, Answer::Started((Role::Engine, 0)), Answer::Repaired]
+        {
             recovery.complete(answer).unwrap();
         }
         let theirs = plan::ring(4, &[(0, Loss::Engine), (2, Loss::Worker)]);
@@ -458,7 +475,10 @@ mod tests {
     #[test]
     fn wrong_answers_and_victims_are_refused() {
         assert_eq!(Recovery::new(config(2), &[]).unwrap_err(), RecoveryError::NoVictims);
-        assert_eq!(Recovery::new(config(2), &[(2, Loss::Engine)]).unwrap_err(), RecoveryError::NoSuchStage(2));
+        assert_eq!(
+            Recovery::new(config(2), &[(2, Loss::Engine)]).unwrap_err(),
+            RecoveryError::NoSuchStage(2)
+        );
         let mut recovery = Recovery::new(config(2), &[(1, Loss::Engine)]).unwrap();
         assert!(matches!(recovery.complete(Answer::Restored), Err(RecoveryError::Unexpected { .. })));
         recovery.complete(Answer::Fenced(5)).unwrap();

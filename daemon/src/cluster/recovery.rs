@@ -128,7 +128,8 @@ impl Cluster {
         if self.sidecars.is_empty() {
             return Err(ClusterError::Invalid("recovery needs replication".into()));
         }
-        let losses: Vec<(u32, Loss)> = victims.iter().map(|&(stage, what)| (stage as u32, what.into())).collect();
+        let losses: Vec<(u32, Loss)> =
+            victims.iter().map(|&(stage, what)| (stage as u32, what.into())).collect();
         let config = RecoveryConfig {
             depth: self.len() as u32,
             last_epoch: self.remote.epoch(),
@@ -144,7 +145,9 @@ impl Cluster {
                     // The spares used are replaced in the background, off the recovery.
                     let (stages, sidecars) = (self.spares.used.0 - used.0, self.spares.used.1 - used.1);
                     self.start_spares((stages, sidecars), false)?;
-                    return Ok(attempt.recovered(&outcome, failures.iter().map(ToString::to_string).collect()));
+                    return Ok(
+                        attempt.recovered(&outcome, failures.iter().map(ToString::to_string).collect())
+                    );
                 }
                 Step::GiveUp { .. } => {
                     return Err(failures.pop().expect("a recovery gives up after a failed attempt"))
@@ -156,7 +159,8 @@ impl Cluster {
                 Err(e) => {
                     tracing::warn!(attempt = recovery.attempt(), error = %e, "a recovery attempt failed");
                     let dead = self.dead_after_failed_attempt(&recovery.victims())?;
-                    let dead: Vec<(u32, Loss)> = dead.iter().map(|&(stage, what)| (stage as u32, what.into())).collect();
+                    let dead: Vec<(u32, Loss)> =
+                        dead.iter().map(|&(stage, what)| (stage as u32, what.into())).collect();
                     failures.push(e);
                     attempt = Attempt::default();
                     recovery.fail(&dead);
@@ -266,7 +270,8 @@ impl Cluster {
                     .map(|o| {
                         let stage = o.plan.stage;
                         let replica_at = |holder: u32| {
-                            self.config.route(Link::Replica { from: stage }, self.sidecars[holder as usize].addr)
+                            self.config
+                                .route(Link::Replica { from: stage }, self.sidecars[holder as usize].addr)
                         };
                         let from = match o.plan.source {
                             Source::Own => None,
@@ -303,7 +308,10 @@ impl Cluster {
     /// [`NAMING_PATIENCE`] heartbeats for the controller to name one the attempt did not recover,
     /// then takes whatever it names (nothing new: the attempt failed for another reason, and the
     /// next one tries the same).
-    fn dead_after_failed_attempt(&mut self, victims: &[(u32, Loss)]) -> Result<Vec<(usize, Kill)>, ClusterError> {
+    fn dead_after_failed_attempt(
+        &mut self,
+        victims: &[(u32, Loss)],
+    ) -> Result<Vec<(usize, Kill)>, ClusterError> {
         let until = Instant::now() + self.config.heartbeat * NAMING_PATIENCE;
         loop {
             let dead = self.dead()?;

@@ -8,16 +8,20 @@
 //! at most one owner per (stage, epoch), bounded recompute, every request finishes after healing.
 //! [`liveness`] drives the machine the running controller is built on
 //! ([`dejavu_proto::liveness::Liveness`]) through process kills, pauses, replayed beats, an
-//! unwritable state file and controller restarts.
+//! unwritable state file and controller restarts. [`recovery`] carries out the recovery machine the
+//! cluster supervisor drives ([`dejavu_proto::recovery::Recovery`]) on a model ring whose processes
+//! die during the recovery itself.
 //!
 //! Replay a seed with `cargo run --release -p dejavu-sim -- --seed N`; with `DEJAVU_SIM_TRACE=1` it
 //! prints crashes, recovery plans and the computations of microbatch 0 as they happen.
 
 pub mod engine;
 pub mod liveness;
+pub mod recovery;
 pub mod sim;
 
 pub use liveness::{replay_journal, run_liveness_seed, LivenessReport, LivenessSimConfig};
+pub use recovery::{run_recovery_seed, RecoveryReport, RecoverySimConfig};
 pub use sim::{Faults, Report, Sim, SimConfig};
 
 /// Runs one seed with `cfg`.

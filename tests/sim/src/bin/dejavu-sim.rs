@@ -1,15 +1,19 @@
 //! `dejavu-sim`: runs seeds of the control-plane simulator and reports violations.
 //!
-//! `dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness] [--quiet]`: `--varied` draws
-//! each seed's cluster shape and delays from the seed (`SimConfig::varied`); `--liveness` runs the
-//! controller's liveness machine instead (`dejavu_sim::liveness`; `DEJAVU_SIM_TRACE=1` prints its
-//! events). `dejavu-sim --journal FILE` replays a journal `dejavud controller --journal FILE` wrote
+//! `dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness | --recovery] [--quiet]`:
+//! `--varied` draws each seed's cluster shape and delays from the seed (`SimConfig::varied`);
+//! `--liveness` runs the controller's liveness machine instead (`dejavu_sim::liveness`;
+//! `DEJAVU_SIM_TRACE=1` prints its events), `--recovery` the cluster's recovery machine
+//! (`dejavu_sim::recovery`). `dejavu-sim --journal FILE` replays a journal `dejavud controller --journal FILE` wrote
 //! through fresh machines, and fails where one decides otherwise.
 
 use std::process::ExitCode;
 use std::time::Instant;
 
-use dejavu_sim::{replay_journal, run_liveness_seed, run_seed, LivenessSimConfig, SimConfig};
+use dejavu_sim::{
+    replay_journal, run_liveness_seed, run_recovery_seed, run_seed, LivenessSimConfig, RecoverySimConfig,
+    SimConfig,
+};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -22,6 +26,7 @@ fn main() -> ExitCode {
     let mut quiet = false;
     let mut varied = false;
     let mut liveness = false;
+    let mut recovery = false;
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -42,6 +47,7 @@ fn main() -> ExitCode {
             "--quiet" => quiet = true,
             "--varied" => varied = true,
             "--liveness" => liveness = true,
+            "--recovery" => recovery = true,
             _ => return usage(),
         }
         i += 1;
@@ -49,8 +55,13 @@ fn main() -> ExitCode {
     let config = |seed: u64| if varied { SimConfig::varied(seed) } else { SimConfig::default() };
     let started = Instant::now();
     let (mut runs, mut failed) = (0u64, 0u64);
-    let flags =
-        format!("{}{}", if varied { " --varied" } else { "" }, if liveness { " --liveness" } else { "" });
+    let machine = match (liveness, recovery) {
+        (true, true) => return usage(),
+        (true, false) => " --liveness",
+        (false, true) => " --recovery",
+        (false, false) => "",
+    };
+    let flags = format!("{}{machine}", if varied { " --varied" } else { "" });
     for seed in range.clone() {
         runs += 1;
         if liveness {
@@ -64,6 +75,23 @@ fn main() -> ExitCode {
                 );
             } else if !quiet && range.end - range.start == 1 {
                 println!("seed {seed}: ok, {} fences, faults {:?}", report.fences, report.faults);
+            }
+            continue;
+        }
+        if recovery {
+            let cfg = if varied { RecoverySimConfig::varied(seed) } else { RecoverySimConfig::default() };
+            let report = run_recovery_seed(seed, &cfg);
+            if !report.violations.is_empty() {
+                failed += 1;
+                println!(
+                    "seed {seed}: {:?} (replay: cargo run --release -p dejavu-sim -- --seed {seed}{flags})",
+                    report.violations
+                );
+            } else if !quiet && range.end - range.start == 1 {
+                println!(
+                    "seed {seed}: ok, {} recoveries, {} attempts tried again, {} given up, faults {:?}",
+                    report.recoveries, report.retries, report.given_up, report.faults
+                );
             }
             continue;
         }
@@ -116,7 +144,7 @@ fn replay(path: &str) -> ExitCode {
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness] [--quiet] | --journal FILE"
+        "usage: dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness | --recovery] [--quiet] | --journal FILE"
     );
     ExitCode::from(2)
 }
