@@ -3,10 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use dejavud::cluster::{Cluster, ClusterError, Kill, Link, Role};
+use dejavud::cluster::{Cluster, ClusterError, Kill, Link, RecoveryHooks, Role};
 use dejavud::driver::{Injector, OnFailure};
 use serde::Serialize;
 
+use crate::hooks::ScheduledFaults;
 use crate::proxy::{NetFault, Proxies};
 use crate::scenario::{Fault, FaultKind, LinkKind, Scenario, Transport};
 use dejavu_proto::rng::SplitMix64;
@@ -76,6 +77,8 @@ pub struct ChaosInjector<'a> {
     proxies: &'a Proxies,
     on_failure: OnFailure,
     started: Instant,
+    /// The faults scheduled inside the next recoveries.
+    in_recovery: ScheduledFaults,
     /// What was done, in order.
     pub injected: Vec<Injected>,
 }
@@ -83,7 +86,15 @@ pub struct ChaosInjector<'a> {
 impl<'a> ChaosInjector<'a> {
     /// An injector of `plan` through `proxies`, for a run that recovers or restarts.
     pub fn new(plan: &'a [Fault], proxies: &'a Proxies, on_failure: OnFailure) -> Self {
-        Self { plan, next: 0, proxies, on_failure, started: Instant::now(), injected: Vec::new() }
+        Self {
+            plan,
+            next: 0,
+            proxies,
+            on_failure,
+            started: Instant::now(),
+            in_recovery: ScheduledFaults::default(),
+            injected: Vec::new(),
+        }
     }
 
     fn apply(&mut self, step: u64, fault: Fault, cluster: &mut Cluster) -> Result<(), ClusterError> {
@@ -123,11 +134,11 @@ impl<'a> ChaosInjector<'a> {
             }
             FaultKind::StaleSidecar => {
                 cluster.pause(stage, Role::Sidecar, lasting)?;
-                cluster.spare_presumed_dead_in_next_recovery();
+                self.in_recovery.spare_presumed_dead_in_next_recovery();
             }
             FaultKind::StaleRejoin => {
                 cluster.pause(stage, Role::Engine, lasting)?;
-                cluster.spare_presumed_dead_in_next_recovery();
+                self.in_recovery.spare_presumed_dead_in_next_recovery();
             }
             FaultKind::FillSpill if restarting => {
                 note = Some("no sidecars without replication: skipped".to_owned());
@@ -135,11 +146,11 @@ impl<'a> ChaosInjector<'a> {
             FaultKind::FillSpill => cluster.fill_spill(stage, lasting)?,
             FaultKind::KillController => cluster.kill_controller()?,
             FaultKind::PauseController => cluster.pause_controller(lasting)?,
-            FaultKind::KillControllerInRecovery => cluster.crash_controller_in_next_recovery(),
+            FaultKind::KillControllerInRecovery => self.in_recovery.crash_controller_in_next_recovery(),
             FaultKind::KillWorkerInRecovery if restarting => {
                 note = Some("no recovery without replication: skipped".to_owned());
             }
-            FaultKind::KillWorkerInRecovery => cluster.kill_in_next_recovery(stage, Kill::Worker),
+            FaultKind::KillWorkerInRecovery => self.in_recovery.kill_in_next_recovery(stage, Kill::Worker),
             _ if restarting && fault.link == LinkKind::Replica => {
                 note = Some("no replica links without replication: skipped".to_owned());
             }
@@ -183,6 +194,14 @@ impl Injector for ChaosInjector<'_> {
             self.apply(step, fault, cluster)?;
         }
         Ok(())
+    }
+
+    fn recovery_hooks(&mut self) -> Option<&mut dyn RecoveryHooks> {
+        Some(&mut self.in_recovery)
+    }
+
+    fn killed_in_recovery(&mut self) -> Vec<(usize, Kill)> {
+        self.in_recovery.take_killed()
     }
 }
 

@@ -16,6 +16,7 @@
 
 pub mod check;
 pub mod harness;
+pub mod hooks;
 pub mod inject;
 pub mod proxy;
 pub mod report;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
-use crate::cluster::{Cluster, ClusterError, Kill, Recovered, Sequence};
+use crate::cluster::{Cluster, ClusterError, Kill, NoHooks, Recovered, RecoveryHooks, Sequence};
 use crate::process::{ProcessError, StepReply};
 use dejavu_engine::Seat;
 
@@ -86,6 +86,16 @@ pub struct DriverConfig {
 pub trait Injector {
     /// Called before step `step`.
     fn before_step(&mut self, step: u64, cluster: &mut Cluster) -> Result<(), ClusterError>;
+
+    /// What to call at the points of the next recovery (none by default).
+    fn recovery_hooks(&mut self) -> Option<&mut dyn RecoveryHooks> {
+        None
+    }
+
+    /// The stages it killed during recoveries since last asked, in order.
+    fn killed_in_recovery(&mut self) -> Vec<(usize, Kill)> {
+        Vec::new()
+    }
 }
 
 impl<F: FnMut(u64, &mut Cluster) -> Result<(), ClusterError>> Injector for F {
@@ -146,7 +156,7 @@ pub struct RecoveryRecord {
     /// Attempts it took: more than one when a fault hit a recovery attempt (another stage died
     /// meanwhile, say), whose victims the next attempt recovered too.
     pub attempts: u32,
-    /// The stages killed during it on request ([`Cluster::kill_in_next_recovery`]): among its
+    /// The stages killed during it on request ([`Injector::killed_in_recovery`]): among its
     /// victims, recovered by a later attempt.
     pub killed_during: Vec<(usize, Kill)>,
 }
@@ -251,7 +261,9 @@ fn drive_into(
                 if !victims.is_empty() {
                     let record = RecoveryRecord::new(victims, step, Duration::ZERO, false);
                     match config.on_failure {
-                        OnFailure::Recover => recover_now(&mut cluster, workload, run, record, None)?,
+                        OnFailure::Recover => {
+                            recover_now(&mut cluster, workload, run, record, None, injector)?
+                        }
                         OnFailure::Restart => {
                             cluster = restart(cluster, start, run, record)?;
                             continue 'rounds;
@@ -291,7 +303,7 @@ fn drive_into(
             (failures, failing_since) = (0, None);
             match config.on_failure {
                 OnFailure::Recover => {
-                    recover_now(&mut cluster, workload, run, record, Some(request))?;
+                    recover_now(&mut cluster, workload, run, record, Some(request), injector)?;
                     // The interrupted step ran again: the next one is counted after it.
                     step += 1;
                 }
@@ -336,12 +348,13 @@ fn recover_now(
     run: &mut Run,
     mut record: RecoveryRecord,
     interrupted: Option<usize>,
+    injector: &mut dyn Injector,
 ) -> Result<(), DriveError> {
     let detected = Instant::now();
-    let recovered = recover(cluster, workload, run, &record.victims)?;
+    let recovered = recover(cluster, workload, run, &record.victims, injector)?;
     record.victims = recovered.victims;
     record.attempts = recovered.attempts;
-    record.killed_during = cluster.take_killed_in_recovery();
+    record.killed_during = injector.killed_in_recovery();
     record.recomputed = recovered.recomputed;
     record.epoch = recovered.epoch;
     record.copies_lost = recovered.copies_lost;
@@ -384,17 +397,21 @@ fn restart(
 }
 
 /// Recovers `victims` on `cluster` ([`Cluster::recover_all`] tries again when a fault hits the
-/// recovery itself, with any stage found dead meanwhile added to the victims).
+/// recovery itself, with any stage found dead meanwhile added to the victims), with `injector`'s
+/// hooks at its points.
 fn recover(
     cluster: &mut Cluster,
     workload: &Workload,
     run: &Run,
     victims: &[(usize, Kill)],
+    injector: &mut dyn Injector,
 ) -> Result<Recovered, DriveError> {
     let sequences: Vec<Sequence<'_>> = (0..workload.prompts.len())
         .map(|i| Sequence { seat: workload.seat(i), prompt: &workload.prompts[i], generated: &run.tokens[i] })
         .collect();
-    Ok(cluster.recover_all(victims, &sequences)?)
+    let mut none = NoHooks;
+    let hooks = injector.recovery_hooks().unwrap_or(&mut none);
+    Ok(cluster.recover_with(hooks, victims, &sequences)?)
 }
 
 /// Runs request `request`'s next step: its prompt, or its last token.

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use dejavu_engine::{CacheLayout, ModelConfig, Pipeline, Seat};
-use dejavud::cluster::{Cluster, ClusterConfig, Kill, Role, Sequence};
+use dejavud::cluster::{Cluster, ClusterConfig, ClusterError, Kill, RecoveryHooks, Role, Sequence};
 use dejavud::metrics::value_of;
 use dejavud::process::RemotePipeline;
 
@@ -17,6 +17,41 @@ const NEW_TOKENS: usize = 10;
 
 fn splits() -> Vec<std::ops::Range<u32>> {
     vec![0..2, 2..4, 4..6, 6..8]
+}
+
+/// Faults a test injects into a recovery, each at most once.
+#[derive(Default)]
+struct InRecovery {
+    /// SIGKILL the controller right after the fence.
+    crash_controller: bool,
+    /// Kill this once the replacements are up, before they restore.
+    kill: Option<(usize, Kill)>,
+    /// What was killed so.
+    killed: Vec<(usize, Kill)>,
+    /// Leave the presumed dead running, fenced.
+    leave_running: bool,
+}
+
+impl RecoveryHooks for InRecovery {
+    fn leave_presumed_dead_running(&mut self) -> bool {
+        std::mem::take(&mut self.leave_running)
+    }
+
+    fn after_fence(&mut self, cluster: &mut Cluster) -> Result<(), ClusterError> {
+        if std::mem::take(&mut self.crash_controller) {
+            cluster.kill_controller()?;
+            cluster.census()?;
+        }
+        Ok(())
+    }
+
+    fn before_restore(&mut self, cluster: &mut Cluster, _: &[(usize, Kill)]) -> Result<(), ClusterError> {
+        if let Some((stage, what)) = self.kill.take() {
+            self.killed.push((stage, what));
+            cluster.kill(stage, what)?;
+        }
+        Ok(())
+    }
 }
 
 /// The tests' cluster: four stages of the reference model, replicated.
@@ -245,8 +280,8 @@ fn a_controller_crash_loses_no_failure_and_never_reuses_an_epoch() {
 
     // It dies again in the middle of the recovery, right after fencing: its replacement keeps the
     // epoch and the fence, and the recovery goes on.
-    chain.crash_controller_in_next_recovery();
-    let first = chain.recover_all(&[(2, Kill::Engine)], &sequences(&prompts, &so_far)).unwrap();
+    let mut crash = InRecovery { crash_controller: true, ..InRecovery::default() };
+    let first = chain.recover_with(&mut crash, &[(2, Kill::Engine)], &sequences(&prompts, &so_far)).unwrap();
     assert_eq!(first.epoch, 1);
     assert_eq!(chain.controller_restarts(), 2);
 
@@ -312,12 +347,12 @@ fn a_worker_killed_during_a_recovery_fails_the_attempt_at_its_fence_and_the_next
     let position = (prompts[0].len() + done - 1) as u32;
     assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
     assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
-    chain.kill_in_next_recovery(2, Kill::Worker);
-    let both = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
+    let mut kill = InRecovery { kill: Some((2, Kill::Worker)), ..InRecovery::default() };
+    let both = chain.recover_with(&mut kill, &[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
     assert_eq!(both.attempts, 2, "{both:?}");
     assert!(both.failures[0].contains("fenced members"), "the attempt ends at the fence: {both:?}");
     assert_eq!(both.victims, [(1, Kill::Worker), (2, Kill::Worker)]);
-    assert_eq!(chain.take_killed_in_recovery(), [(2, Kill::Worker)]);
+    assert_eq!(kill.killed, [(2, Kill::Worker)]);
     assert!(chain.dead().unwrap().is_empty(), "every replacement lives");
 
     // Worker 1's replica died with worker 2's sidecar, so its sequences were recomputed; the
@@ -453,8 +488,9 @@ fn a_stale_engine_back_from_a_pause_is_fenced_out() {
     let position = (prompts[0].len() + done - 1) as u32;
     assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
     assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(2, Kill::Engine)]);
-    chain.spare_presumed_dead_in_next_recovery();
-    assert_eq!(chain.recover_all(&[(2, Kill::Engine)], &sequences(&prompts, &so_far)).unwrap().epoch, 1);
+    let mut leave = InRecovery { leave_running: true, ..InRecovery::default() };
+    let recovered = chain.recover_with(&mut leave, &[(2, Kill::Engine)], &sequences(&prompts, &so_far));
+    assert_eq!(recovered.unwrap().epoch, 1);
     for (i, tokens) in so_far.iter_mut().enumerate() {
         *tokens = decode(&mut chain.remote, i, tokens.clone(), 6);
     }

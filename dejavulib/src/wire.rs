@@ -381,7 +381,7 @@ pub(crate) fn verify_sums(
 
 /// Rejects a frame from an epoch older than `current` (fencing at the transport).
 pub fn check_epoch(frame: &Frame, current: u64) -> Result<(), FrameError> {
-    if frame.header.epoch < current {
+    if dejavu_proto::fencing::fenced_since(frame.header.epoch, current) {
         return Err(FrameError::StaleEpoch { got: frame.header.epoch, current });
     }
     Ok(())

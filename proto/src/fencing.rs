@@ -63,9 +63,16 @@ impl Newest {
 }
 
 /// Whether a fence announced in epoch `announced` ends what was started in epoch `known`: a
-/// newer epoch has begun, in which nothing from `known` is answered.
+/// newer epoch has begun, in which nothing from `known` is answered. A message of epoch `known`
+/// reaching a process fenced in `announced` is therefore stale and refused.
 pub fn fenced_since(known: u64, announced: u64) -> bool {
     announced > known
+}
+
+/// The epoch a process is in once it hears of `announced` while in `current`: epochs never go
+/// back, so a late or replayed announcement of an older one changes nothing.
+pub fn newest_of(current: u64, announced: u64) -> u64 {
+    current.max(announced)
 }
 
 #[cfg(test)]
@@ -83,5 +90,6 @@ mod tests {
         assert_eq!(place.claim(5), Claim::Admitted { took_over: true });
         assert_eq!(place.epoch(), Some(5));
         assert!(fenced_since(4, 5) && !fenced_since(5, 5) && !fenced_since(6, 5));
+        assert_eq!((newest_of(4, 5), newest_of(5, 4)), (5, 5));
     }
 }

@@ -1,8 +1,7 @@
-//! Faults injected at fixed points of a recovery, for the chaos harness and the tests. The
-//! recovery ([`Cluster::recover_all`]) calls a [`RecoveryHooks`] at each point and knows nothing
-//! of what it does; [`ScheduledFaults`], the cluster's own, carries out the faults asked for with
-//! [`Cluster::crash_controller_in_next_recovery`], [`Cluster::kill_in_next_recovery`] and
-//! [`Cluster::spare_presumed_dead_in_next_recovery`].
+//! The points of a recovery where a fault can be injected. The recovery
+//! ([`Cluster::recover_with`]) calls a [`RecoveryHooks`] at each point and knows nothing of what it
+//! does; the chaos harness implements it to crash the controller, kill a worker or leave the
+//! presumed dead running in the middle of a recovery. [`NoHooks`] injects nothing.
 
 use super::{Cluster, ClusterError, Kill};
 
@@ -32,45 +31,8 @@ pub trait RecoveryHooks {
     }
 }
 
-/// The faults asked of the next recoveries, carried out at their points.
-#[derive(Debug, Default)]
-pub struct ScheduledFaults {
-    /// Leave the next recovery's victims running.
-    pub(super) spare_presumed_dead: bool,
-    /// SIGKILL the controller right after the next recovery's fence.
-    pub(super) crash_controller: bool,
-    /// Stages to kill in the middle of a recovery of other stages, in the order asked for.
-    pub(super) kill: Vec<(usize, Kill)>,
-    /// The stages killed so, since last taken.
-    pub(super) killed: Vec<(usize, Kill)>,
-}
+/// A recovery without injected faults.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoHooks;
 
-impl RecoveryHooks for ScheduledFaults {
-    fn leave_presumed_dead_running(&mut self) -> bool {
-        std::mem::take(&mut self.spare_presumed_dead)
-    }
-
-    fn after_fence(&mut self, cluster: &mut Cluster) -> Result<(), ClusterError> {
-        if std::mem::take(&mut self.crash_controller) {
-            cluster.kill_controller()?;
-            // Its replacement, started now, is the one the replacements ask for their epoch.
-            cluster.census()?;
-        }
-        Ok(())
-    }
-
-    fn before_restore(
-        &mut self,
-        cluster: &mut Cluster,
-        victims: &[(usize, Kill)],
-    ) -> Result<(), ClusterError> {
-        // The first kill asked for that does not hit this recovery's own victims.
-        let spared = |&(stage, _): &(usize, Kill)| !victims.iter().any(|v| v.0 == stage);
-        if let Some(i) = self.kill.iter().position(spared) {
-            let (stage, what) = self.kill.remove(i);
-            self.killed.push((stage, what));
-            cluster.kill(stage, what)?;
-        }
-        Ok(())
-    }
-}
+impl RecoveryHooks for NoHooks {}

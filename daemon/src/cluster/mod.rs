@@ -6,8 +6,8 @@
 //!
 //! What a cluster runs is [`ClusterConfig`] (the `config` module); the processes' command lines
 //! are built in `args` (their transport flags in `config`), the recovery procedure is in
-//! `recovery` ([`Cluster::recover_all`]), the faults injected at its points in `hooks`
-//! ([`RecoveryHooks`]), and spare workers in `spares`.
+//! `recovery` ([`Cluster::recover_all`]), the points where the chaos harness injects faults into it
+//! in `hooks` ([`RecoveryHooks`]), and spare workers in `spares`.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -25,7 +25,7 @@ mod watch;
 
 use args::{spill_dir_of, worker_host, SidecarOf, Start};
 pub use config::{ClusterConfig, CpuSplit, Disaggregation, Interpose, Link, SpillLimits};
-pub use hooks::{RecoveryHooks, ScheduledFaults};
+pub use hooks::{NoHooks, RecoveryHooks};
 pub use recovery::{Recovered, RECOVERY_ATTEMPTS};
 
 use crate::controller::{Census, ControllerClient, ControllerError, Member};
@@ -169,8 +169,6 @@ pub struct Cluster {
     stages: Vec<Spawned>,
     driver: SocketAddr,
     controller: Supervised,
-    /// The faults asked of the next recoveries.
-    faults: ScheduledFaults,
     /// Fenced processes left running; killed with the cluster.
     spared: Vec<Spawned>,
     /// The driver's end of the chain.
@@ -252,7 +250,6 @@ impl Cluster {
             stages,
             driver,
             controller,
-            faults: ScheduledFaults::default(),
             spared: Vec::new(),
             remote,
             _fence_watch: fence_watch,
@@ -648,7 +645,7 @@ impl Cluster {
     }
 
     /// The metrics page of the `i`th process a recovery fenced but left running (see
-    /// [`Cluster::spare_presumed_dead_in_next_recovery`]).
+    /// [`RecoveryHooks::leave_presumed_dead_running`]).
     pub fn spared_metrics(&self, i: usize) -> Result<String, ClusterError> {
         let spared = self.spared.get(i).filter(|s| s.metrics.is_some());
         let spared =
@@ -695,37 +692,6 @@ impl Cluster {
     /// replaced, if the cluster asks it something meanwhile.
     pub fn pause_controller(&mut self, pause: Duration) -> Result<(), ClusterError> {
         Ok(self.controller.proc.pause(pause)?)
-    }
-
-    /// Makes the next recovery SIGKILL the controller right after it has fenced the dead
-    /// processes, before their replacements have beaten.
-    pub fn crash_controller_in_next_recovery(&mut self) {
-        self.faults.crash_controller = true;
-    }
-
-    /// Makes the next recovery that does not recover stage `stage` kill it (`what` of it, as
-    /// [`Cluster::kill`] does) in its middle, once the replacements are up and the chain repaired,
-    /// before they restore: a second failure during a recovery. That recovery then fails (a
-    /// restore or recomputed step finds the chain broken, or the controller's fence), and a
-    /// recovery of both must follow.
-    ///
-    /// Kills asked for before wait their turn: a recovery carries out the first one that does not
-    /// hit its own victims.
-    pub fn kill_in_next_recovery(&mut self, stage: usize, what: Kill) {
-        self.faults.kill.push((stage, what));
-    }
-
-    /// The stages [`Cluster::kill_in_next_recovery`] had killed during recoveries since last
-    /// asked, in order.
-    pub fn take_killed_in_recovery(&mut self) -> Vec<(usize, Kill)> {
-        std::mem::take(&mut self.faults.killed)
-    }
-
-    /// Makes the next recovery fence the processes presumed dead without killing them, as with a
-    /// machine cut off from the cluster: if they were only stopped, they come back, stale, while
-    /// their replacements run (a stale worker rejoining). They are killed with the cluster.
-    pub fn spare_presumed_dead_in_next_recovery(&mut self) {
-        self.faults.spare_presumed_dead = true;
     }
 
     /// Controllers started to replace one that died or stopped answering.

@@ -9,7 +9,7 @@ use dejavu_proto::plan::{Loss, Source};
 use dejavu_proto::recovery::{Answer, Outcome, Recovery, RecoveryConfig, Step};
 use dejavulib::message::StageOrders;
 
-use super::{Cluster, ClusterError, Kill, Link, RecoveryHooks, Role, Sequence, RECOVERY_PATIENCE};
+use super::{Cluster, ClusterError, Kill, Link, NoHooks, RecoveryHooks, Role, Sequence, RECOVERY_PATIENCE};
 use crate::controller::{Census, ControllerClient, ControllerError, Member};
 use crate::proc::Spawned;
 use crate::process::RestoreSource;
@@ -88,7 +88,7 @@ impl Cluster {
     ///    controller crash cannot undo it; when it declared exactly them dead itself, since the
     ///    last recovery started, they are fenced already and its epoch is the recovery's), they
     ///    are killed (unless spared, see
-    ///    [`Cluster::spare_presumed_dead_in_next_recovery`]: the epoch keeps them out), and
+    ///    [`RecoveryHooks::leave_presumed_dead_running`]: the epoch keeps them out), and
     ///    replacement sidecars start for the ones that died;
     /// 2. replacement engines start (the last first, so each knows where to send) and the chain is
     ///    repaired around them;
@@ -106,19 +106,17 @@ impl Cluster {
     ///
     /// A step that fails starts a new attempt, in a newer epoch, with every stage the controller
     /// names dead meanwhile added to the victims; after [`RECOVERY_ATTEMPTS`] the last failure is
-    /// returned. The faults asked of it ([`super::ScheduledFaults`]) are injected at their points.
+    /// returned.
     pub fn recover_all(
         &mut self,
         victims: &[(usize, Kill)],
         sequences: &[Sequence<'_>],
     ) -> Result<Recovered, ClusterError> {
-        let mut faults = std::mem::take(&mut self.faults);
-        let recovered = self.recover_with(&mut faults, victims, sequences);
-        self.faults = faults;
-        recovered
+        self.recover_with(&mut NoHooks, victims, sequences)
     }
 
-    /// As [`Cluster::recover_all`], calling `hooks` at each of its points.
+    /// As [`Cluster::recover_all`], calling `hooks` at each of its points (the chaos harness
+    /// injects its faults there).
     pub fn recover_with(
         &mut self,
         hooks: &mut dyn RecoveryHooks,

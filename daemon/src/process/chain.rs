@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
-use dejavu_proto::fencing::{Claim, Newest};
+use dejavu_proto::fencing::{fenced_since, Claim, Newest};
 use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
 use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
 use tracing::{info, warn};
@@ -84,7 +84,7 @@ pub(super) fn accept_within(
             Ok((stream, _)) => {
                 stream.set_nonblocking(false)?;
                 match hear_hello(&stream, secret, DRIVER) {
-                    Ok((from, said)) if from == sender && said >= epoch => break Ok(stream),
+                    Ok((from, said)) if from == sender && !fenced_since(said, epoch) => break Ok(stream),
                     Ok((from, _)) if from != sender => {
                         warn!(from, sender, "refused a connection from another sender")
                     }

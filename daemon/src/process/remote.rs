@@ -12,7 +12,7 @@ use tracing::warn;
 use super::chain::{accept_within, closed_by_peer, connect, say_hello, DRIVER};
 use super::{tokens_of, tokens_payload, ProcessError, LOAD_PATIENCE};
 use dejavu_engine::pipeline::Seat;
-use dejavu_proto::fencing::fenced_since;
+use dejavu_proto::fencing::{fenced_since, newest_of};
 use dejavulib::message::{Message, SeatIds, NO_STAGE};
 
 /// Frames coming out of the last stage, read whole by a thread of their own (a deadline never
@@ -156,7 +156,7 @@ impl RemotePipeline {
     /// Moves to a new epoch (a recovery's): replacements are started in it, and from now on a new
     /// last stage must say it (or a newer one) to be taken.
     pub fn set_epoch(&mut self, epoch: u64) {
-        self.epoch = self.epoch.max(epoch);
+        self.epoch = newest_of(self.epoch, epoch);
     }
 
     fn write(&mut self, kind: Kind, ids: [u32; 4], payload: &[u8]) -> Result<u64, ProcessError> {

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dejavu_proto::fencing::{Claim, Newest};
+use dejavu_proto::fencing::{newest_of, Claim, Newest};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
 use dejavulib::local::MAX_LOCAL_PAYLOAD;
 use dejavulib::message::Message;
@@ -477,7 +477,7 @@ impl Sidecar {
                 region.write(&[&entries])?;
                 let page = Message::HeldPage {
                     stage: self.index(),
-                    epoch: epoch.max(self.assigned_epoch.load(Ordering::SeqCst)),
+                    epoch: newest_of(epoch, self.assigned_epoch.load(Ordering::SeqCst)),
                     successor: self.successor.lock().as_ref().map(|s| s.addr),
                     count: page.len() as u32,
                     left: left.min(u32::MAX as usize) as u32,

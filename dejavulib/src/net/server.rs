@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use dejavu_proto::fencing::{fenced_since, Claim, Newest};
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use std::collections::HashMap;
 use tokio::task::JoinSet;
@@ -77,7 +78,7 @@ struct Shared {
     /// The fence: requests from older epochs are refused (see [`decide`]).
     epoch: RwLock<u64>,
     /// The newest epoch each sender has stored a chunk in (see [`decide`]).
-    senders: Mutex<HashMap<u32, u64>>,
+    senders: Mutex<HashMap<u32, Newest>>,
 }
 
 /// A peer that keeps chunks flushed to it in host memory (a replica holder, a swap space).
@@ -232,7 +233,7 @@ fn decide(frame: Frame, shared: &Shared) -> Reply {
         Reply::Bytes(header, reason.into_bytes())
     };
     match frame.header.kind {
-        Kind::Put | Kind::Get | Kind::Control if frame.header.epoch < epoch => {
+        Kind::Put | Kind::Get | Kind::Control if fenced_since(frame.header.epoch, epoch) => {
             shared.stats.stale.fetch_add(1, Ordering::Relaxed);
             refuse(ErrorCode::StaleEpoch, format!("epoch {} is older than {epoch}", frame.header.epoch))
         }
@@ -296,17 +297,15 @@ fn decide(frame: Frame, shared: &Shared) -> Reply {
 fn admit_sender<'a>(
     shared: &'a Shared,
     header: &FrameHeader,
-) -> Result<MutexGuard<'a, HashMap<u32, u64>>, String> {
+) -> Result<MutexGuard<'a, HashMap<u32, Newest>>, String> {
     let mut senders = shared.senders.lock();
-    let newest = senders.entry(header.sender).or_insert(header.epoch);
-    if header.epoch < *newest {
+    if let Claim::Stale { newest } = senders.entry(header.sender).or_default().claim(header.epoch) {
         shared.stats.stale.fetch_add(1, Ordering::Relaxed);
         return Err(format!(
             "epoch {} is older than sender {}'s epoch {newest}",
             header.epoch, header.sender
         ));
     }
-    *newest = header.epoch;
     Ok(senders)
 }
 
