@@ -64,34 +64,28 @@ fn main() -> ExitCode {
     let flags = format!("{}{machine}", if varied { " --varied" } else { "" });
     for seed in range.clone() {
         runs += 1;
-        if liveness {
+        // The running machines: their violations, or what a single seed's run did.
+        let machine_run = if liveness {
             let cfg = if varied { LivenessSimConfig::varied(seed) } else { LivenessSimConfig::default() };
             let report = run_liveness_seed(seed, &cfg);
-            if !report.violations.is_empty() {
-                failed += 1;
-                println!(
-                    "seed {seed}: {:?} (replay: cargo run --release -p dejavu-sim -- --seed {seed}{flags})",
-                    report.violations
-                );
-            } else if !quiet && range.end - range.start == 1 {
-                println!("seed {seed}: ok, {} fences, faults {:?}", report.fences, report.faults);
-            }
-            continue;
-        }
-        if recovery {
+            Some((report.violations, format!("{} fences, faults {:?}", report.fences, report.faults)))
+        } else if recovery {
             let cfg = if varied { RecoverySimConfig::varied(seed) } else { RecoverySimConfig::default() };
-            let report = run_recovery_seed(seed, &cfg);
-            if !report.violations.is_empty() {
+            let r = run_recovery_seed(seed, &cfg);
+            let did = format!(
+                "{} recoveries, {} attempts tried again, {} given up, faults {:?}",
+                r.recoveries, r.retries, r.given_up, r.faults
+            );
+            Some((r.violations, did))
+        } else {
+            None
+        };
+        if let Some((violations, did)) = machine_run {
+            if !violations.is_empty() {
                 failed += 1;
-                println!(
-                    "seed {seed}: {:?} (replay: cargo run --release -p dejavu-sim -- --seed {seed}{flags})",
-                    report.violations
-                );
+                println!("seed {seed}: {violations:?} (replay: cargo run --release -p dejavu-sim -- --seed {seed}{flags})");
             } else if !quiet && range.end - range.start == 1 {
-                println!(
-                    "seed {seed}: ok, {} recoveries, {} attempts tried again, {} given up, faults {:?}",
-                    report.recoveries, report.retries, report.given_up, report.faults
-                );
+                println!("seed {seed}: ok, {did}");
             }
             continue;
         }
