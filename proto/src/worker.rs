@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::fencing;
 use crate::message::{Addr, BulkKind, Command, Directive, Epoch, Msg, NodeId, Payload, ResumePoint, Status};
 
 /// Worker settings (must match the controller's).
@@ -496,10 +497,11 @@ impl Worker {
         // (0) may only steer a process that has been in an epoch; a fresh one keeps registering,
         // so the controller learns it lost whatever its node held.
         let for_us = d.incarnation == self.incarnation || (d.incarnation == 0 && self.epoch > Epoch(0));
-        if !for_us || d.epoch < self.epoch {
+        // The rule every running process applies to its peers' epochs.
+        if !for_us || fencing::fenced_since(d.epoch.0, self.epoch.0) {
             return; // for another incarnation, or from a stale controller
         }
-        if d.epoch > self.epoch {
+        if fencing::fenced_since(self.epoch.0, d.epoch.0) {
             self.enter_epoch(&d);
         }
         self.delivered = d.delivered.clone();
