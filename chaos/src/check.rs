@@ -37,6 +37,7 @@ pub fn check(reference: &Run, run: &Run, failure: Option<&str>, limits: &Limits)
     recompute_is_bounded(run, limits, &mut violations);
     recovery_is_bounded(run, limits, &mut violations);
     epochs_only_grow(run, &mut violations);
+    recoveries_replay(run, &mut violations);
     violations
 }
 
@@ -162,9 +163,28 @@ fn epochs_only_grow(run: &Run, out: &mut Vec<Violation>) {
     }
 }
 
+/// One control plane: every recovery the run carried out took the steps a fresh recovery machine
+/// takes from the same inputs.
+fn recoveries_replay(run: &Run, out: &mut Vec<Violation>) {
+    for r in &run.recoveries {
+        if let Err((at, recorded, replayed)) = r.transcript.replay() {
+            out.push(Violation {
+                invariant: "recoveries replay",
+                detail: format!(
+                    "the recovery of {:?} took {recorded:?} at its step {at}, a fresh machine {replayed:?}",
+                    r.victims
+                ),
+                step: Some(r.step),
+            });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use dejavu_engine::Seat;
+    use dejavu_proto::plan::Loss;
+    use dejavu_proto::recovery::{Answer, Input, Recovery, RecoveryConfig, Transcript};
     use dejavud::cluster::Kill;
     use dejavud::driver::RecoveryRecord;
 
@@ -201,6 +221,7 @@ mod tests {
             interrupted: true,
             attempts: 1,
             killed_during: Vec::new(),
+            transcript: Default::default(),
         }
     }
 
@@ -263,6 +284,25 @@ mod tests {
         let mut slow = reference.clone();
         slow.recoveries.push(recovery(1, limits.max_detection_ms + 1));
         assert_eq!(invariants(&slow), ["bounded recovery"]);
+
+        // A recovery whose recorded steps a fresh machine does not take from its inputs.
+        let mut diverged = reference.clone();
+        let mut r = recovery(1, 300);
+        let config = RecoveryConfig { depth: 4, last_epoch: 0, attempts: 3 };
+        let mut machine = Recovery::new(config.clone(), &[(1, Loss::Worker)]).unwrap();
+        let fenced = Input::Completed(Answer::Fenced(1));
+        let first = machine.step().clone();
+        machine.apply(&fenced).unwrap();
+        r.transcript = Transcript {
+            config: Some(config),
+            victims: vec![(1, Loss::Worker)],
+            steps: vec![first, machine.step().clone()],
+            inputs: vec![fenced],
+        };
+        diverged.recoveries.push(r);
+        assert!(invariants(&diverged).is_empty(), "the true transcript replays");
+        diverged.recoveries[0].transcript.victims = vec![(1, Loss::Engine)];
+        assert_eq!(invariants(&diverged), ["recoveries replay"]);
 
         let mut cut = run(&[&[1, 2], &[4, 5]]);
         let failed = check(&reference, &cut, Some("stuck"), &limits);

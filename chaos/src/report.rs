@@ -410,6 +410,7 @@ mod tests {
             interrupted: true,
             attempts: 1 + killed_during.len() as u32,
             killed_during: killed_during.iter().map(|&s| (s, Kill::Worker)).collect(),
+            transcript: Default::default(),
         }
     }
 

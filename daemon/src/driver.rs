@@ -14,6 +14,7 @@ use thiserror::Error;
 use crate::cluster::{Cluster, ClusterError, Kill, NoHooks, Recovered, RecoveryHooks, Sequence};
 use crate::process::{ProcessError, StepReply};
 use dejavu_engine::Seat;
+use dejavu_proto::recovery::Transcript;
 
 /// Requests and how many tokens each generates.
 #[derive(Clone, Debug)]
@@ -159,6 +160,9 @@ pub struct RecoveryRecord {
     /// The stages killed during it on request ([`Injector::killed_in_recovery`]): among its
     /// victims, recovered by a later attempt.
     pub killed_during: Vec<(usize, Kill)>,
+    /// The recovery machine's transcript ([`dejavu_proto::recovery::Transcript`]; empty for a
+    /// restart), which the chaos harness replays through a fresh machine.
+    pub transcript: Transcript,
 }
 
 /// What a run did.
@@ -336,6 +340,7 @@ impl RecoveryRecord {
             interrupted,
             attempts: 0,
             killed_during: Vec::new(),
+            transcript: Transcript::default(),
         }
     }
 }
@@ -355,6 +360,7 @@ fn recover_now(
     record.victims = recovered.victims;
     record.attempts = recovered.attempts;
     record.killed_during = injector.killed_in_recovery();
+    record.transcript = recovered.transcript;
     record.recomputed = recovered.recomputed;
     record.epoch = recovered.epoch;
     record.copies_lost = recovered.copies_lost;

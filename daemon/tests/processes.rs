@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use dejavu_engine::{CacheLayout, ModelConfig, Pipeline, Seat};
+use dejavu_proto::plan::Loss;
+use dejavu_proto::recovery::Input;
 use dejavud::cluster::{Cluster, ClusterConfig, ClusterError, Kill, RecoveryHooks, Role, Sequence};
 use dejavud::metrics::value_of;
 use dejavud::process::RemotePipeline;
@@ -353,6 +355,13 @@ fn a_worker_killed_during_a_recovery_fails_the_attempt_at_its_fence_and_the_next
     assert!(both.failures[0].contains("fenced members"), "the attempt ends at the fence: {both:?}");
     assert_eq!(both.victims, [(1, Kill::Worker), (2, Kill::Worker)]);
     assert_eq!(kill.killed, [(2, Kill::Worker)]);
+    // The failed attempt and the retry replay through a fresh recovery machine.
+    let transcript = &both.transcript;
+    assert!(transcript
+        .inputs
+        .iter()
+        .any(|i| matches!(i, Input::Failed(dead) if dead.contains(&(2, Loss::Worker)))));
+    assert_eq!(transcript.replay(), Ok(transcript.steps.len()), "{transcript:?}");
     assert!(chain.dead().unwrap().is_empty(), "every replacement lives");
 
     // Worker 1's replica died with worker 2's sidecar, so its sequences were recomputed; the
@@ -434,7 +443,7 @@ fn workers_apart_in_the_chain_lost_together_are_recovered_in_one_repair() {
 /// detected, fenced and recovered writes the journal of the controller's liveness machine, and a
 /// fresh machine in the simulator, given the same calls, answers every one the same.
 #[test]
-fn the_controllers_decisions_in_a_real_run_replay_through_the_simulated_machine() {
+fn the_controllers_and_the_recoverys_decisions_in_a_real_run_replay_through_the_simulated_machines() {
     let expected = reference();
     let prompts = prompts();
     let dir = tempfile::tempdir().unwrap();
@@ -466,6 +475,12 @@ fn the_controllers_decisions_in_a_real_run_replay_through_the_simulated_machine(
         );
     }
     assert!(replayed > 20, "{replayed} entries replayed");
+
+    // The supervisor's recovery machine too: fence, retire, a sidecar and an engine started,
+    // repair, the controller's part, restore, done.
+    let steps = recovered.transcript.steps.len();
+    assert_eq!(recovered.transcript.replay(), Ok(steps), "{:?}", recovered.transcript);
+    assert_eq!(steps, 8, "{:?}", recovered.transcript.steps);
 }
 
 #[test]

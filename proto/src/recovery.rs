@@ -123,6 +123,53 @@ pub enum Answer {
     Reseeded,
 }
 
+/// What the shell reports of a step: its answer, or that it failed with these stages found dead.
+/// A recovery's inputs in order are its transcript: fed to a fresh machine with the same config
+/// and victims, they give the same steps ([`Recovery::apply`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// [`Recovery::complete`] with this answer.
+    Completed(Answer),
+    /// [`Recovery::fail`] with these stages found dead.
+    Failed(Vec<(u32, Loss)>),
+}
+
+/// A recovery as it was carried out: what it was asked, each step it took, and each input it got
+/// (one input fewer than steps: the last step is how it ended).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Transcript {
+    /// Its config.
+    pub config: Option<RecoveryConfig>,
+    /// The victims it was asked to recover.
+    pub victims: Vec<(u32, Loss)>,
+    /// The steps, in order.
+    pub steps: Vec<Step>,
+    /// The inputs, in order: the `i`th answered the `i`th step.
+    pub inputs: Vec<Input>,
+}
+
+impl Transcript {
+    /// Feeds the inputs to a fresh machine and checks that it takes the same steps; returns the
+    /// steps compared, or the first that differs (its index, the recorded step and the new one).
+    pub fn replay(&self) -> Result<usize, (usize, Option<Step>, Option<Step>)> {
+        let Some(config) = self.config.clone() else { return Ok(0) };
+        let mut machine =
+            Recovery::new(config, &self.victims).map_err(|_| (0, self.steps.first().cloned(), None))?;
+        for (i, recorded) in self.steps.iter().enumerate() {
+            if machine.step() != recorded {
+                return Err((i, Some(recorded.clone()), Some(machine.step().clone())));
+            }
+            if let Some(input) = self.inputs.get(i) {
+                machine.apply(input).map_err(|_| (i, Some(recorded.clone()), None))?;
+            }
+        }
+        if self.inputs.len() + 1 != self.steps.len() {
+            return Err((self.steps.len(), None, Some(machine.step().clone())));
+        }
+        Ok(self.steps.len())
+    }
+}
+
 /// How a recovery ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Outcome {
@@ -302,6 +349,17 @@ impl Recovery {
         self.begin_attempt();
     }
 
+    /// Takes one input, as [`Recovery::complete`] or [`Recovery::fail`].
+    pub fn apply(&mut self, input: &Input) -> Result<(), RecoveryError> {
+        match input {
+            Input::Completed(answer) => self.complete(answer.clone()),
+            Input::Failed(dead) => {
+                self.fail(dead);
+                Ok(())
+            }
+        }
+    }
+
     fn add_victims(&mut self, victims: &[(u32, Loss)]) {
         for &(stage, loss) in victims {
             let held = self.victims.entry(stage).or_insert(loss);
@@ -470,6 +528,33 @@ mod tests {
         assert_eq!(recovery.step(), &Step::GiveUp { attempts: 3, victims: vec![(1, Loss::Engine)] });
         recovery.fail(&[(0, Loss::Worker)]);
         assert!(matches!(recovery.step(), Step::GiveUp { .. }));
+    }
+
+    #[test]
+    fn a_transcript_replays_to_the_same_steps() {
+        let config = config(4);
+        let mut live = Recovery::new(config.clone(), &[(1, Loss::Engine)]).unwrap();
+        let inputs = [
+            Input::Completed(Answer::Fenced(5)),
+            Input::Failed(vec![(1, Loss::Worker)]),
+            Input::Completed(Answer::Fenced(6)),
+            Input::Completed(Answer::Retired),
+        ];
+        let mut steps = vec![live.step().clone()];
+        for input in &inputs {
+            live.apply(input).unwrap();
+            steps.push(live.step().clone());
+        }
+        assert_eq!(steps.last(), Some(&Step::Start { member: (Role::Sidecar, 1), epoch: 6 }));
+        let mut transcript = Transcript {
+            config: Some(config),
+            victims: vec![(1, Loss::Engine)],
+            steps,
+            inputs: inputs.to_vec(),
+        };
+        assert_eq!(transcript.replay(), Ok(5));
+        transcript.inputs[1] = Input::Failed(vec![]);
+        assert!(matches!(transcript.replay(), Err((2, _, _))), "the engine alone is fenced again");
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use dejavu_proto::plan::{Loss, Source};
-use dejavu_proto::recovery::{Answer, Outcome, Recovery, RecoveryConfig, Step};
+use dejavu_proto::recovery::{Answer, Input, Outcome, Recovery, RecoveryConfig, Step, Transcript};
 use dejavulib::message::StageOrders;
 
 use super::{Cluster, ClusterError, Kill, Link, NoHooks, RecoveryHooks, Role, Sequence, RECOVERY_PATIENCE};
@@ -133,37 +133,39 @@ impl Cluster {
             last_epoch: self.remote.epoch(),
             attempts: RECOVERY_ATTEMPTS,
         };
-        let mut recovery = Recovery::new(config, &losses)?;
+        let mut recovery = Recovery::new(config.clone(), &losses)?;
+        let mut transcript = Transcript { config: Some(config), victims: losses, ..Transcript::default() };
         let used = self.spares.used;
         let mut attempt = Attempt::default();
         let mut failures: Vec<ClusterError> = Vec::new();
         loop {
-            let answer = match recovery.step().clone() {
+            let step = recovery.step().clone();
+            transcript.steps.push(step.clone());
+            let answer = match step {
                 Step::Done(outcome) => {
                     // The spares used are replaced in the background, off the recovery.
                     let (stages, sidecars) = (self.spares.used.0 - used.0, self.spares.used.1 - used.1);
                     self.start_spares((stages, sidecars), false)?;
-                    return Ok(
-                        attempt.recovered(&outcome, failures.iter().map(ToString::to_string).collect())
-                    );
+                    let failures = failures.iter().map(ToString::to_string).collect();
+                    return Ok(attempt.recovered(&outcome, failures, transcript));
                 }
                 Step::GiveUp { .. } => {
                     return Err(failures.pop().expect("a recovery gives up after a failed attempt"))
                 }
                 step => self.carry_out(hooks, &recovery, step, &mut attempt, sequences),
             };
-            match answer {
-                Ok(answer) => recovery.complete(answer)?,
+            let input = match answer {
+                Ok(answer) => Input::Completed(answer),
                 Err(e) => {
                     tracing::warn!(attempt = recovery.attempt(), error = %e, "a recovery attempt failed");
                     let dead = self.dead_after_failed_attempt(&recovery.victims())?;
-                    let dead: Vec<(u32, Loss)> =
-                        dead.iter().map(|&(stage, what)| (stage as u32, what.into())).collect();
                     failures.push(e);
                     attempt = Attempt::default();
-                    recovery.fail(&dead);
+                    Input::Failed(dead.iter().map(|&(stage, what)| (stage as u32, what.into())).collect())
                 }
-            }
+            };
+            recovery.apply(&input)?;
+            transcript.inputs.push(input);
         }
     }
 
@@ -379,6 +381,9 @@ pub struct Recovered {
     /// Replaced stages whose copies died with them (their successor's worker died too): their
     /// sequences were recomputed from the prompt, as the ring cannot restore them.
     pub copies_lost: Vec<usize>,
+    /// The recovery machine's steps and inputs, which replay through a fresh machine
+    /// ([`Transcript::replay`]).
+    pub transcript: Transcript,
 }
 
 /// Attempts at a recovery before it fails.
@@ -403,7 +408,7 @@ struct Attempt {
 }
 
 impl Attempt {
-    fn recovered(self, outcome: &Outcome, failures: Vec<String>) -> Recovered {
+    fn recovered(self, outcome: &Outcome, failures: Vec<String>, transcript: Transcript) -> Recovered {
         Recovered {
             epoch: self.epoch,
             victims: outcome.plans.iter().map(|p| (p.stage as usize, p.loss.into())).collect(),
@@ -412,6 +417,7 @@ impl Attempt {
             recomputed: self.recomputed,
             lag: self.lag,
             copies_lost: outcome.copies_lost().into_iter().map(|stage| stage as usize).collect(),
+            transcript,
         }
     }
 }
