@@ -15,6 +15,7 @@ use crate::controller::{
 };
 use crate::handoff::Shapes;
 use crate::heartbeat::{beat, spare_member, Role};
+use crate::lifecycle::{end_on_signals, free_unix_path, ClaimError, LifeArgs};
 use crate::logging::LogArgs;
 use crate::membership::Membership;
 use crate::process::{serve_stage, serve_stage_on, Handoff, Replication, StageConfig};
@@ -83,6 +84,12 @@ pub enum CliError {
     /// It could not start beating to the controller, or holding its lifeline.
     #[error("cannot send heartbeats: {0}")]
     Heartbeat(#[source] std::io::Error),
+    /// A file it must own (its local socket, the controller's state lock) is another process's.
+    #[error(transparent)]
+    Claim(#[from] ClaimError),
+    /// Its signal handling could not be set up.
+    #[error("cannot handle SIGTERM: {0}")]
+    Signals(#[source] std::io::Error),
     /// The controller did not say in which epoch it replaces a fenced member.
     #[error("cannot replace {member:?}: {source}")]
     Replace {
@@ -320,6 +327,9 @@ pub struct MemberArgs {
     /// Run on these CPUs only (a list such as 0-3,8; every thread of the process) [default: any].
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<CpuList>,
+    /// Its relation to the process that started it.
+    #[command(flatten)]
+    pub life: LifeArgs,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
@@ -410,6 +420,9 @@ pub struct ControllerArgs {
     /// replays it).
     #[arg(long, value_name = "FILE")]
     pub journal: Option<PathBuf>,
+    /// Its relation to the process that started it.
+    #[command(flatten)]
+    pub life: LifeArgs,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
@@ -468,7 +481,7 @@ impl MemberArgs {
     /// its heartbeats as (`role`, `index`) to the controller, if given (they stop when the handle
     /// is dropped).
     pub(crate) fn start(&self, role: Role, index: u32) -> Result<Option<Membership>, CliError> {
-        self.init()?;
+        self.init("a spare", || {})?;
         self.beat(role, index, self.epoch, None)
     }
 
@@ -480,12 +493,14 @@ impl MemberArgs {
         Ok(())
     }
 
-    /// Its logs, its death with the parent that started it, and its CPUs (before it starts any
-    /// thread, so that every thread inherits them).
-    fn init(&self) -> Result<(), CliError> {
+    /// Its logs, its death with the parent that started it if asked, its end on SIGTERM or SIGINT
+    /// (`what` stops, after `cleanup`), and its CPUs: before it starts any thread, so that every
+    /// thread inherits them.
+    fn init(&self, what: &'static str, cleanup: impl FnOnce() + Send + 'static) -> Result<(), CliError> {
         self.log.init()?;
-        die_with_parent();
-        self.pin()
+        self.life.apply();
+        self.pin()?;
+        end_on_signals(what, cleanup).map_err(CliError::Signals)
     }
 
     /// Moves the calling thread, and the threads it starts from now on, to its CPUs (if given).
@@ -515,20 +530,6 @@ impl MemberArgs {
     }
 }
 
-/// Asks the kernel to kill this process when the thread that started it exits (for the demo, its
-/// main thread: the demo's end), so a driver that is killed or interrupted leaves no stage behind.
-/// A parent already gone by then (the process was re-parented) means exiting at once.
-fn die_with_parent() {
-    // SAFETY: prctl(PR_SET_PDEATHSIG) and getppid only read or set flags of the calling process.
-    let (set, parent) = unsafe { (libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL), libc::getppid()) };
-    if set != 0 {
-        tracing::warn!("cannot ask to die with the parent process");
-    }
-    if parent == 1 {
-        std::process::exit(1);
-    }
-}
-
 impl StageArgs {
     /// Its position in the chain, from `--index` or `--replace`.
     fn position(&self) -> Result<u32, CliError> {
@@ -549,7 +550,7 @@ impl StageArgs {
 
     /// Runs the stage until it is killed.
     pub fn run(mut self) -> Result<(), CliError> {
-        self.member.init()?;
+        self.member.init("the stage", || {})?;
         self.member.secure(&[self.listen])?;
         let this = self.resolved()?;
         let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, None)?;
@@ -603,8 +604,12 @@ impl StageArgs {
 impl SidecarArgs {
     /// Serves until killed.
     pub fn run(mut self) -> Result<(), CliError> {
-        self.member.init()?;
+        // On SIGTERM, the files only it uses go: its local socket and its engines' regions.
+        let (local, shm_dir) = (self.local.clone(), self.shm_dir.clone());
+        self.member.init("the sidecar", move || remove_sidecar_files(&local, &shm_dir))?;
         self.member.secure(&[self.listen])?;
+        // Before asking for an epoch: a start that cannot listen must not use one up.
+        free_unix_path(&self.local)?;
         if let Some(stage) = self.replace.take() {
             self.member.replace((Role::Sidecar, stage))?;
             self.index = stage;
@@ -652,7 +657,9 @@ impl ControllerArgs {
     /// Serves until killed.
     pub fn run(self) -> Result<(), CliError> {
         self.log.init()?;
-        die_with_parent();
+        self.life.apply();
+        // Its state file is durable at every step: nothing to clean up.
+        end_on_signals("the controller", || {}).map_err(CliError::Signals)?;
         let secret = secret_for(&self.secret, self.secret_file.as_deref(), &[self.listen])?;
         let config = ControllerConfig {
             listen: self.listen,
@@ -664,6 +671,19 @@ impl ControllerArgs {
             journal: self.journal,
         };
         Ok(serve_controller(config, announce)?)
+    }
+}
+
+/// Removes a sidecar's local socket and the shared-memory regions it made for its engines (named
+/// after its process id), as it stops.
+fn remove_sidecar_files(local: &Path, shm_dir: &Path) {
+    let _ = std::fs::remove_file(local);
+    let prefix = format!("dejavu-{}-", std::process::id());
+    let Ok(entries) = std::fs::read_dir(shm_dir) else { return };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 

@@ -20,6 +20,8 @@
 //! - [`driver`]: the loop that runs requests through a cluster, injects faults, and recovers or
 //!   restarts after a failure, recording every token and every recovery;
 //! - [`proc`]: starting and watching child processes;
+//! - [`lifecycle`]: how a daemon process lives beside a supervisor: the parent it may die with,
+//!   SIGTERM and SIGINT, stale sockets, locked files;
 //! - [`netns`]: network namespaces that give each worker an address of its own;
 //! - [`metrics`]: each process's counters on a Prometheus text endpoint;
 //! - [`logging`]: each process's `tracing` events on standard error, as text or JSON;
@@ -37,6 +39,7 @@ pub mod demo;
 pub mod driver;
 pub mod handoff;
 pub mod heartbeat;
+pub mod lifecycle;
 pub mod logging;
 pub mod membership;
 pub mod metrics;

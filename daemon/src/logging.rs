@@ -21,8 +21,9 @@ pub struct LogArgs {
     /// Log format on standard error.
     #[arg(long, value_enum, default_value = "human")]
     pub log_format: LogFormat,
-    /// Which events to log: a `tracing` filter directive (`info`, `warn`, `dejavud=debug`).
-    #[arg(long, default_value = "info")]
+    /// Which events to log: a `tracing` filter directive (`info`, `warn`, `dejavud=debug`); taken
+    /// from `RUST_LOG` when the flag is not given.
+    #[arg(long, env = "RUST_LOG", default_value = "info")]
     pub log: String,
 }
 

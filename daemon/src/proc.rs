@@ -141,8 +141,11 @@ pub fn spawn_on(
     if let Some(host) = host {
         host.enter(&mut command).map_err(|e| fail(format!("cannot enter {}: {e}", host.name())))?;
     }
+    // Whoever starts a process here owns it: it dies with its starter, leaving nothing behind
+    // when a run is interrupted.
     let mut child = command
         .args(args)
+        .arg("--die-with-parent")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -85,6 +85,9 @@ pub enum ControllerError {
     /// A socket failed.
     #[error("controller i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// Its state file's lock is another controller's.
+    #[error(transparent)]
+    StateLocked(#[from] crate::lifecycle::ClaimError),
     /// It answered something that makes no sense, or refused the request.
     #[error("controller protocol: {0}")]
     Protocol(String),
@@ -339,12 +342,20 @@ fn bind_pair(addr: SocketAddr) -> std::io::Result<(UdpSocket, TcpListener)> {
     Err(last.unwrap_or_else(|| std::io::Error::other("no port")))
 }
 
+/// How long a controller waits for the lock of its state file.
+const STATE_LOCK_PATIENCE: Duration = Duration::from_secs(3);
+
 /// Runs a controller until the process is killed. `ready` gets the address it listens at (and of
 /// its metrics page) once it answers queries.
 pub fn serve_controller(
     config: ControllerConfig,
     ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
 ) -> Result<(), ControllerError> {
+    // One controller per state file: two would hand out the same epochs. The lock goes with the
+    // process, however it ends; a predecessor just killed gets a moment to let go.
+    let mut lock_path = config.state.clone().into_os_string();
+    lock_path.push(".lock");
+    let _lock = crate::lifecycle::lock_exclusive(std::path::Path::new(&lock_path), STATE_LOCK_PATIENCE)?;
     let record = State::load(&config.state)?;
     let (udp, tcp) = bind_pair(config.listen)?;
     let addr = tcp.local_addr()?;
@@ -877,9 +888,11 @@ mod tests {
         wait_for(&mut client, (Role::Engine, 0), Health::Alive);
         assert_eq!(client.fence(&[(Role::Engine, 1)]).unwrap(), 1);
         one.stop();
-        // A second controller on the same state (another port: the first one's thread lives on in
-        // this test process) hears from no one at first.
-        let second = start(&path, "127.0.0.1:0".parse().unwrap(), 300);
+        // A second controller on the same state (a copy, on another port: the first one's thread
+        // lives on in this test process, holding the file's lock) hears from no one at first.
+        let restarted = dir.path().join("restarted");
+        std::fs::copy(&path, &restarted).unwrap();
+        let second = start(&restarted, "127.0.0.1:0".parse().unwrap(), 300);
         let mut client = ControllerClient::new(second, Duration::from_secs(2), SECRET);
         let census = client.census().unwrap();
         assert_eq!(census.epoch, 1, "the epoch survived");
@@ -899,7 +912,7 @@ mod tests {
         assert_eq!(census.health((Role::Engine, 0)), Health::Fenced);
         assert_eq!(census.epoch, 2, "no epoch is handed out twice");
         assert_eq!(client.fence(&[]).unwrap(), 3);
-        assert_eq!(State::load(&path).unwrap().incarnation, 2);
+        assert_eq!(State::load(&restarted).unwrap().incarnation, 2);
     }
 
     #[test]

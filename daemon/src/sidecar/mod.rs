@@ -14,7 +14,7 @@
 
 use std::io::{BufReader, BufWriter, Write};
 use std::net::SocketAddr;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -47,6 +47,9 @@ pub enum SidecarError {
     /// A socket failed.
     #[error("local sidecar i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// Its local socket is another process's, or cannot be claimed.
+    #[error("local socket: {0}")]
+    LocalSocket(#[from] crate::lifecycle::ClaimError),
     /// It cannot listen where it was told to.
     #[error("cannot listen at {at}: {source}")]
     Listen {
@@ -232,8 +235,8 @@ pub fn serve_sidecar(
             store.clone(),
         ))
         .map_err(|source| SidecarError::Listen { at: config.listen.to_string(), source })?;
-    let local = UnixListener::bind(&config.local)
-        .map_err(|source| SidecarError::Listen { at: config.local.display().to_string(), source })?;
+    // A socket left by a sidecar that died is replaced; a live one is refused by name.
+    let local = crate::lifecycle::bind_unix(&config.local)?;
     let (index, spare) = (config.index, config.spare.is_some());
     let sidecar = Arc::new(Sidecar {
         config,

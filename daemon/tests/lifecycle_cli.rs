@@ -1,0 +1,202 @@
+//! The daemons beside a supervisor, through the real binary: they outlive the shell that started
+//! them, end cleanly on SIGTERM (the sidecar's socket removed, the controller's state kept), replace
+//! a socket a dead sidecar left and refuse one a live sidecar holds, and a second controller on the
+//! same state file is refused.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use dejavud::cli::DEFAULT_SECRET;
+use dejavud::controller::ControllerClient;
+
+/// A daemon process, killed when dropped.
+struct Daemon {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Daemon {
+    /// Sends `signal` and waits for the process to end.
+    fn signal_and_wait(&mut self, signal: libc::c_int) -> (ExitStatus, String) {
+        // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, signal) }, 0);
+        let status = self.child.wait().unwrap();
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut self.child.stderr.take().unwrap(), &mut stderr).unwrap();
+        (status, stderr)
+    }
+}
+
+fn dejavud(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_dejavud"));
+    command.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    command
+}
+
+/// Starts `args` and waits for its `listening` line.
+fn start(args: &[&str]) -> Daemon {
+    let mut child = dejavud(args).spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().unwrap_or_else(|| panic!("{args:?} ended before listening")).unwrap();
+        if let Some(addr) = line.strip_prefix("listening ") {
+            break addr.parse().unwrap();
+        }
+    };
+    Daemon { child, addr }
+}
+
+fn sidecar(local: &Path) -> Daemon {
+    start(&["sidecar", "--listen", "127.0.0.1:0", "--local", local.to_str().unwrap()])
+}
+
+fn controller(state: &Path) -> Daemon {
+    start(&["controller", "--listen", "127.0.0.1:0", "--state", state.to_str().unwrap()])
+}
+
+#[test]
+fn a_daemon_outlives_the_shell_that_started_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, out) = (dir.path().join("controller.state"), dir.path().join("controller.out"));
+    // The shell starts it in the background and exits: the controller is re-parented (to init,
+    // or a subreaper), as under a container's `sh -c` entrypoint or a `nohup ... &`.
+    let script = format!(
+        "{} controller --listen 127.0.0.1:0 --state {} > {} 2>&1 & echo $!",
+        env!("CARGO_BIN_EXE_dejavud"),
+        state.display(),
+        out.display()
+    );
+    let shell = Command::new("sh").args(["-c", &script]).output().unwrap();
+    assert!(shell.status.success());
+    let pid: i32 = String::from_utf8_lossy(&shell.stdout).trim().parse().unwrap();
+    let guard = KillOnDrop(pid);
+    // The shell has exited; the controller must still come up and answer.
+    let started = std::time::Instant::now();
+    let addr = loop {
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        if let Some(line) = text.lines().find_map(|l| l.strip_prefix("listening ")) {
+            break line.parse::<SocketAddr>().unwrap();
+        }
+        // SAFETY: kill(pid, 0) only checks that the process exists.
+        assert_eq!(unsafe { libc::kill(pid, 0) }, 0, "the controller exited: {text}");
+        // A zombie nobody reaps still exists: a controller that never listens fails too.
+        assert!(started.elapsed() < Duration::from_secs(30), "the controller never listened: {text}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let census = ControllerClient::new(addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes()).census();
+    assert_eq!(census.expect("it answers with its parent gone").epoch, 0);
+    drop(guard);
+}
+
+struct KillOnDrop(i32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on a pid this test started (re-parented; reaped by its new parent).
+        unsafe { libc::kill(self.0, libc::SIGKILL) };
+    }
+}
+
+#[test]
+fn sigterm_ends_a_sidecar_cleanly_and_removes_its_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("s0.sock");
+    let mut first = sidecar(&local);
+    assert!(local.exists());
+    let (status, stderr) = first.signal_and_wait(libc::SIGTERM);
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("the sidecar stopping") && stderr.contains("SIGTERM"), "{stderr}");
+    assert!(!local.exists(), "its socket is gone");
+    // So a replacement starts at once on the same path.
+    drop(sidecar(&local));
+}
+
+#[test]
+fn sigint_ends_a_controller_cleanly_and_keeps_its_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("controller.state");
+    let mut controller = controller(&state);
+    let (status, stderr) = controller.signal_and_wait(libc::SIGINT);
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("the controller stopping") && stderr.contains("SIGINT"), "{stderr}");
+    assert!(state.exists(), "its state stays for the next controller");
+}
+
+#[test]
+fn a_socket_left_by_a_dead_sidecar_is_replaced_and_a_live_ones_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("s0.sock");
+    let mut first = sidecar(&local);
+    let taken = dejavud(&["sidecar", "--listen", "127.0.0.1:0", "--local", local.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&taken.stderr);
+    assert_eq!(taken.status.code(), Some(2), "{err}");
+    assert!(err.contains("s0.sock") && err.contains("another process listens there"), "{err}");
+
+    // SIGKILL leaves the socket file behind; the next sidecar takes its place.
+    let (status, _) = first.signal_and_wait(libc::SIGKILL);
+    assert!(!status.success());
+    assert!(local.exists(), "a killed sidecar leaves its socket");
+    drop(sidecar(&local));
+}
+
+#[test]
+fn a_replacement_whose_socket_is_taken_fails_before_asking_for_an_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("controller.state");
+    let controller = controller(&state);
+    let local = dir.path().join("s0.sock");
+    let _live = sidecar(&local);
+    let heartbeat = controller.addr.to_string();
+    let args = ["sidecar", "--replace", "0", "--heartbeat", &heartbeat, "--local", local.to_str().unwrap()];
+    let out = dejavud(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    // Asking first would have been refused as "not fenced": the socket is checked before.
+    assert!(err.contains("another process listens there") && !err.contains("not fenced"), "{err}");
+}
+
+#[test]
+fn a_second_controller_on_the_same_state_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("controller.state");
+    let _first = controller(&state);
+    let out = dejavud(&["controller", "--listen", "127.0.0.1:0", "--state", state.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("controller.state.lock") && err.contains("another controller"), "{err}");
+}
+
+#[test]
+fn rust_log_chooses_what_is_logged_unless_log_is_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("s0.sock");
+    let logged = |env: Option<&str>, flag: &[&str]| {
+        let mut command =
+            dejavud(&["sidecar", "--listen", "127.0.0.1:0", "--local", local.to_str().unwrap()]);
+        command.args(flag).env_remove("RUST_LOG");
+        if let Some(env) = env {
+            command.env("RUST_LOG", env);
+        }
+        let mut child = command.spawn().unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        while !lines.next().unwrap().unwrap().starts_with("listening ") {}
+        let mut daemon = Daemon { child, addr: "127.0.0.1:0".parse().unwrap() };
+        daemon.signal_and_wait(libc::SIGTERM).1
+    };
+    assert!(logged(None, &[]).contains("sidecar listening"), "info by default");
+    assert!(!logged(Some("warn"), &[]).contains("sidecar listening"), "RUST_LOG=warn");
+    assert!(logged(Some("warn"), &["--log", "info"]).contains("sidecar listening"), "the flag wins");
+}
