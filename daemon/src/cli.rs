@@ -84,6 +84,9 @@ pub enum CliError {
     /// It could not start beating to the controller, or holding its lifeline.
     #[error("cannot send heartbeats: {0}")]
     Heartbeat(#[source] std::io::Error),
+    /// The controller refused it as a member (another live process holds its place).
+    #[error(transparent)]
+    Member(ControllerError),
     /// A file it must own (its local socket, the controller's state lock) is another process's.
     #[error(transparent)]
     Claim(#[from] ClaimError),
@@ -517,16 +520,16 @@ impl MemberArgs {
         epoch: u64,
         control_port: Option<u16>,
     ) -> Result<Option<Membership>, CliError> {
-        self.heartbeat
-            .map(|to| {
-                let interval = Duration::from_millis(self.heartbeat_ms);
-                let secret = self.secret.as_bytes();
-                let lifeline = Lifeline::hold(to, (role, index), epoch, interval, secret)?;
-                let heartbeat = beat(to, (role, index), epoch, interval, control_port, secret)?;
-                Ok::<_, std::io::Error>(Membership::new(heartbeat, lifeline))
-            })
-            .transpose()
-            .map_err(CliError::Heartbeat)
+        let Some(to) = self.heartbeat else { return Ok(None) };
+        let interval = Duration::from_millis(self.heartbeat_ms);
+        let secret = self.secret.as_bytes();
+        let lifeline = Lifeline::hold(to, (role, index), epoch, interval, secret).map_err(|e| match e {
+            ControllerError::Io(e) => CliError::Heartbeat(e),
+            refused => CliError::Member(refused),
+        })?;
+        let heartbeat =
+            beat(to, (role, index), epoch, interval, control_port, secret).map_err(CliError::Heartbeat)?;
+        Ok(Some(Membership::new(heartbeat, lifeline)))
     }
 }
 

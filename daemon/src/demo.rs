@@ -403,7 +403,8 @@ fn recovery_of(run: &Run) -> Recovery {
 }
 
 impl DemoConfig {
-    /// Checks the settings before anything starts.
+    /// Checks the settings: shapes the model and the pipeline can take, and a workload that fits
+    /// in the memory available ([`DemoConfig::memory_estimate`]).
     pub fn validate(&self) -> Result<(), DemoError> {
         let model = ModelConfig::reference();
         if self.stages == 0 || self.stages > model.layers {
@@ -433,7 +434,26 @@ impl DemoConfig {
         if self.device_caches == Some(0) {
             return Err(DemoError::Invalid("device caches must be at least 1".into()));
         }
+        let needed = self.memory_estimate();
+        if let Some(available) = available_memory().filter(|&available| needed > available) {
+            return Err(DemoError::Invalid(format!(
+                "{} requests of {} tokens need about {:.1} GB (each token's KV in its stage's cache, its \
+                 own sidecar and its successor's, and the tokens themselves); {:.1} GB is available",
+                self.requests,
+                self.prompt_tokens + self.new_tokens,
+                needed as f64 / 1e9,
+                available as f64 / 1e9
+            )));
+        }
         Ok(())
+    }
+
+    /// Bytes the runs hold at their largest: each token's KV three times (the stage's cache, its
+    /// own sidecar's copy and its successor's replica) and what the driver keeps of each token.
+    pub fn memory_estimate(&self) -> u64 {
+        let tokens = u64::from(self.requests) * (u64::from(self.prompt_tokens) + u64::from(self.new_tokens));
+        let kv = ModelConfig::reference().kv_spec().bytes_per_token();
+        tokens.saturating_mul(3 * kv + DRIVER_BYTES_PER_TOKEN)
     }
 }
 
@@ -568,4 +588,16 @@ KV per token: {} bytes to the successors' sidecars, as many to the local ones (a
             if self.restart_matched { "yes" } else { "NO" },
         )
     }
+}
+
+/// What the driver keeps of each token of each run: the token, its delivery record, the
+/// reference's token to compare with.
+const DRIVER_BYTES_PER_TOKEN: u64 = 64;
+
+/// `MemAvailable` from `/proc/meminfo`, in bytes (`None` where it cannot be read).
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

@@ -95,12 +95,10 @@ fn main() -> ExitCode {
             match plan::run(&input, calibration.as_deref(), flags) {
                 Ok(report) => {
                     if json {
-                        println!(
-                            "{}",
-                            serde_json::to_string_pretty(&report.to_json()).expect("JSON of numbers")
-                        );
+                        let text = serde_json::to_string_pretty(&report.to_json()).expect("JSON of numbers");
+                        emit(&format!("{text}\n"));
                     } else {
-                        print!("{}", report.to_table());
+                        emit(&report.to_table());
                     }
                     ExitCode::SUCCESS
                 }
@@ -142,23 +140,26 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
             if !json {
-                println!(
+                emit(&format!(
                     "DéjàVu demo: the reference model (8 layers, d_model 256, 8 query / 2 KV heads) as {stages} stage \
 processes {on}, {requests} requests of {prompt_tokens} prompt + {new_tokens} new tokens, \
 each stage's KV copied every step to its own sidecar process and its ring successor's, every \
-process heartbeating to a controller process{cpus}"
-                );
+process heartbeating to a controller process{cpus}\n"
+                ));
             }
             match demo::run(&config, |line| {
                 if !json {
-                    println!("  {line}");
+                    emit(&format!("  {line}\n"));
                 }
             }) {
                 Ok(report) => {
                     if json {
-                        println!("{}", serde_json::to_string_pretty(&report).expect("JSON of numbers"));
+                        emit(&format!(
+                            "{}\n",
+                            serde_json::to_string_pretty(&report).expect("JSON of numbers")
+                        ));
                     } else {
-                        print!("{}", report.to_text(&config));
+                        emit(&report.to_text(&config));
                     }
                     if report.matched {
                         ExitCode::SUCCESS
@@ -175,7 +176,7 @@ process heartbeating to a controller process{cpus}"
         Command::Process(process) => served(process.name(), process.run()),
         Command::Certs { cluster, out, force, nodes } => match certs::issue(&cluster, &out, &nodes, force) {
             Ok(report) => {
-                print!("{report}");
+                emit(&report.to_string());
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -183,6 +184,20 @@ process heartbeating to a controller process{cpus}"
                 ExitCode::from(2)
             }
         },
+    }
+}
+
+/// Writes `text` to standard output. A reader that went away (`dejavud plan --json | head -c 10`)
+/// ends the process quietly, as Unix tools do; another failure ends it with status 2.
+fn emit(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("dejavud: cannot write to standard output: {e}");
+        std::process::exit(2);
     }
 }
 

@@ -263,6 +263,11 @@ fn validate(input: &PlanInput) -> Result<(), PlanCliError> {
     if !(input.model.weights_per_layer.is_finite() && input.model.weights_per_layer >= 0.0) {
         return Err(invalid("model.weights_per_layer", "must not be negative"));
     }
+    positive("model.layers", input.model.layers as f64)?;
+    positive("model.kv_heads", input.model.kv_heads as f64)?;
+    positive("model.head_dim", input.model.head_dim as f64)?;
+    positive("workload.prompt_tokens", input.workload.prompt_tokens as f64)?;
+    positive("workload.output_tokens", input.workload.output_tokens as f64)?;
     positive("workload.batch", input.workload.batch as f64)?;
     positive("workload.microbatches", input.workload.microbatches as f64)?;
     let t = &input.timing;
@@ -270,11 +275,14 @@ fn validate(input: &PlanInput) -> Result<(), PlanCliError> {
         ("timing.prompt_ms", t.prompt_ms),
         ("timing.token_ms", t.token_ms),
         ("timing.token_ms_double_batch", t.token_ms_double_batch),
-        ("timing.streaming_overhead", t.streaming_overhead),
     ] {
         if let Some(v) = value {
             positive(field, v)?;
         }
+    }
+    // The prompt's slowdown while it streams its KV out: 1 is none, less would be a speedup.
+    if let Some(m) = t.streaming_overhead.filter(|m| !(m.is_finite() && *m >= 1.0)) {
+        return Err(invalid("timing.streaming_overhead", format!("must be at least 1, got {m}")));
     }
     if let Some(swap) = &input.swap {
         positive("swap.host_bandwidth_gbs", swap.host_bandwidth_gbs)?;

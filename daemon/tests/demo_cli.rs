@@ -106,6 +106,15 @@ fn bad_demo_settings_are_refused() {
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         assert!(String::from_utf8_lossy(&out.stderr).contains("invalid demo setting"), "{args:?}");
     }
+    // A workload larger than the machine is refused before anything starts, not by the kernel's
+    // out-of-memory killer.
+    let out = dejavud(&["demo", "--requests", "100000000"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("100000000 requests of 288 tokens need about") && err.contains("available"),
+        "{err}"
+    );
 }
 
 #[test]

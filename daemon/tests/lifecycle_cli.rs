@@ -200,3 +200,25 @@ fn rust_log_chooses_what_is_logged_unless_log_is_given() {
     assert!(!logged(Some("warn"), &[]).contains("sidecar listening"), "RUST_LOG=warn");
     assert!(logged(Some("warn"), &["--log", "info"]).contains("sidecar listening"), "the flag wins");
 }
+
+#[test]
+fn a_second_sidecar_for_the_same_stage_is_refused_and_names_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let controller = controller(&dir.path().join("controller.state"));
+    let heartbeat = controller.addr.to_string();
+    let first_socket = dir.path().join("a.sock");
+    let first = start(&["sidecar", "--heartbeat", &heartbeat, "--local", first_socket.to_str().unwrap()]);
+    // Started without --index too: it claims stage 0 as well.
+    let second_socket = dir.path().join("b.sock");
+    let out = dejavud(&["sidecar", "--heartbeat", &heartbeat, "--local", second_socket.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let holder = format!("sidecar 0 is held by process {}", first.child.id());
+    assert!(err.contains(&holder) && err.contains("--replace 0"), "{err}");
+    // The first keeps its place.
+    let census =
+        ControllerClient::new(controller.addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes()).census();
+    assert!(!census.unwrap().is_dead((dejavud::cluster::Role::Sidecar, 0)));
+}

@@ -94,6 +94,13 @@ fn bad_input_names_the_field_and_exits_2() {
         ("unknown dtype", r#"dtype = "fp4""#, "model.dtype"),
         ("missing field", "", "missing field `layers`"),
         ("does not fit", "memory_gb = 0.5", "does not fit"),
+        (
+            "a speedup while streaming",
+            "streaming_overhead = 0.5",
+            "timing.streaming_overhead: must be at least 1",
+        ),
+        ("no output", "output_tokens = 0", "workload.output_tokens: must be positive"),
+        ("no layers", "layers = 0\n", "model.layers: must be positive"),
     ];
     let base = std::fs::read_to_string(example()).unwrap();
     for (name, line, expected) in cases {
@@ -102,6 +109,9 @@ fn bad_input_names_the_field_and_exits_2() {
             "negative time" => base.replace("token_ms = 50", line),
             "unknown dtype" => base.replace(r#"dtype = "bf16""#, line),
             "missing field" => base.replace("layers = 40\n", line),
+            "a speedup while streaming" => base.replace("streaming_overhead = 1.0", line),
+            "no output" => base.replace("output_tokens = 100", line),
+            "no layers" => base.replace("layers = 40\n", line),
             _ => base.replace("memory_gb = 80", line),
         };
         let path = dir.path().join(format!("{}.toml", name.replace(' ', "_")));
@@ -113,4 +123,20 @@ fn bad_input_names_the_field_and_exits_2() {
     }
     let out = dejavud(&["plan", "/nonexistent/plan.toml"]);
     assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn a_reader_that_goes_away_ends_the_output_quietly() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dejavud"))
+        .args(["plan", "--json", example().to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader is gone before anything is written: the first write finds the pipe broken.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }

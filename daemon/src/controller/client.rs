@@ -10,7 +10,7 @@ use dejavulib::message::{Message, RecoveryOrders};
 use dejavulib::net::auth::client_handshake_blocking;
 use dejavulib::wire::{read_frame, write_frame, FrameError, FrameHeader, Kind};
 
-use super::query::{handshake_error, QUERY_CLIENT_NODE, REFUSED_NOT_FENCED};
+use super::query::{handshake_error, QUERY_CLIENT_NODE, REFUSED_CLAIMED, REFUSED_NOT_FENCED};
 use super::{ControllerError, Health, Member};
 
 /// Who is alive, as the controller said at one moment.
@@ -108,7 +108,13 @@ impl ControllerClient {
     /// [`super::Lifeline`]), for a process started in `epoch`, and gives the connection up: held
     /// open, with no read timeout, it is the lifeline.
     pub(super) fn into_lifeline(mut self, member: Member, epoch: u64) -> Result<TcpStream, ControllerError> {
-        self.try_call(&Message::Lifeline { member, epoch })?;
+        let process = std::process::id();
+        match self.try_call(&Message::Lifeline { member, epoch, process }) {
+            Err(ControllerError::Refused { code: REFUSED_CLAIMED, detail, .. }) => {
+                return Err(ControllerError::Claimed { member, by: detail });
+            }
+            other => other?,
+        };
         let (reader, _) = self.connection.take().expect("a call that succeeded left its connection");
         let stream = reader.into_inner();
         stream.set_read_timeout(None)?;
@@ -236,6 +242,7 @@ impl ControllerClient {
             },
             Kind::Error => Err(ControllerError::Refused {
                 code: frame.header.ids[0],
+                detail: frame.header.ids[1],
                 reason: String::from_utf8_lossy(&frame.payload).into_owned(),
             }),
             other => Err(ControllerError::Protocol(format!("an unexpected {other:?}"))),

@@ -21,10 +21,11 @@ use std::io::{BufReader, ErrorKind, Read};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use dejavu_proto::liveness::LifelineRefused;
 use parking_lot::Mutex;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use super::{ControllerClient, ControllerError, Counters, Events, Member, Tables};
 
@@ -33,14 +34,22 @@ pub(super) const MAX_LIFELINES: usize = 1024;
 
 /// The controller's side, when `member`, started in `epoch`, asks to hold a lifeline: its number,
 /// now the member's current one, or a refusal for a process fenced since it started.
-pub(super) fn register(tables: &mut Tables, member: Member, epoch: u64) -> Result<u64, ControllerError> {
-    let opened = tables.liveness.lifeline_opened(member, epoch);
+pub(super) fn register(
+    tables: &mut Tables,
+    member: Member,
+    epoch: u64,
+    process: u32,
+) -> Result<u64, ControllerError> {
+    let opened = tables.liveness.lifeline_opened(member, epoch, process);
     tables.write_journal();
-    opened.map_err(|stale| {
-        ControllerError::Protocol(format!(
-            "a lifeline of a process started in epoch {}, fenced in epoch {}",
-            stale.epoch, stale.fenced_in
-        ))
+    opened.map_err(|refused| match refused {
+        LifelineRefused::Stale { epoch, fenced_in } => ControllerError::Protocol(format!(
+            "a lifeline of a process started in epoch {epoch}, fenced in epoch {fenced_in}"
+        )),
+        LifelineRefused::Claimed { by, .. } => {
+            warn!(?member, process, holder = by, "refused a second process claiming a member's place");
+            ControllerError::Claimed { member, by }
+        }
     })
 }
 
@@ -87,19 +96,40 @@ impl Lifeline {
     /// Holds a lifeline for `member`, whose process was started in `epoch`, to the controller at
     /// `controller`, proving the cluster secret `secret`; a connection that cannot be opened or
     /// breaks is tried again every `retry`.
+    ///
+    /// The first one is asked for before this returns: a controller that says another live
+    /// process of the same epoch holds the member's place ([`ControllerError::Claimed`]) is asked
+    /// again for [`CLAIM_PATIENCE`] (a predecessor that just died may not have been seen dead
+    /// yet), then refused. An unreachable controller is tried again in the background.
     pub fn hold(
         controller: SocketAddr,
         member: Member,
         epoch: u64,
         retry: Duration,
         secret: &[u8],
-    ) -> std::io::Result<Self> {
+    ) -> Result<Self, ControllerError> {
+        let patience = retry.max(Duration::from_secs(1));
+        let started = Instant::now();
+        let first = loop {
+            match open(controller, member, epoch, patience, secret) {
+                Err(claimed @ ControllerError::Claimed { .. }) if started.elapsed() >= CLAIM_PATIENCE => {
+                    return Err(claimed)
+                }
+                Err(ControllerError::Claimed { .. }) => std::thread::sleep(retry.min(CLAIM_PATIENCE / 10)),
+                Ok(opened) => break Some(opened),
+                Err(e) => {
+                    debug!(error = %e, "cannot hold a lifeline to the controller yet");
+                    break None;
+                }
+            }
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let held = Arc::new(Mutex::new(None));
         let (stopped, holding, secret) = (stop.clone(), held.clone(), secret.to_vec());
         std::thread::Builder::new().name("lifeline".into()).spawn(move || {
+            let mut opened = first;
             while !stopped.load(Ordering::SeqCst) {
-                match open(controller, member, epoch, retry.max(Duration::from_secs(1)), &secret) {
+                match opened.take().map_or_else(|| open(controller, member, epoch, patience, &secret), Ok) {
                     Ok((stream, shutter)) => {
                         *holding.lock() = shutter;
                         // Dropped meanwhile: the drop found no connection to shut down.
@@ -117,6 +147,10 @@ impl Lifeline {
         Ok(Self { stop, held })
     }
 }
+
+/// How long a process asks again for a lifeline another process of its epoch holds, before it
+/// takes the refusal.
+pub const CLAIM_PATIENCE: Duration = Duration::from_secs(2);
 
 impl Drop for Lifeline {
     fn drop(&mut self) {

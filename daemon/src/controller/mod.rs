@@ -94,11 +94,22 @@ pub enum ControllerError {
     /// The member has no fence to be replaced from: it is alive, or was never fenced.
     #[error("{} {} awaits no replacement: it is not fenced", role_name(.0.0), .0.1)]
     NotFenced(Member),
+    /// Another live process of the same epoch holds the member's place.
+    #[error("{}", claimed_text(*.member, *.by))]
+    Claimed {
+        /// The member claimed twice.
+        member: Member,
+        /// The holder's process id.
+        by: u32,
+    },
     /// The controller refused the request (an `Error` reply), for `reason`.
     #[error("the controller refused: {reason}")]
     Refused {
         /// What kind of refusal (see the query protocol).
         code: u32,
+        /// What the refusal names, by its kind (the holder's process id, for a member claimed
+        /// twice).
+        detail: u32,
         /// Why, in words.
         reason: String,
     },
@@ -342,6 +353,14 @@ fn bind_pair(addr: SocketAddr) -> std::io::Result<(UdpSocket, TcpListener)> {
     Err(last.unwrap_or_else(|| std::io::Error::other("no port")))
 }
 
+fn claimed_text(member: Member, by: u32) -> String {
+    let (role, index) = (role_name(member.0), member.1);
+    format!(
+        "{role} {index} is held by process {by}, alive in the same epoch: start this one for another \
+         stage (--index), or, once that one has died and been fenced, as its replacement (--replace {index})"
+    )
+}
+
 /// How long a controller waits for the lock of its state file.
 const STATE_LOCK_PATIENCE: Duration = Duration::from_secs(3);
 
@@ -582,10 +601,10 @@ fn answer_queries(
                 let epoch = tables.liveness.epoch();
                 Ok((epoch, Message::Epoch(epoch)))
             }
-            Message::Lifeline { member, epoch } => {
+            Message::Lifeline { member, epoch, process } => {
                 let held = Slot::take(lifeline_slots, lifeline::MAX_LIFELINES)
                     .ok_or_else(|| ControllerError::Protocol("too many lifelines".into()))?;
-                let number = lifeline::register(&mut tables.lock(), member, epoch)?;
+                let number = lifeline::register(&mut tables.lock(), member, epoch, process)?;
                 lifeline = Some((member, number, held));
                 Ok((epoch, Message::Epoch(epoch)))
             }
@@ -599,6 +618,9 @@ fn answer_queries(
             Err(e) => {
                 let mut header = FrameHeader::new(Kind::Error, 0, 0, request);
                 header.ids[0] = refusal_code(&e);
+                if let ControllerError::Claimed { by, .. } = e {
+                    header.ids[1] = by;
+                }
                 write_frame(&mut writer, &header, e.to_string().as_bytes())?
             }
         }

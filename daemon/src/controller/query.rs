@@ -13,6 +13,9 @@ use dejavulib::message::Message;
 
 /// The code (first id) of an `Error` reply to a [`Message::FencedIn`] for a member not fenced.
 pub(super) const REFUSED_NOT_FENCED: u32 = 1;
+/// The code of an `Error` reply to a [`Message::Lifeline`] from a second process claiming a
+/// member another live process of the same epoch holds.
+pub(super) const REFUSED_CLAIMED: u32 = 2;
 /// The code of any other refusal.
 const REFUSED: u32 = 0;
 
@@ -20,6 +23,7 @@ const REFUSED: u32 = 0;
 pub(super) fn refusal_code(e: &ControllerError) -> u32 {
     match e {
         ControllerError::NotFenced(_) => REFUSED_NOT_FENCED,
+        ControllerError::Claimed { .. } => REFUSED_CLAIMED,
         _ => REFUSED,
     }
 }

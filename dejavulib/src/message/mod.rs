@@ -175,12 +175,16 @@ pub enum Message {
         /// The longest wait, in milliseconds.
         wait_ms: u32,
     },
-    /// Hold this connection open as `member`'s lifeline, for its process started in `epoch`.
+    /// Hold this connection open as `member`'s lifeline, for its process `process` started in
+    /// `epoch`.
     Lifeline {
         /// The member.
         member: Member,
         /// The epoch its process was started in.
         epoch: u64,
+        /// Its process (the operating system's id): a second process claiming the member in the
+        /// same epoch is refused.
+        process: u32,
     },
     /// The reply to the fence and lifeline requests: an epoch.
     Epoch(u64),
@@ -420,9 +424,10 @@ impl Message {
                 w.u64(*after);
                 w.u32(*wait_ms);
             }
-            Self::Lifeline { member: m, epoch } => {
+            Self::Lifeline { member: m, epoch, process } => {
                 member(&mut w, *m);
                 w.u64(*epoch);
+                w.u32(*process);
             }
             Self::Epoch(epoch) => w.u64(*epoch),
             Self::Recover { epoch, book } | Self::ReseedRestored { epoch, book } => {
@@ -535,7 +540,11 @@ impl Message {
             },
             33 => Self::FencedIn(read_member(&mut r)?),
             34 => Self::AwaitFence { after: r.u64("a fence wait")?, wait_ms: r.u32("a fence wait")? },
-            35 => Self::Lifeline { member: read_member(&mut r)?, epoch: r.u64("a lifeline")? },
+            35 => Self::Lifeline {
+                member: read_member(&mut r)?,
+                epoch: r.u64("a lifeline")?,
+                process: r.u32("a lifeline")?,
+            },
             36 => Self::Epoch(r.u64("an epoch")?),
             37 | 39 => {
                 let epoch = r.u64("a recovery")?;

@@ -14,7 +14,7 @@
 //! written
 //! ```
 
-use super::{Beat, Heard, Liveness, LivenessConfig, Member, Membership, Record, Role, StaleLifeline};
+use super::{Beat, Heard, LifelineRefused, Liveness, LivenessConfig, Member, Membership, Record, Role};
 
 /// How a journaled machine started.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,8 +45,10 @@ pub enum Entry {
         member: Member,
         /// The epoch its process was started in.
         epoch: u64,
+        /// Its process.
+        process: u32,
         /// Its number, or why it was refused.
-        result: Result<u64, StaleLifeline>,
+        result: Result<u64, LifelineRefused>,
     },
     /// [`Liveness::lifeline_closed`].
     LifelineClosed {
@@ -147,12 +149,13 @@ impl Entry {
                 };
                 format!("beat {} {} {} {now} -> {heard}", member_text(beat.member), beat.epoch, beat.sequence)
             }
-            Self::LifelineOpened { member, epoch, result } => {
+            Self::LifelineOpened { member, epoch, process, result } => {
                 let result = match result {
                     Ok(number) => number.to_string(),
-                    Err(stale) => format!("stale {}", stale.fenced_in),
+                    Err(LifelineRefused::Stale { fenced_in, .. }) => format!("stale {fenced_in}"),
+                    Err(LifelineRefused::Claimed { by, .. }) => format!("claimed {by}"),
                 };
-                format!("open {} {epoch} -> {result}", member_text(*member))
+                format!("open {} {epoch} {process} -> {result}", member_text(*member))
             }
             Self::LifelineClosed { member, number, now, current } => {
                 format!("close {} {number} {now} -> {}", member_text(*member), u8::from(*current))
@@ -201,14 +204,21 @@ impl Entry {
                 };
                 Self::Heartbeat { beat, now: number(now)?, heard }
             }
-            ["open", member, epoch, "->", result @ ..] => {
+            ["open", member, epoch, process, "->", result @ ..] => {
                 let epoch = number(epoch)?;
+                let process = u32::try_from(number(process)?).map_err(|_| bad())?;
                 let result = match result {
                     [n] => Ok(number(n)?),
-                    ["stale", fenced_in] => Err(StaleLifeline { epoch, fenced_in: number(fenced_in)? }),
+                    ["stale", fenced_in] => {
+                        Err(LifelineRefused::Stale { epoch, fenced_in: number(fenced_in)? })
+                    }
+                    ["claimed", by] => Err(LifelineRefused::Claimed {
+                        epoch,
+                        by: u32::try_from(number(by)?).map_err(|_| bad())?,
+                    }),
                     _ => return Err(bad()),
                 };
-                Self::LifelineOpened { member: parse_member(member)?, epoch, result }
+                Self::LifelineOpened { member: parse_member(member)?, epoch, process, result }
             }
             ["close", member, n, now, "->", current] => Self::LifelineClosed {
                 member: parse_member(member)?,
@@ -249,9 +259,12 @@ impl Liveness {
             Entry::Heartbeat { beat, now, .. } => {
                 Entry::Heartbeat { beat, now, heard: self.heartbeat(beat, now) }
             }
-            Entry::LifelineOpened { member, epoch, .. } => {
-                Entry::LifelineOpened { member, epoch, result: self.lifeline_opened(member, epoch) }
-            }
+            Entry::LifelineOpened { member, epoch, process, .. } => Entry::LifelineOpened {
+                member,
+                epoch,
+                process,
+                result: self.lifeline_opened(member, epoch, process),
+            },
             Entry::LifelineClosed { member, number, now, .. } => Entry::LifelineClosed {
                 member,
                 number,

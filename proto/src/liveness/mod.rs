@@ -144,11 +144,31 @@ pub enum Heard {
 
 /// Why a lifeline is refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StaleLifeline {
-    /// The epoch the process was started in.
-    pub epoch: u64,
-    /// The epoch the member was fenced in since.
-    pub fenced_in: u64,
+pub enum LifelineRefused {
+    /// The process was started before the member's last fence.
+    Stale {
+        /// The epoch the process was started in.
+        epoch: u64,
+        /// The epoch the member was fenced in since.
+        fenced_in: u64,
+    },
+    /// Another process of the same epoch holds the member's lifeline: two processes claim one
+    /// place (a second sidecar started for the same stage, say). The holder keeps it; a process
+    /// that replaces a dead one waits for the dead one's lifeline to close.
+    Claimed {
+        /// The epoch both were started in.
+        epoch: u64,
+        /// The holder's process.
+        by: u32,
+    },
+}
+
+/// A member's current lifeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Held {
+    number: u64,
+    epoch: u64,
+    process: u32,
 }
 
 /// A fence the machine decided or was asked for.
@@ -180,8 +200,8 @@ pub struct Liveness {
     last_beats: BTreeMap<Member, (u64, u64)>,
     /// When each member awaiting a replacement was fenced (by this controller).
     fenced_at: BTreeMap<Member, u64>,
-    /// The number of each member's current lifeline.
-    lifelines: BTreeMap<Member, u64>,
+    /// Each member's current lifeline: its number, and the epoch and process of its holder.
+    lifelines: BTreeMap<Member, Held>,
     /// Members whose current lifeline closed: dead, until a new process of theirs holds one or
     /// they are fenced.
     severed: BTreeMap<Member, u64>,
@@ -331,27 +351,44 @@ impl Liveness {
         Heard::Taken { first_of_process, fenced_for_ms, gap_ms }
     }
 
-    /// `member`'s process, started in `epoch`, holds a lifeline from now on; returns its number,
-    /// now the member's current one (the end of an older one says nothing any more).
-    pub fn lifeline_opened(&mut self, member: Member, epoch: u64) -> Result<u64, StaleLifeline> {
-        let result = match self.record.members.get(&member).filter(|m| epoch < m.fenced_in) {
-            Some(m) => Err(StaleLifeline { epoch, fenced_in: m.fenced_in }),
-            None => {
+    /// `member`'s process `process`, started in `epoch`, holds a lifeline from now on; returns its
+    /// number, now the member's current one (the end of an older one says nothing any more). A
+    /// process fenced since it started is refused, and so is a second process of the same epoch
+    /// while the first holds the member's lifeline (unless the member awaits its replacement); the
+    /// same process opening it again (its connection broke) and a process of a newer epoch (a
+    /// replacement) take it over.
+    pub fn lifeline_opened(
+        &mut self,
+        member: Member,
+        epoch: u64,
+        process: u32,
+    ) -> Result<u64, LifelineRefused> {
+        let known = self.record.members.get(&member);
+        let fenced = known.filter(|m| epoch < m.fenced_in);
+        // While the member awaits its replacement, whoever drives the pipeline may start another
+        // (the last one never beat): the newest takes the lifeline over.
+        let awaiting = known.is_some_and(|m| m.awaiting);
+        let holder =
+            self.lifelines.get(&member).filter(|h| h.epoch == epoch && h.process != process && !awaiting);
+        let result = match (fenced, holder) {
+            (Some(m), _) => Err(LifelineRefused::Stale { epoch, fenced_in: m.fenced_in }),
+            (None, Some(h)) => Err(LifelineRefused::Claimed { epoch, by: h.process }),
+            (None, None) => {
                 let number = self.next_lifeline;
                 self.next_lifeline += 1;
-                self.lifelines.insert(member, number);
+                self.lifelines.insert(member, Held { number, epoch, process });
                 self.severed.remove(&member);
                 Ok(number)
             }
         };
-        self.log(|| Entry::LifelineOpened { member, epoch, result });
+        self.log(|| Entry::LifelineOpened { member, epoch, process, result });
         result
     }
 
     /// Lifeline `number` of `member` closed at `now`; returns whether it was the member's
     /// current one (the member is then dead, and the detector should run soon).
     pub fn lifeline_closed(&mut self, member: Member, number: u64, now: u64) -> bool {
-        let current = self.lifelines.get(&member) == Some(&number);
+        let current = self.lifelines.get(&member).is_some_and(|h| h.number == number);
         if current {
             self.lifelines.remove(&member);
             self.severed.insert(member, now);
@@ -499,11 +536,27 @@ mod tests {
         assert_eq!(l.health(engine(0), 200), Health::Suspect);
         assert_eq!(l.health(engine(0), 400), Health::Dead);
         assert_eq!(l.health(engine(9), 0), Health::Dead, "never heard of");
-        let number = l.lifeline_opened(engine(1), 0).unwrap();
+        let number = l.lifeline_opened(engine(1), 0, 1).unwrap();
         assert!(l.lifeline_closed(engine(1), number, 10));
         assert_eq!(l.health(engine(1), 10), Health::Dead, "its lifeline broke");
         assert!(!l.lifeline_closed(engine(1), number, 11), "no longer its lifeline");
         assert_eq!(l.poll_timeout(10), Some(200));
+    }
+
+    #[test]
+    fn a_second_process_of_the_same_epoch_cannot_take_a_held_lifeline() {
+        let mut l = live(&[sidecar(0)]);
+        let first = l.lifeline_opened(sidecar(0), 0, 100).unwrap();
+        assert_eq!(
+            l.lifeline_opened(sidecar(0), 0, 200),
+            Err(LifelineRefused::Claimed { epoch: 0, by: 100 })
+        );
+        let again = l.lifeline_opened(sidecar(0), 0, 100).unwrap();
+        assert!(!l.lifeline_closed(sidecar(0), first, 5), "the holder's connection opened again");
+        assert!(l.lifeline_closed(sidecar(0), again, 6), "the holder died");
+        // Its lifeline gone, another process takes the place; a newer epoch's takes it over.
+        assert!(l.lifeline_opened(sidecar(0), 0, 200).is_ok());
+        assert!(l.lifeline_opened(sidecar(0), 1, 300).is_ok(), "a replacement");
     }
 
     #[test]
@@ -513,7 +566,10 @@ mod tests {
         assert_eq!(l.fence(&[engine(0)], None, 10, durable), Ok(1));
         assert_eq!(l.health(engine(0), 10), Health::Fenced);
         assert_eq!(l.heartbeat(beat(engine(0), 0, 99), 20), Heard::Stale);
-        assert_eq!(l.lifeline_opened(engine(0), 0), Err(StaleLifeline { epoch: 0, fenced_in: 1 }));
+        assert_eq!(
+            l.lifeline_opened(engine(0), 0, 7),
+            Err(LifelineRefused::Stale { epoch: 0, fenced_in: 1 })
+        );
         let heard = l.heartbeat(beat(engine(0), 1, 1), 30);
         assert_eq!(heard, Heard::Taken { first_of_process: true, fenced_for_ms: Some(20), gap_ms: None });
         assert_eq!(l.health(engine(0), 30), Health::Alive);
@@ -548,7 +604,7 @@ mod tests {
         assert_eq!(l.tick(500), [engine(0), engine(1)], "one epoch for both");
         // A sidecar whose lifeline breaks takes its engine, once the suspects are settled.
         let mut l = live(&[engine(0), sidecar(0)]);
-        let n0 = l.lifeline_opened(sidecar(0), 0).unwrap();
+        let n0 = l.lifeline_opened(sidecar(0), 0, 2).unwrap();
         l.lifeline_closed(sidecar(0), n0, 50);
         assert_eq!(l.tick(50), [engine(0), sidecar(0)]);
     }
@@ -590,13 +646,13 @@ mod tests {
         l.heartbeat(beat(engine(0), 0, 1), 1);
         l.heartbeat(beat(sidecar(0), 0, 1), 1);
         l.heartbeat(beat(sidecar(0), 0, 1), 2);
-        let n = l.lifeline_opened(sidecar(0), 0).unwrap();
+        let n = l.lifeline_opened(sidecar(0), 0, 2).unwrap();
         l.lifeline_closed(sidecar(0), n, 30);
         let dead = l.tick(30);
         assert_eq!(l.fence(&dead, None, 31, |_| Err("disk full")), Err("disk full"));
         l.fence(&dead, None, 32, durable).unwrap();
         l.heartbeat(beat(engine(0), 0, 9), 40);
-        let _ = l.lifeline_opened(engine(0), 0);
+        let _ = l.lifeline_opened(engine(0), 0, 1);
         l.heartbeat(beat(engine(0), 1, 1), 41);
         let entries = l.drain_journal();
         assert_eq!(entries.len(), 12);

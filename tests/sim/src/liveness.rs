@@ -28,8 +28,8 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
 use dejavu_proto::liveness::{
-    Beat, Divergence, Entry, Health, Heard, Liveness, LivenessConfig, Member, Record, Role, Start,
-    SPARE_MEMBERS,
+    Beat, Divergence, Entry, Health, Heard, LifelineRefused, Liveness, LivenessConfig, Member, Record, Role,
+    Start, SPARE_MEMBERS,
 };
 
 use dejavu_proto::rng::SplitMix64;
@@ -272,7 +272,8 @@ impl LivenessSim {
     fn open_lifeline(&mut self, p: usize) {
         let (member, epoch) = (self.processes[p].member, self.processes[p].epoch);
         let Some(controller) = self.controller.as_mut() else { return };
-        let lifeline = controller.lifeline_opened(member, epoch).ok().map(|n| (n, self.incarnation));
+        let lifeline =
+            controller.lifeline_opened(member, epoch, p as u32).ok().map(|n| (n, self.incarnation));
         self.processes[p].lifeline = lifeline;
     }
 
@@ -312,7 +313,11 @@ impl LivenessSim {
                 self.schedule(at, Event::Replace(member));
             }
         }
-        for p in 0..self.processes.len() {
+        // The members' current processes first: a process left running that was started in the
+        // same epoch (a replacement replaced again) would otherwise hold the lifeline instead.
+        let current: Vec<usize> = self.current.values().copied().collect();
+        let others = (0..self.processes.len()).filter(|p| !current.contains(p));
+        for p in current.iter().copied().chain(others).collect::<Vec<_>>() {
             if self.processes[p].alive {
                 self.open_lifeline(p);
             }
@@ -540,6 +545,7 @@ impl LivenessSim {
                     self.kill(p);
                 }
             }
+            5 if self.rng.chance(0.3) => self.claim_twice(p),
             5 if self.controller.is_some() => {
                 self.fault("controller crash");
                 self.controller = None;
@@ -552,6 +558,37 @@ impl LivenessSim {
                 let length = self.rng.below(2 * self.cfg.timeout);
                 self.schedule(self.now + length, Event::DiskHeals);
             }
+        }
+    }
+
+    /// A second process of `p`'s member, started in the same epoch (a second sidecar started for
+    /// the same stage), asks for the member's lifeline. While `p` lives and holds it with this
+    /// controller, it must be refused as claimed by `p`; the second process then exits, having
+    /// changed nothing.
+    fn claim_twice(&mut self, p: usize) {
+        let holds = self.processes[p].alive
+            && self.processes[p].lifeline.is_some_and(|(_, incarnation)| incarnation == self.incarnation);
+        if !holds || self.controller.is_none() {
+            return;
+        }
+        let controller = self.controller.as_mut().expect("checked above");
+        let (member, epoch) = (self.processes[p].member, self.processes[p].epoch);
+        let stranger = u32::MAX - self.processes.len() as u32;
+        // A process left running after its fence is stale, and so is a second one of its epoch;
+        // while the member awaits its replacement, a second replacement may take over.
+        let membership = controller.membership(member).unwrap_or_default();
+        if membership.awaiting {
+            return;
+        }
+        *self.report.faults.entry("duplicate claim").or_default() += 1;
+        let expected = if epoch < membership.fenced_in {
+            LifelineRefused::Stale { epoch, fenced_in: membership.fenced_in }
+        } else {
+            LifelineRefused::Claimed { epoch, by: p as u32 }
+        };
+        let claimed = controller.lifeline_opened(member, epoch, stranger);
+        if claimed != Err(expected) {
+            self.violation(format!("a second process claiming {member:?} in epoch {epoch} got {claimed:?}"));
         }
     }
 

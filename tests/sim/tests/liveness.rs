@@ -36,6 +36,7 @@ fn ten_thousand_liveness_seeds_hold_every_invariant() {
         "controller crash",
         "state file unwritable",
         "fenced process left running",
+        "duplicate claim",
     ] {
         assert!(faults.get(class).copied().unwrap_or(0) > 0, "no {class} was injected");
     }
