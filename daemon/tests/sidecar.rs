@@ -144,7 +144,10 @@ fn chunks_cross_shared_memory_are_kept_and_forwarded() {
     assert_eq!(left, ["sidecar.sock"], "{left:?}");
     // A chunk too large for the region is a typed error, and the connection goes on.
     let (huge, huge_kv) = chunk(5000, 3);
-    assert!(matches!(engine.put(&huge, &huge_kv), Err(StoreError::Io { .. })));
+    let too_large = engine.put(&huge, &huge_kv);
+    assert!(matches!(too_large, Err(StoreError::Io { .. })), "{too_large:?}");
+    let message = too_large.unwrap_err().to_string();
+    assert!(message.contains("--region-bytes"), "the error says how to make room: {message}");
     let (missing, _) = chunk(7, 4);
     assert!(matches!(engine.get(&missing.key(), &mut out), Err(StoreError::NotFound(_))));
 
@@ -220,6 +223,32 @@ fn a_new_successor_named_on_a_connection_of_its_own_takes_effect_and_a_stale_one
     let (second, second_kv) = chunk(4, 10);
     engine.put(&second, &second_kv).unwrap();
     assert_eq!((old_store.len(), new_store.len()), (1, 1), "the second chunk went to the new successor");
+}
+
+#[test]
+fn a_successor_pointed_at_the_controller_says_so_and_the_local_copy_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_sidecar, socket) = sidecar(dir.path());
+    let config = dejavud::controller::ControllerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        state: dir.path().join("controller.state"),
+        timeout: Duration::from_millis(300),
+        interval: Duration::from_millis(100),
+        metrics: None,
+        secret: dejavud::cli::DEFAULT_SECRET.as_bytes().to_vec(),
+        journal: None,
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        dejavud::controller::serve_controller(config, |addr, _| tx.send(addr).unwrap())
+    });
+    let controller = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let mut engine = LocalSidecar::connect(&socket, 0, controller).unwrap();
+    let (token, token_kv) = chunk(1, 6);
+    let error = engine.put(&token, &token_kv).unwrap_err().to_string();
+    assert!(error.contains("the DéjàVu controller's query port") && error.contains("--listen"), "{error}");
+    let mut out = Vec::new();
+    assert_eq!(engine.get(&token.key(), &mut out).unwrap(), token, "kept locally all the same");
 }
 
 #[test]

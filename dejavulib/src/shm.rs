@@ -57,8 +57,12 @@ pub enum ShmError {
         /// What differs.
         what: String,
     },
-    /// A chunk longer than the region.
-    #[error("a chunk of {len} bytes does not fit a shared region of {capacity}")]
+    /// A chunk longer than the region. The sidecar sizes the region (`dejavud sidecar
+    /// --region-bytes`); the largest chunk is a whole step's KV on the stage.
+    #[error(
+        "a chunk of {len} bytes does not fit the sidecar's shared region of {capacity} bytes: start \
+         the sidecar with a larger --region-bytes, or report smaller steps (fewer slots or tokens at once)"
+    )]
     TooLarge {
         /// The chunk's bytes.
         len: usize,

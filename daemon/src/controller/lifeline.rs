@@ -99,7 +99,7 @@ impl Lifeline {
     ///
     /// The first one is asked for before this returns: a controller that says another live
     /// process of the same epoch holds the member's place ([`ControllerError::Claimed`]) is asked
-    /// again for [`CLAIM_PATIENCE`] (a predecessor that just died may not have been seen dead
+    /// again for 2 s (a predecessor that just died may not have been seen dead
     /// yet), then refused. An unreachable controller is tried again in the background.
     pub fn hold(
         controller: SocketAddr,

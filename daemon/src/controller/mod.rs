@@ -568,7 +568,14 @@ fn answer_queries(
         counters.queries.fetch_add(1, Ordering::Relaxed);
         let request = frame.header.request;
         let mut lifeline = None;
-        let request_message = Message::of_frame(&frame).map_err(|e| ControllerError::Protocol(e.to_string()));
+        let request_message = match frame.header.kind {
+            // KV sent here: a sidecar's successor pointed at the controller by mistake.
+            Kind::Control => Message::of_frame(&frame).map_err(|e| ControllerError::Protocol(e.to_string())),
+            kind => Err(ControllerError::Protocol(format!(
+                "this is the DéjàVu controller's query port, which takes no {kind:?}: a sidecar's \
+                 successor is the next stage's sidecar, at the address of its --listen"
+            ))),
+        };
         let reply = request_message.and_then(|message| match message {
             Message::Census => {
                 let mut tables = tables.lock();
