@@ -19,7 +19,7 @@ use crate::lifecycle::{end_on_signals, free_unix_path, ClaimError, LifeArgs};
 use crate::logging::LogArgs;
 use crate::membership::Membership;
 use crate::process::{serve_stage, serve_stage_on, Handoff, Replication, StageConfig};
-use crate::sidecar::{serve_sidecar, OnAssign, SidecarConfig};
+use crate::sidecar::{serve_sidecar, FencedProbe, OnAssign, SidecarConfig};
 use crate::transport::TransportArgs;
 use dejavu_engine::{CacheLayout, ModelConfig};
 use dejavulib::affinity::CpuList;
@@ -636,8 +636,11 @@ impl SidecarArgs {
                 Err(e) => tracing::warn!(error = %e, "an assigned spare cannot send heartbeats"),
             }))
         });
+        let probe = heartbeat.clone();
+        let fenced = FencedProbe(Arc::new(move || probe.lock().as_ref().and_then(Membership::fenced_in)));
         let config = SidecarConfig {
             spare,
+            fenced: Some(fenced),
             index: self.index,
             listen: self.listen,
             local: self.local,

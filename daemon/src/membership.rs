@@ -22,4 +22,9 @@ impl Membership {
 
     /// Stops beating (within one interval) and lets go of the lifeline.
     pub fn stop(self) {}
+
+    /// The epoch the controller fenced this process in, if it told it ([`Lifeline::fenced_in`]).
+    pub fn fenced_in(&self) -> Option<u64> {
+        self._lifeline.fenced_in()
+    }
 }

@@ -222,3 +222,59 @@ fn a_second_sidecar_for_the_same_stage_is_refused_and_names_the_first() {
         ControllerClient::new(controller.addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes()).census();
     assert!(!census.unwrap().is_dead((dejavud::cluster::Role::Sidecar, 0)));
 }
+
+#[test]
+fn a_fenced_sidecar_says_so_loudly_and_refuses_engines() {
+    use dejavud::cluster::Role;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("controller.state");
+    let controller = start(&[
+        "controller",
+        "--listen",
+        "127.0.0.1:0",
+        "--state",
+        state.to_str().unwrap(),
+        "--timeout-ms",
+        "300",
+    ]);
+    let heartbeat = controller.addr.to_string();
+    let local = dir.path().join("s0.sock");
+    let mut sidecar = start(&["sidecar", "--heartbeat", &heartbeat, "--local", local.to_str().unwrap()]);
+    // Its log, line by line, as it comes.
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    let stderr = sidecar.child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = lines_tx.send(line);
+        }
+    });
+    let mut client =
+        ControllerClient::new(controller.addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes());
+    let wait_until =
+        |client: &mut ControllerClient, what: &str, done: &dyn Fn(&dejavud::controller::Census) -> bool| {
+            let started = std::time::Instant::now();
+            while !done(&client.census().unwrap()) {
+                assert!(started.elapsed() < Duration::from_secs(20), "never {what}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        };
+    wait_until(&mut client, "alive", &|c| !c.is_dead((Role::Sidecar, 0)));
+
+    // Stopped past the timeout: the controller fences it; back, it hears so on its lifeline.
+    let pid = sidecar.child.id() as i32;
+    // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    wait_until(&mut client, "fenced", &|c| c.is_fenced((Role::Sidecar, 0)));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let said = loop {
+        let line = lines.recv_timeout(Duration::from_secs(20)).expect("a line saying it was fenced");
+        if line.contains("FENCED") {
+            break line;
+        }
+    };
+    assert!(said.contains("ERROR") && said.contains("epoch 1"), "{said}");
+    let successor: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let refused = dejavulib::local::LocalSidecar::connect(&local, 0, successor).map(|_| ()).unwrap_err();
+    assert!(refused.to_string().contains("fenced in epoch 1"), "{refused}");
+}

@@ -19,13 +19,15 @@
 
 use std::io::{BufReader, ErrorKind, Read};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dejavu_proto::liveness::LifelineRefused;
+use dejavulib::message::Message;
+use dejavulib::wire::read_frame;
 use parking_lot::Mutex;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::{ControllerClient, ControllerError, Counters, Events, Member, Tables};
 
@@ -73,6 +75,9 @@ pub(super) fn wait_out(
     read_until_end(&mut reader);
     counters.lifelines.fetch_sub(1, Ordering::Relaxed);
     let mut tables = tables.lock();
+    if tables.lifelines.get(&member).is_some_and(|(held, _)| *held == number) {
+        tables.lifelines.remove(&member);
+    }
     let now = tables.now();
     let current = tables.liveness.lifeline_closed(member, number, now);
     tables.write_journal();
@@ -90,7 +95,12 @@ pub struct Lifeline {
     stop: Arc<AtomicBool>,
     /// The connection now held, to be shut down when this is dropped.
     held: Arc<Mutex<Option<TcpStream>>>,
+    /// The epoch of the fence the controller announced on it ([`NOT_FENCED`] until then).
+    fenced: Arc<AtomicU64>,
 }
+
+/// No fence heard (epochs of fences start at 1).
+const NOT_FENCED: u64 = 0;
 
 impl Lifeline {
     /// Holds a lifeline for `member`, whose process was started in `epoch`, to the controller at
@@ -125,7 +135,9 @@ impl Lifeline {
         };
         let stop = Arc::new(AtomicBool::new(false));
         let held = Arc::new(Mutex::new(None));
-        let (stopped, holding, secret) = (stop.clone(), held.clone(), secret.to_vec());
+        let fenced = Arc::new(AtomicU64::new(NOT_FENCED));
+        let (stopped, holding, fenced_in, secret) =
+            (stop.clone(), held.clone(), fenced.clone(), secret.to_vec());
         std::thread::Builder::new().name("lifeline".into()).spawn(move || {
             let mut opened = first;
             while !stopped.load(Ordering::SeqCst) {
@@ -136,15 +148,29 @@ impl Lifeline {
                         if stopped.load(Ordering::SeqCst) {
                             break;
                         }
-                        // Whatever the controller sends is dropped: only its end counts.
-                        read_until_end(&mut &stream);
+                        if let Some(epoch) = hear_fence(&stream) {
+                            error!(
+                                ?member,
+                                epoch,
+                                "FENCED: the controller declared this process dead in epoch {epoch} and a \
+                                 replacement takes its place; it serves nothing more and should be stopped"
+                            );
+                            fenced_in.store(epoch, Ordering::SeqCst);
+                            // A fenced process holds no lifeline again: it would be refused.
+                            break;
+                        }
                     }
                     Err(e) => debug!(error = %e, "cannot hold a lifeline to the controller"),
                 }
                 std::thread::sleep(retry);
             }
         })?;
-        Ok(Self { stop, held })
+        Ok(Self { stop, held, fenced })
+    }
+
+    /// The epoch the controller fenced this process in, if it did (and this process heard it).
+    pub fn fenced_in(&self) -> Option<u64> {
+        Some(self.fenced.load(Ordering::SeqCst)).filter(|&epoch| epoch != NOT_FENCED)
     }
 }
 
@@ -175,6 +201,22 @@ fn open(
     // Without a second handle the lifeline still holds; it only ends with the process.
     let shutter = stream.try_clone().ok();
     Ok((stream, shutter))
+}
+
+/// Reads what the controller sends on a held lifeline until it ends, breaks or is shut down;
+/// returns the epoch of a fence it announced ([`Message::Fenced`]), if it did.
+fn hear_fence(stream: &TcpStream) -> Option<u64> {
+    let mut reader = BufReader::new(stream);
+    loop {
+        match read_frame(&mut reader, 1 << 16) {
+            Ok(Some(frame)) => {
+                if let Ok(Message::Fenced(epoch)) = Message::of_frame(&frame) {
+                    return Some(epoch);
+                }
+            }
+            Ok(None) | Err(_) => return None,
+        }
+    }
 }
 
 /// Reads and drops what comes on `stream` until it ends, breaks, or is shut down.

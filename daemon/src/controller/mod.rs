@@ -46,7 +46,7 @@ use dejavulib::net::auth::server_handshake_blocking;
 use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
 use parking_lot::{Condvar, Mutex};
 use thiserror::Error;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use dejavu_proto::liveness::{self, Heard, Liveness, LivenessConfig};
 
@@ -146,6 +146,9 @@ struct Tables {
     interval: Duration,
     /// Where the machine's journal goes, if it keeps one.
     journal: Option<BufWriter<std::fs::File>>,
+    /// The sending end of each member's current lifeline, with its number: a fence tells the
+    /// fenced process on it.
+    lifelines: HashMap<Member, (u64, TcpStream)>,
 }
 
 /// Counters for the metrics page.
@@ -271,6 +274,10 @@ impl Tables {
         for member in members {
             // The fenced process's listener is no longer the member's.
             self.controls.remove(member);
+            // A process presumed dead may only be stopped or cut off: it learns, if it can hear.
+            if let Some((_, lifeline)) = self.lifelines.remove(member) {
+                tell_fenced(lifeline, epoch);
+            }
         }
         info!(epoch, fenced = ?members, "fenced in a new epoch");
         counters.fences.fetch_add(1, Ordering::Relaxed);
@@ -361,6 +368,18 @@ fn claimed_text(member: Member, by: u32) -> String {
     )
 }
 
+/// Sends [`Message::Fenced`] on a fenced member's lifeline. A process stopped with a full
+/// receive buffer does not hold the controller up: the write gives up after a moment.
+fn tell_fenced(lifeline: TcpStream, epoch: u64) {
+    let (header, payload) = Message::Fenced(epoch).frame(QUERY_SERVER_NODE, epoch, 0);
+    let told = lifeline
+        .set_write_timeout(Some(Duration::from_millis(100)))
+        .and_then(|()| write_frame(&mut &lifeline, &header, &payload).map_err(std::io::Error::other));
+    if let Err(e) = told {
+        debug!(error = %e, "could not tell a fenced process");
+    }
+}
+
 /// How long a controller waits for the lock of its state file.
 const STATE_LOCK_PATIENCE: Duration = Duration::from_secs(3);
 
@@ -404,6 +423,7 @@ pub fn serve_controller(
         timeout: config.timeout,
         interval: config.interval,
         journal,
+        lifelines: HashMap::new(),
     };
     let mut tables = tables;
     tables.save()?;
@@ -635,6 +655,9 @@ fn answer_queries(
         if let Some((member, number, _held)) = lifeline {
             // No longer a query connection: its query slot goes back, its lifeline slot is held.
             drop(slot);
+            if let Ok(sender) = writer.get_ref().try_clone() {
+                tables.lock().lifelines.insert(member, (number, sender));
+            }
             lifeline::wait_out(reader, (member, number), tables, counters, events);
             return Ok(());
         }

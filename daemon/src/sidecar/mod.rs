@@ -126,8 +126,21 @@ pub struct SidecarConfig {
     /// As a spare (no stage yet), what to do once assigned one: called with the stage and the
     /// epoch of the recovery that assigned it. `None` for a sidecar started for its stage.
     pub spare: Option<OnAssign>,
+    /// Whether the controller fenced it ([`FencedProbe`]); none without a controller.
+    pub fenced: Option<FencedProbe>,
     /// The transport to other sidecars and stages.
     pub transport: Transports,
+}
+
+/// Whether the controller has fenced this sidecar, and in which epoch (it heard so on its
+/// lifeline): a fenced sidecar refuses engines.
+#[derive(Clone)]
+pub struct FencedProbe(pub Arc<dyn Fn() -> Option<u64> + Send + Sync>);
+
+impl std::fmt::Debug for FencedProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FencedProbe")
+    }
 }
 
 /// What a spare sidecar does once a recovery assigns it a stage (its heartbeats become that
@@ -344,6 +357,14 @@ impl Sidecar {
         }
         if hello.header.kind != Kind::Hello {
             return Err(SidecarError::Protocol(format!("an engine opened with {:?}", hello.header.kind)));
+        }
+        if let Some(fenced_in) = self.config.fenced.as_ref().and_then(|probe| (probe.0)()) {
+            let reason = format!(
+                "this sidecar was fenced in epoch {fenced_in}: its replacement serves stage {}",
+                self.index()
+            );
+            reply_error(&mut writer, &hello, ErrorCode::StaleEpoch, &reason)?;
+            return Err(SidecarError::Protocol(reason));
         }
         let epoch = hello.header.epoch;
         let successor = parse_addr(&hello.payload)?;

@@ -13,7 +13,7 @@
 //! |---|---|---|
 //! | 1–9 | an engine to its sidecar, on its local socket | [`Message::Mapped`], [`Message::Successor`], [`Message::Keep`] (→ [`Message::Done`]); [`Message::Held`] (→ [`Message::HeldPage`]); [`Message::Release`] (→ [`Message::Released`]), also from a sidecar to its successor's over the transport; from the cluster to a spare sidecar, [`Message::Assign`] (→ `Done`) |
 //! | 20–29 | the controller to a sidecar's control port | [`Message::HeldOf`] (→ [`Message::HeldOfPage`]); [`Message::Reseed`] (→ [`Message::Reseeded`]) |
-//! | 30–49 | anyone to the controller's query port | [`Message::Census`] (→ [`Message::CensusReply`]); [`Message::Fence`], [`Message::FencedIn`], [`Message::AwaitFence`], [`Message::Lifeline`] (→ [`Message::Epoch`]); [`Message::Recover`] (→ [`Message::Orders`]); [`Message::ReseedRestored`] (→ [`Message::Reseeded`]) |
+//! | 30–49 | anyone to the controller's query port | [`Message::Census`] (→ [`Message::CensusReply`]); [`Message::Fence`], [`Message::FencedIn`], [`Message::AwaitFence`], [`Message::Lifeline`] (→ [`Message::Epoch`], then [`Message::Fenced`] if it is fenced); [`Message::Recover`] (→ [`Message::Orders`]); [`Message::ReseedRestored`] (→ [`Message::Reseeded`]) |
 //! | 50–69 | whoever feeds a pipeline to its stages, round the chain | [`Message::Probe`], [`Message::Rewire`], [`Message::HandoffTo`], [`Message::Replication`] (passed on as they are); [`Message::Restore`] (→ [`Message::Restored`]); [`Message::Load`] (→ [`Message::Loaded`]) |
 //! | 70–79 | the cluster to a spare stage | [`Message::AssignStage`] (→ [`Message::StageServing`]) |
 //!
@@ -188,6 +188,9 @@ pub enum Message {
     },
     /// The reply to the fence and lifeline requests: an epoch.
     Epoch(u64),
+    /// Sent by the controller on a member's lifeline when it fences the member: the process was
+    /// declared dead in this epoch, and its replacement takes its place.
+    Fenced(u64),
     /// Carry out the recovery of `epoch` for a ring whose stage `k` reaches its successor's
     /// sidecar at `book[k]`.
     Recover {
@@ -330,6 +333,7 @@ impl Message {
             Self::Recover { .. } => 37,
             Self::Orders(_) => 38,
             Self::ReseedRestored { .. } => 39,
+            Self::Fenced(_) => 40,
             Self::Probe => 50,
             Self::Rewire(_) => 51,
             Self::Restore { .. } => 52,
@@ -429,7 +433,7 @@ impl Message {
                 w.u64(*epoch);
                 w.u32(*process);
             }
-            Self::Epoch(epoch) => w.u64(*epoch),
+            Self::Epoch(epoch) | Self::Fenced(epoch) => w.u64(*epoch),
             Self::Recover { epoch, book } | Self::ReseedRestored { epoch, book } => {
                 w.u64(*epoch);
                 w.len(book.len());
@@ -556,6 +560,7 @@ impl Message {
                 }
             }
             38 => Self::Orders(RecoveryOrders::decode(&mut r)?),
+            40 => Self::Fenced(r.u64("a fence")?),
             50 => Self::Probe,
             51 => Self::Rewire(
                 r.list(4 + ADDR_MIN_LEN, "a rewire", |r| Ok((r.u32("a rewire")?, r.addr("a rewire")?)))?,
