@@ -10,7 +10,7 @@ use dejavud::commands::ProcessCommand;
 /// Chaos harness: real multi-process DéjàVu clusters under injected faults, invariants checked.
 /// Exits with 1 when an invariant was violated, 2 when the scenario or the harness failed.
 #[derive(Debug, Parser)]
-#[command(name = "dejavu-chaos", version, about)]
+#[command(name = "dejavu-chaos", version, about, args_override_self = true)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -49,7 +49,11 @@ fn main() -> ExitCode {
         eprintln!("dejavu-chaos: {e}");
         ExitCode::from(2)
     };
-    match Cli::parse().command {
+    let args = match dejavud::commands::with_config_file(std::env::args_os().collect()) {
+        Ok(args) => args,
+        Err(e) => return failed(format!("--config {e}")),
+    };
+    match Cli::parse_from(args).command {
         Command::Run { scenario, seed, json, exe, namespaces } => {
             let scenario = match Scenario::load(&scenario) {
                 Ok(s) => s,

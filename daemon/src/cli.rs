@@ -330,6 +330,10 @@ pub struct MemberArgs {
     /// Run on these CPUs only (a list such as 0-3,8; every thread of the process) [default: any].
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<CpuList>,
+    /// Read flags from this TOML file first (`timeout_ms = 300`, `die_with_parent = true`, ...):
+    /// flags on the command line win.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Its relation to the process that started it.
     #[command(flatten)]
     pub life: LifeArgs,
@@ -423,6 +427,10 @@ pub struct ControllerArgs {
     /// replays it).
     #[arg(long, value_name = "FILE")]
     pub journal: Option<PathBuf>,
+    /// Read flags from this TOML file first (`timeout_ms = 300`, `die_with_parent = true`, ...):
+    /// flags on the command line win.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Its relation to the process that started it.
     #[command(flatten)]
     pub life: LifeArgs,

@@ -12,7 +12,7 @@ use dejavud::plan::{self, Overrides};
 
 /// The DéjàVu daemon: a fault-tolerance demo, the deployment planner and cluster certificates.
 #[derive(Debug, Parser)]
-#[command(name = "dejavud", version, about)]
+#[command(name = "dejavud", version, about, args_override_self = true)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -88,7 +88,14 @@ fn cpus_named(cpus: &dejavulib::affinity::CpuList) -> String {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let args = match dejavud::commands::with_config_file(std::env::args_os().collect()) {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("dejavud: --config {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let cli = Cli::parse_from(args);
     match cli.command {
         Command::Plan { input, json, calibration, prompt_ms, token_ms, streaming_overhead } => {
             let flags = Overrides { prompt_ms, token_ms, streaming_overhead };

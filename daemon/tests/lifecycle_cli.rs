@@ -278,3 +278,24 @@ fn a_fenced_sidecar_says_so_loudly_and_refuses_engines() {
     let refused = dejavulib::local::LocalSidecar::connect(&local, 0, successor).map(|_| ()).unwrap_err();
     assert!(refused.to_string().contains("fenced in epoch 1"), "{refused}");
 }
+
+#[test]
+fn flags_come_from_a_config_file_and_the_command_line_wins() {
+    let dir = tempfile::tempdir().unwrap();
+    let (from_file, from_flag) = (dir.path().join("a.state"), dir.path().join("b.state"));
+    let file = dir.path().join("controller.toml");
+    let text = format!("listen = \"127.0.0.1:0\"\nstate = \"{}\"\ntimeout_ms = 500\n", from_file.display());
+    std::fs::write(&file, text).unwrap();
+    let config = file.to_str().unwrap();
+    drop(start(&["controller", "--config", config]));
+    assert!(from_file.exists(), "the file's --state");
+    std::fs::remove_file(&from_file).unwrap();
+    drop(start(&["controller", "--config", config, "--state", from_flag.to_str().unwrap()]));
+    assert!(from_flag.exists() && !from_file.exists(), "the command line's --state wins");
+
+    std::fs::write(&file, "no_such_flag = 3\n").unwrap();
+    let out = dejavud(&["controller", "--config", config]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--no-such-flag"), "the key is named: {err}");
+}
