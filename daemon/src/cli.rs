@@ -19,7 +19,7 @@ use crate::lifecycle::{end_on_signals, free_unix_path, ClaimError, LifeArgs};
 use crate::logging::LogArgs;
 use crate::membership::Membership;
 use crate::process::{serve_stage, serve_stage_on, Handoff, Replication, StageConfig};
-use crate::sidecar::{serve_sidecar, FencedProbe, OnAssign, SidecarConfig};
+use crate::sidecar::{serve_sidecar, EngineMembership, FencedProbe, OnAssign, SidecarConfig};
 use crate::transport::TransportArgs;
 use dejavu_engine::{CacheLayout, ModelConfig};
 use dejavulib::affinity::CpuList;
@@ -519,6 +519,23 @@ impl MemberArgs {
         Ok(self.cpus.as_ref().map_or(Ok(()), |cpus| cpus.pin_current_thread())?)
     }
 
+    /// Heartbeats and a lifeline as engine `stage`'s, started in `epoch`, held by a sidecar for
+    /// the engine's process `pid` (which reports nothing itself), if there is a controller.
+    pub(crate) fn engine_membership(
+        &self,
+        stage: u32,
+        epoch: u64,
+        pid: u32,
+    ) -> Result<Option<Membership>, CliError> {
+        let Some(to) = self.heartbeat else { return Ok(None) };
+        let (interval, secret, member) =
+            (Duration::from_millis(self.heartbeat_ms), self.secret.as_bytes(), (Role::Engine, stage));
+        let lifeline =
+            Lifeline::hold_for(to, member, epoch, pid, interval, secret).map_err(CliError::Member)?;
+        let heartbeat = beat(to, member, epoch, interval, None, secret).map_err(CliError::Heartbeat)?;
+        Ok(Some(Membership::new(heartbeat, lifeline)))
+    }
+
     /// Its heartbeats as (`role`, `index`), started in `epoch`, naming its control listener's
     /// port (if it has one), if it has a controller.
     pub(crate) fn beat(
@@ -646,9 +663,17 @@ impl SidecarArgs {
         });
         let probe = heartbeat.clone();
         let fenced = FencedProbe(Arc::new(move || probe.lock().as_ref().and_then(Membership::fenced_in)));
+        let member = self.member.clone();
+        let engine_membership = EngineMembership(Arc::new(move |stage, epoch, pid| {
+            member.engine_membership(stage, epoch, pid).unwrap_or_else(|e| {
+                tracing::warn!(stage, epoch, pid, error = %e, "cannot report an engine's liveness for it");
+                None
+            })
+        }));
         let config = SidecarConfig {
             spare,
             fenced: Some(fenced),
+            engine_membership: self.member.heartbeat.is_some().then_some(engine_membership),
             index: self.index,
             listen: self.listen,
             local: self.local,

@@ -299,3 +299,52 @@ fn flags_come_from_a_config_file_and_the_command_line_wins() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--no-such-flag"), "the key is named: {err}");
 }
+
+#[test]
+fn an_engine_that_reports_nothing_itself_is_a_member_through_its_sidecar() {
+    use dejavud::cluster::Role;
+    use dejavulib::local::LocalSidecar;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("controller.state");
+    // A timeout far beyond the test's waits: only a lifeline can show the engine dead in time.
+    let controller = start(&[
+        "controller",
+        "--listen",
+        "127.0.0.1:0",
+        "--state",
+        state.to_str().unwrap(),
+        "--timeout-ms",
+        "60000",
+    ]);
+    let heartbeat = controller.addr.to_string();
+    let local = dir.path().join("s0.sock");
+    let _sidecar = start(&["sidecar", "--heartbeat", &heartbeat, "--local", local.to_str().unwrap()]);
+    let mut client =
+        ControllerClient::new(controller.addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes());
+    let wait_until =
+        |client: &mut ControllerClient, what: &str, done: &dyn Fn(&dejavud::controller::Census) -> bool| {
+            let started = std::time::Instant::now();
+            while !done(&client.census().unwrap()) {
+                assert!(started.elapsed() < Duration::from_secs(10), "never {what}");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+    let engine = (Role::Engine, 0);
+    let successor: SocketAddr = "127.0.0.1:9".parse().unwrap();
+
+    // An engine connected the plain way is not a member; one that asks its sidecar to report
+    // for it is, as long as its connection lasts.
+    let plain = LocalSidecar::connect(&local, 0, successor).unwrap();
+    assert!(client.census().unwrap().is_dead(engine), "nobody reports the plain engine");
+    drop(plain);
+    let member = LocalSidecar::connect_as_member(&local, 0, successor).unwrap();
+    wait_until(&mut client, "alive", &|c| !c.is_dead(engine));
+    // Its death (the connection closes with its process) is seen at once: fenced, long before
+    // a heartbeat timeout of a minute.
+    drop(member);
+    wait_until(&mut client, "fenced", &|c| c.is_fenced(engine));
+    let fenced_in = client.fenced_in(engine).unwrap();
+    // Its replacement connects in the fence's epoch and is a member again.
+    let _replacement = LocalSidecar::connect_as_member(&local, fenced_in, successor).unwrap();
+    wait_until(&mut client, "alive again", &|c| !c.is_dead(engine) && !c.is_fenced(engine));
+}

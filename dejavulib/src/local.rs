@@ -4,7 +4,7 @@
 //!
 //! | request (engine) | reply (sidecar) |
 //! |---|---|
-//! | `Hello`, epoch = the engine's, payload = the successor sidecar's address | `Welcome`, ids 0-1 = the region's capacity, payload = its file; `Error` (`StaleEpoch`) if a newer engine is connected |
+//! | `Hello`, epoch = the engine's, id 0 = flags ([`HELLO_MEMBER`]), payload = the successor sidecar's address | `Welcome`, ids 0-1 = the region's capacity, payload = its file; `Error` (`StaleEpoch`) if a newer engine is connected |
 //! | [`Message::Mapped`] | [`Message::Done`]; the sidecar removes the region's file |
 //! | `Put`, id 0 = length of the chunk (header and payload) written into the region | `PutAck` once the sidecar keeps it and has forwarded it to the successor; `Error` otherwise |
 //! | `Get`, payload = a chunk key | `GetReply`, id 0 = length of the chunk written into the region; `Error` (`NotFound`) |
@@ -31,6 +31,10 @@ use crate::resume::{resume_points, HeldChunk, ResumePoint};
 use crate::shm::{SharedRegion, ShmError};
 use crate::store::{ChunkStore, StoreError};
 use crate::wire::{read_frame, write_frame, ErrorCode, Frame, FrameError, FrameHeader, Kind};
+
+/// A `Hello` flag (id 0): the sidecar is to report the engine's liveness to the controller on
+/// its behalf, for as long as the connection lasts ([`LocalSidecar::connect_as_member`]).
+pub const HELLO_MEMBER: u32 = 1;
 
 /// Largest payload of a frame on the local socket (addresses, keys, paths, reasons).
 pub const MAX_LOCAL_PAYLOAD: u64 = 64 << 10;
@@ -197,9 +201,27 @@ impl LocalSidecar {
     /// Connects to the sidecar at `path` as an engine of `epoch` whose successor's sidecar is
     /// `successor`, and maps the region it offers.
     pub fn connect(path: &Path, epoch: u64, successor: SocketAddr) -> Result<Self, LocalError> {
+        Self::connect_with(path, epoch, successor, 0)
+    }
+
+    /// As [`LocalSidecar::connect`], for an engine that does not report its own liveness to the
+    /// controller (a Python or C engine): the sidecar beats and holds a lifeline as the stage's
+    /// engine, in `epoch`, for as long as this connection lasts, so that the engine's death is
+    /// seen as soon as its connection closes ([`HELLO_MEMBER`]). Without a controller, the same
+    /// as [`LocalSidecar::connect`].
+    pub fn connect_as_member(path: &Path, epoch: u64, successor: SocketAddr) -> Result<Self, LocalError> {
+        Self::connect_with(path, epoch, successor, HELLO_MEMBER)
+    }
+
+    fn connect_with(path: &Path, epoch: u64, successor: SocketAddr, flags: u32) -> Result<Self, LocalError> {
         let mut channel = Channel::new(UnixStream::connect(path)?)?;
-        let welcome =
-            channel.call(Kind::Hello, epoch, [0; 4], successor.to_string().as_bytes(), Kind::Welcome)?;
+        let welcome = channel.call(
+            Kind::Hello,
+            epoch,
+            [flags, 0, 0, 0],
+            successor.to_string().as_bytes(),
+            Kind::Welcome,
+        )?;
         let capacity = welcome.header.ids[0] as u64 | (welcome.header.ids[1] as u64) << 32;
         let file = String::from_utf8(welcome.payload)
             .map_err(|_| LocalError::Protocol("a region path that is not UTF-8".into()))?;

@@ -42,6 +42,7 @@ fn sidecar(dir: &std::path::Path) -> Sidecar {
     let socket = dir.join("sidecar.sock");
     let config = SidecarConfig {
         fenced: None,
+        engine_membership: None,
         index: 1,
         listen: "127.0.0.1:0".parse().unwrap(),
         local: socket.clone(),

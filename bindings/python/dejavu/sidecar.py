@@ -23,6 +23,11 @@ class SidecarClient:
 
     ``stage`` and ``rank`` name the worker; by default the stage is the one the sidecar serves
     (a spare's engine learns the stage it was assigned).
+
+    The engine is a member of the cluster through its sidecar: while this client is connected,
+    the sidecar reports the engine alive to the controller (when it has one), and the engine's
+    death closes the connection, which the controller sees at once. ``member=False`` leaves the
+    engine's liveness to the engine itself.
     """
 
     def __init__(
@@ -32,8 +37,9 @@ class SidecarClient:
         epoch: int = 0,
         stage: Optional[int] = None,
         rank: int = 0,
+        member: bool = True,
     ) -> None:
-        self.store = Store.sidecar(socket, successor, epoch)
+        self.store = Store.sidecar(socket, successor, epoch, member)
         if stage is None:
             stage = self.store.serving()["stage"]
         self.worker = (stage, rank)

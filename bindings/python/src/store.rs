@@ -140,13 +140,22 @@ impl PyStore {
     /// chunk crosses a memory region shared with it; the sidecar keeps it (the local copy, which a
     /// restarted engine fetches back through shared memory) and forwards it to the sidecar at
     /// `successor` ("host:port"). `epoch` is the engine's: a newer one takes the sidecar over
-    /// from an older engine, an older one is refused.
+    /// from an older engine, an older one is refused. With `member`, the sidecar reports the
+    /// engine's liveness to the controller for it, for as long as this connection lasts (the
+    /// engine's death is seen as soon as its process's connection closes).
     #[staticmethod]
-    #[pyo3(signature = (path, successor, epoch = 0))]
-    fn sidecar(py: Python<'_>, path: std::path::PathBuf, successor: &str, epoch: u64) -> PyResult<Self> {
+    #[pyo3(signature = (path, successor, epoch = 0, member = false))]
+    fn sidecar(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        successor: &str,
+        epoch: u64,
+        member: bool,
+    ) -> PyResult<Self> {
         let addr = resolve(successor)?;
+        let connect = if member { LocalSidecar::connect_as_member } else { LocalSidecar::connect };
         let local = py
-            .detach(|| LocalSidecar::connect(&path, epoch, addr))
+            .detach(|| connect(&path, epoch, addr))
             .map_err(|e| Error::new_err(format!("sidecar at {}: {e}", path.display())))?;
         let connection = Arc::new(Mutex::new(local));
         let shared: Arc<Mutex<dyn ChunkStore>> = connection.clone();

@@ -1,8 +1,10 @@
 """The Python package against the library: every layout, resharding, file flush/fetch, errors."""
 
 import contextlib
+import gc
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -633,3 +635,49 @@ def test_a_finished_sequence_released_is_dropped_by_the_sidecar_and_at_its_succe
         assert [p["slots"] for p in client.recovery()["resume"]] == [(1, 2)]
         with pytest.raises(dejavu.StoreError, match="cannot release"):
             dejavu.Store.file(tmp_path / "files").release((2, 0), 0, range(0, 1))
+
+
+def test_an_engine_is_a_member_through_its_sidecar_and_its_death_is_seen_at_once(tmp_path):
+    """The controller hears of a Python engine through its sidecar: alive while the client is
+    connected, fenced as soon as the connection closes (a heartbeat timeout of a minute could not
+    have done it)."""
+    import urllib.request
+
+    controller = subprocess.Popen(
+        [dejavud(), "controller", "--listen=127.0.0.1:0", f"--state={tmp_path / 'state'}",
+         "--timeout-ms=60000", "--metrics=127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    sidecar = None
+    try:
+        metrics = controller.stdout.readline().split()[1]
+        heartbeat = controller.stdout.readline().split()[1]
+        socket = tmp_path / "s0.sock"
+        sidecar = subprocess.Popen(
+            [dejavud(), "sidecar", f"--heartbeat={heartbeat}", f"--local={socket}", f"--shm-dir={tmp_path}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        assert sidecar.stdout.readline().startswith("listening ")
+
+        def gauge(name):
+            page = urllib.request.urlopen(f"http://{metrics}/metrics").read().decode()
+            return next(float(l.split()[-1]) for l in page.splitlines() if l.startswith(name + " "))
+
+        def wait_for(condition, what):
+            deadline = time.monotonic() + 10
+            while not condition():
+                assert time.monotonic() < deadline, f"never {what}"
+                time.sleep(0.01)
+
+        wait_for(lambda: gauge("dejavu_controller_lifelines") == 1, "the sidecar's lifeline")
+        client = dejavu.SidecarClient(socket, "127.0.0.1:9")
+        wait_for(lambda: gauge("dejavu_controller_lifelines") == 2, "the engine's lifeline, held by its sidecar")
+        # The engine goes: its connection to the sidecar closes.
+        del client
+        gc.collect()
+        wait_for(lambda: gauge("dejavu_controller_fences_total") == 1, "the engine fenced")
+    finally:
+        for process in (sidecar, controller):
+            if process is not None:
+                process.kill()
+                process.wait()

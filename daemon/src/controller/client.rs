@@ -107,8 +107,12 @@ impl ControllerClient {
     /// Asks the controller to take this client's connection as `member`'s lifeline (see
     /// [`super::Lifeline`]), for a process started in `epoch`, and gives the connection up: held
     /// open, with no read timeout, it is the lifeline.
-    pub(super) fn into_lifeline(mut self, member: Member, epoch: u64) -> Result<TcpStream, ControllerError> {
-        let process = std::process::id();
+    pub(super) fn into_lifeline(
+        mut self,
+        member: Member,
+        epoch: u64,
+        process: u32,
+    ) -> Result<TcpStream, ControllerError> {
         match self.try_call(&Message::Lifeline { member, epoch, process }) {
             Err(ControllerError::Refused { code: REFUSED_CLAIMED, detail, .. }) => {
                 return Err(ControllerError::Claimed { member, by: detail });

@@ -118,10 +118,23 @@ impl Lifeline {
         retry: Duration,
         secret: &[u8],
     ) -> Result<Self, ControllerError> {
+        Self::hold_for(controller, member, epoch, std::process::id(), retry, secret)
+    }
+
+    /// As [`Lifeline::hold`], for process `process`, whose member this one is held on behalf of
+    /// (a sidecar holds its engine's, for as long as the engine's connection lasts).
+    pub fn hold_for(
+        controller: SocketAddr,
+        member: Member,
+        epoch: u64,
+        process: u32,
+        retry: Duration,
+        secret: &[u8],
+    ) -> Result<Self, ControllerError> {
         let patience = retry.max(Duration::from_secs(1));
         let started = Instant::now();
         let first = loop {
-            match open(controller, member, epoch, patience, secret) {
+            match open(controller, (member, epoch, process), patience, secret) {
                 Err(claimed @ ControllerError::Claimed { .. }) if started.elapsed() >= CLAIM_PATIENCE => {
                     return Err(claimed)
                 }
@@ -141,7 +154,10 @@ impl Lifeline {
         std::thread::Builder::new().name("lifeline".into()).spawn(move || {
             let mut opened = first;
             while !stopped.load(Ordering::SeqCst) {
-                match opened.take().map_or_else(|| open(controller, member, epoch, patience, &secret), Ok) {
+                match opened
+                    .take()
+                    .map_or_else(|| open(controller, (member, epoch, process), patience, &secret), Ok)
+                {
                     Ok((stream, shutter)) => {
                         *holding.lock() = shutter;
                         // Dropped meanwhile: the drop found no connection to shut down.
@@ -187,17 +203,17 @@ impl Drop for Lifeline {
     }
 }
 
-/// A connection to the controller at `controller`, accepted as `member`'s lifeline, and a second
+/// A connection to the controller at `controller`, accepted as `member`'s lifeline (for its
+/// process started in `epoch`, `process`), and a second
 /// handle on it to shut it down from elsewhere (if one could be had); `patience` bounds each step
 /// of opening it.
 fn open(
     controller: SocketAddr,
-    member: Member,
-    epoch: u64,
+    (member, epoch, process): (Member, u64, u32),
     patience: Duration,
     secret: &[u8],
 ) -> Result<(TcpStream, Option<TcpStream>), ControllerError> {
-    let stream = ControllerClient::new(controller, patience, secret).into_lifeline(member, epoch)?;
+    let stream = ControllerClient::new(controller, patience, secret).into_lifeline(member, epoch, process)?;
     // Without a second handle the lifeline still holds; it only ends with the process.
     let shutter = stream.try_clone().ok();
     Ok((stream, shutter))

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use dejavu_proto::fencing::{newest_of, Claim, Newest};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
-use dejavulib::local::MAX_LOCAL_PAYLOAD;
+use dejavulib::local::{HELLO_MEMBER, MAX_LOCAL_PAYLOAD};
 use dejavulib::message::Message;
 use dejavulib::net::{ClientConfig, PeerClient, PeerError, PeerServer, PeerStore};
 use dejavulib::resume::HeldChunk;
@@ -36,6 +36,7 @@ use tracing::{info, warn};
 use dejavulib::shm::{SharedRegion, ShmError};
 use dejavulib::spill::Spill;
 
+use crate::membership::Membership;
 use crate::metrics::{Exposition, MetricType};
 use crate::transport::Transports;
 
@@ -128,6 +129,9 @@ pub struct SidecarConfig {
     pub spare: Option<OnAssign>,
     /// Whether the controller fenced it ([`FencedProbe`]); none without a controller.
     pub fenced: Option<FencedProbe>,
+    /// How it reports an engine's liveness on the engine's behalf ([`EngineMembership`]); none
+    /// without a controller.
+    pub engine_membership: Option<EngineMembership>,
     /// The transport to other sidecars and stages.
     pub transport: Transports,
 }
@@ -140,6 +144,18 @@ pub struct FencedProbe(pub Arc<dyn Fn() -> Option<u64> + Send + Sync>);
 impl std::fmt::Debug for FencedProbe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("FencedProbe")
+    }
+}
+
+/// Makes the membership a sidecar holds for its engine ([`HELLO_MEMBER`]): heartbeats and a
+/// lifeline as (engine, `stage`), started in `epoch`, for the engine's process `pid`; `None`
+/// without a controller. Dropped when the engine's connection ends.
+#[derive(Clone)]
+pub struct EngineMembership(pub Arc<dyn Fn(u32, u64, u32) -> Option<Membership> + Send + Sync>);
+
+impl std::fmt::Debug for EngineMembership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EngineMembership")
     }
 }
 
@@ -394,6 +410,14 @@ impl Sidecar {
         write_frame(&mut writer, &welcome, path.display().to_string().as_bytes())?;
         writer.flush()?;
         info!(stage = self.index(), epoch, %successor, "an engine connected");
+        // Its liveness, reported for it as long as this connection lasts: the lifeline ends
+        // with the connection, which ends with the engine's process.
+        let _membership = match (&self.config.engine_membership, hello.header.ids[0] & HELLO_MEMBER) {
+            (Some(member), HELLO_MEMBER) => {
+                (member.0)(self.index(), epoch, peer_pid(writer.get_ref()).unwrap_or(0))
+            }
+            _ => None,
+        };
         while let Some(frame) = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)? {
             // A frame read before a newer engine took over is not acted on.
             if self.engine.lock().connection.as_ref().map(|c| c.0) != Some(n) {
@@ -858,6 +882,24 @@ impl Sidecar {
             .sample(name, &[("stage", index.as_str()), ("transport", self.config.transport.name())], 1.0);
         page.finish()
     }
+}
+
+/// The process id of the engine at the other end of a local connection (`SO_PEERCRED`).
+fn peer_pid(stream: &impl std::os::fd::AsRawFd) -> Option<u32> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, a live ucred of that size; the
+    // descriptor belongs to `stream`, open for the call.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred.pid as u32)
 }
 
 /// Whether the peer refused `e` for a stale epoch (a newer engine of this stage has written
