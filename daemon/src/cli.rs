@@ -19,7 +19,7 @@ use crate::lifecycle::{end_on_signals, free_unix_path, ClaimError, LifeArgs};
 use crate::logging::LogArgs;
 use crate::membership::Membership;
 use crate::process::{serve_stage, serve_stage_on, Handoff, Replication, StageConfig};
-use crate::sidecar::{serve_sidecar, EngineMembership, FencedProbe, OnAssign, SidecarConfig};
+use crate::sidecar::{serve_sidecar, EngineEpoch, EngineMembership, FencedProbe, OnAssign, SidecarConfig};
 use crate::transport::TransportArgs;
 use dejavu_engine::{CacheLayout, ModelConfig};
 use dejavulib::affinity::CpuList;
@@ -459,6 +459,10 @@ pub(crate) fn announce(addr: SocketAddr, metrics: Option<SocketAddr>) {
     let _ = std::io::stdout().flush();
 }
 
+/// How long a sidecar waits for the fence of an engine that has just died before giving its
+/// replacement the fence's epoch.
+const ENGINE_EPOCH_PATIENCE: Duration = Duration::from_secs(3);
+
 /// How long a replacement keeps asking an unreachable controller for its epoch (it may be
 /// restarting).
 const REPLACEMENT_PATIENCE: Duration = Duration::from_secs(10);
@@ -517,6 +521,33 @@ impl MemberArgs {
     /// Moves the calling thread, and the threads it starts from now on, to its CPUs (if given).
     fn pin(&self) -> Result<(), CliError> {
         Ok(self.cpus.as_ref().map_or(Ok(()), |cpus| cpus.pin_current_thread())?)
+    }
+
+    /// The epoch for a new engine of `stage` that asks its sidecar for one, the last engine the
+    /// sidecar admitted having been of epoch `previous`: the epoch the controller fenced the
+    /// stage's engine in, if it awaits a replacement; if none was fenced, the last engine's epoch
+    /// (0 for the first) when the stage's engine was never a member; otherwise the fence of the
+    /// last one, waited for a few seconds (it has just died: its lifeline is closing).
+    pub(crate) fn engine_epoch(&self, stage: u32, previous: Option<u64>) -> Result<u64, String> {
+        let Some(controller) = self.heartbeat else { return Ok(previous.map_or(0, |last| last + 1)) };
+        let member = (Role::Engine, stage);
+        let mut client = ControllerClient::new(controller, Duration::from_secs(1), self.secret.as_bytes());
+        let start = Instant::now();
+        loop {
+            let census = client.census().map(|census| census.members.get(&member).copied());
+            match client.fenced_in(member) {
+                Ok(epoch) => return Ok(epoch),
+                // Never a member (or none before): the stage's first engine, or one that joins
+                // after engines that reported nothing.
+                Err(ControllerError::NotFenced(_)) if previous.is_none() || matches!(census, Ok(None)) => {
+                    return Ok(previous.unwrap_or(0))
+                }
+                Err(e) if start.elapsed() >= ENGINE_EPOCH_PATIENCE => {
+                    return Err(format!("no epoch for engine {stage}: the last one is not fenced yet ({e})"))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
     }
 
     /// Heartbeats and a lifeline as engine `stage`'s, started in `epoch`, held by a sidecar for
@@ -674,6 +705,10 @@ impl SidecarArgs {
             spare,
             fenced: Some(fenced),
             engine_membership: self.member.heartbeat.is_some().then_some(engine_membership),
+            engine_epoch: self.member.heartbeat.is_some().then(|| {
+                let member = self.member.clone();
+                EngineEpoch(Arc::new(move |stage, previous| member.engine_epoch(stage, previous)))
+            }),
             index: self.index,
             listen: self.listen,
             local: self.local,

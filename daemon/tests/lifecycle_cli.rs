@@ -337,14 +337,40 @@ fn an_engine_that_reports_nothing_itself_is_a_member_through_its_sidecar() {
     let plain = LocalSidecar::connect(&local, 0, successor).unwrap();
     assert!(client.census().unwrap().is_dead(engine), "nobody reports the plain engine");
     drop(plain);
-    let member = LocalSidecar::connect_as_member(&local, 0, successor).unwrap();
+    // It asks its sidecar for its epoch: the stage's first engine's.
+    let member = LocalSidecar::join(&local, successor).unwrap();
+    assert_eq!(member.epoch(), 0);
     wait_until(&mut client, "alive", &|c| !c.is_dead(engine));
     // Its death (the connection closes with its process) is seen at once: fenced, long before
     // a heartbeat timeout of a minute.
     drop(member);
     wait_until(&mut client, "fenced", &|c| c.is_fenced(engine));
     let fenced_in = client.fenced_in(engine).unwrap();
-    // Its replacement connects in the fence's epoch and is a member again.
-    let _replacement = LocalSidecar::connect_as_member(&local, fenced_in, successor).unwrap();
+    // Its replacement learns the fence's epoch from the sidecar and is a member again.
+    let replacement = LocalSidecar::join(&local, successor).unwrap();
+    assert_eq!(replacement.epoch(), fenced_in);
     wait_until(&mut client, "alive again", &|c| !c.is_dead(engine) && !c.is_fenced(engine));
+    // And so on: each replacement in the epoch of its predecessor's fence.
+    drop(replacement);
+    wait_until(&mut client, "fenced again", &|c| c.is_fenced(engine));
+    let again = client.fenced_in(engine).unwrap();
+    assert!(again > fenced_in);
+    assert_eq!(LocalSidecar::join(&local, successor).unwrap().epoch(), again);
+}
+
+#[test]
+fn without_a_controller_each_engine_that_joins_takes_over_in_a_newer_epoch() {
+    use dejavulib::local::LocalSidecar;
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("s0.sock");
+    let _sidecar = sidecar(&local);
+    let successor: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let first = LocalSidecar::join(&local, successor).unwrap();
+    assert_eq!(first.epoch(), 0);
+    let second = LocalSidecar::join(&local, successor).unwrap();
+    assert_eq!(second.epoch(), 1);
+    assert!(
+        first.is_closed() || LocalSidecar::connect(&local, 0, successor).is_err(),
+        "the first is cut off"
+    );
 }

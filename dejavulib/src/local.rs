@@ -4,7 +4,7 @@
 //!
 //! | request (engine) | reply (sidecar) |
 //! |---|---|
-//! | `Hello`, epoch = the engine's, id 0 = flags ([`HELLO_MEMBER`]), payload = the successor sidecar's address | `Welcome`, ids 0-1 = the region's capacity, payload = its file; `Error` (`StaleEpoch`) if a newer engine is connected |
+//! | `Hello`, epoch = the engine's, id 0 = flags ([`HELLO_MEMBER`], [`HELLO_EPOCH_FROM_SIDECAR`]), payload = the successor sidecar's address | `Welcome`, epoch = the engine's (the sidecar's choice with [`HELLO_EPOCH_FROM_SIDECAR`]), ids 0-1 = the region's capacity, payload = its file; `Error` (`StaleEpoch`) if a newer engine is connected |
 //! | [`Message::Mapped`] | [`Message::Done`]; the sidecar removes the region's file |
 //! | `Put`, id 0 = length of the chunk (header and payload) written into the region | `PutAck` once the sidecar keeps it and has forwarded it to the successor; `Error` otherwise |
 //! | `Get`, payload = a chunk key | `GetReply`, id 0 = length of the chunk written into the region; `Error` (`NotFound`) |
@@ -35,6 +35,10 @@ use crate::wire::{read_frame, write_frame, ErrorCode, Frame, FrameError, FrameHe
 /// A `Hello` flag (id 0): the sidecar is to report the engine's liveness to the controller on
 /// its behalf, for as long as the connection lasts ([`LocalSidecar::connect_as_member`]).
 pub const HELLO_MEMBER: u32 = 1;
+
+/// A `Hello` flag (id 0): the engine does not know its epoch, the sidecar gives it one, in the
+/// `Welcome`'s epoch ([`LocalSidecar::join`]).
+pub const HELLO_EPOCH_FROM_SIDECAR: u32 = 2;
 
 /// Largest payload of a frame on the local socket (addresses, keys, paths, reasons).
 pub const MAX_LOCAL_PAYLOAD: u64 = 64 << 10;
@@ -102,6 +106,8 @@ pub struct LocalSidecar {
     path: PathBuf,
     channel: Channel,
     region: SharedRegion,
+    /// The engine's epoch, as it said it or as the sidecar gave it ([`LocalSidecar::join`]).
+    epoch: u64,
 }
 
 /// Request and reply frames on the local socket.
@@ -213,6 +219,20 @@ impl LocalSidecar {
         Self::connect_with(path, epoch, successor, HELLO_MEMBER)
     }
 
+    /// As [`LocalSidecar::connect_as_member`], in the epoch the sidecar gives the engine
+    /// ([`HELLO_EPOCH_FROM_SIDECAR`]): the one the controller fenced the stage's engine in, when
+    /// it awaits a replacement (the sidecar waits a moment for the fence of an engine that has
+    /// just died); 0 for the stage's first engine; without a controller, one newer than the last
+    /// engine's. [`LocalSidecar::epoch`] says which.
+    pub fn join(path: &Path, successor: SocketAddr) -> Result<Self, LocalError> {
+        Self::connect_with(path, 0, successor, HELLO_MEMBER | HELLO_EPOCH_FROM_SIDECAR)
+    }
+
+    /// The engine's epoch on this connection.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
     fn connect_with(path: &Path, epoch: u64, successor: SocketAddr, flags: u32) -> Result<Self, LocalError> {
         let mut channel = Channel::new(UnixStream::connect(path)?)?;
         let welcome = channel.call(
@@ -222,12 +242,14 @@ impl LocalSidecar {
             successor.to_string().as_bytes(),
             Kind::Welcome,
         )?;
+        // The sidecar's choice, if it was asked to choose; the engine's own otherwise.
+        let epoch = welcome.header.epoch;
         let capacity = welcome.header.ids[0] as u64 | (welcome.header.ids[1] as u64) << 32;
         let file = String::from_utf8(welcome.payload)
             .map_err(|_| LocalError::Protocol("a region path that is not UTF-8".into()))?;
         let region = SharedRegion::open(Path::new(&file), capacity as usize, epoch)?;
         channel.command(epoch, &Message::Mapped)?;
-        Ok(Self { path: path.to_owned(), channel, region })
+        Ok(Self { path: path.to_owned(), channel, region, epoch })
     }
 
     /// Has the sidecar at `path` forward to `successor` from now on, over a connection of its own

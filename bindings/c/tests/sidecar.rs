@@ -43,6 +43,7 @@ fn sidecar(dir: &std::path::Path) -> Sidecar {
     let config = SidecarConfig {
         fenced: None,
         engine_membership: None,
+        engine_epoch: None,
         index: 1,
         listen: "127.0.0.1:0".parse().unwrap(),
         local: socket.clone(),

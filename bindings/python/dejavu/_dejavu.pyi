@@ -158,10 +158,15 @@ class Store:
     def peer(address: str, secret: bytes, node: int = 0, epoch: int = 0) -> "Store":
         """Chunks on a ``PeerServer`` at "host:port", over TCP with the cluster's HMAC handshake."""
     @staticmethod
-    def sidecar(path: Union[str, PathLike], successor: str, epoch: int = 0, member: bool = False) -> "Store":
+    def sidecar(
+        path: Union[str, PathLike], successor: str, epoch: Optional[int] = 0, member: bool = False
+    ) -> "Store":
         """The engine's own ``dejavud sidecar`` at its local socket ``path``: chunks cross shared
         memory; the sidecar keeps them and forwards them to the sidecar at ``successor``
         ("host:port"). A newer ``epoch`` takes the sidecar over; an older one is refused."""
+    def epoch(self) -> int:
+        """The engine's epoch on its sidecar connection (sidecar stores only): the one given, or,
+        with ``epoch=None``, the one the sidecar gave it."""
     def serving(self) -> dict:
         """What the sidecar serves as (sidecar stores only; ``TypeError`` otherwise): ``stage``,
         ``epoch`` and ``successor`` (or None); an error from a spare not assigned yet."""

@@ -24,6 +24,9 @@ class SidecarClient:
     ``stage`` and ``rank`` name the worker; by default the stage is the one the sidecar serves
     (a spare's engine learns the stage it was assigned).
 
+    Without an ``epoch``, the sidecar gives the engine one (``client.epoch``): the stage's first
+    engine's, or, for a replacement, the epoch the controller fenced its predecessor in.
+
     The engine is a member of the cluster through its sidecar: while this client is connected,
     the sidecar reports the engine alive to the controller (when it has one), and the engine's
     death closes the connection, which the controller sees at once. ``member=False`` leaves the
@@ -34,12 +37,15 @@ class SidecarClient:
         self,
         socket: Union[str, PathLike],
         successor: str,
-        epoch: int = 0,
+        epoch: Optional[int] = None,
         stage: Optional[int] = None,
         rank: int = 0,
         member: bool = True,
     ) -> None:
         self.store = Store.sidecar(socket, successor, epoch, member)
+        #: The engine's epoch: the one given, or, by default, the one its sidecar gave it (a
+        #: replacement's is the epoch the controller fenced the stage's engine in).
+        self.epoch = self.store.epoch()
         if stage is None:
             stage = self.store.serving()["stage"]
         self.worker = (stage, rank)

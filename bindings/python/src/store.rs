@@ -144,22 +144,33 @@ impl PyStore {
     /// engine's liveness to the controller for it, for as long as this connection lasts (the
     /// engine's death is seen as soon as its process's connection closes).
     #[staticmethod]
-    #[pyo3(signature = (path, successor, epoch = 0, member = false))]
+    /// With `epoch=None`, the engine joins as a member in the epoch its sidecar gives it: the one
+    /// the controller fenced the stage's engine in, for a replacement (`Store.epoch()` says).
+    #[pyo3(signature = (path, successor, epoch = Some(0), member = false))]
     fn sidecar(
         py: Python<'_>,
         path: std::path::PathBuf,
         successor: &str,
-        epoch: u64,
+        epoch: Option<u64>,
         member: bool,
     ) -> PyResult<Self> {
         let addr = resolve(successor)?;
-        let connect = if member { LocalSidecar::connect_as_member } else { LocalSidecar::connect };
         let local = py
-            .detach(|| connect(&path, epoch, addr))
+            .detach(|| match (epoch, member) {
+                (None, _) => LocalSidecar::join(&path, addr),
+                (Some(epoch), true) => LocalSidecar::connect_as_member(&path, epoch, addr),
+                (Some(epoch), false) => LocalSidecar::connect(&path, epoch, addr),
+            })
             .map_err(|e| Error::new_err(format!("sidecar at {}: {e}", path.display())))?;
         let connection = Arc::new(Mutex::new(local));
         let shared: Arc<Mutex<dyn ChunkStore>> = connection.clone();
         Ok(Self { inner: Shared(shared), kind: "sidecar", sidecar: Some(Shared(connection)) })
+    }
+
+    /// The engine's epoch on its sidecar connection (sidecar stores only): the one it gave, or the
+    /// one its sidecar gave it.
+    fn epoch(&self) -> PyResult<u64> {
+        Ok(self.connection()?.0.lock().epoch())
     }
 
     /// What the sidecar serves as (sidecar stores only): a dict with the `stage` (a spare's

@@ -671,11 +671,16 @@ def test_an_engine_is_a_member_through_its_sidecar_and_its_death_is_seen_at_once
 
         wait_for(lambda: gauge("dejavu_controller_lifelines") == 1, "the sidecar's lifeline")
         client = dejavu.SidecarClient(socket, "127.0.0.1:9")
+        assert client.epoch == 0, "the stage's first engine"
         wait_for(lambda: gauge("dejavu_controller_lifelines") == 2, "the engine's lifeline, held by its sidecar")
         # The engine goes: its connection to the sidecar closes.
         del client
         gc.collect()
         wait_for(lambda: gauge("dejavu_controller_fences_total") == 1, "the engine fenced")
+        # Its replacement learns from the sidecar the epoch it was fenced in, and is a member.
+        replacement = dejavu.SidecarClient(socket, "127.0.0.1:9")
+        assert replacement.epoch == gauge("dejavu_controller_epoch") == 1
+        wait_for(lambda: gauge("dejavu_controller_lifelines") == 2, "the replacement's lifeline")
     finally:
         for process in (sidecar, controller):
             if process is not None:

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use dejavu_proto::fencing::{newest_of, Claim, Newest};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
-use dejavulib::local::{HELLO_MEMBER, MAX_LOCAL_PAYLOAD};
+use dejavulib::local::{HELLO_EPOCH_FROM_SIDECAR, HELLO_MEMBER, MAX_LOCAL_PAYLOAD};
 use dejavulib::message::Message;
 use dejavulib::net::{ClientConfig, PeerClient, PeerError, PeerServer, PeerStore};
 use dejavulib::resume::HeldChunk;
@@ -132,6 +132,9 @@ pub struct SidecarConfig {
     /// How it reports an engine's liveness on the engine's behalf ([`EngineMembership`]); none
     /// without a controller.
     pub engine_membership: Option<EngineMembership>,
+    /// How it finds the epoch of an engine that asks ([`EngineEpoch`]); without a controller, one
+    /// newer than the last engine's.
+    pub engine_epoch: Option<EngineEpoch>,
     /// The transport to other sidecars and stages.
     pub transport: Transports,
 }
@@ -156,6 +159,17 @@ pub struct EngineMembership(pub Arc<dyn Fn(u32, u64, u32) -> Option<Membership> 
 impl std::fmt::Debug for EngineMembership {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("EngineMembership")
+    }
+}
+
+/// The epoch a sidecar gives an engine that asks for one ([`HELLO_EPOCH_FROM_SIDECAR`]), for
+/// `stage`, given the epoch of the last engine it admitted (if any); or why it cannot say.
+#[derive(Clone)]
+pub struct EngineEpoch(pub Arc<dyn Fn(u32, Option<u64>) -> Result<u64, String> + Send + Sync>);
+
+impl std::fmt::Debug for EngineEpoch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EngineEpoch")
     }
 }
 
@@ -382,7 +396,23 @@ impl Sidecar {
             reply_error(&mut writer, &hello, ErrorCode::StaleEpoch, &reason)?;
             return Err(SidecarError::Protocol(reason));
         }
-        let epoch = hello.header.epoch;
+        let epoch = if hello.header.ids[0] & HELLO_EPOCH_FROM_SIDECAR != 0 {
+            let previous = self.engine.lock().newest.epoch();
+            let chosen = match &self.config.engine_epoch {
+                Some(ask) => (ask.0)(self.index(), previous),
+                // Without a controller, a restarted engine takes over from the last one.
+                None => Ok(previous.map_or(0, |last| last + 1)),
+            };
+            match chosen {
+                Ok(epoch) => epoch,
+                Err(reason) => {
+                    reply_error(&mut writer, &hello, ErrorCode::Other, &reason)?;
+                    return Err(SidecarError::Protocol(reason));
+                }
+            }
+        } else {
+            hello.header.epoch
+        };
         let successor = parse_addr(&hello.payload)?;
         let n = self.connections.fetch_add(1, Ordering::Relaxed);
         {
