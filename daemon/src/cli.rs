@@ -14,7 +14,7 @@ use crate::controller::{
     serve_controller, ControllerClient, ControllerConfig, ControllerError, Lifeline, Member,
 };
 use crate::handoff::Shapes;
-use crate::heartbeat::{beat, spare_member, Role};
+use crate::heartbeat::{beat, beat_serving, spare_member, Role};
 use crate::lifecycle::{end_on_signals, free_unix_path, ClaimError, LifeArgs};
 use crate::logging::LogArgs;
 use crate::membership::Membership;
@@ -427,6 +427,13 @@ pub struct ControllerArgs {
     /// replays it).
     #[arg(long, value_name = "FILE")]
     pub journal: Option<PathBuf>,
+    /// The ring's stages, to have the controller restore replaced sidecars itself: when a fenced
+    /// stage's replacement sidecar (`sidecar --replace STAGE`, on a fixed `--listen` port) beats,
+    /// the surviving predecessor's sidecar re-seeds it and the surviving successor's hands it the
+    /// stage's own KV, which the replacement engine then restores. Without it, whoever drives the
+    /// pipeline carries recoveries out (the demo).
+    #[arg(long, value_name = "N")]
+    pub stages: Option<u32>,
     /// Read flags from this TOML file first (`timeout_ms = 300`, `die_with_parent = true`, ...):
     /// flags on the command line win.
     #[arg(long, value_name = "FILE")]
@@ -497,7 +504,7 @@ impl MemberArgs {
     /// is dropped).
     pub(crate) fn start(&self, role: Role, index: u32) -> Result<Option<Membership>, CliError> {
         self.init("a spare", || {})?;
-        self.beat(role, index, self.epoch, None)
+        self.beat(role, index, self.epoch, (None, None))
     }
 
     /// Takes the secret from `--secret-file` if given, and refuses the default one where the
@@ -568,13 +575,13 @@ impl MemberArgs {
     }
 
     /// Its heartbeats as (`role`, `index`), started in `epoch`, naming its control listener's
-    /// port (if it has one), if it has a controller.
+    /// port and its KV transport's (if it has them), if it has a controller.
     pub(crate) fn beat(
         &self,
         role: Role,
         index: u32,
         epoch: u64,
-        control_port: Option<u16>,
+        ports: (Option<u16>, Option<u16>),
     ) -> Result<Option<Membership>, CliError> {
         let Some(to) = self.heartbeat else { return Ok(None) };
         let interval = Duration::from_millis(self.heartbeat_ms);
@@ -584,7 +591,7 @@ impl MemberArgs {
             refused => CliError::Member(refused),
         })?;
         let heartbeat =
-            beat(to, (role, index), epoch, interval, control_port, secret).map_err(CliError::Heartbeat)?;
+            beat_serving(to, (role, index), epoch, interval, ports, secret).map_err(CliError::Heartbeat)?;
         Ok(Some(Membership::new(heartbeat, lifeline)))
     }
 }
@@ -612,7 +619,7 @@ impl StageArgs {
         self.member.init("the stage", || {})?;
         self.member.secure(&[self.listen])?;
         let this = self.resolved()?;
-        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, None)?;
+        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, (None, None))?;
         let (listen, metrics) = (this.listen, this.member.metrics);
         Ok(serve_stage(this.config()?, listen, metrics, announce)?)
     }
@@ -626,7 +633,7 @@ impl StageArgs {
     ) -> Result<(), CliError> {
         self.member.pin()?;
         let this = self.resolved()?;
-        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, None)?;
+        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, (None, None))?;
         let metrics = this.member.metrics;
         Ok(serve_stage_on(this.config()?, listener, metrics, assigned)?)
     }
@@ -682,14 +689,22 @@ impl SidecarArgs {
             |source| CliError::Listen { what: "for control", at: self.listen.ip().to_string(), source };
         let control = std::net::TcpListener::bind((self.listen.ip(), 0)).map_err(listen)?;
         let port = control.local_addr().map_err(listen)?.port();
-        let heartbeat =
-            Arc::new(Mutex::new(self.member.beat(Role::Sidecar, member, self.member.epoch, Some(port))?));
+        // Named only when fixed: a port the system picks is known once the transport listens.
+        let data_port = Some(self.listen.port()).filter(|&port| port != 0);
+        let heartbeat = Arc::new(Mutex::new(self.member.beat(
+            Role::Sidecar,
+            member,
+            self.member.epoch,
+            (Some(port), data_port),
+        )?));
         let spare = self.spare.map(|_| {
             let (args, heartbeat) = (self.member.clone(), heartbeat.clone());
             // Assigned: it beats as that stage's sidecar, in the recovery's epoch.
-            OnAssign(Arc::new(move |stage, epoch| match args.beat(Role::Sidecar, stage, epoch, Some(port)) {
-                Ok(beats) => *heartbeat.lock() = beats,
-                Err(e) => tracing::warn!(error = %e, "an assigned spare cannot send heartbeats"),
+            OnAssign(Arc::new(move |stage, epoch| {
+                match args.beat(Role::Sidecar, stage, epoch, (Some(port), data_port)) {
+                    Ok(beats) => *heartbeat.lock() = beats,
+                    Err(e) => tracing::warn!(error = %e, "an assigned spare cannot send heartbeats"),
+                }
             }))
         });
         let probe = heartbeat.clone();
@@ -743,6 +758,7 @@ impl ControllerArgs {
             metrics: self.metrics,
             secret: secret.into_bytes(),
             journal: self.journal,
+            stages: self.stages,
         };
         Ok(serve_controller(config, announce)?)
     }

@@ -72,6 +72,9 @@ pub struct Beat {
     pub sequence: u64,
     /// The port of the sender's control listener, on the datagram's source address.
     pub control_port: Option<u16>,
+    /// The port of the sender's KV transport (a sidecar's `--listen`), on the same address, when
+    /// it is fixed: where a recovery sends a replaced sidecar the KV it must hold.
+    pub data_port: Option<u16>,
 }
 
 impl Beat {
@@ -79,7 +82,8 @@ impl Beat {
     pub fn encode(&self, secret: &[u8]) -> [u8; DATAGRAM_LEN] {
         let (role, index) = self.member;
         let mut header = FrameHeader::new(Kind::Heartbeat, self.pid, self.epoch, self.sequence);
-        header.ids = [role as u32, index, self.control_port.map_or(0, u32::from), 0];
+        header.ids =
+            [role as u32, index, self.control_port.map_or(0, u32::from), self.data_port.map_or(0, u32::from)];
         let signature = sign(secret, SIGNED_AS, &header.encode(&[]));
         let mut datagram = [0u8; DATAGRAM_LEN];
         datagram[..FRAME_HEADER_LEN].copy_from_slice(&header.encode(&signature));
@@ -99,6 +103,18 @@ pub fn beat(
     control_port: Option<u16>,
     secret: &[u8],
 ) -> std::io::Result<Heartbeat> {
+    beat_serving(controller, member, epoch, interval, (control_port, None), secret)
+}
+
+/// As [`beat`], naming the sender's control listener's port and its KV transport's port.
+pub fn beat_serving(
+    controller: SocketAddr,
+    member: (Role, u32),
+    epoch: u64,
+    interval: Duration,
+    (control_port, data_port): (Option<u16>, Option<u16>),
+    secret: &[u8],
+) -> std::io::Result<Heartbeat> {
     // Bound to no address in particular: the route to the controller picks the source, on
     // loopback or from a network namespace of the worker's own.
     let unspecified: SocketAddr = match controller {
@@ -106,7 +122,7 @@ pub fn beat(
         SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
     };
     let socket = UdpSocket::bind(unspecified)?;
-    let mut beat = Beat { member, pid: std::process::id(), epoch, sequence: 0, control_port };
+    let mut beat = Beat { member, pid: std::process::id(), epoch, sequence: 0, control_port, data_port };
     let secret = secret.to_vec();
     let stop = Arc::new(AtomicBool::new(false));
     let stopped = stop.clone();
@@ -145,13 +161,14 @@ pub fn decode(datagram: &[u8], secret: &[u8]) -> Option<Beat> {
         1 => Role::Sidecar,
         _ => return None,
     };
-    let control_port = u16::try_from(header.ids[2]).ok().filter(|&port| port != 0);
+    let port = |id: u32| u16::try_from(id).ok().filter(|&port| port != 0);
     Some(Beat {
         member: (role, header.ids[1]),
         pid: header.sender,
         epoch: header.epoch,
         sequence: header.request,
-        control_port,
+        control_port: port(header.ids[2]),
+        data_port: port(header.ids[3]),
     })
 }
 
@@ -189,7 +206,14 @@ mod tests {
 
     #[test]
     fn forged_corrupted_and_foreign_datagrams_are_refused() {
-        let beat = Beat { member: (Role::Engine, 2), pid: 9, epoch: 4, sequence: 77, control_port: None };
+        let beat = Beat {
+            member: (Role::Engine, 2),
+            pid: 9,
+            epoch: 4,
+            sequence: 77,
+            control_port: None,
+            data_port: None,
+        };
         let datagram = beat.encode(SECRET);
         assert_eq!(decode(&datagram, SECRET), Some(beat));
         for bit in 0..DATAGRAM_LEN * 8 {

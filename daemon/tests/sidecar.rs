@@ -237,6 +237,7 @@ fn a_successor_pointed_at_the_controller_says_so_and_the_local_copy_is_kept() {
         metrics: None,
         secret: dejavud::cli::DEFAULT_SECRET.as_bytes().to_vec(),
         journal: None,
+        stages: None,
     };
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

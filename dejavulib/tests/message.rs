@@ -143,6 +143,7 @@ fn every_message() -> Vec<Message> {
         Message::Lifeline { member: (Role::Engine, 1 << 20), epoch: 2, process: 4242 },
         Message::Epoch(u64::MAX - 1),
         Message::Fenced(9),
+        Message::HandBack { stage: 3, to: "10.0.0.7:7500".parse().unwrap() },
         Message::Recover { epoch: 7, book: vec![addr("127.0.0.1:5"), addr("[::1]:6")] },
         Message::Orders(orders),
         Message::ReseedRestored { epoch: 8, book: vec![addr("127.0.0.1:5")] },

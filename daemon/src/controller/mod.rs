@@ -149,6 +149,11 @@ struct Tables {
     /// The sending end of each member's current lifeline, with its number: a fence tells the
     /// fenced process on it.
     lifelines: HashMap<Member, (u64, TcpStream)>,
+    /// Where each sidecar that names a fixed one serves KV, as its latest heartbeat says.
+    data: HashMap<Member, SocketAddr>,
+    /// Where a fenced sidecar's replacement is announced, once it beats, when the controller
+    /// restores replaced sidecars itself.
+    replaced: Option<crossbeam_channel::Sender<u32>>,
 }
 
 /// Counters for the metrics page.
@@ -212,7 +217,7 @@ impl Tables {
     /// Records a heartbeat `beat` that came from `from`; returns whether the state file must be
     /// written (a new member, or a fenced one's replacement).
     fn heard(&mut self, beat: Beat, from: SocketAddr, counters: &Counters) -> bool {
-        let Beat { member, epoch, sequence, control_port, .. } = beat;
+        let Beat { member, epoch, sequence, control_port, data_port, .. } = beat;
         let now = self.now();
         let (first_of_process, fenced_for_ms, gap_ms) =
             match self.liveness.heartbeat(liveness::Beat { member, epoch, sequence }, now) {
@@ -232,6 +237,9 @@ impl Tables {
         if let Some(port) = control_port {
             self.controls.insert(member, SocketAddr::new(from.ip(), port));
         }
+        if let Some(port) = data_port {
+            self.data.insert(member, SocketAddr::new(from.ip(), port));
+        }
         counters.heartbeats.fetch_add(1, Ordering::Relaxed);
         if let Some(gap) = gap_ms {
             // A beat is missed when the gap holds more than one interval (with some slack).
@@ -242,6 +250,9 @@ impl Tables {
         if let Some(waited) = fenced_for_ms {
             counters.replacements.fetch_add(1, Ordering::Relaxed);
             counters.replacement_micros.fetch_add(waited * 1000, Ordering::Relaxed);
+            if let (Some(replaced), (Role::Sidecar, stage)) = (&self.replaced, member) {
+                let _ = replaced.send(stage);
+            }
         }
         first_of_process
     }
@@ -318,6 +329,11 @@ pub struct ControllerConfig {
     pub secret: Vec<u8>,
     /// Where to append the journal of its liveness machine, if anywhere.
     pub journal: Option<PathBuf>,
+    /// The ring's stages, when the controller restores replaced sidecars itself: once a fenced
+    /// stage's replacement sidecar beats, it has the surviving predecessor's sidecar re-seed it
+    /// and the surviving successor's hand back the stage's own KV (`recovery::restore_replaced`).
+    /// `None` when whoever drives the pipeline carries recoveries out (the demo's cluster).
+    pub stages: Option<u32>,
 }
 
 /// Query connections served at once; more are closed as they come (each has a thread).
@@ -424,8 +440,15 @@ pub fn serve_controller(
         interval: config.interval,
         journal,
         lifelines: HashMap::new(),
+        data: HashMap::new(),
+        replaced: None,
     };
     let mut tables = tables;
+    let replaced = config.stages.map(|depth| {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        tables.replaced = Some(tx);
+        (depth, rx)
+    });
     tables.save()?;
     let tables = Arc::new(Mutex::new(tables));
     let counters = Arc::new(Counters::default());
@@ -445,6 +468,14 @@ pub fn serve_controller(
         std::thread::Builder::new()
             .name("detector".into())
             .spawn(move || detect_failures(&udp, &tables, &counters, &events, wake))?;
+    }
+    if let Some((depth, replacements)) = replaced {
+        let (tables, counters) = (tables.clone(), counters.clone());
+        std::thread::Builder::new().name("replacements".into()).spawn(move || {
+            for stage in replacements {
+                recovery::restore_replaced(&tables, &counters, stage, depth);
+            }
+        })?;
     }
     let metrics = match config.metrics {
         Some(at) => {
@@ -693,6 +724,7 @@ mod tests {
             metrics: Some("127.0.0.1:0".parse().unwrap()),
             secret: SECRET.to_vec(),
             journal: None,
+            stages: None,
         };
         let (tx, rx) = crossbeam_channel::bounded(1);
         std::thread::spawn(move || {
@@ -725,8 +757,14 @@ mod tests {
         let foreign = beat(addr, (Role::Engine, 5), 0, EVERY, None, b"another cluster").unwrap();
         // A member beating with growing sequence numbers stays alive past the timeout (200 ms)...
         let sender = UdpSocket::bind("127.0.0.1:0").unwrap();
-        let mut recorded =
-            Beat { member: (Role::Engine, 0), pid: 1, epoch: 0, sequence: 0, control_port: None };
+        let mut recorded = Beat {
+            member: (Role::Engine, 0),
+            pid: 1,
+            epoch: 0,
+            sequence: 0,
+            control_port: None,
+            data_port: None,
+        };
         let until = Instant::now() + Duration::from_millis(500);
         while Instant::now() < until {
             recorded.sequence += 1;
@@ -998,6 +1036,7 @@ mod tests {
             metrics: None,
             secret: SECRET.to_vec(),
             journal: None,
+            stages: None,
         };
         let error = serve_controller(config, |_, _| panic!("it cannot be ready")).unwrap_err();
         assert!(matches!(error, ControllerError::Io(_)), "{error}");

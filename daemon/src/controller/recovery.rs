@@ -23,7 +23,7 @@ use dejavu_proto::plan::{self, Loss, Reseed, Source};
 use dejavulib::message::{Mark, RecoveryOrders, StageOrders};
 use dejavulib::resume::resume_points;
 use parking_lot::Mutex;
-use tracing::info;
+use tracing::{debug, error, info, warn};
 
 use super::{ControllerError, Counters, Member, Tables};
 use crate::heartbeat::Role;
@@ -149,4 +149,71 @@ fn control_of(tables: &Mutex<Tables>, member: Member) -> Result<SidecarControl, 
             None => std::thread::sleep(Duration::from_millis(5)),
         }
     }
+}
+
+/// How long the restore of a replaced sidecar tries again (its transport may not listen yet when
+/// its first heartbeat comes).
+const RESTORE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The restore of stage `stage`'s replaced sidecar in a ring of `depth` stages, which the
+/// controller carries out itself (`--stages`) once the replacement beats: the surviving
+/// predecessor's sidecar re-seeds it with the replica it must hold and forwards there from now
+/// on, and the surviving successor's hands it back the stage's own KV, which the stage's
+/// replacement engine restores from it (through shared memory, as after an engine restart). A
+/// neighbour replaced too has nothing to give: the stage's KV is recomputed, and the replica
+/// comes once that neighbour's engine writes again.
+pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stage: u32, depth: u32) {
+    if stage >= depth {
+        warn!(stage, depth, "a replaced sidecar outside the ring: nothing restored");
+        return;
+    }
+    let started = Instant::now();
+    let (to, predecessor, successor) = {
+        let tables = tables.lock();
+        let Some(&to) = tables.data.get(&(Role::Sidecar, stage)) else {
+            warn!(stage, "a replaced sidecar names no fixed --listen port: nothing restored");
+            return;
+        };
+        // A neighbour awaiting its own replacement holds nothing to give.
+        let alive = |neighbour: u32| {
+            let member = (Role::Sidecar, neighbour);
+            (neighbour != stage && tables.liveness.membership(member).is_some_and(|m| !m.awaiting))
+                .then_some(neighbour)
+        };
+        (to, alive((stage + depth - 1) % depth), alive((stage + 1) % depth))
+    };
+    let mut sent = 0;
+    loop {
+        let attempt = (|| {
+            let mut sent = 0;
+            if let Some(from) = predecessor {
+                sent += control_of(tables, (Role::Sidecar, from))?.reseed(to)?;
+            }
+            if let Some(holder) = successor {
+                sent += control_of(tables, (Role::Sidecar, holder))?.hand_back(stage, to)?;
+            }
+            Ok::<_, ControllerError>(sent)
+        })();
+        match attempt {
+            Ok(chunks) => {
+                sent += chunks;
+                break;
+            }
+            Err(e) if started.elapsed() < RESTORE_PATIENCE => {
+                debug!(stage, error = %e, "restoring a replaced sidecar: trying again");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => {
+                error!(stage, error = %e, "could not restore a replaced sidecar");
+                return;
+            }
+        }
+    }
+    if successor.is_none() {
+        warn!(stage, "the replaced sidecar's successor was replaced too: the stage's KV is recomputed");
+    }
+    counters.recoveries.fetch_add(1, Ordering::Relaxed);
+    counters.recovery_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+    counters.reseeded_chunks.fetch_add(sent, Ordering::Relaxed);
+    info!(stage, %to, chunks = sent, took = ?started.elapsed(), "restored a replaced sidecar");
 }

@@ -14,6 +14,9 @@
 //!   starts all at once); the reply ([`Message::Reseeded`]) says how many. A replaced
 //!   successor's sidecar gets the replica it must hold this way.
 //!
+//! - [`Message::HandBack`]: send every chunk of a stage it holds (its predecessor's replica) to
+//!   the sidecar that replaced that stage's, which keeps them as its local copy.
+//!
 //! A connection first proves the cluster secret (the transports' HMAC challenge-response,
 //! [`dejavulib::net::auth`]); one that cannot is closed before any request is read. A refusal is
 //! an `Error` frame whose payload says why. At most [`MAX_CONTROL_CONNECTIONS`] are served at once.
@@ -27,7 +30,7 @@ use std::time::Duration;
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
 use dejavulib::message::Message;
 use dejavulib::net::auth::{client_handshake_blocking, server_handshake_blocking};
-use dejavulib::net::PeerStore;
+use dejavulib::net::{ClientConfig, PeerStore};
 use dejavulib::resume::HeldChunk;
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameError, Kind};
 use dejavulib::ChunkStore;
@@ -103,6 +106,10 @@ fn answer(sidecar: &Sidecar, stream: TcpStream) -> Result<(), SidecarError> {
                 info!(stage = sidecar.index(), %to, chunks, "re-seeded a new successor");
                 Message::Reseeded { chunks }
             }),
+            Message::HandBack { stage, to } => sidecar.hand_back(stage, to).map(|chunks| {
+                info!(stage = sidecar.index(), of = stage, %to, chunks, "handed a replica back to a replaced sidecar");
+                Message::Reseeded { chunks }
+            }),
             other => Err(SidecarError::Protocol(format!("unexpected {other:?}"))),
         };
         match answer {
@@ -138,25 +145,48 @@ impl Sidecar {
         };
         let store = successor.store.lock();
         store.client().set_epoch(epoch);
-        let mut own: Vec<HeldChunk> = self.kept_for(self.index()).collect();
-        own.sort_unstable_by_key(|chunk| chunk.put);
+        let sent = self.send_held(self.index(), &store, to)?;
+        super::add(&self.stats.reseeded_chunks, sent);
+        Ok(sent)
+    }
+
+    /// Sends every chunk of `stage` it holds (the replica of its predecessor's KV) to the sidecar
+    /// at `to`, which replaced that stage's sidecar after its worker died: they become the
+    /// replacement's local copy, which the stage's replacement engine restores from. Returns how
+    /// many it sent.
+    fn hand_back(&self, stage: u32, to: SocketAddr) -> Result<u64, SidecarError> {
+        let mut client = ClientConfig::new(self.config.secret.clone(), self.index());
+        // As the engine in use, as its forwards: the replacement refuses a sender's older epochs.
+        let newest = self.engine.lock().newest.epoch();
+        client.epoch = newest.unwrap_or_else(|| self.assigned_epoch.load(Ordering::SeqCst));
+        let transport = self.config.transport.make().map_err(|e| SidecarError::Protocol(e.to_string()))?;
+        let store = PeerStore::new(self.runtime.clone(), transport, to, client);
+        let sent = self.send_held(stage, &store, to)?;
+        super::add(&self.stats.reseeded_chunks, sent);
+        Ok(sent)
+    }
+
+    /// Sends every chunk of `stage` it holds to `store` (at `to`), in put order: each sequence's
+    /// start alone, the chunks between two starts together (see [`Sidecar::reseed`]).
+    fn send_held(&self, stage: u32, store: &PeerStore, to: SocketAddr) -> Result<u64, SidecarError> {
+        let mut held: Vec<HeldChunk> = self.kept_for(stage).collect();
+        held.sort_unstable_by_key(|chunk| chunk.put);
         let mut sent = 0;
         let mut batch = Batch::default();
-        for chunk in own {
+        for chunk in held {
             let mut payload = Vec::new();
             // A chunk dropped meanwhile is not sent.
             let Ok(descriptor) = self.store.clone().get(&chunk.key, &mut payload) else { continue };
             let starts_a_sequence = descriptor.region.tokens.start == 0;
             if starts_a_sequence {
-                sent += batch.send(&store, to)?;
+                sent += batch.send(store, to)?;
             }
             batch.push(descriptor, payload);
             if starts_a_sequence || batch.bytes >= RESEED_BATCH_BYTES {
-                sent += batch.send(&store, to)?;
+                sent += batch.send(store, to)?;
             }
         }
-        sent += batch.send(&store, to)?;
-        super::add(&self.stats.reseeded_chunks, sent);
+        sent += batch.send(store, to)?;
         Ok(sent)
     }
 }
@@ -308,6 +338,15 @@ impl SidecarControl {
         match self.call(&Message::Reseed { to })? {
             Message::Reseeded { chunks } => Ok(chunks),
             other => Err(self.protocol(format!("a re-seed answered with {other:?}"))),
+        }
+    }
+
+    /// Has the sidecar send every chunk of `stage` it holds to the sidecar at `to`, which replaced
+    /// that stage's ([`Message::HandBack`]); returns how many it sent.
+    pub fn hand_back(&self, stage: u32, to: SocketAddr) -> Result<u64, ControlError> {
+        match self.call(&Message::HandBack { stage, to })? {
+            Message::Reseeded { chunks } => Ok(chunks),
+            other => Err(self.protocol(format!("a hand-back answered with {other:?}"))),
         }
     }
 

@@ -143,10 +143,19 @@ pub enum Message {
         /// The new successor's sidecar.
         to: SocketAddr,
     },
-    /// The reply to [`Message::Reseed`] and [`Message::ReseedRestored`]: chunks sent.
+    /// The reply to [`Message::Reseed`], [`Message::ReseedRestored`] and [`Message::HandBack`]:
+    /// chunks sent.
     Reseeded {
         /// How many.
         chunks: u64,
+    },
+    /// Send every chunk of `stage` held here (the replica of the predecessor's KV) to the sidecar
+    /// at `to`, which replaced that stage's sidecar: they become its local copy.
+    HandBack {
+        /// The replaced sidecar's stage.
+        stage: u32,
+        /// The replacement's KV transport.
+        to: SocketAddr,
     },
 
     /// Who is alive, suspect, dead or fenced.
@@ -323,6 +332,7 @@ impl Message {
             Self::HeldOfPage { .. } => 21,
             Self::Reseed { .. } => 22,
             Self::Reseeded { .. } => 23,
+            Self::HandBack { .. } => 24,
             Self::Census => 30,
             Self::CensusReply { .. } => 31,
             Self::Fence { .. } => 32,
@@ -367,6 +377,10 @@ impl Message {
         match self {
             Self::Done | Self::Mapped | Self::Census | Self::Probe => {}
             Self::Successor(addr) | Self::Reseed { to: addr } => w.addr(*addr),
+            Self::HandBack { stage, to } => {
+                w.u32(*stage);
+                w.addr(*to);
+            }
             Self::Keep { chunks, bytes } => {
                 w.u32(*chunks);
                 w.u64(*bytes);
@@ -528,6 +542,7 @@ impl Message {
             },
             22 => Self::Reseed { to: r.addr("a re-seed")? },
             23 => Self::Reseeded { chunks: r.u64("a re-seed's count")? },
+            24 => Self::HandBack { stage: r.u32("a hand-back")?, to: r.addr("a hand-back")? },
             30 => Self::Census,
             31 => Self::CensusReply {
                 epoch: r.u64("a census")?,

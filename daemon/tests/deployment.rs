@@ -1,0 +1,181 @@
+//! Daemons deployed beside engines that report nothing themselves, without the demo's driver:
+//! a controller told the ring's size (`--stages`), two sidecars on fixed ports, each the other's
+//! successor, and an engine per stage that joins its sidecar. A whole worker dies (its sidecar
+//! SIGKILLed, its engine gone); a supervisor starts the sidecar again with `--replace`; the
+//! controller restores it by itself, and the replacement engine gets its KV back bit for bit.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dejavud::cli::DEFAULT_SECRET;
+use dejavud::cluster::Role;
+use dejavud::controller::{Census, ControllerClient};
+use dejavud::metrics::{scrape, value_of};
+use dejavulib::chunk::ChunkDescriptor;
+use dejavulib::local::LocalSidecar;
+use dejavulib::{ChunkStore, DType, KvRegion, KvSpec, Packing, WorkerId};
+
+/// A daemon process, killed when dropped.
+struct Daemon {
+    child: Child,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `dejavud args` and waits for the address its `prefix` line names.
+fn start(args: &[&str]) -> Daemon {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dejavud"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    Daemon { child, lines }
+}
+
+impl Daemon {
+    fn next(&mut self, prefix: &str) -> SocketAddr {
+        loop {
+            let line = self.lines.next().expect("a line before it exits").unwrap();
+            if let Some(addr) = line.strip_prefix(prefix) {
+                return addr.parse().unwrap();
+            }
+        }
+    }
+}
+
+/// A port free now on loopback (the sidecars listen on fixed ports, as in a deployment).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn sidecar(stage: u32, port: u16, controller: SocketAddr, local: &Path, replace: bool) -> Daemon {
+    let (index, listen, heartbeat) = (stage.to_string(), format!("127.0.0.1:{port}"), controller.to_string());
+    let flag = if replace { "--replace" } else { "--index" };
+    let mut daemon = start(&[
+        "sidecar",
+        flag,
+        &index,
+        "--listen",
+        &listen,
+        "--heartbeat",
+        &heartbeat,
+        "--local",
+        local.to_str().unwrap(),
+    ]);
+    daemon.next("listening ");
+    daemon
+}
+
+/// A step's KV of stage `stage`: tokens `tokens` of the sequence in slot 0.
+fn step(stage: u32, tokens: std::ops::Range<u32>) -> (ChunkDescriptor, Vec<u8>) {
+    let spec = KvSpec::new(2, 2, 8, DType::F16).unwrap();
+    let worker = WorkerId { stage, rank: 0 };
+    let descriptor = ChunkDescriptor {
+        source: worker,
+        destination: worker,
+        microbatch: 0,
+        region: KvRegion::new(0..2, 0..1, 0..2, tokens.clone()),
+        spec,
+        packing: Packing::token_major(&spec),
+    };
+    let len = descriptor.payload_len() as usize;
+    let seed = (stage * 1000 + tokens.start) as u8;
+    (descriptor, (0..len).map(|i| (i as u8).wrapping_mul(17).wrapping_add(seed)).collect())
+}
+
+fn wait_until(client: &mut ControllerClient, what: &str, done: impl Fn(&Census) -> bool) {
+    let started = Instant::now();
+    while !done(&client.census().unwrap()) {
+        assert!(started.elapsed() < Duration::from_secs(20), "never {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_whole_worker_lost_outside_the_demo_is_restored_by_the_controller() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("controller.state");
+    let mut controller = start(&[
+        "controller",
+        "--listen",
+        "127.0.0.1:0",
+        "--state",
+        state.to_str().unwrap(),
+        "--metrics",
+        "127.0.0.1:0",
+        "--stages",
+        "2",
+    ]);
+    let metrics = controller.next("metrics ");
+    let addr = controller.next("listening ");
+    let ports = [free_port(), free_port()];
+    let at = |stage: usize| -> SocketAddr { format!("127.0.0.1:{}", ports[stage]).parse().unwrap() };
+    let locals = [dir.path().join("s0.sock"), dir.path().join("s1.sock")];
+    let mut worker0 = sidecar(0, ports[0], addr, &locals[0], false);
+    let _worker1 = sidecar(1, ports[1], addr, &locals[1], false);
+
+    // Each engine joins its sidecar (forwarding to the other's) and reports a prompt and steps.
+    let mut engines: Vec<LocalSidecar> =
+        (0..2).map(|k| LocalSidecar::join(&locals[k], at(1 - k)).unwrap()).collect();
+    let mut written = [Vec::new(), Vec::new()];
+    for (stage, engine) in engines.iter_mut().enumerate() {
+        for tokens in [0..16, 16..17, 17..18, 18..19] {
+            let (descriptor, payload) = step(stage as u32, tokens);
+            engine.put(&descriptor, &payload).unwrap();
+            written[stage].push((descriptor, payload));
+        }
+    }
+
+    // Worker 0 dies whole: its sidecar is killed, its engine goes with the machine.
+    let mut client = ControllerClient::new(addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes());
+    let _ = worker0.child.kill();
+    let _ = worker0.child.wait();
+    drop(engines.remove(0));
+    wait_until(&mut client, "worker 0 fenced", |c| {
+        c.is_fenced((Role::Sidecar, 0)) && c.is_fenced((Role::Engine, 0))
+    });
+
+    // A supervisor starts its sidecar again, as a replacement; the controller restores it.
+    let _replacement = sidecar(0, ports[0], addr, &locals[0], true);
+    let started = Instant::now();
+    let restored = loop {
+        let page = scrape(metrics).unwrap();
+        if value_of(&page, "dejavu_controller_recovery_seconds_count", &[]) == Some(1.0) {
+            break page;
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "the controller never restored it: {page}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    // Stage 1's replica (re-seeded from its sidecar) and stage 0's own KV (handed back).
+    let sent = value_of(&restored, "dejavu_controller_reseeded_chunks_total", &[]).unwrap();
+    assert_eq!(sent, 8.0, "{restored}");
+
+    // The replacement engine joins in the fence's epoch and finds its KV there, bit for bit.
+    let fenced_in = client.fenced_in((Role::Engine, 0)).unwrap();
+    let mut engine = LocalSidecar::join(&locals[0], at(1)).unwrap();
+    assert_eq!(engine.epoch(), fenced_in);
+    let mut out = Vec::new();
+    for (descriptor, payload) in &written[0] {
+        assert_eq!(engine.get(&descriptor.key(), &mut out).unwrap(), *descriptor);
+        assert_eq!(&out, payload, "{:?}", descriptor.region.tokens);
+    }
+    let held = engine.recovery().unwrap();
+    let points = held.resume_points();
+    assert_eq!(points.len(), 1, "{points:?}");
+    assert_eq!(points[0].tokens, 19, "the sequence resumes after its last step");
+    wait_until(&mut client, "worker 0 alive again", |c| {
+        !c.is_dead((Role::Sidecar, 0)) && !c.is_dead((Role::Engine, 0))
+    });
+}
