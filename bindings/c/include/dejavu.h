@@ -268,6 +268,25 @@ enum DjvStatus djv_sidecar_store_open(const char *socket,
                                       uint64_t epoch,
                                       struct DjvStore **out);
 
+// As [`djv_sidecar_store_open`], for an engine that reports nothing itself and does not know its
+// epoch: the sidecar reports the engine's liveness to the controller for as long as the store is
+// open (its death is seen as soon as its process ends), and gives it its epoch
+// ([`djv_sidecar_epoch`]): the stage's first engine's, or, for a replacement, the epoch the
+// controller fenced the stage's engine in.
+//
+// # Safety
+//
+// As for [`djv_sidecar_store_open`].
+enum DjvStatus djv_sidecar_join(const char *socket, const char *successor, struct DjvStore **out);
+
+// The engine's epoch on its sidecar store: the one it gave, or the one its sidecar gave it
+// ([`djv_sidecar_join`]).
+//
+// # Safety
+//
+// `store` is a live handle; `epoch` is valid for a write.
+enum DjvStatus djv_sidecar_epoch(struct DjvStore *store, uint64_t *epoch);
+
 // Releases a file store: the same as [`djv_store_free`], kept so that existing programs link.
 //
 // # Safety

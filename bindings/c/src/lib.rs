@@ -601,22 +601,79 @@ pub unsafe extern "C" fn djv_sidecar_store_open(
     out: *mut *mut DjvStore,
 ) -> DjvStatus {
     call(|| {
-        if socket.is_null() || successor.is_null() {
-            return Err(Failure::invalid("socket or successor is NULL"));
-        }
-        // SAFETY: NUL-terminated strings per the contract.
-        let (socket, successor) = unsafe { (CStr::from_ptr(socket), CStr::from_ptr(successor)) };
-        let socket = socket.to_str().map_err(|_| Failure::invalid("socket is not UTF-8"))?;
-        let successor: std::net::SocketAddr = successor
-            .to_str()
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| Failure::invalid("successor is not an ip:port address"))?;
+        // SAFETY: per the contract.
+        let (socket, successor) = unsafe { sidecar_addresses(socket, successor) }?;
         let local = LocalSidecar::connect(std::path::Path::new(socket), epoch, successor)
             .map_err(|e| Failure(DjvStatus::Io, format!("sidecar at {socket}: {e}")))?;
         // SAFETY: the caller passes a writable `out`.
         unsafe { give(out, DjvStore(StoreKind::Sidecar(local))) }
     })
+}
+
+/// As [`djv_sidecar_store_open`], for an engine that reports nothing itself and does not know its
+/// epoch: the sidecar reports the engine's liveness to the controller for as long as the store is
+/// open (its death is seen as soon as its process ends), and gives it its epoch
+/// ([`djv_sidecar_epoch`]): the stage's first engine's, or, for a replacement, the epoch the
+/// controller fenced the stage's engine in.
+///
+/// # Safety
+///
+/// As for [`djv_sidecar_store_open`].
+#[no_mangle]
+pub unsafe extern "C" fn djv_sidecar_join(
+    socket: *const c_char,
+    successor: *const c_char,
+    out: *mut *mut DjvStore,
+) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract.
+        let (socket, successor) = unsafe { sidecar_addresses(socket, successor) }?;
+        let local = LocalSidecar::join(std::path::Path::new(socket), successor)
+            .map_err(|e| Failure(DjvStatus::Io, format!("sidecar at {socket}: {e}")))?;
+        // SAFETY: the caller passes a writable `out`.
+        unsafe { give(out, DjvStore(StoreKind::Sidecar(local))) }
+    })
+}
+
+/// The engine's epoch on its sidecar store: the one it gave, or the one its sidecar gave it
+/// ([`djv_sidecar_join`]).
+///
+/// # Safety
+///
+/// `store` is a live handle; `epoch` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn djv_sidecar_epoch(store: *mut DjvStore, epoch: *mut u64) -> DjvStatus {
+    call(|| {
+        // SAFETY: per the contract.
+        let store = unsafe { store.as_mut() }.ok_or_else(|| Failure::invalid("store is NULL"))?;
+        let connection = store.sidecar()?.epoch();
+        // SAFETY: per the contract.
+        *unsafe { epoch.as_mut() }.ok_or_else(|| Failure::invalid("epoch is NULL"))? = connection;
+        Ok(())
+    })
+}
+
+/// The local socket's path and the successor's address, from C strings.
+///
+/// # Safety
+///
+/// Each is NULL or a NUL-terminated string that lives as long as the returned path.
+unsafe fn sidecar_addresses<'a>(
+    socket: *const c_char,
+    successor: *const c_char,
+) -> Result<(&'a str, std::net::SocketAddr), Failure> {
+    if socket.is_null() || successor.is_null() {
+        return Err(Failure::invalid("socket or successor is NULL"));
+    }
+    // SAFETY: NUL-terminated strings per the contract.
+    let (socket, successor) = unsafe { (CStr::from_ptr(socket), CStr::from_ptr(successor)) };
+    let socket = socket.to_str().map_err(|_| Failure::invalid("socket is not UTF-8"))?;
+    let successor = successor
+        .to_str()
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| Failure::invalid("successor is not an ip:port address"))?;
+    Ok((socket, successor))
 }
 
 /// Releases a file store: the same as [`djv_store_free`], kept so that existing programs link.

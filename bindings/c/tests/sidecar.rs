@@ -251,3 +251,32 @@ fn a_restarted_engine_restores_what_its_sidecar_keeps_and_learns_where_to_resume
         djv_store_free(store);
     }
 }
+
+#[test]
+fn an_engine_that_joins_gets_its_epoch_from_the_sidecar() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = sidecar(dir.path());
+    let socket = CString::new(sidecar.socket.to_str().unwrap()).unwrap();
+    let successor = CString::new(sidecar.successor.addr().to_string()).unwrap();
+    let mut epochs = Vec::new();
+    for _ in 0..2 {
+        let mut store = ptr::null_mut();
+        let mut epoch = u64::MAX;
+        // SAFETY: NUL-terminated strings and a writable out-pointer; the store is freed below.
+        unsafe {
+            assert_eq!(
+                djv_sidecar_join(socket.as_ptr(), successor.as_ptr(), &mut store),
+                DjvStatus::Ok,
+                "{}",
+                last_error()
+            );
+            assert_eq!(djv_sidecar_epoch(store, &mut epoch), DjvStatus::Ok);
+            djv_store_free(store);
+        }
+        epochs.push(epoch);
+    }
+    // Without a controller, each engine that joins takes over from the last in a newer epoch.
+    assert_eq!(epochs, [0, 1]);
+    // SAFETY: a NULL store is refused, not read.
+    assert_eq!(unsafe { djv_sidecar_epoch(ptr::null_mut(), &mut 0) }, DjvStatus::InvalidArgument);
+}
