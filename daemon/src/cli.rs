@@ -353,6 +353,12 @@ pub struct SidecarArgs {
     /// declared dead and fenced, in the epoch of that fence (instead of `--index` and `--epoch`).
     #[arg(long, value_name = "STAGE", conflicts_with_all = ["index", "epoch", "spare"], requires = "heartbeat")]
     pub replace: Option<u32>,
+    /// Start as stage STAGE's sidecar in whatever role the controller's record gives it: the
+    /// replacement of a fenced one, in the fence's epoch, or the stage's first, in epoch 0 (for a
+    /// supervisor that starts it the same way every time; a predecessor that has just died is
+    /// waited for, a live one is an error).
+    #[arg(long, value_name = "STAGE", conflicts_with_all = ["index", "epoch", "spare", "replace"], requires = "heartbeat")]
+    pub join: Option<u32>,
     /// Start as spare number N, registered with the controller and waiting for a recovery to
     /// assign it a stage (over its local socket) instead of `--index`.
     #[arg(long, value_name = "N")]
@@ -557,6 +563,27 @@ impl MemberArgs {
         }
     }
 
+    /// The epoch a process joining as `member` starts in: the epoch of its fence when it awaits
+    /// a replacement, 0 when the controller never heard of it; a member that is still known
+    /// alive is waited for (its process has just died: its fence is coming) and is an error after
+    /// a few seconds (another live process holds the place).
+    fn join_epoch(&self, member: Member) -> Result<u64, CliError> {
+        let controller = self.heartbeat.ok_or_else(|| CliError::Flags("--join needs --heartbeat".into()))?;
+        let mut client = ControllerClient::new(controller, Duration::from_secs(1), self.secret.as_bytes());
+        let start = Instant::now();
+        loop {
+            let known = client.census().map(|census| census.members.contains_key(&member));
+            match client.fenced_in(member) {
+                Ok(epoch) => return Ok(epoch),
+                Err(ControllerError::NotFenced(_)) if matches!(known, Ok(false)) => return Ok(0),
+                Err(source) if start.elapsed() >= ENGINE_EPOCH_PATIENCE => {
+                    return Err(CliError::Replace { member, source })
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+
     /// Heartbeats and a lifeline as engine `stage`'s, started in `epoch`, held by a sidecar for
     /// the engine's process `pid` (which reports nothing itself), if there is a controller.
     pub(crate) fn engine_membership(
@@ -678,6 +705,10 @@ impl SidecarArgs {
         free_unix_path(&self.local)?;
         if let Some(stage) = self.replace.take() {
             self.member.replace((Role::Sidecar, stage))?;
+            self.index = stage;
+        }
+        if let Some(stage) = self.join.take() {
+            self.member.epoch = self.member.join_epoch((Role::Sidecar, stage))?;
             self.index = stage;
         }
         let member = match self.spare {

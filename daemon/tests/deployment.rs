@@ -1,8 +1,9 @@
 //! Daemons deployed beside engines that report nothing themselves, without the demo's driver:
 //! a controller told the ring's size (`--stages`), two sidecars on fixed ports, each the other's
-//! successor, and an engine per stage that joins its sidecar. A whole worker dies (its sidecar
-//! SIGKILLed, its engine gone); a supervisor starts the sidecar again with `--replace`; the
-//! controller restores it by itself, and the replacement engine gets its KV back bit for bit.
+//! successor, each started with `--join` as a supervisor would start it every time, and an engine
+//! per stage that joins its sidecar. A whole worker dies (its sidecar SIGKILLed, its engine gone);
+//! the supervisor starts the sidecar again, the same way; the controller restores it by itself, and
+//! the replacement engine gets its KV back bit for bit.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -60,12 +61,12 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn sidecar(stage: u32, port: u16, controller: SocketAddr, local: &Path, replace: bool) -> Daemon {
+/// Stage `stage`'s sidecar, started the same way every time (`--join`), as a supervisor would.
+fn sidecar(stage: u32, port: u16, controller: SocketAddr, local: &Path) -> Daemon {
     let (index, listen, heartbeat) = (stage.to_string(), format!("127.0.0.1:{port}"), controller.to_string());
-    let flag = if replace { "--replace" } else { "--index" };
     let mut daemon = start(&[
         "sidecar",
-        flag,
+        "--join",
         &index,
         "--listen",
         &listen,
@@ -123,8 +124,19 @@ fn a_whole_worker_lost_outside_the_demo_is_restored_by_the_controller() {
     let ports = [free_port(), free_port()];
     let at = |stage: usize| -> SocketAddr { format!("127.0.0.1:{}", ports[stage]).parse().unwrap() };
     let locals = [dir.path().join("s0.sock"), dir.path().join("s1.sock")];
-    let mut worker0 = sidecar(0, ports[0], addr, &locals[0], false);
-    let _worker1 = sidecar(1, ports[1], addr, &locals[1], false);
+    let mut worker0 = sidecar(0, ports[0], addr, &locals[0]);
+    let _worker1 = sidecar(1, ports[1], addr, &locals[1]);
+
+    // A second sidecar joining stage 0 while its sidecar lives is refused.
+    let heartbeat = addr.to_string();
+    let twice = Command::new(env!("CARGO_BIN_EXE_dejavud"))
+        .args(["sidecar", "--join", "0", "--heartbeat", &heartbeat, "--local"])
+        .arg(dir.path().join("other.sock"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&twice.stderr);
+    assert_eq!(twice.status.code(), Some(2), "{err}");
+    assert!(err.contains("not fenced"), "{err}");
 
     // Each engine joins its sidecar (forwarding to the other's) and reports a prompt and steps.
     let mut engines: Vec<LocalSidecar> =
@@ -147,8 +159,9 @@ fn a_whole_worker_lost_outside_the_demo_is_restored_by_the_controller() {
         c.is_fenced((Role::Sidecar, 0)) && c.is_fenced((Role::Engine, 0))
     });
 
-    // A supervisor starts its sidecar again, as a replacement; the controller restores it.
-    let _replacement = sidecar(0, ports[0], addr, &locals[0], true);
+    // A supervisor starts its sidecar again, the same way: it joins as the replacement, and the
+    // controller restores it.
+    let _replacement = sidecar(0, ports[0], addr, &locals[0]);
     let started = Instant::now();
     let restored = loop {
         let page = scrape(metrics).unwrap();
