@@ -64,6 +64,33 @@ fn controller(state: &Path) -> Daemon {
     start(&["controller", "--listen", "127.0.0.1:0", "--state", state.to_str().unwrap()])
 }
 
+/// A controller whose heartbeat timeout is `timeout_ms`, on a state file in `dir`.
+fn controller_timing_out(dir: &Path, timeout_ms: &str) -> Daemon {
+    let state = dir.join("controller.state");
+    start(&[
+        "controller",
+        "--listen",
+        "127.0.0.1:0",
+        "--state",
+        state.to_str().unwrap(),
+        "--timeout-ms",
+        timeout_ms,
+    ])
+}
+
+/// Asks `client` for the census until `done` holds of it (at most 20 s: then `what` never came).
+fn wait_until(
+    client: &mut ControllerClient,
+    what: &str,
+    done: &dyn Fn(&dejavud::controller::Census) -> bool,
+) {
+    let started = std::time::Instant::now();
+    while !done(&client.census().unwrap()) {
+        assert!(started.elapsed() < Duration::from_secs(20), "never {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn a_daemon_outlives_the_shell_that_started_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -227,16 +254,7 @@ fn a_second_sidecar_for_the_same_stage_is_refused_and_names_the_first() {
 fn a_fenced_sidecar_says_so_loudly_and_refuses_engines() {
     use dejavud::cluster::Role;
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("controller.state");
-    let controller = start(&[
-        "controller",
-        "--listen",
-        "127.0.0.1:0",
-        "--state",
-        state.to_str().unwrap(),
-        "--timeout-ms",
-        "300",
-    ]);
+    let controller = controller_timing_out(dir.path(), "300");
     let heartbeat = controller.addr.to_string();
     let local = dir.path().join("s0.sock");
     let mut sidecar = start(&["sidecar", "--heartbeat", &heartbeat, "--local", local.to_str().unwrap()]);
@@ -250,14 +268,6 @@ fn a_fenced_sidecar_says_so_loudly_and_refuses_engines() {
     });
     let mut client =
         ControllerClient::new(controller.addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes());
-    let wait_until =
-        |client: &mut ControllerClient, what: &str, done: &dyn Fn(&dejavud::controller::Census) -> bool| {
-            let started = std::time::Instant::now();
-            while !done(&client.census().unwrap()) {
-                assert!(started.elapsed() < Duration::from_secs(20), "never {what}");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        };
     wait_until(&mut client, "alive", &|c| !c.is_dead((Role::Sidecar, 0)));
 
     // Stopped past the timeout: the controller fences it; back, it hears so on its lifeline.
@@ -305,30 +315,13 @@ fn an_engine_that_reports_nothing_itself_is_a_member_through_its_sidecar() {
     use dejavud::cluster::Role;
     use dejavulib::local::LocalSidecar;
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("controller.state");
     // A timeout far beyond the test's waits: only a lifeline can show the engine dead in time.
-    let controller = start(&[
-        "controller",
-        "--listen",
-        "127.0.0.1:0",
-        "--state",
-        state.to_str().unwrap(),
-        "--timeout-ms",
-        "60000",
-    ]);
+    let controller = controller_timing_out(dir.path(), "60000");
     let heartbeat = controller.addr.to_string();
     let local = dir.path().join("s0.sock");
     let _sidecar = start(&["sidecar", "--heartbeat", &heartbeat, "--local", local.to_str().unwrap()]);
     let mut client =
         ControllerClient::new(controller.addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes());
-    let wait_until =
-        |client: &mut ControllerClient, what: &str, done: &dyn Fn(&dejavud::controller::Census) -> bool| {
-            let started = std::time::Instant::now();
-            while !done(&client.census().unwrap()) {
-                assert!(started.elapsed() < Duration::from_secs(10), "never {what}");
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        };
     let engine = (Role::Engine, 0);
     let successor: SocketAddr = "127.0.0.1:9".parse().unwrap();
 
