@@ -1,0 +1,173 @@
+"""docs/deployment.md followed with real processes and Python engines, without the demo's driver.
+
+A controller told the ring's size, two sidecars started with ``--join`` on fixed ports (each the
+other's successor), and a Python engine per stage that computes each token's KV from the KV of
+the tokens before it (so a restore that lost or changed a byte changes every later output). One
+at a time: an engine is killed and started again; a whole worker (sidecar and engine) is killed
+and started again with the same commands; the controller is killed and started again on its
+state. Every engine's outputs equal a failure-free run's.
+"""
+
+import os
+import signal
+import socket as sockets
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+ENGINE = textwrap.dedent(
+    """
+    import sys, zlib
+    import numpy as np
+    import dejavu
+
+    stage, socket, successor = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    spec = dejavu.KvSpec(layers=2, kv_heads=2, head_dim=8, dtype="float16")
+    cache = dejavu.KvCache(dejavu.KvLayout.per_layer(spec, 1, 64, "bhsd"))
+    region = lambda tokens: dejavu.KvRegion(layers=range(2), slots=range(1), heads=range(2), tokens=tokens)
+    client = None
+    if socket != "-":
+        client = dejavu.SidecarClient(socket, successor)
+        client.register(cache, microbatch=0)
+        nxt = client.restore().get((0, (0, 1)), 0)
+        print(f"ready {client.epoch} {nxt}", flush=True)
+    else:
+        nxt = 0
+        print("ready - 0", flush=True)
+    for _ in sys.stdin:
+        t = nxt
+        # This token's KV depends on every earlier token's.
+        seed = zlib.crc32(bytes(cache.gather(region(range(t))))) if t else 0
+        kv = np.random.default_rng(seed * 7 + stage).integers(0, 256, cache.packed_len(region(range(t, t + 1))), dtype=np.uint8)
+        cache.scatter(region(range(t, t + 1)), kv)
+        if client is not None:
+            client.step_done(0, range(0, 1), range(t, t + 1))
+        nxt = t + 1
+        print(f"token {t} {zlib.crc32(bytes(cache.gather(region(range(nxt)))))}", flush=True)
+    """
+)
+
+
+def free_port():
+    with sockets.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Walkthrough:
+    def __init__(self, tmp_path, dejavud):
+        self.tmp, self.dejavud = tmp_path, dejavud
+        self.engine_file = tmp_path / "engine.py"
+        self.engine_file.write_text(ENGINE)
+        self.controller_port, self.ports = free_port(), [free_port(), free_port()]
+        self.heartbeat = f"127.0.0.1:{self.controller_port}"
+        self.processes = []
+
+    def spawn(self, *args):
+        process = subprocess.Popen(
+            list(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        self.processes.append(process)
+        return process
+
+    def controller(self):
+        process = self.spawn(
+            self.dejavud, "controller", f"--listen={self.heartbeat}", f"--state={self.tmp / 'state'}",
+            "--stages=2", "--metrics=127.0.0.1:0",
+        )
+        self.metrics = process.stdout.readline().split()[1]
+        assert process.stdout.readline().startswith("listening ")
+        return process
+
+    def sidecar(self, stage):
+        process = self.spawn(
+            self.dejavud, "sidecar", f"--join={stage}", f"--listen=127.0.0.1:{self.ports[stage]}",
+            f"--heartbeat={self.heartbeat}", f"--local={self.tmp / f's{stage}.sock'}", f"--shm-dir={self.tmp}",
+        )
+        assert process.stdout.readline().startswith("listening ")
+        return process
+
+    def engine(self, stage, reference=False):
+        socket = "-" if reference else str(self.tmp / f"s{stage}.sock")
+        successor = f"127.0.0.1:{self.ports[1 - stage]}"
+        process = self.spawn(sys.executable, str(self.engine_file), str(stage), socket, successor)
+        _, epoch, resume = process.stdout.readline().split()
+        return process, epoch, int(resume)
+
+    def gauge(self, name):
+        page = urllib.request.urlopen(f"http://{self.metrics}/metrics").read().decode()
+        return next(float(l.split()[-1]) for l in page.splitlines() if l.startswith(name + " "))
+
+    def wait_for(self, condition, what):
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, f"never {what}"
+            time.sleep(0.01)
+
+    def stop(self):
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+def steps(engine, n):
+    """Has `engine` compute `n` tokens; returns its outputs."""
+    outputs = []
+    for _ in range(n):
+        engine.stdin.write("step\n")
+        engine.stdin.flush()
+        word, token, output = engine.stdout.readline().split()
+        assert word == "token"
+        outputs.append((int(token), int(output)))
+    return outputs
+
+
+def kill(process):
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+def test_the_walkthrough_survives_an_engine_a_worker_and_the_controller(tmp_path):
+    from test_dejavu import dejavud
+
+    w = Walkthrough(tmp_path, dejavud())
+    try:
+        reference = [steps(w.engine(stage, reference=True)[0], 18) for stage in range(2)]
+        controller = w.controller()
+        sidecars = [w.sidecar(stage) for stage in range(2)]
+        engines = [w.engine(stage) for stage in range(2)]
+        assert [(epoch, resume) for _, epoch, resume in engines] == [("0", 0), ("0", 0)]
+        outputs = [steps(engines[stage][0], 6) for stage in range(2)]
+
+        # An engine dies: fenced at once; the next one joins in the fence's epoch and restores.
+        kill(engines[0][0])
+        w.wait_for(lambda: w.gauge("dejavu_controller_fences_total") == 1, "engine 0 fenced")
+        engine0, epoch, resume = w.engine(0)
+        assert (epoch, resume) == ("1", 6)
+        outputs[0] += steps(engine0, 6)
+
+        # A whole worker dies; the same commands start it again; the controller restores its
+        # sidecar from its neighbours, and its engine resumes from there.
+        kill(sidecars[1])
+        kill(engines[1][0])
+        w.wait_for(lambda: w.gauge("dejavu_controller_fences_total") == 2, "worker 1 fenced")
+        sidecars[1] = w.sidecar(1)
+        w.wait_for(lambda: w.gauge("dejavu_controller_recovery_seconds_count") == 1, "worker 1's sidecar restored")
+        engine1, epoch, resume = w.engine(1)
+        assert (epoch, resume) == ("2", 6)
+        outputs[1] += steps(engine1, 6)
+
+        # The controller dies; started again on its state, it goes on, and so do the engines.
+        kill(controller)
+        w.controller()
+        w.wait_for(lambda: w.gauge("dejavu_controller_lifelines") == 4, "every member back")
+        outputs[0] += steps(engine0, 6)
+        outputs[1] += steps(engine1, 6)
+
+        assert outputs[0] == reference[0]
+        assert outputs[1] == reference[1]
+    finally:
+        w.stop()
