@@ -472,9 +472,9 @@ pub(crate) fn announce(addr: SocketAddr, metrics: Option<SocketAddr>) {
     let _ = std::io::stdout().flush();
 }
 
-/// How long a sidecar waits for the fence of an engine that has just died before giving its
-/// replacement the fence's epoch.
-const ENGINE_EPOCH_PATIENCE: Duration = Duration::from_secs(3);
+/// How long a process joining as a member waits for the fence of its predecessor that has just
+/// died (an engine its sidecar gives an epoch, a sidecar started with `--join`).
+const JOIN_PATIENCE: Duration = Duration::from_secs(3);
 
 /// How long a replacement keeps asking an unreachable controller for its epoch (it may be
 /// restarting).
@@ -537,48 +537,35 @@ impl MemberArgs {
     }
 
     /// The epoch for a new engine of `stage` that asks its sidecar for one, the last engine the
-    /// sidecar admitted having been of epoch `previous`: the epoch the controller fenced the
-    /// stage's engine in, if it awaits a replacement; if none was fenced, the last engine's epoch
-    /// (0 for the first) when the stage's engine was never a member; otherwise the fence of the
-    /// last one, waited for a few seconds (it has just died: its lifeline is closing).
+    /// sidecar admitted having been of epoch `previous` ([`MemberArgs::epoch_to_join`]; without a
+    /// controller, one newer than the last engine's).
     pub(crate) fn engine_epoch(&self, stage: u32, previous: Option<u64>) -> Result<u64, String> {
-        let Some(controller) = self.heartbeat else { return Ok(previous.map_or(0, |last| last + 1)) };
-        let member = (Role::Engine, stage);
-        let mut client = ControllerClient::new(controller, Duration::from_secs(1), self.secret.as_bytes());
-        let start = Instant::now();
-        loop {
-            let census = client.census().map(|census| census.members.get(&member).copied());
-            match client.fenced_in(member) {
-                Ok(epoch) => return Ok(epoch),
-                // Never a member (or none before): the stage's first engine, or one that joins
-                // after engines that reported nothing.
-                Err(ControllerError::NotFenced(_)) if previous.is_none() || matches!(census, Ok(None)) => {
-                    return Ok(previous.unwrap_or(0))
-                }
-                Err(e) if start.elapsed() >= ENGINE_EPOCH_PATIENCE => {
-                    return Err(format!("no epoch for engine {stage}: the last one is not fenced yet ({e})"))
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(10)),
-            }
+        if self.heartbeat.is_none() {
+            return Ok(previous.map_or(0, |last| last + 1));
         }
+        self.epoch_to_join((Role::Engine, stage), previous)
+            .map_err(|e| format!("no epoch for engine {stage}: the last one is not fenced yet ({e})"))
     }
 
-    /// The epoch a process joining as `member` starts in: the epoch of its fence when it awaits
-    /// a replacement, 0 when the controller never heard of it; a member that is still known
-    /// alive is waited for (its process has just died: its fence is coming) and is an error after
-    /// a few seconds (another live process holds the place).
-    fn join_epoch(&self, member: Member) -> Result<u64, CliError> {
-        let controller = self.heartbeat.ok_or_else(|| CliError::Flags("--join needs --heartbeat".into()))?;
+    /// The epoch a process joining as `member` starts in, the last process of the member this
+    /// one knows of having been of epoch `last`: the epoch of the member's fence when it awaits a
+    /// replacement; `last` (0 if none) when the controller never heard of the member (it was no
+    /// member before); otherwise the member is still known alive, and its fence is waited for a
+    /// few seconds (its process has just died: its lifeline is closing), then an error (another
+    /// live process holds the place).
+    fn epoch_to_join(&self, member: Member, last: Option<u64>) -> Result<u64, ControllerError> {
+        let controller =
+            self.heartbeat.ok_or_else(|| ControllerError::Protocol("no controller (--heartbeat)".into()))?;
         let mut client = ControllerClient::new(controller, Duration::from_secs(1), self.secret.as_bytes());
         let start = Instant::now();
         loop {
             let known = client.census().map(|census| census.members.contains_key(&member));
             match client.fenced_in(member) {
                 Ok(epoch) => return Ok(epoch),
-                Err(ControllerError::NotFenced(_)) if matches!(known, Ok(false)) => return Ok(0),
-                Err(source) if start.elapsed() >= ENGINE_EPOCH_PATIENCE => {
-                    return Err(CliError::Replace { member, source })
+                Err(ControllerError::NotFenced(_)) if matches!(known, Ok(false)) => {
+                    return Ok(last.unwrap_or(0))
                 }
+                Err(e) if start.elapsed() >= JOIN_PATIENCE => return Err(e),
                 Err(_) => std::thread::sleep(Duration::from_millis(10)),
             }
         }
@@ -708,7 +695,11 @@ impl SidecarArgs {
             self.index = stage;
         }
         if let Some(stage) = self.join.take() {
-            self.member.epoch = self.member.join_epoch((Role::Sidecar, stage))?;
+            let member = (Role::Sidecar, stage);
+            self.member.epoch = self
+                .member
+                .epoch_to_join(member, None)
+                .map_err(|source| CliError::Replace { member, source })?;
             self.index = stage;
         }
         let member = match self.spare {
