@@ -225,6 +225,8 @@ struct EngineInUse {
 
 struct Sidecar {
     config: SidecarConfig,
+    /// Where its KV transport listens.
+    addr: SocketAddr,
     store: HostStore,
     stats: SidecarStats,
     /// The engine in use: the epoch of the newest engine admitted, and its connection.
@@ -283,6 +285,7 @@ pub fn serve_sidecar(
     let (index, spare) = (config.index, config.spare.is_some());
     let sidecar = Arc::new(Sidecar {
         config,
+        addr: server.addr(),
         store,
         stats: SidecarStats::default(),
         engine: Mutex::new(EngineInUse::default()),
@@ -414,6 +417,14 @@ impl Sidecar {
             hello.header.epoch
         };
         let successor = parse_addr(&hello.payload)?;
+        if self.is_itself(successor) {
+            warn!(
+                stage = self.index(),
+                %successor,
+                "the engine names this sidecar as its successor: its copies would die with it (the \
+                 successor is the next stage's sidecar; a one-stage ring has no other)"
+            );
+        }
         let n = self.connections.fetch_add(1, Ordering::Relaxed);
         {
             let mut engine = self.engine.lock();
@@ -585,6 +596,13 @@ impl Sidecar {
         }
         later.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         (later.into_iter().map(|(_, chunk)| chunk).collect(), rest)
+    }
+
+    /// Whether `addr` is this sidecar's own KV transport (on any of its addresses, when it
+    /// listens on all of them).
+    fn is_itself(&self, addr: SocketAddr) -> bool {
+        addr == self.addr
+            || (self.addr.ip().is_unspecified() && addr.port() == self.addr.port() && addr.ip().is_loopback())
     }
 
     /// Forwards to `successor` from now on, in `epoch`.
