@@ -330,11 +330,7 @@ pub struct MemberArgs {
     /// Run on these CPUs only (a list such as 0-3,8; every thread of the process) [default: any].
     #[arg(long, value_name = "LIST")]
     pub cpus: Option<CpuList>,
-    /// Read flags from this TOML file first (`timeout_ms = 300`, `die_with_parent = true`, ...):
-    /// flags on the command line win.
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
-    /// Its relation to the process that started it.
+    /// How it is started: its flags file, its parent.
     #[command(flatten)]
     pub life: LifeArgs,
     /// Logging.
@@ -440,11 +436,7 @@ pub struct ControllerArgs {
     /// pipeline carries recoveries out (the demo).
     #[arg(long, value_name = "N")]
     pub stages: Option<u32>,
-    /// Read flags from this TOML file first (`timeout_ms = 300`, `die_with_parent = true`, ...):
-    /// flags on the command line win.
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
-    /// Its relation to the process that started it.
+    /// How it is started: its flags file, its parent.
     #[command(flatten)]
     pub life: LifeArgs,
     /// Logging.

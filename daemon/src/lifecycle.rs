@@ -18,9 +18,14 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 
-/// How the process relates to the one that started it.
+/// How a daemon process is started: its flags file and its relation to the process that
+/// started it.
 #[derive(Clone, Debug, Default, Args)]
 pub struct LifeArgs {
+    /// Read flags from this TOML file first (`timeout_ms = 300`, `die_with_parent = true`, ...):
+    /// flags on the command line win.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Exit when the process that started it exits. For a driver that starts and owns its
     /// processes (the demo, the chaos harness); off by default, as a supervisor (systemd, a
     /// container's init) is the parent of a daemon it keeps running.

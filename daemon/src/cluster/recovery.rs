@@ -263,7 +263,7 @@ impl Cluster {
                 attempt.orders = orders.stages;
                 Ok(Answer::CarriedOut(plans))
             }
-            Step::Restore { epoch, .. } => {
+            Step::Restore { .. } => {
                 let sources: Vec<RestoreSource> = attempt
                     .orders
                     .iter()
@@ -283,7 +283,6 @@ impl Cluster {
                     })
                     .collect();
                 hooks.before_restore(self, &victims)?;
-                attempt.epoch = epoch;
                 attempt.lag = victims.iter().map(|&(victim, _)| (victim, 0)).collect();
                 for s in sequences {
                     let sequence = self.remote.recover(&sources, s.seat, s.prompt, s.generated)?;
@@ -401,8 +400,6 @@ struct Attempt {
     book: Vec<SocketAddr>,
     /// The controller's orders for each replaced stage.
     orders: Vec<StageOrders>,
-    /// The epoch it restored in.
-    epoch: u64,
     recomputed: u64,
     lag: Vec<(usize, u64)>,
 }
@@ -410,7 +407,7 @@ struct Attempt {
 impl Attempt {
     fn recovered(self, outcome: &Outcome, failures: Vec<String>, transcript: Transcript) -> Recovered {
         Recovered {
-            epoch: self.epoch,
+            epoch: outcome.epoch,
             victims: outcome.plans.iter().map(|p| (p.stage as usize, p.loss.into())).collect(),
             attempts: outcome.attempts,
             failures,

@@ -168,19 +168,31 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
         return;
     }
     let started = Instant::now();
-    let (to, predecessor, successor) = {
+    let (to, plan) = {
         let tables = tables.lock();
         let Some(&to) = tables.data.get(&(Role::Sidecar, stage)) else {
             warn!(stage, "a replaced sidecar names no fixed --listen port: nothing restored");
             return;
         };
-        // A neighbour awaiting its own replacement holds nothing to give.
-        let alive = |neighbour: u32| {
-            let member = (Role::Sidecar, neighbour);
-            (neighbour != stage && tables.liveness.membership(member).is_some_and(|m| !m.awaiting))
-                .then_some(neighbour)
-        };
-        (to, alive((stage + depth - 1) % depth), alive((stage + 1) % depth))
+        // The ring's plan for this worker, with every stage whose sidecar still awaits its own
+        // replacement lost too: such a neighbour holds nothing to give.
+        let awaiting = |k: u32| tables.liveness.membership((Role::Sidecar, k)).is_some_and(|m| m.awaiting);
+        let mut losses: Vec<(u32, Loss)> =
+            (0..depth).filter(|&k| awaiting(k)).map(|k| (k, Loss::Worker)).collect();
+        losses.push((stage, Loss::Worker));
+        let plan = plan::ring(depth, &losses)
+            .into_iter()
+            .find(|p| p.stage == stage)
+            .expect("a stage of the ring is planned");
+        (to, plan)
+    };
+    let predecessor = match plan.reseed {
+        Some((from, Reseed::Now)) => Some(from),
+        Some((_, Reseed::AfterRestore)) | None => None,
+    };
+    let successor = match plan.source {
+        Source::Successor(holder) => Some(holder),
+        Source::Own | Source::Lost => None,
     };
     let mut sent = 0;
     loop {
