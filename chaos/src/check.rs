@@ -72,11 +72,13 @@ fn output_is_identical(reference: &Run, run: &Run, stopped_early: bool, out: &mu
 }
 
 /// Exactly-once delivery, from what the last stage reported with each token: all of a request's
-/// tokens come from one sequence slot that no other request uses, and each step extended that
-/// sequence's KV by exactly one position past the previous delivery's (a position computed twice
-/// and delivered twice, or skipped, breaks the chain).
+/// tokens come from one sequence slot, which no other request uses until it has all its tokens
+/// (requests that take turns in seats reuse the slots of finished ones), and each step extended
+/// that sequence's KV by exactly one position past the previous delivery's (a position computed
+/// twice and delivered twice, or skipped, breaks the chain).
 fn each_position_delivered_once(run: &Run, out: &mut Vec<Violation>) {
     let mut last: Vec<Option<&Delivery>> = vec![None; run.tokens.len()];
+    let mut delivered = vec![0; run.tokens.len()];
     let mut owner = std::collections::HashMap::new();
     for d in &run.deliveries {
         let mut fail = |detail: String| {
@@ -87,9 +89,18 @@ fn each_position_delivered_once(run: &Run, out: &mut Vec<Violation>) {
             continue;
         };
         let seat = (d.seat.microbatch, d.seat.slot);
-        if let Some(other) = owner.insert(seat, d.request).filter(|&o| o != d.request) {
+        let unfinished = |r: u32| delivered[r as usize] < run.tokens[r as usize].len();
+        if let Some(other) = owner.insert(seat, d.request).filter(|&o| o != d.request && unfinished(o)) {
             fail(format!("requests {other} and {} both got tokens from slot {seat:?}", d.request));
         }
+        if let Some(p) = previous.filter(|p| (p.seat.microbatch, p.seat.slot) != seat) {
+            fail(format!(
+                "request {}: tokens from slots {:?} and {seat:?}",
+                d.request,
+                (p.seat.microbatch, p.seat.slot)
+            ));
+        }
+        delivered[d.request as usize] += 1;
         if let Some(p) = previous.filter(|p| d.kv_end != p.kv_end + 1) {
             fail(format!(
                 "request {}: a token computed through position {} after one through {}",
@@ -261,6 +272,20 @@ mod tests {
         let mut shared = reference.clone();
         shared.deliveries[1].seat.slot = 0;
         assert_eq!(invariants(&shared), ["exactly-once delivery"]);
+
+        // A request that takes a finished one's seat is answered from it; one that takes it early
+        // is not.
+        let mut turns = reference.clone();
+        for d in turns.deliveries.iter_mut().filter(|d| d.request == 1) {
+            (d.seat.slot, d.step) = (0, d.step + 10);
+        }
+        turns.deliveries.sort_by_key(|d| d.step);
+        assert!(invariants(&turns).is_empty());
+        let mut early = reference.clone();
+        for d in early.deliveries.iter_mut().filter(|d| d.request == 1) {
+            d.seat.slot = 0;
+        }
+        assert_eq!(invariants(&early), ["exactly-once delivery"]);
 
         let mut lagging = reference.clone();
         lagging.recoveries.push(recovery(limits.max_recompute, 300));

@@ -16,7 +16,7 @@ use crate::check::{check, Violation};
 use crate::inject::{plan, ChaosInjector, Injected};
 use crate::proxy::Proxies;
 use crate::report::{Report, Runs};
-use crate::scenario::{Fault, Scenario, Transport};
+use crate::scenario::{Fault, Scenario, Transport, WorkloadShape};
 
 /// How to run a scenario.
 #[derive(Clone, Debug)]
@@ -40,6 +40,22 @@ impl Options {
     }
 }
 
+/// The requests `shape` describes, with the prompt lengths drawn from `seed` where it asks.
+fn workload(shape: &WorkloadShape, seed: u64, vocab: u32) -> Workload {
+    let mut workload = Workload::synthetic(shape.requests, shape.prompt_tokens, shape.new_tokens, 4, vocab);
+    if let Some(longest) = shape.prompt_tokens_max {
+        // Apart from the faults' draws: the same seed with other lengths gives the same faults.
+        workload = workload.with_prompt_lengths_up_to(longest, seed ^ PROMPT_LENGTHS, vocab);
+    }
+    if let Some(seats) = shape.seats {
+        workload = workload.in_seats(seats);
+    }
+    workload
+}
+
+/// Mixed into the seed for the prompt lengths.
+const PROMPT_LENGTHS: u64 = 0x7072_6f6d_7074;
+
 /// Runs `scenario`, reporting progress through `say`. An error means the harness itself could not
 /// run (the failure-free reference did not finish); faults that break the cluster are violations
 /// in the report.
@@ -47,7 +63,7 @@ pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) ->
     let seed = options.seed.unwrap_or(scenario.seed);
     let model = ModelConfig::reference();
     let w = &scenario.workload;
-    let workload = Workload::synthetic(w.requests, w.prompt_tokens, w.new_tokens, 4, model.vocab);
+    let workload = workload(w, seed, model.vocab);
     let faults = plan(scenario, seed, workload.steps());
     // Findings about whole runs (leaks, a baseline that did not finish): no fault is blamed.
     let mut whole_runs = Vec::new();

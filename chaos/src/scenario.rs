@@ -131,15 +131,21 @@ impl Default for ClusterShape {
 pub struct WorkloadShape {
     /// Requests (4 per microbatch).
     pub requests: u32,
-    /// Prompt tokens per request.
+    /// Prompt tokens per request (the fewest, with `prompt_tokens_max`).
     pub prompt_tokens: u32,
+    /// With it, each prompt's length is drawn from the seed, from `prompt_tokens` to this.
+    pub prompt_tokens_max: Option<u32>,
     /// Tokens generated per request.
     pub new_tokens: u32,
+    /// Seats (slots of microbatches, 4 per microbatch) the requests take turns in: a request
+    /// starts once the one before it in its seat has finished, so later requests reuse the slots
+    /// of earlier ones. Without it, each request has a seat of its own.
+    pub seats: Option<u32>,
 }
 
 impl Default for WorkloadShape {
     fn default() -> Self {
-        Self { requests: 4, prompt_tokens: 16, new_tokens: 32 }
+        Self { requests: 4, prompt_tokens: 16, prompt_tokens_max: None, new_tokens: 32, seats: None }
     }
 }
 
@@ -445,6 +451,9 @@ impl Scenario {
                 return fail(format!("cluster.prompt_stages must be 1..=8, not {p}"));
             }
             let r = self.workload.requests;
+            if self.workload.seats.is_some_and(|seats| seats < r) {
+                return fail("a prompt pipeline needs a seat per request: no workload.seats".into());
+            }
             if c.prompt_slots == 0 || r % c.prompt_slots != 0 || r % 4 != 0 {
                 return fail(format!(
                     "a prompt pipeline needs workload.requests ({r}) to fill whole microbatches of \
@@ -461,6 +470,12 @@ impl Scenario {
             return fail(
                 "workload: requests and prompt_tokens must be positive, new_tokens at least 2".into(),
             );
+        }
+        if w.prompt_tokens_max.is_some_and(|max| max < w.prompt_tokens) {
+            return fail("workload.prompt_tokens_max must be at least workload.prompt_tokens".into());
+        }
+        if w.seats == Some(0) {
+            return fail("workload.seats must be at least 1".into());
         }
         for f in &self.faults {
             self.check_fault(f).or_else(|why| fail(format!("fault at step {}: {why}", f.at_step)))?;

@@ -47,6 +47,12 @@ fn the_ci_scenario_survives_every_fault_class() {
     assert!(report["controller_restarts"].as_u64().unwrap() >= 3, "{report:#}");
     // The stale engine came back while its replacement ran, and was kept out.
     assert!(report["stale_heartbeats"].as_u64().unwrap() >= 1, "{report:#}");
+    // Its requests took turns in four seats, with prompts of lengths drawn from the seed.
+    let scenario =
+        dejavu_chaos::scenario::Scenario::parse(&std::fs::read_to_string(scenario("ci-mixed.toml")).unwrap())
+            .unwrap();
+    assert!(scenario.workload.seats.unwrap() < scenario.workload.requests);
+    assert!(scenario.workload.prompt_tokens_max.unwrap() > scenario.workload.prompt_tokens);
 }
 
 #[test]
@@ -161,6 +167,15 @@ fn a_bad_scenario_is_refused_with_a_clear_message() {
         (
             "name = \"x\"\n[cluster]\nprompt_stages = 2\nprompt_slots = 3\n[workload]\nrequests = 8\n",
             "whole microbatches",
+        ),
+        (
+            "name = \"x\"\n[workload]\nprompt_tokens = 16\nprompt_tokens_max = 8\n",
+            "prompt_tokens_max must be at least",
+        ),
+        ("name = \"x\"\n[workload]\nseats = 0\n", "workload.seats must be at least 1"),
+        (
+            "name = \"x\"\n[cluster]\nprompt_stages = 2\nprompt_slots = 4\n[workload]\nrequests = 8\nseats = 4\n",
+            "a seat per request",
         ),
     ];
     for (i, (text, message)) in cases.iter().enumerate() {

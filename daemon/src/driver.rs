@@ -15,6 +15,7 @@ use crate::cluster::{Cluster, ClusterError, Kill, NoHooks, Recovered, RecoveryHo
 use crate::process::{ProcessError, StepReply};
 use dejavu_engine::Seat;
 use dejavu_proto::recovery::Transcript;
+use dejavu_proto::rng::SplitMix64;
 
 /// Requests and how many tokens each generates.
 #[derive(Clone, Debug)]
@@ -23,8 +24,12 @@ pub struct Workload {
     pub prompts: Vec<Vec<u32>>,
     /// Tokens generated per request (at least 1).
     pub new_tokens: u32,
-    /// Sequences per microbatch: request `r` sits in microbatch `r / slots`, slot `r % slots`.
+    /// Sequences per microbatch.
     pub slots: u32,
+    /// Places the requests take turns in, each a slot of a microbatch: request `r` sits in seat
+    /// `s = r % seats` (microbatch `s / slots`, slot `s % slots`), once the request before it in
+    /// that seat (`r - seats`) has finished. As many as the requests: each has a seat of its own.
+    pub seats: u32,
 }
 
 impl Workload {
@@ -34,18 +39,53 @@ impl Workload {
         let prompts = (0..requests)
             .map(|r| (0..prompt_tokens).map(|t| (r * 7919 + t * 104_729 + 13) % vocab).collect())
             .collect();
-        Self { prompts, new_tokens, slots: slots.min(requests).max(1) }
+        Self { prompts, new_tokens, slots: slots.min(requests).max(1), seats: requests.max(1) }
+    }
+
+    /// The same requests with prompts of lengths drawn from `seed` between their length now and
+    /// `longest` tokens: a prompt is cut, or goes on with more tokens of the same kind.
+    pub fn with_prompt_lengths_up_to(mut self, longest: u32, seed: u64, vocab: u32) -> Self {
+        let mut rng = SplitMix64::new(seed);
+        for (r, prompt) in self.prompts.iter_mut().enumerate() {
+            let shortest = prompt.len() as u32;
+            let len = shortest + rng.below(u64::from(longest.saturating_sub(shortest)) + 1) as u32;
+            *prompt = (0..len).map(|t| (r as u32 * 7919 + t * 104_729 + 13) % vocab).collect();
+        }
+        self
+    }
+
+    /// The same requests taking turns in `seats` seats (at most one each), so that later requests
+    /// reuse the slots of earlier ones, as a server's do.
+    pub fn in_seats(mut self, seats: u32) -> Self {
+        self.seats = seats.clamp(1, self.prompts.len().max(1) as u32);
+        self.slots = self.slots.min(self.seats);
+        self
     }
 
     /// Where request `request` lives.
     pub fn seat(&self, request: usize) -> Seat {
-        let slots = self.slots as usize;
-        Seat { microbatch: (request / slots) as u32, slot: (request % slots) as u32 }
+        let (slots, seat) = (self.slots as usize, request % self.seats as usize);
+        Seat { microbatch: (seat / slots) as u32, slot: (seat % slots) as u32 }
     }
 
-    /// Microbatches the requests fill.
+    /// Whether request `request` has its seat: the one before it there has finished (`generated`:
+    /// the tokens of every request so far).
+    pub fn seated(&self, request: usize, generated: &[Vec<u32>]) -> bool {
+        let seats = self.seats as usize;
+        request < seats || generated[request - seats].len() == self.new_tokens as usize
+    }
+
+    /// The requests whose KV the cluster holds now: in each seat, the last one seated.
+    pub fn occupants(&self, generated: &[Vec<u32>]) -> impl Iterator<Item = usize> + '_ {
+        let seats = self.seats as usize;
+        let seated: Vec<bool> = (0..self.prompts.len()).map(|r| self.seated(r, generated)).collect();
+        (0..self.prompts.len())
+            .filter(move |&r| seated[r] && !seated.get(r + seats).copied().unwrap_or(false))
+    }
+
+    /// Microbatches the seats fill.
     pub fn microbatches(&self) -> u32 {
-        (self.prompts.len() as u32).div_ceil(self.slots)
+        self.seats.min(self.prompts.len() as u32).div_ceil(self.slots)
     }
 
     /// Steps of a failure-free run (one per generated token).
@@ -256,7 +296,9 @@ fn drive_into(
     let mut watched = Instant::now();
     'rounds: loop {
         for request in 0..workload.prompts.len() {
-            if run.tokens[request].len() == workload.new_tokens as usize {
+            if run.tokens[request].len() == workload.new_tokens as usize
+                || !workload.seated(request, &run.tokens)
+            {
                 continue;
             }
             if watched.elapsed() >= config.watch_every {
@@ -412,7 +454,8 @@ fn recover(
     victims: &[(usize, Kill)],
     injector: &mut dyn Injector,
 ) -> Result<Recovered, DriveError> {
-    let sequences: Vec<Sequence<'_>> = (0..workload.prompts.len())
+    let sequences: Vec<Sequence<'_>> = workload
+        .occupants(&run.tokens)
         .map(|i| Sequence { seat: workload.seat(i), prompt: &workload.prompts[i], generated: &run.tokens[i] })
         .collect();
     let mut none = NoHooks;
@@ -493,5 +536,32 @@ mod tests {
         assert_eq!(run.median_decode_step_where(|step| step % 2 == 0), Some(ms(2)));
         assert_eq!(run.median_decode_step_where(|step| step % 2 == 1), Some(ms(90)));
         assert_eq!(run.median_decode_step_where(|step| step > 10), None);
+    }
+
+    #[test]
+    fn requests_taking_turns_wait_for_their_seat() {
+        let workload = Workload::synthetic(6, 4, 2, 4, 512).in_seats(2);
+        assert_eq!((workload.slots, workload.microbatches()), (2, 1));
+        assert_eq!(workload.seat(4), Seat { microbatch: 0, slot: 0 });
+        assert_eq!(workload.seat(3), Seat { microbatch: 0, slot: 1 });
+        let mut generated = vec![Vec::new(); 6];
+        assert_eq!((0..6).filter(|&r| workload.seated(r, &generated)).collect::<Vec<_>>(), [0, 1]);
+        generated[0] = vec![7, 8];
+        assert_eq!((0..6).filter(|&r| workload.seated(r, &generated)).collect::<Vec<_>>(), [0, 1, 2]);
+        // The cluster holds request 2's KV in seat 0 now, and still request 1's in seat 1.
+        assert_eq!(workload.occupants(&generated).collect::<Vec<_>>(), [1, 2]);
+    }
+
+    #[test]
+    fn prompt_lengths_are_drawn_from_the_seed_within_their_bounds() {
+        let drawn = |seed| Workload::synthetic(64, 8, 2, 4, 512).with_prompt_lengths_up_to(40, seed, 512);
+        let lengths: Vec<usize> = drawn(1).prompts.iter().map(Vec::len).collect();
+        assert!(lengths.iter().all(|l| (8..=40).contains(l)));
+        assert!(lengths.iter().any(|&l| l != lengths[0]), "lengths vary: {lengths:?}");
+        assert_eq!(drawn(1).prompts, drawn(1).prompts);
+        assert_ne!(drawn(1).prompts, drawn(2).prompts);
+        // A longer prompt starts as the shorter one did.
+        let base = Workload::synthetic(64, 8, 2, 4, 512);
+        assert!(drawn(1).prompts.iter().zip(&base.prompts).all(|(long, short)| long.starts_with(short)));
     }
 }

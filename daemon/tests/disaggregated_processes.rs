@@ -21,7 +21,7 @@ fn workload() -> Workload {
     // Prompts of different lengths: each sequence is handed over on its own.
     let prompts =
         (0..REQUESTS).map(|r| (0..5 + 3 * r).map(|t| (r * 131 + t * 17 + 5) % 512).collect()).collect();
-    Workload { prompts, new_tokens: NEW_TOKENS, slots: TOKEN_SLOTS }
+    Workload { prompts, new_tokens: NEW_TOKENS, slots: TOKEN_SLOTS, seats: REQUESTS }
 }
 
 fn colocated(workload: &Workload) -> Vec<Vec<u32>> {

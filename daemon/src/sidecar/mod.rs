@@ -481,10 +481,12 @@ impl Sidecar {
             match (frame.header.kind, frame.header.ids[0]) {
                 // Copied out of the region first: the engine's process can write it at any time,
                 // and what is verified must be what is kept.
-                (Kind::Put, len) => match self.keep_and_forward(region.read(len as usize)?.to_vec(), epoch) {
-                    Ok(()) => write_frame(&mut writer, &answer(Kind::PutAck, [0; 4]), &[])?,
-                    Err(e) => reply_error(&mut writer, &frame, ErrorCode::Other, &e.to_string())?,
-                },
+                (Kind::Put, len) => {
+                    match self.keep_and_forward(self.copied_out(region.read(len as usize)?), epoch) {
+                        Ok(()) => write_frame(&mut writer, &answer(Kind::PutAck, [0; 4]), &[])?,
+                        Err(e) => reply_error(&mut writer, &frame, ErrorCode::Other, &e.to_string())?,
+                    }
+                }
                 (Kind::Get, _) => {
                     let Some(key) = ChunkKey::decode(&frame.payload) else {
                         reply_error(&mut writer, &frame, ErrorCode::Unexpected, "a malformed chunk key")?;
@@ -637,6 +639,14 @@ impl Sidecar {
         }
     }
 
+    /// A chunk the engine wrote into the region, copied out before it is verified (the engine's
+    /// process can write the region at any time), into a buffer of the store's.
+    fn copied_out(&self, chunk: &[u8]) -> Vec<u8> {
+        let mut buffer = self.store.buffer_for(chunk.len());
+        buffer.extend_from_slice(chunk);
+        buffer
+    }
+
     /// Verifies and keeps `count` chunks the engine wrote one after the other (`chunks`), without
     /// forwarding them.
     fn keep(&self, mut chunks: &[u8], count: u32) -> Result<(), SidecarError> {
@@ -651,8 +661,7 @@ impl Sidecar {
                 .ok_or(SidecarError::Malformed("a chunk longer than memory"))?;
             let chunk =
                 chunks.get(..end).ok_or(SidecarError::Malformed("chunks longer than what was written"))?;
-            // Copied out of the region before it is verified, as a put's.
-            self.store.put_encoded(chunk.to_vec())?;
+            self.store.put_encoded(self.copied_out(chunk))?;
             add(&self.stats.local_chunks, 1);
             add(&self.stats.local_bytes, len);
             chunks = &chunks[end..];

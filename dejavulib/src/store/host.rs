@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::pool::BufferPool;
 use super::{check_payload, ChunkStore, StoreError};
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
 use crate::spill::{Spill, SpillDir, StoreUsage};
@@ -40,9 +41,10 @@ struct HostInner {
     put_numbers: HashMap<ChunkKey, u64>,
     /// Puts so far.
     puts: u64,
-    /// Buffers of replaced chunks, kept for the next chunks received: a fresh allocation of tens of
-    /// MiB costs a page fault per 4 KiB when first written, more than the network transfer itself.
-    spare: Vec<Vec<u8>>,
+    /// Buffers of dropped and replaced chunks, kept for the next chunks received: a fresh
+    /// allocation of MiB costs a page fault per 4 KiB when first written, and leaves holes behind
+    /// that keep a long-running process's memory creeping up.
+    spare: BufferPool,
     /// Whether a sequence's start drops the chunks of the sequences before it in the same place
     /// ([`HostStore::keeping_current_sequences`]).
     current_sequences_only: bool,
@@ -77,7 +79,12 @@ impl HostInner {
             chunks += 1;
             bytes += held.len() as u64;
             match held {
-                Held::Memory(bytes) => self.usage.memory_bytes -= bytes.len() as u64,
+                Held::Memory(bytes) => {
+                    self.usage.memory_bytes -= bytes.len() as u64;
+                    if let Ok(buffer) = Arc::try_unwrap(bytes) {
+                        self.spare.give(buffer);
+                    }
+                }
                 Held::Spilled(path, len) => {
                     self.usage.spilled_bytes -= len;
                     self.usage.spilled_chunks -= 1;
@@ -103,9 +110,6 @@ impl Drop for HostInner {
 
 /// Keys a [`HostStore`] remembers in its put log.
 pub const PUT_LOG_LEN: usize = 1 << 16;
-
-/// Replaced buffers a [`HostStore`] keeps for reuse.
-const SPARE_BUFFERS: usize = 4;
 
 /// Chunks in host memory (a peer's buffer, a swap space). Clones share the same store.
 #[derive(Clone, Default)]
@@ -263,10 +267,7 @@ impl HostStore {
                 // A buffer still being sent to a reader is not reusable; it is freed when the send
                 // ends.
                 if let Ok(buffer) = Arc::try_unwrap(old) {
-                    if inner.spare.len() == SPARE_BUFFERS {
-                        inner.spare.remove(0);
-                    }
-                    inner.spare.push(buffer);
+                    inner.spare.give(buffer);
                 }
             }
             Some(Held::Spilled(path, old_len)) => {
@@ -295,21 +296,12 @@ impl HostStore {
         split
     }
 
-    /// An empty buffer with room for `len` bytes: a kept one of a replaced chunk if one fits
-    /// without wasting more than half of it, otherwise a new one. (The peer server reads chunks
-    /// into them.)
-    #[cfg(feature = "net")]
-    pub(crate) fn buffer_for(&self, len: usize) -> Vec<u8> {
-        let mut inner = self.inner.lock();
-        let fits = inner.spare.iter().position(|b| b.capacity() >= len && b.capacity() / 2 <= len);
-        match fits {
-            Some(i) => {
-                let mut buffer = inner.spare.swap_remove(i);
-                buffer.clear();
-                buffer
-            }
-            None => Vec::with_capacity(len),
-        }
+    /// An empty buffer with room for `len` bytes, to receive an encoded chunk into before
+    /// [`HostStore::put_encoded`]: the buffer of a chunk the store dropped or replaced if one of
+    /// the same size class waits, otherwise a new one. A sidecar copies its
+    /// engine's chunks into them, the peer server reads chunks from the network into them.
+    pub fn buffer_for(&self, len: usize) -> Vec<u8> {
+        self.inner.lock().spare.take(len)
     }
 
     /// The encoded chunk under `key`, shared rather than copied (not verified: readers check it).

@@ -14,6 +14,7 @@ use crate::chunk::{ChunkDescriptor, ChunkError, ChunkKey, SequencePlace};
 
 mod file;
 mod host;
+mod pool;
 
 pub use file::{ChunkWriter, FileStore};
 pub use host::{HostStore, PUT_LOG_LEN};
