@@ -10,6 +10,7 @@ pub mod gpu_host;
 pub mod held;
 pub mod machine;
 pub mod net;
+pub mod path;
 
 use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::plan::CopyPlan;

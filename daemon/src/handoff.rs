@@ -244,6 +244,16 @@ impl ChunkStore for TokenSidecars {
         self.of(descriptor.destination.stage)?.put(descriptor, payload)
     }
 
+    fn put_gathered(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &dejavulib::KvCache,
+        plan: &dejavulib::cache::GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<std::time::Duration, StoreError> {
+        self.of(descriptor.destination.stage)?.put_gathered(descriptor, cache, plan, staging)
+    }
+
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
         self.of(key.destination.stage)?.get(key, out)
     }

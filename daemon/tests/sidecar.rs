@@ -13,12 +13,14 @@ use dejavud::heartbeat::decode;
 use dejavud::sidecar::control::{ControlError, SidecarControl};
 use dejavulib::chunk::{ChunkDescriptor, SequencePlace, HEADER_LEN};
 use dejavulib::local::{LocalError, LocalSidecar};
+use dejavulib::memory::StagingPool;
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{PeerServer, ServerConfig};
+use dejavulib::reshard::{send, Transfer};
 use dejavulib::resume::{resume_points, HeldChunk};
 use dejavulib::store::StoreError;
 use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
-use dejavulib::{ChunkStore, DType, HostStore, KvRegion, KvSpec, Packing, WorkerId};
+use dejavulib::{ChunkStore, DType, HostStore, KvCache, KvLayout, KvRegion, KvSpec, Packing, WorkerId};
 use std::time::Duration;
 
 const EXE: &str = env!("CARGO_BIN_EXE_dejavud");
@@ -162,6 +164,56 @@ fn chunks_cross_shared_memory_are_kept_and_forwarded() {
         other => panic!("a stale engine: {:?}", other.err()),
     }
     replacement.put(&token, &token_kv).unwrap();
+}
+
+#[test]
+fn a_region_gathered_straight_into_shared_memory_is_kept_and_forwarded_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_sidecar, socket, _) = sidecar_with_region(dir.path(), 1 << 20);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let successor_store = HostStore::new();
+    let successor = successor(&runtime, &successor_store);
+    let mut engine = LocalSidecar::connect(&socket, 0, successor.addr()).unwrap();
+
+    // A cache whose every byte differs from its neighbours', so a misplaced byte shows.
+    let spec = KvSpec::new(4, 4, 32, DType::F16).unwrap();
+    let cache = KvCache::new(KvLayout::faster_transformer(spec, 4, 64).unwrap()).unwrap();
+    let all = KvRegion::new(0..4, 0..4, 0..4, 0..64);
+    let packing = cache.layout().preferred_packing();
+    let pattern: Vec<u8> = (0..cache.packed_len(&all)).map(|i| (i * 7 + i / 253) as u8).collect();
+    cache.scatter(&all, packing, &pattern).unwrap();
+
+    // A prompt of two sequences (larger than one gathered piece) and a decode step of all four.
+    let worker = WorkerId { stage: 1, rank: 0 };
+    for region in [KvRegion::new(0..4, 1..3, 0..4, 0..60), KvRegion::new(0..4, 0..4, 0..4, 60..61)] {
+        let transfer = Transfer::in_place(worker, worker, 0, &region);
+        let receipt =
+            send(&cache, &transfer, region.tokens.clone(), &StagingPool::default(), &mut engine).unwrap();
+        assert_eq!(receipt.copy_time, Duration::ZERO, "gathered as part of the put");
+        let mut want = vec![0; cache.packed_len(&region) as usize];
+        cache.gather(&region, packing, &mut want).unwrap();
+        let mut got = Vec::new();
+        engine.get(&receipt.key, &mut got).unwrap();
+        assert_eq!(got, want, "kept as gathered");
+        successor_store.clone().get(&receipt.key, &mut got).unwrap();
+        assert_eq!(got, want, "forwarded as gathered");
+    }
+
+    // A plan of another shape of region is refused before anything is written.
+    let region = KvRegion::new(0..4, 0..1, 0..4, 0..8);
+    let transfer = Transfer::in_place(worker, worker, 0, &region);
+    let other = cache.gather_plan(&KvRegion::new(0..4, 1..2, 0..4, 0..4), packing).unwrap();
+    let descriptor = ChunkDescriptor {
+        source: worker,
+        destination: worker,
+        microbatch: 0,
+        region: transfer.to.with_tokens(0..8),
+        spec: cache.layout().spec().share(4, 4).unwrap(),
+        packing,
+    };
+    let mut staging = vec![0; cache.packed_len(&region) as usize];
+    let refused = engine.put_gathered(&descriptor, &cache, &other, &mut staging);
+    assert!(matches!(refused, Err(StoreError::Chunk { .. })), "{refused:?}");
 }
 
 #[test]

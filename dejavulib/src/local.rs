@@ -22,14 +22,17 @@ use std::io::{BufReader, BufWriter, ErrorKind, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use thiserror::Error;
 
+use crate::cache::{GatherPlan, KvCache};
+use crate::checksum::Checksum;
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
 use crate::message::Message;
 use crate::resume::{resume_points, HeldChunk, ResumePoint};
 use crate::shm::{SharedRegion, ShmError};
-use crate::store::{ChunkStore, StoreError};
+use crate::store::{check_payload, check_plan, ChunkStore, StoreError, GATHERED_PIECE};
 use crate::wire::{read_frame, write_frame, ErrorCode, Frame, FrameError, FrameHeader, Kind};
 
 /// A `Hello` flag (id 0): the sidecar is to report the engine's liveness to the controller on
@@ -364,6 +367,37 @@ impl ChunkStore for LocalSidecar {
         let acked = self.channel.call(Kind::Put, 0, [len as u32, 0, 0, 0], &[], Kind::PutAck);
         acked.map_err(|e| self.store_error(e))?;
         Ok(())
+    }
+
+    /// Gathers straight into the shared region, checksumming each piece while it is in cache: no
+    /// staging copy, no second pass to hash.
+    fn put_gathered(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &KvCache,
+        plan: &GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<Duration, StoreError> {
+        check_payload(descriptor, staging)?;
+        check_plan(descriptor, plan)?;
+        let len = staging.len();
+        let data = match self.region.data_mut(HEADER_LEN + len) {
+            Ok(data) => data,
+            Err(e) => return Err(self.store_error(e.into())),
+        };
+        let (header, payload) = data.split_at_mut(HEADER_LEN);
+        let mut sum = Checksum::new();
+        cache
+            .gather_streamed(plan, payload, GATHERED_PIECE, |piece| {
+                sum.update(piece);
+                true
+            })
+            .map_err(|e| StoreError::Gather(Box::new(e)))?;
+        header.copy_from_slice(&descriptor.encode_header_with_checksum(len as u64, sum.digest()));
+        let written = (HEADER_LEN + len) as u32;
+        let acked = self.channel.call(Kind::Put, 0, [written, 0, 0, 0], &[], Kind::PutAck);
+        acked.map_err(|e| self.store_error(e))?;
+        Ok(Duration::ZERO)
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {

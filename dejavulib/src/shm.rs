@@ -155,6 +155,14 @@ impl SharedRegion {
         Ok(len)
     }
 
+    /// The first `len` data bytes, to write in place (a gather straight into the region).
+    pub fn data_mut(&mut self, len: usize) -> Result<&mut [u8], ShmError> {
+        if len > self.capacity() {
+            return Err(ShmError::TooLarge { len, capacity: self.capacity() });
+        }
+        Ok(&mut self.map[HEADER_LEN..HEADER_LEN + len])
+    }
+
     /// The first `len` data bytes.
     pub fn read(&self, len: usize) -> Result<&[u8], ShmError> {
         if len > self.capacity() {

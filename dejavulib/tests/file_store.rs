@@ -530,6 +530,17 @@ fn host_store_keeps_an_encoded_chunk_only_once_checked() {
         Err(StoreError::PayloadLength { .. })
     ));
     assert!(store.is_empty());
+    // A checksum computed while copying stands for hashing again: a copy whose sum is not the
+    // header's is refused as corrupt.
+    let mut copy = Vec::new();
+    let sum = dejavulib::checksum::copy_summed(&flipped_payload(&payload), &mut copy);
+    let mut flipped = encoded[..HEADER_LEN].to_vec();
+    flipped.extend_from_slice(&copy);
+    assert!(matches!(
+        chunk_error(store.put_encoded_with_sum(flipped, sum)),
+        ChunkError::PayloadCorrupt { .. }
+    ));
+    assert!(store.is_empty());
     // Whole: kept as it came, and read back as any chunk.
     let (kept, bytes) = store.put_encoded(encoded.clone()).unwrap();
     assert_eq!(kept, d);
@@ -537,6 +548,13 @@ fn host_store_keeps_an_encoded_chunk_only_once_checked() {
     let mut out = Vec::new();
     assert_eq!(store.get(&d.key(), &mut out).unwrap(), d);
     assert!(out == payload);
+}
+
+/// `payload` with its first byte changed.
+fn flipped_payload(payload: &[u8]) -> Vec<u8> {
+    let mut flipped = payload.to_vec();
+    flipped[0] ^= 0x40;
+    flipped
 }
 
 #[test]
@@ -833,11 +851,12 @@ fn chunks_written_in_pieces_and_as_they_are_gathered_read_back_whole() {
             assert!(staging == expected, "{backend:?}: the staging buffer holds the gather");
             store.get(&d.key(), &mut back).unwrap();
             assert!(back == expected, "{backend:?}: written as gathered");
-            // A plan of another region of the same length is refused, as is one of another
-            // cache; the chunk stays.
-            let shifted =
-                KvRegion::new(region.layers.clone(), region.slots.clone(), region.heads.clone(), 3..8);
-            let elsewhere = other.gather_plan(&shifted, packing).unwrap();
+            // A plan of another shape of region is refused, as is one of another cache; the
+            // chunk stays. (One of the same shape elsewhere is a resharding transfer's.)
+            let tokens = region.tokens.start..region.tokens.end - 1;
+            let shorter =
+                KvRegion::new(region.layers.clone(), region.slots.clone(), region.heads.clone(), tokens);
+            let elsewhere = other.gather_plan(&shorter, packing).unwrap();
             let refused = store.put_gathered(&d, &other, &elsewhere, &mut staging);
             assert!(matches!(refused, Err(StoreError::Chunk { .. })), "{refused:?}");
             let foreign = cache.gather_plan(&region, packing).unwrap();

@@ -105,6 +105,14 @@ fn end_to_end(options: &Options) -> E2e {
         Ok(exe) => {
             let mut e2e =
                 e2e::measure(&exe, if options.quick { E2E_NEW_TOKENS_QUICK } else { E2E_NEW_TOKENS });
+            let steps = if options.quick { PATH_STEPS_QUICK } else { dejavu_benches::path::STEPS };
+            match dejavu_benches::path::measure(&exe, steps) {
+                Ok((rows, notes)) => {
+                    e2e.rows.extend(rows);
+                    e2e.notes.extend(notes);
+                }
+                Err(e) => e2e.notes.push(format!("the path at real sizes: failed: {e}")),
+            }
             let requests = if options.quick { HELD_REQUESTS_QUICK } else { HELD_REQUESTS };
             match dejavu_benches::held::measure(&exe, requests) {
                 Ok((row, note)) => {
@@ -121,6 +129,9 @@ fn end_to_end(options: &Options) -> E2e {
         }
     }
 }
+
+/// Steps per size through the sidecars in a quick report.
+const PATH_STEPS_QUICK: usize = 10;
 
 /// Requests through one sidecar slot in the long run whose memory must stay flat, and in a quick
 /// report.

@@ -43,6 +43,16 @@ impl<S: ChunkStore + ?Sized> ChunkStore for Shared<S> {
         self.0.lock().put(descriptor, payload)
     }
 
+    fn put_gathered(
+        &mut self,
+        descriptor: &dejavulib::chunk::ChunkDescriptor,
+        cache: &dejavulib::KvCache,
+        plan: &dejavulib::cache::GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<std::time::Duration, ChunkStoreError> {
+        self.0.lock().put_gathered(descriptor, cache, plan, staging)
+    }
+
     fn get(
         &mut self,
         key: &dejavulib::chunk::ChunkKey,

@@ -6,11 +6,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use dejavulib::cache::GatherPlan;
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace};
 use dejavulib::local::LocalSidecar;
 use dejavulib::net::{ClientConfig, PeerStore};
 use dejavulib::store::StoreError;
-use dejavulib::ChunkStore;
+use dejavulib::{ChunkStore, KvCache};
 use parking_lot::Mutex;
 
 use super::{ProcessError, Replication, StageStats};
@@ -28,22 +29,36 @@ pub(super) struct ToSidecar {
 }
 
 impl ToSidecar {
-    /// Puts the chunk in the sidecar.
-    fn put_now(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
-        self.local.lock().put(descriptor, payload)?;
-        StageStats::add(&self.stats.copied_chunks, 1);
-        StageStats::add(&self.stats.copied_bytes, payload.len() as u64);
-        Ok(())
+    /// Counts a chunk of `bytes` the sidecar took, or notes that it is gone if `result` failed
+    /// because it closed the connection.
+    fn counted<T>(&self, result: Result<T, StoreError>, bytes: usize) -> Result<T, StoreError> {
+        match &result {
+            Ok(_) => {
+                StageStats::add(&self.stats.copied_chunks, 1);
+                StageStats::add(&self.stats.copied_bytes, bytes as u64);
+            }
+            Err(_) if self.local.lock().is_closed() => self.lost.store(true, Ordering::Relaxed),
+            Err(_) => {}
+        }
+        result
     }
 }
 
 impl ChunkStore for ToSidecar {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
-        let result = self.put_now(descriptor, payload);
-        if result.is_err() && self.local.lock().is_closed() {
-            self.lost.store(true, Ordering::Relaxed);
-        }
-        result
+        let result = self.local.lock().put(descriptor, payload);
+        self.counted(result, payload.len())
+    }
+
+    fn put_gathered(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &KvCache,
+        plan: &GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<Duration, StoreError> {
+        let result = self.local.lock().put_gathered(descriptor, cache, plan, staging);
+        self.counted(result, staging.len())
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{check_payload, ChunkStore, StoreError};
+use super::{check_payload, check_plan, ChunkStore, StoreError, GATHERED_PIECE};
 use crate::cache::GatherPlan;
 use crate::checksum::Checksum;
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkError, ChunkKey, HEADER_LEN};
@@ -46,11 +46,6 @@ pub struct FileStore {
 }
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// The pieces [`FileStore::put_gathered`] writes while gathering the next: small enough to be
-/// checksummed and written while still in the last-level cache, large enough that a write costs
-/// far more than a system call.
-const GATHERED_PIECE: usize = 512 << 10;
 
 /// The suffix of temporary files: a flush in progress, or a displaced chunk kept for reuse.
 const TEMP_SUFFIX: &str = ".tmp";
@@ -176,12 +171,7 @@ impl FileStore {
         staging: &mut [u8],
     ) -> Result<(), StoreError> {
         check_payload(descriptor, staging)?;
-        if *plan.region() != descriptor.region || plan.packing() != descriptor.packing {
-            return Err(StoreError::Chunk {
-                key: descriptor.key().file_name(),
-                source: ChunkError::Invalid("the plan gathers another region or packing".into()),
-            });
-        }
+        check_plan(descriptor, plan)?;
         let mut writer = self.begin_put(descriptor)?;
         let mut failed = None;
         cache
@@ -534,6 +524,17 @@ impl ChunkStore for FileStore {
         let mut writer = self.begin_put(descriptor)?;
         writer.append(payload)?;
         writer.finish()
+    }
+
+    fn put_gathered(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &KvCache,
+        plan: &GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<Duration, StoreError> {
+        FileStore::put_gathered(self, descriptor, cache, plan, staging)?;
+        Ok(Duration::ZERO)
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {

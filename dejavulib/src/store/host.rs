@@ -9,7 +9,8 @@ use parking_lot::Mutex;
 
 use super::pool::BufferPool;
 use super::{check_payload, ChunkStore, StoreError};
-use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
+use crate::checksum::xxh3_64;
+use crate::chunk::{verify_payload, ChunkDescriptor, ChunkError, ChunkKey, SequencePlace, HEADER_LEN};
 use crate::spill::{Spill, SpillDir, StoreUsage};
 
 /// Where a [`HostStore`] holds one chunk, encoded as on disk and on the wire: header, then payload.
@@ -204,6 +205,25 @@ impl HostStore {
     /// after checking it: a header that decodes, a payload of the length it says and with the
     /// checksum it says. Returns its descriptor and the bytes kept, shared (to send them on).
     pub fn put_encoded(&self, encoded: Vec<u8>) -> Result<(ChunkDescriptor, Arc<Vec<u8>>), StoreError> {
+        self.put_encoded_summed(encoded, xxh3_64)
+    }
+
+    /// [`HostStore::put_encoded`] of a chunk whose payload's xxh3-64 the caller computed as it
+    /// copied the chunk (`payload_sum`: [`crate::checksum::copy_summed`]), checked against the
+    /// header's instead of hashing the payload again.
+    pub fn put_encoded_with_sum(
+        &self,
+        encoded: Vec<u8>,
+        payload_sum: u64,
+    ) -> Result<(ChunkDescriptor, Arc<Vec<u8>>), StoreError> {
+        self.put_encoded_summed(encoded, |_| payload_sum)
+    }
+
+    fn put_encoded_summed(
+        &self,
+        encoded: Vec<u8>,
+        payload_sum: impl FnOnce(&[u8]) -> u64,
+    ) -> Result<(ChunkDescriptor, Arc<Vec<u8>>), StoreError> {
         let corrupt = |source| StoreError::Chunk { key: "an encoded chunk".into(), source };
         if encoded.len() < HEADER_LEN {
             return Err(StoreError::PayloadLength { expected: HEADER_LEN as u64, got: encoded.len() as u64 });
@@ -214,7 +234,10 @@ impl HostStore {
         if payload.len() as u64 != len {
             return Err(StoreError::PayloadLength { expected: len, got: payload.len() as u64 });
         }
-        verify_payload(payload, sum).map_err(corrupt)?;
+        let actual = payload_sum(payload);
+        if actual != sum {
+            return Err(corrupt(ChunkError::PayloadCorrupt { expected: sum, actual }));
+        }
         let kept = self.insert_encoded(descriptor.key(), encoded);
         Ok((descriptor, kept))
     }

@@ -7,9 +7,11 @@
 
 use std::io;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
+use crate::cache::{GatherPlan, KvCache};
 use crate::chunk::{ChunkDescriptor, ChunkError, ChunkKey, SequencePlace};
 
 mod file;
@@ -65,6 +67,26 @@ pub trait ChunkStore: Send {
     /// Flushes one chunk: `payload` packed as `descriptor` says. Replaces a chunk with the same key.
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError>;
 
+    /// Flushes the region `plan` gathers from `cache` as `descriptor` says, through `staging`
+    /// (exactly the region's packed length). By default it gathers into `staging` and puts that;
+    /// a store that can take the bytes where they are gathered (a file as each piece is gathered,
+    /// a sidecar's shared region) saves that copy and checksums each piece while it is in cache.
+    /// Returns the time the gather took as a step of its own: zero where it was part of the put.
+    fn put_gathered(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &KvCache,
+        plan: &GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<Duration, StoreError> {
+        check_plan(descriptor, plan)?;
+        let started = Instant::now();
+        cache.gather_with(plan, staging).map_err(|e| StoreError::Gather(Box::new(e)))?;
+        let gathered = started.elapsed();
+        self.put(descriptor, staging)?;
+        Ok(gathered)
+    }
+
     /// Fetches the chunk under `key` into `out` (resized to the payload) after verifying it.
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError>;
 
@@ -78,7 +100,25 @@ pub trait ChunkStore: Send {
     }
 }
 
-fn check_payload(descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+/// Bytes gathered before each piece is checksummed and handed on (written to a file, hashed in a
+/// shared region): small enough to be checksummed (and written) while still in the last-level
+/// cache, large enough that a write costs far more than a system call.
+pub(crate) const GATHERED_PIECE: usize = 512 << 10;
+
+/// Refuses a plan whose payload is not the one `descriptor` describes: another shape of region,
+/// or another packing. (The coordinates may differ: a resharding transfer gathers from its source
+/// and describes the chunk where it lands.)
+pub(crate) fn check_plan(descriptor: &ChunkDescriptor, plan: &GatherPlan) -> Result<(), StoreError> {
+    if plan.region().shape() != descriptor.region.shape() || plan.packing() != descriptor.packing {
+        return Err(StoreError::Chunk {
+            key: descriptor.key().file_name(),
+            source: ChunkError::Invalid("the plan gathers another shape of region or packing".into()),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn check_payload(descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
     // Refuse what a fetch would refuse: a chunk that cannot be read back is not flushed.
     descriptor
         .validate()

@@ -1,0 +1,232 @@
+//! The replication path at real sizes: an engine's step, gathered from its cache, through shared
+//! memory to its `dejavud sidecar`, kept there and forwarded to the successor's sidecar (another
+//! process), acknowledged back. The steps are decode steps of a 13B-class worker (40 layers x 40
+//! KV heads x 128, fp16, FasterTransformer layout) for 1, 8 and 32 sequences: 0.8, 6.6 and 26 MB.
+//!
+//! Each size is measured two ways, each against a limit measured in the same run:
+//! - synchronously, as `SidecarClient.step_done` runs: the step returns once both sidecars hold
+//!   it. Its limit is the gather of the same region alone plus raw loopback TCP of the same bytes
+//!   with a one-byte acknowledgment (the one network hop the path cannot avoid).
+//! - streamed: the engine submits steps to a [`Streamer`] and goes on; the streamer thread sends
+//!   them with its queue full. Its limit is raw TCP moving the same messages with as many in
+//!   flight as the streamer's queue holds; the engine's own thread time per step is held to the
+//!   gather's.
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dejavud::proc::{spawn, Spawned};
+use dejavulib::local::LocalSidecar;
+use dejavulib::memory::StagingPool;
+use dejavulib::reshard::{send, Transfer};
+use dejavulib::streamer::{StreamJob, Streamer, StreamerConfig};
+use dejavulib::{DType, KvCache, KvLayout, KvRegion, KvSpec, WorkerId};
+
+use crate::net::{Case, RawLink};
+use crate::Row;
+
+/// The synchronous path's target: at most 1.5x the time of its limit.
+pub const SYNC_TARGET: f64 = 1.0 / 1.5;
+
+/// The streamed path's target: at least 0.7x of raw TCP's throughput.
+pub const STREAMED_TARGET: f64 = 0.7;
+
+/// Sequences per measured step (0.8, 6.6 and 26 MB).
+const BATCHES: [u32; 3] = [1, 8, 32];
+
+/// Steps timed per size in a full report (the median is reported), and in a quick one.
+pub const STEPS: usize = 40;
+
+/// Steps in flight in the streamed runs: the streamer's queue, and raw TCP's window.
+const QUEUE: usize = 4;
+
+/// Bytes of a shared region: the largest step and its header fit.
+const REGION_BYTES: usize = 64 << 20;
+
+/// The two sidecars of a ring of two, each the other's successor.
+struct Ring {
+    _sidecars: [Spawned; 2],
+    /// The first's local socket, and the second's address.
+    engine_at: (std::path::PathBuf, std::net::SocketAddr),
+    _dir: tempfile::TempDir,
+}
+
+impl Ring {
+    fn start(exe: &Path) -> Result<Self, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let sidecar = |index: u32| {
+            let args = [
+                "sidecar".to_owned(),
+                format!("--index={index}"),
+                format!("--local={}", dir.path().join(format!("s{index}.sock")).display()),
+                format!("--shm-dir={}", dir.path().display()),
+                format!("--region-bytes={REGION_BYTES}"),
+                "--listen=127.0.0.1:0".to_owned(),
+            ];
+            spawn(exe, &args, "a sidecar", Duration::from_secs(30)).map_err(|e| e.to_string())
+        };
+        let (first, second) = (sidecar(0)?, sidecar(1)?);
+        let engine_at = (dir.path().join("s0.sock"), second.addr);
+        Ok(Self { _sidecars: [first, second], engine_at, _dir: dir })
+    }
+
+    /// The engine's connection to the first sidecar (one at a time).
+    fn engine(&self) -> Result<LocalSidecar, String> {
+        LocalSidecar::connect(&self.engine_at.0, 0, self.engine_at.1).map_err(|e| e.to_string())
+    }
+}
+
+/// A decode step's cache: every byte written, so that no zero page flatters a read.
+fn cache() -> KvCache {
+    let spec = KvSpec::new(40, 40, 128, DType::F16).expect("a valid spec");
+    let slots = *BATCHES.iter().max().expect("sizes");
+    let layout = KvLayout::faster_transformer(spec, slots, 2).expect("a valid layout");
+    let cache = KvCache::new(layout).expect("a layer-major layout");
+    crate::fill(&cache);
+    cache
+}
+
+fn median(mut times: Vec<Duration>) -> Duration {
+    times.sort_unstable();
+    times[times.len() / 2]
+}
+
+/// CPU time the calling thread has used.
+fn thread_cpu_time() -> Duration {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `now` is a valid timespec to write into; the clock id is a constant the kernel knows.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
+}
+
+/// One step size's measurements.
+struct Measured {
+    bytes: usize,
+    /// Medians: the synchronous step, the gather alone, raw TCP of one step.
+    sync: Duration,
+    gather: Duration,
+    tcp: Duration,
+    /// Streamed: the steps' bytes over the time to the last acknowledgment, raw TCP's with the
+    /// same window, and the engine thread's CPU time per step.
+    streamed_bytes_per_s: f64,
+    raw_bytes_per_s: f64,
+    engine_per_step: Duration,
+}
+
+/// The rows: for each size, the synchronous step against its limit, the streamed throughput
+/// against raw TCP's, and the engine thread's time per streamed step against the gather's; and a
+/// note per size on where the time goes.
+pub fn measure(exe: &Path, steps: usize) -> Result<(Vec<Row>, Vec<String>), String> {
+    let cache = Arc::new(cache());
+    let ring = Ring::start(exe)?;
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
+    let (mut rows, mut notes) = (Vec::new(), Vec::new());
+    for batch in BATCHES {
+        let m = measure_size(&ring, &runtime, &cache, batch, steps)?;
+        let (mb, ms) = (m.bytes as f64 / 1e6, |d: Duration| d.as_secs_f64() * 1e3);
+        rows.push(Row {
+            name: format!("a {mb:.1} MB decode step through two sidecars, synchronous"),
+            value: ms(m.sync),
+            unit: "ms",
+            limit_name: "gather + raw TCP of its bytes".into(),
+            limit: ms(m.gather + m.tcp),
+            target: SYNC_TARGET,
+            higher_is_better: false,
+        });
+        rows.push(Row {
+            name: format!("{mb:.1} MB decode steps through two sidecars, streamed ({QUEUE} queued)"),
+            value: m.streamed_bytes_per_s / 1e9,
+            unit: "GB/s",
+            limit_name: format!("raw TCP, {QUEUE} in flight"),
+            limit: m.raw_bytes_per_s / 1e9,
+            target: STREAMED_TARGET,
+            higher_is_better: true,
+        });
+        rows.push(Row {
+            name: format!("engine thread per streamed {mb:.1} MB step"),
+            value: ms(m.engine_per_step),
+            unit: "ms",
+            limit_name: "the step's gather".into(),
+            limit: ms(m.gather),
+            target: 1.0,
+            higher_is_better: false,
+        });
+        notes.push(format!(
+            "{mb:.1} MB step ({batch} sequences of a 13B-class worker): synchronous {:.2} ms = gather {:.2} ms \
+             + raw TCP {:.2} ms + {:.2} ms for the rest (shared memory, keeping, acknowledgments)",
+            ms(m.sync),
+            ms(m.gather),
+            ms(m.tcp),
+            ms(m.sync.saturating_sub(m.gather + m.tcp))
+        ));
+    }
+    Ok((rows, notes))
+}
+
+fn measure_size(
+    ring: &Ring,
+    runtime: &tokio::runtime::Runtime,
+    cache: &Arc<KvCache>,
+    batch: u32,
+    steps: usize,
+) -> Result<Measured, String> {
+    let region = KvRegion::new(0..40, 0..batch, 0..40, 1..2);
+    let bytes = cache.packed_len(&region) as usize;
+    let engine = WorkerId { stage: 0, rank: 0 };
+    let transfer = Transfer::in_place(engine, engine, 0, &region);
+    let packing = cache.layout().preferred_packing();
+    let pool = StagingPool::default();
+    let mut raw = runtime.block_on(RawLink::tcp(bytes, QUEUE));
+    let message = Arc::new(vec![crate::net::noise(bytes)]);
+    let mut staging = vec![0u8; bytes];
+
+    // Synchronous steps, each beside the gather alone and raw TCP of the same bytes.
+    let mut sidecar = ring.engine()?;
+    let mut step = || send(cache, &transfer, 1..2, &pool, &mut sidecar).map_err(|e| e.to_string());
+    // One untimed step: the region's and the buffers' pages touched before any clock runs.
+    step()?;
+    let one = Case { name: "one step", size: bytes, count: 1, window: 1 };
+    let (mut sync, mut gather, mut tcp) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let started = Instant::now();
+        step()?;
+        sync.push(started.elapsed());
+        let started = Instant::now();
+        cache.gather(&region, packing, &mut staging).map_err(|e| e.to_string())?;
+        gather.push(started.elapsed());
+        tcp.push(runtime.block_on(raw.run(one, message.clone())));
+    }
+
+    // Streamed: the same steps, queued, with the engine's thread timed apart.
+    let config = StreamerConfig { queue_depth: QUEUE, ..StreamerConfig::default() };
+    let streamer = Streamer::spawn(config, Box::new(sidecar)).map_err(|e| e.to_string())?;
+    let job = StreamJob { cache: cache.clone(), transfer, tokens: 1..2 };
+    streamer.submit(job.clone()).and_then(|c| c.wait()).map_err(|e| e.to_string())?;
+    let (started, engine_started) = (Instant::now(), thread_cpu_time());
+    let mut pending = VecDeque::new();
+    for _ in 0..steps {
+        pending.push_back(streamer.submit(job.clone()).map_err(|e| e.to_string())?);
+        // Completions are collected as they come, as an engine's loop would.
+        while pending.front().is_some_and(|c| c.is_finished()) {
+            pending.pop_front().expect("a completion").wait().map_err(|e| e.to_string())?;
+        }
+    }
+    for completion in pending {
+        completion.wait().map_err(|e| e.to_string())?;
+    }
+    let (streamed, engine_time) = (started.elapsed(), thread_cpu_time() - engine_started);
+    let windowed = Case { name: "streamed steps", size: bytes, count: steps, window: QUEUE };
+    let raw_time = runtime.block_on(raw.run(windowed, message));
+    let total = (bytes * steps) as f64;
+    Ok(Measured {
+        bytes,
+        sync: median(sync),
+        gather: median(gather),
+        tcp: median(tcp),
+        streamed_bytes_per_s: total / streamed.as_secs_f64(),
+        raw_bytes_per_s: total / raw_time.as_secs_f64(),
+        engine_per_step: engine_time / steps as u32,
+    })
+}
