@@ -613,6 +613,17 @@ fn a_new_request_in_a_slot_drops_the_old_ones_chunks_and_the_gauges_say_what_is_
     assert_eq!(value("dejavu_sidecar_replaced_chunks_total", None), 3.0);
     // The successor (a plain store here) got every forward; a sidecar there drops the same ones.
     assert_eq!(successor_store.len(), 4);
+
+    // Small chunks' buffers go back to the allocator; a dropped prompt of 64 KiB or more leaves
+    // its buffer waiting for the next chunk of its size.
+    assert_eq!(value("dejavu_sidecar_pooled_bytes", None), 0.0);
+    let (long, long_kv) = chunk_of(0..3000, 4);
+    engine.put(&long, &long_kv).unwrap();
+    let (next, next_kv) = chunk_of(0..4, 5);
+    engine.put(&next, &next_kv).unwrap();
+    let page = dejavud::metrics::scrape(metrics).unwrap();
+    let pooled = dejavud::metrics::value_of(&page, "dejavu_sidecar_pooled_bytes", &[]).unwrap();
+    assert!(pooled >= long_kv.len() as f64, "{pooled} bytes pooled: {page}");
 }
 
 /// An engine that finished a sequence releases it: its sidecar drops the sequence's chunks and

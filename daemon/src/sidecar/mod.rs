@@ -886,6 +886,12 @@ impl Sidecar {
                 .sample(name, &[("stage", index.as_str()), ("role", "own")], own as f64)
                 .sample(name, &[("stage", index.as_str()), ("role", "replica")], replicas as f64);
         }
+        page.family(
+            "dejavu_sidecar_pooled_bytes",
+            MetricType::Gauge,
+            "Bytes of dropped chunks' buffers kept for the next chunks of their size.",
+        )
+        .sample("dejavu_sidecar_pooled_bytes", &label, self.store.pooled_bytes() as f64);
         let usage = self.store.usage();
         let tiers = [
             (

@@ -319,6 +319,12 @@ impl HostStore {
         split
     }
 
+    /// Bytes of dropped and replaced chunks' buffers kept for the next chunks of their size (on
+    /// top of what the store holds).
+    pub fn pooled_bytes(&self) -> u64 {
+        self.inner.lock().spare.bytes() as u64
+    }
+
     /// An empty buffer with room for `len` bytes, to receive an encoded chunk into before
     /// [`HostStore::put_encoded`]: the buffer of a chunk the store dropped or replaced if one of
     /// the same size class waits, otherwise a new one. A sidecar copies its

@@ -28,7 +28,7 @@ fn class_of(len: usize) -> usize {
 const MIN_BUDGET: usize = 4 << 20;
 
 /// Bytes a pool keeps waiting at most, however large its chunks.
-const MAX_BUDGET: usize = 64 << 20;
+const MAX_BUDGET: usize = 256 << 20;
 
 /// Freed buffers by capacity. Its budget follows the chunks it sees: room for two of the largest
 /// ([`MIN_BUDGET`] at least, [`MAX_BUDGET`] at most), so that a sequence's prompt finds the buffer
@@ -43,6 +43,11 @@ pub(crate) struct BufferPool {
 }
 
 impl BufferPool {
+    /// Bytes of the buffers waiting.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     /// An empty buffer with room for `len` bytes.
     pub(crate) fn take(&mut self, len: usize) -> Vec<u8> {
         if len < POOLED_FROM {
@@ -121,7 +126,7 @@ mod tests {
         }
         // Two of the largest class seen, but never under the floor.
         assert_eq!(pool.bytes, MIN_BUDGET);
-        let huge = pool.take(200 << 20);
+        let huge = pool.take(300 << 20);
         pool.give(huge);
         assert_eq!(pool.bytes, MIN_BUDGET, "a buffer larger than the ceiling is not kept");
     }
