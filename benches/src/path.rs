@@ -11,6 +11,9 @@
 //!   them with its queue full. Its limit is raw TCP moving the same messages with as many in
 //!   flight as the streamer's queue holds; the engine's own thread time per step is held to the
 //!   gather's.
+//!
+//! The synchronous steps are timed from Python too (`benches/python/sidecar_path.py`, when a
+//! `python3` with the `dejavu` package is there), as engines call them.
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -123,9 +126,12 @@ pub fn measure(exe: &Path, steps: usize) -> Result<(Vec<Row>, Vec<String>), Stri
     let ring = Ring::start(exe)?;
     let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
     let (mut rows, mut notes) = (Vec::new(), Vec::new());
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mut raw_tcp = Vec::new();
     for batch in BATCHES {
         let m = measure_size(&ring, &runtime, &cache, batch, steps)?;
-        let (mb, ms) = (m.bytes as f64 / 1e6, |d: Duration| d.as_secs_f64() * 1e3);
+        raw_tcp.push(m.tcp);
+        let mb = m.bytes as f64 / 1e6;
         rows.push(Row {
             name: format!("a {mb:.1} MB decode step through two sidecars, synchronous"),
             value: ms(m.sync),
@@ -162,7 +168,80 @@ pub fn measure(exe: &Path, steps: usize) -> Result<(Vec<Row>, Vec<String>), Stri
             ms(m.sync.saturating_sub(m.gather + m.tcp))
         ));
     }
+    match from_python(&ring, steps) {
+        Ok(steps) => {
+            for (step, tcp) in steps.iter().zip(raw_tcp) {
+                rows.push(Row {
+                    name: format!(
+                        "a {:.1} MB decode step through two sidecars, from Python (step_done, BHSD numpy)",
+                        step.bytes as f64 / 1e6
+                    ),
+                    value: ms(step.step),
+                    unit: "ms",
+                    limit_name: "Python's gather + raw TCP of its bytes".into(),
+                    limit: ms(step.gather + tcp),
+                    target: SYNC_TARGET,
+                    higher_is_better: false,
+                });
+            }
+        }
+        Err(why) => notes.push(format!("the path from Python: skipped: {why}")),
+    }
     Ok((rows, notes))
+}
+
+/// The Python half: `sidecar_path.py` run by the interpreter `DEJAVU_PYTHON` names (`python3` by
+/// default), which must have the `dejavu` package (`pip install ./bindings/python`).
+const PYTHON_SCRIPT: &str = include_str!("../python/sidecar_path.py");
+
+/// One step size timed from Python.
+#[derive(serde::Deserialize)]
+struct PythonStep {
+    bytes: u64,
+    #[serde(deserialize_with = "seconds")]
+    step: Duration,
+    #[serde(deserialize_with = "seconds")]
+    gather: Duration,
+}
+
+fn seconds<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let s = <f64 as serde::Deserialize>::deserialize(d)?;
+    Duration::try_from_secs_f64(s).map_err(serde::de::Error::custom)
+}
+
+/// Times `SidecarClient.step_done` of each size from Python, as an engine newer than the Rust
+/// ones before it; an error says why it could not.
+fn from_python(ring: &Ring, steps: usize) -> Result<Vec<PythonStep>, String> {
+    let python = std::env::var("DEJAVU_PYTHON").unwrap_or_else(|_| "python3".into());
+    let run = |args: &[String]| {
+        std::process::Command::new(&python)
+            .args(args)
+            .output()
+            .map_err(|e| format!("cannot run {python}: {e}"))
+    };
+    let probe = run(&["-c".into(), "import dejavu".into()])?;
+    if !probe.status.success() {
+        return Err(format!("{python} has no dejavu package (pip install ./bindings/python)"));
+    }
+    let (socket, successor) = &ring.engine_at;
+    let mut args = vec![
+        "-c".to_owned(),
+        PYTHON_SCRIPT.to_owned(),
+        format!("--socket={}", socket.display()),
+        format!("--successor={successor}"),
+        "--epoch=1".to_owned(),
+        format!("--steps={steps}"),
+        "--batches".to_owned(),
+    ];
+    args.extend(BATCHES.iter().map(u32::to_string));
+    let out = run(&args)?;
+    if !out.status.success() {
+        return Err(format!("{python} failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).map_err(|e| format!("{line:?}: {e}")))
+        .collect()
 }
 
 fn measure_size(

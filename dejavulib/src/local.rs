@@ -27,8 +27,9 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::cache::{GatherPlan, KvCache};
-use crate::checksum::Checksum;
+use crate::checksum::{xxh3_64, Checksum};
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
+use crate::copy;
 use crate::message::Message;
 use crate::resume::{resume_points, HeldChunk, ResumePoint};
 use crate::shm::{SharedRegion, ShmError};
@@ -386,14 +387,23 @@ impl ChunkStore for LocalSidecar {
             Err(e) => return Err(self.store_error(e.into())),
         };
         let (header, payload) = data.split_at_mut(HEADER_LEN);
-        let mut sum = Checksum::new();
-        cache
-            .gather_streamed(plan, payload, GATHERED_PIECE, |piece| {
-                sum.update(piece);
-                true
-            })
-            .map_err(|e| StoreError::Gather(Box::new(e)))?;
-        header.copy_from_slice(&descriptor.encode_header_with_checksum(len as u64, sum.digest()));
+        let gather_failed = |e| StoreError::Gather(Box::new(e));
+        // A small region is hashed once gathered, still in cache: handing pieces to a hashing
+        // thread would cost more than it overlaps.
+        let sum = if (len as u64) < copy::PARALLEL_MIN_BYTES {
+            cache.gather_with(plan, payload).map_err(gather_failed)?;
+            xxh3_64(payload)
+        } else {
+            let mut sum = Checksum::new();
+            cache
+                .gather_streamed(plan, payload, GATHERED_PIECE, |piece| {
+                    sum.update(piece);
+                    true
+                })
+                .map_err(gather_failed)?;
+            sum.digest()
+        };
+        header.copy_from_slice(&descriptor.encode_header_with_checksum(len as u64, sum));
         let written = (HEADER_LEN + len) as u32;
         let acked = self.channel.call(Kind::Put, 0, [written, 0, 0, 0], &[], Kind::PutAck);
         acked.map_err(|e| self.store_error(e))?;
