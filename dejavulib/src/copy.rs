@@ -109,10 +109,11 @@ pub unsafe fn execute_raw_parallel(
         check_block(block, src, dst)?;
     }
     let threads = threads.clamp(1, plan.blocks().len().max(1));
+    let stores = Stores::for_bytes(plan.bytes());
     if threads == 1 || plan.bytes() < PARALLEL_MIN_BYTES {
         // SAFETY: every block was checked against the buffers (safety 1); the caller guarantees
         // exclusivity (safety 2).
-        unsafe { run_blocks(plan.blocks(), src, dst) };
+        unsafe { run_blocks(plan.blocks(), src, dst, stores) };
         return Ok(plan.bytes());
     }
     let groups = split_by_bytes(plan.blocks(), threads);
@@ -123,10 +124,10 @@ pub unsafe fn execute_raw_parallel(
             let shared = &shared;
             // SAFETY: blocks were checked (safety 1); groups write disjoint bytes (safety 3) that
             // nobody else touches (safety 2), and the scope joins every thread before returning.
-            scope.spawn(move || unsafe { run_blocks(group, shared.src, shared.dst) });
+            scope.spawn(move || unsafe { run_blocks(group, shared.src, shared.dst, stores) });
         }
         // SAFETY: as above, for the caller's own share.
-        unsafe { run_blocks(last, src, dst) };
+        unsafe { run_blocks(last, src, dst, stores) };
     });
     Ok(plan.bytes())
 }
@@ -164,8 +165,9 @@ pub(crate) unsafe fn run_groups(
             let group = next.fetch_add(1, Ordering::Relaxed);
             let Some((_, blocks)) = groups.get(group) else { return };
             // SAFETY: checked blocks (forwarded contract); each group is taken by one thread, and
-            // blocks write disjoint bytes, so no two threads write the same byte.
-            unsafe { run_blocks(blocks, src, dst) };
+            // blocks write disjoint bytes, so no two threads write the same byte. Each group is
+            // handed on as soon as it is written, to be read while in cache: cached stores.
+            unsafe { run_blocks(blocks, src, dst, Stores::Cached) };
             done(group);
         }
     };
@@ -240,10 +242,38 @@ fn split_by_bytes(blocks: &[CopyBlock], groups: usize) -> Vec<&[CopyBlock]> {
     out
 }
 
+/// How a copy's large runs are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stores {
+    /// Through the cache, as `memcpy` does: what is written next is read soon.
+    Cached,
+    /// Around the cache (non-temporal stores), for a copy far larger than the last-level cache: its
+    /// first bytes are out of the cache before anyone reads them, and an ordinary store first reads
+    /// each destination line from memory, a third of the traffic for nothing.
+    Streaming,
+}
+
+/// Copies of this many bytes or more stream their large runs around the cache.
+pub const STREAMING_FROM: u64 = 64 << 20;
+
+/// Runs shorter than this are stored through the cache even in a streaming copy: the aligned head
+/// and tail would be most of them.
+const STREAMING_MIN_RUN: usize = 1024;
+
+impl Stores {
+    fn for_bytes(bytes: u64) -> Self {
+        if bytes >= STREAMING_FROM && cfg!(target_arch = "x86_64") {
+            Stores::Streaming
+        } else {
+            Stores::Cached
+        }
+    }
+}
+
 /// # Safety
 /// Every block was checked against `src` and `dst` with [`check_block`], and the bytes it writes
 /// are this caller's alone.
-unsafe fn run_blocks(blocks: &[CopyBlock], src: &[RawSrc], dst: &[RawDst]) {
+unsafe fn run_blocks(blocks: &[CopyBlock], src: &[RawSrc], dst: &[RawDst], stores: Stores) {
     for (i, block) in blocks.iter().enumerate() {
         // The next block's first runs are not covered by its own prefetch cursor: warm them now.
         if let Some(next) = blocks.get(i + 1).filter(|b| b.run <= SMALL_RUN) {
@@ -257,9 +287,14 @@ unsafe fn run_blocks(blocks: &[CopyBlock], src: &[RawSrc], dst: &[RawDst]) {
             if block.run <= SMALL_RUN {
                 walk_small_runs(s, d, block.axes(), block.run as usize)
             } else {
-                walk(s, d, block.axes(), block.run as usize)
+                walk(s, d, block.axes(), block.run as usize, stores)
             }
         };
+    }
+    if stores == Stores::Streaming {
+        // Non-temporal stores are not ordered with the release that publishes the copy (a
+        // thread's end, a channel's send): fence them first.
+        fence_streaming_stores();
     }
 }
 
@@ -468,24 +503,16 @@ fn prefetch(p: *const u8) {
 
 /// # Safety
 /// Every run of the nest rooted at (`src`, `dst`) is valid to read and write.
-unsafe fn walk(src: *const u8, dst: *mut u8, axes: &[Axis], run: usize) {
+unsafe fn walk(src: *const u8, dst: *mut u8, axes: &[Axis], run: usize, stores: Stores) {
     match axes {
         [] => {
             // SAFETY: one run, valid per this function's contract.
-            unsafe { copy_strided(src, dst, 1, 0, 0, run) }
+            unsafe { copy_strided(src, dst, (1, 0, 0), run, stores) }
         }
         [last] => {
+            let strides = (last.count as usize, last.src_stride as usize, last.dst_stride as usize);
             // SAFETY: the innermost loop's runs are valid per the contract.
-            unsafe {
-                copy_strided(
-                    src,
-                    dst,
-                    last.count as usize,
-                    last.src_stride as usize,
-                    last.dst_stride as usize,
-                    run,
-                )
-            }
+            unsafe { copy_strided(src, dst, strides, run, stores) }
         }
         [outer, rest @ ..] => {
             for i in 0..outer.count as usize {
@@ -496,6 +523,7 @@ unsafe fn walk(src: *const u8, dst: *mut u8, axes: &[Axis], run: usize) {
                         dst.add(i * outer.dst_stride as usize),
                         rest,
                         run,
+                        stores,
                     )
                 }
             }
@@ -510,11 +538,88 @@ unsafe fn walk(src: *const u8, dst: *mut u8, axes: &[Axis], run: usize) {
 /// Every run is valid to read at `src + i * src_stride` and write at `dst + i * dst_stride`, and the
 /// two never overlap.
 #[inline]
-unsafe fn copy_strided(src: *const u8, dst: *mut u8, count: usize, ss: usize, ds: usize, run: usize) {
+unsafe fn copy_strided(
+    src: *const u8,
+    dst: *mut u8,
+    (count, ss, ds): (usize, usize, usize),
+    run: usize,
+    stores: Stores,
+) {
+    let streaming = stores == Stores::Streaming && run >= STREAMING_MIN_RUN;
     for i in 0..count {
-        // SAFETY: the run is valid and non-overlapping per the contract.
-        unsafe { std::ptr::copy_nonoverlapping(src.add(i * ss), dst.add(i * ds), run) }
+        let (s, d) = (src.wrapping_add(i * ss), dst.wrapping_add(i * ds));
+        if streaming {
+            // SAFETY: the run is valid and non-overlapping per the contract.
+            unsafe { copy_streaming(s, d, run) }
+        } else {
+            // SAFETY: as above.
+            unsafe { std::ptr::copy_nonoverlapping(s, d, run) }
+        }
     }
+}
+
+/// Copies `len` bytes from `src` to `dst` with non-temporal stores where the destination is
+/// 16-byte aligned (ordinary ones for the unaligned head and the tail). The caller fences them
+/// ([`fence_streaming_stores`]) before the copy is published.
+///
+/// # Safety
+/// `src` is valid for reads and `dst` for writes of `len` bytes, and the two do not overlap.
+#[cfg(target_arch = "x86_64")]
+unsafe fn copy_streaming(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    const LANE: usize = 16;
+    const STEP: usize = 4 * LANE;
+    let head = dst.align_offset(LANE).min(len);
+    // SAFETY: the first `head` bytes of both ranges are valid per the contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+    let mut done = head;
+    while len - done >= STEP {
+        // SAFETY: `done + STEP <= len`, so the 64 bytes read and written are in the ranges; `dst +
+        // done` is 16-byte aligned (the head brought it there, and steps keep it), as
+        // `_mm_stream_si128` needs; SSE2, which these use, is part of every x86-64 CPU.
+        unsafe {
+            let (s, d) = (src.add(done), dst.add(done));
+            let lanes = [0, 1, 2, 3].map(|i| _mm_loadu_si128(s.add(i * LANE).cast::<__m128i>()));
+            for (i, lane) in lanes.into_iter().enumerate() {
+                _mm_stream_si128(d.add(i * LANE).cast::<__m128i>(), lane);
+            }
+        }
+        done += STEP;
+    }
+    // SAFETY: the tail, `done..len`, is in both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done) };
+}
+
+/// Elsewhere a streaming copy is an ordinary one.
+///
+/// # Safety
+/// As [`std::ptr::copy_nonoverlapping`].
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn copy_streaming(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: forwarded contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+}
+
+/// Copies `src` into `dst` (of the same length) as a copy of [`STREAMING_FROM`] bytes or more
+/// stores its large runs: around the cache, on x86-64. What a gather far larger than the cache is
+/// held to, beside `memcpy`.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn copy_around_cache(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "a copy around the cache between slices of different lengths");
+    // SAFETY: both slices are valid for their common length, and a `&mut` cannot overlap a `&`.
+    unsafe { copy_streaming(src.as_ptr(), dst.as_mut_ptr(), src.len()) };
+    fence_streaming_stores();
+}
+
+/// Orders the calling thread's non-temporal stores before its later stores.
+fn fence_streaming_stores() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `sfence` has no preconditions; SSE, which it belongs to, is part of every x86-64 CPU.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 #[cfg(test)]
@@ -524,6 +629,50 @@ mod tests {
     use crate::plan::{plan_copy, Order};
     use crate::region::{Coord, Shape};
     use crate::spec::{DType, KvSpec};
+
+    #[test]
+    fn a_streaming_copy_moves_every_byte_at_any_alignment_and_length() {
+        let src: Vec<u8> = (0..6000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        for offset in 0..17 {
+            for len in [0, 1, 15, 16, 63, 64, 65, 127, 1000, 4096, 5000] {
+                let mut dst = vec![0u8; 6100];
+                // SAFETY: both ranges are inside their vectors, which do not overlap.
+                unsafe { copy_streaming(src.as_ptr().add(3), dst.as_mut_ptr().add(offset), len) };
+                fence_streaming_stores();
+                assert_eq!(&dst[offset..offset + len], &src[3..3 + len], "offset {offset}, {len} bytes");
+                assert!(dst[..offset].iter().chain(&dst[offset + len..]).all(|&b| b == 0));
+            }
+        }
+    }
+
+    #[test]
+    fn a_gather_larger_than_the_streaming_threshold_is_exact() {
+        // Runs of 16 KiB from a strided source, 72 MiB in all: the streaming stores' path.
+        let spec = KvSpec::new(9, 16, 8, DType::F16).unwrap();
+        let layout = KvLayout::faster_transformer(spec, 2, 16 * 1024).unwrap();
+        let shape = Shape { layers: 9, slots: 1, heads: 16, tokens: 16 * 1024 };
+        let packed = KvLayout::packed(&spec, shape, layout.preferred_packing()).unwrap();
+        let plan =
+            plan_copy(&layout, Coord::default(), &packed, Coord::default(), shape, Order::Src).unwrap();
+        assert!(plan.bytes() >= STREAMING_FROM);
+        assert_eq!(Stores::for_bytes(plan.bytes()) == Stores::Streaming, cfg!(target_arch = "x86_64"));
+        let sources: Vec<Vec<u8>> = layout
+            .buffer_sizes()
+            .iter()
+            .enumerate()
+            .map(|(b, &n)| (0..n).map(|i| (i * 13 + i / 4099 + b as u64) as u8).collect())
+            .collect();
+        let src: Vec<&[u8]> = sources.iter().map(Vec::as_slice).collect();
+        let mut streamed = vec![0u8; plan.bytes() as usize];
+        let mut cached = vec![0u8; plan.bytes() as usize];
+        execute(&plan, &src, &mut [&mut streamed]).unwrap();
+        // The same plan, block by block through the cache, for the reference.
+        let raw_src: Vec<RawSrc> = src.iter().map(|s| RawSrc::from(*s)).collect();
+        let raw_dst = [RawDst::from(&mut cached[..])];
+        // SAFETY: the blocks were checked by the `execute` above against buffers of these sizes.
+        unsafe { run_blocks(plan.blocks(), &raw_src, &raw_dst, Stores::Cached) };
+        assert!(streamed == cached, "the streaming copy differs from the cached one");
+    }
 
     #[test]
     fn short_buffers_are_rejected_before_copying() {
