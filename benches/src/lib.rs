@@ -7,6 +7,7 @@
 pub mod e2e;
 pub mod gpu;
 pub mod gpu_host;
+pub mod handoff;
 pub mod held;
 pub mod machine;
 pub mod net;

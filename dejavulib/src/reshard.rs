@@ -291,9 +291,10 @@ pub fn receive(
         return Ok(ChunkReceipt { key, bytes: 0, copy_time: Duration::ZERO, io_time: Duration::ZERO });
     }
     let started = Instant::now();
-    let descriptor = store.get(&key, payload)?;
+    // Scattered from the store's own bytes where it holds them in memory: no copy first.
+    let (descriptor, fetched) = store.get_payload(&key, payload)?;
     let io_time = started.elapsed();
-    let mut receipt = install(cache, transfer, tokens, &descriptor, payload)?;
+    let mut receipt = install(cache, transfer, tokens, &descriptor, &fetched)?;
     receipt.io_time = io_time;
     Ok(receipt)
 }

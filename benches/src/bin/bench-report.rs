@@ -89,6 +89,11 @@ fn main() -> std::process::ExitCode {
     let machine = dejavu_benches::machine::Machine::read();
     eprintln!("{}", machine.line());
     let mut micro = micro_rows(geometry, options.quick, options.gpu_only);
+    if !options.gpu_only {
+        eprintln!("a prompt's handoff between pipeline setups, in one process...");
+        let runs = if options.quick { 3 } else { 7 };
+        micro.rows.extend(dejavu_benches::handoff::measure(geometry.prompt_tokens, runs));
+    }
     // Last, so that the demos' processes do not share the cores with the measurements above.
     let e2e = end_to_end(&options);
     micro.rows.extend(e2e.rows.iter().cloned());

@@ -4,12 +4,14 @@ use std::collections::{HashMap, VecDeque};
 use std::fs;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use super::pool::BufferPool;
-use super::{check_payload, ChunkStore, StoreError};
-use crate::checksum::xxh3_64;
+use super::{check_payload, check_plan, ChunkStore, Payload, StoreError, GATHERED_PIECE};
+use crate::cache::{GatherPlan, KvCache};
+use crate::checksum::{copy_summed, xxh3_64, Checksum};
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkError, ChunkKey, SequencePlace, HEADER_LEN};
 use crate::spill::{Spill, SpillDir, StoreUsage};
 
@@ -358,11 +360,54 @@ impl HostStore {
 impl ChunkStore for HostStore {
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
         check_payload(descriptor, payload)?;
-        let mut encoded = Vec::with_capacity(HEADER_LEN + payload.len());
-        encoded.extend_from_slice(&descriptor.encode_header(payload));
-        encoded.extend_from_slice(payload);
+        let mut encoded = self.buffer_for(HEADER_LEN + payload.len());
+        encoded.extend_from_slice(&[0; HEADER_LEN]);
+        let sum = copy_summed(payload, &mut encoded);
+        let header = descriptor.encode_header_with_checksum(payload.len() as u64, sum);
+        encoded[..HEADER_LEN].copy_from_slice(&header);
         self.insert_encoded(descriptor.key(), encoded);
         Ok(())
+    }
+
+    /// Gathers straight into a buffer of the store's, checksumming each piece as it is gathered.
+    fn put_gathered(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &KvCache,
+        plan: &GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<Duration, StoreError> {
+        check_payload(descriptor, staging)?;
+        check_plan(descriptor, plan)?;
+        let len = staging.len();
+        let mut encoded = self.inner.lock().spare.take_len(HEADER_LEN + len);
+        let mut sum = Checksum::new();
+        cache
+            .gather_streamed(plan, &mut encoded[HEADER_LEN..], GATHERED_PIECE, |piece| {
+                sum.update(piece);
+                true
+            })
+            .map_err(|e| StoreError::Gather(Box::new(e)))?;
+        let header = descriptor.encode_header_with_checksum(len as u64, sum.digest());
+        encoded[..HEADER_LEN].copy_from_slice(&header);
+        self.insert_encoded(descriptor.key(), encoded);
+        Ok(Duration::ZERO)
+    }
+
+    /// The chunk as the store holds it, shared rather than copied, once verified.
+    fn get_payload<'a>(
+        &mut self,
+        key: &ChunkKey,
+        _buffer: &'a mut Vec<u8>,
+    ) -> Result<(ChunkDescriptor, Payload<'a>), StoreError> {
+        let chunk = self.encoded(key).ok_or_else(|| StoreError::NotFound(Box::new(key.clone())))?;
+        if chunk.len() < HEADER_LEN {
+            return Err(StoreError::PayloadLength { expected: HEADER_LEN as u64, got: chunk.len() as u64 });
+        }
+        let corrupt = |source| StoreError::Chunk { key: key.file_name(), source };
+        let (descriptor, _, sum) = ChunkDescriptor::decode_header(&chunk[..HEADER_LEN]).map_err(corrupt)?;
+        verify_payload(&chunk[HEADER_LEN..], sum).map_err(corrupt)?;
+        Ok((descriptor, Payload::Shared(chunk)))
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {

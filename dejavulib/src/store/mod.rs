@@ -7,12 +7,13 @@
 
 use std::io;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
 use crate::cache::{GatherPlan, KvCache};
-use crate::chunk::{ChunkDescriptor, ChunkError, ChunkKey, SequencePlace};
+use crate::chunk::{ChunkDescriptor, ChunkError, ChunkKey, SequencePlace, HEADER_LEN};
 
 mod file;
 mod host;
@@ -87,6 +88,18 @@ pub trait ChunkStore: Send {
         Ok(gathered)
     }
 
+    /// Fetches the chunk under `key` after verifying it, and returns its payload: by default
+    /// fetched into `buffer` ([`ChunkStore::get`]); a store that holds it in memory hands out its
+    /// own bytes, shared, saving the copy.
+    fn get_payload<'a>(
+        &mut self,
+        key: &ChunkKey,
+        buffer: &'a mut Vec<u8>,
+    ) -> Result<(ChunkDescriptor, Payload<'a>), StoreError> {
+        let descriptor = self.get(key, buffer)?;
+        Ok((descriptor, Payload::Buffer(buffer)))
+    }
+
     /// Fetches the chunk under `key` into `out` (resized to the payload) after verifying it.
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError>;
 
@@ -97,6 +110,26 @@ pub trait ChunkStore: Send {
     fn release(&mut self, place: &SequencePlace) -> Result<u64, StoreError> {
         let _ = place;
         Err(StoreError::Unsupported("release"))
+    }
+}
+
+/// A fetched chunk's payload ([`ChunkStore::get_payload`]): in the caller's buffer, or the
+/// store's own encoded chunk (header, then payload), shared.
+pub enum Payload<'a> {
+    /// Fetched into the caller's buffer.
+    Buffer(&'a [u8]),
+    /// The store's encoded chunk.
+    Shared(Arc<Vec<u8>>),
+}
+
+impl std::ops::Deref for Payload<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Payload::Buffer(bytes) => bytes,
+            Payload::Shared(chunk) => &chunk[HEADER_LEN..],
+        }
     }
 }
 

@@ -53,16 +53,39 @@ impl BufferPool {
         if len < POOLED_FROM {
             return Vec::with_capacity(len);
         }
-        let class = class_of(len);
-        self.largest = self.largest.max(class);
-        match self.waiting.get_mut(&class).and_then(Vec::pop) {
+        let mut buffer = self.pop(len).unwrap_or_else(|| Vec::with_capacity(class_of(len)));
+        buffer.clear();
+        buffer
+    }
+
+    /// A buffer of exactly `len` bytes, whatever they hold (a freed chunk's, or zeros): to be
+    /// overwritten whole. A pooled one is not zeroed first.
+    pub(crate) fn take_len(&mut self, len: usize) -> Vec<u8> {
+        if len < POOLED_FROM {
+            return vec![0; len];
+        }
+        match self.pop(len) {
             Some(mut buffer) => {
-                self.bytes -= class;
-                buffer.clear();
+                // Its bytes up to its old length were written; only those beyond are zeroed.
+                buffer.resize(len, 0);
                 buffer
             }
-            None => Vec::with_capacity(class),
+            None => {
+                // Zeroed pages from the system, faulted in as they are first written.
+                let mut buffer = vec![0; class_of(len)];
+                buffer.truncate(len);
+                buffer
+            }
         }
+    }
+
+    /// A waiting buffer of `len`'s class, as it was given back.
+    fn pop(&mut self, len: usize) -> Option<Vec<u8>> {
+        let class = class_of(len);
+        self.largest = self.largest.max(class);
+        let buffer = self.waiting.get_mut(&class).and_then(Vec::pop)?;
+        self.bytes -= class;
+        Some(buffer)
     }
 
     /// Keeps `buffer` for a later chunk of its class, if it is one of the pool's and the budget
@@ -106,6 +129,24 @@ mod tests {
         assert_eq!(again.as_ptr(), at, "the same buffer, not a new one");
         assert!(again.is_empty());
         assert_eq!(pool.bytes, 0);
+    }
+
+    #[test]
+    fn a_buffer_of_a_length_is_that_long_and_pooled_without_being_zeroed() {
+        let mut pool = BufferPool::default();
+        let fresh = pool.take_len(1_000_000);
+        assert_eq!((fresh.len(), fresh.capacity()), (1_000_000, class_of(1_000_000)));
+        assert!(fresh.iter().all(|&b| b == 0));
+        let mut full = fresh;
+        full.fill(5);
+        let at = full.as_ptr();
+        pool.give(full);
+        let again = pool.take_len(950_000);
+        assert_eq!((again.as_ptr(), again.len()), (at, 950_000), "the same buffer, cut to length");
+        assert!(again.iter().all(|&b| b == 5), "not zeroed");
+        pool.give(again);
+        let longer = pool.take_len(1_000_000);
+        assert!(longer[..950_000].iter().all(|&b| b == 5) && longer[950_000..].iter().all(|&b| b == 0));
     }
 
     #[test]
