@@ -12,8 +12,10 @@
 //!   flight as the streamer's queue holds; the engine's own thread time per step is held to the
 //!   gather's.
 //!
-//! The synchronous steps are timed from Python too (`benches/python/sidecar_path.py`, when a
-//! `python3` with the `dejavu` package is there), as engines call them.
+//! Both are measured with the sidecars on TCP, against raw tokio TCP, and on QUIC, against a raw
+//! quinn stream. The synchronous steps over TCP are timed from Python too
+//! (`benches/python/sidecar_path.py`, when a `python3` with the `dejavu` package is there), as
+//! engines call them.
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -33,7 +35,7 @@ use crate::Row;
 /// The synchronous path's target: at most 1.5x the time of its limit.
 pub const SYNC_TARGET: f64 = 1.0 / 1.5;
 
-/// The streamed path's target: at least 0.7x of raw TCP's throughput.
+/// The streamed path's target: at least 0.7x of the raw link's throughput.
 pub const STREAMED_TARGET: f64 = 0.7;
 
 /// Sequences per measured step (0.8, 6.6 and 26 MB).
@@ -42,11 +44,37 @@ const BATCHES: [u32; 3] = [1, 8, 32];
 /// Steps timed per size in a full report (the median is reported), and in a quick one.
 pub const STEPS: usize = 40;
 
-/// Steps in flight in the streamed runs: the streamer's queue, and raw TCP's window.
+/// Steps in flight in the streamed runs: the streamer's queue, and the raw link's window.
 const QUEUE: usize = 4;
 
 /// Bytes of a shared region: the largest step and its header fit.
 const REGION_BYTES: usize = 64 << 20;
+
+/// The transport between the sidecars, and the raw link that is its limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Link {
+    /// TCP, against raw tokio TCP.
+    Tcp,
+    /// QUIC with the cluster's certificates, against a raw quinn stream.
+    Quic,
+}
+
+impl Link {
+    /// How rows name the link (nothing for TCP, the default), and its raw limit.
+    fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Link::Tcp => ("", "raw TCP"),
+            Link::Quic => (" over QUIC", "raw quinn"),
+        }
+    }
+
+    async fn raw(self, len: usize, buffers: usize) -> RawLink {
+        match self {
+            Link::Tcp => RawLink::tcp(len, buffers).await,
+            Link::Quic => RawLink::quic(len, buffers, &crate::net::identities()).await,
+        }
+    }
+}
 
 /// The two sidecars of a ring of two, each the other's successor.
 struct Ring {
@@ -57,10 +85,18 @@ struct Ring {
 }
 
 impl Ring {
-    fn start(exe: &Path) -> Result<Self, String> {
+    fn start(exe: &Path, link: Link) -> Result<Self, String> {
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let certs = dir.path().join("certs");
+        if link == Link::Quic {
+            let args = ["certs", "--cluster=bench", &format!("--out={}", certs.display()), "member"];
+            let made = std::process::Command::new(exe).args(args).output().map_err(|e| e.to_string())?;
+            if !made.status.success() {
+                return Err(format!("dejavud certs: {}", String::from_utf8_lossy(&made.stderr)));
+            }
+        }
         let sidecar = |index: u32| {
-            let args = [
+            let mut args = vec![
                 "sidecar".to_owned(),
                 format!("--index={index}"),
                 format!("--local={}", dir.path().join(format!("s{index}.sock")).display()),
@@ -68,6 +104,9 @@ impl Ring {
                 format!("--region-bytes={REGION_BYTES}"),
                 "--listen=127.0.0.1:0".to_owned(),
             ];
+            if link == Link::Quic {
+                args.extend(["--transport=quic".to_owned(), format!("--certs={}", certs.display())]);
+            }
             spawn(exe, &args, "a sidecar", Duration::from_secs(30)).map_err(|e| e.to_string())
         };
         let (first, second) = (sidecar(0)?, sidecar(1)?);
@@ -107,70 +146,93 @@ fn thread_cpu_time() -> Duration {
 /// One step size's measurements.
 struct Measured {
     bytes: usize,
-    /// Medians: the synchronous step, the gather alone, raw TCP of one step.
+    /// Medians: the synchronous step, the gather alone, the raw link's transfer of one step.
     sync: Duration,
     gather: Duration,
-    tcp: Duration,
-    /// Streamed: the steps' bytes over the time to the last acknowledgment, raw TCP's with the
-    /// same window, and the engine thread's CPU time per step.
+    raw: Duration,
+    /// Streamed: the steps' bytes over the time to the last acknowledgment, the raw link's with
+    /// the same window, and the engine thread's CPU time per step.
     streamed_bytes_per_s: f64,
     raw_bytes_per_s: f64,
     engine_per_step: Duration,
 }
 
-/// The rows: for each size, the synchronous step against its limit, the streamed throughput
-/// against raw TCP's, and the engine thread's time per streamed step against the gather's; and a
-/// note per size on where the time goes.
+/// The rows: for each transport and size, the synchronous step against its limit, the streamed
+/// throughput against the raw link's, and the engine thread's time per streamed step against the
+/// gather's; and a note per size on where the time goes.
 pub fn measure(exe: &Path, steps: usize) -> Result<(Vec<Row>, Vec<String>), String> {
     let cache = Arc::new(cache());
-    let ring = Ring::start(exe)?;
     let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
     let (mut rows, mut notes) = (Vec::new(), Vec::new());
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let mut raw_tcp = Vec::new();
-    for batch in BATCHES {
-        let m = measure_size(&ring, &runtime, &cache, batch, steps)?;
-        raw_tcp.push(m.tcp);
-        let mb = m.bytes as f64 / 1e6;
-        rows.push(Row {
-            name: format!("a {mb:.1} MB decode step through two sidecars, synchronous"),
-            value: ms(m.sync),
-            unit: "ms",
-            limit_name: "gather + raw TCP of its bytes".into(),
-            limit: ms(m.gather + m.tcp),
-            target: SYNC_TARGET,
-            higher_is_better: false,
-        });
-        rows.push(Row {
-            name: format!("{mb:.1} MB decode steps through two sidecars, streamed ({QUEUE} queued)"),
-            value: m.streamed_bytes_per_s / 1e9,
-            unit: "GB/s",
-            limit_name: format!("raw TCP, {QUEUE} in flight"),
-            limit: m.raw_bytes_per_s / 1e9,
-            target: STREAMED_TARGET,
-            higher_is_better: true,
-        });
-        rows.push(Row {
-            name: format!("engine thread per streamed {mb:.1} MB step"),
-            value: ms(m.engine_per_step),
-            unit: "ms",
-            limit_name: "the step's gather".into(),
-            limit: ms(m.gather),
-            target: 1.0,
-            higher_is_better: false,
-        });
-        notes.push(format!(
-            "{mb:.1} MB step ({batch} sequences of a 13B-class worker): synchronous {:.2} ms = gather {:.2} ms \
-             + raw TCP {:.2} ms + {:.2} ms for the rest (shared memory, keeping, acknowledgments)",
-            ms(m.sync),
-            ms(m.gather),
-            ms(m.tcp),
-            ms(m.sync.saturating_sub(m.gather + m.tcp))
-        ));
+    for link in [Link::Tcp, Link::Quic] {
+        let ring = Ring::start(exe, link)?;
+        let (over, raw) = link.names();
+        for batch in BATCHES {
+            let m = measure_size(&ring, &runtime, &cache, batch, steps, link)?;
+            let mb = m.bytes as f64 / 1e6;
+            rows.push(Row {
+                name: format!("a {mb:.1} MB decode step through two sidecars{over}, synchronous"),
+                value: ms(m.sync),
+                unit: "ms",
+                limit_name: format!("gather + {raw} of its bytes"),
+                limit: ms(m.gather + m.raw),
+                target: SYNC_TARGET,
+                higher_is_better: false,
+            });
+            rows.push(Row {
+                name: format!(
+                    "{mb:.1} MB decode steps through two sidecars{over}, streamed ({QUEUE} queued)"
+                ),
+                value: m.streamed_bytes_per_s / 1e9,
+                unit: "GB/s",
+                limit_name: format!("{raw}, {QUEUE} in flight"),
+                limit: m.raw_bytes_per_s / 1e9,
+                target: STREAMED_TARGET,
+                higher_is_better: true,
+            });
+            rows.push(Row {
+                name: format!("engine thread per streamed {mb:.1} MB step{over}"),
+                value: ms(m.engine_per_step),
+                unit: "ms",
+                limit_name: "the step's gather".into(),
+                limit: ms(m.gather),
+                target: 1.0,
+                higher_is_better: false,
+            });
+            notes.push(format!(
+                "{mb:.1} MB step{over} ({batch} sequences of a 13B-class worker): synchronous {:.2} ms = gather \
+                 {:.2} ms + {raw} {:.2} ms + {:.2} ms for the rest (shared memory, keeping, acknowledgments)",
+                ms(m.sync),
+                ms(m.gather),
+                ms(m.raw),
+                ms(m.sync.saturating_sub(m.gather + m.raw))
+            ));
+            if link == Link::Tcp {
+                raw_tcp.push(m.raw);
+            }
+        }
+        if link == Link::Tcp {
+            python_rows(&ring, steps, &raw_tcp, &mut rows, &mut notes);
+        }
     }
-    match from_python(&ring, steps) {
+    Ok((rows, notes))
+}
+
+/// The synchronous rows from Python, against Python's gather plus `raw_tcp` of each size, or a
+/// note on why there are none.
+fn python_rows(
+    ring: &Ring,
+    steps: usize,
+    raw_tcp: &[Duration],
+    rows: &mut Vec<Row>,
+    notes: &mut Vec<String>,
+) {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    match from_python(ring, steps) {
         Ok(steps) => {
-            for (step, tcp) in steps.iter().zip(raw_tcp) {
+            for (step, &tcp) in steps.iter().zip(raw_tcp) {
                 rows.push(Row {
                     name: format!(
                         "a {:.1} MB decode step through two sidecars, from Python (step_done, BHSD numpy)",
@@ -187,7 +249,6 @@ pub fn measure(exe: &Path, steps: usize) -> Result<(Vec<Row>, Vec<String>), Stri
         }
         Err(why) => notes.push(format!("the path from Python: skipped: {why}")),
     }
-    Ok((rows, notes))
 }
 
 /// The Python half: `sidecar_path.py` run by the interpreter `DEJAVU_PYTHON` names (`python3` by
@@ -250,6 +311,7 @@ fn measure_size(
     cache: &Arc<KvCache>,
     batch: u32,
     steps: usize,
+    link: Link,
 ) -> Result<Measured, String> {
     let region = KvRegion::new(0..40, 0..batch, 0..40, 1..2);
     let bytes = cache.packed_len(&region) as usize;
@@ -257,17 +319,17 @@ fn measure_size(
     let transfer = Transfer::in_place(engine, engine, 0, &region);
     let packing = cache.layout().preferred_packing();
     let pool = StagingPool::default();
-    let mut raw = runtime.block_on(RawLink::tcp(bytes, QUEUE));
+    let mut raw = runtime.block_on(link.raw(bytes, QUEUE));
     let message = Arc::new(vec![crate::net::noise(bytes)]);
     let mut staging = vec![0u8; bytes];
 
-    // Synchronous steps, each beside the gather alone and raw TCP of the same bytes.
+    // Synchronous steps, each beside the gather alone and the raw link moving the same bytes.
     let mut sidecar = ring.engine()?;
     let mut step = || send(cache, &transfer, 1..2, &pool, &mut sidecar).map_err(|e| e.to_string());
     // One untimed step: the region's and the buffers' pages touched before any clock runs.
     step()?;
     let one = Case { name: "one step", size: bytes, count: 1, window: 1 };
-    let (mut sync, mut gather, mut tcp) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut sync, mut gather, mut over_raw) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..steps {
         let started = Instant::now();
         step()?;
@@ -275,7 +337,7 @@ fn measure_size(
         let started = Instant::now();
         cache.gather(&region, packing, &mut staging).map_err(|e| e.to_string())?;
         gather.push(started.elapsed());
-        tcp.push(runtime.block_on(raw.run(one, message.clone())));
+        over_raw.push(runtime.block_on(raw.run(one, message.clone())));
     }
 
     // Streamed: the same steps, queued, with the engine's thread timed apart.
@@ -303,7 +365,7 @@ fn measure_size(
         bytes,
         sync: median(sync),
         gather: median(gather),
-        tcp: median(tcp),
+        raw: median(over_raw),
         streamed_bytes_per_s: total / streamed.as_secs_f64(),
         raw_bytes_per_s: total / raw_time.as_secs_f64(),
         engine_per_step: engine_time / steps as u32,
