@@ -27,13 +27,11 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::cache::{GatherPlan, KvCache};
-use crate::checksum::{xxh3_64, Checksum};
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
-use crate::copy;
 use crate::message::Message;
 use crate::resume::{resume_points, HeldChunk, ResumePoint};
 use crate::shm::{SharedRegion, ShmError};
-use crate::store::{check_payload, check_plan, ChunkStore, StoreError, GATHERED_PIECE};
+use crate::store::{check_payload, check_plan, gather_summed, ChunkStore, StoreError};
 use crate::wire::{read_frame, write_frame, ErrorCode, Frame, FrameError, FrameHeader, Kind};
 
 /// A `Hello` flag (id 0): the sidecar is to report the engine's liveness to the controller on
@@ -387,22 +385,7 @@ impl ChunkStore for LocalSidecar {
             Err(e) => return Err(self.store_error(e.into())),
         };
         let (header, payload) = data.split_at_mut(HEADER_LEN);
-        let gather_failed = |e| StoreError::Gather(Box::new(e));
-        // A small region is hashed once gathered, still in cache: handing pieces to a hashing
-        // thread would cost more than it overlaps.
-        let sum = if (len as u64) < copy::PARALLEL_MIN_BYTES {
-            cache.gather_with(plan, payload).map_err(gather_failed)?;
-            xxh3_64(payload)
-        } else {
-            let mut sum = Checksum::new();
-            cache
-                .gather_streamed(plan, payload, GATHERED_PIECE, |piece| {
-                    sum.update(piece);
-                    true
-                })
-                .map_err(gather_failed)?;
-            sum.digest()
-        };
+        let sum = gather_summed(cache, plan, payload)?;
         header.copy_from_slice(&descriptor.encode_header_with_checksum(len as u64, sum));
         let written = (HEADER_LEN + len) as u32;
         let acked = self.channel.call(Kind::Put, 0, [written, 0, 0, 0], &[], Kind::PutAck);

@@ -21,7 +21,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dejavu_proto::fencing::{newest_of, Claim, Newest};
-use dejavulib::checksum::copy_summed;
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
 use dejavulib::local::{HELLO_EPOCH_FROM_SIDECAR, HELLO_MEMBER, MAX_LOCAL_PAYLOAD};
 use dejavulib::message::Message;
@@ -637,16 +636,12 @@ impl Sidecar {
     }
 
     /// Verifies and keeps one chunk the engine wrote into the region (`chunk`: header and
-    /// payload). It is copied out before it is verified (the engine's process can write the region
-    /// at any time), into a buffer of the store's, and hashed piece by piece as it is copied.
+    /// payload), copied out before it is verified: the engine's process can write the region at
+    /// any time.
     fn keep_one(&self, chunk: &[u8]) -> Result<(ChunkDescriptor, Arc<Vec<u8>>), SidecarError> {
-        let mut buffer = self.store.buffer_for(chunk.len());
-        let (header, payload) = chunk.split_at(HEADER_LEN.min(chunk.len()));
-        buffer.extend_from_slice(header);
-        let sum = copy_summed(payload, &mut buffer);
-        let (descriptor, kept) = self.store.put_encoded_with_sum(buffer, sum)?;
+        let (descriptor, kept) = self.store.put_copied(chunk)?;
         add(&self.stats.local_chunks, 1);
-        add(&self.stats.local_bytes, payload.len() as u64);
+        add(&self.stats.local_bytes, (kept.len() - HEADER_LEN) as u64);
         Ok((descriptor, kept))
     }
 

@@ -9,9 +9,9 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::pool::BufferPool;
-use super::{check_payload, check_plan, ChunkStore, Payload, StoreError, GATHERED_PIECE};
+use super::{check_payload, check_plan, gather_summed, ChunkStore, Payload, StoreError};
 use crate::cache::{GatherPlan, KvCache};
-use crate::checksum::{copy_summed, xxh3_64, Checksum};
+use crate::checksum::{copy_summed, xxh3_64};
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkError, ChunkKey, SequencePlace, HEADER_LEN};
 use crate::spill::{Spill, SpillDir, StoreUsage};
 
@@ -210,15 +210,16 @@ impl HostStore {
         self.put_encoded_summed(encoded, xxh3_64)
     }
 
-    /// [`HostStore::put_encoded`] of a chunk whose payload's xxh3-64 the caller computed as it
-    /// copied the chunk (`payload_sum`: [`crate::checksum::copy_summed`]), checked against the
-    /// header's instead of hashing the payload again.
-    pub fn put_encoded_with_sum(
-        &self,
-        encoded: Vec<u8>,
-        payload_sum: u64,
-    ) -> Result<(ChunkDescriptor, Arc<Vec<u8>>), StoreError> {
-        self.put_encoded_summed(encoded, |_| payload_sum)
+    /// Keeps a copy of an encoded chunk whose bytes may change under it (a shared region another
+    /// process writes): copied into a buffer of the store's, the payload hashed piece by piece as
+    /// it is copied, and the copy checked as [`HostStore::put_encoded`] checks a chunk. Returns
+    /// its descriptor and the bytes kept, shared.
+    pub fn put_copied(&self, encoded: &[u8]) -> Result<(ChunkDescriptor, Arc<Vec<u8>>), StoreError> {
+        let mut buffer = self.buffer_for(encoded.len());
+        let (header, payload) = encoded.split_at(HEADER_LEN.min(encoded.len()));
+        buffer.extend_from_slice(header);
+        let sum = copy_summed(payload, &mut buffer);
+        self.put_encoded_summed(buffer, |_| sum)
     }
 
     fn put_encoded_summed(
@@ -381,14 +382,8 @@ impl ChunkStore for HostStore {
         check_plan(descriptor, plan)?;
         let len = staging.len();
         let mut encoded = self.inner.lock().spare.take_len(HEADER_LEN + len);
-        let mut sum = Checksum::new();
-        cache
-            .gather_streamed(plan, &mut encoded[HEADER_LEN..], GATHERED_PIECE, |piece| {
-                sum.update(piece);
-                true
-            })
-            .map_err(|e| StoreError::Gather(Box::new(e)))?;
-        let header = descriptor.encode_header_with_checksum(len as u64, sum.digest());
+        let sum = gather_summed(cache, plan, &mut encoded[HEADER_LEN..])?;
+        let header = descriptor.encode_header_with_checksum(len as u64, sum);
         encoded[..HEADER_LEN].copy_from_slice(&header);
         self.insert_encoded(descriptor.key(), encoded);
         Ok(Duration::ZERO)
@@ -411,16 +406,10 @@ impl ChunkStore for HostStore {
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
-        let chunk = self.encoded(key).ok_or_else(|| StoreError::NotFound(Box::new(key.clone())))?;
-        if chunk.len() < HEADER_LEN {
-            return Err(StoreError::PayloadLength { expected: HEADER_LEN as u64, got: chunk.len() as u64 });
-        }
-        let corrupt = |source| StoreError::Chunk { key: key.file_name(), source };
-        let (descriptor, _, sum) = ChunkDescriptor::decode_header(&chunk[..HEADER_LEN]).map_err(corrupt)?;
-        let payload = &chunk[HEADER_LEN..];
-        verify_payload(payload, sum).map_err(corrupt)?;
+        let mut unused = Vec::new();
+        let (descriptor, payload) = self.get_payload(key, &mut unused)?;
         out.clear();
-        out.extend_from_slice(payload);
+        out.extend_from_slice(&payload);
         Ok(descriptor)
     }
 

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 use crate::cache::{GatherPlan, KvCache};
+use crate::checksum::{xxh3_64, Checksum};
 use crate::chunk::{ChunkDescriptor, ChunkError, ChunkKey, SequencePlace, HEADER_LEN};
+use crate::copy;
 
 mod file;
 mod host;
@@ -137,6 +139,30 @@ impl std::ops::Deref for Payload<'_> {
 /// shared region): small enough to be checksummed (and written) while still in the last-level
 /// cache, large enough that a write costs far more than a system call.
 pub(crate) const GATHERED_PIECE: usize = 512 << 10;
+
+/// Gathers `plan` from `cache` into `payload` (exactly the region's packed length) and returns the
+/// payload's xxh3-64, each piece hashed as soon as it is gathered, while it is in cache. A small
+/// region is hashed once gathered, still in cache: handing pieces to a hashing thread would cost
+/// more than it overlaps.
+pub(crate) fn gather_summed(
+    cache: &KvCache,
+    plan: &GatherPlan,
+    payload: &mut [u8],
+) -> Result<u64, StoreError> {
+    let gather_failed = |e| StoreError::Gather(Box::new(e));
+    if (payload.len() as u64) < copy::PARALLEL_MIN_BYTES {
+        cache.gather_with(plan, payload).map_err(gather_failed)?;
+        return Ok(xxh3_64(payload));
+    }
+    let mut sum = Checksum::new();
+    cache
+        .gather_streamed(plan, payload, GATHERED_PIECE, |piece| {
+            sum.update(piece);
+            true
+        })
+        .map_err(gather_failed)?;
+    Ok(sum.digest())
+}
 
 /// Refuses a plan whose payload is not the one `descriptor` describes: another shape of region,
 /// or another packing. (The coordinates may differ: a resharding transfer gathers from its source
