@@ -18,6 +18,8 @@
 //! - [`plan`]: where each failed stage restores from, and who re-seeds each replaced sidecar.
 //! - [`fencing`]: the epoch rule every process applies to its peers (the newest holds a place, the
 //!   stale are refused, a newer fence ends what an older epoch started).
+//! - [`forwarding`]: a sidecar's forwarding of its engine's KV to the ring successor (order,
+//!   backlog, what the engine hears for each chunk), which `dejavud sidecar` drives.
 //! - [`liveness`]: the running controller's heartbeats, lifelines, failure detection, fences and
 //!   epochs, which `dejavud controller` drives.
 //! - [`recovery`]: the running recovery procedure (fence, replace, carry out, restore, re-seed) and
@@ -31,6 +33,7 @@
 pub mod cluster;
 pub mod controller;
 pub mod fencing;
+pub mod forwarding;
 pub mod liveness;
 pub mod message;
 pub mod plan;

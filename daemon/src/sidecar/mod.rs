@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dejavu_proto::fencing::{newest_of, Claim, Newest};
+use dejavu_proto::forwarding::{Answer, Counts, Forwarding, Kept, Next, Sent, DEFAULT_BACKLOG};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
 use dejavulib::local::{HELLO_EPOCH_FROM_SIDECAR, HELLO_MEMBER, MAX_LOCAL_PAYLOAD};
 use dejavulib::message::Message;
@@ -79,6 +80,9 @@ pub enum SidecarError {
         /// Why.
         source: StoreError,
     },
+    /// A chunk was kept, but waits to be forwarded behind older chunks whose forward failed.
+    #[error("the forward to {0} waits behind chunks whose forward failed")]
+    ForwardWaits(SocketAddr),
     /// No successor has been named to forward to.
     #[error("no successor to forward to")]
     NoSuccessor,
@@ -237,8 +241,8 @@ struct Sidecar {
     runtime: tokio::runtime::Handle,
     /// Engine connections so far (numbers them, and their regions).
     connections: AtomicU64,
-    /// Chunks to forward again.
-    unforwarded: Mutex<Unforwarded>,
+    /// What it forwards to the successor, in which order, and what waits ([`Forwarding`]).
+    forwarding: Mutex<Forwarding<ChunkKey>>,
     /// The stage it belongs to: its own from the start, or a spare's once assigned.
     index: AtomicU32,
     /// Whether it waits, as a spare, for a stage.
@@ -292,7 +296,7 @@ pub fn serve_sidecar(
         successor: Mutex::new(None),
         runtime: runtime.handle().clone(),
         connections: AtomicU64::new(0),
-        unforwarded: Mutex::new(Unforwarded::default()),
+        forwarding: Mutex::new(Forwarding::new(DEFAULT_BACKLOG)),
         index: AtomicU32::new(index),
         unassigned: std::sync::atomic::AtomicBool::new(spare),
         assigned_epoch: AtomicU64::new(0),
@@ -609,8 +613,8 @@ impl Sidecar {
         if current.as_ref().is_some_and(|s| s.addr == successor) {
             return;
         }
-        // What the old successor lacks, the one before it will copy to the new one whole.
-        self.unforwarded.lock().clear();
+        // What the old successor lacks, the re-seed that names the new one copies to it whole.
+        self.forwarding.lock().successor_named();
         let mut client = ClientConfig::new(self.config.secret.clone(), self.index());
         client.epoch = epoch;
         // A dead or cut-off successor is given up on quickly (one connection attempt of at most
@@ -682,7 +686,10 @@ impl Sidecar {
         Ok(chunks)
     }
 
-    /// Verifies and keeps a chunk the engine wrote into the region (`chunk`), then forwards it.
+    /// Verifies and keeps a chunk the engine wrote into the region (`chunk`), then forwards it,
+    /// behind any chunks whose forward failed before: the [`Forwarding`] machine decides what is
+    /// sent, in which order, and what the engine hears. `Ok` only once the successor stored it and
+    /// every chunk kept before it that was not given up on.
     fn keep_and_forward(&self, chunk: &[u8], epoch: u64) -> Result<(), SidecarError> {
         let (descriptor, kept) = self.keep_one(chunk)?;
         if self.config.skip_forwarding {
@@ -691,70 +698,62 @@ impl Sidecar {
         let Some(Successor { addr, store, .. }) = self.successor.lock().clone() else {
             return Err(SidecarError::NoSuccessor);
         };
+        // One forward at a time: the successor's store is held throughout.
         let mut store = store.lock();
-        // Chunks whose forward failed go first; if the successor still cannot take them, this
-        // one waits with them (one failed attempt per put, not two).
-        if let Err(source) = self.forward_backlog(&mut store) {
-            self.unforwarded.lock().push(descriptor.key(), epoch, &self.stats);
-            return Err(SidecarError::Forward { to: addr, source });
-        }
-        // Forwarded as kept, with the checksum the engine computed: not hashed again here.
-        // (Forwarding from the region while copying out overlaps the two, but on two cores the
-        // copy only takes a core from the transfer's two kernel copies: measured slower.)
-        store.client().set_epoch(epoch);
-        let forwarded = store.put_encoded(&kept);
-        let bytes = (kept.len() - HEADER_LEN) as u64;
-        match forwarded {
-            Ok(()) => {
-                add(&self.stats.forwarded_chunks, 1);
-                add(&self.stats.forwarded_bytes, bytes);
-                Ok(())
-            }
-            Err(source) => {
-                add(&self.stats.forward_failures, 1);
-                self.unforwarded.lock().push(descriptor.key(), epoch, &self.stats);
-                Err(SidecarError::Forward { to: addr, source })
-            }
-        }
-    }
-
-    /// Forwards one chunk as the engine of `epoch` sent it: the successor refuses it if a newer
-    /// engine of this stage has written there already.
-    fn forward(
-        store: &mut PeerStore,
-        descriptor: &ChunkDescriptor,
-        payload: &[u8],
-        epoch: u64,
-    ) -> Result<(), StoreError> {
-        store.client().set_epoch(epoch);
-        store.put(descriptor, payload)
-    }
-
-    /// Forwards the chunks whose forward failed before, oldest first, until one fails again (kept
-    /// for later) or the successor refuses one for good (dropped). A chunk replaced or gone
-    /// meanwhile is skipped.
-    fn forward_backlog(&self, store: &mut PeerStore) -> Result<(), StoreError> {
+        let key = descriptor.key();
+        // A chunk given up on to make room is counted with the machine's counts below.
+        let Kept { ticket, mut next, .. } = self.forwarding.lock().kept(key.clone(), epoch);
+        let mut failure = None;
         let mut payload = Vec::new();
-        loop {
-            let Some((key, epoch)) = self.unforwarded.lock().oldest() else { return Ok(()) };
-            let Ok(descriptor) = self.store.clone().get(&key, &mut payload) else {
-                self.unforwarded.lock().pop();
-                continue;
+        let answer = loop {
+            let (sent_key, sent_epoch, successor) = match next {
+                Next::Answer(answer) => break answer,
+                Next::Send { key, epoch, successor } => (key, epoch, successor),
             };
-            match Self::forward(store, &descriptor, &payload, epoch) {
-                Ok(()) => {
+            // The chunk just kept goes as kept, with the checksum the engine computed (not
+            // hashed again); an older one is read back from the store, if it is still held.
+            store.client().set_epoch(sent_epoch);
+            let result = if sent_key == key {
+                Some((store.put_encoded(&kept), kept.len() - HEADER_LEN))
+            } else {
+                self.store.clone().get(&sent_key, &mut payload).ok().map(|held| {
+                    let result = store.put(&held, &payload);
+                    (result, payload.len())
+                })
+            };
+            let outcome = match result {
+                None => Sent::Gone,
+                Some((Ok(()), bytes)) => {
                     add(&self.stats.forwarded_chunks, 1);
-                    add(&self.stats.forwarded_bytes, payload.len() as u64);
-                    add(&self.stats.forwards_caught_up, 1);
+                    add(&self.stats.forwarded_bytes, bytes as u64);
+                    Sent::Stored
                 }
-                Err(e) if stale(&e) => add(&self.stats.forwards_dropped, 1),
-                Err(e) => {
-                    add(&self.stats.forward_failures, 1);
-                    return Err(e);
+                Some((Err(e), _)) => {
+                    let outcome = if stale(&e) { Sent::Refused } else { Sent::Failed };
+                    failure = Some(e);
+                    outcome
                 }
-            }
-            self.unforwarded.lock().pop();
+            };
+            next = self.forwarding.lock().sent(ticket, successor, outcome);
+        };
+        self.count(self.forwarding.lock().counts());
+        match answer {
+            Answer::Forwarded | Answer::Released => Ok(()),
+            Answer::Waiting | Answer::Refused => Err(match failure {
+                Some(source) => SidecarError::Forward { to: addr, source },
+                None => SidecarError::ForwardWaits(addr),
+            }),
+            Answer::NoSuccessor => Err(SidecarError::NoSuccessor),
+            Answer::SuccessorChanged => Err(SidecarError::NotTheSuccessor(addr)),
         }
+    }
+
+    /// Brings the forward counters up to the machine's.
+    fn count(&self, counts: Counts) {
+        let set = |counter: &AtomicU64, value: u64| counter.fetch_max(value, Ordering::Relaxed);
+        set(&self.stats.forward_failures, counts.failed);
+        set(&self.stats.forwards_caught_up, counts.caught_up);
+        set(&self.stats.forwards_dropped, counts.dropped);
     }
 
     /// The sidecar's metrics page.
@@ -966,38 +965,6 @@ fn stale(e: &StoreError) -> bool {
     let StoreError::Io { source, .. } = e else { return false };
     let peer = source.get_ref().and_then(|inner| inner.downcast_ref::<PeerError>());
     matches!(peer, Some(PeerError::Refused { code: ErrorCode::StaleEpoch, .. }))
-}
-
-/// Chunks of the engine's KV whose forward to the successor failed, to forward again before the
-/// next one (oldest first), at most [`Unforwarded::MAX`]: beyond, the oldest are given up on (a
-/// recovery that needs them recomputes them).
-#[derive(Default)]
-struct Unforwarded {
-    keys: std::collections::VecDeque<(ChunkKey, u64)>,
-}
-
-impl Unforwarded {
-    const MAX: usize = 4096;
-
-    fn push(&mut self, key: ChunkKey, epoch: u64, stats: &SidecarStats) {
-        if self.keys.len() == Self::MAX {
-            self.keys.pop_front();
-            add(&stats.forwards_dropped, 1);
-        }
-        self.keys.push_back((key, epoch));
-    }
-
-    fn oldest(&self) -> Option<(ChunkKey, u64)> {
-        self.keys.front().cloned()
-    }
-
-    fn pop(&mut self) {
-        self.keys.pop_front();
-    }
-
-    fn clear(&mut self) {
-        self.keys.clear();
-    }
 }
 
 fn parse_addr(payload: &[u8]) -> Result<SocketAddr, SidecarError> {

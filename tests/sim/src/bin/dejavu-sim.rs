@@ -1,18 +1,19 @@
 //! `dejavu-sim`: runs seeds of the control-plane simulator and reports violations.
 //!
-//! `dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness | --recovery] [--quiet]`:
+//! `dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness | --recovery | --forwarding] [--quiet]`:
 //! `--varied` draws each seed's cluster shape and delays from the seed (`SimConfig::varied`);
 //! `--liveness` runs the controller's liveness machine instead (`dejavu_sim::liveness`;
 //! `DEJAVU_SIM_TRACE=1` prints its events), `--recovery` the cluster's recovery machine
-//! (`dejavu_sim::recovery`). `dejavu-sim --journal FILE` replays a journal `dejavud controller --journal FILE` wrote
+//! (`dejavu_sim::recovery`), `--forwarding` a sidecar's forwarding machine
+//! (`dejavu_sim::forwarding`). `dejavu-sim --journal FILE` replays a journal `dejavud controller --journal FILE` wrote
 //! through fresh machines, and fails where one decides otherwise.
 
 use std::process::ExitCode;
 use std::time::Instant;
 
 use dejavu_sim::{
-    replay_journal, run_liveness_seed, run_recovery_seed, run_seed, LivenessSimConfig, RecoverySimConfig,
-    SimConfig,
+    replay_journal, run_forwarding_seed, run_liveness_seed, run_recovery_seed, run_seed, ForwardingSimConfig,
+    LivenessSimConfig, RecoverySimConfig, SimConfig,
 };
 
 fn main() -> ExitCode {
@@ -27,6 +28,7 @@ fn main() -> ExitCode {
     let mut varied = false;
     let mut liveness = false;
     let mut recovery = false;
+    let mut forwarding = false;
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -48,6 +50,7 @@ fn main() -> ExitCode {
             "--varied" => varied = true,
             "--liveness" => liveness = true,
             "--recovery" => recovery = true,
+            "--forwarding" => forwarding = true,
             _ => return usage(),
         }
         i += 1;
@@ -55,11 +58,12 @@ fn main() -> ExitCode {
     let config = |seed: u64| if varied { SimConfig::varied(seed) } else { SimConfig::default() };
     let started = Instant::now();
     let (mut runs, mut failed) = (0u64, 0u64);
-    let machine = match (liveness, recovery) {
-        (true, true) => return usage(),
-        (true, false) => " --liveness",
-        (false, true) => " --recovery",
-        (false, false) => "",
+    let machine = match (liveness, recovery, forwarding) {
+        (true, false, false) => " --liveness",
+        (false, true, false) => " --recovery",
+        (false, false, true) => " --forwarding",
+        (false, false, false) => "",
+        _ => return usage(),
     };
     let flags = format!("{}{machine}", if varied { " --varied" } else { "" });
     for seed in range.clone() {
@@ -77,6 +81,10 @@ fn main() -> ExitCode {
                 r.recoveries, r.retries, r.given_up, r.faults
             );
             Some((r.violations, did))
+        } else if forwarding {
+            let cfg = if varied { ForwardingSimConfig::varied(seed) } else { ForwardingSimConfig::default() };
+            let r = run_forwarding_seed(seed, &cfg);
+            Some((r.violations, format!("answers {:?}, faults {:?}", r.answers, r.faults)))
         } else {
             None
         };
@@ -138,7 +146,7 @@ fn replay(path: &str) -> ExitCode {
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness | --recovery] [--quiet] | --journal FILE"
+        "usage: dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness | --recovery | --forwarding] [--quiet] | --journal FILE"
     );
     ExitCode::from(2)
 }
