@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use dejavud::cli::DEFAULT_SECRET;
 use dejavud::cluster::Role;
-use dejavud::controller::{Census, ControllerClient};
+use dejavud::controller::{Census, ControllerClient, Health};
+use dejavud::heartbeat::SPARE_MEMBERS;
 use dejavud::metrics::{scrape, value_of};
 use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::local::LocalSidecar;
@@ -191,4 +192,96 @@ fn a_whole_worker_lost_outside_the_demo_is_restored_by_the_controller() {
     wait_until(&mut client, "worker 0 alive again", |c| {
         !c.is_dead((Role::Sidecar, 0)) && !c.is_dead((Role::Engine, 0))
     });
+}
+
+#[test]
+fn a_spare_sidecar_takes_a_lost_workers_place_handed_over_by_the_controller() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("controller.state");
+    let mut controller = start(&[
+        "controller",
+        "--listen",
+        "127.0.0.1:0",
+        "--state",
+        state.to_str().unwrap(),
+        "--metrics",
+        "127.0.0.1:0",
+        "--stages",
+        "2",
+    ]);
+    let metrics = controller.next("metrics ");
+    let addr = controller.next("listening ");
+    let ports = [free_port(), free_port()];
+    let at = |stage: usize| -> SocketAddr { format!("127.0.0.1:{}", ports[stage]).parse().unwrap() };
+    let locals = [dir.path().join("s0.sock"), dir.path().join("s1.sock")];
+    let mut worker0 = sidecar(0, ports[0], addr, &locals[0]);
+    let _worker1 = sidecar(1, ports[1], addr, &locals[1]);
+    // A spare sidecar on a machine of its own, registered and waiting.
+    let spare_local = dir.path().join("spare.sock");
+    let (spare_listen, heartbeat) = (format!("127.0.0.1:{}", free_port()), addr.to_string());
+    let mut spare = start(&[
+        "sidecar",
+        "--spare",
+        "0",
+        "--listen",
+        &spare_listen,
+        "--heartbeat",
+        &heartbeat,
+        "--local",
+        spare_local.to_str().unwrap(),
+    ]);
+    spare.next("listening ");
+
+    let mut engines: Vec<LocalSidecar> =
+        (0..2).map(|k| LocalSidecar::join(&locals[k], at(1 - k)).unwrap()).collect();
+    let mut written = Vec::new();
+    for tokens in [0..16, 16..17, 17..18] {
+        for (stage, engine) in engines.iter_mut().enumerate() {
+            let (descriptor, payload) = step(stage as u32, tokens.clone());
+            engine.put(&descriptor, &payload).unwrap();
+            if stage == 0 {
+                written.push((descriptor, payload));
+            }
+        }
+    }
+    let mut client = ControllerClient::new(addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes());
+    wait_until(&mut client, "the spare registered", |c| {
+        c.members.iter().any(|(&member, &health)| member.1 >= SPARE_MEMBERS && health == Health::Alive)
+    });
+
+    // Worker 0 dies whole, and nobody starts it again: the controller hands the spare its place
+    // and restores it there.
+    let _ = worker0.child.kill();
+    let _ = worker0.child.wait();
+    drop(engines.remove(0));
+    let started = Instant::now();
+    let restored = loop {
+        let page = scrape(metrics).unwrap();
+        if value_of(&page, "dejavu_controller_recovery_seconds_count", &[]) == Some(1.0) {
+            break page;
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "the spare never took the place: {page}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(value_of(&restored, "dejavu_controller_spares_assigned_total", &[]), Some(1.0), "{restored}");
+    // Stage 1's replica (3 chunks, re-seeded) and stage 0's own KV (3 chunks, handed back).
+    assert_eq!(value_of(&restored, "dejavu_controller_reseeded_chunks_total", &[]), Some(6.0), "{restored}");
+
+    // The replacement engine runs beside the spare: it joins it as stage 0, in the fence's epoch,
+    // and finds its KV there bit for bit.
+    let fenced_in = client.fenced_in((Role::Engine, 0)).unwrap();
+    let mut engine = LocalSidecar::join(&spare_local, at(1)).unwrap();
+    assert_eq!(engine.epoch(), fenced_in);
+    let held = engine.recovery().unwrap();
+    assert_eq!(held.serving.stage, 0);
+    let mut out = Vec::new();
+    for (descriptor, payload) in &written {
+        assert_eq!(engine.get(&descriptor.key(), &mut out).unwrap(), *descriptor);
+        assert_eq!(&out, payload, "{:?}", descriptor.region.tokens);
+    }
+    assert_eq!(held.resume_points()[0].tokens, 18, "the sequence resumes after its last step");
+    // Stage 1's next step reaches the spare, now its successor.
+    let (descriptor, payload) = step(1, 18..19);
+    engines[0].put(&descriptor, &payload).unwrap();
+    wait_until(&mut client, "stage 0 alive again on the spare", |c| !c.is_dead((Role::Sidecar, 0)));
 }

@@ -25,6 +25,8 @@
 //! - [`recovery`]: the running recovery procedure (fence, replace, carry out, restore, re-seed) and
 //!   its retries after a death in the middle of it, which the demo's driver and the chaos harness
 //!   drive.
+//! - [`spares`]: which live spare takes the place of which fenced member, in which epoch, which
+//!   `dejavud controller --stages` hands over itself.
 //! - [`rng`]: SplitMix64, the one seeded generator the simulator, the chaos harness, the reference
 //!   model and the tests draw from.
 //! - [`worker`]: the sidecar's side: registration, heartbeats, the step pipeline, replication to the
@@ -39,6 +41,7 @@ pub mod message;
 pub mod plan;
 pub mod recovery;
 pub mod rng;
+pub mod spares;
 pub mod worker;
 
 pub use cluster::Cluster;

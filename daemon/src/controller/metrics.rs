@@ -52,6 +52,18 @@ pub(super) fn render(tables: &Tables, counters: &Counters) -> String {
         get(&counters.refused_heartbeats),
     )
     .single(
+        "dejavu_controller_spares_assigned_total",
+        MetricType::Counter,
+        "Spare sidecars handed over to take a fenced sidecar's place (with --stages).",
+        get(&counters.spares_assigned),
+    )
+    .single(
+        "dejavu_controller_spare_failures_total",
+        MetricType::Counter,
+        "Spare sidecars that could not be handed over (another was tried).",
+        get(&counters.spare_failures),
+    )
+    .single(
         "dejavu_controller_lifelines",
         MetricType::Gauge,
         "Lifelines held open by members now.",

@@ -19,6 +19,10 @@
 //! - A fence is written to the state file (write, fsync, rename, directory fsync) before it is
 //!   answered, so a controller that crashes and restarts never hands out an epoch twice, still
 //!   waits for the fenced members' replacements, and still ignores their old processes.
+//! - With `--stages`, the controller also restores each replaced sidecar itself once it beats,
+//!   and hands a live spare sidecar to each fenced sidecar ([`dejavu_proto::spares::Spares`]
+//!   decides which): the spare beats as that stage from then on, and is restored as any
+//!   replacement.
 //! - A restarted controller has heard from no one yet: each member it knew gets a full timeout
 //!   from the restart to beat, so a controller crash is never a false failure detection.
 //!
@@ -49,6 +53,7 @@ use thiserror::Error;
 use tracing::{debug, error, info, warn};
 
 use dejavu_proto::liveness::{self, Heard, Liveness, LivenessConfig};
+use dejavu_proto::spares::Spares;
 
 use crate::heartbeat::{Beat, Role};
 use crate::slots::Slot;
@@ -154,6 +159,9 @@ struct Tables {
     /// Where a fenced sidecar's replacement is announced, once it beats, when the controller
     /// restores replaced sidecars itself.
     replaced: Option<crossbeam_channel::Sender<u32>>,
+    /// Which spare sidecar takes which fenced sidecar's place ([`Spares`]), when the controller
+    /// hands spares over itself.
+    spares: Spares,
 }
 
 /// Counters for the metrics page.
@@ -180,6 +188,9 @@ struct Counters {
     recoveries: AtomicU64,
     recovery_micros: AtomicU64,
     reseeded_chunks: AtomicU64,
+    /// Spare sidecars handed over to take a fenced sidecar's place, and hand-overs that failed.
+    spares_assigned: AtomicU64,
+    spare_failures: AtomicU64,
     /// Lifelines held now, and those that broke while they were their member's current one.
     lifelines: AtomicU64,
     severed_lifelines: AtomicU64,
@@ -442,6 +453,7 @@ pub fn serve_controller(
         lifelines: HashMap::new(),
         data: HashMap::new(),
         replaced: None,
+        spares: Spares::new(),
     };
     let mut tables = tables;
     let replaced = config.stages.map(|depth| {
@@ -470,12 +482,18 @@ pub fn serve_controller(
             .spawn(move || detect_failures(&udp, &tables, &counters, &events, wake))?;
     }
     if let Some((depth, replacements)) = replaced {
-        let (tables, counters) = (tables.clone(), counters.clone());
+        let (tables_, counters_) = (tables.clone(), counters.clone());
         std::thread::Builder::new().name("replacements".into()).spawn(move || {
             for stage in replacements {
-                recovery::restore_replaced(&tables, &counters, stage, depth);
+                recovery::restore_replaced(&tables_, &counters_, stage, depth);
             }
         })?;
+        let (tables, counters) = (tables.clone(), counters.clone());
+        // As often as members beat: a spare is handed over within an interval of the fence.
+        let every = config.interval.min(config.timeout / 4).max(Duration::from_millis(1));
+        std::thread::Builder::new()
+            .name("spares".into())
+            .spawn(move || recovery::hand_over_spares(&tables, &counters, every))?;
     }
     let metrics = match config.metrics {
         Some(at) => {

@@ -19,7 +19,9 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use dejavu_proto::liveness::SPARE_MEMBERS;
 use dejavu_proto::plan::{self, Loss, Reseed, Source};
+use dejavu_proto::spares::Assignment;
 use dejavulib::message::{Mark, RecoveryOrders, StageOrders};
 use dejavulib::resume::resume_points;
 use parking_lot::Mutex;
@@ -228,4 +230,47 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
     counters.recovery_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
     counters.reseeded_chunks.fetch_add(sent, Ordering::Relaxed);
     info!(stage, %to, chunks = sent, took = ?started.elapsed(), "restored a replaced sidecar");
+}
+
+/// Hands spare sidecars over to the fenced sidecars' places, every `every`, as the
+/// [`dejavu_proto::spares::Spares`] machine decides: each is told its stage and epoch over its
+/// control listener, if the stage still awaits that replacement; one that cannot be told is
+/// reported, and the stage gets another.
+pub(super) fn hand_over_spares(tables: &Mutex<Tables>, counters: &Counters, every: Duration) {
+    loop {
+        std::thread::sleep(every);
+        let assignments = {
+            let mut tables = tables.lock();
+            let now = tables.now();
+            let Tables { spares, liveness, .. } = &mut *tables;
+            spares.assign(liveness, Role::Sidecar, now)
+        };
+        for assignment in assignments {
+            let Assignment { spare, member, epoch } = assignment;
+            let awaited = |tables: &Tables| {
+                tables.liveness.membership(member).is_some_and(|m| m.awaiting && m.fenced_in == epoch)
+            };
+            // Checked in a statement of its own: the lock is let go before the spare is told.
+            let still_awaited = awaited(&tables.lock());
+            let handed = match still_awaited {
+                true => control_of(tables, spare).and_then(|c| Ok(c.assign(member.1, epoch)?)),
+                false => Err(ControllerError::Protocol(format!("{member:?} no longer awaits a replacement"))),
+            };
+            let (stage, number) = (member.1, spare.1 - SPARE_MEMBERS);
+            let mut tables = tables.lock();
+            match handed {
+                Ok(()) => {
+                    let now = tables.now();
+                    tables.spares.handed_over(assignment, now);
+                    counters.spares_assigned.fetch_add(1, Ordering::Relaxed);
+                    info!(stage, epoch, spare = number, "handed a spare sidecar the stage");
+                }
+                Err(e) => {
+                    tables.spares.failed(assignment);
+                    counters.spare_failures.fetch_add(1, Ordering::Relaxed);
+                    warn!(stage, spare = number, error = %e, "could not hand a spare sidecar over");
+                }
+            }
+        }
+    }
 }

@@ -17,6 +17,9 @@
 //! - [`Message::HandBack`]: send every chunk of a stage it holds (its predecessor's replica) to
 //!   the sidecar that replaced that stage's, which keeps them as its local copy.
 //!
+//! - [`Message::Assign`]: a spare sidecar becomes a stage's, in the epoch of that stage's fence
+//!   (the controller hands spares over itself when it runs with `--stages`).
+//!
 //! A connection first proves the cluster secret (the transports' HMAC challenge-response,
 //! [`dejavulib::net::auth`]); one that cannot is closed before any request is read. A refusal is
 //! an `Error` frame whose payload says why. At most [`MAX_CONTROL_CONNECTIONS`] are served at once.
@@ -110,6 +113,7 @@ fn answer(sidecar: &Sidecar, stream: TcpStream) -> Result<(), SidecarError> {
                 info!(stage = sidecar.index(), of = stage, %to, chunks, "handed a replica back to a replaced sidecar");
                 Message::Reseeded { chunks }
             }),
+            Message::Assign { stage, epoch } => sidecar.take_up(stage, epoch).map(|()| Message::Done),
             other => Err(SidecarError::Protocol(format!("unexpected {other:?}"))),
         };
         match answer {
@@ -347,6 +351,14 @@ impl SidecarControl {
         match self.call(&Message::HandBack { stage, to })? {
             Message::Reseeded { chunks } => Ok(chunks),
             other => Err(self.protocol(format!("a hand-back answered with {other:?}"))),
+        }
+    }
+
+    /// Makes a spare sidecar stage `stage`'s, started in `epoch` ([`Message::Assign`]).
+    pub fn assign(&self, stage: u32, epoch: u64) -> Result<(), ControlError> {
+        match self.call(&Message::Assign { stage, epoch })? {
+            Message::Done => Ok(()),
+            other => Err(self.protocol(format!("an assignment answered with {other:?}"))),
         }
     }
 

@@ -86,6 +86,9 @@ pub enum SidecarError {
     /// No successor has been named to forward to.
     #[error("no successor to forward to")]
     NoSuccessor,
+    /// An assignment reached a sidecar that is not a spare waiting for a stage.
+    #[error("not a spare waiting for a stage")]
+    NotASpare,
     /// A spare sidecar that no recovery has assigned a stage yet.
     #[error("a spare sidecar, not assigned a stage yet")]
     Unassigned,
@@ -335,7 +338,8 @@ impl Sidecar {
         self.index.load(Ordering::Relaxed)
     }
 
-    /// A spare's assignment ([`Message::Assign`]): it becomes that stage's sidecar, once.
+    /// A spare's assignment ([`Message::Assign`]) on an engine's connection: it becomes that
+    /// stage's sidecar, once.
     fn assign(
         &self,
         frame: &Frame,
@@ -343,16 +347,23 @@ impl Sidecar {
         epoch: u64,
         writer: &mut impl Write,
     ) -> Result<(), SidecarError> {
+        match self.take_up(stage, epoch) {
+            Ok(()) => reply(writer, frame, stage, epoch, &Message::Done),
+            Err(e) => reply_error(writer, frame, ErrorCode::Unexpected, &e.to_string()),
+        }
+    }
+
+    /// As a spare, becomes stage `stage`'s sidecar in `epoch` (its heartbeats become that
+    /// stage's), once: by whoever assigns it, the cluster over its local socket or the controller
+    /// over its control listener.
+    fn take_up(&self, stage: u32, epoch: u64) -> Result<(), SidecarError> {
         let hook = self.config.spare.as_ref().filter(|_| self.unassigned.swap(false, Ordering::SeqCst));
-        let Some(OnAssign(hook)) = hook else {
-            reply_error(writer, frame, ErrorCode::Unexpected, "not a spare waiting for a stage")?;
-            return Ok(());
-        };
+        let Some(OnAssign(hook)) = hook else { return Err(SidecarError::NotASpare) };
         self.index.store(stage, Ordering::Relaxed);
         self.assigned_epoch.store(epoch, Ordering::SeqCst);
         hook(stage, epoch);
         info!(stage, epoch, "a spare sidecar was assigned its stage");
-        reply(writer, frame, stage, epoch, &Message::Done)
+        Ok(())
     }
 
     /// A new successor named on a connection of its own ([`Message::Successor`] in the engine's

@@ -294,6 +294,12 @@ impl Liveness {
         self.record.members.get(&member).copied()
     }
 
+    /// Whether this controller has taken a beat of `member` since it started (a restarted one
+    /// counts the members it knew alive for a timeout without having heard them).
+    pub fn heard_since_start(&self, member: Member) -> bool {
+        self.last_beats.contains_key(&member)
+    }
+
     /// Lifelines held now.
     pub fn lifelines_held(&self) -> usize {
         self.lifelines.len()

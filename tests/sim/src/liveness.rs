@@ -25,7 +25,7 @@
 //! - a fence that could not be written changes nothing.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 use dejavu_proto::liveness::{
     Beat, Divergence, Entry, Health, Heard, LifelineRefused, Liveness, LivenessConfig, Member, Record, Role,
@@ -33,6 +33,7 @@ use dejavu_proto::liveness::{
 };
 
 use dejavu_proto::rng::SplitMix64;
+use dejavu_proto::spares::{Assignment, Spares};
 
 /// The shape and fault rates of a liveness run.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -128,6 +129,8 @@ enum Event {
     DiskHeals,
     /// Whoever drives the pipeline replaces `member`'s fenced process.
     Replace(Member),
+    /// The controller's shell hands spare `spare` over to take `member`'s place in `epoch`.
+    TakeUp { spare: Member, member: Member, epoch: u64 },
 }
 
 #[derive(Clone, Debug)]
@@ -166,6 +169,12 @@ struct LivenessSim {
     last_taken: BTreeMap<Member, u64>,
     highest_epoch: u64,
     replacing: BTreeMap<Member, u64>,
+    /// The controller's spare assignments (a restarted controller starts them afresh).
+    spares: Spares,
+    /// Spares handed out by this controller: never handed out twice by one controller.
+    spares_used: BTreeSet<Member>,
+    /// Spares that took a place: never handed out again by any controller.
+    spares_gone: BTreeSet<Member>,
     report: LivenessReport,
     /// Prints every event (`DEJAVU_SIM_TRACE=1`).
     trace: bool,
@@ -197,6 +206,9 @@ impl LivenessSim {
             last_taken: BTreeMap::new(),
             highest_epoch: 0,
             replacing: BTreeMap::new(),
+            spares: Spares::new(),
+            spares_used: BTreeSet::new(),
+            spares_gone: BTreeSet::new(),
             report: LivenessReport::default(),
             trace: std::env::var_os("DEJAVU_SIM_TRACE").is_some(),
         };
@@ -300,6 +312,8 @@ impl LivenessSim {
         self.started_at = self.now;
         self.started_from = self.disk.members.keys().copied().collect();
         self.last_taken.clear();
+        self.spares = Spares::new();
+        self.spares_used.clear();
         self.controller = Some(liveness);
         // The shell writes the record (its incarnation) before answering anyone.
         self.write_record();
@@ -352,6 +366,7 @@ impl LivenessSim {
             Event::ControllerStarts => self.start_controller(),
             Event::DiskHeals => self.disk_broken = false,
             Event::Replace(member) => self.replace(member),
+            Event::TakeUp { spare, member, epoch } => self.take_up(spare, member, epoch),
         }
     }
 
@@ -423,6 +438,7 @@ impl LivenessSim {
         }
         let next = controller.poll_timeout(now).map_or(longest, |at| at.min(longest));
         self.schedule_detect(next);
+        self.assign_spares();
         if dead.is_empty() {
             return;
         }
@@ -513,6 +529,94 @@ impl LivenessSim {
         // again, as whoever drives the pipeline would.
         let check = self.now + 3 * self.cfg.timeout;
         self.schedule(check, Event::Replace(member));
+    }
+
+    /// The controller's spare assignments at this detection, checked: each hands a live spare of
+    /// the member's role, never handed out before by this controller nor ever taken up, to a
+    /// member that awaits its replacement from
+    /// a fence in the assignment's epoch; and no member that awaits one is left without a spare
+    /// while a live one is free.
+    fn assign_spares(&mut self) {
+        let now = self.now;
+        for role in [Role::Sidecar, Role::Engine] {
+            let Some(controller) = self.controller.as_ref() else { return };
+            let assignments = self.spares.assign(controller, role, now);
+            let census = controller.census(now);
+            let mut violations = Vec::new();
+            for a in &assignments {
+                if a.spare.0 != role
+                    || a.spare.1 < SPARE_MEMBERS
+                    || controller.health(a.spare, now) != Health::Alive
+                {
+                    violations.push(format!("{a:?}: not a live spare of its role"));
+                }
+                let membership = controller.membership(a.member);
+                if a.member.1 >= SPARE_MEMBERS
+                    || !membership.is_some_and(|m| m.awaiting && m.fenced_in == a.epoch)
+                {
+                    violations
+                        .push(format!("{a:?}: {:?} does not await a replacement in that epoch", a.member));
+                }
+                if !self.spares_used.insert(a.spare) {
+                    violations.push(format!("{a:?}: the spare was handed out before"));
+                }
+                if self.spares_gone.contains(&a.spare) {
+                    violations.push(format!("{a:?}: the spare took another place before"));
+                }
+            }
+            let outstanding: BTreeSet<Member> = self.spares.outstanding().map(|a| a.member).collect();
+            let awaiting_without = census.iter().any(|&(member, health)| {
+                member.0 == role
+                    && member.1 < SPARE_MEMBERS
+                    && health == Health::Fenced
+                    && !outstanding.contains(&member)
+            });
+            let free_spare = census.iter().any(|&(member, health)| {
+                member.0 == role
+                    && member.1 >= SPARE_MEMBERS
+                    && health == Health::Alive
+                    && controller.heard_since_start(member)
+                    && !self.spares_used.contains(&member)
+            });
+            if awaiting_without && free_spare {
+                violations.push(format!("a {role:?} awaits its replacement while a spare is free"));
+            }
+            for v in violations {
+                self.violation(v);
+            }
+            for a in assignments {
+                if self.rng.chance(0.1) {
+                    // The spare could not be told (its control listener is cut off).
+                    self.fault("spare hand-over failed");
+                    self.spares.failed(a);
+                } else {
+                    let at = self.now + self.delay();
+                    self.schedule(at, Event::TakeUp { spare: a.spare, member: a.member, epoch: a.epoch });
+                }
+            }
+        }
+    }
+
+    /// The shell tells spare `spare` to become `member` in `epoch`: it does if it still lives
+    /// and the member still awaits that replacement (the shell checks before it tells the spare),
+    /// and beats as the member from then on; otherwise the hand-over fails.
+    fn take_up(&mut self, spare: Member, member: Member, epoch: u64) {
+        let assignment = Assignment { spare, member, epoch };
+        let Some(&p) = self.current.get(&spare) else { return };
+        let Some(controller) = self.controller.as_ref() else { return };
+        let awaited = controller.membership(member).is_some_and(|m| m.awaiting && m.fenced_in == epoch);
+        if !self.processes[p].alive || self.processes[p].paused || !awaited {
+            self.spares.failed(assignment);
+            return;
+        }
+        self.fault("spare took a place");
+        self.spares.handed_over(assignment, self.now);
+        self.spares_gone.insert(spare);
+        self.kill(p);
+        if let Some(&old) = self.current.get(&member) {
+            self.kill(old);
+        }
+        self.spawn(member, epoch);
     }
 
     fn inject(&mut self) {

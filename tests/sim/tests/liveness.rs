@@ -28,6 +28,8 @@ fn ten_thousand_liveness_seeds_hold_every_invariant() {
     println!("{fences} fences; faults injected over 10,000 seeds: {faults:?}");
     for class in [
         "beat lost",
+        "spare took a place",
+        "spare hand-over failed",
         "beat replayed",
         "process killed",
         "worker killed",
