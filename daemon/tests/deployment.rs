@@ -105,28 +105,46 @@ fn wait_until(client: &mut ControllerClient, what: &str, done: impl Fn(&Census) 
     }
 }
 
+/// A controller told the ring's size (`--stages 2`) and a sidecar per stage on fixed ports, each
+/// started with `--join`.
+struct Ring {
+    _controller: Daemon,
+    metrics: SocketAddr,
+    addr: SocketAddr,
+    ports: [u16; 2],
+    locals: [std::path::PathBuf; 2],
+    workers: Vec<Daemon>,
+}
+
+impl Ring {
+    fn start(dir: &Path) -> Self {
+        let state = dir.join("controller.state");
+        let mut controller = start(&[
+            "controller",
+            "--listen",
+            "127.0.0.1:0",
+            "--state",
+            state.to_str().unwrap(),
+            "--metrics",
+            "127.0.0.1:0",
+            "--stages",
+            "2",
+        ]);
+        let metrics = controller.next("metrics ");
+        let addr = controller.next("listening ");
+        let ports = [free_port(), free_port()];
+        let locals = [dir.join("s0.sock"), dir.join("s1.sock")];
+        let workers = (0..2).map(|k| sidecar(k as u32, ports[k], addr, &locals[k])).collect();
+        Self { _controller: controller, metrics, addr, ports, locals, workers }
+    }
+}
+
 #[test]
 fn a_whole_worker_lost_outside_the_demo_is_restored_by_the_controller() {
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("controller.state");
-    let mut controller = start(&[
-        "controller",
-        "--listen",
-        "127.0.0.1:0",
-        "--state",
-        state.to_str().unwrap(),
-        "--metrics",
-        "127.0.0.1:0",
-        "--stages",
-        "2",
-    ]);
-    let metrics = controller.next("metrics ");
-    let addr = controller.next("listening ");
-    let ports = [free_port(), free_port()];
+    let Ring { _controller, metrics, addr, ports, locals, mut workers } = Ring::start(dir.path());
     let at = |stage: usize| -> SocketAddr { format!("127.0.0.1:{}", ports[stage]).parse().unwrap() };
-    let locals = [dir.path().join("s0.sock"), dir.path().join("s1.sock")];
-    let mut worker0 = sidecar(0, ports[0], addr, &locals[0]);
-    let _worker1 = sidecar(1, ports[1], addr, &locals[1]);
+    let mut worker0 = workers.remove(0);
 
     // A second sidecar joining stage 0 while its sidecar lives is refused.
     let heartbeat = addr.to_string();
@@ -197,25 +215,9 @@ fn a_whole_worker_lost_outside_the_demo_is_restored_by_the_controller() {
 #[test]
 fn a_spare_sidecar_takes_a_lost_workers_place_handed_over_by_the_controller() {
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("controller.state");
-    let mut controller = start(&[
-        "controller",
-        "--listen",
-        "127.0.0.1:0",
-        "--state",
-        state.to_str().unwrap(),
-        "--metrics",
-        "127.0.0.1:0",
-        "--stages",
-        "2",
-    ]);
-    let metrics = controller.next("metrics ");
-    let addr = controller.next("listening ");
-    let ports = [free_port(), free_port()];
+    let Ring { _controller, metrics, addr, ports, locals, mut workers } = Ring::start(dir.path());
     let at = |stage: usize| -> SocketAddr { format!("127.0.0.1:{}", ports[stage]).parse().unwrap() };
-    let locals = [dir.path().join("s0.sock"), dir.path().join("s1.sock")];
-    let mut worker0 = sidecar(0, ports[0], addr, &locals[0]);
-    let _worker1 = sidecar(1, ports[1], addr, &locals[1]);
+    let mut worker0 = workers.remove(0);
     // A spare sidecar on a machine of its own, registered and waiting.
     let spare_local = dir.path().join("spare.sock");
     let (spare_listen, heartbeat) = (format!("127.0.0.1:{}", free_port()), addr.to_string());
