@@ -1,52 +1,44 @@
 //! # dejavu-proto
 //!
 //! The DéjàVu control plane as deterministic state machines, in the style of quinn-proto and
-//! raft-rs: a [`Controller`] and a [`Worker`] take messages and ticks as inputs and return what to
-//! do as outputs. They contain no sockets, threads, clocks or randomness (this crate has no
-//! dependencies, and a test checks its sources), so a seeded simulator can run them through
-//! millions of fault schedules (`dejavu-sim`). The `dejavud` controller is a shell around
-//! [`liveness::Liveness`]: every liveness, fencing and epoch decision it takes is the machine's;
-//! it plans recoveries with [`plan::ring`], as the [`Controller`] state machine does, and every
-//! recovery the cluster supervisor carries out follows [`recovery::Recovery`].
+//! raft-rs: each takes messages and times as inputs and returns what to do as outputs. They
+//! contain no sockets, threads, clocks or randomness (this crate has no dependencies, and a test
+//! checks its sources), so a seeded simulator can run them through millions of fault schedules
+//! (`dejavu-sim`).
 //!
-//! - [`message`]: identifiers, epochs and every message; control messages are state-based and
-//!   re-sent every tick, data messages are re-sent until acknowledged.
-//! - [`controller`]: membership, heartbeats counted in ticks, replication marks, exactly-once token
-//!   delivery, and the paper's 4-step recovery in a new epoch per failure.
-//! - [`cluster`]: several pipelines (prompt and token, of different depths) under one controller,
-//!   each its own ring with its own epochs.
+//! The daemon runs two of them, and the simulator drives the same types:
+//!
+//! - [`Controller`] ([`controller`]): `dejavud controller` is its shell. It is the [`liveness`]
+//!   machine (heartbeats, lifelines, failure detection, fences, epochs, the record a restart goes
+//!   on from) with the hand-over of [`spares`] on top.
+//! - [`Worker`] ([`worker`]): `dejavud sidecar` is its shell. Which engine it serves, which stage
+//!   it is, and its [`forwarding`] of the engine's KV to the ring successor.
+//!
+//! Beside them, the procedures both follow:
+//!
+//! - [`recovery`]: the recovery procedure (fence, replace, carry out, restore, re-seed) and its
+//!   retries after a death in the middle of it, which the demo's cluster supervisor and the chaos
+//!   harness drive.
 //! - [`plan`]: where each failed stage restores from, and who re-seeds each replaced sidecar.
 //! - [`fencing`]: the epoch rule every process applies to its peers (the newest holds a place, the
 //!   stale are refused, a newer fence ends what an older epoch started).
-//! - [`forwarding`]: a sidecar's forwarding of its engine's KV to the ring successor (order,
-//!   backlog, what the engine hears for each chunk), which `dejavud sidecar` drives.
-//! - [`liveness`]: the running controller's heartbeats, lifelines, failure detection, fences and
-//!   epochs, which `dejavud controller` drives.
-//! - [`recovery`]: the running recovery procedure (fence, replace, carry out, restore, re-seed) and
-//!   its retries after a death in the middle of it, which the demo's driver and the chaos harness
-//!   drive.
-//! - [`spares`]: which live spare takes the place of which fenced member, in which epoch, which
-//!   `dejavud controller --stages` hands over itself.
 //! - [`rng`]: SplitMix64, the one seeded generator the simulator, the chaos harness, the reference
 //!   model and the tests draw from.
-//! - [`worker`]: the sidecar's side: registration, heartbeats, the step pipeline, replication to the
-//!   ring successor, fencing, and executing recovery.
+//!
+//! And [`model`]: the paper's pipeline as a closed model (a pipeline controller and workers that
+//! compute, deliver tokens exactly once and recover in 4 steps), with which the simulator checks
+//! the protocol's design. The daemon does not run it.
 
-pub mod cluster;
 pub mod controller;
 pub mod fencing;
 pub mod forwarding;
 pub mod liveness;
-pub mod message;
+pub mod model;
 pub mod plan;
 pub mod recovery;
 pub mod rng;
 pub mod spares;
 pub mod worker;
 
-pub use cluster::Cluster;
-pub use controller::{
-    Controller, ControllerConfig, Output, Persisted, RecoveryPlan, DEFAULT_FAILURE_TIMEOUT, TICK_MS,
-};
-pub use message::{Addr, BulkKind, Command, Directive, Epoch, Msg, NodeId, Payload, ResumePoint, Status};
-pub use worker::{Action, Worker, WorkerConfig};
+pub use controller::Controller;
+pub use worker::Worker;

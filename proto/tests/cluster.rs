@@ -6,7 +6,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use dejavu_proto::{Action, Addr, Cluster, ControllerConfig, Msg, NodeId, Output, Worker, WorkerConfig};
+use dejavu_proto::model::{
+    Action, Addr, Cluster, ControllerConfig, Msg, NodeId, Output, Worker, WorkerConfig,
+};
 
 const PROMPT: u32 = 0;
 const TOKEN: u32 = 1;

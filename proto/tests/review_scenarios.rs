@@ -1,7 +1,7 @@
 //! Interleavings driven directly against the sans-IO state machines: reordered statuses, the order
 //! of persistence and delivery, activations from another pipeline, and a late `Rejoin`.
 
-use dejavu_proto::{Command, Controller, ControllerConfig, Epoch, Msg, NodeId, Output, Status};
+use dejavu_proto::model::{Command, Controller, ControllerConfig, Epoch, Msg, NodeId, Output, Status};
 
 fn cfg() -> ControllerConfig {
     ControllerConfig {
@@ -156,7 +156,7 @@ fn a_token_is_persisted_before_it_is_delivered() {
 /// this epoch feeds it).
 #[test]
 fn an_activation_from_another_pipeline_is_ignored() {
-    use dejavu_proto::{Action, Directive, ResumePoint, Worker, WorkerConfig};
+    use dejavu_proto::model::{Action, Directive, ResumePoint, Worker, WorkerConfig};
     let cfg = WorkerConfig {
         node: NodeId(5),
         depth: 2,
@@ -192,7 +192,7 @@ fn an_activation_from_another_pipeline_is_ignored() {
 /// after the node was made a replacement, it would wipe the replacement.
 #[test]
 fn a_fresh_incarnation_is_not_told_to_rejoin() {
-    use dejavu_proto::{Action, Directive, Worker, WorkerConfig};
+    use dejavu_proto::model::{Action, Directive, Worker, WorkerConfig};
     let cfg2 = ControllerConfig {
         depth: 2,
         microbatches: 1,

@@ -42,7 +42,7 @@ pub(super) fn register(
     epoch: u64,
     process: u32,
 ) -> Result<u64, ControllerError> {
-    let opened = tables.liveness.lifeline_opened(member, epoch, process);
+    let opened = tables.machine.lifeline_opened(member, epoch, process);
     tables.write_journal();
     opened.map_err(|refused| match refused {
         LifelineRefused::Stale { epoch, fenced_in } => ControllerError::Protocol(format!(
@@ -79,7 +79,7 @@ pub(super) fn wait_out(
         tables.lifelines.remove(&member);
     }
     let now = tables.now();
-    let current = tables.liveness.lifeline_closed(member, number, now);
+    let current = tables.machine.lifeline_closed(member, number, now);
     tables.write_journal();
     if current {
         counters.severed_lifelines.fetch_add(1, Ordering::Relaxed);

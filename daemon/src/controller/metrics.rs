@@ -13,13 +13,13 @@ pub(super) fn render(tables: &Tables, counters: &Counters) -> String {
         "dejavu_controller_epoch",
         MetricType::Gauge,
         "The last epoch handed out.",
-        tables.liveness.epoch() as f64,
+        tables.machine.epoch() as f64,
     )
     .single(
         "dejavu_controller_incarnation",
         MetricType::Gauge,
         "Controllers that have run on this state file, this one included.",
-        tables.liveness.record().incarnation as f64,
+        tables.machine.record().incarnation as f64,
     )
     .single(
         "dejavu_controller_heartbeats_total",
@@ -120,7 +120,7 @@ pub(super) fn render(tables: &Tables, counters: &Counters) -> String {
         get(&counters.reseeded_chunks),
     );
     page.family("dejavu_controller_members", MetricType::Gauge, "Members by health.");
-    let census = tables.liveness.census(tables.now());
+    let census = tables.machine.census(tables.now());
     let healths = [
         (Health::Alive, "alive"),
         (Health::Suspect, "suspect"),

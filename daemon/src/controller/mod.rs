@@ -28,9 +28,9 @@
 //!
 //! [`ControllerClient`] is the other end, used by [`crate::cluster`].
 //!
-//! The controller is an I/O shell around [`dejavu_proto::liveness::Liveness`]: every decision
-//! above (whose beat counts, who is alive, suspect or dead, whom to fence and in which epoch, what
-//! a restart keeps) is the machine's; the shell turns datagrams, connections, its clock and the
+//! The controller is an I/O shell around [`dejavu_proto::Controller`] (its liveness machine and
+//! its spares): every decision above (whose beat counts, who is alive, suspect or dead, whom to
+//! fence and in which epoch, which spare takes whose place, what a restart keeps) is the machine's; the shell turns datagrams, connections, its clock and the
 //! state file into its calls. This module holds the tables and the threads that serve them; the
 //! state file is [`State`], and the private modules `heartbeats` (the UDP socket), `lifeline`
 //! (members' lifelines), `query` (the query protocol's refusal codes), `recovery` (the
@@ -52,8 +52,8 @@ use parking_lot::{Condvar, Mutex};
 use thiserror::Error;
 use tracing::{debug, error, info, warn};
 
-use dejavu_proto::liveness::{self, Heard, Liveness, LivenessConfig};
-use dejavu_proto::spares::Spares;
+use dejavu_proto::liveness::{self, Heard, LivenessConfig};
+use dejavu_proto::Controller;
 
 use crate::heartbeat::{Beat, Role};
 use crate::slots::Slot;
@@ -135,9 +135,10 @@ fn role_name(role: Role) -> &'static str {
 }
 
 /// The controller's tables, shared by its heartbeat, detector, query and metrics threads: the
-/// liveness machine, which takes every decision, and what the shell keeps beside it.
+/// controller's machine, which takes every decision, and what the shell keeps beside it.
 struct Tables {
-    liveness: Liveness,
+    /// The controller's machine: liveness, fences, epochs and spares.
+    machine: Controller,
     /// The state file, where the machine's record is written.
     path: PathBuf,
     /// The machine's clock: its time is the milliseconds since this instant.
@@ -159,9 +160,6 @@ struct Tables {
     /// Where a fenced sidecar's replacement is announced, once it beats, when the controller
     /// restores replaced sidecars itself.
     replaced: Option<crossbeam_channel::Sender<u32>>,
-    /// Which spare sidecar takes which fenced sidecar's place ([`Spares`]), when the controller
-    /// hands spares over itself.
-    spares: Spares,
 }
 
 /// Counters for the metrics page.
@@ -213,7 +211,7 @@ impl Tables {
     /// Appends what the machine journaled since the last call to the journal file, if any.
     fn write_journal(&mut self) {
         // Drained whatever becomes of them: entries left in the machine would pile up.
-        let entries = self.liveness.drain_journal();
+        let entries = self.machine.drain_journal();
         let Some(file) = self.journal.as_mut() else { return };
         let written = entries
             .iter()
@@ -231,7 +229,7 @@ impl Tables {
         let Beat { member, epoch, sequence, control_port, data_port, .. } = beat;
         let now = self.now();
         let (first_of_process, fenced_for_ms, gap_ms) =
-            match self.liveness.heartbeat(liveness::Beat { member, epoch, sequence }, now) {
+            match self.machine.heartbeat(liveness::Beat { member, epoch, sequence }, now) {
                 Heard::Stale => {
                     counters.stale_heartbeats.fetch_add(1, Ordering::Relaxed);
                     return false;
@@ -270,15 +268,15 @@ impl Tables {
 
     /// Writes the machine's record to the state file if it changed since it was last written.
     fn save(&mut self) -> Result<(), ControllerError> {
-        if let Some(record) = self.liveness.unwritten_record() {
+        if let Some(record) = self.machine.unwritten_record() {
             State::save(record, &self.path)?;
-            self.liveness.record_written();
+            self.machine.record_written();
             self.write_journal();
         }
         Ok(())
     }
 
-    /// Has the machine fence `members` (see [`Liveness::fence`]), its record written first;
+    /// Has the machine fence `members` (see [`dejavu_proto::liveness::Liveness::fence`]), its record written first;
     /// returns the epoch.
     fn fence(
         &mut self,
@@ -286,8 +284,8 @@ impl Tables {
         reuse: Option<u64>,
         counters: &Counters,
     ) -> Result<u64, ControllerError> {
-        let (before, now, path) = (self.liveness.epoch(), self.now(), self.path.clone());
-        let fenced = self.liveness.fence(members, reuse, now, |record| State::save(record, &path));
+        let (before, now, path) = (self.machine.epoch(), self.now(), self.path.clone());
+        let fenced = self.machine.fence(members, reuse, now, |record| State::save(record, &path));
         self.write_journal();
         let epoch = fenced?;
         if epoch == before {
@@ -429,20 +427,20 @@ pub fn serve_controller(
     let settings = LivenessConfig { timeout_ms, grace_ms: timeout_ms };
     // A restarted controller gives every live member it knew a full timeout from now.
     // Journaled only with a file to write to.
-    let (liveness, journal) = match &config.journal {
+    let (machine, journal) = match &config.journal {
         Some(path) => {
-            let (liveness, start) = Liveness::start_journaled(settings, record, 0);
+            let (machine, start) = Controller::start_journaled(settings, record, 0);
             let open = std::fs::OpenOptions::new().create(true).append(true).open(path);
             let mut file = BufWriter::new(open.map_err(|e| journal_error(path, e))?);
             writeln!(file, "{}", start.encode())
                 .and_then(|()| file.flush())
                 .map_err(|e| journal_error(path, e))?;
-            (liveness, Some(file))
+            (machine, Some(file))
         }
-        None => (Liveness::start(settings, record, 0), None),
+        None => (Controller::start(settings, record, 0), None),
     };
     let tables = Tables {
-        liveness,
+        machine,
         path: config.state.clone(),
         clock: Instant::now(),
         controls: HashMap::new(),
@@ -453,7 +451,6 @@ pub fn serve_controller(
         lifelines: HashMap::new(),
         data: HashMap::new(),
         replaced: None,
-        spares: Spares::new(),
     };
     let mut tables = tables;
     let replaced = config.stages.map(|depth| {
@@ -502,7 +499,7 @@ pub fn serve_controller(
         }
         None => None,
     };
-    info!(%addr, epoch = tables.lock().liveness.epoch(), "controller listening");
+    info!(%addr, epoch = tables.lock().machine.epoch(), "controller listening");
     ready(addr, metrics);
     let live = Arc::new(AtomicUsize::new(0));
     let lifeline_slots = Arc::new(AtomicUsize::new(0));
@@ -540,7 +537,7 @@ pub fn serve_controller(
     Ok(())
 }
 
-/// When the detector runs: at the machine's next deadline ([`Liveness::poll_timeout`]; at most
+/// When the detector runs: at the machine's next deadline ([`dejavu_proto::liveness::Liveness::poll_timeout`]; at most
 /// `longest` from now, the least time before a member that joins meanwhile can turn suspect), and
 /// when a lifeline breaks, once lifelines have stopped breaking for [`SETTLE`] (or
 /// `settle_at_most` has passed).
@@ -581,9 +578,9 @@ fn detect_failures(
             error!(error = %e, "cannot write the state file");
         }
         let now = tables.now();
-        let dead = tables.liveness.tick(now);
+        let dead = tables.machine.tick(now);
         tables.write_journal();
-        sleep = match tables.liveness.poll_timeout(now) {
+        sleep = match tables.machine.poll_timeout(now) {
             Some(at) => Duration::from_millis(at - now),
             None => wake.longest,
         };
@@ -649,14 +646,14 @@ fn answer_queries(
             Message::Census => {
                 let mut tables = tables.lock();
                 tables.absorb_pending(heartbeats, counters);
-                Ok((tables.liveness.epoch(), census_of(&tables)))
+                Ok((tables.machine.epoch(), census_of(&tables)))
             }
             Message::Fence { members, reuse } => {
                 let epoch = tables.lock().fence(&members, reuse, counters)?;
                 events.fenced.notify_all();
                 Ok((epoch, Message::Epoch(epoch)))
             }
-            Message::FencedIn(member) => match tables.lock().liveness.membership(member) {
+            Message::FencedIn(member) => match tables.lock().machine.membership(member) {
                 Some(m) if m.awaiting => Ok((m.fenced_in, Message::Epoch(m.fenced_in))),
                 _ => Err(ControllerError::NotFenced(member)),
             },
@@ -669,12 +666,12 @@ fn answer_queries(
             Message::AwaitFence { after, wait_ms } => {
                 let until = Instant::now() + Duration::from_millis(wait_ms.into()).min(MAX_FENCE_WAIT);
                 let mut tables = tables.lock();
-                while tables.liveness.epoch() <= after {
+                while tables.machine.epoch() <= after {
                     if events.fenced.wait_until(&mut tables, until).timed_out() {
                         break;
                     }
                 }
-                let epoch = tables.liveness.epoch();
+                let epoch = tables.machine.epoch();
                 Ok((epoch, Message::Epoch(epoch)))
             }
             Message::Lifeline { member, epoch, process } => {
@@ -716,7 +713,7 @@ fn answer_queries(
 
 /// Every member the controller knows, and its health.
 fn census_of(tables: &Tables) -> Message {
-    Message::CensusReply { epoch: tables.liveness.epoch(), members: tables.liveness.census(tables.now()) }
+    Message::CensusReply { epoch: tables.machine.epoch(), members: tables.machine.census(tables.now()) }
 }
 
 #[cfg(test)]

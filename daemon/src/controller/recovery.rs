@@ -111,13 +111,13 @@ pub(super) fn reseed_restored(
 /// was. A late request for an older epoch is refused: it must not retarget sidecars from an old
 /// book.
 fn losses_in(tables: &Tables, epoch: u64, depth: u32) -> Result<Vec<(u32, Loss)>, ControllerError> {
-    let current = tables.liveness.epoch();
+    let current = tables.machine.epoch();
     if epoch != current {
         return Err(ControllerError::Protocol(format!(
             "a recovery of epoch {epoch}, not the current {current}"
         )));
     }
-    let fenced = |member: Member| tables.liveness.membership(member).is_some_and(|m| m.fenced_in == epoch);
+    let fenced = |member: Member| tables.machine.membership(member).is_some_and(|m| m.fenced_in == epoch);
     let losses: Vec<(u32, Loss)> = (0..depth)
         .filter_map(|stage| {
             if fenced((Role::Sidecar, stage)) {
@@ -178,7 +178,7 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
         };
         // The ring's plan for this worker, with every stage whose sidecar still awaits its own
         // replacement lost too: such a neighbour holds nothing to give.
-        let awaiting = |k: u32| tables.liveness.membership((Role::Sidecar, k)).is_some_and(|m| m.awaiting);
+        let awaiting = |k: u32| tables.machine.membership((Role::Sidecar, k)).is_some_and(|m| m.awaiting);
         let mut losses: Vec<(u32, Loss)> =
             (0..depth).filter(|&k| awaiting(k)).map(|k| (k, Loss::Worker)).collect();
         losses.push((stage, Loss::Worker));
@@ -233,7 +233,7 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
 }
 
 /// Hands spare sidecars over to the fenced sidecars' places, every `every`, as the
-/// [`dejavu_proto::spares::Spares`] machine decides: each is told its stage and epoch over its
+/// controller's machine decides ([`dejavu_proto::spares::Spares`]): each is told its stage and epoch over its
 /// control listener, if the stage still awaits that replacement; one that cannot be told is
 /// reported, and the stage gets another.
 pub(super) fn hand_over_spares(tables: &Mutex<Tables>, counters: &Counters, every: Duration) {
@@ -242,13 +242,12 @@ pub(super) fn hand_over_spares(tables: &Mutex<Tables>, counters: &Counters, ever
         let assignments = {
             let mut tables = tables.lock();
             let now = tables.now();
-            let Tables { spares, liveness, .. } = &mut *tables;
-            spares.assign(liveness, Role::Sidecar, now)
+            tables.machine.assign_spares(Role::Sidecar, now)
         };
         for assignment in assignments {
             let Assignment { spare, member, epoch } = assignment;
             let awaited = |tables: &Tables| {
-                tables.liveness.membership(member).is_some_and(|m| m.awaiting && m.fenced_in == epoch)
+                tables.machine.membership(member).is_some_and(|m| m.awaiting && m.fenced_in == epoch)
             };
             // Checked in a statement of its own: the lock is let go before the spare is told.
             let still_awaited = awaited(&tables.lock());
@@ -261,12 +260,12 @@ pub(super) fn hand_over_spares(tables: &Mutex<Tables>, counters: &Counters, ever
             match handed {
                 Ok(()) => {
                     let now = tables.now();
-                    tables.spares.handed_over(assignment, now);
+                    tables.machine.spare_handed_over(assignment, now);
                     counters.spares_assigned.fetch_add(1, Ordering::Relaxed);
                     info!(stage, epoch, spare = number, "handed a spare sidecar the stage");
                 }
                 Err(e) => {
-                    tables.spares.failed(assignment);
+                    tables.machine.spare_failed(assignment);
                     counters.spare_failures.fetch_add(1, Ordering::Relaxed);
                     warn!(stage, spare = number, error = %e, "could not hand a spare sidecar over");
                 }

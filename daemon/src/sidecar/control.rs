@@ -26,7 +26,7 @@
 
 use std::io::{BufReader, BufWriter, ErrorKind, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,6 +38,8 @@ use dejavulib::resume::HeldChunk;
 use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameError, Kind};
 use dejavulib::ChunkStore;
 use tracing::{info, warn};
+
+use dejavu_proto::worker::Place;
 
 use super::{reply, reply_error, Sidecar, SidecarError};
 use crate::slots::Slot;
@@ -135,12 +137,11 @@ impl Sidecar {
     /// it, and what came after it after ([`dejavulib::resume`]). Each token-0 chunk is therefore
     /// sent alone, in put order, and the chunks between two of them all at once.
     fn reseed(&self, to: SocketAddr) -> Result<u64, SidecarError> {
-        if self.unassigned.load(Ordering::SeqCst) {
+        if self.machine.lock().place() == Place::Spare {
             return Err(SidecarError::Unassigned);
         }
         // As the engine in use, so that the new successor takes its later forwards too.
-        let newest = self.engine.lock().newest.epoch();
-        let epoch = newest.unwrap_or_else(|| self.assigned_epoch.load(Ordering::SeqCst));
+        let epoch = self.epoch();
         self.set_successor(to, epoch);
         // Another request may have named another successor since: then this re-seed is void.
         let successor = self.successor.lock().clone().filter(|s| s.addr == to);
@@ -161,8 +162,7 @@ impl Sidecar {
     fn hand_back(&self, stage: u32, to: SocketAddr) -> Result<u64, SidecarError> {
         let mut client = ClientConfig::new(self.config.secret.clone(), self.index());
         // As the engine in use, as its forwards: the replacement refuses a sender's older epochs.
-        let newest = self.engine.lock().newest.epoch();
-        client.epoch = newest.unwrap_or_else(|| self.assigned_epoch.load(Ordering::SeqCst));
+        client.epoch = self.epoch();
         let transport = self.config.transport.make().map_err(|e| SidecarError::Protocol(e.to_string()))?;
         let store = PeerStore::new(self.runtime.clone(), transport, to, client);
         let sent = self.send_held(stage, &store, to)?;

@@ -11,17 +11,22 @@
 //! removes the region's file once the engine has mapped it (a killed process leaves nothing
 //! behind). A connection from an older epoch than the one in use is refused: a fenced engine back
 //! from a pause cannot take its sidecar back.
+//!
+//! The sidecar is an I/O shell around [`dejavu_proto::Worker`]: which engine it serves, which
+//! stage it is (a spare's, once assigned), and what it forwards to the successor, in which order,
+//! and what the engine hears for each chunk are the machine's decisions.
 
 use std::io::{BufReader, BufWriter, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dejavu_proto::fencing::{newest_of, Claim, Newest};
-use dejavu_proto::forwarding::{Answer, Counts, Forwarding, Kept, Next, Sent, DEFAULT_BACKLOG};
+use dejavu_proto::fencing::{newest_of, Claim};
+use dejavu_proto::forwarding::{Answer, Counts, Kept, Next, Sent, DEFAULT_BACKLOG};
+use dejavu_proto::worker::{NotASpare, Place, Worker};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
 use dejavulib::local::{HELLO_EPOCH_FROM_SIDECAR, HELLO_MEMBER, MAX_LOCAL_PAYLOAD};
 use dejavulib::message::Message;
@@ -222,11 +227,11 @@ fn add(counter: &AtomicU64, n: u64) {
 }
 
 /// What the connections of a sidecar share.
-/// The engine a sidecar serves: the newest to connect ([`Newest`]), and its connection.
+/// The connection of the engine a sidecar serves (the newest to connect, as its [`Worker`]
+/// machine decides), with its number and a handle to shut it. Locked before the machine when
+/// both are, so that admitting an engine and replacing the connection are one step.
 #[derive(Default)]
 struct EngineInUse {
-    newest: Newest,
-    /// The connection's number and a handle to shut it.
     connection: Option<(u64, UnixStream)>,
 }
 
@@ -236,22 +241,17 @@ struct Sidecar {
     addr: SocketAddr,
     store: HostStore,
     stats: SidecarStats,
-    /// The engine in use: the epoch of the newest engine admitted, and its connection.
+    /// The engine in use's connection.
     engine: Mutex<EngineInUse>,
+    /// The sidecar's machine: which engine it serves, which stage it is, and what it forwards to
+    /// the successor, in which order, and what waits ([`Worker`]).
+    machine: Mutex<Worker<ChunkKey>>,
     /// Where and as what it forwards: the successor's address and a store on it (locked apart,
     /// so that a retarget never waits for a forward to a dead or partitioned successor).
     successor: Mutex<Option<Successor>>,
     runtime: tokio::runtime::Handle,
     /// Engine connections so far (numbers them, and their regions).
     connections: AtomicU64,
-    /// What it forwards to the successor, in which order, and what waits ([`Forwarding`]).
-    forwarding: Mutex<Forwarding<ChunkKey>>,
-    /// The stage it belongs to: its own from the start, or a spare's once assigned.
-    index: AtomicU32,
-    /// Whether it waits, as a spare, for a stage.
-    unassigned: std::sync::atomic::AtomicBool,
-    /// The epoch of the recovery that assigned it, a spare's (0 otherwise).
-    assigned_epoch: AtomicU64,
 }
 
 /// The ring successor a sidecar forwards to: its address, a store on it (locked apart from the
@@ -299,10 +299,10 @@ pub fn serve_sidecar(
         successor: Mutex::new(None),
         runtime: runtime.handle().clone(),
         connections: AtomicU64::new(0),
-        forwarding: Mutex::new(Forwarding::new(DEFAULT_BACKLOG)),
-        index: AtomicU32::new(index),
-        unassigned: std::sync::atomic::AtomicBool::new(spare),
-        assigned_epoch: AtomicU64::new(0),
+        machine: Mutex::new(Worker::new(
+            if spare { Place::Spare } else { Place::Stage { stage: index, epoch: 0 } },
+            DEFAULT_BACKLOG,
+        )),
     });
     let server = Arc::new(server);
     if let Some(listener) = control {
@@ -335,7 +335,23 @@ pub fn serve_sidecar(
 impl Sidecar {
     /// The stage it belongs to.
     fn index(&self) -> u32 {
-        self.index.load(Ordering::Relaxed)
+        match self.machine.lock().place() {
+            Place::Stage { stage, .. } => stage,
+            Place::Spare => self.config.index,
+        }
+    }
+
+    /// The epoch of the recovery that assigned it its stage, a spare's (0 otherwise).
+    fn assigned_epoch(&self) -> u64 {
+        match self.machine.lock().place() {
+            Place::Stage { epoch, .. } => epoch,
+            Place::Spare => 0,
+        }
+    }
+
+    /// The epoch it acts in toward its peers: its engine's, or the one it took its place in.
+    fn epoch(&self) -> u64 {
+        self.machine.lock().epoch()
     }
 
     /// A spare's assignment ([`Message::Assign`]) on an engine's connection: it becomes that
@@ -357,10 +373,8 @@ impl Sidecar {
     /// stage's), once: by whoever assigns it, the cluster over its local socket or the controller
     /// over its control listener.
     fn take_up(&self, stage: u32, epoch: u64) -> Result<(), SidecarError> {
-        let hook = self.config.spare.as_ref().filter(|_| self.unassigned.swap(false, Ordering::SeqCst));
-        let Some(OnAssign(hook)) = hook else { return Err(SidecarError::NotASpare) };
-        self.index.store(stage, Ordering::Relaxed);
-        self.assigned_epoch.store(epoch, Ordering::SeqCst);
+        let Some(OnAssign(hook)) = self.config.spare.as_ref() else { return Err(SidecarError::NotASpare) };
+        self.machine.lock().take_up(stage, epoch).map_err(|NotASpare| SidecarError::NotASpare)?;
         hook(stage, epoch);
         info!(stage, epoch, "a spare sidecar was assigned its stage");
         Ok(())
@@ -377,7 +391,7 @@ impl Sidecar {
         writer: &mut impl Write,
     ) -> Result<(), SidecarError> {
         let epoch = frame.header.epoch;
-        if self.engine.lock().newest.admits(epoch).is_err() {
+        if self.machine.lock().admits_engine(epoch).is_err() {
             reply_error(writer, frame, ErrorCode::StaleEpoch, "an older engine than the one in use")?;
             return Ok(());
         }
@@ -415,7 +429,7 @@ impl Sidecar {
             return Err(SidecarError::Protocol(reason));
         }
         let epoch = if hello.header.ids[0] & HELLO_EPOCH_FROM_SIDECAR != 0 {
-            let previous = self.engine.lock().newest.epoch();
+            let previous = self.machine.lock().engine_epoch();
             let chosen = match &self.config.engine_epoch {
                 Some(ask) => (ask.0)(self.index(), previous),
                 // Without a controller, a restarted engine takes over from the last one.
@@ -443,7 +457,9 @@ impl Sidecar {
         let n = self.connections.fetch_add(1, Ordering::Relaxed);
         {
             let mut engine = self.engine.lock();
-            if let Claim::Stale { newest } = engine.newest.claim(epoch) {
+            // Bound apart: the machine's lock is let go before the refusal is written.
+            let claim = self.machine.lock().engine_connects(epoch);
+            if let Claim::Stale { newest } = claim {
                 add(&self.stats.stale_engines_refused, 1);
                 let reason = format!("epoch {epoch} is older than the engine's in use, {newest}");
                 reply_error(&mut writer, &hello, ErrorCode::StaleEpoch, &reason)?;
@@ -568,7 +584,7 @@ impl Sidecar {
                 Ok(chunks) => reply(writer, frame, self.index(), epoch, &Message::Released { chunks }),
                 Err(e) => reply_error(writer, frame, ErrorCode::Other, &e.to_string()),
             },
-            Message::Held { .. } if self.unassigned.load(Ordering::SeqCst) => {
+            Message::Held { .. } if self.machine.lock().place() == Place::Spare => {
                 reply_error(writer, frame, ErrorCode::Unexpected, "a spare sidecar, not assigned a stage yet")
             }
             Message::Held { want, after } => {
@@ -579,7 +595,7 @@ impl Sidecar {
                 region.write(&[&entries])?;
                 let page = Message::HeldPage {
                     stage: self.index(),
-                    epoch: newest_of(epoch, self.assigned_epoch.load(Ordering::SeqCst)),
+                    epoch: newest_of(epoch, self.assigned_epoch()),
                     successor: self.successor.lock().as_ref().map(|s| s.addr),
                     count: page.len() as u32,
                     left: left.min(u32::MAX as usize) as u32,
@@ -625,7 +641,7 @@ impl Sidecar {
             return;
         }
         // What the old successor lacks, the re-seed that names the new one copies to it whole.
-        self.forwarding.lock().successor_named();
+        self.machine.lock().successor_named();
         let mut client = ClientConfig::new(self.config.secret.clone(), self.index());
         client.epoch = epoch;
         // A dead or cut-off successor is given up on quickly (one connection attempt of at most
@@ -713,7 +729,7 @@ impl Sidecar {
         let mut store = store.lock();
         let key = descriptor.key();
         // A chunk given up on to make room is counted with the machine's counts below.
-        let Kept { ticket, mut next, .. } = self.forwarding.lock().kept(key.clone(), epoch);
+        let Kept { ticket, mut next, .. } = self.machine.lock().kept(key.clone(), epoch);
         let mut failure = None;
         let mut payload = Vec::new();
         let answer = loop {
@@ -745,9 +761,9 @@ impl Sidecar {
                     outcome
                 }
             };
-            next = self.forwarding.lock().sent(ticket, successor, outcome);
+            next = self.machine.lock().sent(ticket, successor, outcome);
         };
-        self.count(self.forwarding.lock().counts());
+        self.count(self.machine.lock().counts());
         match answer {
             Answer::Forwarded | Answer::Released => Ok(()),
             Answer::Waiting | Answer::Refused => Err(match failure {

@@ -5,7 +5,8 @@
 //! holds for `j`: a stage that resumes with missing or wrong KV produces a different token, so the
 //! token check also checks the KV.
 
-use dejavu_proto::{rng, Payload};
+use dejavu_proto::model::Payload;
+use dejavu_proto::rng;
 
 /// A well-mixed hash of `x`, with no fixed point at 0: SplitMix64's step.
 pub fn mix(x: u64) -> u64 {

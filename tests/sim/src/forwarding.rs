@@ -1,8 +1,9 @@
-//! A sidecar's forwarding ([`dejavu_proto::forwarding::Forwarding`]) under faults: the machine
-//! the running sidecar drives for every chunk its engine writes, against a model successor that
-//! goes down and comes back, refuses the chunks of a stale engine, is replaced by a recovery
-//! (re-seeded with everything the sidecar keeps) in the middle of a forward, and drops what the
-//! engine releases.
+//! A sidecar under faults: the running sidecar's machine ([`dejavu_proto::Worker`]), driven as the
+//! sidecar drives it for every engine that connects and every chunk its engine writes, against a
+//! model successor that goes down and comes back, refuses the chunks of a stale engine, is
+//! replaced by a recovery (re-seeded with everything the sidecar keeps) in the middle of a
+//! forward, and drops what the engine releases. Engines are replaced by newer ones, and an older
+//! one sometimes comes back.
 //!
 //! Invariants, checked after every answer:
 //! - a chunk answered [`Answer::Forwarded`] is held at the current successor, and so is every
@@ -11,14 +12,17 @@
 //! - the successor of a generation receives forwards in the order the chunks were kept, and only
 //!   while it is the current one;
 //! - a chunk is refused only when a newer engine wrote at the successor;
+//! - a newer engine takes the sidecar over, and an older one is refused;
 //! - the backlog never exceeds its capacity, and after an answer with the successor up and
 //!   nothing refused, nothing waits;
 //! - every chunk the engine heard was forwarded stays held at the successor until released.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use dejavu_proto::forwarding::{Answer, Forwarding, Kept, Next, Sent};
+use dejavu_proto::fencing::Claim;
+use dejavu_proto::forwarding::{Answer, Kept, Next, Sent};
 use dejavu_proto::rng::SplitMix64;
+use dejavu_proto::worker::{Place, Worker};
 
 /// The shape and fault rates of a forwarding run.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -89,7 +93,7 @@ struct Successor {
 struct World {
     rng: SplitMix64,
     cfg: ForwardingSimConfig,
-    machine: Forwarding<u32>,
+    machine: Worker<u32>,
     /// Chunks the sidecar holds (its local copy), by the epoch that wrote them.
     local: BTreeMap<u32, u64>,
     /// Chunks given up on: refused, or pushed out of the backlog.
@@ -209,6 +213,14 @@ impl World {
         self.confirmed.insert(key);
     }
 
+    /// An engine of `epoch` connects; it must be served exactly when it is the newest.
+    fn engine_connects(&mut self, epoch: u64, newest: bool) {
+        let claim = self.machine.engine_connects(epoch);
+        if matches!(claim, Claim::Admitted { .. }) != newest {
+            self.violation(format!("an engine of epoch {epoch} (newest: {newest}) got {claim:?}"));
+        }
+    }
+
     fn release(&mut self) {
         let Some(&key) = self.local.keys().nth(self.rng.below(self.local.len() as u64) as usize) else {
             return;
@@ -235,7 +247,7 @@ pub fn run_forwarding_seed(seed: u64, cfg: &ForwardingSimConfig) -> ForwardingRe
     let mut world = World {
         rng: SplitMix64::new(seed),
         cfg: *cfg,
-        machine: Forwarding::new(cfg.capacity),
+        machine: Worker::new(Place::Stage { stage: 0, epoch: 0 }, cfg.capacity),
         local: BTreeMap::new(),
         given_up: BTreeSet::new(),
         confirmed: BTreeSet::new(),
@@ -249,6 +261,7 @@ pub fn run_forwarding_seed(seed: u64, cfg: &ForwardingSimConfig) -> ForwardingRe
     for key in 0..before {
         world.write(key);
     }
+    world.engine_connects(0, true);
     world.replace_successor();
     for key in before..cfg.chunks {
         if world.rng.chance(cfg.flap) {
@@ -269,6 +282,11 @@ pub fn run_forwarding_seed(seed: u64, cfg: &ForwardingSimConfig) -> ForwardingRe
         if world.rng.chance(cfg.stale) {
             world.fault("engine replaced");
             world.engine_epoch += 1;
+            world.engine_connects(world.engine_epoch, true);
+            if world.rng.chance(0.5) {
+                world.fault("stale engine back");
+                world.engine_connects(world.engine_epoch - 1, false);
+            }
         }
         if world.rng.chance(cfg.release) {
             world.release();

@@ -1,5 +1,6 @@
-//! The running controller's liveness machine ([`dejavu_proto::liveness::Liveness`]) under faults,
-//! in virtual milliseconds: the machine `dejavud controller` runs, driven as its shell drives it.
+//! The running controller's machine ([`dejavu_proto::Controller`]: its liveness and its spares)
+//! under faults, in virtual milliseconds: the machine `dejavud controller` runs, driven as its
+//! shell drives it.
 //!
 //! Every stage has an engine and a sidecar process, and there are spares; each beats every
 //! interval with some jitter and holds a lifeline. Beats are lost, delayed (and so reordered) and
@@ -33,7 +34,8 @@ use dejavu_proto::liveness::{
 };
 
 use dejavu_proto::rng::SplitMix64;
-use dejavu_proto::spares::{Assignment, Spares};
+use dejavu_proto::spares::Assignment;
+use dejavu_proto::Controller;
 
 /// The shape and fault rates of a liveness run.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -156,7 +158,7 @@ struct LivenessSim {
     order: u64,
     processes: Vec<Process>,
     current: BTreeMap<Member, usize>,
-    controller: Option<Liveness>,
+    controller: Option<Controller>,
     incarnation: u64,
     started_at: u64,
     /// The members named in the record the controller started from.
@@ -169,8 +171,6 @@ struct LivenessSim {
     last_taken: BTreeMap<Member, u64>,
     highest_epoch: u64,
     replacing: BTreeMap<Member, u64>,
-    /// The controller's spare assignments (a restarted controller starts them afresh).
-    spares: Spares,
     /// Spares handed out by this controller: never handed out twice by one controller.
     spares_used: BTreeSet<Member>,
     /// Spares that took a place: never handed out again by any controller.
@@ -206,7 +206,6 @@ impl LivenessSim {
             last_taken: BTreeMap::new(),
             highest_epoch: 0,
             replacing: BTreeMap::new(),
-            spares: Spares::new(),
             spares_used: BTreeSet::new(),
             spares_gone: BTreeSet::new(),
             report: LivenessReport::default(),
@@ -304,7 +303,7 @@ impl LivenessSim {
     fn start_controller(&mut self) {
         let timeout_ms = self.cfg.timeout;
         let config = LivenessConfig { timeout_ms, grace_ms: timeout_ms };
-        let liveness = Liveness::start(config, self.disk.clone(), self.now);
+        let liveness = Controller::start(config, self.disk.clone(), self.now);
         if liveness.record().epoch < self.highest_epoch {
             self.violation(format!("a restart went back to epoch {}", liveness.record().epoch));
         }
@@ -312,7 +311,7 @@ impl LivenessSim {
         self.started_at = self.now;
         self.started_from = self.disk.members.keys().copied().collect();
         self.last_taken.clear();
-        self.spares = Spares::new();
+        // A restarted controller has handed no spare over yet.
         self.spares_used.clear();
         self.controller = Some(liveness);
         // The shell writes the record (its incarnation) before answering anyone.
@@ -539,8 +538,8 @@ impl LivenessSim {
     fn assign_spares(&mut self) {
         let now = self.now;
         for role in [Role::Sidecar, Role::Engine] {
-            let Some(controller) = self.controller.as_ref() else { return };
-            let assignments = self.spares.assign(controller, role, now);
+            let Some(controller) = self.controller.as_mut() else { return };
+            let assignments = controller.assign_spares(role, now);
             let census = controller.census(now);
             let mut violations = Vec::new();
             for a in &assignments {
@@ -564,7 +563,7 @@ impl LivenessSim {
                     violations.push(format!("{a:?}: the spare took another place before"));
                 }
             }
-            let outstanding: BTreeSet<Member> = self.spares.outstanding().map(|a| a.member).collect();
+            let outstanding: BTreeSet<Member> = controller.outstanding_spares().map(|a| a.member).collect();
             let awaiting_without = census.iter().any(|&(member, health)| {
                 member.0 == role
                     && member.1 < SPARE_MEMBERS
@@ -588,7 +587,7 @@ impl LivenessSim {
                 if self.rng.chance(0.1) {
                     // The spare could not be told (its control listener is cut off).
                     self.fault("spare hand-over failed");
-                    self.spares.failed(a);
+                    self.controller.as_mut().expect("running").spare_failed(a);
                 } else {
                     let at = self.now + self.delay();
                     self.schedule(at, Event::TakeUp { spare: a.spare, member: a.member, epoch: a.epoch });
@@ -606,11 +605,12 @@ impl LivenessSim {
         let Some(controller) = self.controller.as_ref() else { return };
         let awaited = controller.membership(member).is_some_and(|m| m.awaiting && m.fenced_in == epoch);
         if !self.processes[p].alive || self.processes[p].paused || !awaited {
-            self.spares.failed(assignment);
+            self.controller.as_mut().expect("checked above").spare_failed(assignment);
             return;
         }
         self.fault("spare took a place");
-        self.spares.handed_over(assignment, self.now);
+        let now = self.now;
+        self.controller.as_mut().expect("checked above").spare_handed_over(assignment, now);
         self.spares_gone.insert(spare);
         self.kill(p);
         if let Some(&old) = self.current.get(&member) {

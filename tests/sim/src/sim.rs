@@ -10,7 +10,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
-use dejavu_proto::{
+use dejavu_proto::model::{
     Action, Addr, BulkKind, Controller, ControllerConfig, Msg, NodeId, Output, Payload, Persisted, Worker,
     WorkerConfig,
 };
@@ -95,7 +95,7 @@ impl Default for SimConfig {
             microbatches: 4,
             tokens: 10,
             spares: 1,
-            failure_timeout: dejavu_proto::DEFAULT_FAILURE_TIMEOUT,
+            failure_timeout: dejavu_proto::model::DEFAULT_FAILURE_TIMEOUT,
             chaos_ticks: 120,
             max_ticks: 2_000,
             faults: Faults::mixed(),
@@ -584,7 +584,7 @@ impl Sim {
                 }
                 if let Some(w) = self.nodes[i].worker.as_mut() {
                     if let Msg::Directive(d) = &p.msg {
-                        if let dejavu_proto::Command::Run { points } = &d.command {
+                        if let dejavu_proto::model::Command::Run { points } = &d.command {
                             let for_us =
                                 d.incarnation == w.incarnation() || (d.incarnation == 0 && w.epoch().0 > 0);
                             let stage = d.owners.iter().position(|o| *o == Some(id)).map(|s| s as u32);
@@ -726,7 +726,7 @@ impl Sim {
     /// Tightens the resume bound with every stage this plan restores: its marks acknowledged in the
     /// epoch that just ended, and what the surviving stages hold now. A stage whose marks the
     /// simulator did not see in that epoch makes the bound unknown.
-    fn bound_resume(&mut self, plan: &dejavu_proto::RecoveryPlan) {
+    fn bound_resume(&mut self, plan: &dejavu_proto::model::RecoveryPlan) {
         let failed: Vec<u32> = plan.replacements.iter().map(|(s, _)| *s).collect();
         let mbs = self.cfg.microbatches as usize;
         let floor: Vec<u32> = (0..mbs)

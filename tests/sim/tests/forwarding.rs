@@ -28,9 +28,14 @@ fn ten_thousand_forwarding_seeds_hold_every_invariant() {
         }
     }
     println!("answers: {answers:?}; faults: {faults:?}");
-    for class in
-        ["successor flapped", "successor replaced", "newer engine elsewhere", "engine replaced", "release"]
-    {
+    for class in [
+        "successor flapped",
+        "successor replaced",
+        "newer engine elsewhere",
+        "engine replaced",
+        "stale engine back",
+        "release",
+    ] {
         assert!(faults.get(class).copied().unwrap_or(0) > 0, "no {class} was injected");
     }
     // `Released` needs a release while the chunk itself is in flight, which one engine connection

@@ -3,7 +3,7 @@
 //! a stale worker rejoining, and a controller restart. Every run must also deliver the reference
 //! tokens exactly once (checked by the simulator).
 
-use dejavu_proto::{Command, NodeId};
+use dejavu_proto::model::{Command, NodeId};
 use dejavu_sim::{run_seed, Faults, Sim, SimConfig};
 
 fn calm() -> SimConfig {
@@ -176,7 +176,7 @@ fn an_owner_that_cannot_hear_the_controller_is_replaced() {
     let mut sim = Sim::new(4, SimConfig { spares: 2, ..calm() });
     step_until(&mut sim, 200, |s| s.controller().is_some_and(|c| c.delivered()[0].len() >= 2));
     let deaf = owner(&sim, 1);
-    sim.cut(dejavu_proto::Addr::Controller, dejavu_proto::Addr::Worker(deaf), 100_000);
+    sim.cut(dejavu_proto::model::Addr::Controller, dejavu_proto::model::Addr::Worker(deaf), 100_000);
     sim.crash_worker(owner(&sim, 2), 5);
     step_until(&mut sim, 400, |s| s.controller().is_some_and(|c| c.running() && c.owners()[1] != Some(deaf)));
     assert_clean(&sim.run());

@@ -4,8 +4,8 @@
 
 use std::collections::BTreeMap;
 
-use crate::controller::{Controller, ControllerConfig, Output, Persisted};
-use crate::message::{Addr, Command, Directive, Epoch, Msg, NodeId};
+use super::controller::{Controller, ControllerConfig, Output, Persisted};
+use super::message::{Addr, Command, Directive, Epoch, Msg, NodeId};
 
 /// The controllers of every pipeline, and which pipeline each worker joined.
 #[derive(Debug)]
