@@ -25,7 +25,7 @@ impl ScheduledFaults {
     }
 
     /// Makes the next recovery that does not recover stage `stage` kill it (`what` of it, as
-    /// [`Cluster::kill`] does) in its middle, once the replacements are up and the chain repaired,
+    /// [`dejavud::cluster::Faults::kill`] does) in its middle, once the replacements are up and the chain repaired,
     /// before they restore: a second failure during a recovery. That attempt then fails (a
     /// restore or recomputed step finds the chain broken, or the controller's fence), and the
     /// next attempt recovers both.
@@ -56,7 +56,7 @@ impl RecoveryHooks for ScheduledFaults {
 
     fn after_fence(&mut self, cluster: &mut Cluster) -> Result<(), ClusterError> {
         if std::mem::take(&mut self.crash_controller) {
-            cluster.kill_controller()?;
+            cluster.faults().kill_controller()?;
             // Its replacement, started now, is the one the replacements ask for their epoch.
             cluster.census()?;
         }
@@ -73,7 +73,7 @@ impl RecoveryHooks for ScheduledFaults {
         if let Some(i) = self.kill.iter().position(spared) {
             let (stage, what) = self.kill.remove(i);
             self.killed.push((stage, what));
-            cluster.kill(stage, what)?;
+            cluster.faults().kill(stage, what)?;
         }
         Ok(())
     }

@@ -108,44 +108,44 @@ impl<'a> ChaosInjector<'a> {
         };
         let restarting = self.on_failure == OnFailure::Restart;
         match fault.kind {
-            FaultKind::KillEngine => cluster.kill(stage, Kill::Engine)?,
+            FaultKind::KillEngine => cluster.faults().kill(stage, Kill::Engine)?,
             FaultKind::KillWorker if restarting => {
                 note = Some("no sidecars without replication: the engine alone".to_owned());
-                cluster.kill(stage, Kill::Engine)?;
+                cluster.faults().kill(stage, Kill::Engine)?;
             }
-            FaultKind::KillWorker => cluster.kill(stage, Kill::Worker)?,
+            FaultKind::KillWorker => cluster.faults().kill(stage, Kill::Worker)?,
             FaultKind::KillSidecar if restarting => {
                 note = Some("no sidecars without replication: skipped".to_owned());
             }
-            FaultKind::KillSidecar => cluster.signal(stage, Role::Sidecar, libc::SIGKILL)?,
+            FaultKind::KillSidecar => cluster.faults().signal(stage, Role::Sidecar, libc::SIGKILL)?,
             FaultKind::KillAdjacent => {
                 let what = if restarting { Kill::Engine } else { Kill::Worker };
                 let hits: Vec<(usize, Kill)> =
                     stages_hit(&fault, cluster.len() as u32).into_iter().map(|hit| (hit, what)).collect();
-                cluster.kill_together(&hits)?;
+                cluster.faults().kill_together(&hits)?;
             }
-            FaultKind::PauseEngine => cluster.pause(stage, Role::Engine, lasting)?,
+            FaultKind::PauseEngine => cluster.faults().pause(stage, Role::Engine, lasting)?,
             FaultKind::PauseSidecar if restarting => {
                 note = Some("no sidecars without replication: skipped".to_owned());
             }
-            FaultKind::PauseSidecar => cluster.pause(stage, Role::Sidecar, lasting)?,
+            FaultKind::PauseSidecar => cluster.faults().pause(stage, Role::Sidecar, lasting)?,
             FaultKind::StaleSidecar if restarting => {
                 note = Some("no sidecars without replication: skipped".to_owned());
             }
             FaultKind::StaleSidecar => {
-                cluster.pause(stage, Role::Sidecar, lasting)?;
+                cluster.faults().pause(stage, Role::Sidecar, lasting)?;
                 self.in_recovery.spare_presumed_dead_in_next_recovery();
             }
             FaultKind::StaleRejoin => {
-                cluster.pause(stage, Role::Engine, lasting)?;
+                cluster.faults().pause(stage, Role::Engine, lasting)?;
                 self.in_recovery.spare_presumed_dead_in_next_recovery();
             }
             FaultKind::FillSpill if restarting => {
                 note = Some("no sidecars without replication: skipped".to_owned());
             }
-            FaultKind::FillSpill => cluster.fill_spill(stage, lasting)?,
-            FaultKind::KillController => cluster.kill_controller()?,
-            FaultKind::PauseController => cluster.pause_controller(lasting)?,
+            FaultKind::FillSpill => cluster.faults().fill_spill(stage, lasting)?,
+            FaultKind::KillController => cluster.faults().kill_controller()?,
+            FaultKind::PauseController => cluster.faults().pause_controller(lasting)?,
             FaultKind::KillControllerInRecovery => self.in_recovery.crash_controller_in_next_recovery(),
             FaultKind::KillWorkerInRecovery if restarting => {
                 note = Some("no recovery without replication: skipped".to_owned());

@@ -365,7 +365,7 @@ fn run_with(
     let mut inject = |step: u64, cluster: &mut Cluster| {
         if kill_at == Some(step) && !killed {
             killed = true;
-            cluster.kill(config.victim as usize, what)?;
+            cluster.faults().kill(config.victim as usize, what)?;
         }
         if let Some(block) = interleave.filter(|&block| step > 0 && step % block == 0) {
             cluster.set_replication(replicated_in_block(step, block))?;

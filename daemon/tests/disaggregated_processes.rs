@@ -105,7 +105,7 @@ fn a_token_worker_killed_after_the_handoff_recovers_bit_identically() {
     let mut inject = |step: u64, cluster: &mut Cluster| {
         // Every prompt is in by step 8; kill in the middle of decoding.
         if step == 30 {
-            cluster.kill(1, Kill::Worker)?;
+            cluster.faults().kill(1, Kill::Worker)?;
         }
         Ok(())
     };
@@ -124,7 +124,7 @@ fn a_token_worker_killed_while_prompts_arrive_gets_the_rest_at_its_replacement()
     let mut inject = |step: u64, cluster: &mut Cluster| {
         // Two prompts handed over; the third's load finds stage 1 dead.
         if step == 2 {
-            cluster.kill(1, Kill::Worker)?;
+            cluster.faults().kill(1, Kill::Worker)?;
         }
         if step + 1 == workload.steps() {
             seen = Some((cluster.prompt_fallbacks(), cluster.metrics(1, Role::Engine)?));
@@ -149,7 +149,7 @@ fn prompts_a_dead_prompt_pipeline_cannot_hand_over_are_computed_by_the_token_pip
     let mut inject = |step: u64, cluster: &mut Cluster| {
         // Three prompts handed over, then the prompt pipeline loses a stage.
         if step == 3 {
-            cluster.kill_prompt_stage(1)?;
+            cluster.faults().kill_prompt_stage(1)?;
         }
         if step + 1 == workload.steps() {
             fallbacks = cluster.prompt_fallbacks();

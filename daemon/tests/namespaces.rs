@@ -43,9 +43,9 @@ fn workers_on_hosts_of_their_own_survive_a_dead_worker_with_identical_output() {
                 }
             }
             // A spare (on hosts of its own) becomes worker 1.
-            20 => cluster.kill(1, Kill::Worker)?,
+            20 => cluster.faults().kill(1, Kill::Worker)?,
             // Worker 2 is replaced on its own host (the spares used are still starting, or not).
-            40 => cluster.kill(2, Kill::Worker)?,
+            40 => cluster.faults().kill(2, Kill::Worker)?,
             _ => {}
         }
         Ok(())

@@ -41,7 +41,7 @@ impl RecoveryHooks for InRecovery {
 
     fn after_fence(&mut self, cluster: &mut Cluster) -> Result<(), ClusterError> {
         if std::mem::take(&mut self.crash_controller) {
-            cluster.kill_controller()?;
+            cluster.faults().kill_controller()?;
             cluster.census()?;
         }
         Ok(())
@@ -50,7 +50,7 @@ impl RecoveryHooks for InRecovery {
     fn before_restore(&mut self, cluster: &mut Cluster, _: &[(usize, Kill)]) -> Result<(), ClusterError> {
         if let Some((stage, what)) = self.kill.take() {
             self.killed.push((stage, what));
-            cluster.kill(stage, what)?;
+            cluster.faults().kill(stage, what)?;
         }
         Ok(())
     }
@@ -207,7 +207,7 @@ fn a_killed_engine_or_worker_is_replaced_and_sequences_resume_bit_identically() 
         let mut chain = cluster(true);
         let done = 3;
         let mut so_far = start_requests(&mut chain.remote, done);
-        chain.kill(victim, what).unwrap();
+        chain.faults().kill(victim, what).unwrap();
         let position = (prompts[0].len() + done - 1) as u32;
         assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err(), "{victim} {what:?}");
         // The heartbeats say who died, and how much of the worker.
@@ -273,8 +273,8 @@ fn a_controller_crash_loses_no_failure_and_never_reuses_an_epoch() {
 
     // The controller dies, then an engine: the replacement controller, started when the failed
     // step sends the cluster to it, finds that engine silent and no one else.
-    chain.kill_controller().unwrap();
-    chain.kill(2, Kill::Engine).unwrap();
+    chain.faults().kill_controller().unwrap();
+    chain.faults().kill(2, Kill::Engine).unwrap();
     let position = (prompts[0].len() + done - 1) as u32;
     assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
     assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(2, Kill::Engine)]);
@@ -288,7 +288,7 @@ fn a_controller_crash_loses_no_failure_and_never_reuses_an_epoch() {
     assert_eq!(chain.controller_restarts(), 2);
 
     // A later failure gets the next epoch, never one handed out before.
-    chain.kill(1, Kill::Worker).unwrap();
+    chain.faults().kill(1, Kill::Worker).unwrap();
     assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
     assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
     let second = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
@@ -310,18 +310,18 @@ fn after_a_worker_recovery_replication_goes_on_and_survives_a_second_failure() {
     let mut so_far = start_requests(&mut chain.remote, 3);
 
     // Worker 1 dies whole: its engine and its sidecar, which held worker 0's replica.
-    chain.kill(1, Kill::Worker).unwrap();
+    chain.faults().kill(1, Kill::Worker).unwrap();
     chain.recover(1, Kill::Worker, &sequences(&prompts, &so_far)).unwrap();
     for (i, tokens) in so_far.iter_mut().enumerate() {
         *tokens = decode(&mut chain.remote, i, tokens.clone(), 6);
         assert_eq!(*tokens, expected[i][..6]);
     }
     // Worker 0 dies whole: its replica is in worker 1's new sidecar.
-    chain.kill(0, Kill::Worker).unwrap();
+    chain.faults().kill(0, Kill::Worker).unwrap();
     chain.recover(0, Kill::Worker, &sequences(&prompts, &so_far)).unwrap();
     // Worker 1's engine dies alone: its KV was restored from worker 2's sidecar and copied into
     // its own new sidecar, so it comes back from there.
-    chain.kill(1, Kill::Engine).unwrap();
+    chain.faults().kill(1, Kill::Engine).unwrap();
     let recomputed = chain.recover(1, Kill::Engine, &sequences(&prompts, &so_far)).unwrap();
     let steps: usize = so_far.iter().map(Vec::len).sum();
     assert!(
@@ -345,7 +345,7 @@ fn a_worker_killed_during_a_recovery_fails_the_attempt_at_its_fence_and_the_next
     // Worker 1 dies; worker 2, whose sidecar holds worker 1's replica, dies while worker 1's
     // replacement is about to restore from it. The restore's reply cannot come round the broken
     // chain: the attempt ends at worker 2's fence, not at the control deadline.
-    chain.kill(1, Kill::Worker).unwrap();
+    chain.faults().kill(1, Kill::Worker).unwrap();
     let position = (prompts[0].len() + done - 1) as u32;
     assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
     assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
@@ -383,7 +383,7 @@ fn adjacent_workers_lost_together_recompute_and_the_controller_reseeds_the_secon
     let so_far = start_requests(&mut chain.remote, done);
 
     // Workers 1 and 2 die together: worker 1's replica died with worker 2's sidecar.
-    chain.kill_together(&[(1, Kill::Worker), (2, Kill::Worker)]).unwrap();
+    chain.faults().kill_together(&[(1, Kill::Worker), (2, Kill::Worker)]).unwrap();
     let position = (prompts[0].len() + done - 1) as u32;
     assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
     let victims = chain.detect(Duration::from_secs(3)).unwrap();
@@ -401,7 +401,7 @@ fn adjacent_workers_lost_together_recompute_and_the_controller_reseeds_the_secon
 
     // So when worker 1 dies again, its KV comes back from worker 2's sidecar: nothing recomputed
     // but the step the failed run did not finish.
-    chain.kill(1, Kill::Worker).unwrap();
+    chain.faults().kill(1, Kill::Worker).unwrap();
     assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
     assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
     let second = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
@@ -425,7 +425,7 @@ fn workers_apart_in_the_chain_lost_together_are_recovered_in_one_repair() {
     // Workers 1 and 3 die together: the chain is repaired at two links at once (stage 0 to the
     // new stage 1, stage 2 to the new stage 3), and the rewire of each must cross the other's
     // link after its repair. Both restore from their successors' sidecars.
-    chain.kill_together(&[(1, Kill::Worker), (3, Kill::Worker)]).unwrap();
+    chain.faults().kill_together(&[(1, Kill::Worker), (3, Kill::Worker)]).unwrap();
     let position = (prompts[0].len() + done - 1) as u32;
     assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
     let victims = chain.detect(Duration::from_secs(3)).unwrap();
@@ -451,7 +451,7 @@ fn the_controllers_and_the_recoverys_decisions_in_a_real_run_replay_through_the_
     let mut chain = Cluster::start(ClusterConfig { journal: Some(journal.clone()), ..config() }).unwrap();
     let done = 3;
     let mut so_far = start_requests(&mut chain.remote, done);
-    chain.kill(1, Kill::Worker).unwrap();
+    chain.faults().kill(1, Kill::Worker).unwrap();
     assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
     let recovered = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
     for (i, tokens) in so_far.iter_mut().enumerate() {
@@ -499,7 +499,7 @@ fn a_stale_engine_back_from_a_pause_is_fenced_out() {
     let before = copies_landed(&mut chain, 2);
     let pause = Duration::from_millis(2500);
     let paused = std::time::Instant::now();
-    chain.pause(2, Role::Engine, pause).unwrap();
+    chain.faults().pause(2, Role::Engine, pause).unwrap();
     let position = (prompts[0].len() + done - 1) as u32;
     assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
     assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(2, Kill::Engine)]);

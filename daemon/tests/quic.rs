@@ -22,8 +22,8 @@ fn replicas_over_quic_restore_a_killed_worker_bit_identically() {
     let (mut pages, mut restorer) = (Vec::new(), String::new());
     let mut inject = |step: u64, cluster: &mut Cluster| {
         match step {
-            60 => cluster.kill(1, Kill::Worker)?,
-            80 => cluster.kill(2, Kill::Engine)?,
+            60 => cluster.faults().kill(1, Kill::Worker)?,
+            80 => cluster.faults().kill(2, Kill::Engine)?,
             _ => {}
         }
         if step + 1 == workload.steps() {

@@ -32,7 +32,7 @@ fn run(mut inject: impl Injector) -> Run {
 fn a_worker_whose_sidecar_died_stops_and_is_replaced_when_its_next_step_fails() {
     let run = run(|step: u64, cluster: &mut Cluster| -> Result<(), ClusterError> {
         if step == 10 {
-            cluster.signal(1, Role::Sidecar, libc::SIGKILL)?;
+            cluster.faults().signal(1, Role::Sidecar, libc::SIGKILL)?;
         }
         Ok(())
     });
@@ -53,13 +53,13 @@ fn the_controller_starts_the_recovery_of_a_worker_whose_sidecar_died_while_no_st
             10 => {
                 // The copies of the last step done first (the engine stops at a copy that fails).
                 std::thread::sleep(Duration::from_millis(200));
-                cluster.signal(1, Role::Sidecar, libc::SIGKILL)?;
+                cluster.faults().signal(1, Role::Sidecar, libc::SIGKILL)?;
                 // An idle spell: the controller declares the sidecar dead (its lifeline broke, or
                 // 300 ms without a beat) while no step is sent.
                 std::thread::sleep(Duration::from_millis(800));
             }
             // Worker 0's copies are kept by its successor's sidecar: the replacement's.
-            50 => cluster.kill(0, Kill::Worker)?,
+            50 => cluster.faults().kill(0, Kill::Worker)?,
             _ => {}
         }
         Ok(())

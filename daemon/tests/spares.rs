@@ -21,9 +21,9 @@ fn spares_replace_dead_workers_and_are_replaced_in_turn() {
     let mut inject = |step: u64, cluster: &mut Cluster| {
         match step {
             // The spare stage and the spare sidecar become worker 1.
-            20 => cluster.kill(1, Kill::Worker)?,
+            20 => cluster.faults().kill(1, Kill::Worker)?,
             // The spare stage started since becomes engine 2 (its sidecar lives on).
-            40 => cluster.kill(2, Kill::Engine)?,
+            40 => cluster.faults().kill(2, Kill::Engine)?,
             _ => {}
         }
         used.push(cluster.spares_used());

@@ -29,10 +29,10 @@ fn copies_spilled_to_files_restore_bit_identically_and_a_full_directory_loses_no
     let mut inject = |step: u64, cluster: &mut Cluster| {
         match step {
             // Sidecar 1's directory fills up for a while: its chunks stay in memory meanwhile.
-            40 => cluster.fill_spill(1, Duration::from_millis(300))?,
+            40 => cluster.faults().fill_spill(1, Duration::from_millis(300))?,
             // Restored from the files of its own sidecar, and of its successor's.
-            80 => cluster.kill(1, Kill::Engine)?,
-            120 => cluster.kill(2, Kill::Worker)?,
+            80 => cluster.faults().kill(1, Kill::Engine)?,
+            120 => cluster.faults().kill(2, Kill::Worker)?,
             _ => {}
         }
         if step + 1 == workload.steps() {

@@ -186,7 +186,7 @@ fn stage_processes_with_two_device_caches_swap_and_recover_bit_identically() {
     let mut seen = Vec::new();
     let mut inject = |step: u64, cluster: &mut Cluster| {
         if step == 20 {
-            cluster.kill(1, Kill::Worker)?;
+            cluster.faults().kill(1, Kill::Worker)?;
         }
         if step + 1 == workload.steps() {
             seen = (0..cluster.len())

@@ -18,6 +18,7 @@ use thiserror::Error;
 
 mod args;
 mod config;
+mod faults;
 mod hooks;
 mod recovery;
 mod spares;
@@ -25,6 +26,7 @@ mod watch;
 
 use args::{spill_dir_of, worker_host, SidecarOf, Start};
 pub use config::{ClusterConfig, CpuSplit, Disaggregation, Interpose, Link, SpillLimits};
+pub use faults::Faults;
 pub use hooks::{NoHooks, RecoveryHooks};
 pub use recovery::{Recovered, RECOVERY_ATTEMPTS};
 
@@ -346,32 +348,6 @@ impl Cluster {
         self.prompt.as_ref().map_or(0, |p| p.fallbacks)
     }
 
-    /// Fills stage `stage`'s sidecar's spill directory with a file as large as the directory may
-    /// hold, removed after `duration`: meanwhile its spills fail as on a full disk.
-    pub fn fill_spill(&mut self, stage: usize, duration: Duration) -> Result<(), ClusterError> {
-        let limits =
-            self.config.spill.ok_or_else(|| ClusterError::Invalid("the sidecars do not spill".into()))?;
-        let socket =
-            self.sockets.get(stage).ok_or_else(|| ClusterError::Invalid(format!("no sidecar {stage}")))?;
-        let dir = spill_dir_of(socket);
-        std::fs::create_dir_all(&dir)?;
-        let ballast = dir.join("ballast");
-        std::fs::write(&ballast, vec![0u8; limits.dir_bytes as usize])?;
-        std::thread::spawn(move || {
-            std::thread::sleep(duration);
-            let _ = std::fs::remove_file(ballast);
-        });
-        Ok(())
-    }
-
-    /// SIGKILLs prompt stage `stage`: the prompts not yet handed over are computed by the token
-    /// pipeline.
-    pub fn kill_prompt_stage(&mut self, stage: usize) -> Result<(), ClusterError> {
-        let p = self.prompt.as_mut().and_then(|p| p.stages.get_mut(stage));
-        let p = p.ok_or_else(|| ClusterError::Invalid(format!("no prompt stage {stage}")))?;
-        Ok(p.proc.kill()?)
-    }
-
     /// The metrics page of prompt stage `stage`.
     pub fn prompt_metrics(&self, stage: usize) -> Result<String, ClusterError> {
         let at = self.prompt.as_ref().and_then(|p| p.stages.get(stage)).and_then(|s| s.metrics);
@@ -568,46 +544,13 @@ impl Cluster {
         Ok(())
     }
 
-    /// Kills stage `victim`'s engine, and with [`Kill::Worker`] its sidecar too.
-    pub fn kill(&mut self, victim: usize, what: Kill) -> Result<(), ClusterError> {
-        self.kill_together(&[(victim, what)])
-    }
-
-    /// Kills each of `victims` as [`Cluster::kill`] does, signalling every process before waiting
-    /// for any to exit, so that they die together, as the processes of a machine that fails do.
-    pub fn kill_together(&mut self, victims: &[(usize, Kill)]) -> Result<(), ClusterError> {
-        for &(victim, what) in victims {
-            if victim >= self.len() {
-                return Err(ClusterError::Invalid(format!("no stage {victim}")));
-            }
-            if what == Kill::Worker && (self.sidecars.is_empty() || self.len() < 2) {
-                return Err(ClusterError::Invalid(
-                    "killing a worker needs replication and two stages or more".into(),
-                ));
-            }
-        }
-        let mut processes: Vec<&mut Spawned> = Vec::new();
-        for (stage, spawned) in self.stages.iter_mut().enumerate() {
-            if victims.iter().any(|&(victim, _)| victim == stage) {
-                processes.push(spawned);
-            }
-        }
-        for (stage, spawned) in self.sidecars.iter_mut().enumerate() {
-            if victims.iter().any(|&(victim, what)| victim == stage && what == Kill::Worker) {
-                processes.push(spawned);
-            }
-        }
-        for spawned in &mut processes {
-            spawned.proc.signal(libc::SIGKILL)?;
-        }
-        for spawned in processes {
-            spawned.proc.kill()?;
-        }
-        Ok(())
+    /// The faults to inject into it ([`Faults`]): kills, signals, pauses, the controller's death.
+    pub fn faults(&mut self) -> Faults<'_> {
+        Faults { cluster: self }
     }
 
     /// Stage `stage`'s engine or sidecar.
-    fn process(&mut self, stage: usize, role: Role) -> Result<&mut Spawned, ClusterError> {
+    pub(super) fn process(&mut self, stage: usize, role: Role) -> Result<&mut Spawned, ClusterError> {
         let spawned = match role {
             Role::Engine => self.stages.get_mut(stage),
             Role::Sidecar => self.sidecars.get_mut(stage),
@@ -623,18 +566,6 @@ impl Cluster {
     /// Where stage `stage`'s engine or sidecar listens.
     pub fn addr(&mut self, stage: usize, role: Role) -> Result<SocketAddr, ClusterError> {
         Ok(self.process(stage, role)?.addr)
-    }
-
-    /// Sends `signal` to stage `stage`'s engine or sidecar; a process already dead is left alone.
-    pub fn signal(&mut self, stage: usize, role: Role, signal: i32) -> Result<(), ClusterError> {
-        Ok(self.process(stage, role)?.proc.signal(signal)?)
-    }
-
-    /// Stops stage `stage`'s engine or sidecar for `pause` (see [`Proc::pause`]): shorter than the
-    /// heartbeat timeout it is a slow process, longer it is declared dead and replaced (and killed,
-    /// so it cannot come back).
-    pub fn pause(&mut self, stage: usize, role: Role, pause: Duration) -> Result<(), ClusterError> {
-        Ok(self.process(stage, role)?.proc.pause(pause)?)
     }
 
     /// The metrics page of stage `stage`'s engine or sidecar.
@@ -680,18 +611,6 @@ impl Cluster {
                 self.controller.proc.stderr_tail()
             ))
         })
-    }
-
-    /// SIGKILLs the controller. The cluster notices when it next asks it something (after a
-    /// failed step, or in a recovery) and starts another on the same state.
-    pub fn kill_controller(&mut self) -> Result<(), ClusterError> {
-        Ok(self.controller.proc.kill()?)
-    }
-
-    /// Stops the controller for `pause`: a pause longer than the time it has to answer gets it
-    /// replaced, if the cluster asks it something meanwhile.
-    pub fn pause_controller(&mut self, pause: Duration) -> Result<(), ClusterError> {
-        Ok(self.controller.proc.pause(pause)?)
     }
 
     /// Controllers started to replace one that died or stopped answering.
