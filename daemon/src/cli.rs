@@ -11,7 +11,8 @@ use parking_lot::Mutex;
 use std::sync::Arc;
 
 use crate::controller::{
-    serve_controller, ControllerClient, ControllerConfig, ControllerError, Lifeline, Member,
+    serve_controller, ControllerClient, ControllerConfig, ControllerError, EtcdConfig, Lifeline, Member,
+    StoreConfig,
 };
 use crate::handoff::Shapes;
 use crate::heartbeat::{beat, beat_serving, spare_member, Role};
@@ -404,9 +405,20 @@ pub struct ControllerArgs {
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
     /// Its state file (epoch, members, fenced processes), created if missing; a restarted
-    /// controller given the same file goes on where the last one stopped.
-    #[arg(long)]
-    pub state: PathBuf,
+    /// controller given the same file goes on where the last one stopped. Not with `--etcd`.
+    #[arg(long, required_unless_present = "etcd", conflicts_with = "etcd")]
+    pub state: Option<PathBuf>,
+    /// Run as one of several controllers, the control state kept in this etcd cluster (client
+    /// URLs, comma-separated): one leads, elected through an etcd lease; the others stand by.
+    #[arg(long, value_name = "URL,...", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// The cluster's name in etcd (its keys are under `/dejavu/NAME/`).
+    #[arg(long, value_name = "NAME", default_value = "dejavu", requires = "etcd")]
+    pub cluster: String,
+    /// Seconds a leader that stopped renewing its etcd lease (dead, paused, cut off) stays
+    /// leader: how long a failover takes at most.
+    #[arg(long, value_name = "SECONDS", default_value_t = 2, requires = "etcd")]
+    pub lease_secs: u64,
     /// Milliseconds of silence after which a process is declared dead.
     #[arg(long, default_value_t = 300)]
     pub timeout_ms: u64,
@@ -764,9 +776,17 @@ impl ControllerArgs {
         // Its state file is durable at every step: nothing to clean up.
         end_on_signals("the controller", || {}).map_err(CliError::Signals)?;
         let secret = secret_for(&self.secret, self.secret_file.as_deref(), &[self.listen])?;
+        let store = match self.state {
+            Some(path) => StoreConfig::File(path),
+            None => StoreConfig::Etcd(EtcdConfig {
+                endpoints: self.etcd,
+                cluster: self.cluster,
+                lease_ttl: Duration::from_secs(self.lease_secs.max(1)),
+            }),
+        };
         let config = ControllerConfig {
             listen: self.listen,
-            state: self.state,
+            store,
             timeout: Duration::from_millis(self.timeout_ms),
             interval: Duration::from_millis(self.heartbeat_ms),
             metrics: self.metrics,

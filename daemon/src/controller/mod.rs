@@ -39,7 +39,7 @@
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,6 +60,7 @@ use crate::slots::Slot;
 
 mod client;
 mod heartbeats;
+mod leadership;
 mod lifeline;
 mod metrics;
 mod query;
@@ -68,6 +69,7 @@ mod state;
 
 pub use client::{Census, ControllerClient};
 use heartbeats::{authentic_beat, listen_heartbeats, recv_waiting, DATAGRAM_BUFFER};
+pub use leadership::{EtcdConfig, Leadership};
 pub use lifeline::Lifeline;
 use query::{refusal_code, QUERY_SERVER_NODE};
 pub use state::{Membership, Record, State};
@@ -87,6 +89,13 @@ pub enum ControllerError {
         /// What is wrong.
         why: String,
     },
+    /// etcd cannot be reached, or answered something unexpected.
+    #[error("etcd: {0}")]
+    Etcd(String),
+    /// This controller no longer leads its cluster (its etcd lease expired, or another took
+    /// over): it must stop acting.
+    #[error("this controller no longer leads its cluster")]
+    NotLeader,
     /// A socket failed.
     #[error("controller i/o: {0}")]
     Io(#[from] std::io::Error),
@@ -139,8 +148,8 @@ fn role_name(role: Role) -> &'static str {
 struct Tables {
     /// The controller's machine: liveness, fences, epochs and spares.
     machine: Controller,
-    /// The state file, where the machine's record is written.
-    path: PathBuf,
+    /// Where the machine's record is written.
+    store: Store,
     /// The machine's clock: its time is the milliseconds since this instant.
     clock: Instant,
     /// Where each member that has one (a sidecar) serves control requests, as its latest
@@ -269,7 +278,7 @@ impl Tables {
     /// Writes the machine's record to the state file if it changed since it was last written.
     fn save(&mut self) -> Result<(), ControllerError> {
         if let Some(record) = self.machine.unwritten_record() {
-            State::save(record, &self.path)?;
+            self.store.save(record)?;
             self.machine.record_written();
             self.write_journal();
         }
@@ -284,8 +293,9 @@ impl Tables {
         reuse: Option<u64>,
         counters: &Counters,
     ) -> Result<u64, ControllerError> {
-        let (before, now, path) = (self.machine.epoch(), self.now(), self.path.clone());
-        let fenced = self.machine.fence(members, reuse, now, |record| State::save(record, &path));
+        let (before, now) = (self.machine.epoch(), self.now());
+        let Tables { machine, store, .. } = self;
+        let fenced = machine.fence(members, reuse, now, |record| store.save(record));
         self.write_journal();
         let epoch = fenced?;
         if epoch == before {
@@ -326,8 +336,8 @@ impl Tables {
 pub struct ControllerConfig {
     /// Where it listens: UDP for heartbeats and TCP for queries, on the same port (0 picks one).
     pub listen: SocketAddr,
-    /// Its state file.
-    pub state: PathBuf,
+    /// Where its record is kept: a state file, or etcd for several controllers.
+    pub store: StoreConfig,
     /// Silence after which a member is dead.
     pub timeout: Duration,
     /// The interval members beat at (to count missed beats).
@@ -344,6 +354,41 @@ pub struct ControllerConfig {
     /// `None` when whoever drives the pipeline carries recoveries out (the demo's cluster).
     pub stages: Option<u32>,
 }
+
+/// Where a controller keeps its machine's record.
+#[derive(Clone, Debug)]
+pub enum StoreConfig {
+    /// A state file, locked by the one controller that uses it.
+    File(PathBuf),
+    /// etcd, shared by several controllers of which one leads ([`Leadership`]).
+    Etcd(EtcdConfig),
+}
+
+/// Where the running controller writes its record.
+enum Store {
+    /// The state file (its lock held as long as the controller runs).
+    File { path: PathBuf, _lock: std::fs::File },
+    /// etcd, while this controller leads.
+    Etcd(Box<Leadership>),
+}
+
+impl Store {
+    /// Writes `record` durably; for a leader that lost its leadership, nothing is written.
+    fn save(&mut self, record: &Record) -> Result<(), ControllerError> {
+        match self {
+            Store::File { path, .. } => State::save(record, path),
+            Store::Etcd(leadership) => leadership.save(record),
+        }
+    }
+
+    /// Whether this controller may no longer act: it lost its leadership.
+    fn deposed(&self) -> bool {
+        matches!(self, Store::Etcd(leadership) if leadership.lost())
+    }
+}
+
+/// The exit status of a controller that lost its leadership of the cluster.
+pub const DEPOSED_EXIT: i32 = 3;
 
 /// Query connections served at once; more are closed as they come (each has a thread).
 const MAX_QUERY_CONNECTIONS: usize = 64;
@@ -414,14 +459,29 @@ pub fn serve_controller(
     config: ControllerConfig,
     ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
 ) -> Result<(), ControllerError> {
-    // One controller per state file: two would hand out the same epochs. The lock goes with the
-    // process, however it ends; a predecessor just killed gets a moment to let go.
-    let mut lock_path = config.state.clone().into_os_string();
-    lock_path.push(".lock");
-    let _lock = crate::lifecycle::lock_exclusive(std::path::Path::new(&lock_path), STATE_LOCK_PATIENCE)?;
-    let record = State::load(&config.state)?;
     let (udp, tcp) = bind_pair(config.listen)?;
     let addr = tcp.local_addr()?;
+    let (store, record) = match config.store.clone() {
+        StoreConfig::File(path) => {
+            // One controller per state file: two would hand out the same epochs. The lock goes
+            // with the process, however it ends; a predecessor just killed gets a moment to let go.
+            let mut lock_path = path.clone().into_os_string();
+            lock_path.push(".lock");
+            let lock = crate::lifecycle::lock_exclusive(Path::new(&lock_path), STATE_LOCK_PATIENCE)?;
+            let record = State::load(&path)?;
+            (Store::File { path, _lock: lock }, record)
+        }
+        StoreConfig::Etcd(etcd) => {
+            // Bound first, so that the address it campaigns with is its own; members' beats wait
+            // in the socket's buffer meanwhile.
+            let waiting = |leader: Option<String>| {
+                info!(%addr, leader = leader.as_deref().unwrap_or("?"), "standing by: another controller leads");
+            };
+            let mut leadership = Leadership::campaign(etcd, addr, waiting)?;
+            let record = leadership.load()?;
+            (Store::Etcd(Box::new(leadership)), record)
+        }
+    };
     // Workers that died together get the timeout to show it, so they are fenced together.
     let timeout_ms = config.timeout.as_millis().max(1) as u64;
     let settings = LivenessConfig { timeout_ms, grace_ms: timeout_ms };
@@ -441,7 +501,7 @@ pub fn serve_controller(
     };
     let tables = Tables {
         machine,
-        path: config.state.clone(),
+        store,
         clock: Instant::now(),
         controls: HashMap::new(),
         secret: config.secret.clone(),
@@ -570,6 +630,12 @@ fn detect_failures(
     loop {
         wake.wait(sleep);
         let mut tables = tables.lock();
+        if tables.store.deposed() {
+            // Another controller leads now: nothing this one could still decide or answer would
+            // be right. A supervisor starts it again, and it stands by.
+            error!("no longer leading the cluster: stopping");
+            std::process::exit(DEPOSED_EXIT);
+        }
         // Beats that came while the controller was stopped count before anyone is declared dead.
         tables.absorb_pending(heartbeats, counters);
         // A record that could not be written before is written now: a member it lacks would be
@@ -733,7 +799,7 @@ mod tests {
     fn start_serving_metrics(state: &Path, listen: SocketAddr, timeout_ms: u64) -> (SocketAddr, SocketAddr) {
         let config = ControllerConfig {
             listen,
-            state: state.to_owned(),
+            store: StoreConfig::File(state.to_owned()),
             timeout: Duration::from_millis(timeout_ms),
             interval: Duration::from_millis(20),
             metrics: Some("127.0.0.1:0".parse().unwrap()),
@@ -1045,7 +1111,7 @@ mod tests {
         let taken = TcpListener::bind("127.0.0.1:0").unwrap();
         let config = ControllerConfig {
             listen: taken.local_addr().unwrap(),
-            state: dir.path().join("state"),
+            store: StoreConfig::File(dir.path().join("state")),
             timeout: Duration::from_millis(200),
             interval: Duration::from_millis(20),
             metrics: None,

@@ -26,7 +26,8 @@ impl State {
         Self::parse(&text).map_err(|why| state_error(path, why))
     }
 
-    fn parse(text: &str) -> Result<Record, String> {
+    /// The record a state file's text holds.
+    pub(super) fn parse(text: &str) -> Result<Record, String> {
         let mut state = Record::default();
         let (mut epoch, mut incarnation) = (false, false);
         for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
@@ -81,7 +82,7 @@ impl State {
 
 impl State {
     /// The file's text for `record`.
-    fn encode(record: &Record) -> String {
+    pub(super) fn encode(record: &Record) -> String {
         let mut text = format!("epoch {}\nincarnation {}\n", record.epoch, record.incarnation);
         for (&(role, index), m) in &record.members {
             let status = if m.awaiting { "awaiting" } else { "live" };

@@ -1,0 +1,174 @@
+//! High availability on etcd: several controllers of one cluster, one leader, the control state
+//! in etcd.
+//!
+//! - **Election.** Each controller holds an etcd lease, kept alive a few times per TTL, and
+//!   campaigns on the cluster's election (`/dejavu/<cluster>/leader`) with its address as the
+//!   value. Whoever etcd makes leader serves; the others wait in the campaign. A leader whose
+//!   process dies, is paused or is cut off from etcd stops keeping its lease alive: etcd expires
+//!   it within its TTL, which deletes its leadership key and elects the next.
+//! - **The record in etcd.** The leader keeps its machine's [`Record`] (epochs, members, fences)
+//!   at `/dejavu/<cluster>/record`, in the state file's text, and a new leader starts from it.
+//! - **Fencing of an old leader.** Every write is a transaction that succeeds only while the
+//!   writer's leadership key still exists with the revision it was created at. A leader that was
+//!   paused or cut off past its lease therefore cannot write a fence, so it can never issue an
+//!   epoch after its successor has: its write fails, it learns it lost the leadership, and it
+//!   exits (a supervisor starts it again, and it campaigns anew).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, LeaderKey, Txn, TxnOp};
+use tracing::{error, info};
+
+use super::state::State;
+use super::ControllerError;
+use dejavu_proto::liveness::Record;
+
+/// Where the controllers of a cluster meet in etcd.
+#[derive(Clone, Debug)]
+pub struct EtcdConfig {
+    /// The etcd cluster's client URLs.
+    pub endpoints: Vec<String>,
+    /// The DéjàVu cluster's name: its keys are under `/dejavu/<cluster>/`.
+    pub cluster: String,
+    /// The lease's time to live: how long a leader that stopped renewing it stays leader.
+    pub lease_ttl: Duration,
+}
+
+impl EtcdConfig {
+    fn election(&self) -> String {
+        format!("/dejavu/{}/leader", self.cluster)
+    }
+
+    fn record_key(&self) -> String {
+        format!("/dejavu/{}/record", self.cluster)
+    }
+}
+
+/// How long a controller waits for etcd to answer at its start.
+const ETCD_PATIENCE: Duration = Duration::from_secs(30);
+
+/// How long a guarded write may take.
+const WRITE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// This controller's leadership of its cluster (see the module's documentation).
+pub struct Leadership {
+    runtime: tokio::runtime::Runtime,
+    client: Client,
+    config: EtcdConfig,
+    leader: LeaderKey,
+    /// Set once the lease could not be renewed or a guarded write failed.
+    lost: Arc<AtomicBool>,
+}
+
+fn etcd_error(e: impl std::fmt::Display) -> ControllerError {
+    ControllerError::Etcd(e.to_string())
+}
+
+impl Leadership {
+    /// Campaigns, announcing `addr`, until this controller leads the cluster (`waiting` is called
+    /// once if another leads meanwhile).
+    pub fn campaign(
+        config: EtcdConfig,
+        addr: SocketAddr,
+        waiting: impl FnOnce(Option<String>),
+    ) -> Result<Self, ControllerError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+        let ttl = config.lease_ttl.as_secs().max(1) as i64;
+        // No timeout per request: a campaign waits as long as another leads.
+        let options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(5));
+        // etcd may be starting too, or electing its own leader: tried again for a while.
+        let started = std::time::Instant::now();
+        let (mut client, lease) = loop {
+            let attempt = runtime.block_on(async {
+                let mut client = Client::connect(&config.endpoints, Some(options.clone())).await?;
+                let lease = client.lease_grant(ttl, None).await?.id();
+                Ok::<_, etcd_client::Error>((client, lease))
+            });
+            match attempt {
+                Ok(connected) => break connected,
+                Err(e) if started.elapsed() < ETCD_PATIENCE => {
+                    tracing::debug!(error = %e, "etcd not ready: trying again");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => return Err(etcd_error(e)),
+            }
+        };
+        let lost = Arc::new(AtomicBool::new(false));
+        // Renewed three times a TTL; a renewal that fails or finds the lease gone ends it.
+        let (mut keeper, mut answers) =
+            runtime.block_on(client.lease_keep_alive(lease)).map_err(etcd_error)?;
+        let every = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
+        let flag = lost.clone();
+        runtime.spawn(async move {
+            loop {
+                let renewed = match keeper.keep_alive().await {
+                    Ok(()) => answers.message().await.ok().flatten().is_some_and(|a| a.ttl() > 0),
+                    Err(_) => false,
+                };
+                if !renewed {
+                    flag.store(true, Ordering::SeqCst);
+                    return;
+                }
+                tokio::time::sleep(every).await;
+            }
+        });
+        let election = config.election();
+        let current = runtime.block_on(client.leader(election.clone())).ok();
+        let holder = current.and_then(|r| r.kv().and_then(|kv| kv.value_str().ok().map(str::to_owned)));
+        if holder.is_some() {
+            waiting(holder);
+        }
+        let won = runtime.block_on(client.campaign(election, addr.to_string(), lease)).map_err(etcd_error)?;
+        let leader = won.leader().cloned().ok_or_else(|| etcd_error("a campaign won without a key"))?;
+        if lost.load(Ordering::SeqCst) {
+            return Err(ControllerError::NotLeader);
+        }
+        info!(cluster = %config.cluster, %addr, "leading the cluster");
+        Ok(Self { runtime, client, config, leader, lost })
+    }
+
+    /// The record the cluster's last leader kept (a fresh cluster's if none).
+    pub fn load(&mut self) -> Result<Record, ControllerError> {
+        let key = self.config.record_key();
+        let found = self.runtime.block_on(self.client.get(key.clone(), None)).map_err(etcd_error)?;
+        match found.kvs().first() {
+            None => Ok(Record::default()),
+            Some(kv) => {
+                let text = kv.value_str().map_err(etcd_error)?;
+                State::parse(text).map_err(|why| ControllerError::Etcd(format!("{key}: {why}")))
+            }
+        }
+    }
+
+    /// Writes `record`, only while this controller still leads; otherwise the leadership is lost
+    /// ([`ControllerError::NotLeader`]) and nothing was written.
+    pub fn save(&mut self, record: &Record) -> Result<(), ControllerError> {
+        if self.lost() {
+            return Err(ControllerError::NotLeader);
+        }
+        let still_leading =
+            Compare::create_revision(self.leader.key().to_vec(), CompareOp::Equal, self.leader.rev());
+        let write = TxnOp::put(self.config.record_key(), State::encode(record), None);
+        let txn = Txn::new().when([still_leading]).and_then([write]);
+        let client = &mut self.client;
+        let done = self
+            .runtime
+            .block_on(async { tokio::time::timeout(WRITE_DEADLINE, client.txn(txn)).await })
+            .map_err(|_| etcd_error("a write took too long"))?
+            .map_err(etcd_error)?;
+        if !done.succeeded() {
+            self.lost.store(true, Ordering::SeqCst);
+            error!(cluster = %self.config.cluster, "lost the leadership: a newer leader holds the cluster");
+            return Err(ControllerError::NotLeader);
+        }
+        Ok(())
+    }
+
+    /// Whether the leadership was lost (the lease expired, or a guarded write failed).
+    pub fn lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+}
