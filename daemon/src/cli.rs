@@ -15,7 +15,7 @@ use crate::controller::{
     StoreConfig,
 };
 use crate::handoff::Shapes;
-use crate::heartbeat::{beat, beat_serving, spare_member, Role};
+use crate::heartbeat::{beat_serving, spare_member, Role};
 use crate::lifecycle::{end_on_signals, free_unix_path, ClaimError, LifeArgs};
 use crate::logging::LogArgs;
 use crate::membership::Membership;
@@ -305,9 +305,11 @@ impl HandoffArgs {
 /// started in, metrics and logs.
 #[derive(Clone, Debug, Args)]
 pub struct MemberArgs {
-    /// Where to send heartbeats (the controller's address), if anywhere.
-    #[arg(long)]
-    pub heartbeat: Option<SocketAddr>,
+    /// The controller's address, if there is one: where heartbeats go. With several controllers
+    /// on etcd (`controller --etcd`), all their addresses, comma-separated: heartbeats go to
+    /// each, and the lifeline and the queries to whichever leads.
+    #[arg(long, value_name = "ADDR,...", value_delimiter = ',')]
+    pub heartbeat: Vec<SocketAddr>,
     /// Milliseconds between heartbeats.
     #[arg(long, default_value_t = 100)]
     pub heartbeat_ms: u64,
@@ -484,17 +486,20 @@ const JOIN_PATIENCE: Duration = Duration::from_secs(3);
 /// restarting).
 const REPLACEMENT_PATIENCE: Duration = Duration::from_secs(10);
 
+/// How long a member waits for one of several controllers to answer, finding the leader.
+const LEADER_PROBE: Duration = Duration::from_millis(300);
+
 impl MemberArgs {
     /// Makes this the replacement of fenced `member`: it starts in the epoch the controller
     /// fenced the member in. An unreachable controller is asked again for a while; one that
     /// says the member is not fenced is an error.
     fn replace(&mut self, member: Member) -> Result<(), CliError> {
-        let controller = self.heartbeat.ok_or_else(|| {
-            CliError::Flags("a replacement needs the controller's address (--heartbeat)".into())
-        })?;
-        let mut client = ControllerClient::new(controller, Duration::from_secs(1), self.secret.as_bytes());
+        if self.heartbeat.is_empty() {
+            return Err(CliError::Flags("a replacement needs the controller's address (--heartbeat)".into()));
+        }
         let start = Instant::now();
         loop {
+            let mut client = self.leader();
             match client.fenced_in(member) {
                 Ok(epoch) => {
                     self.epoch = epoch;
@@ -507,6 +512,18 @@ impl MemberArgs {
                 Err(source) => return Err(CliError::Replace { member, source }),
             }
         }
+    }
+
+    /// A client of the controller that leads: the first of `--heartbeat` that answers a census
+    /// (a controller standing by does not answer), or the first named if none does yet.
+    fn leader(&self) -> ControllerClient {
+        let secret = self.secret.as_bytes();
+        let client = |addr, deadline| ControllerClient::new(addr, deadline, secret);
+        if let [only] = self.heartbeat.as_slice() {
+            return client(*only, Duration::from_secs(1));
+        }
+        let answering = self.heartbeat.iter().find(|&&addr| client(addr, LEADER_PROBE).census().is_ok());
+        client(*answering.unwrap_or(&self.heartbeat[0]), Duration::from_secs(1))
     }
 
     /// Sets the process up as a member: its logs, its death with the parent that started it, and
@@ -544,7 +561,7 @@ impl MemberArgs {
     /// sidecar admitted having been of epoch `previous` ([`MemberArgs::epoch_to_join`]; without a
     /// controller, one newer than the last engine's).
     pub(crate) fn engine_epoch(&self, stage: u32, previous: Option<u64>) -> Result<u64, String> {
-        if self.heartbeat.is_none() {
+        if self.heartbeat.is_empty() {
             return Ok(previous.map_or(0, |last| last + 1));
         }
         self.epoch_to_join((Role::Engine, stage), previous)
@@ -558,11 +575,12 @@ impl MemberArgs {
     /// few seconds (its process has just died: its lifeline is closing), then an error (another
     /// live process holds the place).
     fn epoch_to_join(&self, member: Member, last: Option<u64>) -> Result<u64, ControllerError> {
-        let controller =
-            self.heartbeat.ok_or_else(|| ControllerError::Protocol("no controller (--heartbeat)".into()))?;
-        let mut client = ControllerClient::new(controller, Duration::from_secs(1), self.secret.as_bytes());
+        if self.heartbeat.is_empty() {
+            return Err(ControllerError::Protocol("no controller (--heartbeat)".into()));
+        }
         let start = Instant::now();
         loop {
+            let mut client = self.leader();
             let known = client.census().map(|census| census.members.contains_key(&member));
             match client.fenced_in(member) {
                 Ok(epoch) => return Ok(epoch),
@@ -583,12 +601,16 @@ impl MemberArgs {
         epoch: u64,
         pid: u32,
     ) -> Result<Option<Membership>, CliError> {
-        let Some(to) = self.heartbeat else { return Ok(None) };
+        let to = self.heartbeat.as_slice();
+        if to.is_empty() {
+            return Ok(None);
+        }
         let (interval, secret, member) =
             (Duration::from_millis(self.heartbeat_ms), self.secret.as_bytes(), (Role::Engine, stage));
         let lifeline =
             Lifeline::hold_for(to, member, epoch, pid, interval, secret).map_err(CliError::Member)?;
-        let heartbeat = beat(to, member, epoch, interval, None, secret).map_err(CliError::Heartbeat)?;
+        let heartbeat =
+            beat_serving(to, member, epoch, interval, (None, None), secret).map_err(CliError::Heartbeat)?;
         Ok(Some(Membership::new(heartbeat, lifeline)))
     }
 
@@ -601,13 +623,18 @@ impl MemberArgs {
         epoch: u64,
         ports: (Option<u16>, Option<u16>),
     ) -> Result<Option<Membership>, CliError> {
-        let Some(to) = self.heartbeat else { return Ok(None) };
+        let to = self.heartbeat.as_slice();
+        if to.is_empty() {
+            return Ok(None);
+        }
         let interval = Duration::from_millis(self.heartbeat_ms);
         let secret = self.secret.as_bytes();
-        let lifeline = Lifeline::hold(to, (role, index), epoch, interval, secret).map_err(|e| match e {
-            ControllerError::Io(e) => CliError::Heartbeat(e),
-            refused => CliError::Member(refused),
-        })?;
+        let pid = std::process::id();
+        let lifeline =
+            Lifeline::hold_for(to, (role, index), epoch, pid, interval, secret).map_err(|e| match e {
+                ControllerError::Io(e) => CliError::Heartbeat(e),
+                refused => CliError::Member(refused),
+            })?;
         let heartbeat =
             beat_serving(to, (role, index), epoch, interval, ports, secret).map_err(CliError::Heartbeat)?;
         Ok(Some(Membership::new(heartbeat, lifeline)))
@@ -745,8 +772,8 @@ impl SidecarArgs {
         let config = SidecarConfig {
             spare,
             fenced: Some(fenced),
-            engine_membership: self.member.heartbeat.is_some().then_some(engine_membership),
-            engine_epoch: self.member.heartbeat.is_some().then(|| {
+            engine_membership: (!self.member.heartbeat.is_empty()).then_some(engine_membership),
+            engine_epoch: (!self.member.heartbeat.is_empty()).then(|| {
                 let member = self.member.clone();
                 EngineEpoch(Arc::new(move |stage, previous| member.engine_epoch(stage, previous)))
             }),

@@ -103,21 +103,26 @@ pub fn beat(
     control_port: Option<u16>,
     secret: &[u8],
 ) -> std::io::Result<Heartbeat> {
-    beat_serving(controller, member, epoch, interval, (control_port, None), secret)
+    beat_serving(&[controller], member, epoch, interval, (control_port, None), secret)
 }
 
-/// As [`beat`], naming the sender's control listener's port and its KV transport's port.
+/// As [`beat`], to each of `controllers` (several on etcd: whichever leads takes them), naming
+/// the sender's control listener's port and its KV transport's port.
 pub fn beat_serving(
-    controller: SocketAddr,
+    controllers: &[SocketAddr],
     member: (Role, u32),
     epoch: u64,
     interval: Duration,
     (control_port, data_port): (Option<u16>, Option<u16>),
     secret: &[u8],
 ) -> std::io::Result<Heartbeat> {
+    let Some(&first) = controllers.first() else {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "no controller to beat to"));
+    };
+    let controllers = controllers.to_vec();
     // Bound to no address in particular: the route to the controller picks the source, on
     // loopback or from a network namespace of the worker's own.
-    let unspecified: SocketAddr = match controller {
+    let unspecified: SocketAddr = match first {
         SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, 0).into(),
         SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
     };
@@ -133,7 +138,10 @@ pub fn beat_serving(
             // predecessor; never backwards, whatever the clock does.
             beat.sequence = clock_micros().max(beat.sequence + 1);
             // A lost datagram is a missed beat; the controller tolerates a few.
-            let _ = socket.send_to(&beat.encode(&secret), controller);
+            let datagram = beat.encode(&secret);
+            for &controller in &controllers {
+                let _ = socket.send_to(&datagram, controller);
+            }
             std::thread::sleep(interval);
         }
     })?;

@@ -1,7 +1,8 @@
 //! Controllers in high availability on a real 3-member etcd cluster, started on loopback in a
 //! temporary directory: one leads and the others stand by; a killed leader's successor goes on
-//! from the record the first kept in etcd; a paused leader, back after its successor took over,
-//! cannot write an epoch and stops.
+//! from the record the first kept in etcd; members that name every controller follow the leader
+//! (their beats and lifelines reach whichever leads); a paused leader, back after its successor
+//! took over, cannot write an epoch and stops.
 //!
 //! Needs Debian's `etcd-server` (`etcd` on the PATH, as `.ci/run` installs it).
 
@@ -85,11 +86,20 @@ impl Controller {
 
     /// The address it serves at once it leads, waiting up to `patience`.
     fn leading(&self, patience: Duration) -> Option<SocketAddr> {
+        self.line("listening ", patience)
+    }
+
+    /// Its address, once it says it stands by while another leads.
+    fn standing_by(&self) -> SocketAddr {
+        self.line("standby ", Duration::from_secs(30)).expect("a controller standing by")
+    }
+
+    fn line(&self, prefix: &str, patience: Duration) -> Option<SocketAddr> {
         let until = Instant::now() + patience;
         loop {
             let left = until.saturating_duration_since(Instant::now());
             let line = self.lines.recv_timeout(left).ok()?;
-            if let Some(addr) = line.strip_prefix("listening ") {
+            if let Some(addr) = line.strip_prefix(prefix) {
                 return Some(addr.trim().parse().unwrap());
             }
         }
@@ -102,9 +112,11 @@ impl Controller {
     }
 }
 
-fn sidecar(index: u32, controller: SocketAddr, dir: &Path) -> Killed {
+/// A sidecar of stage `index` beating to `controllers`.
+fn sidecar(index: u32, controllers: &[SocketAddr], dir: &Path) -> Killed {
+    let controllers: Vec<String> = controllers.iter().map(SocketAddr::to_string).collect();
     let mut child = Command::new(env!("CARGO_BIN_EXE_dejavud"))
-        .args(["sidecar", "--index", &index.to_string(), "--heartbeat", &controller.to_string()])
+        .args(["sidecar", "--index", &index.to_string(), "--heartbeat", &controllers.join(",")])
         .arg("--local")
         .arg(dir.join(format!("s{index}.sock")))
         .stdout(Stdio::piped())
@@ -143,41 +155,58 @@ fn record_in_etcd(etcd: &str) -> String {
 }
 
 #[test]
-fn one_controller_leads_a_successor_goes_on_from_etcd_and_a_paused_leader_is_fenced() {
+fn one_controller_leads_members_follow_the_leader_and_a_paused_leader_is_fenced() {
     let dir = tempfile::tempdir().unwrap();
     let (_etcd, endpoints) = etcd_cluster(dir.path());
 
-    // The first to campaign leads; the second stands by.
+    // The first to campaign leads; the second stands by (members can name it already).
     let first = Controller::start(&endpoints);
     let a = first.leading(Duration::from_secs(30)).expect("the first controller leads");
     let second = Controller::start(&endpoints);
+    let b = second.standing_by();
     assert_eq!(second.leading(Duration::from_secs(2)), None, "a second leader while the first lives");
 
-    // A member beats to the leader, dies, and is fenced in epoch 1.
-    let member = sidecar(0, a, dir.path());
-    wait_until(a, "sidecar 0 alive", |c| c.health((Role::Sidecar, 0)) == Health::Alive);
+    // A member that names both controllers, and one that names the first only, which dies and is
+    // fenced in epoch 1.
+    let follower = sidecar(0, &[a, b], dir.path());
+    let member = sidecar(2, &[a], dir.path());
+    wait_until(a, "both members alive", |census| {
+        census.health((Role::Sidecar, 0)) == Health::Alive
+            && census.health((Role::Sidecar, 2)) == Health::Alive
+    });
     drop(member);
-    wait_until(a, "sidecar 0 fenced", |c| c.is_fenced((Role::Sidecar, 0)) && c.epoch == 1);
+    wait_until(a, "sidecar 2 fenced", |census| census.is_fenced((Role::Sidecar, 2)) && census.epoch == 1);
 
     // The leader is killed: the second takes over, from the record the first kept in etcd.
     drop(first);
-    let b = second.leading(Duration::from_secs(30)).expect("the second controller takes over");
-    let census = wait_until(b, "the record carried over", |c| c.epoch == 1);
-    assert!(census.is_fenced((Role::Sidecar, 0)), "{census:?}");
+    assert_eq!(second.leading(Duration::from_secs(30)), Some(b), "the second controller takes over");
+    let census = wait_until(b, "the record carried over", |census| census.epoch == 1);
+    assert!(census.is_fenced((Role::Sidecar, 2)), "{census:?}");
     assert!(record_in_etcd(&endpoints).contains("incarnation 2"));
+    // The follower's beats reach the new leader: alive past a full timeout (300 ms) after the
+    // takeover, and its lifeline moved there, so its death is seen at once.
+    std::thread::sleep(Duration::from_millis(900));
+    assert_eq!(wait_until(b, "a census", |_| true).health((Role::Sidecar, 0)), Health::Alive);
+    drop(follower);
+    wait_until(b, "the follower fenced by the new leader", |census| {
+        census.is_fenced((Role::Sidecar, 0)) && census.epoch == 2
+    });
 
-    // A member of the second leader's; then the leader is paused past its lease, and a third
-    // controller takes over.
-    let member = sidecar(1, b, dir.path());
-    wait_until(b, "sidecar 1 alive", |c| c.health((Role::Sidecar, 1)) == Health::Alive);
-    second.signal(libc::SIGSTOP);
+    // A third controller stands by; a member names the second and the third. The leader is
+    // paused past its lease, and the third takes over.
     let third = Controller::start(&endpoints);
-    let c = third.leading(Duration::from_secs(30)).expect("a third controller takes over");
-    // The member dies meanwhile: the new leader fences it in a new epoch.
+    let c = third.standing_by();
+    let member = sidecar(1, &[b, c], dir.path());
+    wait_until(b, "sidecar 1 alive", |census| census.health((Role::Sidecar, 1)) == Health::Alive);
+    second.signal(libc::SIGSTOP);
+    assert_eq!(third.leading(Duration::from_secs(30)), Some(c), "the third controller takes over");
+    // The member dies: the new leader fences it in a new epoch.
+    std::thread::sleep(Duration::from_millis(900));
     drop(member);
-    let census = wait_until(c, "sidecar 1 fenced by the new leader", |c| c.is_fenced((Role::Sidecar, 1)));
+    let census = wait_until(c, "sidecar 1 fenced by the new leader", |census| {
+        census.is_fenced((Role::Sidecar, 1)) && census.epoch == 3
+    });
     let epoch = census.epoch;
-    assert!(epoch >= 2, "{census:?}");
 
     // The paused leader comes back: it cannot write, and stops without issuing an epoch.
     second.signal(libc::SIGCONT);
@@ -194,6 +223,6 @@ fn one_controller_leads_a_successor_goes_on_from_etcd_and_a_paused_leader_is_fen
     let record = record_in_etcd(&endpoints);
     assert!(record.starts_with(&format!("epoch {epoch}\n")), "{record}");
     assert!(record.contains("incarnation 3"), "{record}");
-    let census = wait_until(c, "the new leader still serving", |c| c.epoch == epoch);
+    let census = wait_until(c, "the new leader still serving", |census| census.epoch == epoch);
     assert!(census.is_fenced((Role::Sidecar, 1)));
 }

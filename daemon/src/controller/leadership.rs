@@ -76,33 +76,55 @@ impl Leadership {
         waiting: impl FnOnce(Option<String>),
     ) -> Result<Self, ControllerError> {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-        let ttl = config.lease_ttl.as_secs().max(1) as i64;
-        // No timeout per request: a campaign waits as long as another leads.
-        let options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(5));
-        // etcd may be starting too, or electing its own leader: tried again for a while.
+        let mut waiting = Some(waiting);
+        // etcd may be starting too, or electing its own leader: a start that cannot reach it is
+        // tried again for a while; once it could, a campaign that fails is tried again for good
+        // (a controller standing by waits as long as it must).
         let started = std::time::Instant::now();
-        let (mut client, lease) = loop {
-            let attempt = runtime.block_on(async {
-                let mut client = Client::connect(&config.endpoints, Some(options.clone())).await?;
-                let lease = client.lease_grant(ttl, None).await?.id();
-                Ok::<_, etcd_client::Error>((client, lease))
-            });
+        let mut reached = false;
+        loop {
+            let lost = Arc::new(AtomicBool::new(false));
+            let attempt =
+                runtime.block_on(Self::try_campaign(&config, addr, &lost, &mut waiting, &mut reached));
             match attempt {
-                Ok(connected) => break connected,
-                Err(e) if started.elapsed() < ETCD_PATIENCE => {
-                    tracing::debug!(error = %e, "etcd not ready: trying again");
+                Ok((client, leader, keeping)) => {
+                    if lost.load(Ordering::SeqCst) {
+                        keeping.abort();
+                        continue;
+                    }
+                    info!(cluster = %config.cluster, %addr, "leading the cluster");
+                    return Ok(Self { runtime, client, config, leader, lost });
+                }
+                Err(e) if reached || started.elapsed() < ETCD_PATIENCE => {
+                    tracing::warn!(error = %e, "campaigning through etcd: trying again");
                     std::thread::sleep(Duration::from_millis(200));
                 }
                 Err(e) => return Err(etcd_error(e)),
             }
-        };
-        let lost = Arc::new(AtomicBool::new(false));
+        }
+    }
+
+    /// One campaign: a lease, kept alive (its end sets `lost`), then the election, announcing
+    /// `addr`; `waiting` is told once if another leads. Returns the client, the leadership key and
+    /// the task keeping the lease alive.
+    async fn try_campaign(
+        config: &EtcdConfig,
+        addr: SocketAddr,
+        lost: &Arc<AtomicBool>,
+        waiting: &mut Option<impl FnOnce(Option<String>)>,
+        reached: &mut bool,
+    ) -> Result<(Client, LeaderKey, tokio::task::JoinHandle<()>), etcd_client::Error> {
+        let ttl = config.lease_ttl.as_secs().max(1) as i64;
+        // No timeout per request: a campaign waits as long as another leads.
+        let options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(5));
+        let mut client = Client::connect(&config.endpoints, Some(options)).await?;
+        let lease = client.lease_grant(ttl, None).await?.id();
+        *reached = true;
         // Renewed three times a TTL; a renewal that fails or finds the lease gone ends it.
-        let (mut keeper, mut answers) =
-            runtime.block_on(client.lease_keep_alive(lease)).map_err(etcd_error)?;
+        let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
         let every = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
         let flag = lost.clone();
-        runtime.spawn(async move {
+        let keeping = tokio::spawn(async move {
             loop {
                 let renewed = match keeper.keep_alive().await {
                     Ok(()) => answers.message().await.ok().flatten().is_some_and(|a| a.ttl() > 0),
@@ -116,18 +138,27 @@ impl Leadership {
             }
         });
         let election = config.election();
-        let current = runtime.block_on(client.leader(election.clone())).ok();
-        let holder = current.and_then(|r| r.kv().and_then(|kv| kv.value_str().ok().map(str::to_owned)));
-        if holder.is_some() {
-            waiting(holder);
+        let holder = client.leader(election.clone()).await.ok();
+        let holder = holder.and_then(|r| r.kv().and_then(|kv| kv.value_str().ok().map(str::to_owned)));
+        if let Some(holder) = holder {
+            if let Some(tell) = waiting.take() {
+                tell(Some(holder));
+            }
         }
-        let won = runtime.block_on(client.campaign(election, addr.to_string(), lease)).map_err(etcd_error)?;
-        let leader = won.leader().cloned().ok_or_else(|| etcd_error("a campaign won without a key"))?;
-        if lost.load(Ordering::SeqCst) {
-            return Err(ControllerError::NotLeader);
+        let won = match client.campaign(election, addr.to_string(), lease).await {
+            Ok(won) => won,
+            Err(e) => {
+                keeping.abort();
+                return Err(e);
+            }
+        };
+        match won.leader().cloned() {
+            Some(leader) => Ok((client, leader, keeping)),
+            None => {
+                keeping.abort();
+                Err(etcd_client::Error::InvalidArgs("a campaign won without a key".into()))
+            }
         }
-        info!(cluster = %config.cluster, %addr, "leading the cluster");
-        Ok(Self { runtime, client, config, leader, lost })
     }
 
     /// The record the cluster's last leader kept (a fresh cluster's if none).

@@ -118,23 +118,31 @@ impl Lifeline {
         retry: Duration,
         secret: &[u8],
     ) -> Result<Self, ControllerError> {
-        Self::hold_for(controller, member, epoch, std::process::id(), retry, secret)
+        Self::hold_for(&[controller], member, epoch, std::process::id(), retry, secret)
     }
 
     /// As [`Lifeline::hold`], for process `process`, whose member this one is held on behalf of
-    /// (a sidecar holds its engine's, for as long as the engine's connection lasts).
+    /// (a sidecar holds its engine's, for as long as the engine's connection lasts), to whichever
+    /// of `controllers` takes it (several on etcd: the leader does; a lifeline that cannot be
+    /// opened or breaks is tried at the next one).
     pub fn hold_for(
-        controller: SocketAddr,
+        controllers: &[SocketAddr],
         member: Member,
         epoch: u64,
         process: u32,
         retry: Duration,
         secret: &[u8],
     ) -> Result<Self, ControllerError> {
+        let controllers = controllers.to_vec();
+        let Some(&first_controller) = controllers.first() else {
+            return Err(ControllerError::Protocol("no controller to hold a lifeline to".into()));
+        };
         let patience = retry.max(Duration::from_secs(1));
         let started = Instant::now();
+        // The controller tried next, by its place in `controllers`.
+        let mut next = 0;
         let first = loop {
-            match open(controller, (member, epoch, process), patience, secret) {
+            match open(first_controller, (member, epoch, process), patience, secret) {
                 Err(claimed @ ControllerError::Claimed { .. }) if started.elapsed() >= CLAIM_PATIENCE => {
                     return Err(claimed)
                 }
@@ -142,6 +150,7 @@ impl Lifeline {
                 Ok(opened) => break Some(opened),
                 Err(e) => {
                     debug!(error = %e, "cannot hold a lifeline to the controller yet");
+                    next = 1;
                     break None;
                 }
             }
@@ -154,9 +163,8 @@ impl Lifeline {
         std::thread::Builder::new().name("lifeline".into()).spawn(move || {
             let mut opened = first;
             while !stopped.load(Ordering::SeqCst) {
-                match opened
-                    .take()
-                    .map_or_else(|| open(controller, (member, epoch, process), patience, &secret), Ok)
+                let at = controllers[next % controllers.len()];
+                match opened.take().map_or_else(|| open(at, (member, epoch, process), patience, &secret), Ok)
                 {
                     Ok((stream, shutter)) => {
                         *holding.lock() = shutter;
@@ -176,7 +184,10 @@ impl Lifeline {
                             break;
                         }
                     }
-                    Err(e) => debug!(error = %e, "cannot hold a lifeline to the controller"),
+                    Err(e) => {
+                        debug!(error = %e, %at, "cannot hold a lifeline to this controller");
+                        next += 1;
+                    }
                 }
                 std::thread::sleep(retry);
             }

@@ -476,6 +476,9 @@ pub fn serve_controller(
             // in the socket's buffer meanwhile.
             let waiting = |leader: Option<String>| {
                 info!(%addr, leader = leader.as_deref().unwrap_or("?"), "standing by: another controller leads");
+                // The line a parent waits for, as `listening ADDR` once it leads.
+                println!("standby {addr}");
+                let _ = std::io::stdout().flush();
             };
             let mut leadership = Leadership::campaign(etcd, addr, waiting)?;
             let record = leadership.load()?;
