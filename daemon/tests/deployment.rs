@@ -287,3 +287,86 @@ fn a_spare_sidecar_takes_a_lost_workers_place_handed_over_by_the_controller() {
     engines[0].put(&descriptor, &payload).unwrap();
     wait_until(&mut client, "stage 0 alive again on the spare", |c| !c.is_dead((Role::Sidecar, 0)));
 }
+
+#[test]
+fn a_controller_restarted_in_the_middle_of_a_restore_finishes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("controller.state");
+    // On a fixed port, so that the members find its successor; a long timeout, so that the
+    // sidecar stopped below is not declared dead meanwhile.
+    let listen = format!("127.0.0.1:{}", free_port());
+    let controller_args = [
+        "controller",
+        "--listen",
+        listen.as_str(),
+        "--state",
+        state.to_str().unwrap(),
+        "--metrics",
+        "127.0.0.1:0",
+        "--stages",
+        "2",
+        "--timeout-ms",
+        "10000",
+    ];
+    let mut controller = start(&controller_args);
+    controller.next("metrics ");
+    let addr = controller.next("listening ");
+    let ports = [free_port(), free_port()];
+    let at = |stage: usize| -> SocketAddr { format!("127.0.0.1:{}", ports[stage]).parse().unwrap() };
+    let locals = [dir.path().join("s0.sock"), dir.path().join("s1.sock")];
+    let mut worker0 = sidecar(0, ports[0], addr, &locals[0]);
+    let worker1 = sidecar(1, ports[1], addr, &locals[1]);
+    let mut engine0 = LocalSidecar::join(&locals[0], at(1)).unwrap();
+    let mut engine1 = LocalSidecar::join(&locals[1], at(0)).unwrap();
+    let mut written = Vec::new();
+    for tokens in [0..16, 16..17] {
+        let (descriptor, payload) = step(0, tokens.clone());
+        engine0.put(&descriptor, &payload).unwrap();
+        written.push((descriptor, payload));
+        let (descriptor, payload) = step(1, tokens);
+        engine1.put(&descriptor, &payload).unwrap();
+    }
+
+    // Worker 0 dies; the surviving sidecar is stopped, so that the restore cannot finish.
+    let mut client = ControllerClient::new(addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes());
+    let _ = worker0.child.kill();
+    let _ = worker0.child.wait();
+    drop(engine0);
+    wait_until(&mut client, "worker 0 fenced", |c| c.is_fenced((Role::Sidecar, 0)));
+    // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
+    assert_eq!(unsafe { libc::kill(worker1.child.id() as i32, libc::SIGSTOP) }, 0);
+    let _replacement = sidecar(0, ports[0], addr, &locals[0]);
+    let started = Instant::now();
+    while !std::fs::read_to_string(&state).unwrap().contains("restoring 0") {
+        assert!(started.elapsed() < Duration::from_secs(20), "the restore was never recorded");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    // The controller dies in the middle of it; another starts on the same state file, and the
+    // stopped sidecar goes on.
+    drop(controller);
+    let mut controller = start(&controller_args);
+    let metrics = controller.next("metrics ");
+    controller.next("listening ");
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(worker1.child.id() as i32, libc::SIGCONT) }, 0);
+    let started = Instant::now();
+    loop {
+        let page = scrape(metrics).unwrap();
+        if value_of(&page, "dejavu_controller_recovery_seconds_count", &[]) == Some(1.0) {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "the new controller never restored it: {page}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!std::fs::read_to_string(&state).unwrap().contains("restoring"), "the restore is recorded done");
+
+    // The replacement engine finds its KV, bit for bit.
+    let mut engine = LocalSidecar::join(&locals[0], at(1)).unwrap();
+    let mut out = Vec::new();
+    for (descriptor, payload) in &written {
+        assert_eq!(engine.get(&descriptor.key(), &mut out).unwrap(), *descriptor);
+        assert_eq!(&out, payload, "{:?}", descriptor.region.tokens);
+    }
+    drop(worker1);
+}

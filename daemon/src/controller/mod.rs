@@ -237,6 +237,7 @@ impl Tables {
     fn heard(&mut self, beat: Beat, from: SocketAddr, counters: &Counters) -> bool {
         let Beat { member, epoch, sequence, control_port, data_port, .. } = beat;
         let now = self.now();
+        let was_awaiting = self.machine.membership(member).is_some_and(|m| m.awaiting);
         let (first_of_process, fenced_for_ms, gap_ms) =
             match self.machine.heartbeat(liveness::Beat { member, epoch, sequence }, now) {
                 Heard::Stale => {
@@ -268,9 +269,15 @@ impl Tables {
         if let Some(waited) = fenced_for_ms {
             counters.replacements.fetch_add(1, Ordering::Relaxed);
             counters.replacement_micros.fetch_add(waited * 1000, Ordering::Relaxed);
-            if let (Some(replaced), (Role::Sidecar, stage)) = (&self.replaced, member) {
-                let _ = replaced.send(stage);
-            }
+        }
+        // A fenced sidecar's replacement, heard for the first time (by this controller or the
+        // one it restarted from): its restore is recorded before it starts (the caller writes
+        // the record under the same lock), so that a controller restarted meanwhile finishes it.
+        if let (true, true, Some(replaced), (Role::Sidecar, stage)) =
+            (first_of_process, was_awaiting, &self.replaced, member)
+        {
+            self.machine.restore_begun(stage);
+            let _ = replaced.send(stage);
         }
         first_of_process
     }
@@ -543,8 +550,13 @@ pub fn serve_controller(
     }
     if let Some((depth, replacements)) = replaced {
         let (tables_, counters_) = (tables.clone(), counters.clone());
+        // Restores the controller it restarted from (or the last leader) left unfinished first.
+        let pending: Vec<u32> = tables.lock().machine.restores_pending().collect();
+        for &stage in &pending {
+            info!(stage, "finishing the restore of a replaced sidecar begun before this controller started");
+        }
         std::thread::Builder::new().name("replacements".into()).spawn(move || {
-            for stage in replacements {
+            for stage in pending.into_iter().chain(replacements) {
                 recovery::restore_replaced(&tables_, &counters_, stage, depth);
             }
         })?;

@@ -167,26 +167,34 @@ const RESTORE_PATIENCE: Duration = Duration::from_secs(10);
 pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stage: u32, depth: u32) {
     if stage >= depth {
         warn!(stage, depth, "a replaced sidecar outside the ring: nothing restored");
-        return;
+        return settled(tables, stage);
     }
     let started = Instant::now();
-    let (to, plan) = {
+    // Where the replacement serves KV, as its heartbeats say: a controller that restarted in the
+    // middle of a restore has not heard it yet.
+    let to = loop {
+        let known = tables.lock().data.get(&(Role::Sidecar, stage)).copied();
+        match known {
+            Some(to) => break to,
+            None if started.elapsed() < RESTORE_PATIENCE => std::thread::sleep(Duration::from_millis(20)),
+            None => {
+                warn!(stage, "a replaced sidecar names no fixed --listen port: nothing restored");
+                return settled(tables, stage);
+            }
+        }
+    };
+    let plan = {
         let tables = tables.lock();
-        let Some(&to) = tables.data.get(&(Role::Sidecar, stage)) else {
-            warn!(stage, "a replaced sidecar names no fixed --listen port: nothing restored");
-            return;
-        };
         // The ring's plan for this worker, with every stage whose sidecar still awaits its own
         // replacement lost too: such a neighbour holds nothing to give.
         let awaiting = |k: u32| tables.machine.membership((Role::Sidecar, k)).is_some_and(|m| m.awaiting);
         let mut losses: Vec<(u32, Loss)> =
             (0..depth).filter(|&k| awaiting(k)).map(|k| (k, Loss::Worker)).collect();
         losses.push((stage, Loss::Worker));
-        let plan = plan::ring(depth, &losses)
+        plan::ring(depth, &losses)
             .into_iter()
             .find(|p| p.stage == stage)
-            .expect("a stage of the ring is planned");
-        (to, plan)
+            .expect("a stage of the ring is planned")
     };
     let predecessor = match plan.reseed {
         Some((from, Reseed::Now)) => Some(from),
@@ -218,7 +226,7 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
                 std::thread::sleep(Duration::from_millis(50));
             }
             Err(e) => {
-                error!(stage, error = %e, "could not restore a replaced sidecar");
+                error!(stage, error = %e, "could not restore a replaced sidecar: a restarted controller tries again");
                 return;
             }
         }
@@ -226,10 +234,21 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
     if successor.is_none() {
         warn!(stage, "the replaced sidecar's successor was replaced too: the stage's KV is recomputed");
     }
+    settled(tables, stage);
     counters.recoveries.fetch_add(1, Ordering::Relaxed);
     counters.recovery_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
     counters.reseeded_chunks.fetch_add(sent, Ordering::Relaxed);
     info!(stage, %to, chunks = sent, took = ?started.elapsed(), "restored a replaced sidecar");
+}
+
+/// Records that stage `stage`'s replaced sidecar needs no restore any more (restored, or never
+/// restorable), so that a restarted controller does not take it up again.
+fn settled(tables: &Mutex<Tables>, stage: u32) {
+    let mut tables = tables.lock();
+    tables.machine.restore_done(stage);
+    if let Err(e) = tables.save() {
+        error!(stage, error = %e, "cannot record a finished restore: a restarted controller does it again");
+    }
 }
 
 /// Hands spare sidecars over to the fenced sidecars' places, every `every`, as the

@@ -1,5 +1,5 @@
 //! What survives a controller crash: the state file (epoch, incarnation, members and their
-//! fences), written whole (temporary file, fsync, rename, directory fsync) before a fence is
+//! fences, restores under way), written whole (temporary file, fsync, rename, directory fsync) before a fence is
 //! answered.
 
 use std::fmt::Write as _;
@@ -53,6 +53,9 @@ impl State {
                     let member = (role, index.parse().map_err(|_| bad())?);
                     state.members.insert(member, Membership { fenced_in, awaiting });
                 }
+                ["restoring", stage] => {
+                    state.restoring.insert(stage.parse().map_err(|_| bad())?);
+                }
                 _ => return Err(bad()),
             }
         }
@@ -88,6 +91,9 @@ impl State {
             let status = if m.awaiting { "awaiting" } else { "live" };
             let _ = writeln!(text, "member {} {index} {status} {}", role_name(role), m.fenced_in);
         }
+        for stage in &record.restoring {
+            let _ = writeln!(text, "restoring {stage}");
+        }
         text
     }
 }
@@ -105,6 +111,7 @@ mod tests {
         let mut state = Record { epoch: 7, incarnation: 2, ..Record::default() };
         state.members.insert((Role::Engine, 0), Membership { fenced_in: 0, awaiting: false });
         state.members.insert((Role::Sidecar, 3), Membership { fenced_in: 7, awaiting: true });
+        state.restoring.insert(3);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("controller.state");
         assert_eq!(State::load(&path).unwrap(), Record::default(), "no file: a fresh cluster");

@@ -30,7 +30,7 @@
 //!   record never hands out an epoch twice, keeps every fence, and gives every live member it
 //!   knew a full timeout to beat.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 mod journal;
 
@@ -108,6 +108,9 @@ pub struct Record {
     pub incarnation: u64,
     /// Every member heard from.
     pub members: BTreeMap<Member, Membership>,
+    /// Stages whose replaced sidecar the controller restores itself and has not restored yet
+    /// ([`Liveness::restore_begun`]): a controller restarted, or a new leader, restores them.
+    pub restoring: BTreeSet<u32>,
 }
 
 /// A heartbeat, as the shell read it.
@@ -287,6 +290,23 @@ impl Liveness {
     /// The settings.
     pub fn config(&self) -> LivenessConfig {
         self.config
+    }
+
+    /// The controller begins restoring stage `stage`'s replaced sidecar: the record keeps it
+    /// until [`Liveness::restore_done`], so that a controller restarted meanwhile (or a new
+    /// leader) finishes it. The shell writes the record before it starts.
+    pub fn restore_begun(&mut self, stage: u32) {
+        self.unwritten |= self.record.restoring.insert(stage);
+    }
+
+    /// Stage `stage`'s replaced sidecar is restored.
+    pub fn restore_done(&mut self, stage: u32) {
+        self.unwritten |= self.record.restoring.remove(&stage);
+    }
+
+    /// The stages whose replaced sidecar awaits its restore.
+    pub fn restores_pending(&self) -> impl Iterator<Item = u32> + '_ {
+        self.record.restoring.iter().copied()
     }
 
     /// What the controller knows of `member`.
