@@ -97,6 +97,20 @@ fn step(stage: u32, tokens: std::ops::Range<u32>) -> (ChunkDescriptor, Vec<u8>) 
     (descriptor, (0..len).map(|i| (i as u8).wrapping_mul(17).wrapping_add(seed)).collect())
 }
 
+/// The controller's metrics page once it has restored one replaced sidecar (`what` says what
+/// never happened otherwise).
+fn restored_once(metrics: SocketAddr, what: &str) -> String {
+    let started = Instant::now();
+    loop {
+        let page = scrape(metrics).unwrap();
+        if value_of(&page, "dejavu_controller_recovery_seconds_count", &[]) == Some(1.0) {
+            return page;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "{what}: {page}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn wait_until(client: &mut ControllerClient, what: &str, done: impl Fn(&Census) -> bool) {
     let started = Instant::now();
     while !done(&client.census().unwrap()) {
@@ -181,15 +195,7 @@ fn a_whole_worker_lost_outside_the_demo_is_restored_by_the_controller() {
     // A supervisor starts its sidecar again, the same way: it joins as the replacement, and the
     // controller restores it.
     let _replacement = sidecar(0, ports[0], addr, &locals[0]);
-    let started = Instant::now();
-    let restored = loop {
-        let page = scrape(metrics).unwrap();
-        if value_of(&page, "dejavu_controller_recovery_seconds_count", &[]) == Some(1.0) {
-            break page;
-        }
-        assert!(started.elapsed() < Duration::from_secs(20), "the controller never restored it: {page}");
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let restored = restored_once(metrics, "the controller never restored it");
     // Stage 1's replica (re-seeded from its sidecar) and stage 0's own KV (handed back).
     let sent = value_of(&restored, "dejavu_controller_reseeded_chunks_total", &[]).unwrap();
     assert_eq!(sent, 8.0, "{restored}");
@@ -256,15 +262,7 @@ fn a_spare_sidecar_takes_a_lost_workers_place_handed_over_by_the_controller() {
     let _ = worker0.child.kill();
     let _ = worker0.child.wait();
     drop(engines.remove(0));
-    let started = Instant::now();
-    let restored = loop {
-        let page = scrape(metrics).unwrap();
-        if value_of(&page, "dejavu_controller_recovery_seconds_count", &[]) == Some(1.0) {
-            break page;
-        }
-        assert!(started.elapsed() < Duration::from_secs(20), "the spare never took the place: {page}");
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let restored = restored_once(metrics, "the spare never took the place");
     assert_eq!(value_of(&restored, "dejavu_controller_spares_assigned_total", &[]), Some(1.0), "{restored}");
     // Stage 1's replica (3 chunks, re-seeded) and stage 0's own KV (3 chunks, handed back).
     assert_eq!(value_of(&restored, "dejavu_controller_reseeded_chunks_total", &[]), Some(6.0), "{restored}");
@@ -350,15 +348,7 @@ fn a_controller_restarted_in_the_middle_of_a_restore_finishes_it() {
     controller.next("listening ");
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(worker1.child.id() as i32, libc::SIGCONT) }, 0);
-    let started = Instant::now();
-    loop {
-        let page = scrape(metrics).unwrap();
-        if value_of(&page, "dejavu_controller_recovery_seconds_count", &[]) == Some(1.0) {
-            break;
-        }
-        assert!(started.elapsed() < Duration::from_secs(30), "the new controller never restored it: {page}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    restored_once(metrics, "the new controller never restored it");
     assert!(!std::fs::read_to_string(&state).unwrap().contains("restoring"), "the restore is recorded done");
 
     // The replacement engine finds its KV, bit for bit.
