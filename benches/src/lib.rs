@@ -5,6 +5,7 @@
 //! 64-byte cache line.
 
 pub mod e2e;
+pub mod failover;
 pub mod gpu;
 pub mod gpu_host;
 pub mod handoff;

@@ -20,6 +20,8 @@
 //! - [`driver`]: the loop that runs requests through a cluster, injects faults, and recovers or
 //!   restarts after a failure, recording every token and every recovery;
 //! - [`proc`]: starting and watching child processes;
+//! - [`etcd_cluster`]: a local etcd cluster on loopback, for the controllers' high availability
+//!   (`controller --etcd`) in tests, benchmarks and trials;
 //! - [`lifecycle`]: how a daemon process lives beside a supervisor: the parent it may die with,
 //!   SIGTERM and SIGINT, stale sockets, locked files;
 //! - [`netns`]: network namespaces that give each worker an address of its own;
@@ -37,6 +39,7 @@ pub mod commands;
 pub mod controller;
 pub mod demo;
 pub mod driver;
+pub mod etcd_cluster;
 pub mod handoff;
 pub mod heartbeat;
 pub mod lifecycle;

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use dejavud::cli::DEFAULT_SECRET;
 use dejavud::cluster::Role;
 use dejavud::controller::{Census, ControllerClient, Health, DEPOSED_EXIT};
+use dejavud::etcd_cluster::EtcdCluster;
 
 /// A process, killed when dropped.
 struct Killed(Child);
@@ -25,37 +26,6 @@ impl Drop for Killed {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// Three etcd members on loopback; their client URLs.
-fn etcd_cluster(dir: &Path) -> (Vec<Killed>, String) {
-    let names = ["e0", "e1", "e2"];
-    let peers: Vec<String> = names.iter().map(|_| format!("http://127.0.0.1:{}", free_port())).collect();
-    let clients: Vec<String> = names.iter().map(|_| format!("http://127.0.0.1:{}", free_port())).collect();
-    let initial: Vec<String> = names.iter().zip(&peers).map(|(n, p)| format!("{n}={p}")).collect();
-    let members = names
-        .iter()
-        .enumerate()
-        .map(|(i, name)| {
-            let child = Command::new("etcd")
-                .args(["--name", name, "--data-dir"])
-                .arg(dir.join(name))
-                .args(["--listen-peer-urls", &peers[i], "--initial-advertise-peer-urls", &peers[i]])
-                .args(["--listen-client-urls", &clients[i], "--advertise-client-urls", &clients[i]])
-                .args(["--initial-cluster", &initial.join(","), "--initial-cluster-state", "new"])
-                .args(["--initial-cluster-token", "dejavu-test"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("etcd (Debian's etcd-server) on the PATH");
-            Killed(child)
-        })
-        .collect();
-    (members, clients.join(","))
 }
 
 /// A controller and the lines it prints, read on a thread of their own.
@@ -157,7 +127,8 @@ fn record_in_etcd(etcd: &str) -> String {
 #[test]
 fn one_controller_leads_members_follow_the_leader_and_a_paused_leader_is_fenced() {
     let dir = tempfile::tempdir().unwrap();
-    let (_etcd, endpoints) = etcd_cluster(dir.path());
+    let etcd = EtcdCluster::start(dir.path(), 3).expect("etcd (Debian's etcd-server) on the PATH");
+    let endpoints = etcd.endpoints().to_owned();
 
     // The first to campaign leads; the second stands by (members can name it already).
     let first = Controller::start(&endpoints);

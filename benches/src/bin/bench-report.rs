@@ -4,6 +4,7 @@
 //! `cargo build --release --bin dejavud && cargo run --release -p dejavu-benches --bin bench-report
 //! [-- --json] [--quick] [--no-e2e] [--gpu-only]`
 
+use std::process::Command;
 use std::time::Duration;
 
 use dejavu_benches::e2e::{self, E2e};
@@ -126,6 +127,20 @@ fn end_to_end(options: &Options) -> E2e {
                 }
                 Err(e) => e2e.notes.push(format!("sidecar memory: failed: {e}")),
             }
+            if Command::new("etcd").arg("--version").output().is_ok() {
+                let failovers = if options.quick { FAILOVERS_QUICK } else { FAILOVERS };
+                eprintln!("controller failovers on a local etcd cluster...");
+                match dejavu_benches::failover::measure(&exe, failovers) {
+                    Ok((rows, note)) => {
+                        e2e.rows.extend(rows);
+                        e2e.notes.push(note);
+                    }
+                    Err(e) => e2e.notes.push(format!("controller failover: failed: {e}")),
+                }
+            } else {
+                e2e.notes
+                    .push("controller failover: skipped, no etcd on the PATH (Debian's etcd-server)".into());
+            }
             e2e
         }
         Err(e) => {
@@ -134,6 +149,10 @@ fn end_to_end(options: &Options) -> E2e {
         }
     }
 }
+
+/// Controller failovers measured, and in a quick report.
+const FAILOVERS: usize = 20;
+const FAILOVERS_QUICK: usize = 5;
 
 /// Steps per size through the sidecars in a quick report.
 const PATH_STEPS_QUICK: usize = 10;
