@@ -11,8 +11,8 @@ use parking_lot::Mutex;
 use std::sync::Arc;
 
 use crate::controller::{
-    serve_controller, ControllerClient, ControllerConfig, ControllerError, EtcdConfig, Lifeline, Member,
-    StoreConfig,
+    serve_controller, ControllerClient, ControllerConfig, ControllerError, EtcdConfig, Leaving, Lifeline,
+    Member, StoreConfig,
 };
 use crate::handoff::Shapes;
 use crate::heartbeat::{beat_serving, spare_member, Role};
@@ -800,8 +800,10 @@ impl ControllerArgs {
     pub fn run(self) -> Result<(), CliError> {
         self.log.init()?;
         self.life.apply();
-        // Its state file is durable at every step: nothing to clean up.
-        end_on_signals("the controller", || {}).map_err(CliError::Signals)?;
+        // Its state file is durable at every step; a leader on etcd gives its leadership up.
+        let leaving = Leaving::default();
+        let stopping = leaving.clone();
+        end_on_signals("the controller", move || stopping.leave()).map_err(CliError::Signals)?;
         let secret = secret_for(&self.secret, self.secret_file.as_deref(), &[self.listen])?;
         let store = match self.state {
             Some(path) => StoreConfig::File(path),
@@ -814,6 +816,7 @@ impl ControllerArgs {
         let config = ControllerConfig {
             listen: self.listen,
             store,
+            leaving,
             timeout: Duration::from_millis(self.timeout_ms),
             interval: Duration::from_millis(self.heartbeat_ms),
             metrics: self.metrics,

@@ -2,7 +2,8 @@
 //! temporary directory: one leads and the others stand by; a killed leader's successor goes on
 //! from the record the first kept in etcd; members that name every controller follow the leader
 //! (their beats and lifelines reach whichever leads); a paused leader, back after its successor
-//! took over, cannot write an epoch and stops.
+//! took over, cannot write an epoch and stops; a leader stopped by SIGTERM gives the leadership up
+//! at once.
 //!
 //! Needs Debian's `etcd-server` (`etcd` on the PATH, as `.ci/run` installs it).
 
@@ -196,4 +197,25 @@ fn one_controller_leads_members_follow_the_leader_and_a_paused_leader_is_fenced(
     assert!(record.contains("incarnation 3"), "{record}");
     let census = wait_until(c, "the new leader still serving", |census| census.epoch == epoch);
     assert!(census.is_fenced((Role::Sidecar, 1)));
+
+    // A leader stopped by SIGTERM gives its leadership up as it exits, without waiting for its
+    // lease to lapse: when it is gone, etcd names it leader no more.
+    let fourth = Controller::start(&endpoints);
+    let d = fourth.standing_by();
+    third.signal(libc::SIGTERM);
+    let mut stopped = third.process;
+    assert_eq!(stopped.0.wait().unwrap().code(), Some(0));
+    assert_ne!(leader_in_etcd(&endpoints), Some(c.to_string()), "the stopped leader still leads");
+    assert_eq!(fourth.leading(Duration::from_secs(30)), Some(d), "the fourth controller takes over");
+}
+
+/// The address the cluster's election names as its leader, if any.
+fn leader_in_etcd(etcd: &str) -> Option<String> {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let endpoints: Vec<&str> = etcd.split(',').collect();
+        let mut client = etcd_client::Client::connect(endpoints, None).await.unwrap();
+        let leader = client.leader("/dejavu/ha-test/leader").await.ok()?;
+        leader.kv().map(|kv| kv.value_str().unwrap().to_owned())
+    })
 }

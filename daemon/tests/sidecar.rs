@@ -284,6 +284,7 @@ fn a_successor_pointed_at_the_controller_says_so_and_the_local_copy_is_kept() {
     let config = dejavud::controller::ControllerConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         store: dejavud::controller::StoreConfig::File(dir.path().join("controller.state")),
+        leaving: dejavud::controller::Leaving::default(),
         timeout: Duration::from_millis(300),
         interval: Duration::from_millis(100),
         metrics: None,

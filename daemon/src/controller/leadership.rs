@@ -13,6 +13,8 @@
 //!   paused or cut off past its lease therefore cannot write a fence, so it can never issue an
 //!   epoch after its successor has: its write fails, it learns it lost the leadership, and it
 //!   exits (a supervisor starts it again, and it campaigns anew).
+//! - **Stopping.** A leader stopped by SIGTERM or SIGINT revokes its lease before it exits
+//!   ([`Leadership::resignation`]): a controller standing by takes over at once.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -196,6 +198,24 @@ impl Leadership {
             return Err(ControllerError::NotLeader);
         }
         Ok(())
+    }
+
+    /// What gives the leadership up at once, for a controller that stops: its lease is revoked,
+    /// which deletes its leadership key, so that a controller standing by takes over without
+    /// waiting for the lease to expire.
+    pub fn resignation(&self) -> impl FnOnce() + Send + 'static {
+        let (handle, mut client, lease) =
+            (self.runtime.handle().clone(), self.client.clone(), self.leader.lease());
+        let cluster = self.config.cluster.clone();
+        move || match handle
+            .block_on(async { tokio::time::timeout(WRITE_DEADLINE, client.lease_revoke(lease)).await })
+        {
+            Ok(Ok(_)) => info!(%cluster, "gave the leadership up"),
+            Ok(Err(e)) => {
+                error!(%cluster, error = %e, "could not give the leadership up: it lapses with the lease")
+            }
+            Err(_) => error!(%cluster, "giving the leadership up took too long: it lapses with the lease"),
+        }
     }
 
     /// Whether the leadership was lost (the lease expired, or a guarded write failed).

@@ -355,11 +355,42 @@ pub struct ControllerConfig {
     pub secret: Vec<u8>,
     /// Where to append the journal of its liveness machine, if anywhere.
     pub journal: Option<PathBuf>,
+    /// What the controller does as it stops, once it leads on etcd: give the leadership up
+    /// ([`Leaving::leave`], from the process's SIGTERM handler).
+    pub leaving: Leaving,
     /// The ring's stages, when the controller restores replaced sidecars itself: once a fenced
     /// stage's replacement sidecar beats, it has the surviving predecessor's sidecar re-seed it
     /// and the surviving successor's hand back the stage's own KV (`recovery::restore_replaced`).
     /// `None` when whoever drives the pipeline carries recoveries out (the demo's cluster).
     pub stages: Option<u32>,
+}
+
+/// What a controller leaving its cluster must do first: a leader on etcd gives its leadership
+/// up, so that one standing by takes over at once. Shared between the controller, which sets it
+/// once it leads, and the process's stop handler, which calls [`Leaving::leave`].
+#[derive(Clone, Default)]
+pub struct Leaving(Arc<Mutex<Option<Resignation>>>);
+
+/// How a leader gives its leadership up ([`Leadership::resignation`]).
+type Resignation = Box<dyn FnOnce() + Send>;
+
+impl Leaving {
+    /// Does what leaving takes (nothing if the controller does not lead on etcd).
+    pub fn leave(&self) {
+        if let Some(resign) = self.0.lock().take() {
+            resign();
+        }
+    }
+
+    fn set(&self, resign: impl FnOnce() + Send + 'static) {
+        *self.0.lock() = Some(Box::new(resign));
+    }
+}
+
+impl std::fmt::Debug for Leaving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Leaving")
+    }
 }
 
 /// Where a controller keeps its machine's record.
@@ -488,6 +519,7 @@ pub fn serve_controller(
                 let _ = std::io::stdout().flush();
             };
             let mut leadership = Leadership::campaign(etcd, addr, waiting)?;
+            config.leaving.set(leadership.resignation());
             let record = leadership.load()?;
             (Store::Etcd(Box::new(leadership)), record)
         }
@@ -815,6 +847,7 @@ mod tests {
         let config = ControllerConfig {
             listen,
             store: StoreConfig::File(state.to_owned()),
+            leaving: Leaving::default(),
             timeout: Duration::from_millis(timeout_ms),
             interval: Duration::from_millis(20),
             metrics: Some("127.0.0.1:0".parse().unwrap()),
@@ -1127,6 +1160,7 @@ mod tests {
         let config = ControllerConfig {
             listen: taken.local_addr().unwrap(),
             store: StoreConfig::File(dir.path().join("state")),
+            leaving: Leaving::default(),
             timeout: Duration::from_millis(200),
             interval: Duration::from_millis(20),
             metrics: None,
