@@ -498,8 +498,8 @@ impl MemberArgs {
             return Err(CliError::Flags("a replacement needs the controller's address (--heartbeat)".into()));
         }
         let start = Instant::now();
+        let mut client = self.leader();
         loop {
-            let mut client = self.leader();
             match client.fenced_in(member) {
                 Ok(epoch) => {
                     self.epoch = epoch;
@@ -508,6 +508,8 @@ impl MemberArgs {
                 Err(ControllerError::Io(e)) if start.elapsed() < REPLACEMENT_PATIENCE => {
                     tracing::debug!(error = %e, "the controller does not answer yet");
                     std::thread::sleep(Duration::from_millis(50));
+                    // Another controller may lead by now.
+                    client = self.leader();
                 }
                 Err(source) => return Err(CliError::Replace { member, source }),
             }
@@ -579,8 +581,8 @@ impl MemberArgs {
             return Err(ControllerError::Protocol("no controller (--heartbeat)".into()));
         }
         let start = Instant::now();
+        let mut client = self.leader();
         loop {
-            let mut client = self.leader();
             let known = client.census().map(|census| census.members.contains_key(&member));
             match client.fenced_in(member) {
                 Ok(epoch) => return Ok(epoch),
@@ -588,6 +590,11 @@ impl MemberArgs {
                     return Ok(last.unwrap_or(0))
                 }
                 Err(e) if start.elapsed() >= JOIN_PATIENCE => return Err(e),
+                Err(ControllerError::Io(_)) => {
+                    std::thread::sleep(Duration::from_millis(10));
+                    // Another controller may lead by now.
+                    client = self.leader();
+                }
                 Err(_) => std::thread::sleep(Duration::from_millis(10)),
             }
         }

@@ -31,7 +31,7 @@ use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, SequencePlace, HEA
 use crate::message::Message;
 use crate::resume::{resume_points, HeldChunk, ResumePoint};
 use crate::shm::{SharedRegion, ShmError};
-use crate::store::{check_payload, check_plan, gather_summed, ChunkStore, StoreError};
+use crate::store::{check_gathered, gather_encoded, ChunkStore, StoreError};
 use crate::wire::{read_frame, write_frame, ErrorCode, Frame, FrameError, FrameHeader, Kind};
 
 /// A `Hello` flag (id 0): the sidecar is to report the engine's liveness to the controller on
@@ -377,17 +377,14 @@ impl ChunkStore for LocalSidecar {
         plan: &GatherPlan,
         staging: &mut [u8],
     ) -> Result<Duration, StoreError> {
-        check_payload(descriptor, staging)?;
-        check_plan(descriptor, plan)?;
-        let len = staging.len();
-        let data = match self.region.data_mut(HEADER_LEN + len) {
+        check_gathered(descriptor, plan, staging)?;
+        let len = HEADER_LEN + staging.len();
+        let encoded = match self.region.data_mut(len) {
             Ok(data) => data,
             Err(e) => return Err(self.store_error(e.into())),
         };
-        let (header, payload) = data.split_at_mut(HEADER_LEN);
-        let sum = gather_summed(cache, plan, payload)?;
-        header.copy_from_slice(&descriptor.encode_header_with_checksum(len as u64, sum));
-        let written = (HEADER_LEN + len) as u32;
+        gather_encoded(descriptor, cache, plan, encoded)?;
+        let written = len as u32;
         let acked = self.channel.call(Kind::Put, 0, [written, 0, 0, 0], &[], Kind::PutAck);
         acked.map_err(|e| self.store_error(e))?;
         Ok(Duration::ZERO)

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{check_payload, check_plan, ChunkStore, StoreError, GATHERED_PIECE};
+use super::{check_gathered, check_payload, ChunkStore, StoreError, GATHERED_PIECE};
 use crate::cache::GatherPlan;
 use crate::checksum::Checksum;
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkError, ChunkKey, HEADER_LEN};
@@ -170,8 +170,7 @@ impl FileStore {
         plan: &GatherPlan,
         staging: &mut [u8],
     ) -> Result<(), StoreError> {
-        check_payload(descriptor, staging)?;
-        check_plan(descriptor, plan)?;
+        check_gathered(descriptor, plan, staging)?;
         let mut writer = self.begin_put(descriptor)?;
         let mut failed = None;
         cache

@@ -9,7 +9,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::pool::BufferPool;
-use super::{check_payload, check_plan, gather_summed, ChunkStore, Payload, StoreError};
+use super::{check_gathered, check_payload, gather_encoded, ChunkStore, Payload, StoreError};
 use crate::cache::{GatherPlan, KvCache};
 use crate::checksum::{copy_summed, xxh3_64};
 use crate::chunk::{verify_payload, ChunkDescriptor, ChunkError, ChunkKey, SequencePlace, HEADER_LEN};
@@ -378,13 +378,9 @@ impl ChunkStore for HostStore {
         plan: &GatherPlan,
         staging: &mut [u8],
     ) -> Result<Duration, StoreError> {
-        check_payload(descriptor, staging)?;
-        check_plan(descriptor, plan)?;
-        let len = staging.len();
-        let mut encoded = self.inner.lock().spare.take_len(HEADER_LEN + len);
-        let sum = gather_summed(cache, plan, &mut encoded[HEADER_LEN..])?;
-        let header = descriptor.encode_header_with_checksum(len as u64, sum);
-        encoded[..HEADER_LEN].copy_from_slice(&header);
+        check_gathered(descriptor, plan, staging)?;
+        let mut encoded = self.inner.lock().spare.take_len(HEADER_LEN + staging.len());
+        gather_encoded(descriptor, cache, plan, &mut encoded)?;
         self.insert_encoded(descriptor.key(), encoded);
         Ok(Duration::ZERO)
     }

@@ -140,15 +140,26 @@ impl std::ops::Deref for Payload<'_> {
 /// cache, large enough that a write costs far more than a system call.
 pub(crate) const GATHERED_PIECE: usize = 512 << 10;
 
+/// Gathers `plan` from `cache` into `encoded` as the encoded chunk `descriptor` says: its header
+/// (with the payload's checksum) in the first [`HEADER_LEN`] bytes, the payload after them
+/// ([`gather_summed`]). `encoded` is exactly the header and the region's packed length long.
+pub(crate) fn gather_encoded(
+    descriptor: &ChunkDescriptor,
+    cache: &KvCache,
+    plan: &GatherPlan,
+    encoded: &mut [u8],
+) -> Result<(), StoreError> {
+    let (header, payload) = encoded.split_at_mut(HEADER_LEN);
+    let sum = gather_summed(cache, plan, payload)?;
+    header.copy_from_slice(&descriptor.encode_header_with_checksum(payload.len() as u64, sum));
+    Ok(())
+}
+
 /// Gathers `plan` from `cache` into `payload` (exactly the region's packed length) and returns the
 /// payload's xxh3-64, each piece hashed as soon as it is gathered, while it is in cache. A small
 /// region is hashed once gathered, still in cache: handing pieces to a hashing thread would cost
 /// more than it overlaps.
-pub(crate) fn gather_summed(
-    cache: &KvCache,
-    plan: &GatherPlan,
-    payload: &mut [u8],
-) -> Result<u64, StoreError> {
+fn gather_summed(cache: &KvCache, plan: &GatherPlan, payload: &mut [u8]) -> Result<u64, StoreError> {
     let gather_failed = |e| StoreError::Gather(Box::new(e));
     if (payload.len() as u64) < copy::PARALLEL_MIN_BYTES {
         cache.gather_with(plan, payload).map_err(gather_failed)?;
@@ -162,6 +173,17 @@ pub(crate) fn gather_summed(
         })
         .map_err(gather_failed)?;
     Ok(sum.digest())
+}
+
+/// Refuses a gathered put that could not be read back ([`check_payload`]: `staging` is the
+/// payload's place) or whose plan gathers another payload ([`check_plan`]).
+pub(crate) fn check_gathered(
+    descriptor: &ChunkDescriptor,
+    plan: &GatherPlan,
+    staging: &[u8],
+) -> Result<(), StoreError> {
+    check_payload(descriptor, staging)?;
+    check_plan(descriptor, plan)
 }
 
 /// Refuses a plan whose payload is not the one `descriptor` describes: another shape of region,
