@@ -227,6 +227,13 @@ class Streamer:
         """The engine has just queued the kernels writing local ``layer`` of ``microbatch`` of the
         GPU ``cache`` on ``stream``: marks that point (no waiting) and queues the layer's part of
         every transfer toward ``b``; each copy waits on the GPU for the mark."""
+    def region_ready(self, cache: KvCache, region: KvRegion, source: Worker = (0, 0), destination: Worker = (0, 0), microbatch: int = 0) -> Completion:
+        """``region`` of ``cache`` is written: queues it as the one chunk ``flush`` would write (a
+        sidecar store keeps it and forwards it). Keep ``region`` unchanged until the completion
+        is waited for."""
+    def device_region_ready(self, cache: DeviceKvCache, stream: StreamLike, region: KvRegion, source: Worker = (0, 0), destination: Worker = (0, 0), microbatch: int = 0) -> Completion:
+        """The GPU path of ``region_ready``: the kernels writing ``region`` are queued on ``stream``;
+        marks that point (no waiting) and queues the chunk, whose copies wait on the GPU for it."""
     def shutdown(self, cancel: bool = False) -> dict:
         """Runs (or cancels) queued jobs, stops the thread; ``{"completed", "failed", "cancelled", "bytes"}``."""
 

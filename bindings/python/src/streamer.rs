@@ -1,9 +1,10 @@
 //! The background streamer and its completions.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use dejavulib::affinity::CpuList;
-use dejavulib::streamer::{Completion, Shutdown, StreamerError};
+use dejavulib::streamer::{Completion, DeviceJob, Shutdown, StreamJob, StreamerError};
 use dejavulib::{plan_stream_out, Streamer, StreamerConfig};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -15,7 +16,7 @@ use crate::errors::*;
 use crate::gpu::{stream_arg, PyDeviceCache};
 use crate::layout::*;
 use crate::reshard::PySetup;
-use crate::store::{worker, PyStore};
+use crate::store::{local_transfer, worker, PyStore};
 
 /// One job handed to a `Streamer`.
 #[pyclass(name = "Completion", module = "dejavu")]
@@ -150,6 +151,73 @@ impl PyStreamer {
                 other => streamer_err(other),
             })?;
         Ok(completions.into_iter().map(|c| PyCompletion { inner: Mutex::new(c), outcome: None }).collect())
+    }
+
+    /// `region` of `cache` is written: queues it as one chunk, the one `flush` would write with the
+    /// same `source`, `destination` and `microbatch` (a sidecar store keeps it and forwards it to
+    /// its successor). `cache` must stay alive and unchanged in `region` until the completion is
+    /// waited for. Returns the job's `Completion`.
+    #[pyo3(signature = (cache, region, source = (0, 0), destination = (0, 0), microbatch = 0))]
+    fn region_ready(
+        &self,
+        py: Python<'_>,
+        cache: &PyCache,
+        region: &PyRegion,
+        source: (u32, u32),
+        destination: (u32, u32),
+        microbatch: u32,
+    ) -> PyResult<PyCompletion> {
+        cache.cache.layout().check_region(&region.0).map_err(|e| cache_err(e.into()))?;
+        let transfer = local_transfer(&region.0, source, destination, microbatch);
+        let job = StreamJob { cache: cache.cache.clone(), transfer, tokens: region.0.tokens.clone() };
+        let guard = self.inner.lock();
+        let streamer = guard.as_ref().ok_or_else(|| Error::new_err("the streamer is shut down"))?;
+        // A full queue blocks: without the GIL.
+        let completion = py.detach(|| streamer.submit(job)).map_err(streamer_err)?;
+        Ok(PyCompletion { inner: Mutex::new(completion), outcome: None })
+    }
+
+    /// The GPU path of `region_ready`: the engine has just queued the kernels that write `region`
+    /// of `cache` (GPU memory) on `stream` (a raw `CUstream` or an object with `.cuda_stream`, as
+    /// `torch.cuda.current_stream()`). Marks that point on the stream without waiting and queues
+    /// the region as one chunk, the one `flush` of the same region would write; its copies wait
+    /// on the GPU for the mark. Returns the job's `Completion`.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (cache, stream, region, source = (0, 0), destination = (0, 0), microbatch = 0))]
+    fn device_region_ready(
+        &self,
+        py: Python<'_>,
+        cache: &PyDeviceCache,
+        stream: &Bound<'_, PyAny>,
+        region: &PyRegion,
+        source: (u32, u32),
+        destination: (u32, u32),
+        microbatch: u32,
+    ) -> PyResult<PyCompletion> {
+        cache.kv.layout().check_region(&region.0).map_err(|e| cache_err(e.into()))?;
+        // Crosses into the GIL-free section as a number.
+        let stream = stream_arg(Some(stream))? as usize;
+        let transfer = local_transfer(&region.0, source, destination, microbatch);
+        let guard = self.inner.lock();
+        let streamer = guard.as_ref().ok_or_else(|| Error::new_err("the streamer is shut down"))?;
+        let (engine, kv) = (&cache.engine, &cache.kv);
+        let completion = py
+            .detach(|| {
+                // SAFETY: `stream` is a live stream of the cache's device, and the kernels queued
+                // on it write `cache` (the documented contract of this method).
+                let ready = unsafe { engine.mark_ready(stream as dejavulib::cuda::RawStream) }?;
+                let job = DeviceJob {
+                    engine: engine.clone(),
+                    kv: kv.clone(),
+                    transfer,
+                    tokens: region.0.tokens.clone(),
+                    ready: Some(Arc::new(ready)),
+                };
+                Ok(streamer.submit_device(job))
+            })
+            .map_err(cuda_err)?
+            .map_err(streamer_err)?;
+        Ok(PyCompletion { inner: Mutex::new(completion), outcome: None })
     }
 
     /// Stops the thread after running (or, with `cancel=True`, cancelling) the queued jobs.

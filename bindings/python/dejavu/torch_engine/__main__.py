@@ -1,0 +1,19 @@
+"""``python -m dejavu.torch_engine stage ...`` (a stage process) or ``... demo ...`` (the demo)."""
+
+import sys
+
+
+def main() -> int:
+    commands = {"stage", "demo"}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print("usage: python -m dejavu.torch_engine {stage|demo} [--help]", file=sys.stderr)
+        return 2
+    if sys.argv[1] == "stage":
+        from .stage import main as run
+    else:
+        from .demo import main as run
+    return run(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""One pipeline stage of a Hugging Face ``transformers`` Llama model with seeded random weights.
+
+The model is built from a config only (no download): the same ``ModelShape`` and seed give the
+same weights in every process on the same kind of device, so a replacement stage computes exactly
+what the stage it replaces did. A stage keeps the model's layers ``layers`` and its KV in one K and one V tensor per layer,
+``[slots][kv_heads][max_tokens][head_dim]`` (the layout Hugging Face's static cache uses), which the
+library wraps in place: ``KvCache.wrap`` on the CPU, ``CudaEngine.wrap`` on a GPU.
+
+Attention is computed here over those tensors with the model's own projections, norms, rotary
+embedding and MLPs; ``tests/test_torch_engine.py`` checks the logits against the model's own
+forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+import dejavu
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama model's sizes and the seed of its random weights."""
+
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 256
+    vocab: int = 512
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) is not a multiple of heads ({self.heads})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) is not a multiple of kv_heads ({self.kv_heads})")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def kv_bytes_per_token(self, layers: Optional[int] = None) -> int:
+        """KV bytes one token of one sequence takes in ``layers`` layers (all by default)."""
+        layers = self.layers if layers is None else layers
+        return 2 * layers * self.kv_heads * self.head_dim * torch.tensor([], dtype=self.torch_dtype).element_size()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelShape":
+        return cls(**json.loads(text))
+
+    def config(self):
+        """The model's ``transformers.LlamaConfig``."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            max_position_embeddings=1 << 16,
+            tie_word_embeddings=False,
+        )
+
+    def build(self, device: str = "cpu", layers: Optional[range] = None) -> torch.nn.Module:
+        """The model (``LlamaForCausalLM``) on ``device``, with only the modules of ``layers`` (all
+        by default) given weights: the embedding with layer 0, the final norm and the head with the
+        last layer; the others stay on the meta device, without memory.
+
+        Each weight is drawn from a generator of its own, seeded by ``seed`` and the weight's name,
+        so a stage gets the same weights as the whole model on the same kind of device, without
+        drawing the others' (norm weights are ones, as the model's own initialization has them)."""
+        from transformers import LlamaForCausalLM
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        config = self.config()
+        layers = range(self.layers) if layers is None else layers
+        device = torch.device(device)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        inner = model.model
+        kept = {f"model.layers.{i}": inner.layers[i] for i in layers}
+        if layers.start == 0:
+            kept["model.embed_tokens"] = inner.embed_tokens
+        if layers.stop == self.layers:
+            kept.update({"model.norm": inner.norm, "lm_head": model.lm_head})
+        for prefix, module in kept.items():
+            module.to_empty(device=device)
+            module.to(self.torch_dtype)
+            for name, weight in module.named_parameters(prefix=prefix):
+                if name.endswith("norm.weight"):
+                    weight.data.fill_(1.0)
+                else:
+                    seed = zlib.crc32(f"{self.seed}/{name}".encode())
+                    generator = torch.Generator(device=device).manual_seed(seed)
+                    weight.data.normal_(0.0, config.initializer_range, generator=generator)
+        # Its frequencies are computed when it is made: not on the meta device.
+        inner.rotary_emb = LlamaRotaryEmbedding(config).to(device)
+        return model.eval()
+
+
+def deterministic_cuda() -> None:
+    """Makes this process's CUDA math give the same bits every time: a step recomputed after a
+    failure (by a replacement process, or by a stage that lived) must give the tokens the first
+    run gave, and a random model's nearly flat logits turn any difference into another token.
+    cuBLAS picks its algorithms by the workspace it has unless the workspace is fixed; set before
+    the process's first matrix product."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+class TorchStage:
+    """Layers ``layers`` of the model of ``shape`` on ``device``, with the KV of ``slots`` sequences
+    of up to ``max_tokens`` tokens.
+
+    ``forward`` takes token ids (the first stage) or hidden states (the others) of a contiguous
+    range of slots, all at the same positions, and returns hidden states, or, from the last stage,
+    each sequence's next token (greedy).
+    """
+
+    def __init__(self, shape: ModelShape, layers: range, slots: int, max_tokens: int, device: str = "cpu"):
+        if not (0 <= layers.start < layers.stop <= shape.layers) or layers.step != 1:
+            raise ValueError(f"layers {layers} are not a non-empty range within the model's {shape.layers}")
+        if slots < 1 or max_tokens < 1:
+            raise ValueError("a stage needs at least one slot and one token")
+        self.shape, self.layers, self.slots, self.max_tokens = shape, layers, slots, max_tokens
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            deterministic_cuda()
+        self.first, self.last = layers.start == 0, layers.stop == shape.layers
+        model = shape.build(device, layers)
+        inner = model.model
+        self.embed = inner.embed_tokens if self.first else None
+        self.blocks = inner.layers[layers.start : layers.stop]
+        self.rotary = inner.rotary_emb
+        self.norm = inner.norm if self.last else None
+        self.head = model.lm_head if self.last else None
+        size = (slots, shape.kv_heads, max_tokens, shape.head_dim)
+        self.keys = [torch.zeros(size, dtype=shape.torch_dtype, device=self.device) for _ in layers]
+        self.values = [torch.zeros(size, dtype=shape.torch_dtype, device=self.device) for _ in layers]
+        spec = dejavu.KvSpec(len(layers), shape.kv_heads, shape.head_dim, shape.dtype)
+        self.layout = dejavu.KvLayout.per_layer(spec, slots, max_tokens, "bhsd")
+        buffers = [t for pair in zip(self.keys, self.values) for t in pair]
+        if self.device.type == "cuda":
+            self.engine = dejavu.CudaEngine(self.device.index or 0)
+            self.cache = self.engine.wrap(self.layout, buffers)
+        else:
+            self.engine = None
+            self.cache = dejavu.KvCache.wrap(self.layout, buffers)
+
+    def region(self, slots: range, tokens: range) -> dejavu.KvRegion:
+        """The KV of this stage's layers (local numbers) for ``slots`` and ``tokens``."""
+        return dejavu.KvRegion(
+            layers=range(len(self.layers)), slots=slots, heads=range(self.shape.kv_heads), tokens=tokens
+        )
+
+    def check_inputs(self, inputs: torch.Tensor, slots: range, start: int) -> Tuple[int, int]:
+        """The batch size and token count of ``inputs``, or ``ValueError`` naming what is wrong."""
+        if not (0 <= slots.start < slots.stop <= self.slots) or slots.step != 1:
+            raise ValueError(f"slots {slots} are not a non-empty range within the stage's {self.slots}")
+        expected = 2 if self.first else 3
+        if inputs.dim() != expected:
+            what = "token ids [batch, tokens]" if self.first else "hidden states [batch, tokens, hidden]"
+            raise ValueError(f"stage {self.layers} takes {what}; got shape {tuple(inputs.shape)}")
+        batch, count = inputs.shape[0], inputs.shape[1]
+        if batch != len(slots):
+            raise ValueError(f"{batch} sequences given for {len(slots)} slots")
+        if not self.first and inputs.shape[2] != self.shape.hidden:
+            raise ValueError(f"hidden states of {inputs.shape[2]} where the model's are {self.shape.hidden}")
+        if count < 1 or start < 0 or start + count > self.max_tokens:
+            raise ValueError(f"tokens {start}..{start + count} do not fit the stage's {self.max_tokens}")
+        return batch, count
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        slots: range,
+        start: int,
+        layer_done: Optional[Callable[[int], None]] = None,
+        logits: bool = False,
+    ) -> torch.Tensor:
+        """Runs tokens ``start..start + n`` of the sequences in ``slots`` through this stage's
+        layers, writing their KV; ``layer_done(i)`` is called once local layer ``i``'s KV writes
+        are queued. Returns hidden states ``[batch, n, hidden]``, or from the last stage the next
+        token of each sequence (``[batch]``, int64; with ``logits``, the last token's logits
+        ``[batch, vocab]``), on the stage's device."""
+        batch, count = self.check_inputs(inputs, slots, start)
+        end = start + count
+        x = self.embed(inputs.to(self.device)) if self.first else inputs.to(self.device, self.shape.torch_dtype)
+        positions = torch.arange(start, end, device=self.device).unsqueeze(0).expand(batch, count)
+        cos, sin = self.rotary(x, positions)
+        # Token j of the new ones sees the keys up to its own position.
+        allowed = torch.arange(end, device=self.device).unsqueeze(0) <= positions[0].unsqueeze(1)
+        groups = self.shape.heads // self.shape.kv_heads
+        for i, layer in enumerate(self.blocks):
+            x = self._layer(layer, x, cos, sin, i, slots, start, end, allowed, groups)
+            if layer_done is not None:
+                layer_done(i)
+        if not self.last:
+            return x
+        scores = self.head(self.norm(x[:, -1]))
+        return scores if logits else scores.argmax(dim=-1)
+
+    def _layer(self, layer, x, cos, sin, i, slots, start, end, allowed, groups):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        attention = layer.self_attn
+        batch, count = x.shape[0], x.shape[1]
+        h = layer.input_layernorm(x)
+        shape = (batch, count, -1, self.shape.head_dim)
+        q = attention.q_proj(h).view(shape).transpose(1, 2)
+        k = attention.k_proj(h).view(shape).transpose(1, 2)
+        v = attention.v_proj(h).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        cache_k = self.keys[i][slots.start : slots.stop]
+        cache_v = self.values[i][slots.start : slots.stop]
+        cache_k[:, :, start:end] = k
+        cache_v[:, :, start:end] = v
+        keys, values = cache_k[:, :, :end], cache_v[:, :, :end]
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=attention.scaling)
+        x = x + attention.o_proj(out.transpose(1, 2).reshape(batch, count, -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def host_mirror(self) -> Tuple[dejavu.KvCache, List[torch.Tensor]]:
+        """A host cache of the same layout and its tensors (pinned where the stage is on a GPU):
+        what a GPU stage restores into before copying to the device."""
+        pin = self.device.type == "cuda"
+        size = self.keys[0].shape
+        tensors = [torch.zeros(size, dtype=self.shape.torch_dtype, pin_memory=pin) for _ in range(2 * len(self.layers))]
+        return dejavu.KvCache.wrap(self.layout, tensors), tensors
+
+    def load_mirror(self, tensors: List[torch.Tensor]) -> None:
+        """Copies a host mirror's KV (``host_mirror``) into the stage's tensors."""
+        for target, source in zip((t for pair in zip(self.keys, self.values) for t in pair), tensors):
+            target.copy_(source)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def generate(stages: List[TorchStage], prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy generation through ``stages`` in this process, in the steps the pipeline driver
+    takes (the prompt, then one token at a time): ``[batch, new_tokens]`` token ids."""
+    batch, prompt = prompts.shape
+    slots = range(batch)
+    inputs, start, tokens = prompts, 0, []
+    for _ in range(new_tokens):
+        x = inputs
+        for stage in stages:
+            x = stage.forward(x, slots, start)
+        tokens.append(x.cpu())
+        start += inputs.shape[1]
+        inputs = x.unsqueeze(1)
+    return torch.stack(tokens, dim=1)

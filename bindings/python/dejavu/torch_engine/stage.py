@@ -1,0 +1,212 @@
+"""A stage process: one ``TorchStage`` beside its ``dejavud sidecar``, driven over its standard
+input and output (``python -m dejavu.torch_engine stage``).
+
+The process builds its model first and says ``("standby",)``: a replacement can be started ahead
+of a failure and wait warm. ``("join", restore)`` then connects it to its sidecar (an engine that
+joins after a failure gets the epoch the controller fenced its predecessor in, which cuts the
+predecessor off) and, with ``restore``, fetches the KV the sidecar keeps into the stage's tensors.
+It answers ``("ready", epoch, resume)``, ``resume`` mapping ``(microbatch, (first slot, end slot))``
+to the next token each restored sequence computes.
+
+Then, per request (each a pickled tuple; each answer too):
+
+- ``("step", (first slot, end slot), start, inputs, replicate)`` runs the step (``TorchStage.forward``)
+  and answers ``("out", outputs, seconds)``: CPU tensors, and the seconds from the request's
+  arrival to the outputs on the host (the stage's own share of the step). With ``replicate``, the step's KV goes to the
+  sidecar in the background (``Streamer.region_ready``; on a GPU ``device_region_ready``, whose
+  copies wait on the GPU for the step's kernels): the sidecar keeps it and forwards it to its ring
+  successor. A step is *acknowledged* once both hold it. At most ``lag`` steps are not acknowledged
+  yet: a step waits for the acknowledgement of the step ``lag`` before it.
+- ``("drain",)`` waits until every step is acknowledged: ``("drained", steps acknowledged)``.
+- ``("release", (first slot, end slot))``: the sequences finished; the sidecar and its successor
+  drop their KV. ``("released", chunks)``.
+
+A request the stage cannot carry out (shapes that do not match the model, slots or tokens out of
+range) is answered ``("error", kind, message)`` and changes nothing. A sidecar that is gone ends the
+process (exit status ``SIDECAR_GONE``) after saying so on standard error: what it acknowledged is
+held by the sidecar's successor, from which the controller restores a replacement sidecar; what
+it had not is recomputed by the replacement engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+import time
+from collections import deque
+from typing import BinaryIO, Deque, Dict, Optional, Tuple
+
+import torch
+
+import dejavu
+
+from .model import ModelShape, TorchStage
+
+#: Exit status of a stage whose sidecar is gone.
+SIDECAR_GONE = 17
+
+
+class SidecarGone(Exception):
+    """The stage's sidecar is gone (or cut this engine off): its steps cannot be acknowledged."""
+
+
+class Replication:
+    """A stage's KV handed to its sidecar step by step, at most ``lag`` steps unacknowledged."""
+
+    def __init__(self, stage: TorchStage, socket: str, successor: str, lag: int):
+        if lag < 1:
+            raise ValueError("lag must be at least 1 step")
+        self.stage, self.lag = stage, lag
+        self.client = dejavu.SidecarClient(socket, successor)
+        self.streamer = dejavu.Streamer(self.client.store)
+        self.pending: Deque[dejavu.Completion] = deque()
+        self.acknowledged = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.client.epoch
+
+    def restore(self) -> Dict[Tuple[int, Tuple[int, int]], int]:
+        """Fetches the KV the sidecar keeps into the stage's tensors (through a host mirror on a
+        GPU); returns where each sequence resumes."""
+        if self.stage.engine is None:
+            self.client.register(self.stage.cache, microbatch=0)
+            return self.client.restore()
+        mirror, tensors = self.stage.host_mirror()
+        self.client.register(mirror, microbatch=0)
+        resume = self.client.restore()
+        self.stage.load_mirror(tensors)
+        return resume
+
+    def step(self, slots: range, tokens: range) -> None:
+        """Queues the step's KV (its kernels are queued, on a GPU, or done, on the CPU)."""
+        region = self.stage.region(slots, tokens)
+        worker = self.client.worker
+        try:
+            if self.stage.engine is None:
+                completion = self.streamer.region_ready(self.stage.cache, region, worker, worker, 0)
+            else:
+                stream = torch.cuda.current_stream(self.stage.device)
+                completion = self.streamer.device_region_ready(self.stage.cache, stream, region, worker, worker, 0)
+        except dejavu.Error as e:
+            raise SidecarGone(str(e)) from e
+        self.pending.append(completion)
+        while len(self.pending) > self.lag:
+            self._acknowledge()
+
+    def drain(self) -> int:
+        while self.pending:
+            self._acknowledge()
+        return self.acknowledged
+
+    def release(self, slots: range) -> int:
+        self.drain()
+        try:
+            return self.client.release(0, slots)
+        except dejavu.Error as e:
+            raise SidecarGone(str(e)) from e
+
+    def _acknowledge(self) -> None:
+        try:
+            self.pending.popleft().wait()
+        except dejavu.Error as e:
+            raise SidecarGone(str(e)) from e
+        self.acknowledged += 1
+
+
+class StageServer:
+    """The request loop of a stage process."""
+
+    def __init__(self, stage: TorchStage, replication: Optional[Replication]):
+        self.stage, self.replication = stage, replication
+
+    def handle(self, request: tuple) -> tuple:
+        op = request[0]
+        try:
+            if op == "step":
+                began = time.perf_counter()
+                _, (first, end), start, inputs, replicate = request
+                slots = range(first, end)
+                out = self.stage.forward(inputs, slots, start)
+                if replicate and self.replication is not None:
+                    self.replication.step(slots, range(start, start + inputs.shape[1]))
+                out = out.cpu()
+                return ("out", out, time.perf_counter() - began)
+            if op == "drain":
+                return ("drained", self.replication.drain() if self.replication else 0)
+            if op == "release":
+                _, (first, end) = request
+                return ("released", self.replication.release(range(first, end)) if self.replication else 0)
+            return ("error", "ValueError", f"unknown request {op!r}")
+        except ValueError as e:
+            return ("error", "ValueError", str(e))
+
+
+def send(out: BinaryIO, message: tuple) -> None:
+    pickle.dump(message, out, protocol=pickle.HIGHEST_PROTOCOL)
+    out.flush()
+
+
+def parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dejavu.torch_engine stage", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", required=True, help="the model's ModelShape as JSON")
+    p.add_argument("--layers", required=True, help="this stage's layers, FIRST:END")
+    p.add_argument("--slots", type=int, required=True, help="sequences the stage holds")
+    p.add_argument("--max-tokens", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--socket", help="the sidecar's local socket (none: no replication)")
+    p.add_argument("--successor", default="", help="the ring successor's sidecar, HOST:PORT")
+    p.add_argument("--lag", type=int, default=2, help="steps that may wait for acknowledgement")
+    return p.parse_args(argv)
+
+
+def main(argv) -> int:
+    args = parse(argv)
+    # Standard output carries the protocol; anything else printed goes to standard error.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    requests = sys.stdin.buffer
+    first, end = (int(x) for x in args.layers.split(":"))
+    stage = TorchStage(ModelShape.from_json(args.shape), range(first, end), args.slots, args.max_tokens, args.device)
+    send(out, ("standby",))
+    try:
+        _, restore = pickle.load(requests)
+    except EOFError:
+        return 0
+    replication = None
+    resume: Dict = {}
+    epoch = None
+    try:
+        if args.socket:
+            replication = Replication(stage, args.socket, args.successor, args.lag)
+            epoch = replication.epoch
+            if restore:
+                resume = replication.restore()
+    except (dejavu.Error, SidecarGone) as e:
+        print(f"stage {args.layers}: cannot join the sidecar at {args.socket}: {e}", file=sys.stderr)
+        return SIDECAR_GONE
+    send(out, ("ready", epoch, resume))
+    server = StageServer(stage, replication)
+    while True:
+        try:
+            request = pickle.load(requests)
+        except EOFError:
+            break
+        try:
+            send(out, server.handle(request))
+        except SidecarGone as e:
+            acknowledged = replication.acknowledged if replication else 0
+            print(
+                f"stage {args.layers}: the sidecar at {args.socket} is gone ({e}); "
+                f"{acknowledged} steps were acknowledged, the rest are recomputed by a replacement",
+                file=sys.stderr,
+            )
+            return SIDECAR_GONE
+    if replication is not None:
+        try:
+            replication.drain()
+        except SidecarGone:
+            return SIDECAR_GONE
+    return 0

@@ -1,0 +1,135 @@
+"""The PyTorch engine (``dejavu.torch_engine``): a ``transformers`` Llama with seeded random
+weights split into stage processes beside real ``dejavud`` sidecars and a controller. Needs torch
+and transformers (CI installs both); the GPU case runs only where CUDA is."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from dejavu.torch_engine import ModelShape, StageError, TorchStage  # noqa: E402
+from dejavu.torch_engine.demo import Run, Workload  # noqa: E402
+from dejavu.torch_engine.model import generate  # noqa: E402
+from dejavu.torch_engine.stage import SIDECAR_GONE  # noqa: E402
+
+SHAPE = ModelShape(layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512, seed=3)
+
+
+def ids(batch, tokens, seed=0):
+    return torch.randint(0, SHAPE.vocab, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def split_matches_the_whole_model(device):
+    model = SHAPE.build(device)
+    stages = [TorchStage(SHAPE, range(0, 1), 2, 32, device), TorchStage(SHAPE, range(1, 4), 2, 32, device)]
+    prompt = ids(2, 12).to(device)
+    with torch.inference_mode():
+        expected = model(prompt).logits[:, -1]
+    # The prompt's first 8 tokens in one step, then one token per step.
+    x = stages[1].forward(stages[0].forward(prompt[:, :8], range(2), 0), range(2), 0, logits=True)
+    for t in range(8, 12):
+        x = stages[1].forward(stages[0].forward(prompt[:, t : t + 1], range(2), t), range(2), t, logits=True)
+    torch.testing.assert_close(x, expected, rtol=1e-4, atol=1e-4)
+    assert x.abs().max() > 0
+
+
+def test_stages_built_apart_compute_what_the_whole_model_computes():
+    split_matches_the_whole_model("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU stage is not tested here")
+def test_stages_on_a_gpu_compute_what_the_whole_model_computes():
+    split_matches_the_whole_model("cuda")
+
+
+def test_mismatched_shapes_are_refused_with_a_clear_error():
+    first, later = TorchStage(SHAPE, range(0, 2), 2, 16), TorchStage(SHAPE, range(2, 4), 2, 16)
+    with pytest.raises(ValueError, match=r"takes token ids \[batch, tokens\]; got shape \(2, 3, 128\)"):
+        first.forward(torch.zeros(2, 3, 128), range(2), 0)
+    with pytest.raises(ValueError, match="3 sequences given for 2 slots"):
+        first.forward(ids(3, 1), range(2), 0)
+    with pytest.raises(ValueError, match="tokens 14..18 do not fit the stage's 16"):
+        first.forward(ids(2, 4), range(2), 14)
+    with pytest.raises(ValueError, match="slots range"):
+        first.forward(ids(2, 1), range(1, 3), 0)
+    with pytest.raises(ValueError, match="hidden states of 64 where the model's are 128"):
+        later.forward(torch.zeros(2, 1, 64), range(2), 0)
+    with pytest.raises(ValueError, match="not a multiple of heads"):
+        ModelShape(hidden=130, heads=4)
+    with pytest.raises(ValueError, match="layers range"):
+        TorchStage(SHAPE, range(2, 6), 2, 16)
+
+
+def reference(workload):
+    stages = [TorchStage(SHAPE, workload.layers(i), workload.batch, workload.max_tokens) for i in range(workload.stages)]
+    return generate(stages, workload.prompts(), workload.new_tokens)
+
+
+def test_engines_workers_and_sidecars_killed_mid_decode_resume_bit_identical():
+    from test_dejavu import dejavud
+
+    workload = Workload(SHAPE, stages=2, batch=2, prompt=8, new_tokens=14)
+    expected = reference(workload)
+    run = Run(workload, dejavud())
+    try:
+        cluster = run.cluster
+
+        def before_step(step, pipeline):
+            if step == 3:
+                # A request the stage cannot carry out is refused, and the stage goes on.
+                with pytest.raises(StageError, match="hidden states of 64"):
+                    pipeline.stages[1].request(("step", (0, 2), 0, torch.zeros(2, 1, 64), True), "out")
+                pipeline.stages[1].kill()  # an engine
+            if step == 6:
+                restores = cluster.restores()
+                fences = cluster.fences()
+                pipeline.stages[0].kill()  # a whole worker
+                cluster.kill_sidecar(0)
+                cluster.wait_for(lambda: cluster.fences() > fences, "worker 0 fenced")
+                cluster.restart_sidecar(0)
+                cluster.wait_for(lambda: cluster.restores() > restores, "sidecar 0 restored")
+            if step == 10:
+                restores = cluster.restores()
+                cluster.kill_sidecar(1)  # a sidecar alone: its engine finds it gone
+                cluster.restart_sidecar(1)
+                cluster.wait_for(lambda: cluster.restores() > restores, "sidecar 1 restored")
+
+        generation = run.generate(before_step=before_step)
+    finally:
+        run.stop()
+    assert torch.equal(generation.tokens, expected)
+    recoveries = [(r.stage, r.failed_step) for r in generation.recoveries]
+    assert recoveries[:2] == [(1, 3), (0, 6)]
+    engine, worker, sidecar = generation.recoveries
+    # The killed engine's replacement restored from its sidecar: at most `lag` steps were not
+    # acknowledged, and only those are recomputed. So for the whole worker, from its successor.
+    assert engine.resumed_step >= 3 - workload.lag
+    assert worker.resumed_step >= 6 - workload.lag
+    # The engine whose sidecar died exits with SIDECAR_GONE within `lag` steps; every step it had
+    # acknowledged survives in the successor, which the replacement sidecar was restored from.
+    assert (sidecar.stage, sidecar.status) == (1, SIDECAR_GONE)
+    assert 10 <= sidecar.failed_step <= 10 + workload.lag
+    assert sidecar.resumed_step >= 10 - workload.lag
+
+
+def test_the_demo_reports_each_failure_against_a_failure_free_run(tmp_path, capsys):
+    from test_dejavu import dejavud
+
+    from dejavu.torch_engine.demo import main
+
+    report = tmp_path / "report.json"
+    argv = ["--dejavud", dejavud(), "--layers=2", "--hidden=64", "--heads=2", "--kv-heads=1", "--intermediate=128",
+            "--vocab=128", "--batch=2", "--prompt=4", "--new-tokens=8", "--block=2", f"--json={report}"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for line in ("failure-free:", "replication overhead per decode step:", "engine killed at step 4",
+                 "worker killed at step 4", "restart from scratch at step 4"):
+        assert line in out
+    import json
+
+    figures = json.loads(report.read_text())
+    assert figures["identical"] is True
+    assert figures["restart_from_scratch"]["recomputed_from_step"] == 0
+    # A restored engine recomputes at most the steps not acknowledged yet.
+    assert figures["engine_killed"]["recomputed_from_step"] >= 4 - 2
+    assert main(["--stages=3", "--layers=2"]) == 2
