@@ -133,3 +133,25 @@ def test_the_demo_reports_each_failure_against_a_failure_free_run(tmp_path, caps
     # A restored engine recomputes at most the steps not acknowledged yet.
     assert figures["engine_killed"]["recomputed_from_step"] >= 4 - 2
     assert main(["--stages=3", "--layers=2"]) == 2
+
+
+def test_prompt_stages_hand_their_kv_to_token_stages_split_another_way():
+    import dejavu
+    from dejavu.torch_engine.disaggregation import generate_disaggregated, hand_over
+
+    prompts, new_tokens, slots, max_tokens = ids(3, 10, seed=5), 6, 3, 16
+    colocated = [TorchStage(SHAPE, range(0, 1), slots, max_tokens), TorchStage(SHAPE, range(1, 4), slots, max_tokens)]
+    expected = generate(colocated, prompts, new_tokens)
+    prompt_stages = [TorchStage(SHAPE, range(0, 4), slots, max_tokens)]
+    token_stages = [TorchStage(SHAPE, range(0, 2), slots, max_tokens), TorchStage(SHAPE, range(2, 4), slots, max_tokens)]
+    tokens = generate_disaggregated(prompt_stages, token_stages, prompts, new_tokens, dejavu.HostStore())
+    assert torch.equal(tokens, expected)
+    # What the token stages hold for the prompt is the prompt stage's KV, bit for bit.
+    for stage in token_stages:
+        for local, layer in enumerate(stage.layers):
+            assert torch.equal(stage.keys[local][:, :, :10], prompt_stages[0].keys[layer][:, :, :10])
+            assert torch.equal(stage.values[local][:, :, :10], prompt_stages[0].values[layer][:, :, :10])
+    # Token stages with another model shape are refused.
+    other = TorchStage(ModelShape(layers=4, hidden=128, heads=4, kv_heads=4, intermediate=256, vocab=512), range(0, 4), slots, max_tokens)
+    with pytest.raises(ValueError, match="one model shape"):
+        hand_over(prompt_stages, [other, token_stages[1]], range(0, 10), dejavu.HostStore())

@@ -7,6 +7,7 @@ process beside its ``dejavud sidecar``, its KV in per-layer tensors the library 
   replication to the sidecar with a bounded lag, restore after a failure.
 - ``pipeline``: the driver: feeds steps through the stages, joins replacements, recomputes the
   steps after a replacement's resume point, checks recomputed tokens.
+- ``disaggregation``: prompt stages hand their KV to token stages split another way.
 - ``cluster``: the controller and the ring of sidecars on loopback.
 - ``demo``: ``python -m dejavu.torch_engine demo``: failure-free, engine killed, worker killed and
   restart from scratch, with the replication overhead per decode step.
