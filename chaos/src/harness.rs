@@ -164,6 +164,7 @@ fn cluster_config(
         slots: workload.slots,
         microbatches: workload.microbatches(),
         max_tokens: workload.max_tokens(),
+        step_time: Duration::from_secs_f64(scenario.cluster.step_ms / 1e3),
         replicate,
         deadline: Duration::from_millis(scenario.cluster.deadline_ms),
         heartbeat: Duration::from_millis(scenario.cluster.heartbeat_ms),

@@ -70,6 +70,9 @@ pub struct ClusterShape {
     pub deadline_ms: u64,
     /// KV caches each stage keeps in device memory, if fewer than the microbatches (swapping).
     pub device_caches: Option<u32>,
+    /// Milliseconds each stage's step takes on top of the reference model's arithmetic, as a
+    /// real model's kernels would on a GPU (where recovery and restart from scratch compare).
+    pub step_ms: f64,
     /// For testing the checkers only: stages skip their replicas while claiming to keep them.
     pub test_only_sabotage_replicas: bool,
     /// Spare workers kept started, which recoveries make the dead stages' processes.
@@ -113,6 +116,7 @@ impl Default for ClusterShape {
             heartbeat_ms: 100,
             deadline_ms: 300,
             device_caches: None,
+            step_ms: 0.0,
             test_only_sabotage_replicas: false,
             spares: 0,
             spill_memory_bytes: None,
@@ -464,6 +468,9 @@ impl Scenario {
         }
         if !(1..=MAX_MS).contains(&c.heartbeat_ms) || !(1..=MAX_MS).contains(&c.deadline_ms) {
             return fail(format!("cluster.heartbeat_ms and cluster.deadline_ms must be 1..={MAX_MS}"));
+        }
+        if !(0.0..=MAX_MS as f64).contains(&c.step_ms) {
+            return fail(format!("cluster.step_ms must be 0..={MAX_MS}"));
         }
         let w = &self.workload;
         if w.requests == 0 || w.prompt_tokens == 0 || w.new_tokens < 2 {

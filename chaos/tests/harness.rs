@@ -173,6 +173,7 @@ fn a_bad_scenario_is_refused_with_a_clear_message() {
             "prompt_tokens_max must be at least",
         ),
         ("name = \"x\"\n[workload]\nseats = 0\n", "workload.seats must be at least 1"),
+        ("name = \"x\"\n[cluster]\nstep_ms = -1.5\n", "cluster.step_ms must be 0..=600000"),
         (
             "name = \"x\"\n[cluster]\nprompt_stages = 2\nprompt_slots = 4\n[workload]\nrequests = 8\nseats = 4\n",
             "a seat per request",

@@ -208,6 +208,10 @@ pub struct StageArgs {
     /// Tokens per sequence at most.
     #[arg(long, default_value_t = 256)]
     pub max_tokens: u32,
+    /// Milliseconds each step takes on top of the reference model's arithmetic, as a real
+    /// model's kernels would on a GPU: the stage waits that long without using a CPU (0: none).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_step_ms)]
+    pub step_ms: f64,
     /// Its own sidecar's local socket: each step's KV goes there through shared memory, and the
     /// sidecar keeps it (the local copy) and forwards it to the successor's sidecar.
     #[arg(long, requires = "successor")]
@@ -458,6 +462,15 @@ pub struct ControllerArgs {
     pub log: LogArgs,
 }
 
+/// A step's extra time in milliseconds: finite, at least 0, at most ten minutes.
+fn parse_step_ms(text: &str) -> Result<f64, String> {
+    let ms: f64 = text.parse().map_err(|e| format!("{text:?} is not a number of milliseconds: {e}"))?;
+    if !(0.0..=600_000.0).contains(&ms) {
+        return Err(format!("{ms} ms: give 0 to 600000"));
+    }
+    Ok(ms)
+}
+
 fn parse_layers(s: &str) -> Result<Range<u32>, String> {
     let (a, b) = s.split_once("..").ok_or("layers are START..END")?;
     let (a, b) = (a.parse::<u32>().map_err(|e| e.to_string())?, b.parse::<u32>().map_err(|e| e.to_string())?);
@@ -704,6 +717,7 @@ impl StageArgs {
             slots: self.slots,
             microbatches: self.microbatches,
             max_tokens: self.max_tokens,
+            step_time: Duration::from_secs_f64(self.step_ms / 1e3),
             next: self.next,
             replication: self.local.zip(self.successor).map(|(local, successor)| Replication {
                 local,
@@ -865,6 +879,16 @@ mod tests {
         }
         // Drawn once: every process of every cluster of this process shares it.
         assert_eq!(cluster_secret(), secret);
+    }
+
+    #[test]
+    fn a_step_time_is_a_finite_number_of_milliseconds_within_ten_minutes() {
+        assert_eq!(parse_step_ms("2.5"), Ok(2.5));
+        assert_eq!(parse_step_ms("0"), Ok(0.0));
+        for bad in ["-1", "NaN", "inf", "600001", "fast"] {
+            assert!(parse_step_ms(bad).is_err(), "{bad} accepted");
+        }
+        assert!(parse_step_ms("-1").unwrap_err().contains("give 0 to 600000"));
     }
 
     #[test]

@@ -39,6 +39,8 @@ pub struct DemoConfig {
     pub kill: Kill,
     /// KV caches each stage keeps in device memory, if fewer than microbatches (swapping).
     pub device_caches: Option<u32>,
+    /// Time each stage's step takes on top of the reference model's arithmetic.
+    pub step_time: Duration,
     /// Spare workers (a stage and a sidecar process each) started ahead, which a recovery makes
     /// the dead stage's instead of starting processes.
     pub spares: u32,
@@ -98,6 +100,10 @@ pub struct DemoSettings {
     /// turns microbatch swapping on [default: one per microbatch].
     #[arg(long)]
     pub device_caches: Option<u32>,
+    /// Milliseconds each stage's step takes on top of the reference model's arithmetic, as a
+    /// real model's kernels would on a GPU (the stage waits without using a CPU) [default: 0].
+    #[arg(long)]
+    pub step_ms: Option<f64>,
     /// Spare workers started ahead (a stage and a sidecar process each), registered with the
     /// controller; a recovery makes them the dead stage's instead of starting processes
     /// [default: 0].
@@ -158,6 +164,7 @@ impl DemoSettings {
             deadline_ms: self.deadline_ms.or(base.deadline_ms),
             heartbeat_ms: self.heartbeat_ms.or(base.heartbeat_ms),
             device_caches: self.device_caches.or(base.device_caches),
+            step_ms: self.step_ms.or(base.step_ms),
             spares: self.spares.or(base.spares),
             transport: self.transport.or(base.transport),
             namespaces: self.namespaces.or(base.namespaces),
@@ -180,6 +187,7 @@ impl DemoSettings {
                 KillSetting::Engine => Kill::Engine,
             },
             device_caches: self.device_caches,
+            step_time: Duration::from_secs_f64(self.step_ms.unwrap_or(0.0).clamp(0.0, 600_000.0) / 1e3),
             spares: self.spares.unwrap_or(0),
             transport: match self.transport {
                 Some(TransportSetting::Quic) => TransportKind::Quic,
@@ -294,6 +302,7 @@ fn start_cluster(
         slots: workload.slots,
         microbatches: workload.microbatches(),
         max_tokens: workload.max_tokens(),
+        step_time: config.step_time,
         replicate,
         deadline: config.deadline,
         heartbeat: config.heartbeat,
@@ -542,7 +551,7 @@ decode step (median):    {:.3} ms without replication, {:.3} ms replicated ({:+.
 one failure, recovered:  {:7.3} s  ({:.2}x)  detection {:.0} ms, restore {:.1} ms, resume {:.1} ms, tokens recomputed {}
 one failure, restarted:  {:7.3} s  ({:.2}x)  tokens recomputed {}
 KV per token: {} bytes to the successors' sidecars, as many to the local ones (all {} stages)
-{}output identical to the failure-free run: {} (restart from scratch: {})
+{}{}output identical to the failure-free run: {} (restart from scratch: {})
 ",
             self.unreplicated_s,
             tps(self.unreplicated_s),
@@ -571,6 +580,14 @@ KV per token: {} bytes to the successors' sidecars, as many to the local ones (a
             self.restart_tokens_recomputed,
             self.kv_bytes_replicated_per_token,
             config.stages,
+            if config.step_time.is_zero() {
+                String::new()
+            } else {
+                format!(
+                    "each stage's step takes {:.1} ms on top of its arithmetic (--step-ms), as a real model's kernels\n",
+                    config.step_time.as_secs_f64() * 1e3
+                )
+            },
             match config.device_caches {
                 Some(n) => format!(
                     "microbatch swapping: {n} device caches per stage, {} bytes swapped in and out\n",

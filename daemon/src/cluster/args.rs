@@ -87,6 +87,7 @@ impl Cluster {
         if let Some(device) = config.device_caches {
             args.push(format!("--device-caches={device}"));
         }
+        args.extend(config.step_args());
         if config.layout == CacheLayout::PerLayer {
             args.push("--layout=per-layer".to_owned());
         }

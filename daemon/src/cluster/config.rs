@@ -55,6 +55,9 @@ pub struct ClusterConfig {
     pub device_caches: Option<u32>,
     /// Tokens per sequence at most.
     pub max_tokens: u32,
+    /// Time each stage's step takes on top of the reference model's arithmetic (`dejavud stage
+    /// --step-ms`): a real model's per-step compute, where recovery and restart compare.
+    pub step_time: Duration,
     /// Whether stages keep copies of their KV in sidecars.
     pub replicate: bool,
     /// Time a step may take before the driver looks for a dead stage.
@@ -153,6 +156,7 @@ impl ClusterConfig {
             microbatches: 1,
             device_caches: None,
             max_tokens: 256,
+            step_time: Duration::ZERO,
             replicate: true,
             deadline: Duration::from_millis(300),
             heartbeat: Duration::from_millis(100),
@@ -203,6 +207,11 @@ impl ClusterConfig {
             return target;
         }
         self.interpose.as_ref().map_or(target, |i| i.route(link, target))
+    }
+
+    /// The flag that gives a stage its extra time per step, if any.
+    pub(super) fn step_args(&self) -> Option<String> {
+        (!self.step_time.is_zero()).then(|| format!("--step-ms={}", self.step_time.as_secs_f64() * 1e3))
     }
 
     /// The flags that give a stage or sidecar the cluster's transport (certificates in `dir`).

@@ -304,6 +304,7 @@ impl Cluster {
                 format!("--handoff-to={}", to.join(",")),
             ];
             args.extend(Self::shape_args(&shapes));
+            args.extend(config.step_args());
             args.extend(config.transport_args(dir));
             let stage = place.spawn(&config.exe, &args, &format!("prompt stage {index}"))?;
             next = stage.addr;

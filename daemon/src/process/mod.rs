@@ -161,6 +161,9 @@ pub struct StageConfig {
     pub microbatches: u32,
     /// Tokens per sequence at most.
     pub max_tokens: u32,
+    /// Time each step takes on top of the reference model's arithmetic (a real model's kernels;
+    /// the stage sleeps, leaving the CPU free as while a GPU computes).
+    pub step_time: Duration,
     /// Where to send its output (the next stage, or the driver after the last stage).
     pub next: SocketAddr,
     /// Where to keep copies of its KV, if anywhere.
@@ -397,6 +400,9 @@ impl StageProcess {
         }
         let cache = self.cache(seat)?;
         self.stage.forward(&cache, slot, position, &mut hidden)?;
+        if !self.config.step_time.is_zero() {
+            std::thread::sleep(self.config.step_time);
+        }
         self.caches.grew(microbatch, slot, position + count);
         StageStats::add(&self.stats.steps, 1);
         StageStats::add(&self.stats.tokens, count as u64);
