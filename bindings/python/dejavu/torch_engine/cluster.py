@@ -76,12 +76,17 @@ class DaemonCluster:
         device: str = "cpu",
         lag: int = 2,
         replicate: bool = True,
+        threads: Optional[int] = None,
     ) -> List[str]:
-        """The command of stage ``index``'s process (without a sidecar if not ``replicate``)."""
+        """The command of stage ``index``'s process (without a sidecar if not ``replicate``). Its
+        torch CPU threads: ``threads``, by default one on a GPU (its CPU work is launching
+        kernels) and this machine's CPUs shared among the stages on the CPU."""
+        if threads is None:
+            threads = 1 if device.startswith("cuda") else max(1, (os.cpu_count() or 1) // self.stages)
         command = [
             sys.executable, "-m", "dejavu.torch_engine", "stage", f"--shape={shape.to_json()}",
             f"--layers={layers.start}:{layers.stop}", f"--slots={slots}", f"--max-tokens={max_tokens}",
-            f"--device={device}", f"--lag={lag}",
+            f"--device={device}", f"--lag={lag}", f"--threads={threads}",
         ]
         if replicate:
             command += [f"--socket={self.socket(index)}", f"--successor={self.successor(index)}"]

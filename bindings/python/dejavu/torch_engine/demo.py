@@ -235,6 +235,8 @@ def parse(argv) -> argparse.Namespace:
 
 def main(argv) -> int:
     args = parse(argv)
+    # The driver's own torch work is a few small tensors: its idle threads would only spin.
+    torch.set_num_threads(1)
     try:
         shape = ModelShape(
             layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,

@@ -159,6 +159,11 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--socket", help="the sidecar's local socket (none: no replication)")
     p.add_argument("--successor", default="", help="the ring successor's sidecar, HOST:PORT")
     p.add_argument("--lag", type=int, default=2, help="steps that may wait for acknowledgement")
+    p.add_argument(
+        "--threads", type=int, default=0,
+        help="torch's CPU threads (0: torch's default, every CPU; idle threads of several stages on "
+        "the same CPUs spin and slow each other's steps down)",
+    )
     return p.parse_args(argv)
 
 
@@ -168,6 +173,8 @@ def main(argv) -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     requests = sys.stdin.buffer
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     first, end = (int(x) for x in args.layers.split(":"))
     stage = TorchStage(ModelShape.from_json(args.shape), range(first, end), args.slots, args.max_tokens, args.device)
     send(out, ("standby",))
