@@ -155,3 +155,37 @@ def test_prompt_stages_hand_their_kv_to_token_stages_split_another_way():
     other = TorchStage(ModelShape(layers=4, hidden=128, heads=4, kv_heads=4, intermediate=256, vocab=512), range(0, 4), slots, max_tokens)
     with pytest.raises(ValueError, match="one model shape"):
         hand_over(prompt_stages, [other, token_stages[1]], range(0, 10), dejavu.HostStore())
+
+
+def test_a_replacement_that_cannot_join_yet_is_followed_by_another_once_the_sidecar_is_back():
+    import threading
+
+    from test_dejavu import dejavud
+
+    workload = Workload(SHAPE, stages=2, batch=2, prompt=8, new_tokens=10)
+    expected = reference(workload)
+    run = Run(workload, dejavud())
+    restarted = threading.Event()
+    try:
+        cluster = run.cluster
+
+        def before_step(step, pipeline):
+            if step == 4:
+                pipeline.stages[1].kill()
+                cluster.kill_sidecar(1)
+
+                def back():
+                    cluster.restart_sidecar(1)
+                    restarted.set()
+
+                # The driver finds the stage dead at once; its sidecar comes back a second later.
+                threading.Timer(1.0, back).start()
+
+        generation = run.generate(before_step=before_step)
+    finally:
+        restarted.wait(10)
+        run.stop()
+    assert torch.equal(generation.tokens, expected)
+    (recovery,) = generation.recoveries
+    assert (recovery.stage, recovery.failed_step) == (1, 4)
+    assert recovery.join_seconds >= 1.0

@@ -57,8 +57,12 @@ class DaemonCluster:
         self.controller_address = f"127.0.0.1:{free_port()}"
         self.ports = [free_port() for _ in range(stages)]
         self.processes: List[subprocess.Popen] = []
-        self.controller = self._start_controller()
-        self.sidecars = [self._start_sidecar(i) for i in range(stages)]
+        try:
+            self.controller = self._start_controller()
+            self.sidecars = [self._start_sidecar(i) for i in range(stages)]
+        except BaseException:
+            self.stop()
+            raise
 
     def socket(self, index: int) -> Path:
         return self.workdir / f"s{index}.sock"

@@ -148,6 +148,11 @@ class Pipeline:
     to take over stage ``index`` after a failure (after, say, the cluster's sidecar of that stage
     is back); ``restore`` says whether it restores from its sidecar or recomputes from scratch."""
 
+    #: Replacements tried for one failure before giving up (one that cannot join its sidecar, not
+    #: back yet after a worker's death, is followed by another after ``JOIN_PAUSE`` seconds).
+    JOIN_ATTEMPTS = 5
+    JOIN_PAUSE = 0.5
+
     def __init__(self, stages: List[StageProcess], replace: Callable[[int], StageProcess], restore: bool = True):
         self.stages, self.replace, self.restore = stages, replace, restore
 
@@ -207,7 +212,16 @@ class Pipeline:
         t0 = time.perf_counter()
         index = gone.stage
         self.stages[index].kill()
-        stage = self.replace(index).join(self.restore)
+        for attempt in range(1, self.JOIN_ATTEMPTS + 1):
+            candidate = self.replace(index)
+            try:
+                stage = candidate.join(self.restore)
+                break
+            except StageGone:
+                candidate.kill()
+                if attempt == self.JOIN_ATTEMPTS:
+                    raise
+                time.sleep(self.JOIN_PAUSE)
         self.stages[index] = stage
         resumed = stage.resume.get((0, (slots.start, slots.stop)), 0) if self.restore else 0
         # Token `resumed` is the first one without KV: the step that starts there.

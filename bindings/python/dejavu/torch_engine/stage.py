@@ -17,7 +17,7 @@ Then, per request (each a pickled tuple; each answer too):
   copies wait on the GPU for the step's kernels): the sidecar keeps it and forwards it to its ring
   successor. A step is *acknowledged* once both hold it. At most ``lag`` steps are not acknowledged
   yet: a step waits for the acknowledgement of the step ``lag`` before it.
-- ``("drain",)`` waits until every step is acknowledged: ``("drained", steps acknowledged)``.
+- ``("drain",)`` waits until every step is answered: ``("drained", steps acknowledged)``.
 - ``("release", (first slot, end slot))``: the sequences finished; the sidecar and its successor
   drop their KV. ``("released", chunks)``.
 
@@ -25,7 +25,9 @@ A request the stage cannot carry out (shapes that do not match the model, slots 
 range) is answered ``("error", kind, message)`` and changes nothing. A sidecar that is gone ends the
 process (exit status ``SIDECAR_GONE``) after saying so on standard error: what it acknowledged is
 held by the sidecar's successor, from which the controller restores a replacement sidecar; what
-it had not is recomputed by the replacement engine.
+it had not is recomputed by the replacement engine. A step the sidecar kept but could not forward
+(its successor is down) is not acknowledged, and the stage goes on: the controller re-seeds the
+successor's replacement from this sidecar.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ class Replication:
         self.client = dejavu.SidecarClient(socket, successor)
         self.streamer = dejavu.Streamer(self.client.store)
         self.pending: Deque[dejavu.Completion] = deque()
+        #: Steps kept by the sidecar and its successor; steps the sidecar kept alone.
         self.acknowledged = 0
+        self.unforwarded = 0
 
     @property
     def epoch(self) -> int:
@@ -112,8 +116,23 @@ class Replication:
         try:
             self.pending.popleft().wait()
         except dejavu.Error as e:
-            raise SidecarGone(str(e)) from e
+            if not self._sidecar_answers():
+                raise SidecarGone(str(e)) from e
+            # The sidecar kept the step, but its successor does not hold it (the successor is
+            # down, or the forward waits behind one that failed): not acknowledged. The
+            # controller re-seeds the successor's replacement from this sidecar.
+            if self.unforwarded == 0:
+                print(f"the sidecar keeps steps its successor does not hold: {e}", file=sys.stderr)
+            self.unforwarded += 1
+            return
         self.acknowledged += 1
+
+    def _sidecar_answers(self) -> bool:
+        try:
+            self.client.store.serving()
+            return True
+        except dejavu.Error:
+            return False
 
 
 class StageServer:
