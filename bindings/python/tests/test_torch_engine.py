@@ -78,7 +78,7 @@ def test_engines_workers_and_sidecars_killed_mid_decode_resume_bit_identical():
             if step == 3:
                 # A request the stage cannot carry out is refused, and the stage goes on.
                 with pytest.raises(StageError, match="hidden states of 64"):
-                    pipeline.stages[1].request(("step", (0, 2), 0, torch.zeros(2, 1, 64), True), "out")
+                    pipeline.stages[1].request(("step", 0, (0, 2), 0, torch.zeros(2, 1, 64), True), "out")
                 pipeline.stages[1].kill()  # an engine
             if step == 6:
                 restores = cluster.restores()
@@ -189,3 +189,52 @@ def test_a_replacement_that_cannot_join_yet_is_followed_by_another_once_the_side
     (recovery,) = generation.recoveries
     assert (recovery.stage, recovery.failed_step) == (1, 4)
     assert recovery.join_seconds >= 1.0
+
+
+def test_microbatches_swapped_through_host_memory_give_the_tokens_of_microbatches_kept_resident():
+    prompts, new_tokens = ids(6, 5, seed=9), 7
+
+    def stages(resident):
+        return [TorchStage(SHAPE, range(0, 2), 2, 16, microbatches=3, resident=resident),
+                TorchStage(SHAPE, range(2, 4), 2, 16, microbatches=3, resident=resident)]
+
+    kept, swapped = stages(3), stages(1)
+    expected = generate(kept, prompts, new_tokens, microbatches=3)
+    assert torch.equal(generate(swapped, prompts, new_tokens, microbatches=3), expected)
+    assert all(stage.swapped_bytes == 0 for stage in kept)
+    # Every step of every microbatch after the first swapped one out and one in.
+    assert all(stage.swapped_bytes > 0 for stage in swapped)
+    with pytest.raises(ValueError, match="microbatch 3: the stage has 3"):
+        swapped[0].forward(ids(2, 1), range(2), 5, microbatch=3)
+    with pytest.raises(ValueError, match="4 resident microbatches of 3"):
+        TorchStage(SHAPE, range(0, 2), 2, 16, microbatches=3, resident=4)
+
+
+def test_swapping_stages_killed_mid_decode_resume_bit_identical():
+    from test_dejavu import dejavud
+
+    workload = Workload(SHAPE, stages=2, batch=2, prompt=6, new_tokens=10, microbatches=3, resident=1)
+    stages = [TorchStage(SHAPE, workload.layers(i), 2, workload.max_tokens, microbatches=3) for i in range(2)]
+    expected = generate(stages, workload.prompts(), workload.new_tokens, microbatches=3)
+    run = Run(workload, dejavud())
+    try:
+        cluster = run.cluster
+
+        def before_step(step, pipeline):
+            if step == 3:
+                pipeline.stages[0].kill()
+            if step == 6:
+                restores = cluster.restores()
+                pipeline.stages[1].kill()
+                cluster.kill_sidecar(1)
+                cluster.restart_sidecar(1)
+                cluster.wait_for(lambda: cluster.restores() > restores, "sidecar 1 restored")
+
+        generation = run.generate(before_step=before_step)
+    finally:
+        run.stop()
+    assert torch.equal(generation.tokens, expected)
+    assert [(r.stage, r.failed_step) for r in generation.recoveries] == [(0, 3), (1, 6)]
+    # Each replacement restored every microbatch, swapped out or not: at most `lag` steps of
+    # them are recomputed.
+    assert all(r.resumed_step >= r.failed_step - workload.lag - 1 for r in generation.recoveries)

@@ -81,6 +81,8 @@ class DaemonCluster:
         lag: int = 2,
         replicate: bool = True,
         threads: Optional[int] = None,
+        microbatches: int = 1,
+        resident: Optional[int] = None,
     ) -> List[str]:
         """The command of stage ``index``'s process (without a sidecar if not ``replicate``). Its
         torch CPU threads: ``threads``, by default one on a GPU (its CPU work is launching
@@ -90,8 +92,10 @@ class DaemonCluster:
         command = [
             sys.executable, "-m", "dejavu.torch_engine", "stage", f"--shape={shape.to_json()}",
             f"--layers={layers.start}:{layers.stop}", f"--slots={slots}", f"--max-tokens={max_tokens}",
-            f"--device={device}", f"--lag={lag}", f"--threads={threads}",
+            f"--device={device}", f"--lag={lag}", f"--threads={threads}", f"--microbatches={microbatches}",
         ]
+        if resident is not None:
+            command.append(f"--resident={resident}")
         if replicate:
             command += [f"--socket={self.socket(index)}", f"--successor={self.successor(index)}"]
         return command

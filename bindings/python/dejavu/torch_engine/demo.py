@@ -34,12 +34,18 @@ class Workload:
     new_tokens: int = 32
     device: str = "cpu"
     lag: int = 2
+    #: Microbatches of ``batch`` sequences, and how many of them each stage keeps on its device
+    #: (fewer: microbatch swapping; default: all).
+    microbatches: int = 1
+    resident: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not 2 <= self.stages <= self.shape.layers:
             raise ValueError(f"{self.stages} stages for {self.shape.layers} layers: use 2 to {self.shape.layers}")
-        if self.batch < 1 or self.prompt < 1 or self.new_tokens < 1:
-            raise ValueError("batch, prompt and new_tokens must each be at least 1")
+        if self.batch < 1 or self.prompt < 1 or self.new_tokens < 1 or self.microbatches < 1:
+            raise ValueError("batch, prompt, new_tokens and microbatches must each be at least 1")
+        if self.resident is not None and not 1 <= self.resident <= self.microbatches:
+            raise ValueError(f"resident {self.resident}: give 1 to {self.microbatches} (the microbatches)")
 
     @property
     def max_tokens(self) -> int:
@@ -53,7 +59,7 @@ class Workload:
 
     def prompts(self) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.shape.seed + 1)
-        return torch.randint(0, self.shape.vocab, (self.batch, self.prompt), generator=generator)
+        return torch.randint(0, self.shape.vocab, (self.microbatches * self.batch, self.prompt), generator=generator)
 
 
 class Run:
@@ -86,7 +92,10 @@ class Run:
 
     def _start(self, index: int) -> StageProcess:
         w = self.workload
-        command = self.cluster.stage_command(index, w.shape, w.layers(index), w.batch, w.max_tokens, w.device, w.lag)
+        command = self.cluster.stage_command(
+            index, w.shape, w.layers(index), w.batch, w.max_tokens, w.device, w.lag,
+            microbatches=w.microbatches, resident=w.resident,
+        )
         return StageProcess(index, command)
 
     def _replace(self, index: int) -> StageProcess:
@@ -95,7 +104,8 @@ class Run:
         return self.standby.pop(index, None) or self._start(index)
 
     def generate(self, **kwargs) -> Generation:
-        return self.pipeline.generate(self.workload.prompts(), self.workload.new_tokens, **kwargs)
+        w = self.workload
+        return self.pipeline.generate(w.prompts(), w.new_tokens, microbatches=w.microbatches, **kwargs)
 
     def stop(self) -> None:
         running = self.pipeline.stages if hasattr(self, "pipeline") else []
@@ -108,9 +118,10 @@ def decode_steps(generation: Generation, replicated: Optional[bool] = None) -> L
     """The first run of each decode step (not the prompt, not recomputed ones)."""
     seen, out = set(), []
     for step in generation.steps:
-        if step.step >= 1 and step.step not in seen and replicated in (None, step.replicated):
+        key = (step.microbatch, step.step)
+        if step.step >= 1 and key not in seen and replicated in (None, step.replicated):
             out.append(step)
-        seen.add(step.step)
+        seen.add(key)
     return out
 
 
@@ -145,11 +156,13 @@ def measure(workload: Workload, dejavud: Optional[str] = None, fail_at: Optional
     report: dict = {"workload": asdict(workload), "fail_at": fail_at, "failed_stage": stage}
     report["device"] = torch.cuda.get_device_name(torch.device(workload.device)) if workload.device.startswith("cuda") else platform.processor() or platform.machine()
     w = workload
+    swapping = f", {w.resident} kept on the device (swapping)" if w.resident and w.resident < w.microbatches else ""
     log(
         f"model: Llama, {w.shape.layers} layers, hidden {w.shape.hidden}, {w.shape.heads} heads "
         f"({w.shape.kv_heads} KV heads of {w.shape.head_dim}), {w.shape.dtype}, seed {w.shape.seed}; "
-        f"{w.stages} stages on {w.device} ({report['device']}); {w.batch} sequences, prompt {w.prompt}, "
-        f"{w.new_tokens} new tokens; KV {w.shape.kv_bytes_per_token() * w.batch} bytes per decode step"
+        f"{w.stages} stages on {w.device} ({report['device']}); {w.microbatches} microbatch(es) of {w.batch} "
+        f"sequences{swapping}, prompt {w.prompt}, {w.new_tokens} new tokens; KV "
+        f"{w.shape.kv_bytes_per_token() * w.batch} bytes per microbatch's decode step"
     )
 
     def one(restore: bool = True, inject=None, **kwargs) -> Generation:
@@ -223,7 +236,13 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--batch", type=int, default=4, help="sequences, decoded in lockstep")
+    p.add_argument("--batch", type=int, default=4, help="sequences per microbatch, decoded in lockstep")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches, their steps taken in turn")
+    p.add_argument(
+        "--resident", type=int,
+        help="microbatches each stage keeps on its device; fewer than --microbatches swaps the others "
+        "to host memory (default: all)",
+    )
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--fail-at", type=int, help="the decode step the failures happen before (default: half way)")
@@ -242,7 +261,10 @@ def main(argv) -> int:
             layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
             intermediate=args.intermediate, vocab=args.vocab, seed=args.seed, dtype=args.dtype,
         )
-        workload = Workload(shape, args.stages, args.batch, args.prompt, args.new_tokens, args.device)
+        workload = Workload(
+            shape, args.stages, args.batch, args.prompt, args.new_tokens, args.device,
+            microbatches=args.microbatches, resident=args.resident,
+        )
         if not 0 <= args.fail_stage < args.stages:
             raise ValueError(f"--fail-stage {args.fail_stage}: the pipeline has stages 0 to {args.stages - 1}")
     except ValueError as e:

@@ -17,7 +17,7 @@ import json
 import os
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -133,21 +133,57 @@ def deterministic_cuda() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+class KvSet:
+    """One microbatch's worth of KV on the stage's device: a K and a V tensor per layer,
+    ``[slots][kv_heads][max_tokens][head_dim]``, and the library's cache over them (in place)."""
+
+    def __init__(self, layout: dejavu.KvLayout, size: tuple, dtype: torch.dtype, device: torch.device, engine):
+        layers = layout.spec.layers
+        self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
+        buffers = [t for pair in zip(self.keys, self.values) for t in pair]
+        self.cache = engine.wrap(layout, buffers) if engine is not None else dejavu.KvCache.wrap(layout, buffers)
+        #: The microbatch whose KV it holds, if any.
+        self.holds: Optional[int] = None
+
+    def tensors(self) -> List[torch.Tensor]:
+        """K and V of each layer, in the layout's buffer order."""
+        return [t for pair in zip(self.keys, self.values) for t in pair]
+
+
 class TorchStage:
-    """Layers ``layers`` of the model of ``shape`` on ``device``, with the KV of ``slots`` sequences
-    of up to ``max_tokens`` tokens.
+    """Layers ``layers`` of the model of ``shape`` on ``device``, with the KV of ``microbatches``
+    microbatches of ``slots`` sequences of up to ``max_tokens`` tokens each.
 
     ``forward`` takes token ids (the first stage) or hidden states (the others) of a contiguous
-    range of slots, all at the same positions, and returns hidden states, or, from the last stage,
-    each sequence's next token (greedy).
+    range of one microbatch's slots, all at the same positions, and returns hidden states, or, from
+    the last stage, each sequence's next token (greedy).
+
+    With ``resident`` fewer than ``microbatches``, only that many microbatches' KV stay on the
+    device (microbatch swapping): a step of another one first swaps the least recently used one
+    out to host memory (pinned on a GPU) and its own in, each as one gather or scatter of the
+    tokens written so far through the library's copies.
     """
 
-    def __init__(self, shape: ModelShape, layers: range, slots: int, max_tokens: int, device: str = "cpu"):
+    def __init__(
+        self,
+        shape: ModelShape,
+        layers: range,
+        slots: int,
+        max_tokens: int,
+        device: str = "cpu",
+        microbatches: int = 1,
+        resident: Optional[int] = None,
+    ):
         if not (0 <= layers.start < layers.stop <= shape.layers) or layers.step != 1:
             raise ValueError(f"layers {layers} are not a non-empty range within the model's {shape.layers}")
         if slots < 1 or max_tokens < 1:
             raise ValueError("a stage needs at least one slot and one token")
+        resident = microbatches if resident is None else resident
+        if microbatches < 1 or not 1 <= resident <= microbatches:
+            raise ValueError(f"{resident} resident microbatches of {microbatches}: give 1 to {microbatches}")
         self.shape, self.layers, self.slots, self.max_tokens = shape, layers, slots, max_tokens
+        self.microbatches = microbatches
         self.device = torch.device(device)
         if self.device.type == "cuda":
             deterministic_cuda()
@@ -159,18 +195,81 @@ class TorchStage:
         self.rotary = inner.rotary_emb
         self.norm = inner.norm if self.last else None
         self.head = model.lm_head if self.last else None
-        size = (slots, shape.kv_heads, max_tokens, shape.head_dim)
-        self.keys = [torch.zeros(size, dtype=shape.torch_dtype, device=self.device) for _ in layers]
-        self.values = [torch.zeros(size, dtype=shape.torch_dtype, device=self.device) for _ in layers]
         spec = dejavu.KvSpec(len(layers), shape.kv_heads, shape.head_dim, shape.dtype)
         self.layout = dejavu.KvLayout.per_layer(spec, slots, max_tokens, "bhsd")
-        buffers = [t for pair in zip(self.keys, self.values) for t in pair]
-        if self.device.type == "cuda":
-            self.engine = dejavu.CudaEngine(self.device.index or 0)
-            self.cache = self.engine.wrap(self.layout, buffers)
-        else:
-            self.engine = None
-            self.cache = dejavu.KvCache.wrap(self.layout, buffers)
+        self.engine = dejavu.CudaEngine(self.device.index or 0) if self.device.type == "cuda" else None
+        size = (slots, shape.kv_heads, max_tokens, shape.head_dim)
+        self.sets = [KvSet(self.layout, size, shape.torch_dtype, self.device, self.engine) for _ in range(resident)]
+        self.swapping = resident < microbatches
+        if not self.swapping:
+            for m, kv in enumerate(self.sets):
+                kv.holds = m
+        #: Per microbatch, the tokens whose KV it holds (what a swap moves).
+        self.lengths = [0] * microbatches
+        #: The packed KV of the microbatches swapped out (host memory; pinned on a GPU).
+        self.homes: Dict[int, torch.Tensor] = {}
+        self.recent: List[KvSet] = list(self.sets)
+        #: Bytes swapped out and in so far.
+        self.swapped_bytes = 0
+
+    @property
+    def keys(self) -> List[torch.Tensor]:
+        """Microbatch 0's K tensors (swapped in)."""
+        return self.kv(0).keys
+
+    @property
+    def values(self) -> List[torch.Tensor]:
+        """Microbatch 0's V tensors (swapped in)."""
+        return self.kv(0).values
+
+    @property
+    def cache(self):
+        """The library's cache over microbatch 0's tensors (swapped in)."""
+        return self.kv(0).cache
+
+    def kv(self, microbatch: int) -> KvSet:
+        """The set holding ``microbatch``'s KV on the device, swapping it in if it is not."""
+        if not 0 <= microbatch < self.microbatches:
+            raise ValueError(f"microbatch {microbatch}: the stage has {self.microbatches}")
+        held = next((kv for kv in self.sets if kv.holds == microbatch), None)
+        if held is None:
+            held = min(self.sets, key=lambda kv: (kv.holds is not None, self.recent.index(kv)))
+            if held.holds is not None:
+                self._swap_out(held)
+            self._swap_in(microbatch, held)
+        self.recent.remove(held)
+        self.recent.append(held)
+        return held
+
+    def resident(self, microbatch: int) -> bool:
+        return any(kv.holds == microbatch for kv in self.sets)
+
+    def _moved(self, microbatch: int) -> Tuple[dejavu.KvRegion, int]:
+        region = self.region(range(self.slots), range(0, self.lengths[microbatch]))
+        return region, self.sets[0].cache.packed_len(region) if self.lengths[microbatch] else 0
+
+    def _stream(self) -> dict:
+        return {"stream": torch.cuda.current_stream(self.device)} if self.engine is not None else {}
+
+    def _swap_out(self, kv: KvSet) -> None:
+        microbatch, kv.holds = kv.holds, None
+        region, size = self._moved(microbatch)
+        if size == 0:
+            return
+        home = self.homes.get(microbatch)
+        if home is None or home.numel() < size:
+            full = self.sets[0].cache.packed_len(self.region(range(self.slots), range(0, self.max_tokens)))
+            home = torch.empty(full, dtype=torch.uint8, pin_memory=self.engine is not None)
+            self.homes[microbatch] = home
+        kv.cache.gather(region, home[:size], **self._stream())
+        self.swapped_bytes += size
+
+    def _swap_in(self, microbatch: int, kv: KvSet) -> None:
+        region, size = self._moved(microbatch)
+        if size:
+            kv.cache.scatter(region, self.homes[microbatch][:size], **self._stream())
+            self.swapped_bytes += size
+        kv.holds = microbatch
 
     def region(self, slots: range, tokens: range) -> dejavu.KvRegion:
         """The KV of this stage's layers (local numbers) for ``slots`` and ``tokens``."""
@@ -203,13 +302,15 @@ class TorchStage:
         start: int,
         layer_done: Optional[Callable[[int], None]] = None,
         logits: bool = False,
+        microbatch: int = 0,
     ) -> torch.Tensor:
-        """Runs tokens ``start..start + n`` of the sequences in ``slots`` through this stage's
-        layers, writing their KV; ``layer_done(i)`` is called once local layer ``i``'s KV writes
+        """Runs tokens ``start..start + n`` of the sequences in ``slots`` of ``microbatch`` through
+        this stage's layers, writing their KV; ``layer_done(i)`` is called once local layer ``i``'s KV writes
         are queued. Returns hidden states ``[batch, n, hidden]``, or from the last stage the next
         token of each sequence (``[batch]``, int64; with ``logits``, the last token's logits
         ``[batch, vocab]``), on the stage's device."""
         batch, count = self.check_inputs(inputs, slots, start)
+        kv = self.kv(microbatch)
         end = start + count
         x = self.embed(inputs.to(self.device)) if self.first else inputs.to(self.device, self.shape.torch_dtype)
         positions = torch.arange(start, end, device=self.device).unsqueeze(0).expand(batch, count)
@@ -218,17 +319,19 @@ class TorchStage:
         allowed = torch.arange(end, device=self.device).unsqueeze(0) <= positions[0].unsqueeze(1)
         groups = self.shape.heads // self.shape.kv_heads
         for i, layer in enumerate(self.blocks):
-            x = self._layer(layer, x, cos, sin, i, slots, start, end, allowed, groups)
+            x = self._layer(layer, x, (cos, sin), (kv.keys[i], kv.values[i]), slots, start, end, allowed, groups)
             if layer_done is not None:
                 layer_done(i)
+        self.lengths[microbatch] = max(self.lengths[microbatch], end)
         if not self.last:
             return x
         scores = self.head(self.norm(x[:, -1]))
         return scores if logits else scores.argmax(dim=-1)
 
-    def _layer(self, layer, x, cos, sin, i, slots, start, end, allowed, groups):
+    def _layer(self, layer, x, rotary, cached, slots, start, end, allowed, groups):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+        (cos, sin), (layer_keys, layer_values) = rotary, cached
         attention = layer.self_attn
         batch, count = x.shape[0], x.shape[1]
         h = layer.input_layernorm(x)
@@ -237,8 +340,8 @@ class TorchStage:
         k = attention.k_proj(h).view(shape).transpose(1, 2)
         v = attention.v_proj(h).view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        cache_k = self.keys[i][slots.start : slots.stop]
-        cache_v = self.values[i][slots.start : slots.stop]
+        cache_k = layer_keys[slots.start : slots.stop]
+        cache_v = layer_values[slots.start : slots.stop]
         cache_k[:, :, start:end] = k
         cache_v[:, :, start:end] = v
         keys, values = cache_k[:, :, :end], cache_v[:, :, :end]
@@ -250,32 +353,37 @@ class TorchStage:
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def host_mirror(self) -> Tuple[dejavu.KvCache, List[torch.Tensor]]:
-        """A host cache of the same layout and its tensors (pinned where the stage is on a GPU):
-        what a GPU stage restores into before copying to the device."""
+        """A host cache of one microbatch's layout and its tensors (pinned where the stage is on
+        a GPU): what a stage restores into when its own tensors are on a GPU or swapped out."""
         pin = self.device.type == "cuda"
-        size = self.keys[0].shape
+        size = self.sets[0].keys[0].shape
         tensors = [torch.zeros(size, dtype=self.shape.torch_dtype, pin_memory=pin) for _ in range(2 * len(self.layers))]
         return dejavu.KvCache.wrap(self.layout, tensors), tensors
 
-    def load_mirror(self, tensors: List[torch.Tensor]) -> None:
-        """Copies a host mirror's KV (``host_mirror``) into the stage's tensors."""
-        for target, source in zip((t for pair in zip(self.keys, self.values) for t in pair), tensors):
+    def load_mirror(self, microbatch: int, tensors: List[torch.Tensor], tokens: int) -> None:
+        """Copies a host mirror's KV (``host_mirror``) of ``tokens`` tokens into ``microbatch``'s."""
+        for target, source in zip(self.kv(microbatch).tensors(), tensors):
             target.copy_(source)
+        self.lengths[microbatch] = max(self.lengths[microbatch], tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
 
-def generate(stages: List[TorchStage], prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def generate(stages: List[TorchStage], prompts: torch.Tensor, new_tokens: int, microbatches: int = 1) -> torch.Tensor:
     """Greedy generation through ``stages`` in this process, in the steps the pipeline driver
-    takes (the prompt, then one token at a time): ``[batch, new_tokens]`` token ids."""
-    batch, prompt = prompts.shape
+    takes (each microbatch's prompt, then one token at a time, round the microbatches):
+    ``[sequences, new_tokens]`` token ids. The sequences split into ``microbatches`` equal ones,
+    each in the first slots of its own."""
+    batch = prompts.shape[0] // microbatches
     slots = range(batch)
-    inputs, start, tokens = prompts, 0, []
+    inputs = [prompts[m * batch : (m + 1) * batch] for m in range(microbatches)]
+    starts, tokens = [0] * microbatches, [[] for _ in range(microbatches)]
     for _ in range(new_tokens):
-        x = inputs
-        for stage in stages:
-            x = stage.forward(x, slots, start)
-        tokens.append(x.cpu())
-        start += inputs.shape[1]
-        inputs = x.unsqueeze(1)
-    return torch.stack(tokens, dim=1)
+        for m in range(microbatches):
+            x = inputs[m]
+            for stage in stages:
+                x = stage.forward(x, slots, starts[m], microbatch=m)
+            tokens[m].append(x.cpu())
+            starts[m] += inputs[m].shape[1]
+            inputs[m] = x.unsqueeze(1)
+    return torch.cat([torch.stack(t, dim=1) for t in tokens], dim=0)

@@ -2,8 +2,8 @@
 keeps every step's inputs, and, when a stage process dies, joins a replacement and recomputes the
 steps after the replacement's resume point.
 
-A batch of sequences in one microbatch moves in lockstep: step 0 is the prompt (tokens
-``0..prompt``), step ``k`` the token at ``prompt + k - 1``. Each step's KV is one chunk, so a stage
+The sequences of a microbatch move in lockstep: step 0 is the prompt (tokens ``0..prompt``), step
+``k`` the token at ``prompt + k - 1``; the steps go round the microbatches. Each step's KV is one chunk, so a stage
 resumes at a step boundary. A recomputed step runs exactly as the first time (the same stages,
 shapes and inputs), so its outputs must equal the tokens already generated; a difference raises
 ``RecoveryDiverged``.
@@ -116,6 +116,7 @@ class StepTime:
     #: Its time in the driver, and the part of it spent in the stages.
     seconds: float
     in_stages: float
+    microbatch: int = 0
 
 
 @dataclass
@@ -156,12 +157,13 @@ class Pipeline:
     def __init__(self, stages: List[StageProcess], replace: Callable[[int], StageProcess], restore: bool = True):
         self.stages, self.replace, self.restore = stages, replace, restore
 
-    def step(self, slots: range, step: Step, replicate: bool) -> Tuple[torch.Tensor, float]:
-        """Runs ``step`` through every stage: its outputs, and the seconds the stages spent on it
-        (the rest of the step's time is the driver's and the pipes')."""
+    def step(self, microbatch: int, slots: range, step: Step, replicate: bool) -> Tuple[torch.Tensor, float]:
+        """Runs ``step`` of ``microbatch`` through every stage: its outputs, and the seconds the
+        stages spent on it (the rest of the step's time is the driver's and the pipes')."""
         x, inside = step.inputs, 0.0
         for stage in self.stages:
-            (_, x, seconds) = stage.request(("step", (slots.start, slots.stop), step.start, x, replicate), "out")
+            request = ("step", microbatch, (slots.start, slots.stop), step.start, x, replicate)
+            (_, x, seconds) = stage.request(request, "out")
             inside += seconds
         return x, inside
 
@@ -169,47 +171,61 @@ class Pipeline:
         self,
         prompts: torch.Tensor,
         new_tokens: int,
-        slots: Optional[range] = None,
+        microbatches: int = 1,
         replicate: Callable[[int], bool] = lambda step: True,
         before_step: Optional[Callable[[int, "Pipeline"], None]] = None,
     ) -> Generation:
-        """Generates ``new_tokens`` tokens for each prompt (``[batch, prompt]`` token ids) in
-        ``slots`` (by default the first ``batch``). ``replicate(step)`` says whether a step's KV is
-        replicated; ``before_step(step, pipeline)`` runs once per step, before its first run (where
-        a test or the demo injects a failure)."""
-        batch, prompt = prompts.shape
-        slots = range(batch) if slots is None else slots
-        steps = [Step(0, prompts)]
-        tokens: List[torch.Tensor] = []
+        """Generates ``new_tokens`` tokens for each prompt (``[sequences, prompt]`` token ids),
+        the sequences split into ``microbatches`` equal microbatches, each in the first slots of
+        its own; the steps go round the microbatches (step ``k`` of each, then step ``k + 1``).
+        ``replicate(k)`` says whether step ``k``'s KV is replicated; ``before_step(k, pipeline)``
+        runs once per step, before its first run (where a test or the demo injects a failure)."""
+        sequences, prompt = prompts.shape
+        if microbatches < 1 or sequences % microbatches:
+            raise ValueError(f"{sequences} sequences do not split into {microbatches} equal microbatches")
+        batch = sequences // microbatches
+        slots = range(batch)
+        steps = [[Step(0, prompts[m * batch : (m + 1) * batch])] for m in range(microbatches)]
+        tokens: List[List[torch.Tensor]] = [[] for _ in range(microbatches)]
+        next_step = [0] * microbatches
         result = Generation(tokens=torch.empty(0), seconds=0.0)
-        began = time.perf_counter()
-        k, announced = 0, -1
-        while len(tokens) < new_tokens:
+        began, announced = time.perf_counter(), -1
+        while min(len(t) for t in tokens) < new_tokens:
+            # The microbatch furthest behind goes next (round robin, and after a recovery the
+            # ones recomputing catch up first).
+            m = min(range(microbatches), key=lambda m: (next_step[m], m))
+            k = next_step[m]
             if k > announced:
                 announced = k
                 if before_step is not None:
                     before_step(k, self)
             t0 = time.perf_counter()
             try:
-                out, inside = self.step(slots, steps[k], replicate(k))
+                out, inside = self.step(m, slots, steps[m][k], replicate(k))
             except StageGone as gone:
-                k = self._recover(gone, k, prompt, slots, result)
+                t0 = time.perf_counter()
+                resumed = self._recover(gone, prompt, slots)
+                next_step = [min(next_step[m], resumed.get(m, 0)) for m in range(microbatches)]
+                recovery = Recovery(gone.stage, gone.status, k, min(next_step), time.perf_counter() - t0)
+                result.recoveries.append(recovery)
                 continue
-            result.steps.append(StepTime(k, replicate(k), time.perf_counter() - t0, inside))
-            if k < len(tokens):
-                if not torch.equal(out, tokens[k]):
-                    raise RecoveryDiverged(f"step {k} recomputed gave {out.tolist()}, first {tokens[k].tolist()}")
+            result.steps.append(StepTime(k, replicate(k), time.perf_counter() - t0, inside, m))
+            if k < len(tokens[m]):
+                if not torch.equal(out, tokens[m][k]):
+                    raise RecoveryDiverged(
+                        f"step {k} of microbatch {m} recomputed gave {out.tolist()}, first {tokens[m][k].tolist()}"
+                    )
             else:
-                tokens.append(out)
-                steps.append(Step(prompt + k, out.unsqueeze(1)))
-            k += 1
+                tokens[m].append(out)
+                steps[m].append(Step(prompt + k, out.unsqueeze(1)))
+            next_step[m] = k + 1
         result.seconds = time.perf_counter() - began
-        result.tokens = torch.stack(tokens, dim=1)
+        result.tokens = torch.cat([torch.stack(t, dim=1) for t in tokens], dim=0)
         return result
 
-    def _recover(self, gone: StageGone, failed_step: int, prompt: int, slots: range, result: Generation) -> int:
-        """Joins a replacement for the stage that is gone; returns the step to recompute from."""
-        t0 = time.perf_counter()
+    def _recover(self, gone: StageGone, prompt: int, slots: range) -> Dict[int, int]:
+        """Joins a replacement for the stage that is gone; returns, per microbatch it restored,
+        the step to recompute from (the others start again from step 0)."""
         index = gone.stage
         self.stages[index].kill()
         for attempt in range(1, self.JOIN_ATTEMPTS + 1):
@@ -223,9 +239,10 @@ class Pipeline:
                     raise
                 time.sleep(self.JOIN_PAUSE)
         self.stages[index] = stage
-        resumed = stage.resume.get((0, (slots.start, slots.stop)), 0) if self.restore else 0
-        # Token `resumed` is the first one without KV: the step that starts there.
-        step = 0 if resumed < prompt else resumed - prompt + 1
-        step = min(step, failed_step)
-        result.recoveries.append(Recovery(index, gone.status, failed_step, step, time.perf_counter() - t0))
-        return step
+        resumed: Dict[int, int] = {}
+        if self.restore:
+            for (microbatch, held), tokens in stage.resume.items():
+                if tuple(held) == (slots.start, slots.stop):
+                    # Token `tokens` is the first one without KV: the step that starts there.
+                    resumed[microbatch] = 0 if tokens < prompt else tokens - prompt + 1
+        return resumed

@@ -10,7 +10,7 @@ to the next token each restored sequence computes.
 
 Then, per request (each a pickled tuple; each answer too):
 
-- ``("step", (first slot, end slot), start, inputs, replicate)`` runs the step (``TorchStage.forward``)
+- ``("step", microbatch, (first slot, end slot), start, inputs, replicate)`` runs the step (``TorchStage.forward``)
   and answers ``("out", outputs, seconds)``: CPU tensors, and the seconds from the request's
   arrival to the outputs on the host (the stage's own share of the step). With ``replicate``, the step's KV goes to the
   sidecar in the background (``Streamer.region_ready``; on a GPU ``device_region_ready``, whose
@@ -18,7 +18,7 @@ Then, per request (each a pickled tuple; each answer too):
   successor. A step is *acknowledged* once both hold it. At most ``lag`` steps are not acknowledged
   yet: a step waits for the acknowledgement of the step ``lag`` before it.
 - ``("drain",)`` waits until every step is answered: ``("drained", steps acknowledged)``.
-- ``("release", (first slot, end slot))``: the sequences finished; the sidecar and its successor
+- ``("release", microbatch, (first slot, end slot))``: the sequences finished; the sidecar and its successor
   drop their KV. ``("released", chunks)``.
 
 A request the stage cannot carry out (shapes that do not match the model, slots or tokens out of
@@ -73,27 +73,40 @@ class Replication:
         return self.client.epoch
 
     def restore(self) -> Dict[Tuple[int, Tuple[int, int]], int]:
-        """Fetches the KV the sidecar keeps into the stage's tensors (through a host mirror on a
-        GPU); returns where each sequence resumes."""
-        if self.stage.engine is None:
-            self.client.register(self.stage.cache, microbatch=0)
-            return self.client.restore()
-        mirror, tensors = self.stage.host_mirror()
-        self.client.register(mirror, microbatch=0)
+        """Fetches the KV the sidecar keeps into the stage's tensors (through host mirrors on a
+        GPU or with microbatches swapped out); returns where each sequence resumes."""
+        stage = self.stage
+        if stage.engine is None and not stage.swapping:
+            for microbatch in range(stage.microbatches):
+                self.client.register(stage.kv(microbatch).cache, microbatch=microbatch)
+            resume = self.client.restore()
+            for (microbatch, _), tokens in resume.items():
+                stage.lengths[microbatch] = max(stage.lengths[microbatch], tokens)
+            return resume
+        mirrors = {}
+        for microbatch in range(stage.microbatches):
+            mirror, tensors = stage.host_mirror()
+            self.client.register(mirror, microbatch=microbatch)
+            mirrors[microbatch] = (mirror, tensors)
         resume = self.client.restore()
-        self.stage.load_mirror(tensors)
+        restored: Dict[int, int] = {}
+        for (microbatch, _), tokens in resume.items():
+            restored[microbatch] = max(restored.get(microbatch, 0), tokens)
+        for microbatch, tokens in restored.items():
+            stage.load_mirror(microbatch, mirrors[microbatch][1], tokens)
         return resume
 
-    def step(self, slots: range, tokens: range) -> None:
+    def step(self, microbatch: int, slots: range, tokens: range) -> None:
         """Queues the step's KV (its kernels are queued, on a GPU, or done, on the CPU)."""
         region = self.stage.region(slots, tokens)
         worker = self.client.worker
+        cache = self.stage.kv(microbatch).cache
         try:
             if self.stage.engine is None:
-                completion = self.streamer.region_ready(self.stage.cache, region, worker, worker, 0)
+                completion = self.streamer.region_ready(cache, region, worker, worker, microbatch)
             else:
                 stream = torch.cuda.current_stream(self.stage.device)
-                completion = self.streamer.device_region_ready(self.stage.cache, stream, region, worker, worker, 0)
+                completion = self.streamer.device_region_ready(cache, stream, region, worker, worker, microbatch)
         except dejavu.Error as e:
             raise SidecarGone(str(e)) from e
         self.pending.append(completion)
@@ -105,10 +118,10 @@ class Replication:
             self._acknowledge()
         return self.acknowledged
 
-    def release(self, slots: range) -> int:
+    def release(self, microbatch: int, slots: range) -> int:
         self.drain()
         try:
-            return self.client.release(0, slots)
+            return self.client.release(microbatch, slots)
         except dejavu.Error as e:
             raise SidecarGone(str(e)) from e
 
@@ -146,18 +159,21 @@ class StageServer:
         try:
             if op == "step":
                 began = time.perf_counter()
-                _, (first, end), start, inputs, replicate = request
+                _, microbatch, (first, end), start, inputs, replicate = request
                 slots = range(first, end)
-                out = self.stage.forward(inputs, slots, start)
+                if self.replication is not None and not self.stage.resident(microbatch):
+                    # The streamer may still be reading the set a swap is about to reuse.
+                    self.replication.drain()
+                out = self.stage.forward(inputs, slots, start, microbatch=microbatch)
                 if replicate and self.replication is not None:
-                    self.replication.step(slots, range(start, start + inputs.shape[1]))
+                    self.replication.step(microbatch, slots, range(start, start + inputs.shape[1]))
                 out = out.cpu()
                 return ("out", out, time.perf_counter() - began)
             if op == "drain":
                 return ("drained", self.replication.drain() if self.replication else 0)
             if op == "release":
-                _, (first, end) = request
-                return ("released", self.replication.release(range(first, end)) if self.replication else 0)
+                _, microbatch, (first, end) = request
+                return ("released", self.replication.release(microbatch, range(first, end)) if self.replication else 0)
             return ("error", "ValueError", f"unknown request {op!r}")
         except ValueError as e:
             return ("error", "ValueError", str(e))
@@ -174,6 +190,11 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--layers", required=True, help="this stage's layers, FIRST:END")
     p.add_argument("--slots", type=int, required=True, help="sequences the stage holds")
     p.add_argument("--max-tokens", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches of --slots sequences each")
+    p.add_argument(
+        "--resident", type=int,
+        help="microbatches whose KV stays on the device (fewer than --microbatches: swapping; default: all)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--socket", help="the sidecar's local socket (none: no replication)")
     p.add_argument("--successor", default="", help="the ring successor's sidecar, HOST:PORT")
@@ -195,7 +216,10 @@ def main(argv) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     first, end = (int(x) for x in args.layers.split(":"))
-    stage = TorchStage(ModelShape.from_json(args.shape), range(first, end), args.slots, args.max_tokens, args.device)
+    stage = TorchStage(
+        ModelShape.from_json(args.shape), range(first, end), args.slots, args.max_tokens, args.device,
+        args.microbatches, args.resident,
+    )
     send(out, ("standby",))
     try:
         _, restore = pickle.load(requests)
