@@ -83,17 +83,19 @@ class Replication:
             for (microbatch, _), tokens in resume.items():
                 stage.lengths[microbatch] = max(stage.lengths[microbatch], tokens)
             return resume
-        mirrors = {}
+        # One microbatch at a time through one host mirror: a mirror is a whole microbatch's KV.
+        mirror, tensors = stage.host_mirror()
+        resume: Dict[Tuple[int, Tuple[int, int]], int] = {}
         for microbatch in range(stage.microbatches):
-            mirror, tensors = stage.host_mirror()
-            self.client.register(mirror, microbatch=microbatch)
-            mirrors[microbatch] = (mirror, tensors)
-        resume = self.client.restore()
-        restored: Dict[int, int] = {}
-        for (microbatch, _), tokens in resume.items():
-            restored[microbatch] = max(restored.get(microbatch, 0), tokens)
-        for microbatch, tokens in restored.items():
-            stage.load_mirror(microbatch, mirrors[microbatch][1], tokens)
+            for tensor in tensors:
+                tensor.zero_()
+            tokens = 0
+            for point in self.client.store.restore(self.client.worker, {microbatch: mirror}):
+                if point["fetched"] and point["microbatch"] == microbatch:
+                    resume[(microbatch, tuple(point["slots"]))] = point["tokens"]
+                    tokens = max(tokens, point["tokens"])
+            if tokens:
+                stage.load_mirror(microbatch, tensors, tokens)
         return resume
 
     def step(self, microbatch: int, slots: range, tokens: range) -> None:
