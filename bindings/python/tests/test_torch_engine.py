@@ -129,6 +129,7 @@ def test_the_demo_reports_each_failure_against_a_failure_free_run(tmp_path, caps
 
     figures = json.loads(report.read_text())
     assert figures["identical"] is True
+    assert figures["tokens_per_second"] > 0 and figures["swapped_bytes"] == 0
     assert figures["restart_from_scratch"]["recomputed_from_step"] == 0
     # A restored engine recomputes at most the steps not acknowledged yet.
     assert figures["engine_killed"]["recomputed_from_step"] >= 4 - 2
@@ -231,10 +232,12 @@ def test_swapping_stages_killed_mid_decode_resume_bit_identical():
                 cluster.wait_for(lambda: cluster.restores() > restores, "sidecar 1 restored")
 
         generation = run.generate(before_step=before_step)
+        swapped = run.swapped_bytes()
     finally:
         run.stop()
     assert torch.equal(generation.tokens, expected)
     assert [(r.stage, r.failed_step) for r in generation.recoveries] == [(0, 3), (1, 6)]
+    assert swapped > 0
     # Each replacement restored every microbatch, swapped out or not: at most `lag` steps of
     # them are recomputed.
     assert all(r.resumed_step >= r.failed_step - workload.lag - 1 for r in generation.recoveries)

@@ -107,6 +107,10 @@ class Run:
         w = self.workload
         return self.pipeline.generate(w.prompts(), w.new_tokens, microbatches=w.microbatches, **kwargs)
 
+    def swapped_bytes(self) -> int:
+        """Bytes the stages swapped out and in so far."""
+        return sum(stage.request(("stats",), "stats")[1]["swapped_bytes"] for stage in self.pipeline.stages)
+
     def stop(self) -> None:
         running = self.pipeline.stages if hasattr(self, "pipeline") else []
         for stage in [*running, *self.standby.values()]:
@@ -170,18 +174,23 @@ def measure(workload: Workload, dejavud: Optional[str] = None, fail_at: Optional
         try:
             run.fail_at = fail_at
             generation = run.generate(before_step=inject(run, stage) if inject else None, **kwargs)
+            generation.swapped_bytes = run.swapped_bytes() if inject is None else 0
         finally:
             run.stop()
         return generation
 
     reference = one()
     base = reference.seconds
+    tokens = reference.tokens.numel()
     report["failure_free_seconds"] = base
+    report["tokens_per_second"] = tokens / base
     steps = decode_steps(reference)
     report["decode_step_ms"] = {"median": median_ms(steps), "in_stages": median_ms(steps, inside=True)}
+    report["swapped_bytes"] = reference.swapped_bytes
+    swapped = f"; {reference.swapped_bytes / 1e6:.1f} MB swapped out and in" if reference.swapped_bytes else ""
     log(
-        f"failure-free: {base:.3f} s, decode step median {median_ms(steps):.2f} ms "
-        f"(in the stages {median_ms(steps, inside=True):.2f} ms)"
+        f"failure-free: {base:.3f} s, {tokens / base:.0f} tokens/s, decode step median {median_ms(steps):.2f} ms "
+        f"(in the stages {median_ms(steps, inside=True):.2f} ms){swapped}"
     )
 
     run = Run(workload, dejavud)

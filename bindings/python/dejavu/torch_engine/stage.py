@@ -18,6 +18,8 @@ Then, per request (each a pickled tuple; each answer too):
   successor. A step is *acknowledged* once both hold it. At most ``lag`` steps are not acknowledged
   yet: a step waits for the acknowledgement of the step ``lag`` before it.
 - ``("drain",)`` waits until every step is answered: ``("drained", steps acknowledged)``.
+- ``("stats",)``: ``("stats", {"swapped_bytes", "acknowledged", "unforwarded"})``, the bytes
+  swapped out and in, the steps acknowledged, and the steps the sidecar kept but could not forward.
 - ``("release", microbatch, (first slot, end slot))``: the sequences finished; the sidecar and its successor
   drop their KV. ``("released", chunks)``.
 
@@ -173,6 +175,13 @@ class StageServer:
                 return ("out", out, time.perf_counter() - began)
             if op == "drain":
                 return ("drained", self.replication.drain() if self.replication else 0)
+            if op == "stats":
+                replication = self.replication
+                return ("stats", {
+                    "swapped_bytes": self.stage.swapped_bytes,
+                    "acknowledged": replication.acknowledged if replication else 0,
+                    "unforwarded": replication.unforwarded if replication else 0,
+                })
             if op == "release":
                 _, microbatch, (first, end) = request
                 return ("released", self.replication.release(microbatch, range(first, end)) if self.replication else 0)
