@@ -133,17 +133,22 @@ def median_ms(steps: List[StepTime], inside: bool = False) -> float:
     return statistics.median(s.in_stages if inside else s.seconds for s in steps) * 1e3 if steps else float("nan")
 
 
-def kill_engine(run: Run, stage: int):
+def kill_engine(run: Run, stage: int, at: int):
+    """Kills stage ``stage``'s engine before step ``at``."""
+
     def before_step(step: int, pipeline: Pipeline) -> None:
-        if step == run.fail_at:
+        if step == at:
             pipeline.stages[stage].kill()
 
     return before_step
 
 
-def kill_worker(run: Run, stage: int):
+def kill_worker(run: Run, stage: int, at: int):
+    """Kills stage ``stage``'s engine and sidecar before step ``at``; starts the sidecar again and
+    waits until the controller has restored it."""
+
     def before_step(step: int, pipeline: Pipeline) -> None:
-        if step == run.fail_at:
+        if step == at:
             restores, fences = run.cluster.restores(), run.cluster.fences()
             pipeline.stages[stage].kill()
             run.cluster.kill_sidecar(stage)
@@ -172,8 +177,7 @@ def measure(workload: Workload, dejavud: Optional[str] = None, fail_at: Optional
     def one(restore: bool = True, inject=None, **kwargs) -> Generation:
         run = Run(workload, dejavud, restore=restore, spare=stage if inject else None)
         try:
-            run.fail_at = fail_at
-            generation = run.generate(before_step=inject(run, stage) if inject else None, **kwargs)
+            generation = run.generate(before_step=inject(run, stage, fail_at) if inject else None, **kwargs)
             generation.swapped_bytes = run.swapped_bytes() if inject is None else 0
         finally:
             run.stop()
@@ -195,7 +199,6 @@ def measure(workload: Workload, dejavud: Optional[str] = None, fail_at: Optional
 
     run = Run(workload, dejavud)
     try:
-        run.fail_at = -1
         generation = run.generate(replicate=lambda k: (k // block) % 2 == 0)
     finally:
         run.stop()
