@@ -4,6 +4,7 @@
 //! batch 8) in FasterTransformer's layout, where a decode step writes one 16-byte K piece per
 //! 64-byte cache line.
 
+pub mod controller_load;
 pub mod e2e;
 pub mod failover;
 pub mod gpu;

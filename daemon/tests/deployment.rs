@@ -360,3 +360,51 @@ fn a_controller_restarted_in_the_middle_of_a_restore_finishes_it() {
     }
     drop(worker1);
 }
+
+#[test]
+fn a_thousand_members_beating_in_step_are_all_heard() {
+    use dejavud::heartbeat::Beat;
+    const MEMBERS: u32 = 1000;
+    // The controller asks the kernel for a receive buffer that holds a round of everyone's beats;
+    // a process like it here (this test's) learns what the kernel grants.
+    let probe = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let granted = dejavud::controller::enlarge_receive_buffer(&probe);
+    if granted < 2 << 20 {
+        eprintln!("skipped: the kernel grants {granted} bytes of receive buffer (raise net.core.rmem_max, or run as root)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let mut controller = start(&[
+        "controller",
+        "--listen=127.0.0.1:0",
+        "--metrics=127.0.0.1:0",
+        "--secret=scale test",
+        &format!("--state={}", state.display()),
+    ]);
+    let metrics = controller.next("metrics ");
+    let addr = controller.next("listening ");
+    let alive = || {
+        value_of(&scrape(metrics).unwrap(), "dejavu_controller_members", &[("health", "alive")])
+            .unwrap_or(0.0)
+    };
+    let started = Instant::now();
+    let mut sequence = 1;
+    while alive() < f64::from(MEMBERS) {
+        assert!(started.elapsed() < Duration::from_secs(20), "{} of {MEMBERS} members heard", alive());
+        // One round: every member's beat in one burst, as members started together send them.
+        for index in 0..MEMBERS {
+            let beat = Beat {
+                member: (Role::Engine, index),
+                pid: 1,
+                epoch: 0,
+                sequence,
+                control_port: None,
+                data_port: None,
+            };
+            probe.send_to(&beat.encode(b"scale test"), addr).unwrap();
+        }
+        sequence += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -14,7 +14,7 @@ use dejavulib::file_io::{FileBackend, FileIo};
 use dejavulib::store::{ChunkStore, FileStore};
 use dejavulib::StagingPool;
 
-const USAGE: &str = "usage: bench-report [--json] [--quick] [--no-e2e] [--gpu-only]";
+const USAGE: &str = "usage: bench-report [--json] [--quick] [--no-e2e] [--gpu-only] [--controller-only]";
 
 /// The command line.
 struct Options {
@@ -26,11 +26,14 @@ struct Options {
     no_e2e: bool,
     /// Only the GPU section (for a GPU machine's short lease).
     gpu_only: bool,
+    /// Only the scale of one controller (simulated members), as a table.
+    controller_only: bool,
 }
 
 impl Options {
     fn parse() -> Result<Self, String> {
-        let mut options = Self { json: false, quick: false, no_e2e: false, gpu_only: false };
+        let mut options =
+            Self { json: false, quick: false, no_e2e: false, gpu_only: false, controller_only: false };
         for arg in std::env::args().skip(1) {
             match arg.as_str() {
                 "--json" => options.json = true,
@@ -40,6 +43,7 @@ impl Options {
                     options.gpu_only = true;
                     options.no_e2e = true;
                 }
+                "--controller-only" => options.controller_only = true,
                 other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
             }
         }
@@ -89,6 +93,9 @@ fn main() -> std::process::ExitCode {
     // First, on a machine nothing of ours loads yet.
     let machine = dejavu_benches::machine::Machine::read();
     eprintln!("{}", machine.line());
+    if options.controller_only {
+        return controller_only(&machine, options.quick);
+    }
     let mut micro = micro_rows(geometry, options.quick, options.gpu_only);
     if !options.gpu_only {
         eprintln!("a prompt's handoff between pipeline setups, in one process...");
@@ -100,6 +107,35 @@ fn main() -> std::process::ExitCode {
     micro.rows.extend(e2e.rows.iter().cloned());
     print_report(&machine, &micro, &e2e, options.json);
     std::process::ExitCode::SUCCESS
+}
+
+/// The controller's scale rows alone (`--controller-only`).
+fn controller_only(machine: &dejavu_benches::machine::Machine, quick: bool) -> std::process::ExitCode {
+    let measured = e2e::find_dejavud().and_then(|exe| {
+        let (window, detections) = controller_load_settings(quick);
+        dejavu_benches::controller_load::measure(&exe, CONTROLLER_MEMBERS, window, detections)
+    });
+    match measured {
+        Ok((rows, note)) => {
+            println!("{}\n", machine.line());
+            print_rows(&rows);
+            println!("\n{note}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("bench-report: controller scale: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The window the controller's CPU is measured over, and the detections timed.
+fn controller_load_settings(quick: bool) -> (Duration, u32) {
+    if quick {
+        (Duration::from_secs(2), 5)
+    } else {
+        (Duration::from_secs(5), 20)
+    }
 }
 
 /// The end-to-end section, or the reason it was skipped.
@@ -141,6 +177,15 @@ fn end_to_end(options: &Options) -> E2e {
                 e2e.notes
                     .push("controller failover: skipped, no etcd on the PATH (Debian's etcd-server)".into());
             }
+            eprintln!("one controller under {CONTROLLER_MEMBERS} simulated members...");
+            let (window, detections) = controller_load_settings(options.quick);
+            match dejavu_benches::controller_load::measure(&exe, CONTROLLER_MEMBERS, window, detections) {
+                Ok((rows, note)) => {
+                    e2e.rows.extend(rows);
+                    e2e.notes.push(note);
+                }
+                Err(e) => e2e.notes.push(format!("controller scale: failed: {e}")),
+            }
             e2e
         }
         Err(e) => {
@@ -149,6 +194,9 @@ fn end_to_end(options: &Options) -> E2e {
         }
     }
 }
+
+/// Members heartbeating at 10 Hz to the one controller whose scale is measured.
+const CONTROLLER_MEMBERS: u32 = 1000;
 
 /// Controller failovers measured, and in a quick report.
 const FAILOVERS: usize = 20;
@@ -502,6 +550,15 @@ fn print_report(machine: &dejavu_benches::machine::Machine, micro: &Micro, e2e: 
         "decode step: {decode_len} useful bytes in {touched} bytes of touched cache lines ({:.0}% useful)\n",
         100.0 * *decode_len as f64 / *touched as f64
     );
+    print_rows(rows);
+    println!();
+    for note in gpu_note.iter().chain(&e2e.notes) {
+        println!("{note}");
+    }
+}
+
+/// The table of `rows`, in markdown.
+fn print_rows(rows: &[Row]) {
     println!("| measurement | value | limit | limit value | ratio | target | met |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     for r in rows {
@@ -522,9 +579,5 @@ fn print_report(machine: &dejavu_benches::machine::Machine, micro: &Micro, e2e: 
             target,
             met
         );
-    }
-    println!();
-    for note in gpu_note.iter().chain(&e2e.notes) {
-        println!("{note}");
     }
 }

@@ -453,11 +453,57 @@ fn journal_error(path: &std::path::Path, e: std::io::Error) -> ControllerError {
     ControllerError::State { path: path.to_owned(), why: format!("the journal: {e}") }
 }
 
+/// Bytes of heartbeat datagrams the controller's socket may hold unread. The kernel's default
+/// (about 208 KiB, charged about 800 bytes a datagram) holds some 256 beats: a thousand members
+/// beating in step, or a controller busy for a few tens of milliseconds, lost most of a round.
+const HEARTBEAT_BUFFER: libc::c_int = 8 << 20;
+
+/// Asks for `HEARTBEAT_BUFFER` bytes of receive buffer on `socket`: beyond `net.core.rmem_max`
+/// where the process may (`SO_RCVBUFFORCE`, as root), else up to it. Returns the size granted.
+pub fn enlarge_receive_buffer(socket: &UdpSocket) -> usize {
+    use std::os::fd::AsRawFd;
+    let fd = socket.as_raw_fd();
+    let size = HEARTBEAT_BUFFER;
+    let int_len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    for option in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
+        // SAFETY: the descriptor is the socket's own, and `size` is a live `c_int` whose length
+        // is passed with it.
+        let set = unsafe {
+            libc::setsockopt(fd, libc::SOL_SOCKET, option, (&size as *const libc::c_int).cast(), int_len)
+        };
+        if set == 0 {
+            break;
+        }
+    }
+    let (mut granted, mut len): (libc::c_int, libc::socklen_t) = (0, int_len);
+    // SAFETY: as above; `granted` and `len` are live and `len` holds `granted`'s size.
+    let got = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&mut granted as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    let granted = if got == 0 { granted.max(0) as usize } else { 0 };
+    if granted < HEARTBEAT_BUFFER as usize {
+        warn!(
+            granted,
+            wanted = HEARTBEAT_BUFFER,
+            "the heartbeat socket's receive buffer is smaller than asked (raise net.core.rmem_max): \
+             beats of many members arriving together may be lost"
+        );
+    }
+    granted
+}
+
 /// Binds a UDP and a TCP socket on the same port of `addr` (a free one if its port is 0).
 fn bind_pair(addr: SocketAddr) -> std::io::Result<(UdpSocket, TcpListener)> {
     let mut last = None;
     for _ in 0..BIND_ATTEMPTS {
         let udp = UdpSocket::bind(addr)?;
+        enlarge_receive_buffer(&udp);
         match TcpListener::bind(udp.local_addr()?) {
             Ok(tcp) => return Ok((udp, tcp)),
             // Someone holds the TCP side of the port picked: try another.
