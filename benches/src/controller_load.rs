@@ -23,8 +23,8 @@ use crate::Row;
 const HEARTBEAT: Duration = Duration::from_millis(100);
 const TIMEOUT: Duration = Duration::from_millis(300);
 
-/// The secret the controller and the simulated members share.
-const SECRET: &str = "controller load bench";
+/// The secret the controllers and the simulated members share.
+pub(crate) const SECRET: &str = "controller load bench";
 
 /// A controller process, killed when dropped.
 struct Controller {
@@ -96,9 +96,10 @@ struct Sent {
     at: Instant,
 }
 
-/// Members beating from one thread: every interval, one signed datagram per member not silenced,
-/// the members in `SLICES` slices spread over the interval.
-struct Load {
+/// Members beating from one thread: every interval, one signed datagram per member not silenced
+/// to each controller, the members in `SLICES` slices spread over the interval.
+pub(crate) struct Load {
+    controllers: Arc<Mutex<Vec<SocketAddr>>>,
     stop: Arc<AtomicBool>,
     silenced: Arc<Mutex<HashSet<u32>>>,
     sent: Arc<Mutex<Sent>>,
@@ -107,8 +108,10 @@ struct Load {
 }
 
 impl Load {
-    fn start(controller: SocketAddr, members: u32) -> Result<Self, String> {
+    pub(crate) fn start(controllers: Vec<SocketAddr>, members: u32) -> Result<Self, String> {
         let socket = UdpSocket::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+        let controllers = Arc::new(Mutex::new(controllers));
+        let targets = controllers.clone();
         let (stop, silenced) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(HashSet::new())));
         let sent = Arc::new(Mutex::new(Sent { beats: 0, slice: SLICES, at: Instant::now() }));
         let per_slice = members.div_ceil(SLICES);
@@ -120,6 +123,7 @@ impl Load {
                 // different times beat.
                 for slice in 0..SLICES {
                     let quiet = quiet.lock().expect("not poisoned").clone();
+                    let targets = targets.lock().expect("not poisoned").clone();
                     let sequence =
                         SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_micros());
                     let first = slice * per_slice;
@@ -133,8 +137,11 @@ impl Load {
                             control_port: None,
                             data_port: None,
                         };
-                        if socket.send_to(&beat.encode(SECRET.as_bytes()), controller).is_ok() {
-                            beats += 1;
+                        let datagram = beat.encode(SECRET.as_bytes());
+                        for &controller in &targets {
+                            if socket.send_to(&datagram, controller).is_ok() {
+                                beats += 1;
+                            }
                         }
                     }
                     {
@@ -146,7 +153,12 @@ impl Load {
                 }
             }
         });
-        Ok(Self { stop, silenced, sent, per_slice, thread: Some(thread) })
+        Ok(Self { controllers, stop, silenced, sent, per_slice, thread: Some(thread) })
+    }
+
+    /// Beats go to `controllers` from the next slice on.
+    pub(crate) fn beat_to(&self, controllers: Vec<SocketAddr>) {
+        *self.controllers.lock().expect("not poisoned") = controllers;
     }
 
     fn sent(&self) -> Sent {
@@ -154,7 +166,7 @@ impl Load {
     }
 
     /// Stops `member`'s beats just after its next one went; returns when that was.
-    fn silence(&self, member: u32) -> Instant {
+    pub(crate) fn silence(&self, member: u32) -> Instant {
         let before = self.sent().at;
         loop {
             let sent = self.sent();
@@ -178,7 +190,10 @@ impl Drop for Load {
 }
 
 /// Waits up to `patience` for `ready`, polling.
-fn wait_for(patience: Duration, mut ready: impl FnMut() -> Result<bool, String>) -> Result<Instant, String> {
+pub(crate) fn wait_for(
+    patience: Duration,
+    mut ready: impl FnMut() -> Result<bool, String>,
+) -> Result<Instant, String> {
     let deadline = Instant::now() + patience;
     loop {
         if ready()? {
@@ -216,7 +231,7 @@ impl Sitting {
 fn sit(exe: &Path, members: u32, window: Duration, detections: u32) -> Result<Sitting, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let controller = Controller::start(exe, dir.path())?;
-    let load = Load::start(controller.listen, members)?;
+    let load = Load::start(vec![controller.listen], members)?;
     let alive = "dejavu_controller_members{health=\"alive\"}";
     wait_for(Duration::from_secs(30), || Ok(controller.metric(alive)? >= f64::from(members))).map_err(
         |e| {

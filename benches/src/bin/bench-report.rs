@@ -109,11 +109,21 @@ fn main() -> std::process::ExitCode {
     std::process::ExitCode::SUCCESS
 }
 
-/// The controller's scale rows alone (`--controller-only`).
+/// The controller's rows alone (`--controller-only`): its scale, and, where etcd is installed, a
+/// member's detection during a failover.
 fn controller_only(machine: &dejavu_benches::machine::Machine, quick: bool) -> std::process::ExitCode {
     let measured = e2e::find_dejavud().and_then(|exe| {
         let (window, detections) = controller_load_settings(quick);
-        dejavu_benches::controller_load::measure(&exe, CONTROLLER_MEMBERS, window, detections)
+        let (mut rows, note) =
+            dejavu_benches::controller_load::measure(&exe, CONTROLLER_MEMBERS, window, detections)?;
+        let mut notes = vec![note];
+        if Command::new("etcd").arg("--version").output().is_ok() {
+            let runs = if quick { FAILOVERS_QUICK } else { FAILOVERS };
+            let (more, note) = dejavu_benches::failover::measure_detection(&exe, runs)?;
+            rows.extend(more);
+            notes.push(note);
+        }
+        Ok((rows, notes.join("\n")))
     });
     match measured {
         Ok((rows, note)) => {
@@ -172,6 +182,14 @@ fn end_to_end(options: &Options) -> E2e {
                         e2e.notes.push(note);
                     }
                     Err(e) => e2e.notes.push(format!("controller failover: failed: {e}")),
+                }
+                eprintln!("a member dying as the leading controller does...");
+                match dejavu_benches::failover::measure_detection(&exe, failovers) {
+                    Ok((rows, note)) => {
+                        e2e.rows.extend(rows);
+                        e2e.notes.push(note);
+                    }
+                    Err(e) => e2e.notes.push(format!("detection during a failover: failed: {e}")),
                 }
             } else {
                 e2e.notes
