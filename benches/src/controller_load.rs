@@ -5,17 +5,15 @@
 //! the same for a controller of a few members in the same run.
 
 use std::collections::HashSet;
-use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, UdpSocket};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use dejavud::heartbeat::{Beat, Role};
-use dejavud::metrics::scrape;
 
+use crate::controller_process::{metric, ControllerProcess, SECRET};
 use crate::Row;
 
 /// The members' heartbeat interval (10 Hz) and the silence after which the controller declares
@@ -23,65 +21,33 @@ use crate::Row;
 const HEARTBEAT: Duration = Duration::from_millis(100);
 const TIMEOUT: Duration = Duration::from_millis(300);
 
-/// The secret the controllers and the simulated members share.
-pub(crate) const SECRET: &str = "controller load bench";
-
-/// A controller process, killed when dropped.
+/// A controller with the benchmark's timeout and heartbeat, and where it listens and serves its
+/// metrics.
 struct Controller {
-    child: Child,
+    process: ControllerProcess,
     listen: SocketAddr,
     metrics: SocketAddr,
 }
 
 impl Controller {
     fn start(exe: &Path, dir: &Path) -> Result<Self, String> {
-        let mut child = Command::new(exe)
-            .args(["controller", "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
-            .arg(format!("--state={}", dir.join("state").display()))
-            .arg(format!("--timeout-ms={}", TIMEOUT.as_millis()))
-            .arg(format!("--heartbeat-ms={}", HEARTBEAT.as_millis()))
-            .env("DEJAVU_SECRET", SECRET)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("cannot start a controller: {e}"))?;
-        let mut lines = BufReader::new(child.stdout.take().ok_or("no standard output")?).lines();
-        let mut address = |word: &str| -> Result<SocketAddr, String> {
-            let line = lines.next().and_then(Result::ok).ok_or("the controller said nothing")?;
-            let rest = line.strip_prefix(word).ok_or_else(|| format!("{line:?}, not {word:?}"))?;
-            rest.trim().parse().map_err(|e| format!("{line:?}: {e}"))
-        };
-        let metrics = address("metrics ")?;
-        let listen = address("listening ")?;
-        Ok(Self { child, listen, metrics })
+        let process = ControllerProcess::start(
+            exe,
+            &[
+                "--listen=127.0.0.1:0".into(),
+                "--metrics=127.0.0.1:0".into(),
+                format!("--state={}", dir.join("state").display()),
+                format!("--timeout-ms={}", TIMEOUT.as_millis()),
+                format!("--heartbeat-ms={}", HEARTBEAT.as_millis()),
+            ],
+        )?;
+        let metrics = process.address("metrics ")?;
+        let listen = process.address("listening ")?;
+        Ok(Self { process, listen, metrics })
     }
 
-    fn metric(&self, name: &str) -> Result<f64, String> {
-        let page = scrape(self.metrics).map_err(|e| e.to_string())?;
-        page.lines()
-            .find_map(|line| line.strip_prefix(name).and_then(|rest| rest.trim().parse().ok()))
-            .ok_or_else(|| format!("no {name} in the controller's metrics"))
-    }
-
-    /// User and system CPU seconds the process has used.
-    fn cpu_seconds(&self) -> Result<f64, String> {
-        let stat =
-            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).map_err(|e| e.to_string())?;
-        // Fields after the command's closing parenthesis: state is the third, utime the 14th.
-        let fields: Vec<&str> =
-            stat.rsplit_once(')').ok_or("a malformed stat")?.1.split_whitespace().collect();
-        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).ok_or("a malformed stat");
-        // SAFETY: sysconf reads a constant of the system.
-        let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        Ok((ticks(11)? + ticks(12)?) / per_second)
-    }
-}
-
-impl Drop for Controller {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    fn metric(&self, name: &str, labels: &[(&str, &str)]) -> Result<f64, String> {
+        metric(self.metrics, name, labels)
     }
 }
 
@@ -232,27 +198,25 @@ fn sit(exe: &Path, members: u32, window: Duration, detections: u32) -> Result<Si
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let controller = Controller::start(exe, dir.path())?;
     let load = Load::start(vec![controller.listen], members)?;
-    let alive = "dejavu_controller_members{health=\"alive\"}";
-    wait_for(Duration::from_secs(30), || Ok(controller.metric(alive)? >= f64::from(members))).map_err(
-        |e| {
-            let count = |name: &str| controller.metric(name).map_or("?".into(), |v| v.to_string());
-            format!(
-                "{members} members never all alive ({e}): {} alive, {} heartbeats taken, {} refused",
-                count(alive),
-                count("dejavu_controller_heartbeats_total"),
-                count("dejavu_controller_refused_heartbeats_total")
-            )
-        },
-    )?;
-    let (cpu0, beats0) = (controller.cpu_seconds()?, load.sent().beats);
+    let alive = || controller.metric("dejavu_controller_members", &[("health", "alive")]);
+    wait_for(Duration::from_secs(30), || Ok(alive()? >= f64::from(members))).map_err(|e| {
+        let shown = |value: Result<f64, String>| value.map_or("?".into(), |v| v.to_string());
+        format!(
+            "{members} members never all alive ({e}): {} alive, {} heartbeats taken, {} refused",
+            shown(alive()),
+            shown(controller.metric("dejavu_controller_heartbeats_total", &[])),
+            shown(controller.metric("dejavu_controller_refused_heartbeats_total", &[]))
+        )
+    })?;
+    let (cpu0, beats0) = (controller.process.cpu_seconds()?, load.sent().beats);
     std::thread::sleep(window);
-    let (cpu1, beats1) = (controller.cpu_seconds()?, load.sent().beats);
+    let (cpu1, beats1) = (controller.process.cpu_seconds()?, load.sent().beats);
     let mut times = Vec::new();
     for member in 0..detections.min(members) {
-        let detected = controller.metric("dejavu_controller_detections_total")?;
+        let detected = controller.metric("dejavu_controller_detections_total", &[])?;
         let last = load.silence(member);
         let seen = wait_for(Duration::from_secs(10), || {
-            Ok(controller.metric("dejavu_controller_detections_total")? > detected)
+            Ok(controller.metric("dejavu_controller_detections_total", &[])? > detected)
         })
         .map_err(|e| format!("member {member} of {members} never declared dead: {e}"))?;
         times.push(seen.duration_since(last).as_secs_f64() * 1e3);

@@ -4,17 +4,13 @@
 //! The limit is the lease's TTL plus one heartbeat interval: a dead leader's lease expires within
 //! its TTL, and the next must take over within a heartbeat of that.
 
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
 use dejavud::etcd_cluster::EtcdCluster;
-use dejavud::metrics::{scrape, value_of};
 
-use crate::controller_load::{wait_for, Load, SECRET};
+use crate::controller_load::{wait_for, Load};
+use crate::controller_process::{metric, ControllerProcess};
 use crate::Row;
 
 /// The lease TTL the controllers ask for, in seconds (etcd grants at least its own minimum).
@@ -23,67 +19,21 @@ const LEASE_SECS: u64 = 2;
 /// The members' heartbeat interval, the default.
 const HEARTBEAT: Duration = Duration::from_millis(100);
 
-/// A controller process and the lines it prints.
-struct Controller {
-    child: Child,
-    lines: Receiver<String>,
-}
-
-impl Controller {
-    fn start(exe: &Path, etcd: &str) -> Result<Self, String> {
-        let mut child = Command::new(exe)
-            .args(["controller", "--etcd", etcd, "--cluster", "bench", "--listen", "127.0.0.1:0"])
-            .args(["--lease-secs", &LEASE_SECS.to_string(), "--metrics", "127.0.0.1:0"])
-            .env("DEJAVU_SECRET", SECRET)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("cannot start a controller: {e}"))?;
-        let out = BufReader::new(child.stdout.take().ok_or("no standard output")?);
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in out.lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        Ok(Self { child, lines })
-    }
-
-    /// Waits for a line starting with `prefix`; returns the rest of it.
-    fn says(&self, prefix: &str) -> Result<String, String> {
-        loop {
-            let line = self
-                .lines
-                .recv_timeout(Duration::from_secs(30))
-                .map_err(|_| format!("a controller never said {prefix:?}"))?;
-            if let Some(rest) = line.strip_prefix(prefix) {
-                return Ok(rest.trim().to_owned());
-            }
-        }
-    }
-
-    /// Waits for a line `prefix ADDR`; returns the address.
-    fn address(&self, prefix: &str) -> Result<SocketAddr, String> {
-        let rest = self.says(prefix)?;
-        rest.parse().map_err(|e| format!("{prefix}{rest}: {e}"))
-    }
-}
-
-impl Drop for Controller {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A controller of the benchmark's cluster on the etcd cluster at `etcd`.
+fn controller(exe: &Path, etcd: &str) -> Result<ControllerProcess, String> {
+    let args = ["--etcd", etcd, "--cluster", "bench", "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"];
+    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    args.push(format!("--lease-secs={LEASE_SECS}"));
+    ControllerProcess::start(exe, &args)
 }
 
 /// The p50 and p99 rows of `failovers` failovers with controllers started from `exe`, and a note.
 pub fn measure(exe: &Path, failovers: usize) -> Result<(Vec<Row>, String), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let etcd = EtcdCluster::start(dir.path(), 3).map_err(|e| e.to_string())?;
-    let mut leader = Controller::start(exe, etcd.endpoints())?;
+    let mut leader = controller(exe, etcd.endpoints())?;
     leader.says("listening ")?;
-    let mut standby = Controller::start(exe, etcd.endpoints())?;
+    let mut standby = controller(exe, etcd.endpoints())?;
     standby.says("standby ")?;
     let mut times = Vec::with_capacity(failovers);
     for _ in 0..failovers {
@@ -92,7 +42,7 @@ pub fn measure(exe: &Path, failovers: usize) -> Result<(Vec<Row>, String), Strin
         standby.says("listening ")?;
         times.push(killed.elapsed().as_secs_f64() * 1e3);
         leader = standby;
-        standby = Controller::start(exe, etcd.endpoints())?;
+        standby = controller(exe, etcd.endpoints())?;
         standby.says("standby ")?;
     }
     times.sort_by(f64::total_cmp);
@@ -132,10 +82,10 @@ const TIMEOUT: Duration = Duration::from_millis(300);
 pub fn measure_detection(exe: &Path, runs: usize) -> Result<(Vec<Row>, String), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let etcd = EtcdCluster::start(dir.path(), 3).map_err(|e| e.to_string())?;
-    let mut leader = Controller::start(exe, etcd.endpoints())?;
+    let mut leader = controller(exe, etcd.endpoints())?;
     leader.says("metrics ")?;
     let mut leading = leader.address("listening ")?;
-    let mut standby = Controller::start(exe, etcd.endpoints())?;
+    let mut standby = controller(exe, etcd.endpoints())?;
     let mut standing = standby.address("standby ")?;
     let load = Load::start(vec![leading, standing], DETECTION_MEMBERS)?;
     // Every member heard (and so in the record) before the first kill.
@@ -147,15 +97,13 @@ pub fn measure_detection(exe: &Path, runs: usize) -> Result<(Vec<Row>, String), 
         drop(leader);
         let metrics = standby.address("metrics ")?;
         standby.says("listening ")?;
-        let detected = || {
-            let page = scrape(metrics).map_err(|e| e.to_string())?;
-            Ok(value_of(&page, "dejavu_controller_detections_total", &[]).unwrap_or(0.0) >= 1.0)
-        };
+        let detected =
+            || Ok(metric(metrics, "dejavu_controller_detections_total", &[]).unwrap_or(0.0) >= 1.0);
         wait_for(Duration::from_secs(30), detected)
             .map_err(|e| format!("member {member} never declared dead by the new leader: {e}"))?;
         times.push(killed.elapsed().as_secs_f64() * 1e3);
         (leader, leading) = (standby, standing);
-        standby = Controller::start(exe, etcd.endpoints())?;
+        standby = controller(exe, etcd.endpoints())?;
         standing = standby.address("standby ")?;
         load.beat_to(vec![leading, standing]);
         // The new standby hears every member before the next kill.

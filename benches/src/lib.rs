@@ -5,6 +5,7 @@
 //! 64-byte cache line.
 
 pub mod controller_load;
+pub mod controller_process;
 pub mod e2e;
 pub mod failover;
 pub mod gpu;

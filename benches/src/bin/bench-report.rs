@@ -109,6 +109,17 @@ fn main() -> std::process::ExitCode {
     std::process::ExitCode::SUCCESS
 }
 
+/// Adds a measurement's rows and note to `e2e`, or a note that `what` failed.
+fn record(e2e: &mut E2e, what: &str, measured: Result<(Vec<Row>, String), String>) {
+    match measured {
+        Ok((rows, note)) => {
+            e2e.rows.extend(rows);
+            e2e.notes.push(note);
+        }
+        Err(e) => e2e.notes.push(format!("{what}: failed: {e}")),
+    }
+}
+
 /// The controller's rows alone (`--controller-only`): its scale, and, where etcd is installed, a
 /// member's detection during a failover.
 fn controller_only(machine: &dejavu_benches::machine::Machine, quick: bool) -> std::process::ExitCode {
@@ -176,34 +187,19 @@ fn end_to_end(options: &Options) -> E2e {
             if Command::new("etcd").arg("--version").output().is_ok() {
                 let failovers = if options.quick { FAILOVERS_QUICK } else { FAILOVERS };
                 eprintln!("controller failovers on a local etcd cluster...");
-                match dejavu_benches::failover::measure(&exe, failovers) {
-                    Ok((rows, note)) => {
-                        e2e.rows.extend(rows);
-                        e2e.notes.push(note);
-                    }
-                    Err(e) => e2e.notes.push(format!("controller failover: failed: {e}")),
-                }
+                record(&mut e2e, "controller failover", dejavu_benches::failover::measure(&exe, failovers));
                 eprintln!("a member dying as the leading controller does...");
-                match dejavu_benches::failover::measure_detection(&exe, failovers) {
-                    Ok((rows, note)) => {
-                        e2e.rows.extend(rows);
-                        e2e.notes.push(note);
-                    }
-                    Err(e) => e2e.notes.push(format!("detection during a failover: failed: {e}")),
-                }
+                let detection = dejavu_benches::failover::measure_detection(&exe, failovers);
+                record(&mut e2e, "detection during a failover", detection);
             } else {
                 e2e.notes
                     .push("controller failover: skipped, no etcd on the PATH (Debian's etcd-server)".into());
             }
             eprintln!("one controller under {CONTROLLER_MEMBERS} simulated members...");
             let (window, detections) = controller_load_settings(options.quick);
-            match dejavu_benches::controller_load::measure(&exe, CONTROLLER_MEMBERS, window, detections) {
-                Ok((rows, note)) => {
-                    e2e.rows.extend(rows);
-                    e2e.notes.push(note);
-                }
-                Err(e) => e2e.notes.push(format!("controller scale: failed: {e}")),
-            }
+            let scale =
+                dejavu_benches::controller_load::measure(&exe, CONTROLLER_MEMBERS, window, detections);
+            record(&mut e2e, "controller scale", scale);
             e2e
         }
         Err(e) => {

@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -174,24 +174,26 @@ def measure(workload: Workload, dejavud: Optional[str] = None, fail_at: Optional
         f"{w.shape.kv_bytes_per_token() * w.batch} bytes per microbatch's decode step"
     )
 
-    def one(restore: bool = True, inject=None, **kwargs) -> Generation:
+    def one(restore: bool = True, inject=None, **kwargs) -> Tuple[Generation, int]:
+        """A run on a fresh cluster: its generation, and the bytes its stages swapped (failures
+        replace stages, whose counts start again: 0 for runs with a failure)."""
         run = Run(workload, dejavud, restore=restore, spare=stage if inject else None)
         try:
             generation = run.generate(before_step=inject(run, stage, fail_at) if inject else None, **kwargs)
-            generation.swapped_bytes = run.swapped_bytes() if inject is None else 0
+            swapped = run.swapped_bytes() if inject is None else 0
         finally:
             run.stop()
-        return generation
+        return generation, swapped
 
-    reference = one()
+    reference, swapped_bytes = one()
     base = reference.seconds
     tokens = reference.tokens.numel()
     report["failure_free_seconds"] = base
     report["tokens_per_second"] = tokens / base
     steps = decode_steps(reference)
     report["decode_step_ms"] = {"median": median_ms(steps), "in_stages": median_ms(steps, inside=True)}
-    report["swapped_bytes"] = reference.swapped_bytes
-    swapped = f"; {reference.swapped_bytes / 1e6:.1f} MB swapped out and in" if reference.swapped_bytes else ""
+    report["swapped_bytes"] = swapped_bytes
+    swapped = f"; {swapped_bytes / 1e6:.1f} MB swapped out and in" if swapped_bytes else ""
     log(
         f"failure-free: {base:.3f} s, {tokens / base:.0f} tokens/s, decode step median {median_ms(steps):.2f} ms "
         f"(in the stages {median_ms(steps, inside=True):.2f} ms){swapped}"
@@ -216,7 +218,7 @@ def measure(workload: Workload, dejavud: Optional[str] = None, fail_at: Optional
         ("worker killed", True, kill_worker),
         ("restart from scratch", False, kill_engine),
     ):
-        generation = one(restore=restore, inject=inject)
+        generation, _ = one(restore=restore, inject=inject)
         same = torch.equal(generation.tokens, reference.tokens)
         identical &= same
         recovery = generation.recoveries[0]

@@ -142,8 +142,6 @@ class Generation:
     #: Every step run, recomputed ones too.
     steps: List["StepTime"] = field(default_factory=list)
     recoveries: List[Recovery] = field(default_factory=list)
-    #: Bytes the stages swapped out and in, where the caller asked them.
-    swapped_bytes: int = 0
 
 
 class Pipeline:

@@ -75,28 +75,25 @@ class Replication:
         return self.client.epoch
 
     def restore(self) -> Dict[Tuple[int, Tuple[int, int]], int]:
-        """Fetches the KV the sidecar keeps into the stage's tensors (through host mirrors on a
-        GPU or with microbatches swapped out); returns where each sequence resumes."""
+        """Fetches the KV the sidecar keeps into the stage's tensors, one microbatch at a time:
+        straight into them on the CPU, through one host mirror (a whole microbatch's KV) on a GPU
+        or with microbatches swapped out. Returns where each sequence resumes."""
         stage = self.stage
-        if stage.engine is None and not stage.swapping:
-            for microbatch in range(stage.microbatches):
-                self.client.register(stage.kv(microbatch).cache, microbatch=microbatch)
-            resume = self.client.restore()
-            for (microbatch, _), tokens in resume.items():
-                stage.lengths[microbatch] = max(stage.lengths[microbatch], tokens)
-            return resume
-        # One microbatch at a time through one host mirror: a mirror is a whole microbatch's KV.
-        mirror, tensors = stage.host_mirror()
+        direct = stage.engine is None and not stage.swapping
+        mirror, tensors = (None, []) if direct else stage.host_mirror()
         resume: Dict[Tuple[int, Tuple[int, int]], int] = {}
         for microbatch in range(stage.microbatches):
             for tensor in tensors:
                 tensor.zero_()
+            target = stage.kv(microbatch).cache if direct else mirror
             tokens = 0
-            for point in self.client.store.restore(self.client.worker, {microbatch: mirror}):
+            for point in self.client.store.restore(self.client.worker, {microbatch: target}):
                 if point["fetched"] and point["microbatch"] == microbatch:
                     resume[(microbatch, tuple(point["slots"]))] = point["tokens"]
                     tokens = max(tokens, point["tokens"])
-            if tokens:
+            if direct:
+                stage.lengths[microbatch] = max(stage.lengths[microbatch], tokens)
+            elif tokens:
                 stage.load_mirror(microbatch, tensors, tokens)
         return resume
 
