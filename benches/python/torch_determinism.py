@@ -12,11 +12,14 @@ and a whole greedy generation. Needs torch, transformers and the dejavu package.
 """
 
 import argparse
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
+from dejavu.torch_engine import model
 from dejavu.torch_engine.model import ModelShape, TorchStage, generate
 
 RUNS = 5
@@ -43,7 +46,13 @@ def main(argv) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
+    p.add_argument(
+        "--deterministic-algorithms", action="store_true",
+        help="also turn torch.use_deterministic_algorithms on (the engine leaves it off)",
+    )
     args = p.parse_args(argv)
+    if args.deterministic_algorithms:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     shape = ModelShape(
         layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
         intermediate=args.intermediate, vocab=args.vocab, dtype=args.dtype,
@@ -63,22 +72,60 @@ def main(argv) -> int:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         kv = torch.randn(args.batch, shape.heads, args.prompt, shape.head_dim, device=device, dtype=dtype, generator=g)
-        for name, count in (("decode", 1), ("prompt", args.prompt)):
-            q = torch.randn(args.batch, shape.heads, count, shape.head_dim, device=device, dtype=dtype, generator=g)
-            positions = torch.arange(args.prompt - count, args.prompt, device=device)
-            allowed = torch.arange(args.prompt, device=device).unsqueeze(0) <= positions.unsqueeze(1)
-            for backend in (SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-                def attend(backend=backend, q=q, allowed=allowed):
-                    with sdpa_kernel(backend):
-                        return F.scaled_dot_product_attention(q, kv, kv, attn_mask=allowed)
+        # A decode step's key count is seldom a multiple of 8 (the prompt's plus the steps so far).
+        for keys in (args.prompt, args.prompt + 1):
+            kv = torch.randn(args.batch, shape.heads, keys, shape.head_dim, device=device, dtype=dtype, generator=g)
+            for name, count in (("decode", 1), ("prompt", keys)):
+                q = torch.randn(args.batch, shape.heads, count, shape.head_dim, device=device, dtype=dtype, generator=g)
+                positions = torch.arange(keys - count, keys, device=device)
+                allowed = torch.arange(keys, device=device).unsqueeze(0) <= positions.unsqueeze(1)
+                for masked in (True, False):
+                    how = "boolean mask" if masked else ("no mask" if count == 1 else "is_causal")
+                    for backend in (None, SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+                        def attend(backend=backend, q=q, kv=kv, allowed=allowed, masked=masked, count=count):
+                            mask, causal = (allowed, False) if masked else (None, count > 1)
+                            if backend is None:
+                                return F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, is_causal=causal)
+                            with sdpa_kernel(backend):
+                                return F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, is_causal=causal)
 
-                rows.append((f"attention {backend.name}, {name}", repeats(attend)))
-            rows.append((f"attention (default backend), {name}", repeats(lambda q=q, a=allowed: F.scaled_dot_product_attention(q, kv, kv, attn_mask=a))))
+                        label = "default backend" if backend is None else backend.name
+                        rows.append((f"attention {label}, {name}, {keys} keys, {how}", repeats(attend)))
         tokens = torch.randint(0, shape.vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
         stage.forward(tokens, range(args.batch), 0)
         step = tokens[:, :1]
-        rows.append(("a stage's decode step", repeats(lambda: stage.forward(step, range(args.batch), args.prompt, logits=True))))
+        decode_step = lambda: stage.forward(step, range(args.batch), args.prompt, logits=True)  # noqa: E731
+        rows.append(("a stage's decode step", repeats(decode_step)))
         rows.append(("greedy generation, 8 tokens", repeats(lambda: generate([stage], tokens, 8))))
+        # The same with cuDNN's attention allowed, and with a boolean mask on every step.
+        backends = model.ATTENTION_BACKENDS
+        model.ATTENTION_BACKENDS = backends + [SDPBackend.CUDNN_ATTENTION]
+        rows.append(("a stage's decode step, cuDNN attention allowed", repeats(decode_step)))
+        rows.append(("greedy generation, 8 tokens, cuDNN attention allowed", repeats(lambda: generate([stage], tokens, 8))))
+        model.ATTENTION_BACKENDS = backends
+        unmasked = stage._attention_mask
+
+        def always_masked(start, count):
+            end = start + count
+            positions = torch.arange(start, end, device=device)
+            return torch.arange(end, device=device).unsqueeze(0) <= positions.unsqueeze(1)
+
+        stage._attention_mask = always_masked
+        rows.append(("a stage's decode step, boolean mask", repeats(decode_step)))
+        rows.append(("greedy generation, 8 tokens, boolean mask", repeats(lambda: generate([stage], tokens, 8))))
+        stage._attention_mask = unmasked
+        again = TorchStage(shape, range(0, shape.layers), args.batch, args.prompt + 16, args.device)
+        same = all(torch.equal(a, b) for a, b in zip(stage.blocks.parameters(), again.blocks.parameters()))
+        rows.append(("the weights built again differ", "no" if same else "yes"))
+        del again
+        times = []
+        for _ in range(20):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            decode_step().cpu()
+            times.append(time.perf_counter() - began)
+        rows.append((f"a stage's decode step ({shape.layers} layers), median ms of 20", f"{statistics.median(times) * 1e3:.2f}"))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}: runs of {RUNS} on the same inputs differing from the first")
     for what, differing in rows:

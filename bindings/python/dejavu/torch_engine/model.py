@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dejavu
 
@@ -128,9 +129,15 @@ def deterministic_cuda() -> None:
     failure (by a replacement process, or by a stage that lived) must give the tokens the first
     run gave, and a random model's nearly flat logits turn any difference into another token.
     cuBLAS picks its algorithms by the workspace it has unless the workspace is fixed; set before
-    the process's first matrix product."""
+    the process's first matrix product. (The attention's part is ``ATTENTION_BACKENDS``.)"""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+#: The SDPA kernels the stage's attention may use. cuDNN's is left out: on an H200 (torch 2.11,
+#: cuDNN 9) it gave other bits on the same inputs at key counts that are not a multiple of 8,
+#: which a decode step's mostly are (``benches/python/torch_determinism.py``); the others gave
+#: the same bits every time.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class KvSet:
@@ -315,18 +322,30 @@ class TorchStage:
         x = self.embed(inputs.to(self.device)) if self.first else inputs.to(self.device, self.shape.torch_dtype)
         positions = torch.arange(start, end, device=self.device).unsqueeze(0).expand(batch, count)
         cos, sin = self.rotary(x, positions)
-        # Token j of the new ones sees the keys up to its own position.
-        allowed = torch.arange(end, device=self.device).unsqueeze(0) <= positions[0].unsqueeze(1)
+        allowed = self._attention_mask(start, count)
         groups = self.shape.heads // self.shape.kv_heads
-        for i, layer in enumerate(self.blocks):
-            x = self._layer(layer, x, (cos, sin), (kv.keys[i], kv.values[i]), slots, start, end, allowed, groups)
-            if layer_done is not None:
-                layer_done(i)
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            for i, layer in enumerate(self.blocks):
+                x = self._layer(layer, x, (cos, sin), (kv.keys[i], kv.values[i]), slots, start, end, allowed, groups)
+                if layer_done is not None:
+                    layer_done(i)
         self.lengths[microbatch] = max(self.lengths[microbatch], end)
         if not self.last:
             return x
         scores = self.head(self.norm(x[:, -1]))
         return scores if logits else scores.argmax(dim=-1)
+
+    def _attention_mask(self, start: int, count: int) -> Optional[torch.Tensor]:
+        """Which cached keys each of the ``count`` new tokens at ``start`` sees: ``None`` where no
+        mask is needed. A decode step's token sees every key so far, and a prompt from position 0
+        is causal over itself (``is_causal``); only a chunk after others needs a mask. Without a
+        mask, SDPA can use its flash kernel."""
+        if count == 1 or start == 0:
+            return None
+        end = start + count
+        positions = torch.arange(start, end, device=self.device)
+        # Token j of the new ones sees the keys up to its own position.
+        return torch.arange(end, device=self.device).unsqueeze(0) <= positions.unsqueeze(1)
 
     def _layer(self, layer, x, rotary, cached, slots, start, end, allowed, groups):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -348,7 +367,8 @@ class TorchStage:
         if groups > 1:
             keys = keys.repeat_interleave(groups, dim=1)
             values = values.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=attention.scaling)
+        causal = allowed is None and count > 1
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, is_causal=causal, scale=attention.scaling)
         x = x + attention.o_proj(out.transpose(1, 2).reshape(batch, count, -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
