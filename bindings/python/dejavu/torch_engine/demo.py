@@ -224,13 +224,15 @@ def measure(workload: Workload, dejavud: Optional[str] = None, fail_at: Optional
         recovery = generation.recoveries[0]
         failed, resumed, joined = recovery.failed_step, recovery.resumed_step, recovery.join_seconds
         ratio = generation.seconds / base
+        parts = recovery.join_parts
         report[name.replace(" ", "_")] = {
             "seconds": generation.seconds, "ratio": ratio, "recomputed_from_step": resumed,
-            "join_seconds": joined, "identical": same,
+            "join_seconds": joined, "join_parts": parts, "identical": same,
         }
+        within = ", ".join(f"{part} {seconds * 1e3:.0f} ms" for part, seconds in parts.items())
         log(
             f"{name} at step {failed} (stage {stage}): {generation.seconds:.3f} s, {ratio:.2f}x failure-free; "
-            f"replacement joined in {joined * 1e3:.0f} ms, recomputed from step {resumed}; "
+            f"replacement joined in {joined * 1e3:.0f} ms ({within}), recomputed from step {resumed}; "
             f"output identical: {'yes' if same else 'NO'}"
         )
     report["identical"] = identical

@@ -218,6 +218,7 @@ class TorchStage:
         self.recent: List[KvSet] = list(self.sets)
         #: Bytes swapped out and in so far.
         self.swapped_bytes = 0
+        self._mirror: Optional[Tuple[dejavu.KvCache, List[torch.Tensor]]] = None
 
     @property
     def keys(self) -> List[torch.Tensor]:
@@ -374,17 +375,32 @@ class TorchStage:
 
     def host_mirror(self) -> Tuple[dejavu.KvCache, List[torch.Tensor]]:
         """A host cache of one microbatch's layout and its tensors (pinned where the stage is on
-        a GPU): what a stage restores into when its own tensors are on a GPU or swapped out."""
-        pin = self.device.type == "cuda"
-        size = self.sets[0].keys[0].shape
-        tensors = [torch.zeros(size, dtype=self.shape.torch_dtype, pin_memory=pin) for _ in range(2 * len(self.layers))]
-        return dejavu.KvCache.wrap(self.layout, tensors), tensors
+        a GPU): what a stage restores into when its own tensors are on a GPU or swapped out.
+        Made once and kept until ``drop_mirror``: a replacement standing by makes it before it
+        joins, since pinning a microbatch's worth of memory takes a while."""
+        if self._mirror is None:
+            pin = self.device.type == "cuda"
+            size = self.sets[0].keys[0].shape
+            tensors = [torch.zeros(size, dtype=self.shape.torch_dtype, pin_memory=pin) for _ in range(2 * len(self.layers))]
+            self._mirror = (dejavu.KvCache.wrap(self.layout, tensors), tensors)
+        return self._mirror
 
-    def load_mirror(self, microbatch: int, tensors: List[torch.Tensor], tokens: int) -> None:
-        """Copies a host mirror's KV (``host_mirror``) of ``tokens`` tokens into ``microbatch``'s."""
-        for target, source in zip(self.kv(microbatch).tensors(), tensors):
-            target.copy_(source)
-        self.lengths[microbatch] = max(self.lengths[microbatch], tokens)
+    def drop_mirror(self) -> None:
+        """Frees the host mirror (after a restore)."""
+        self._mirror = None
+
+    def load_mirror(self, microbatch: int, tensors: List[torch.Tensor], restored: List[Tuple[range, int]]) -> None:
+        """Copies the KV a host mirror (``host_mirror``) holds into ``microbatch``'s: of each
+        ``(slots, tokens)`` in ``restored``, tokens ``0..tokens`` of those slots (the rest of the
+        mirror may hold another microbatch's KV)."""
+        kv = self.kv(microbatch)
+        for target, source in zip(kv.tensors(), tensors):
+            for slots, tokens in restored:
+                target[slots.start : slots.stop, :, :tokens].copy_(
+                    source[slots.start : slots.stop, :, :tokens], non_blocking=True
+                )
+        for _, tokens in restored:
+            self.lengths[microbatch] = max(self.lengths[microbatch], tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -59,7 +59,7 @@ class StageProcess:
     def join(self, restore: bool) -> "StageProcess":
         """Connects the stage to its sidecar, restoring the KV the sidecar keeps if ``restore``."""
         self.standby()
-        _, self.epoch, self.resume = self._call(("join", restore), "ready")
+        _, self.epoch, self.resume, self.join_seconds = self._call(("join", restore), "ready")
         return self
 
     def request(self, message: tuple, answer: str):
@@ -129,8 +129,12 @@ class Recovery:
     #: The step that found it dead, and the step recomputed from.
     failed_step: int
     resumed_step: int
-    #: Seconds from the failure being found to the replacement joined and restored.
+    #: Seconds from the failure being found to the replacement joined and restored, and the
+    #: replacement's own account of its join: connecting to its sidecar (which waits for the
+    #: controller to fence the dead engine), fetching the KV and loading it ("connect", "fetch",
+    #: "load").
     join_seconds: float
+    join_parts: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -206,7 +210,10 @@ class Pipeline:
                 t0 = time.perf_counter()
                 resumed = self._recover(gone, prompt, slots)
                 next_step = [min(next_step[m], resumed.get(m, 0)) for m in range(microbatches)]
-                recovery = Recovery(gone.stage, gone.status, k, min(next_step), time.perf_counter() - t0)
+                recovery = Recovery(
+                    gone.stage, gone.status, k, min(next_step), time.perf_counter() - t0,
+                    self.stages[gone.stage].join_seconds,
+                )
                 result.recoveries.append(recovery)
                 continue
             result.steps.append(StepTime(k, replicate(k), time.perf_counter() - t0, inside, m))

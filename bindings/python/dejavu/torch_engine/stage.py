@@ -5,8 +5,9 @@ The process builds its model first and says ``("standby",)``: a replacement can 
 of a failure and wait warm. ``("join", restore)`` then connects it to its sidecar (an engine that
 joins after a failure gets the epoch the controller fenced its predecessor in, which cuts the
 predecessor off) and, with ``restore``, fetches the KV the sidecar keeps into the stage's tensors.
-It answers ``("ready", epoch, resume)``, ``resume`` mapping ``(microbatch, (first slot, end slot))``
-to the next token each restored sequence computes.
+It answers ``("ready", epoch, resume, seconds)``, ``resume`` mapping ``(microbatch, (first slot,
+end slot))`` to the next token each restored sequence computes, and ``seconds`` the time the join
+took to connect to the sidecar, fetch from it and load into the stage's tensors.
 
 Then, per request (each a pickled tuple; each answer too):
 
@@ -74,28 +75,40 @@ class Replication:
     def epoch(self) -> int:
         return self.client.epoch
 
-    def restore(self) -> Dict[Tuple[int, Tuple[int, int]], int]:
-        """Fetches the KV the sidecar keeps into the stage's tensors, one microbatch at a time:
-        straight into them on the CPU, through one host mirror (a whole microbatch's KV) on a GPU
-        or with microbatches swapped out. Returns where each sequence resumes."""
+    @property
+    def restores_through_mirror(self) -> bool:
+        """Whether a restore goes through a host mirror: on a GPU, or with microbatches swapped
+        out; on the CPU, straight into the stage's tensors."""
+        return self.stage.engine is not None or self.stage.swapping
+
+    def restore(self) -> Tuple[Dict[Tuple[int, Tuple[int, int]], int], Dict[str, float]]:
+        """Fetches the KV the sidecar keeps into the stage's tensors, one microbatch at a time
+        (through the host mirror where ``restores_through_mirror``). Returns where each sequence
+        resumes, and the seconds spent fetching from the sidecar and loading into the stage."""
         stage = self.stage
-        direct = stage.engine is None and not stage.swapping
-        mirror, tensors = (None, []) if direct else stage.host_mirror()
+        through_mirror = self.restores_through_mirror
+        mirror, tensors = stage.host_mirror() if through_mirror else (None, [])
         resume: Dict[Tuple[int, Tuple[int, int]], int] = {}
+        seconds = {"fetch": 0.0, "load": 0.0}
         for microbatch in range(stage.microbatches):
-            for tensor in tensors:
-                tensor.zero_()
-            target = stage.kv(microbatch).cache if direct else mirror
-            tokens = 0
+            target = mirror if through_mirror else stage.kv(microbatch).cache
+            began = time.perf_counter()
+            restored = []
             for point in self.client.store.restore(self.client.worker, {microbatch: target}):
                 if point["fetched"] and point["microbatch"] == microbatch:
-                    resume[(microbatch, tuple(point["slots"]))] = point["tokens"]
-                    tokens = max(tokens, point["tokens"])
-            if direct:
-                stage.lengths[microbatch] = max(stage.lengths[microbatch], tokens)
-            elif tokens:
-                stage.load_mirror(microbatch, tensors, tokens)
-        return resume
+                    first, end = point["slots"]
+                    resume[(microbatch, (first, end))] = point["tokens"]
+                    restored.append((range(first, end), point["tokens"]))
+            loaded = time.perf_counter()
+            seconds["fetch"] += loaded - began
+            if not through_mirror:
+                for _, tokens in restored:
+                    stage.lengths[microbatch] = max(stage.lengths[microbatch], tokens)
+            elif restored:
+                stage.load_mirror(microbatch, tensors, restored)
+            seconds["load"] += time.perf_counter() - loaded
+        stage.drop_mirror()
+        return resume, seconds
 
     def step(self, microbatch: int, slots: range, tokens: range) -> None:
         """Queues the step's KV (its kernels are queued, on a GPU, or done, on the CPU)."""
@@ -228,6 +241,9 @@ def main(argv) -> int:
         ModelShape.from_json(args.shape), range(first, end), args.slots, args.max_tokens, args.device,
         args.microbatches, args.resident,
     )
+    if args.socket and (stage.engine is not None or stage.swapping):
+        # A replacement's restore goes through a pinned host mirror: pin it while standing by.
+        stage.host_mirror()
     send(out, ("standby",))
     try:
         _, restore = pickle.load(requests)
@@ -236,16 +252,22 @@ def main(argv) -> int:
     replication = None
     resume: Dict = {}
     epoch = None
+    began = time.perf_counter()
+    seconds = {"connect": 0.0, "fetch": 0.0, "load": 0.0}
     try:
         if args.socket:
             replication = Replication(stage, args.socket, args.successor, args.lag)
             epoch = replication.epoch
+            seconds["connect"] = time.perf_counter() - began
             if restore:
-                resume = replication.restore()
+                resume, restored = replication.restore()
+                seconds.update(restored)
+            else:
+                stage.drop_mirror()
     except (dejavu.Error, SidecarGone) as e:
         print(f"stage {args.layers}: cannot join the sidecar at {args.socket}: {e}", file=sys.stderr)
         return SIDECAR_GONE
-    send(out, ("ready", epoch, resume))
+    send(out, ("ready", epoch, resume, seconds))
     server = StageServer(stage, replication)
     while True:
         try:
