@@ -26,10 +26,8 @@ use dejavu_engine::{CacheLayout, ModelConfig};
 use dejavulib::affinity::CpuList;
 use dejavulib::spill::Spill;
 
-/// The cluster secret of every process given none (`--secret` or [`SECRET_ENV`]): a cluster of
-/// processes all started without one works, and is no more closed than its network. Give every
-/// process of a real cluster a secret of its own.
-pub const DEFAULT_SECRET: &str = "dejavu reference cluster";
+/// The cluster secret of every process given none (`--secret` or [`SECRET_ENV`]).
+pub use dejavulib::net::auth::DEFAULT_SECRET;
 
 /// The environment variable a process takes its cluster secret from when `--secret` is not
 /// given: unlike a flag, it does not show in the process list.

@@ -11,6 +11,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use dejavu_proto::plan::{Loss, Source};
 use dejavud::cli::DEFAULT_SECRET;
 use dejavud::cluster::Role;
 use dejavud::controller::{Census, ControllerClient, Health};
@@ -18,6 +19,8 @@ use dejavud::heartbeat::SPARE_MEMBERS;
 use dejavud::metrics::{scrape, value_of};
 use dejavulib::chunk::ChunkDescriptor;
 use dejavulib::local::LocalSidecar;
+use dejavulib::message::RecoveryOrders;
+use dejavulib::net::controller::RecoveryFeed;
 use dejavulib::{ChunkStore, DType, KvRegion, KvSpec, Packing, WorkerId};
 
 /// A daemon process, killed when dropped.
@@ -216,6 +219,93 @@ fn a_whole_worker_lost_outside_the_demo_is_restored_by_the_controller() {
     wait_until(&mut client, "worker 0 alive again", |c| {
         !c.is_dead((Role::Sidecar, 0)) && !c.is_dead((Role::Engine, 0))
     });
+}
+
+/// A mark as (microbatch, slots, tokens).
+type MarkTuple = (u32, std::ops::Range<u32>, u32);
+
+/// The marks of a recovery's stages, as (stage, loss, source, marks) in stage order.
+fn orders_of(orders: &RecoveryOrders) -> Vec<(u32, Loss, Source, Vec<MarkTuple>)> {
+    orders
+        .stages
+        .iter()
+        .map(|s| {
+            let marks = s.marks.iter().map(|m| (m.microbatch, m.slots.clone(), m.tokens)).collect();
+            (s.plan.stage, s.plan.loss, s.plan.source, marks)
+        })
+        .collect()
+}
+
+#[test]
+fn whoever_feeds_the_pipeline_learns_each_recovery_and_where_its_sequences_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let Ring { _controller, metrics, addr, ports, locals, mut workers } = Ring::start(dir.path());
+    let at = |stage: usize| -> SocketAddr { format!("127.0.0.1:{}", ports[stage]).parse().unwrap() };
+    let mut engines: Vec<LocalSidecar> =
+        (0..2).map(|k| LocalSidecar::join(&locals[k], at(1 - k)).unwrap()).collect();
+    for (stage, engine) in engines.iter_mut().enumerate() {
+        for tokens in [0..16, 16..17, 17..18] {
+            let (descriptor, payload) = step(stage as u32, tokens);
+            engine.put(&descriptor, &payload).unwrap();
+        }
+    }
+    let mut client = ControllerClient::new(addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes());
+    let mut feed = RecoveryFeed::new(addr, DEFAULT_SECRET.as_bytes());
+    assert_eq!(feed.watch(0, Duration::from_millis(100)).unwrap(), None, "no recovery yet");
+
+    // Stage 1's engine dies alone. Until its replacement joins, the recovery is not published.
+    drop(engines.remove(1));
+    wait_until(&mut client, "engine 1 fenced", |c| c.is_fenced((Role::Engine, 1)));
+    let first = client.fenced_in((Role::Engine, 1)).unwrap();
+    assert_eq!(
+        feed.watch(0, Duration::from_millis(200)).unwrap(),
+        None,
+        "published before the engine's replacement joined"
+    );
+    let watcher = std::thread::spawn(move || (feed.watch(0, Duration::from_secs(10)), feed));
+    let _engine1 = LocalSidecar::join(&locals[1], at(0)).unwrap();
+    let (orders, mut feed) = watcher.join().unwrap();
+    let orders = orders.unwrap().expect("the recovery, once the engine's replacement joined");
+    assert_eq!(orders.epoch, first);
+    assert_eq!(orders_of(&orders), vec![(1, Loss::Engine, Source::Own, vec![(0, 0..1, 18)])]);
+    feed.acknowledge(orders.epoch).unwrap();
+
+    // Worker 0 dies whole; its sidecar is started again by a supervisor, the controller restores
+    // it, and its engine's replacement joins: then the feeder learns that stage 0 resumes from
+    // the replica stage 1's sidecar held.
+    let mut worker0 = workers.remove(0);
+    let _ = worker0.child.kill();
+    let _ = worker0.child.wait();
+    drop(engines.remove(0));
+    wait_until(&mut client, "worker 0 fenced", |c| c.is_fenced((Role::Sidecar, 0)));
+    let second = client.fenced_in((Role::Sidecar, 0)).unwrap();
+    assert!(second > first);
+    let _replacement = sidecar(0, ports[0], addr, &locals[0]);
+    restored_once(metrics, "the controller never restored worker 0's sidecar");
+    assert_eq!(
+        feed.watch(first, Duration::from_millis(200)).unwrap(),
+        None,
+        "published before the engine joined"
+    );
+    let _engine0 = LocalSidecar::join(&locals[0], at(1)).unwrap();
+    let orders = feed.watch(first, Duration::from_secs(10)).unwrap().expect("the second recovery");
+    assert_eq!(orders.epoch, second);
+    assert_eq!(orders_of(&orders), vec![(0, Loss::Worker, Source::Successor(1), vec![(0, 0..1, 18)])]);
+    feed.acknowledge(orders.epoch).unwrap();
+    feed.acknowledge(orders.epoch).unwrap();
+    assert_eq!(feed.watch(second, Duration::from_millis(100)).unwrap(), None, "nothing after it");
+
+    let page = scrape(metrics).unwrap();
+    // Two recoveries, one acknowledged twice: counted once.
+    assert_eq!(value_of(&page, "dejavu_controller_recoveries_acknowledged_total", &[]), Some(2.0), "{page}");
+    assert_eq!(
+        value_of(&page, "dejavu_controller_recovery_acknowledged_epoch", &[]),
+        Some(second as f64),
+        "{page}"
+    );
+    // An acknowledgement of an epoch not opened yet is refused, and says why.
+    let refused = feed.acknowledge(second + 100).unwrap_err().to_string();
+    assert!(refused.contains("not one yet"), "{refused}");
 }
 
 #[test]

@@ -143,6 +143,8 @@ fn every_message() -> Vec<Message> {
         Message::Lifeline { member: (Role::Engine, 1 << 20), epoch: 2, process: 4242 },
         Message::Epoch(u64::MAX - 1),
         Message::Fenced(9),
+        Message::WatchRecovery { after: 5, wait_ms: 1000 },
+        Message::AcknowledgeRecovery(6),
         Message::HandBack { stage: 3, to: "10.0.0.7:7500".parse().unwrap() },
         Message::Recover { epoch: 7, book: vec![addr("127.0.0.1:5"), addr("[::1]:6")] },
         Message::Orders(orders),
@@ -249,4 +251,32 @@ proptest! {
             prop_assert_eq!(decoded.encode(), bytes);
         }
     }
+}
+
+#[test]
+fn a_sequence_resumes_from_the_first_token_some_failed_stage_lacks() {
+    let stage = |stage: u32, marks: Vec<Mark>| StageOrders {
+        plan: StagePlan { stage, loss: Loss::Engine, source: Source::Own, reseed: None },
+        reseeded: None,
+        marks,
+    };
+    let orders = RecoveryOrders {
+        epoch: 3,
+        stages: vec![
+            stage(
+                0,
+                vec![
+                    Mark { microbatch: 1, slots: 0..2, tokens: 10 },
+                    Mark { microbatch: 0, slots: 0..2, tokens: 20 },
+                ],
+            ),
+            stage(2, vec![Mark { microbatch: 0, slots: 0..2, tokens: 18 }]),
+        ],
+    };
+    // Microbatch 1's sequence is held by stage 0 only: stage 2 recomputes it from the start.
+    assert_eq!(
+        orders.resume_from(),
+        vec![Mark { microbatch: 0, slots: 0..2, tokens: 18 }, Mark { microbatch: 1, slots: 0..2, tokens: 0 }]
+    );
+    assert_eq!(RecoveryOrders { epoch: 3, stages: vec![] }.resume_from(), vec![]);
 }

@@ -64,6 +64,9 @@ typedef struct DjvCache DjvCache;
 // A KV layout (opaque).
 typedef struct DjvLayout DjvLayout;
 
+// A controller's recovery feed.
+typedef struct DjvRecoveryFeed DjvRecoveryFeed;
+
 // Where chunks are flushed to and fetched from (opaque): a directory of chunk files, or the
 // engine's own sidecar process.
 typedef struct DjvStore DjvStore;
@@ -106,6 +109,18 @@ typedef struct DjvResumePoint {
   // computes from token `tokens_end` on.
   struct DjvRegion held;
 } DjvResumePoint;
+
+// Where a sequence is fed again from after a recovery.
+typedef struct DjvResume {
+  // The sequence's microbatch.
+  uint32_t microbatch;
+  // Its slots, `slots_start..slots_end`.
+  uint32_t slots_start;
+  // End of its slots (exclusive).
+  uint32_t slots_end;
+  // The first token to feed again: some failed stage does not hold its KV.
+  uint32_t tokens;
+} DjvResume;
 
 // The name a store had when only files were stores; kept so that existing programs build.
 typedef struct DjvStore DjvFileStore;
@@ -372,6 +387,54 @@ enum DjvStatus djv_sidecar_restore(struct DjvStore *store,
                                    struct DjvResumePoint *points,
                                    uintptr_t capacity,
                                    uintptr_t *count);
+
+// Opens the recovery feed of the controller at `controller` ("host:port", its `--listen`),
+// proving the cluster secret `secret` (`secret_len` bytes; NULL: the secret of a cluster started
+// without one). Nothing is sent until the first watch.
+//
+// # Safety
+//
+// `controller` is a NUL-terminated string; `secret` is NULL or valid for `secret_len` reads;
+// `out` is valid for a write of a pointer.
+enum DjvStatus djv_recovery_feed_open(const char *controller,
+                                      const uint8_t *secret,
+                                      uintptr_t secret_len,
+                                      struct DjvRecoveryFeed **out);
+
+// Waits up to `wait_ms` milliseconds (10 s at most) for the recovery of the first epoch after
+// `after` whose replacements are in place. If there is one, `*epoch` is its epoch and `resume`
+// gets, per sequence, where it is fed again from (`*count` of them; a sequence not listed starts
+// again from its first token); if not, `*epoch` and `*count` are 0. With less room than the
+// recovery's sequences, nothing is written but `*epoch` and `*count` (the room needed), and the
+// status is `DJV_STATUS_INVALID_ARGUMENT`: watching again with the same `after` answers the same
+// recovery. An unreachable controller is `DJV_STATUS_IO`; one that carries out no recoveries
+// (started without `--stages`) refuses, `DJV_STATUS_INVALID_ARGUMENT`.
+//
+// # Safety
+//
+// `feed` is a live handle; `epoch` and `count` are valid for a write; `resume` is valid for
+// `capacity` writes (NULL if 0).
+enum DjvStatus djv_recovery_feed_watch(struct DjvRecoveryFeed *feed,
+                                       uint64_t after,
+                                       uint32_t wait_ms,
+                                       uint64_t *epoch,
+                                       struct DjvResume *resume,
+                                       uintptr_t capacity,
+                                       uintptr_t *count);
+
+// Tells the controller that every sequence of the recovery of `epoch` was fed again.
+//
+// # Safety
+//
+// `feed` is a live handle.
+enum DjvStatus djv_recovery_feed_acknowledge(struct DjvRecoveryFeed *feed, uint64_t epoch);
+
+// Closes a recovery feed (NULL is ignored).
+//
+// # Safety
+//
+// `feed` is NULL or a live handle, not used afterwards.
+void djv_recovery_feed_free(struct DjvRecoveryFeed *feed);
 
 #ifdef __cplusplus
 }  // extern "C"

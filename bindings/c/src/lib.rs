@@ -9,6 +9,10 @@
 //! The header `include/dejavu.h` is generated from this file by cbindgen (see `cbindgen.toml`); a
 //! test fails when it is out of date.
 
+mod feed;
+
+pub use feed::*;
+
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -21,6 +21,7 @@ Example::
 
 from ._dejavu import (
     Completion,
+    ControllerError,
     CorruptChunkError,
     CudaEngine,
     CudaError,
@@ -34,6 +35,7 @@ from ._dejavu import (
     NotFoundError,
     PeerServer,
     PinnedBuffer,
+    RecoveryFeed,
     Setup,
     Store,
     StoreError,
@@ -58,6 +60,7 @@ def HostStore():
 
 __all__ = [
     "Completion",
+    "ControllerError",
     "CorruptChunkError",
     "CudaEngine",
     "CudaError",
@@ -73,6 +76,7 @@ __all__ = [
     "NotFoundError",
     "PeerServer",
     "PinnedBuffer",
+    "RecoveryFeed",
     "Setup",
     "SidecarClient",
     "Store",

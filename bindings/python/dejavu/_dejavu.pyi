@@ -25,6 +25,9 @@ class NotFoundError(StoreError):
 class CudaError(Error):
     """No CUDA driver, NVRTC or device, or a CUDA call failed."""
 
+class ControllerError(Error):
+    """The controller cannot be reached, refused the cluster secret, or refused the request."""
+
 class KvSpec:
     """The shape of a model's KV cache."""
 
@@ -146,6 +149,44 @@ class PinnedBuffer:
     def __bytes__(self) -> bytes: ...
     @property
     def __array_interface__(self) -> dict: ...
+
+class RecoveryFeed:
+    """What whoever feeds a pipeline (it alone holds the requests' tokens) watches: the recoveries
+    the controller at ``controller`` ("host:port", its ``--listen``) carries out itself (a
+    controller started with ``--stages``), each with where every sequence resumes. ``secret`` is
+    the cluster's (``--secret-file``; by default the one of a cluster started without one).
+
+    A feeder keeps the epoch of the last recovery it handled, waits for the next one, feeds every
+    sequence of it again from its resume token on (through the whole pipeline, as the first
+    time), and acknowledges it::
+
+        feed = dejavu.RecoveryFeed("10.0.0.1:7400", secret)
+        handled = 0
+        while True:
+            recovery = feed.watch(handled, timeout=5.0)
+            if recovery is None:
+                continue
+            for (microbatch, slots), token in recovery["resume"].items():
+                ...  # feed these sequences again from `token`
+            feed.acknowledge(recovery["epoch"])
+            handled = recovery["epoch"]
+    """
+
+    def __init__(self, controller: str, secret: Optional[Union[str, bytes]] = None) -> None: ...
+    def watch(self, after: int = 0, timeout: float = 5.0) -> Optional[dict]:
+        """The recovery of the first epoch after ``after`` in which the controller fenced a stage,
+        once every stage it fenced has its replacement in place (a new engine joined the stage's
+        sidecar; a replaced sidecar was restored), or ``None`` if none is ready within
+        ``timeout`` seconds (10 at most per call). A dict: ``epoch``; ``resume``, mapping
+        ``(microbatch, (first slot, end slot))`` to the first token to feed again (a sequence
+        not in it starts again from its first token); ``stages``, one dict per failed stage
+        (``stage``, ``loss``: "engine" or "worker", ``source``: where it restores from, "own",
+        "successor" or "lost", ``restored_from``: that sidecar's stage or ``None``, ``marks``: as
+        ``resume``, for that stage alone). ``ControllerError`` if the controller cannot be
+        reached or carries out no recoveries."""
+    def acknowledge(self, epoch: int) -> None:
+        """Tells the controller that every sequence of the recovery of ``epoch`` was fed again
+        (``dejavu_controller_recoveries_acknowledged_total`` counts them)."""
 
 class Store:
     """Where chunks go: a file directory, host memory, a remote peer or the local sidecar."""

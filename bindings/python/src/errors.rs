@@ -14,6 +14,12 @@ create_exception!(dejavu, StoreError, Error, "Flush or fetch failed (I/O, disk f
 create_exception!(dejavu, CorruptChunkError, StoreError, "A chunk failed verification.");
 create_exception!(dejavu, NotFoundError, StoreError, "No chunk under the key asked for.");
 create_exception!(dejavu, CudaError, Error, "No CUDA driver, NVRTC or device, or a CUDA call failed.");
+create_exception!(
+    dejavu,
+    ControllerError,
+    Error,
+    "The controller cannot be reached, refused the cluster secret, or refused the request."
+);
 
 /// A CUDA engine's error as Python sees it: wrong sizes and memory a `ValueError`, layout errors
 /// as `cache_err` says, the rest `dejavu.CudaError`.

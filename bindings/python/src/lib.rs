@@ -7,6 +7,7 @@
 mod buffer;
 mod cache;
 mod errors;
+mod feed;
 mod gpu;
 mod layout;
 mod pinned;
@@ -17,7 +18,10 @@ mod streamer;
 use pyo3::prelude::*;
 
 use crate::cache::PyCache;
-use crate::errors::{CorruptChunkError, CudaError, Error, LayoutError, NotFoundError, StoreError};
+use crate::errors::{
+    ControllerError, CorruptChunkError, CudaError, Error, LayoutError, NotFoundError, StoreError,
+};
+use crate::feed::PyRecoveryFeed;
 use crate::gpu::{PyCudaEngine, PyDeviceCache};
 use crate::layout::{PyLayout, PyRegion, PySpec};
 use crate::pinned::PyPinnedBuffer;
@@ -34,6 +38,7 @@ fn _dejavu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CorruptChunkError", py.get_type::<CorruptChunkError>())?;
     m.add("NotFoundError", py.get_type::<NotFoundError>())?;
     m.add("CudaError", py.get_type::<CudaError>())?;
+    m.add("ControllerError", py.get_type::<ControllerError>())?;
     m.add_class::<PySpec>()?;
     m.add_class::<PyLayout>()?;
     m.add_class::<PyRegion>()?;
@@ -46,6 +51,7 @@ fn _dejavu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCudaEngine>()?;
     m.add_class::<PyDeviceCache>()?;
     m.add_class::<PyPinnedBuffer>()?;
+    m.add_class::<PyRecoveryFeed>()?;
     m.add_function(wrap_pyfunction!(flush, m)?)?;
     m.add_function(wrap_pyfunction!(fetch, m)?)?;
     m.add_function(wrap_pyfunction!(py_stream_out, m)?)?;

@@ -18,6 +18,8 @@ import textwrap
 import time
 import urllib.request
 
+import dejavu
+
 ENGINE = textwrap.dedent(
     """
     import sys, time, zlib
@@ -152,12 +154,20 @@ def test_the_walkthrough_survives_an_engine_a_worker_a_sidecar_and_the_controlle
         engines = [w.engine(stage) for stage in range(2)]
         assert [(epoch, resume) for _, epoch, resume in engines] == [("0", 0), ("0", 0)]
         outputs = [steps(engines[stage][0], 6) for stage in range(2)]
+        # Whoever feeds the pipeline watches the controller's recoveries.
+        feed = dejavu.RecoveryFeed(w.heartbeat)
+        assert feed.watch(0, timeout=0.1) is None
 
         # An engine dies: fenced at once; the next one joins in the fence's epoch and restores.
         kill(engines[0][0])
         w.wait_for(lambda: w.gauge("dejavu_controller_fences_total") == 1, "engine 0 fenced")
         engine0, epoch, resume = w.engine(0)
         assert (epoch, resume) == ("1", 6)
+        recovery = feed.watch(0, timeout=10)
+        assert recovery["epoch"] == 1
+        assert [(s["stage"], s["loss"], s["source"]) for s in recovery["stages"]] == [(0, "engine", "own")]
+        assert recovery["resume"] == {(0, (0, 1)): 6} == recovery["stages"][0]["marks"]
+        feed.acknowledge(1)
         outputs[0] += steps(engine0, 6)
 
         # A whole worker dies; the same commands start it again; the controller restores its
@@ -169,6 +179,12 @@ def test_the_walkthrough_survives_an_engine_a_worker_a_sidecar_and_the_controlle
         w.wait_for(lambda: w.gauge("dejavu_controller_recovery_seconds_count") == 1, "worker 1's sidecar restored")
         engine1, epoch, resume = w.engine(1)
         assert (epoch, resume) == ("2", 6)
+        recovery = feed.watch(1, timeout=10)
+        assert recovery["epoch"] == 2
+        [stage] = recovery["stages"]
+        assert (stage["stage"], stage["loss"], stage["source"], stage["restored_from"]) == (1, "worker", "successor", 0)
+        assert recovery["resume"] == {(0, (0, 1)): 6}
+        feed.acknowledge(2)
         outputs[1] += steps(engine1, 6)
 
         # A sidecar dies alone: its engine, which lives, is fenced with it (it can neither keep
@@ -179,6 +195,13 @@ def test_the_walkthrough_survives_an_engine_a_worker_a_sidecar_and_the_controlle
         sidecars[0] = w.sidecar(0)
         w.wait_for(lambda: w.gauge("dejavu_controller_recovery_seconds_count") == 2, "sidecar 0 restored")
         outputs[0] += steps(engine0, 3)
+        # The feed's marks are read when it answers: here after the engine, which lived, joined
+        # again and went on; its successor holds all 15 tokens, from which it goes on anyway.
+        recovery = feed.watch(2, timeout=10)
+        assert recovery["epoch"] == 3
+        assert recovery["resume"] == {(0, (0, 1)): 15}
+        feed.acknowledge(3)
+        assert w.gauge("dejavu_controller_recoveries_acknowledged_total") == 3
 
         # The controller dies; started again on its state, it goes on, and so do the engines.
         kill(controller)
@@ -186,8 +209,31 @@ def test_the_walkthrough_survives_an_engine_a_worker_a_sidecar_and_the_controlle
         w.wait_for(lambda: w.gauge("dejavu_controller_lifelines") == 4, "every member back")
         outputs[0] += steps(engine0, 3)
         outputs[1] += steps(engine1, 6)
+        assert feed.watch(3, timeout=0.2) is None
 
         assert outputs[0] == reference[0]
         assert outputs[1] == reference[1]
+    finally:
+        w.stop()
+
+
+def test_a_recovery_feed_refuses_what_it_cannot_do(tmp_path):
+    import pytest
+    from test_dejavu import dejavud
+
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        dejavu.RecoveryFeed("nowhere")
+    with pytest.raises(ValueError, match="timeout"):
+        dejavu.RecoveryFeed("127.0.0.1:1").watch(0, timeout=-1)
+    with pytest.raises(dejavu.ControllerError):
+        dejavu.RecoveryFeed(f"127.0.0.1:{free_port()}").watch(0, timeout=0.1)
+    # A controller not told the ring's size carries out no recoveries, and says how to ask it to.
+    w = Walkthrough(tmp_path, dejavud())
+    try:
+        w.spawn(w.dejavud, "controller", f"--listen={w.heartbeat}", f"--state={tmp_path / 'state'}").stdout.readline()
+        with pytest.raises(dejavu.ControllerError, match="--stages"):
+            dejavu.RecoveryFeed(w.heartbeat).watch(0, timeout=0.1)
+        with pytest.raises(dejavu.ControllerError):
+            dejavu.RecoveryFeed(w.heartbeat, secret=b"another cluster").watch(0, timeout=0.1)
     finally:
         w.stop()

@@ -2,15 +2,13 @@
 //! [`crate::cluster`] and by replacements asking for their epoch.
 
 use std::collections::BTreeMap;
-use std::io::{BufReader, BufWriter, ErrorKind, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use dejavulib::message::{Message, RecoveryOrders};
-use dejavulib::net::auth::client_handshake_blocking;
-use dejavulib::wire::{read_frame, write_frame, FrameError, FrameHeader, Kind};
+use dejavulib::net::controller::QueryConnection;
 
-use super::query::{handshake_error, QUERY_CLIENT_NODE, REFUSED_CLAIMED, REFUSED_NOT_FENCED};
+use super::query::{REFUSED_CLAIMED, REFUSED_NOT_FENCED};
 use super::{ControllerError, Health, Member};
 
 /// Who is alive, as the controller said at one moment.
@@ -47,29 +45,25 @@ impl Census {
 /// A connection to a controller; every call has a deadline, and a broken connection is
 /// re-established by the next call.
 pub struct ControllerClient {
-    addr: SocketAddr,
-    deadline: Duration,
-    secret: Vec<u8>,
-    connection: Option<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
-    next_request: u64,
+    link: QueryConnection,
 }
 
 impl ControllerClient {
     /// A client of the controller at `addr`, proving the cluster secret `secret` on each
     /// connection; a call slower than `deadline` fails.
     pub fn new(addr: SocketAddr, deadline: Duration, secret: impl Into<Vec<u8>>) -> Self {
-        Self { addr, deadline, secret: secret.into(), connection: None, next_request: 1 }
+        Self { link: QueryConnection::new(addr, deadline, secret) }
     }
 
     /// The controller's address (also where heartbeats go).
     pub fn addr(&self) -> SocketAddr {
-        self.addr
+        self.link.addr()
     }
 
     /// Drops the connection: the next call opens a new one (to a controller replaced on the
     /// same port, say).
     pub fn disconnect(&mut self) {
-        self.connection = None;
+        self.link.disconnect();
     }
 
     /// Who is alive.
@@ -113,14 +107,13 @@ impl ControllerClient {
         epoch: u64,
         process: u32,
     ) -> Result<TcpStream, ControllerError> {
-        match self.try_call(&Message::Lifeline { member, epoch, process }) {
+        match self.call(&Message::Lifeline { member, epoch, process }) {
             Err(ControllerError::Refused { code: REFUSED_CLAIMED, detail, .. }) => {
                 return Err(ControllerError::Claimed { member, by: detail });
             }
             other => other?,
         };
-        let (reader, _) = self.connection.take().expect("a call that succeeded left its connection");
-        let stream = reader.into_inner();
+        let stream = self.link.into_stream().expect("a call that succeeded left its connection");
         stream.set_read_timeout(None)?;
         Ok(stream)
     }
@@ -172,11 +165,7 @@ impl ControllerClient {
 
     /// A recovery request, waiting up to `patience` for the answer (it moves KV).
     fn call_patiently(&mut self, request: &Message, patience: Duration) -> Result<Message, ControllerError> {
-        let mut patient = ControllerClient::new(self.addr, patience, self.secret.clone());
-        patient.next_request = self.next_request;
-        let (_, answer) = patient.try_call(request)?;
-        self.next_request = patient.next_request;
-        Ok(answer)
+        Ok(self.link.call_within(request, patience)?.1)
     }
 
     /// A request whose answer is an epoch.
@@ -191,66 +180,14 @@ impl ControllerClient {
     /// be reached, does not answer in time or closes the connection is an
     /// [`ControllerError::Io`]; one that refuses, a [`ControllerError::Refused`].
     pub(super) fn call(&mut self, request: &Message) -> Result<(u64, Message), ControllerError> {
-        self.call_with_payload(request.encode())
+        Ok(self.link.call(request)?)
     }
 
     /// As [`ControllerClient::call`], with the request's payload as it is (tests send malformed
     /// ones).
+    #[cfg(test)]
     pub(super) fn call_with_payload(&mut self, request: Vec<u8>) -> Result<(u64, Message), ControllerError> {
-        let result = self.try_call_with_payload(request);
-        if result.is_err() {
-            // The connection may hold half an exchange: start over next time.
-            self.connection = None;
-        }
-        result
-    }
-
-    fn try_call(&mut self, message: &Message) -> Result<(u64, Message), ControllerError> {
-        self.try_call_with_payload(message.encode())
-    }
-
-    fn try_call_with_payload(&mut self, payload: Vec<u8>) -> Result<(u64, Message), ControllerError> {
-        if self.connection.is_none() {
-            let stream = TcpStream::connect_timeout(&self.addr, self.deadline)?;
-            stream.set_nodelay(true)?;
-            stream.set_read_timeout(Some(self.deadline))?;
-            stream.set_write_timeout(Some(self.deadline))?;
-            client_handshake_blocking(&stream, &self.secret, QUERY_CLIENT_NODE, self.deadline)
-                .map_err(handshake_error)?;
-            self.connection = Some((BufReader::new(stream.try_clone()?), BufWriter::new(stream)));
-        }
-        let (reader, writer) = self.connection.as_mut().expect("connected above");
-        let request = self.next_request;
-        self.next_request += 1;
-        let header = FrameHeader::new(Kind::Control, QUERY_CLIENT_NODE, 0, request);
-        write_frame(writer, &header, &payload)?;
-        writer.flush()?;
-        let frame = match read_frame(reader, 1 << 20) {
-            Ok(Some(frame)) => frame,
-            Ok(None) | Err(FrameError::Truncated { .. }) => {
-                return Err(ControllerError::Io(std::io::Error::new(
-                    ErrorKind::UnexpectedEof,
-                    "the controller closed the connection",
-                )))
-            }
-            Err(FrameError::Io(e)) => return Err(ControllerError::Io(e)),
-            Err(e) => return Err(ControllerError::Protocol(e.to_string())),
-        };
-        match frame.header.kind {
-            _ if frame.header.request != request => {
-                Err(ControllerError::Protocol(format!("a reply to {} for {request}", frame.header.request)))
-            }
-            Kind::Control => match Message::of_frame(&frame) {
-                Ok(answer) => Ok((frame.header.epoch, answer)),
-                Err(e) => Err(ControllerError::Protocol(e.to_string())),
-            },
-            Kind::Error => Err(ControllerError::Refused {
-                code: frame.header.ids[0],
-                detail: frame.header.ids[1],
-                reason: String::from_utf8_lossy(&frame.payload).into_owned(),
-            }),
-            other => Err(ControllerError::Protocol(format!("an unexpected {other:?}"))),
-        }
+        Ok(self.link.call_payload(request, Duration::from_secs(5))?)
     }
 }
 

@@ -114,6 +114,18 @@ pub(super) fn render(tables: &Tables, counters: &Counters) -> String {
     .sample("dejavu_controller_recovery_seconds_sum", &[], get(&counters.recovery_micros) / 1e6)
     .sample("dejavu_controller_recovery_seconds_count", &[], get(&counters.recoveries));
     page.single(
+        "dejavu_controller_recoveries_acknowledged_total",
+        MetricType::Counter,
+        "Recoveries whose sequences the feeder acknowledged it fed again (the recovery feed).",
+        get(&counters.acknowledged_recoveries),
+    );
+    page.single(
+        "dejavu_controller_recovery_acknowledged_epoch",
+        MetricType::Gauge,
+        "The epoch of the newest recovery the feeder acknowledged (0: none).",
+        get(&counters.last_acknowledged),
+    );
+    page.single(
         "dejavu_controller_reseeded_chunks_total",
         MetricType::Counter,
         "Chunks surviving sidecars sent replaced ones on the controller's orders.",

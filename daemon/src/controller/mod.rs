@@ -59,6 +59,7 @@ use crate::heartbeat::{Beat, Role};
 use crate::slots::Slot;
 
 mod client;
+mod feed;
 mod heartbeats;
 mod leadership;
 mod lifeline;
@@ -201,6 +202,9 @@ struct Counters {
     /// Lifelines held now, and those that broke while they were their member's current one.
     lifelines: AtomicU64,
     severed_lifelines: AtomicU64,
+    /// Recoveries the feeder acknowledged ([`feed`]), and the newest one's epoch.
+    acknowledged_recoveries: AtomicU64,
+    last_acknowledged: AtomicU64,
 }
 
 /// What the controller's threads tell one another.
@@ -445,6 +449,9 @@ const SETTLE: Duration = Duration::from_millis(20);
 /// The longest a [`Message::AwaitFence`] query may wait.
 const MAX_FENCE_WAIT: Duration = Duration::from_secs(10);
 
+/// The longest a [`Message::WatchRecovery`] query may wait.
+const MAX_WATCH: Duration = dejavulib::net::controller::MAX_WATCH;
+
 /// Attempts at binding a UDP and a TCP socket to one free port before giving up.
 const BIND_ATTEMPTS: usize = 16;
 
@@ -673,6 +680,7 @@ pub fn serve_controller(
         // if no thread could be started for it.
         let spawned = std::thread::Builder::new().name("query".into()).spawn(move || {
             let query = Query {
+                depth: config.stages,
                 secret: &secret,
                 heartbeats: &udp,
                 tables: &tables,
@@ -764,6 +772,8 @@ fn detect_failures(
 
 /// What a query connection's thread works with.
 struct Query<'a> {
+    /// The ring's size, where the controller carries out recoveries itself (`--stages`).
+    depth: Option<u32>,
     secret: &'a [u8],
     heartbeats: &'a UdpSocket,
     tables: &'a Mutex<Tables>,
@@ -779,7 +789,7 @@ fn answer_queries(
     lifeline_slots: &Arc<AtomicUsize>,
     query: &Query<'_>,
 ) -> Result<(), ControllerError> {
-    let Query { secret, heartbeats, tables, counters, events } = *query;
+    let Query { depth, secret, heartbeats, tables, counters, events } = *query;
     stream.set_nodelay(true)?;
     if let Err(e) = server_handshake_blocking(&stream, secret, QUERY_SERVER_NODE, HANDSHAKE_DEADLINE) {
         counters.refused_queries.fetch_add(1, Ordering::Relaxed);
@@ -831,6 +841,26 @@ fn answer_queries(
                     }
                 }
                 let epoch = tables.machine.epoch();
+                Ok((epoch, Message::Epoch(epoch)))
+            }
+            Message::WatchRecovery { after, wait_ms } => {
+                let depth = depth.ok_or_else(|| {
+                    ControllerError::Protocol(
+                        "this controller carries out no recoveries (start it with --stages, the ring's size)"
+                            .into(),
+                    )
+                })?;
+                let until = Instant::now() + Duration::from_millis(wait_ms.into()).min(MAX_WATCH);
+                match feed::watch(tables, events, depth, after, until)? {
+                    Some(orders) => Ok((orders.epoch, Message::Orders(orders))),
+                    None => {
+                        let epoch = tables.lock().machine.epoch();
+                        Ok((epoch, Message::Epoch(epoch)))
+                    }
+                }
+            }
+            Message::AcknowledgeRecovery(epoch) => {
+                feed::acknowledge(tables, counters, epoch)?;
                 Ok((epoch, Message::Epoch(epoch)))
             }
             Message::Lifeline { member, epoch, process } => {

@@ -2,10 +2,7 @@
 //! [`super::ControllerClient`]; its requests and answers are control messages
 //! ([`dejavulib::message`]).
 
-use std::io::ErrorKind;
-
-use dejavulib::net::PeerError;
-use dejavulib::wire::FrameError;
+use dejavulib::net::controller::QueryError;
 
 use super::ControllerError;
 #[cfg(doc)]
@@ -28,18 +25,15 @@ pub(super) fn refusal_code(e: &ControllerError) -> u32 {
     }
 }
 
-/// The node ids the query port proves the secret as, and its clients.
-pub(super) const QUERY_SERVER_NODE: u32 = 0;
-pub(super) const QUERY_CLIENT_NODE: u32 = u32::MAX;
+pub(super) use dejavulib::net::controller::QUERY_SERVER_NODE;
 
-/// What a failed handshake with the controller is: a refusal of the secret (one end is not of
-/// this cluster), or, like any connection that breaks or stalls, an [`ControllerError::Io`], which
-/// callers wait out (a controller paused, restarting, or at its connection limit).
-pub(super) fn handshake_error(e: PeerError) -> ControllerError {
-    match e {
-        PeerError::Auth(reason) => ControllerError::Auth(reason),
-        PeerError::Io(e) | PeerError::Frame(FrameError::Io(e)) => ControllerError::Io(e),
-        PeerError::Timeout(_) => ControllerError::Io(ErrorKind::TimedOut.into()),
-        other => ControllerError::Io(std::io::Error::new(ErrorKind::ConnectionAborted, other.to_string())),
+impl From<QueryError> for ControllerError {
+    fn from(e: QueryError) -> Self {
+        match e {
+            QueryError::Io(e) => ControllerError::Io(e),
+            QueryError::Auth(reason) => ControllerError::Auth(reason),
+            QueryError::Protocol(what) => ControllerError::Protocol(what),
+            QueryError::Refused { code, detail, reason } => ControllerError::Refused { code, detail, reason },
+        }
     }
 }

@@ -61,20 +61,7 @@ pub(super) fn carry_out(
             }
             Some((_, Reseed::AfterRestore)) | None => None,
         };
-        let holder = match plan.source {
-            Source::Own => Some(plan.stage),
-            Source::Successor(successor) => Some(successor),
-            Source::Lost => None,
-        };
-        let held = match holder {
-            Some(holder) => control_of(tables, (Role::Sidecar, holder))?.held_of(plan.stage)?,
-            None => Vec::new(),
-        };
-        let marks = resume_points(&held)
-            .into_iter()
-            .filter(|point| point.destination.stage == plan.stage)
-            .map(|point| Mark { microbatch: point.microbatch, slots: point.slots, tokens: point.tokens })
-            .collect();
+        let marks = marks_of(tables, &plan)?;
         stages.push(StageOrders { plan, reseeded, marks });
     }
     counters.recoveries.fetch_add(1, Ordering::Relaxed);
@@ -83,6 +70,22 @@ pub(super) fn carry_out(
     counters.reseeded_chunks.fetch_add(reseeded, Ordering::Relaxed);
     info!(epoch, ?losses, reseeded, took = ?started.elapsed(), "carried a recovery out");
     Ok(RecoveryOrders { epoch, stages })
+}
+
+/// Step 3 for one stage of a recovery's plan: each of its sequences' first token whose KV the
+/// sidecar it restores from does not hold (none where that KV is lost).
+pub(super) fn marks_of(tables: &Mutex<Tables>, plan: &plan::StagePlan) -> Result<Vec<Mark>, ControllerError> {
+    let holder = match plan.source {
+        Source::Own => plan.stage,
+        Source::Successor(successor) => successor,
+        Source::Lost => return Ok(Vec::new()),
+    };
+    let held = control_of(tables, (Role::Sidecar, holder))?.held_of(plan.stage)?;
+    Ok(resume_points(&held)
+        .into_iter()
+        .filter(|point| point.destination.stage == plan.stage)
+        .map(|point| Mark { microbatch: point.microbatch, slots: point.slots, tokens: point.tokens })
+        .collect())
 }
 
 /// The rest of step 2, once the replaced stages have restored (or recomputed) their KV: each
@@ -117,8 +120,18 @@ fn losses_in(tables: &Tables, epoch: u64, depth: u32) -> Result<Vec<(u32, Loss)>
             "a recovery of epoch {epoch}, not the current {current}"
         )));
     }
+    let losses = losses_fenced_in(tables, epoch, depth);
+    if losses.is_empty() {
+        return Err(ControllerError::Protocol(format!("no stage of {depth} was fenced in epoch {epoch}")));
+    }
+    Ok(losses)
+}
+
+/// What of each stage of a ring of `depth` was fenced in `epoch` (and not again since): the whole
+/// worker when its sidecar was, else its engine.
+pub(super) fn losses_fenced_in(tables: &Tables, epoch: u64, depth: u32) -> Vec<(u32, Loss)> {
     let fenced = |member: Member| tables.machine.membership(member).is_some_and(|m| m.fenced_in == epoch);
-    let losses: Vec<(u32, Loss)> = (0..depth)
+    (0..depth)
         .filter_map(|stage| {
             if fenced((Role::Sidecar, stage)) {
                 Some((stage, Loss::Worker))
@@ -126,11 +139,7 @@ fn losses_in(tables: &Tables, epoch: u64, depth: u32) -> Result<Vec<(u32, Loss)>
                 fenced((Role::Engine, stage)).then_some((stage, Loss::Engine))
             }
         })
-        .collect();
-    if losses.is_empty() {
-        return Err(ControllerError::Protocol(format!("no stage of {depth} was fenced in epoch {epoch}")));
-    }
-    Ok(losses)
+        .collect()
 }
 
 /// The control listener of `member`'s current process, waiting up to a heartbeat timeout for it

@@ -13,7 +13,7 @@
 //! |---|---|---|
 //! | 1–9 | an engine to its sidecar, on its local socket | [`Message::Mapped`], [`Message::Successor`], [`Message::Keep`] (→ [`Message::Done`]); [`Message::Held`] (→ [`Message::HeldPage`]); [`Message::Release`] (→ [`Message::Released`]), also from a sidecar to its successor's over the transport; from the cluster to a spare sidecar, [`Message::Assign`] (→ `Done`) |
 //! | 20–29 | the controller to a sidecar's control port | [`Message::HeldOf`] (→ [`Message::HeldOfPage`]); [`Message::Reseed`] (→ [`Message::Reseeded`]) |
-//! | 30–49 | anyone to the controller's query port | [`Message::Census`] (→ [`Message::CensusReply`]); [`Message::Fence`], [`Message::FencedIn`], [`Message::AwaitFence`], [`Message::Lifeline`] (→ [`Message::Epoch`], then [`Message::Fenced`] if it is fenced); [`Message::Recover`] (→ [`Message::Orders`]); [`Message::ReseedRestored`] (→ [`Message::Reseeded`]) |
+//! | 30–49 | anyone to the controller's query port | [`Message::Census`] (→ [`Message::CensusReply`]); [`Message::Fence`], [`Message::FencedIn`], [`Message::AwaitFence`], [`Message::Lifeline`] (→ [`Message::Epoch`], then [`Message::Fenced`] if it is fenced); [`Message::Recover`] (→ [`Message::Orders`]); [`Message::ReseedRestored`] (→ [`Message::Reseeded`]); from whoever feeds a pipeline, [`Message::WatchRecovery`] (→ [`Message::Orders`], or [`Message::Epoch`] if none is ready in time) and [`Message::AcknowledgeRecovery`] (→ `Epoch`) |
 //! | 50–69 | whoever feeds a pipeline to its stages, round the chain | [`Message::Probe`], [`Message::Rewire`], [`Message::HandoffTo`], [`Message::Replication`] (passed on as they are); [`Message::Restore`] (→ [`Message::Restored`]); [`Message::Load`] (→ [`Message::Loaded`]) |
 //! | 70–79 | the cluster to a spare stage | [`Message::AssignStage`] (→ [`Message::StageServing`]) |
 //!
@@ -200,6 +200,19 @@ pub enum Message {
     /// Sent by the controller on a member's lifeline when it fences the member: the process was
     /// declared dead in this epoch, and its replacement takes its place.
     Fenced(u64),
+    /// From whoever feeds a pipeline: answer with the recovery of the first epoch after `after`
+    /// in which a stage was fenced ([`Message::Orders`]: each stage's loss and where each of its
+    /// sequences resumes), once every stage it fenced has its replacement in place; or with the
+    /// current [`Message::Epoch`] once `wait_ms` has passed without one.
+    WatchRecovery {
+        /// The last recovery's epoch the feeder knows (0: none).
+        after: u64,
+        /// The longest wait, in milliseconds.
+        wait_ms: u32,
+    },
+    /// From whoever feeds a pipeline: every sequence of the recovery of this epoch was fed again
+    /// from its mark.
+    AcknowledgeRecovery(u64),
     /// Carry out the recovery of `epoch` for a ring whose stage `k` reaches its successor's
     /// sidecar at `book[k]`.
     Recover {
@@ -344,6 +357,8 @@ impl Message {
             Self::Orders(_) => 38,
             Self::ReseedRestored { .. } => 39,
             Self::Fenced(_) => 40,
+            Self::WatchRecovery { .. } => 41,
+            Self::AcknowledgeRecovery(_) => 42,
             Self::Probe => 50,
             Self::Rewire(_) => 51,
             Self::Restore { .. } => 52,
@@ -438,7 +453,7 @@ impl Message {
                 }
             }
             Self::FencedIn(m) => member(&mut w, *m),
-            Self::AwaitFence { after, wait_ms } => {
+            Self::AwaitFence { after, wait_ms } | Self::WatchRecovery { after, wait_ms } => {
                 w.u64(*after);
                 w.u32(*wait_ms);
             }
@@ -447,7 +462,7 @@ impl Message {
                 w.u64(*epoch);
                 w.u32(*process);
             }
-            Self::Epoch(epoch) | Self::Fenced(epoch) => w.u64(*epoch),
+            Self::Epoch(epoch) | Self::Fenced(epoch) | Self::AcknowledgeRecovery(epoch) => w.u64(*epoch),
             Self::Recover { epoch, book } | Self::ReseedRestored { epoch, book } => {
                 w.u64(*epoch);
                 w.len(book.len());
@@ -576,6 +591,10 @@ impl Message {
             }
             38 => Self::Orders(RecoveryOrders::decode(&mut r)?),
             40 => Self::Fenced(r.u64("a fence")?),
+            41 => {
+                Self::WatchRecovery { after: r.u64("a recovery watch")?, wait_ms: r.u32("a recovery watch")? }
+            }
+            42 => Self::AcknowledgeRecovery(r.u64("a recovery's acknowledgement")?),
             50 => Self::Probe,
             51 => Self::Rewire(
                 r.list(4 + ADDR_MIN_LEN, "a rewire", |r| Ok((r.u32("a rewire")?, r.addr("a rewire")?)))?,

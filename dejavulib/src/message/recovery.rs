@@ -1,5 +1,6 @@
 //! What a controller did and found in a recovery, as it answers [`super::Message::Recover`].
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 use dejavu_proto::plan::{Loss, Reseed, Source, StagePlan};
@@ -47,6 +48,32 @@ pub struct RecoveryOrders {
     pub epoch: u64,
     /// Every failed stage, in stage order.
     pub stages: Vec<StageOrders>,
+}
+
+impl RecoveryOrders {
+    /// Where whoever feeds the pipeline feeds each sequence again from: one mark per sequence
+    /// (microbatch, slots) that any failed stage holds KV of, in order, whose `tokens` is the
+    /// first token some failed stage does not hold (0 where a failed stage holds none of it).
+    /// The tokens from there on are fed again through the whole pipeline; a sequence without a
+    /// mark starts again from its first token.
+    pub fn resume_from(&self) -> Vec<Mark> {
+        let mut sequences: BTreeMap<(u32, u32, u32), u32> = BTreeMap::new();
+        for mark in self.stages.iter().flat_map(|s| &s.marks) {
+            sequences.insert((mark.microbatch, mark.slots.start, mark.slots.end), u32::MAX);
+        }
+        sequences
+            .into_iter()
+            .map(|((microbatch, start, end), _)| {
+                let held = |stage: &StageOrders| {
+                    let mark =
+                        stage.marks.iter().find(|m| m.microbatch == microbatch && m.slots == (start..end));
+                    mark.map_or(0, |m| m.tokens)
+                };
+                let tokens = self.stages.iter().map(held).min().unwrap_or(0);
+                Mark { microbatch, slots: start..end, tokens }
+            })
+            .collect()
+    }
 }
 
 /// Bytes of an encoded stage with no marks, and of an encoded mark.

@@ -23,6 +23,11 @@ use crate::wire::{ErrorCode, Frame, FrameHeader, Kind};
 
 type HmacSha256 = Hmac<Sha256>;
 
+/// The cluster secret of every process given none: a cluster of processes all started without
+/// one works, and is no more closed than its network. Give every process of a real cluster a
+/// secret of its own.
+pub const DEFAULT_SECRET: &str = "dejavu reference cluster";
+
 /// Bytes of a handshake nonce.
 pub const NONCE_LEN: usize = 32;
 /// Bytes of an HMAC-SHA256 tag.

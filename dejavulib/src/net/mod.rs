@@ -21,6 +21,7 @@ pub mod auth;
 pub mod blocking;
 pub mod client;
 pub mod codec;
+pub mod controller;
 pub mod error;
 pub mod memory;
 pub mod quic;
