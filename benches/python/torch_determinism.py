@@ -15,12 +15,13 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from dejavu.torch_engine import model
-from dejavu.torch_engine.model import ModelShape, TorchStage, generate
+from dejavu.torch_engine.model import SEVEN_B, ModelShape, TorchStage, generate
 
 RUNS = 5
 
@@ -37,13 +38,7 @@ def repeats(run):
 def main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=32)
-    p.add_argument("--intermediate", type=int, default=11008)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", default="bfloat16")
+    ModelShape.add_arguments(p, replace(SEVEN_B, layers=4))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument(
@@ -53,10 +48,7 @@ def main(argv) -> int:
     args = p.parse_args(argv)
     if args.deterministic_algorithms:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    shape = ModelShape(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-        intermediate=args.intermediate, vocab=args.vocab, dtype=args.dtype,
-    )
+    shape = ModelShape.from_arguments(args)
     device, dtype = torch.device(args.device), shape.torch_dtype
     stage = TorchStage(shape, range(0, shape.layers), args.batch, args.prompt + 16, args.device)
     layer = stage.blocks[0]

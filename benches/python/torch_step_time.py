@@ -17,7 +17,7 @@ import torch
 
 from dejavu.torch_engine.cluster import DaemonCluster
 from dejavu.torch_engine.demo import Run, Workload, decode_steps, median_ms
-from dejavu.torch_engine.model import ModelShape, TorchStage
+from dejavu.torch_engine.model import SEVEN_B, ModelShape, TorchStage
 from dejavu.torch_engine.pipeline import Pipeline, StageProcess
 
 
@@ -64,21 +64,12 @@ def processes(workload: Workload, threads: int) -> tuple:
 def main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=32)
-    p.add_argument("--intermediate", type=int, default=11008)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", default="bfloat16")
+    ModelShape.add_arguments(p, SEVEN_B)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=24)
     args = p.parse_args(argv)
-    shape = ModelShape(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-        intermediate=args.intermediate, vocab=args.vocab, dtype=args.dtype,
-    )
+    shape = ModelShape.from_arguments(args)
     w = Workload(shape, 2, args.batch, args.prompt, args.new_tokens, args.device)
     print(f"| setup | decode step, ms (median) | inside the stages, ms |")
     print(f"| stages in this process | {in_process(w):.2f} | |")

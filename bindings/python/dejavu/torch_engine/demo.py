@@ -243,14 +243,7 @@ def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dejavu.torch_engine demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--dejavud", help="the dejavud executable (default: $DEJAVUD, or dejavud on the PATH)")
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
-    p.add_argument("--seed", type=int, default=0)
+    ModelShape.add_arguments(p)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--batch", type=int, default=4, help="sequences per microbatch, decoded in lockstep")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches, their steps taken in turn")
@@ -273,10 +266,7 @@ def main(argv) -> int:
     # The driver's own torch work is a few small tensors: its idle threads would only spin.
     torch.set_num_threads(1)
     try:
-        shape = ModelShape(
-            layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-            intermediate=args.intermediate, vocab=args.vocab, seed=args.seed, dtype=args.dtype,
-        )
+        shape = ModelShape.from_arguments(args)
         workload = Workload(
             shape, args.stages, args.batch, args.prompt, args.new_tokens, args.device,
             microbatches=args.microbatches, resident=args.resident,

@@ -72,6 +72,28 @@ class ModelShape:
     def from_json(cls, text: str) -> "ModelShape":
         return cls(**json.loads(text))
 
+    @staticmethod
+    def add_arguments(parser, defaults: Optional["ModelShape"] = None) -> None:
+        """Adds the shape's command-line options to ``parser`` (``argparse``), defaulting to
+        ``defaults`` (the tiny test model by default; ``SEVEN_B`` for a GPU)."""
+        d = defaults or ModelShape()
+        parser.add_argument("--layers", type=int, default=d.layers)
+        parser.add_argument("--hidden", type=int, default=d.hidden)
+        parser.add_argument("--heads", type=int, default=d.heads)
+        parser.add_argument("--kv-heads", type=int, default=d.kv_heads)
+        parser.add_argument("--intermediate", type=int, default=d.intermediate)
+        parser.add_argument("--vocab", type=int, default=d.vocab)
+        parser.add_argument("--dtype", default=d.dtype, help="float32, float16 or bfloat16")
+        parser.add_argument("--seed", type=int, default=d.seed, help="the seed of the random weights")
+
+    @classmethod
+    def from_arguments(cls, args) -> "ModelShape":
+        """The shape ``add_arguments``' options give (``ValueError`` naming a wrong one)."""
+        return cls(
+            layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+            intermediate=args.intermediate, vocab=args.vocab, seed=args.seed, dtype=args.dtype,
+        )
+
     def config(self):
         """The model's ``transformers.LlamaConfig``."""
         from transformers import LlamaConfig
@@ -122,6 +144,11 @@ class ModelShape:
         # Its frequencies are computed when it is made: not on the meta device.
         inner.rotary_emb = LlamaRotaryEmbedding(config).to(device)
         return model.eval()
+
+
+#: A 7B-class Llama (32 layers, hidden 4096, 32 heads and KV heads of 128, bf16): the GPU
+#: figures' model.
+SEVEN_B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000, dtype="bfloat16")
 
 
 def deterministic_cuda() -> None:
