@@ -34,27 +34,24 @@ pub(super) fn watch(
     after: u64,
     until: Instant,
 ) -> Result<Option<RecoveryOrders>, ControllerError> {
-    loop {
-        let ready = {
-            let mut tables = tables.lock();
-            match next_in_place(&tables, depth, after) {
-                Some(ready) => Some(ready),
-                None if Instant::now() >= until => return Ok(None),
-                None => {
-                    let _ = events.fenced.wait_until(&mut tables, (Instant::now() + RECHECK).min(until));
-                    None
-                }
+    let (epoch, losses) = {
+        let mut tables = tables.lock();
+        loop {
+            if let Some(ready) = next_in_place(&tables, depth, after) {
+                break ready;
             }
-        };
-        if let Some((epoch, losses)) = ready {
-            // The marks are read from the sidecars without the tables' lock.
-            let stages = plan::ring(depth, &losses)
-                .into_iter()
-                .map(|plan| Ok(StageOrders { marks: marks_of(tables, &plan)?, reseeded: None, plan }))
-                .collect::<Result<Vec<_>, ControllerError>>()?;
-            return Ok(Some(RecoveryOrders { epoch, stages }));
+            if Instant::now() >= until {
+                return Ok(None);
+            }
+            let _ = events.fenced.wait_until(&mut tables, (Instant::now() + RECHECK).min(until));
         }
-    }
+    };
+    // The marks are read from the sidecars without the tables' lock.
+    let stages = plan::ring(depth, &losses)
+        .into_iter()
+        .map(|plan| Ok(StageOrders { marks: marks_of(tables, &plan)?, reseeded: None, plan }))
+        .collect::<Result<Vec<_>, ControllerError>>()?;
+    Ok(Some(RecoveryOrders { epoch, stages }))
 }
 
 /// The first epoch after `after` in which a stage was fenced, with its losses, if every stage it

@@ -412,6 +412,18 @@ class TorchStage:
             self._mirror = (dejavu.KvCache.wrap(self.layout, tensors), tensors)
         return self._mirror
 
+    @property
+    def restores_through_mirror(self) -> bool:
+        """Whether a restore goes through the host mirror: on a GPU, or with microbatches swapped
+        out; on the CPU, the library fetches straight into the stage's tensors."""
+        return self.engine is not None or self.swapping
+
+    def restored(self, microbatch: int, restored: List[Tuple[range, int]]) -> None:
+        """Records that ``microbatch`` holds, of each ``(slots, tokens)`` in ``restored``, tokens
+        ``0..tokens`` of those slots."""
+        for _, tokens in restored:
+            self.lengths[microbatch] = max(self.lengths[microbatch], tokens)
+
     def drop_mirror(self) -> None:
         """Frees the host mirror (after a restore)."""
         self._mirror = None
@@ -420,14 +432,15 @@ class TorchStage:
         """Copies the KV a host mirror (``host_mirror``) holds into ``microbatch``'s: of each
         ``(slots, tokens)`` in ``restored``, tokens ``0..tokens`` of those slots (the rest of the
         mirror may hold another microbatch's KV)."""
+        if not restored:
+            return
         kv = self.kv(microbatch)
         for target, source in zip(kv.tensors(), tensors):
             for slots, tokens in restored:
                 target[slots.start : slots.stop, :, :tokens].copy_(
                     source[slots.start : slots.stop, :, :tokens], non_blocking=True
                 )
-        for _, tokens in restored:
-            self.lengths[microbatch] = max(self.lengths[microbatch], tokens)
+        self.restored(microbatch, restored)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

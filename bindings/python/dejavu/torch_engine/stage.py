@@ -75,18 +75,12 @@ class Replication:
     def epoch(self) -> int:
         return self.client.epoch
 
-    @property
-    def restores_through_mirror(self) -> bool:
-        """Whether a restore goes through a host mirror: on a GPU, or with microbatches swapped
-        out; on the CPU, straight into the stage's tensors."""
-        return self.stage.engine is not None or self.stage.swapping
-
     def restore(self) -> Tuple[Dict[Tuple[int, Tuple[int, int]], int], Dict[str, float]]:
         """Fetches the KV the sidecar keeps into the stage's tensors, one microbatch at a time
-        (through the host mirror where ``restores_through_mirror``). Returns where each sequence
+        (through the host mirror where ``TorchStage.restores_through_mirror``). Returns where each sequence
         resumes, and the seconds spent fetching from the sidecar and loading into the stage."""
         stage = self.stage
-        through_mirror = self.restores_through_mirror
+        through_mirror = stage.restores_through_mirror
         mirror, tensors = stage.host_mirror() if through_mirror else (None, [])
         resume: Dict[Tuple[int, Tuple[int, int]], int] = {}
         seconds = {"fetch": 0.0, "load": 0.0}
@@ -101,11 +95,10 @@ class Replication:
                     restored.append((range(first, end), point["tokens"]))
             loaded = time.perf_counter()
             seconds["fetch"] += loaded - began
-            if not through_mirror:
-                for _, tokens in restored:
-                    stage.lengths[microbatch] = max(stage.lengths[microbatch], tokens)
-            elif restored:
+            if through_mirror:
                 stage.load_mirror(microbatch, tensors, restored)
+            else:
+                stage.restored(microbatch, restored)
             seconds["load"] += time.perf_counter() - loaded
         stage.drop_mirror()
         return resume, seconds
@@ -241,7 +234,7 @@ def main(argv) -> int:
         ModelShape.from_json(args.shape), range(first, end), args.slots, args.max_tokens, args.device,
         args.microbatches, args.resident,
     )
-    if args.socket and (stage.engine is not None or stage.swapping):
+    if args.socket and stage.restores_through_mirror:
         # A replacement's restore goes through a pinned host mirror: pin it while standing by.
         stage.host_mirror()
     send(out, ("standby",))
