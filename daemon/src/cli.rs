@@ -740,6 +740,14 @@ impl SidecarArgs {
         self.member.secure(&[self.listen])?;
         // Before asking for an epoch: a start that cannot listen must not use one up.
         free_unix_path(&self.local)?;
+        let transports = self.transport.transports()?;
+        if self.listen.port() != 0 {
+            transports.check_free(self.listen).map_err(|source| CliError::Listen {
+                what: "for KV",
+                at: self.listen.to_string(),
+                source,
+            })?;
+        }
         if let Some(stage) = self.replace.take() {
             self.member.replace((Role::Sidecar, stage))?;
             self.index = stage;
@@ -808,7 +816,7 @@ impl SidecarArgs {
                 memory_bytes,
                 dir_bytes: self.spill_dir_bytes,
             }),
-            transport: self.transport.transports()?,
+            transport: transports,
         };
         Ok(serve_sidecar(config, Some(control), self.member.metrics, announce)?)
     }

@@ -69,6 +69,16 @@ impl Transports {
         })
     }
 
+    /// Whether the transport can listen at `at` now: binds its protocol's socket there (TCP, or
+    /// UDP for QUIC) and lets it go. A process checks before it asks for an epoch, so that a start
+    /// whose port is taken fails without using one up.
+    pub fn check_free(&self, at: std::net::SocketAddr) -> std::io::Result<()> {
+        match self.identity {
+            None => std::net::TcpListener::bind(at).map(drop),
+            Some(_) => std::net::UdpSocket::bind(at).map(drop),
+        }
+    }
+
     /// The transport's name.
     pub fn name(&self) -> &'static str {
         if self.identity.is_some() {

@@ -5,7 +5,7 @@
 //! the supervisor starts the sidecar again, the same way; the controller restores it by itself, and
 //! the replacement engine gets its KV back bit for bit.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -27,6 +27,8 @@ use dejavulib::{ChunkStore, DType, KvRegion, KvSpec, Packing, WorkerId};
 struct Daemon {
     child: Child,
     lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+    /// Where its standard error goes, read back if it exits before it says what is awaited.
+    stderr: std::fs::File,
 }
 
 impl Drop for Daemon {
@@ -38,26 +40,52 @@ impl Drop for Daemon {
 
 /// Starts `dejavud args` and waits for the address its `prefix` line names.
 fn start(args: &[&str]) -> Daemon {
+    let stderr = tempfile::tempfile().unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_dejavud"))
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::from(stderr.try_clone().unwrap()))
         .spawn()
         .unwrap();
     let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    Daemon { child, lines }
+    Daemon { child, lines, stderr }
 }
 
 impl Daemon {
     fn next(&mut self, prefix: &str) -> SocketAddr {
-        loop {
-            let line = self.lines.next().expect("a line before it exits").unwrap();
-            if let Some(addr) = line.strip_prefix(prefix) {
-                return addr.parse().unwrap();
+        self.try_next(prefix)
+            .unwrap_or_else(|stderr| panic!("dejavud exited before a {prefix:?} line: {stderr}"))
+    }
+
+    /// The address its next `prefix` line names, or what it wrote to standard error if it exits
+    /// first.
+    fn try_next(&mut self, prefix: &str) -> Result<SocketAddr, String> {
+        for line in self.lines.by_ref() {
+            if let Some(addr) = line.map_err(|e| e.to_string())?.strip_prefix(prefix) {
+                return Ok(addr.parse().unwrap());
             }
         }
+        let _ = self.child.wait();
+        let mut written = String::new();
+        self.stderr.seek(SeekFrom::Start(0)).and_then(|_| self.stderr.read_to_string(&mut written)).unwrap();
+        Err(written)
     }
+}
+
+/// A daemon `launch` starts listening on a port free now, and that port: another one if a test
+/// running beside this one took it meanwhile.
+fn on_a_free_port(launch: impl Fn(u16) -> Daemon) -> (Daemon, u16) {
+    for _ in 0..5 {
+        let port = free_port();
+        let mut daemon = launch(port);
+        match daemon.try_next("listening ") {
+            Ok(_) => return (daemon, port),
+            Err(stderr) if stderr.contains("in use") => continue,
+            Err(stderr) => panic!("dejavud exited before it listened: {stderr}"),
+        }
+    }
+    panic!("no port stayed free for 5 tries")
 }
 
 /// A port free now on loopback (the sidecars listen on fixed ports, as in a deployment).
@@ -65,10 +93,22 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// Stage `stage`'s sidecar, started the same way every time (`--join`), as a supervisor would.
+/// Stage `stage`'s sidecar, started the same way every time (`--join`), as a supervisor would,
+/// once it listens.
 fn sidecar(stage: u32, port: u16, controller: SocketAddr, local: &Path) -> Daemon {
+    let mut daemon = launch_sidecar(stage, port, controller, local);
+    daemon.next("listening ");
+    daemon
+}
+
+/// Stage `stage`'s first sidecar, on a port free now; and the port.
+fn first_sidecar(stage: u32, controller: SocketAddr, local: &Path) -> (Daemon, u16) {
+    on_a_free_port(|port| launch_sidecar(stage, port, controller, local))
+}
+
+fn launch_sidecar(stage: u32, port: u16, controller: SocketAddr, local: &Path) -> Daemon {
     let (index, listen, heartbeat) = (stage.to_string(), format!("127.0.0.1:{port}"), controller.to_string());
-    let mut daemon = start(&[
+    start(&[
         "sidecar",
         "--join",
         &index,
@@ -78,9 +118,7 @@ fn sidecar(stage: u32, port: u16, controller: SocketAddr, local: &Path) -> Daemo
         &heartbeat,
         "--local",
         local.to_str().unwrap(),
-    ]);
-    daemon.next("listening ");
-    daemon
+    ])
 }
 
 /// A step's KV of stage `stage`: tokens `tokens` of the sequence in slot 0.
@@ -149,9 +187,10 @@ impl Ring {
         ]);
         let metrics = controller.next("metrics ");
         let addr = controller.next("listening ");
-        let ports = [free_port(), free_port()];
         let locals = [dir.join("s0.sock"), dir.join("s1.sock")];
-        let workers = (0..2).map(|k| sidecar(k as u32, ports[k], addr, &locals[k])).collect();
+        let (workers, ports): (Vec<Daemon>, Vec<u16>) =
+            (0..2).map(|k| first_sidecar(k as u32, addr, &locals[k])).unzip();
+        let ports = [ports[0], ports[1]];
         Self { _controller: controller, metrics, addr, ports, locals, workers }
     }
 }
@@ -316,19 +355,21 @@ fn a_spare_sidecar_takes_a_lost_workers_place_handed_over_by_the_controller() {
     let mut worker0 = workers.remove(0);
     // A spare sidecar on a machine of its own, registered and waiting.
     let spare_local = dir.path().join("spare.sock");
-    let (spare_listen, heartbeat) = (format!("127.0.0.1:{}", free_port()), addr.to_string());
-    let mut spare = start(&[
-        "sidecar",
-        "--spare",
-        "0",
-        "--listen",
-        &spare_listen,
-        "--heartbeat",
-        &heartbeat,
-        "--local",
-        spare_local.to_str().unwrap(),
-    ]);
-    spare.next("listening ");
+    let heartbeat = addr.to_string();
+    let (_spare, _) = on_a_free_port(|port| {
+        let listen = format!("127.0.0.1:{port}");
+        start(&[
+            "sidecar",
+            "--spare",
+            "0",
+            "--listen",
+            &listen,
+            "--heartbeat",
+            &heartbeat,
+            "--local",
+            spare_local.to_str().unwrap(),
+        ])
+    });
 
     let mut engines: Vec<LocalSidecar> =
         (0..2).map(|k| LocalSidecar::join(&locals[k], at(1 - k)).unwrap()).collect();
@@ -399,11 +440,11 @@ fn a_controller_restarted_in_the_middle_of_a_restore_finishes_it() {
     let mut controller = start(&controller_args);
     controller.next("metrics ");
     let addr = controller.next("listening ");
-    let ports = [free_port(), free_port()];
-    let at = |stage: usize| -> SocketAddr { format!("127.0.0.1:{}", ports[stage]).parse().unwrap() };
     let locals = [dir.path().join("s0.sock"), dir.path().join("s1.sock")];
-    let mut worker0 = sidecar(0, ports[0], addr, &locals[0]);
-    let worker1 = sidecar(1, ports[1], addr, &locals[1]);
+    let (mut worker0, port0) = first_sidecar(0, addr, &locals[0]);
+    let (worker1, port1) = first_sidecar(1, addr, &locals[1]);
+    let ports = [port0, port1];
+    let at = |stage: usize| -> SocketAddr { format!("127.0.0.1:{}", ports[stage]).parse().unwrap() };
     let mut engine0 = LocalSidecar::join(&locals[0], at(1)).unwrap();
     let mut engine1 = LocalSidecar::join(&locals[1], at(0)).unwrap();
     let mut written = Vec::new();
@@ -497,4 +538,32 @@ fn a_thousand_members_beating_in_step_are_all_heard() {
         sequence += 1;
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+#[test]
+fn a_sidecar_whose_port_is_taken_fails_before_it_joins() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("controller.state");
+    let mut controller = start(&[
+        "controller",
+        "--listen",
+        "127.0.0.1:0",
+        "--state",
+        state.to_str().unwrap(),
+        "--metrics",
+        "127.0.0.1:0",
+        "--stages",
+        "2",
+    ]);
+    let metrics = controller.next("metrics ");
+    let addr = controller.next("listening ");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let err = launch_sidecar(0, port, addr, &dir.path().join("s0.sock")).try_next("listening ").unwrap_err();
+    assert!(err.contains("in use") && err.contains(&port.to_string()), "{err}");
+    // It asked for no epoch and never beat: the controller has nobody to fence.
+    let page = scrape(metrics).unwrap();
+    assert_eq!(value_of(&page, "dejavu_controller_fences_total", &[]), Some(0.0), "{page}");
+    let mut client = ControllerClient::new(addr, Duration::from_secs(5), DEFAULT_SECRET.as_bytes());
+    assert!(client.census().unwrap().members.is_empty());
 }
