@@ -4,7 +4,7 @@
 //!
 //! | request (engine) | reply (sidecar) |
 //! |---|---|
-//! | `Hello`, epoch = the engine's, id 0 = flags ([`HELLO_MEMBER`], [`HELLO_EPOCH_FROM_SIDECAR`]), payload = the successor sidecar's address | `Welcome`, epoch = the engine's (the sidecar's choice with [`HELLO_EPOCH_FROM_SIDECAR`]), ids 0-1 = the region's capacity, payload = its file; `Error` (`StaleEpoch`) if a newer engine is connected |
+//! | `Hello`, epoch = the engine's, id 0 = flags ([`HELLO_MEMBER`], [`HELLO_EPOCH_FROM_SIDECAR`], [`HELLO_READER`]), payload = the successor sidecar's address (empty for a reader) | `Welcome`, epoch = the engine's (the sidecar's choice with [`HELLO_EPOCH_FROM_SIDECAR`]), ids 0-1 = the region's capacity, payload = its file; `Error` (`StaleEpoch`) if a newer engine is connected |
 //! | [`Message::Mapped`] | [`Message::Done`]; the sidecar removes the region's file |
 //! | `Put`, id 0 = length of the chunk (header and payload) written into the region | `PutAck` once the sidecar keeps it and has forwarded it to the successor; `Error` otherwise |
 //! | `Get`, payload = a chunk key | `GetReply`, id 0 = length of the chunk written into the region; `Error` (`NotFound`) |
@@ -41,6 +41,13 @@ pub const HELLO_MEMBER: u32 = 1;
 /// A `Hello` flag (id 0): the engine does not know its epoch, the sidecar gives it one, in the
 /// `Welcome`'s epoch ([`LocalSidecar::join`]).
 pub const HELLO_EPOCH_FROM_SIDECAR: u32 = 2;
+
+/// A `Hello` flag (id 0): a reader, beside the engine, that lists and fetches the chunks the
+/// sidecar keeps for its stage ([`Message::Held`], `Get`) and does nothing else: it takes no
+/// engine's place, has no epoch of its own (the `Welcome` carries the engine's in use) and names
+/// no successor (an empty payload). A serving engine's scheduler in another process than its
+/// workers (vLLM's) asks through one what its workers' sidecar keeps ([`LocalSidecar::reader`]).
+pub const HELLO_READER: u32 = 4;
 
 /// Largest payload of a frame on the local socket (addresses, keys, paths, reasons).
 pub const MAX_LOCAL_PAYLOAD: u64 = 64 << 10;
@@ -230,20 +237,26 @@ impl LocalSidecar {
         Self::connect_with(path, 0, successor, HELLO_MEMBER | HELLO_EPOCH_FROM_SIDECAR)
     }
 
+    /// Connects to the sidecar at `path` as a reader ([`HELLO_READER`]): it lists
+    /// ([`LocalSidecar::recovery`]) and fetches ([`ChunkStore::get`]) the chunks the sidecar keeps,
+    /// beside the engine's own connection, and is refused anything else.
+    pub fn reader(path: &Path) -> Result<Self, LocalError> {
+        Self::open(path, 0, "", HELLO_READER)
+    }
+
     /// The engine's epoch on this connection.
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
 
     fn connect_with(path: &Path, epoch: u64, successor: SocketAddr, flags: u32) -> Result<Self, LocalError> {
+        Self::open(path, epoch, &successor.to_string(), flags)
+    }
+
+    fn open(path: &Path, epoch: u64, successor: &str, flags: u32) -> Result<Self, LocalError> {
         let mut channel = Channel::new(UnixStream::connect(path)?)?;
-        let welcome = channel.call(
-            Kind::Hello,
-            epoch,
-            [flags, 0, 0, 0],
-            successor.to_string().as_bytes(),
-            Kind::Welcome,
-        )?;
+        let welcome =
+            channel.call(Kind::Hello, epoch, [flags, 0, 0, 0], successor.as_bytes(), Kind::Welcome)?;
         // The sidecar's choice, if it was asked to choose; the engine's own otherwise.
         let epoch = welcome.header.epoch;
         let capacity = welcome.header.ids[0] as u64 | (welcome.header.ids[1] as u64) << 32;

@@ -26,7 +26,7 @@ enum Kind {
     Paged(PagedOrder, KvInterleave),
 }
 
-const KINDS: [Kind; 7] = [
+const KINDS: [Kind; 8] = [
     Kind::Ft,
     Kind::PerLayer(PerLayerOrder::Bhsd),
     Kind::PerLayer(PerLayerOrder::Bshd),
@@ -34,6 +34,7 @@ const KINDS: [Kind; 7] = [
     Kind::Paged(PagedOrder::Nhd, KvInterleave::Interleaved),
     Kind::Paged(PagedOrder::Hnd, KvInterleave::Separate),
     Kind::Paged(PagedOrder::Hnd, KvInterleave::Interleaved),
+    Kind::Paged(PagedOrder::Hnd, KvInterleave::PerHead),
 ];
 
 /// Whether FasterTransformer's 16-byte K pieces fit `spec`'s head size.

@@ -59,10 +59,13 @@ class KvLayout:
         block_size: int,
         num_blocks: int,
         order: str = "nhd",
-        interleaved: bool = False,
+        interleaved: Union[bool, str] = False,
         block_tables: Optional[List[List[int]]] = None,
     ) -> "KvLayout":
-        """vLLM-style paged blocks per layer; ``block_tables[slot]`` lists a sequence's blocks."""
+        """vLLM-style paged blocks per layer; ``block_tables[slot]`` lists a sequence's blocks.
+        K and V separate (``interleaved=False``: buffers ``2l`` and ``2l + 1``), interleaved per
+        block (``True`` or ``"block"``: ``[num_blocks][2][block]``) or per head (``"head"``:
+        ``[num_blocks][H][2][block_size][D]``, vLLM's CPU backend; ``order="hnd"`` only)."""
     @property
     def buffer_sizes(self) -> List[int]:
         """Bytes of each buffer a cache of this layout has, in order."""
@@ -205,6 +208,12 @@ class Store:
         """The engine's own ``dejavud sidecar`` at its local socket ``path``: chunks cross shared
         memory; the sidecar keeps them and forwards them to the sidecar at ``successor``
         ("host:port"). A newer ``epoch`` takes the sidecar over; an older one is refused."""
+    @staticmethod
+    def sidecar_reader(path: Union[str, PathLike]) -> "Store":
+        """A reader of the sidecar at its local socket ``path``, beside the engine's own
+        connection: ``recovery()`` lists what the sidecar keeps for its stage and ``fetch`` reads
+        it; anything else is refused. For a scheduler in another process than its engine's
+        workers (vLLM's)."""
     def epoch(self) -> int:
         """The engine's epoch on its sidecar connection (sidecar stores only): the one given, or,
         with ``epoch=None``, the one the sidecar gave it."""

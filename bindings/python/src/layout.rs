@@ -121,17 +121,19 @@ impl PyLayout {
         Ok(Self(KvLayout::per_layer(spec.0, slots, max_tokens, order).map_err(value_err)?))
     }
 
-    /// vLLM-style paged blocks per layer, NHD or HND, K and V separate or interleaved;
+    /// vLLM-style paged blocks per layer, NHD or HND, K and V separate (`interleaved=False`),
+    /// interleaved per block (`True` or "block": `[num_blocks][2][block]`) or per head ("head":
+    /// `[num_blocks][H][2][block_size][D]`, vLLM's CPU backend, HND only);
     /// `block_tables[slot]` lists the physical blocks of each sequence.
     #[staticmethod]
-    #[pyo3(signature = (spec, slots, block_size, num_blocks, order = "nhd", interleaved = false, block_tables = None))]
+    #[pyo3(signature = (spec, slots, block_size, num_blocks, order = "nhd", interleaved = None, block_tables = None))]
     fn paged(
         spec: &PySpec,
         slots: u32,
         block_size: u32,
         num_blocks: u32,
         order: &str,
-        interleaved: bool,
+        interleaved: Option<&Bound<'_, PyAny>>,
         block_tables: Option<Vec<Vec<u32>>>,
     ) -> PyResult<Self> {
         let order = match order {
@@ -139,7 +141,19 @@ impl PyLayout {
             "hnd" => PagedOrder::Hnd,
             other => return Err(PyValueError::new_err(format!("order {other:?}: use \"nhd\" or \"hnd\""))),
         };
-        let interleave = if interleaved { KvInterleave::Interleaved } else { KvInterleave::Separate };
+        let interleave = match interleaved {
+            None => KvInterleave::Separate,
+            Some(how) => match (how.extract::<bool>(), how.extract::<String>().as_deref()) {
+                (Ok(false), _) => KvInterleave::Separate,
+                (Ok(true), _) | (_, Ok("block")) => KvInterleave::Interleaved,
+                (_, Ok("head")) => KvInterleave::PerHead,
+                _ => {
+                    return Err(PyValueError::new_err(format!(
+                        "interleaved {how}: use False, True (\"block\") or \"head\""
+                    )))
+                }
+            },
+        };
         let config = PagedConfig { block_size, num_blocks, order, interleave };
         let tables = block_tables.map(BlockTables::from_tables);
         Ok(Self(KvLayout::paged(spec.0, slots, config, tables).map_err(value_err)?))

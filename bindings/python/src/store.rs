@@ -177,6 +177,19 @@ impl PyStore {
         Ok(Self { inner: Shared(shared), kind: "sidecar", sidecar: Some(Shared(connection)) })
     }
 
+    /// A reader of the sidecar at its local socket `path`, beside the engine's own connection:
+    /// `recovery()` lists what the sidecar keeps for its stage and `fetch` reads it; anything else
+    /// is refused. For a scheduler in another process than its engine's workers.
+    #[staticmethod]
+    fn sidecar_reader(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
+        let local = py
+            .detach(|| LocalSidecar::reader(&path))
+            .map_err(|e| Error::new_err(format!("sidecar at {}: {e}", path.display())))?;
+        let connection = Arc::new(Mutex::new(local));
+        let shared: Arc<Mutex<dyn ChunkStore>> = connection.clone();
+        Ok(Self { inner: Shared(shared), kind: "sidecar", sidecar: Some(Shared(connection)) })
+    }
+
     /// The engine's epoch on its sidecar connection (sidecar stores only): the one it gave, or the
     /// one its sidecar gave it.
     fn epoch(&self) -> PyResult<u64> {

@@ -24,7 +24,30 @@ def layouts():
         "per_layer_bshd": dejavu.KvLayout.per_layer(SPEC, SLOTS, TOKENS, "bshd"),
         "paged_nhd": dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "nhd", False, blocks),
         "paged_hnd_interleaved": dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "hnd", True, blocks),
+        "paged_hnd_per_head": dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "hnd", "head", blocks),
     }
+
+
+def test_the_per_head_paged_layout_is_vllms_cpu_block():
+    # vLLM's CPU attention backend: per layer [num_blocks][H][2 * block_size][D], each head's K rows
+    # then its V rows; a decode token's K and V land where that formula says.
+    block_size, num_blocks, d = 16, 6, SPEC.head_dim
+    layout = layouts()["paged_hnd_per_head"]
+    assert layout.buffer_sizes == [num_blocks * SPEC.kv_heads * 2 * block_size * d * 2] * SPEC.layers
+    buffers = [np.zeros(n // 2, dtype=np.float16) for n in layout.buffer_sizes]
+    cache = dejavu.KvCache.wrap(layout, buffers)
+    one = dejavu.KvRegion(layers=(2, 3), slots=(1, 2), heads=(1, 2), tokens=(20, 21))
+    packed = np.arange(1, 2 * d + 1, dtype=np.float16)  # K then V of one head and token
+    cache.scatter(one, packed)
+    pool = buffers[2].reshape(num_blocks, SPEC.kv_heads, 2 * block_size, d)
+    block, row = 4, 20 % block_size  # slot 1's second block is physical block 4
+    assert np.array_equal(pool[block, 1, row], packed[:d])
+    assert np.array_equal(pool[block, 1, block_size + row], packed[d:])
+    assert np.count_nonzero(pool) == 2 * d
+    with pytest.raises(ValueError, match="HND"):
+        dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "nhd", "head")
+    with pytest.raises(ValueError, match="interleaved"):
+        dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "hnd", "sideways")
 
 
 def engine_buffers(layout, seed):
@@ -546,6 +569,29 @@ def test_flush_and_fetch_through_the_local_sidecar(tmp_path):
             dejavu.flush(store, engine, REGION, (1, 0), (1, 0), 1)
     with pytest.raises(dejavu.Error, match="sidecar at"):
         dejavu.Store.sidecar(tmp_path / "nobody.sock", "127.0.0.1:9")
+
+
+def test_a_reader_lists_and_fetches_beside_the_engine_and_changes_nothing(tmp_path):
+    with running_sidecar(tmp_path, index=1) as (socket, successor):
+        layout = layouts()["per_layer_bhsd"]
+        engine = dejavu.KvCache.wrap(layout, engine_buffers(layout, 13))
+        store = dejavu.Store.sidecar(socket, successor.address, epoch=3)
+        dejavu.flush(store, engine, REGION, (1, 0), (1, 0), 4)
+        reader = dejavu.Store.sidecar_reader(socket)
+        listed = reader.recovery()
+        assert (listed["stage"], listed["epoch"]) == (1, 3)
+        assert [(p["microbatch"], p["tokens"]) for p in listed["resume"]] == [(4, 0)]  # from token 5 on
+        restored = dejavu.KvCache(layout)
+        dejavu.fetch(reader, restored, REGION, (1, 0), (1, 0), 4)
+        assert bytes(restored.gather(REGION)) == bytes(engine.gather(REGION))
+        with pytest.raises(dejavu.StoreError, match="reader"):
+            dejavu.flush(reader, engine, REGION, (1, 0), (1, 0), 5)
+        with pytest.raises(dejavu.Error, match="reader"):
+            reader.release((1, 0), 4, (0, 2))
+        # The engine kept its place: it still flushes, and the reader sees the new chunk.
+        dejavu.flush(store, engine, REGION, (1, 0), (1, 0), 6)
+        assert sorted(p["microbatch"] for p in reader.recovery()["resume"]) == [4, 6]
+        assert successor.chunks == 2
 
 
 def test_a_restarted_engine_restores_from_its_sidecar_as_the_recovery_instructions_say(tmp_path):

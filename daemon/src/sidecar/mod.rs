@@ -28,7 +28,7 @@ use dejavu_proto::fencing::{newest_of, Claim};
 use dejavu_proto::forwarding::{Answer, Counts, Kept, Next, Sent, DEFAULT_BACKLOG};
 use dejavu_proto::worker::{NotASpare, Place, Worker};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
-use dejavulib::local::{HELLO_EPOCH_FROM_SIDECAR, HELLO_MEMBER, MAX_LOCAL_PAYLOAD};
+use dejavulib::local::{HELLO_EPOCH_FROM_SIDECAR, HELLO_MEMBER, HELLO_READER, MAX_LOCAL_PAYLOAD};
 use dejavulib::message::Message;
 use dejavulib::net::{ClientConfig, PeerClient, PeerError, PeerServer, PeerStore};
 use dejavulib::resume::HeldChunk;
@@ -428,48 +428,26 @@ impl Sidecar {
             reply_error(&mut writer, &hello, ErrorCode::StaleEpoch, &reason)?;
             return Err(SidecarError::Protocol(reason));
         }
-        let epoch = if hello.header.ids[0] & HELLO_EPOCH_FROM_SIDECAR != 0 {
-            let previous = self.machine.lock().engine_epoch();
-            let chosen = match &self.config.engine_epoch {
-                Some(ask) => (ask.0)(self.index(), previous),
-                // Without a controller, a restarted engine takes over from the last one.
-                None => Ok(previous.map_or(0, |last| last + 1)),
-            };
-            match chosen {
-                Ok(epoch) => epoch,
-                Err(reason) => {
-                    reply_error(&mut writer, &hello, ErrorCode::Other, &reason)?;
-                    return Err(SidecarError::Protocol(reason));
-                }
-            }
-        } else {
-            hello.header.epoch
-        };
-        let successor = parse_addr(&hello.payload)?;
-        if self.is_itself(successor) {
-            warn!(
-                stage = self.index(),
-                %successor,
-                "the engine names this sidecar as its successor: its copies would die with it (the \
-                 successor is the next stage's sidecar; a one-stage ring has no other)"
-            );
-        }
+        let is_reader = hello.header.ids[0] & HELLO_READER != 0;
         let n = self.connections.fetch_add(1, Ordering::Relaxed);
-        {
-            let mut engine = self.engine.lock();
-            // Bound apart: the machine's lock is let go before the refusal is written.
-            let claim = self.machine.lock().engine_connects(epoch);
-            if let Claim::Stale { newest } = claim {
-                add(&self.stats.stale_engines_refused, 1);
-                let reason = format!("epoch {epoch} is older than the engine's in use, {newest}");
-                reply_error(&mut writer, &hello, ErrorCode::StaleEpoch, &reason)?;
-                return Err(SidecarError::Protocol(reason));
+        let epoch = if is_reader {
+            // A reader takes no one's place: it sees what the engine in use sees.
+            self.machine.lock().engine_epoch().unwrap_or(0)
+        } else {
+            let epoch = self.engine_epoch(&hello, &mut writer)?;
+            let successor = parse_addr(&hello.payload)?;
+            if self.is_itself(successor) {
+                warn!(
+                    stage = self.index(),
+                    %successor,
+                    "the engine names this sidecar as its successor: its copies would die with it (the \
+                     successor is the next stage's sidecar; a one-stage ring has no other)"
+                );
             }
-            if let Some((_, old)) = engine.connection.replace((n, stream)) {
-                let _ = old.shutdown(std::net::Shutdown::Both);
-            }
-        }
-        self.set_successor(successor, epoch);
+            self.claim_engine(&hello, epoch, n, stream, &mut writer)?;
+            self.set_successor(successor, epoch);
+            epoch
+        };
         let path = self.config.shm_dir.join(format!(
             "dejavu-{}-stage{}-region{n}",
             std::process::id(),
@@ -481,19 +459,29 @@ impl Sidecar {
         welcome.ids = [capacity as u32, (capacity >> 32) as u32, 0, 0];
         write_frame(&mut writer, &welcome, path.display().to_string().as_bytes())?;
         writer.flush()?;
-        info!(stage = self.index(), epoch, %successor, "an engine connected");
+        if is_reader {
+            info!(stage = self.index(), epoch, "a reader connected");
+        } else {
+            info!(stage = self.index(), epoch, "an engine connected");
+        }
         // Its liveness, reported for it as long as this connection lasts: the lifeline ends
         // with the connection, which ends with the engine's process.
         let _membership = match (&self.config.engine_membership, hello.header.ids[0] & HELLO_MEMBER) {
-            (Some(member), HELLO_MEMBER) => {
+            (Some(member), HELLO_MEMBER) if !is_reader => {
                 (member.0)(self.index(), epoch, peer_pid(writer.get_ref()).unwrap_or(0))
             }
             _ => None,
         };
         while let Some(frame) = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)? {
             // A frame read before a newer engine took over is not acted on.
-            if self.engine.lock().connection.as_ref().map(|c| c.0) != Some(n) {
+            if !is_reader && self.engine.lock().connection.as_ref().map(|c| c.0) != Some(n) {
                 return Ok(());
+            }
+            if is_reader && !reader_may(&frame) {
+                let reason = "a reader connection only lists and fetches chunks";
+                reply_error(&mut writer, &frame, ErrorCode::Unexpected, reason)?;
+                writer.flush()?;
+                continue;
             }
             let request = frame.header.request;
             let answer = |kind: Kind, ids: [u32; 4]| {
@@ -541,6 +529,49 @@ impl Sidecar {
                 )?,
             }
             writer.flush()?;
+        }
+        Ok(())
+    }
+
+    /// The epoch of the engine saying `hello`: its own, or the one the sidecar gives it
+    /// ([`HELLO_EPOCH_FROM_SIDECAR`]).
+    fn engine_epoch(&self, hello: &Frame, writer: &mut impl Write) -> Result<u64, SidecarError> {
+        if hello.header.ids[0] & HELLO_EPOCH_FROM_SIDECAR == 0 {
+            return Ok(hello.header.epoch);
+        }
+        let previous = self.machine.lock().engine_epoch();
+        let chosen = match &self.config.engine_epoch {
+            Some(ask) => (ask.0)(self.index(), previous),
+            // Without a controller, a restarted engine takes over from the last one.
+            None => Ok(previous.map_or(0, |last| last + 1)),
+        };
+        chosen.or_else(|reason| {
+            reply_error(writer, hello, ErrorCode::Other, &reason)?;
+            Err(SidecarError::Protocol(reason))
+        })
+    }
+
+    /// Makes connection `n` (`stream`) the engine's, of `epoch`: an older epoch than the engine's
+    /// in use is refused; the connection of the engine it replaces is shut.
+    fn claim_engine(
+        &self,
+        hello: &Frame,
+        epoch: u64,
+        n: u64,
+        stream: UnixStream,
+        writer: &mut impl Write,
+    ) -> Result<(), SidecarError> {
+        let mut engine = self.engine.lock();
+        // Bound apart: the machine's lock is let go before the refusal is written.
+        let claim = self.machine.lock().engine_connects(epoch);
+        if let Claim::Stale { newest } = claim {
+            add(&self.stats.stale_engines_refused, 1);
+            let reason = format!("epoch {epoch} is older than the engine's in use, {newest}");
+            reply_error(writer, hello, ErrorCode::StaleEpoch, &reason)?;
+            return Err(SidecarError::Protocol(reason));
+        }
+        if let Some((_, old)) = engine.connection.replace((n, stream)) {
+            let _ = old.shutdown(std::net::Shutdown::Both);
         }
         Ok(())
     }
@@ -965,6 +996,16 @@ impl Sidecar {
         page.family(name, MetricType::Gauge, "The transport to other sidecars and stages (always 1).")
             .sample(name, &[("stage", index.as_str()), ("transport", self.config.transport.name())], 1.0);
         page.finish()
+    }
+}
+
+/// Whether a reader connection ([`HELLO_READER`]) may send `frame`: it fetches chunks, lists
+/// them and acknowledges its region, and changes nothing.
+fn reader_may(frame: &Frame) -> bool {
+    match frame.header.kind {
+        Kind::Get => true,
+        Kind::Control => matches!(Message::of_frame(frame), Ok(Message::Mapped | Message::Held { .. })),
+        _ => false,
     }
 }
 

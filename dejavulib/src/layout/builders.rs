@@ -30,6 +30,10 @@ pub enum KvInterleave {
     Separate,
     /// One buffer per layer, `[num_blocks][2][block]`: each block holds its K rows then its V rows.
     Interleaved,
+    /// One buffer per layer, `[num_blocks][H][2][block_size][D]`: within a block, each head's K
+    /// rows then its V rows (vLLM's CPU attention backend). Head-major, so the block's order must
+    /// be [`PagedOrder::Hnd`].
+    PerHead,
 }
 
 /// Geometry of a paged KV pool.
@@ -167,7 +171,8 @@ impl KvLayout {
 
     /// vLLM-style paged blocks. With [`KvInterleave::Separate`], buffer `2l` is layer `l`'s K pool
     /// and `2l + 1` its V pool; with [`KvInterleave::Interleaved`], buffer `l` holds both, each block
-    /// K rows then V rows. Scale pools (if any) follow in buffers of their own, `[num_blocks][block]`
+    /// K rows then V rows; with [`KvInterleave::PerHead`], buffer `l` holds both, each head of a
+    /// block its K rows then its V rows. Scale pools (if any) follow in buffers of their own, `[num_blocks][block]`
     /// in the block's order with one f32 per (token, head).
     ///
     /// Each slot starts with an empty block table: give it blocks with [`KvLayout::set_block_table`]
@@ -184,10 +189,9 @@ impl KvLayout {
         let layers = spec.layers();
         check_size(&spec, &[config.num_blocks as u64, config.block_size as u64, spec.kv_heads() as u64])?;
         let (bs, h) = (config.block_size as u64, spec.kv_heads() as u64);
-        let kv_parts = match config.interleave {
-            KvInterleave::Separate => 1,
-            KvInterleave::Interleaved => 2,
-        };
+        if config.interleave == KvInterleave::PerHead && config.order != PagedOrder::Hnd {
+            return Err(LayoutError::Invalid("K and V interleaved per head need the HND block order".into()));
+        }
         let block_map = |part: Part, first: u32, step: u32, offset: u64, parts_per_block: u64| {
             let vec = spec.vector_bytes(part);
             let block_bytes = bs * h * vec;
@@ -211,6 +215,23 @@ impl KvLayout {
         };
         let kv_block = bs * h * spec.vector_bytes(Part::K);
         let pool = config.num_blocks as u64 * kv_block;
+        // One head's K rows then its V rows, heads one after the other in each block.
+        let per_head = |part: Part, offset: u64| {
+            let vec = spec.vector_bytes(part);
+            PartMap {
+                buffer: BufferMap::PerLayer { first: 0, step: 1 },
+                offset,
+                slot_stride: 0,
+                head_stride: 2 * bs * vec,
+                tokens: TokenMap::Paged {
+                    block_size: config.block_size,
+                    block_stride: 2 * h * bs * vec,
+                    token_stride: vec,
+                },
+                chunk_elems: spec.vector_elems(part),
+                chunk_stride: 0,
+            }
+        };
         let (k, v, mut sizes, next) = match config.interleave {
             KvInterleave::Separate => (
                 block_map(Part::K, 0, 2, 0, 1),
@@ -219,8 +240,14 @@ impl KvLayout {
                 2 * layers,
             ),
             KvInterleave::Interleaved => (
-                block_map(Part::K, 0, 1, 0, kv_parts),
-                block_map(Part::V, 0, 1, kv_block, kv_parts),
+                block_map(Part::K, 0, 1, 0, 2),
+                block_map(Part::V, 0, 1, kv_block, 2),
+                vec![2 * pool; layers as usize],
+                layers,
+            ),
+            KvInterleave::PerHead => (
+                per_head(Part::K, 0),
+                per_head(Part::V, bs * spec.vector_bytes(Part::K)),
                 vec![2 * pool; layers as usize],
                 layers,
             ),
@@ -345,7 +372,10 @@ mod tests {
                 assert_injective(&KvLayout::per_layer(s, 2, 5, order).unwrap());
             }
             for order in [PagedOrder::Nhd, PagedOrder::Hnd] {
-                for interleave in [KvInterleave::Separate, KvInterleave::Interleaved] {
+                let per_head = (order == PagedOrder::Hnd).then_some(KvInterleave::PerHead);
+                for interleave in
+                    [KvInterleave::Separate, KvInterleave::Interleaved].into_iter().chain(per_head)
+                {
                     let cfg = PagedConfig { block_size: 4, num_blocks: 5, order, interleave };
                     let tables = BlockTables::from_tables(vec![vec![3, 0], vec![4, 1, 2]]);
                     let layout = KvLayout::paged(s, 2, cfg, Some(tables)).unwrap();
@@ -361,6 +391,30 @@ mod tests {
                 assert_injective(&packed);
             }
         }
+    }
+
+    #[test]
+    fn per_head_interleave_is_the_vllm_cpu_backends_block() {
+        // vLLM's CPU backend: `[num_blocks][H][2 * block_size][D]`, each head's K rows, then V's.
+        let (bs, h, d, blocks) = (4u64, 3u64, 16u64, 5u32);
+        let s = KvSpec::new(2, h as u32, d as u32, DType::F16).unwrap();
+        let cfg = PagedConfig {
+            block_size: bs as u32,
+            num_blocks: blocks,
+            order: PagedOrder::Hnd,
+            interleave: KvInterleave::PerHead,
+        };
+        let layout = KvLayout::paged(s, 1, cfg, Some(BlockTables::from_tables(vec![vec![3, 1]]))).unwrap();
+        assert_eq!(layout.buffer_sizes(), &[blocks as u64 * h * 2 * bs * d * 2; 2][..]);
+        for (part, row) in [(Part::K, 0), (Part::V, bs)] {
+            for (token, block) in [(2u64, 3u64), (6, 1)] {
+                let at = Coord { layer: 1, slot: 0, head: 2, token: token as u32 };
+                let elems = ((block * h + 2) * 2 * bs + row + token % bs) * d + 5;
+                assert_eq!(layout.element_offset(part, at, 5).unwrap(), (1, elems * 2), "{part:?} {token}");
+            }
+        }
+        let nhd = PagedConfig { order: PagedOrder::Nhd, ..cfg };
+        assert!(matches!(KvLayout::paged(s, 1, nhd, None), Err(LayoutError::Invalid(_))));
     }
 
     #[test]
