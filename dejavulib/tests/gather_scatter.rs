@@ -26,7 +26,7 @@ enum Kind {
     Paged(PagedOrder, KvInterleave),
 }
 
-const KINDS: [Kind; 8] = [
+const KINDS: [Kind; 9] = [
     Kind::Ft,
     Kind::PerLayer(PerLayerOrder::Bhsd),
     Kind::PerLayer(PerLayerOrder::Bshd),
@@ -34,7 +34,8 @@ const KINDS: [Kind; 8] = [
     Kind::Paged(PagedOrder::Nhd, KvInterleave::Interleaved),
     Kind::Paged(PagedOrder::Hnd, KvInterleave::Separate),
     Kind::Paged(PagedOrder::Hnd, KvInterleave::Interleaved),
-    Kind::Paged(PagedOrder::Hnd, KvInterleave::PerHead),
+    Kind::Paged(PagedOrder::Hnd, KvInterleave::PerHead { k_chunk: 1 }),
+    Kind::Paged(PagedOrder::Hnd, KvInterleave::PerHead { k_chunk: 2 }),
 ];
 
 /// Whether FasterTransformer's 16-byte K pieces fit `spec`'s head size.

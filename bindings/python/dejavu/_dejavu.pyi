@@ -61,11 +61,14 @@ class KvLayout:
         order: str = "nhd",
         interleaved: Union[bool, str] = False,
         block_tables: Optional[List[List[int]]] = None,
+        k_chunk: Optional[int] = None,
     ) -> "KvLayout":
         """vLLM-style paged blocks per layer; ``block_tables[slot]`` lists a sequence's blocks.
         K and V separate (``interleaved=False``: buffers ``2l`` and ``2l + 1``), interleaved per
-        block (``True`` or ``"block"``: ``[num_blocks][2][block]``) or per head (``"head"``:
-        ``[num_blocks][H][2][block_size][D]``, vLLM's CPU backend; ``order="hnd"`` only)."""
+        block (``True`` or ``"block"``: ``[num_blocks][2][block]``) or per head (``"head"``,
+        vLLM's CPU backend; ``order="hnd"`` only): per block and head, K as
+        ``[D / k_chunk][block_size][k_chunk]`` (``k_chunk`` elements of a token's K together;
+        whole rows by default), then V as ``[block_size][D]``."""
     @property
     def buffer_sizes(self) -> List[int]:
         """Bytes of each buffer a cache of this layout has, in order."""

@@ -123,10 +123,13 @@ impl PyLayout {
 
     /// vLLM-style paged blocks per layer, NHD or HND, K and V separate (`interleaved=False`),
     /// interleaved per block (`True` or "block": `[num_blocks][2][block]`) or per head ("head":
-    /// `[num_blocks][H][2][block_size][D]`, vLLM's CPU backend, HND only);
+    /// vLLM's CPU backend, HND only: per block and head, K as `[D / k_chunk][block_size][k_chunk]`
+    /// (rows by default), then V as `[block_size][D]`);
     /// `block_tables[slot]` lists the physical blocks of each sequence.
     #[staticmethod]
-    #[pyo3(signature = (spec, slots, block_size, num_blocks, order = "nhd", interleaved = None, block_tables = None))]
+    #[pyo3(signature = (spec, slots, block_size, num_blocks, order = "nhd", interleaved = None, block_tables = None, k_chunk = None))]
+    // Python's keyword arguments, one per geometry choice.
+    #[allow(clippy::too_many_arguments)]
     fn paged(
         spec: &PySpec,
         slots: u32,
@@ -135,6 +138,7 @@ impl PyLayout {
         order: &str,
         interleaved: Option<&Bound<'_, PyAny>>,
         block_tables: Option<Vec<Vec<u32>>>,
+        k_chunk: Option<u32>,
     ) -> PyResult<Self> {
         let order = match order {
             "nhd" => PagedOrder::Nhd,
@@ -146,7 +150,7 @@ impl PyLayout {
             Some(how) => match (how.extract::<bool>(), how.extract::<String>().as_deref()) {
                 (Ok(false), _) => KvInterleave::Separate,
                 (Ok(true), _) | (_, Ok("block")) => KvInterleave::Interleaved,
-                (_, Ok("head")) => KvInterleave::PerHead,
+                (_, Ok("head")) => KvInterleave::PerHead { k_chunk: k_chunk.unwrap_or(spec.0.head_dim()) },
                 _ => {
                     return Err(PyValueError::new_err(format!(
                         "interleaved {how}: use False, True (\"block\") or \"head\""

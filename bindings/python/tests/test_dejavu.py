@@ -44,6 +44,16 @@ def test_the_per_head_paged_layout_is_vllms_cpu_block():
     assert np.array_equal(pool[block, 1, row], packed[:d])
     assert np.array_equal(pool[block, 1, block_size + row], packed[d:])
     assert np.count_nonzero(pool) == 2 * d
+    # Its portable kernels keep K transposed in a block: [D][block_size], one element together.
+    transposed = dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "hnd", "head", [[5, 0, 3], [1, 4, 2]], k_chunk=1)
+    buffers = [np.zeros(n // 2, dtype=np.float16) for n in transposed.buffer_sizes]
+    dejavu.KvCache.wrap(transposed, buffers).scatter(one, packed)
+    pool = buffers[2].reshape(num_blocks, SPEC.kv_heads, 2 * block_size, d)
+    keys = pool[block, 1, :block_size].reshape(d, block_size)
+    assert np.array_equal(keys[:, row], packed[:d])
+    assert np.array_equal(pool[block, 1, block_size + row], packed[d:])
+    with pytest.raises(ValueError, match="divide"):
+        dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "hnd", "head", k_chunk=3)
     with pytest.raises(ValueError, match="HND"):
         dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "nhd", "head")
     with pytest.raises(ValueError, match="interleaved"):

@@ -30,10 +30,15 @@ pub enum KvInterleave {
     Separate,
     /// One buffer per layer, `[num_blocks][2][block]`: each block holds its K rows then its V rows.
     Interleaved,
-    /// One buffer per layer, `[num_blocks][H][2][block_size][D]`: within a block, each head's K
-    /// rows then its V rows (vLLM's CPU attention backend). Head-major, so the block's order must
-    /// be [`PagedOrder::Hnd`].
-    PerHead,
+    /// One buffer per layer, `[num_blocks][H][2][block_size * D]`: within a block, each head's K
+    /// then its V (vLLM's CPU attention backend). V is `[block_size][D]`; K is
+    /// `[D / k_chunk][block_size][k_chunk]`, pieces of `k_chunk` elements of each token's vector
+    /// (`k_chunk == D`: rows, as V; 1: transposed, as that backend's portable kernels keep it).
+    /// Head-major, so the block's order must be [`PagedOrder::Hnd`].
+    PerHead {
+        /// Elements of a token's K vector kept together; divides the head size.
+        k_chunk: u32,
+    },
 }
 
 /// Geometry of a paged KV pool.
@@ -189,8 +194,18 @@ impl KvLayout {
         let layers = spec.layers();
         check_size(&spec, &[config.num_blocks as u64, config.block_size as u64, spec.kv_heads() as u64])?;
         let (bs, h) = (config.block_size as u64, spec.kv_heads() as u64);
-        if config.interleave == KvInterleave::PerHead && config.order != PagedOrder::Hnd {
-            return Err(LayoutError::Invalid("K and V interleaved per head need the HND block order".into()));
+        if let KvInterleave::PerHead { k_chunk } = config.interleave {
+            if config.order != PagedOrder::Hnd {
+                return Err(LayoutError::Invalid(
+                    "K and V interleaved per head need the HND block order".into(),
+                ));
+            }
+            if k_chunk == 0 || spec.head_dim() % k_chunk != 0 {
+                return Err(LayoutError::Invalid(format!(
+                    "a K piece of {k_chunk} elements does not divide the head size {}",
+                    spec.head_dim()
+                )));
+            }
         }
         let block_map = |part: Part, first: u32, step: u32, offset: u64, parts_per_block: u64| {
             let vec = spec.vector_bytes(part);
@@ -215,9 +230,11 @@ impl KvLayout {
         };
         let kv_block = bs * h * spec.vector_bytes(Part::K);
         let pool = config.num_blocks as u64 * kv_block;
-        // One head's K rows then its V rows, heads one after the other in each block.
-        let per_head = |part: Part, offset: u64| {
+        // One head's K then its V, heads one after the other in each block; a token's vector in
+        // pieces of `chunk` elements, each piece of every token of the block together.
+        let per_head = |part: Part, offset: u64, chunk: u32| {
             let vec = spec.vector_bytes(part);
+            let piece = chunk as u64 * spec.elem_bytes(part) as u64;
             PartMap {
                 buffer: BufferMap::PerLayer { first: 0, step: 1 },
                 offset,
@@ -226,10 +243,10 @@ impl KvLayout {
                 tokens: TokenMap::Paged {
                     block_size: config.block_size,
                     block_stride: 2 * h * bs * vec,
-                    token_stride: vec,
+                    token_stride: piece,
                 },
-                chunk_elems: spec.vector_elems(part),
-                chunk_stride: 0,
+                chunk_elems: chunk,
+                chunk_stride: bs * piece,
             }
         };
         let (k, v, mut sizes, next) = match config.interleave {
@@ -245,9 +262,9 @@ impl KvLayout {
                 vec![2 * pool; layers as usize],
                 layers,
             ),
-            KvInterleave::PerHead => (
-                per_head(Part::K, 0),
-                per_head(Part::V, bs * spec.vector_bytes(Part::K)),
+            KvInterleave::PerHead { k_chunk } => (
+                per_head(Part::K, 0, k_chunk),
+                per_head(Part::V, bs * spec.vector_bytes(Part::K), spec.vector_elems(Part::V)),
                 vec![2 * pool; layers as usize],
                 layers,
             ),
@@ -372,7 +389,8 @@ mod tests {
                 assert_injective(&KvLayout::per_layer(s, 2, 5, order).unwrap());
             }
             for order in [PagedOrder::Nhd, PagedOrder::Hnd] {
-                let per_head = (order == PagedOrder::Hnd).then_some(KvInterleave::PerHead);
+                let per_head = [1, 4, 16].map(|k_chunk| KvInterleave::PerHead { k_chunk });
+                let per_head = per_head.into_iter().filter(|_| order == PagedOrder::Hnd);
                 for interleave in
                     [KvInterleave::Separate, KvInterleave::Interleaved].into_iter().chain(per_head)
                 {
@@ -395,26 +413,41 @@ mod tests {
 
     #[test]
     fn per_head_interleave_is_the_vllm_cpu_backends_block() {
-        // vLLM's CPU backend: `[num_blocks][H][2 * block_size][D]`, each head's K rows, then V's.
+        // vLLM's CPU backend: per block and head, K as `[D / x][block_size][x]`, then V as
+        // `[block_size][D]`.
         let (bs, h, d, blocks) = (4u64, 3u64, 16u64, 5u32);
         let s = KvSpec::new(2, h as u32, d as u32, DType::F16).unwrap();
-        let cfg = PagedConfig {
-            block_size: bs as u32,
-            num_blocks: blocks,
-            order: PagedOrder::Hnd,
-            interleave: KvInterleave::PerHead,
-        };
-        let layout = KvLayout::paged(s, 1, cfg, Some(BlockTables::from_tables(vec![vec![3, 1]]))).unwrap();
-        assert_eq!(layout.buffer_sizes(), &[blocks as u64 * h * 2 * bs * d * 2; 2][..]);
-        for (part, row) in [(Part::K, 0), (Part::V, bs)] {
+        let tables = || Some(BlockTables::from_tables(vec![vec![3, 1]]));
+        for x in [1u64, 2, 16] {
+            let interleave = KvInterleave::PerHead { k_chunk: x as u32 };
+            let cfg =
+                PagedConfig { block_size: bs as u32, num_blocks: blocks, order: PagedOrder::Hnd, interleave };
+            let layout = KvLayout::paged(s, 1, cfg, tables()).unwrap();
+            assert_eq!(layout.buffer_sizes(), &[blocks as u64 * h * 2 * bs * d * 2; 2][..]);
             for (token, block) in [(2u64, 3u64), (6, 1)] {
                 let at = Coord { layer: 1, slot: 0, head: 2, token: token as u32 };
-                let elems = ((block * h + 2) * 2 * bs + row + token % bs) * d + 5;
-                assert_eq!(layout.element_offset(part, at, 5).unwrap(), (1, elems * 2), "{part:?} {token}");
+                let head = (block * h + 2) * 2 * bs * d;
+                let (t, e) = (token % bs, 5);
+                let k = head + (e / x) * bs * x + t * x + e % x;
+                let v = head + bs * d + t * d + e;
+                assert_eq!(
+                    layout.element_offset(Part::K, at, e as u32).unwrap(),
+                    (1, k * 2),
+                    "K {x} {token}"
+                );
+                assert_eq!(
+                    layout.element_offset(Part::V, at, e as u32).unwrap(),
+                    (1, v * 2),
+                    "V {x} {token}"
+                );
             }
         }
-        let nhd = PagedConfig { order: PagedOrder::Nhd, ..cfg };
+        let rows = KvInterleave::PerHead { k_chunk: 16 };
+        let nhd = PagedConfig { block_size: 4, num_blocks: 5, order: PagedOrder::Nhd, interleave: rows };
         assert!(matches!(KvLayout::paged(s, 1, nhd, None), Err(LayoutError::Invalid(_))));
+        let uneven = KvInterleave::PerHead { k_chunk: 3 };
+        let uneven = PagedConfig { order: PagedOrder::Hnd, interleave: uneven, ..nhd };
+        assert!(matches!(KvLayout::paged(s, 1, uneven, None), Err(LayoutError::Invalid(_))));
     }
 
     #[test]

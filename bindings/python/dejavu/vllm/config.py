@@ -1,0 +1,44 @@
+"""The connector's settings, from ``KVTransferConfig.kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Where the worker's sidecar is and how the connector uses it.
+
+    ``sidecar``: the local socket of the ``dejavud sidecar`` beside this vLLM worker (its
+    ``--local``). ``successor``: the ring successor's sidecar, "host:port" (its KV address), where
+    the sidecar copies every saved token. ``keep_finished``: keep a finished request's KV in the
+    sidecar, for later requests that share its prefix (by default it is dropped, so that the
+    sidecar holds in-flight requests only). ``save_timeout``: seconds a step waits for its saves
+    before the connector gives up on the sidecar and the engine goes on without it.
+    """
+
+    sidecar: str
+    successor: str
+    keep_finished: bool = False
+    save_timeout: float = 30.0
+
+    @classmethod
+    def from_extra(cls, extra: Dict[str, Any]) -> "ConnectorConfig":
+        """Reads the extra config; a missing ``sidecar`` or ``successor`` is a ``ValueError`` that
+        names it."""
+        missing = [key for key in ("sidecar", "successor") if not extra.get(key)]
+        if missing:
+            raise ValueError(
+                f"DejaVuConnector needs kv_connector_extra_config {missing}: the local socket of "
+                "the worker's dejavud sidecar and its ring successor's address"
+            )
+        unknown = set(extra) - {"sidecar", "successor", "keep_finished", "save_timeout"}
+        if unknown:
+            raise ValueError(f"DejaVuConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
+        return cls(
+            sidecar=str(extra["sidecar"]),
+            successor=str(extra["successor"]),
+            keep_finished=bool(extra.get("keep_finished", False)),
+            save_timeout=float(extra.get("save_timeout", 30.0)),
+        )

@@ -1,0 +1,155 @@
+"""The connector's scheduler side: which of a new request's tokens the sidecar holds, and each
+step's plan of loads, saves and releases for the workers.
+
+Every request saves into a sidecar sequence of its own, from token 0: a request that loaded a
+prefix saves that prefix again into its own sequence in its first step, so that each sequence
+stands alone whatever happens to the one it loaded from. A prompt is saved in pieces that end on
+vLLM's block boundaries, so that a later request sharing only part of it still loads whole
+pieces; a decode step saves its one token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, Optional, Set
+
+from vllm.logger import init_logger
+
+from .._dejavu import Error, Store
+from .config import ConnectorConfig
+from .plan import DejaVuMetadata, LoadJob, SaveJob
+from .sequences import Match, SequenceIndex, fresh_id
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+# Under vLLM's own logger, so that its messages show as vLLM's do.
+logger = init_logger(f"vllm.{__name__}")
+
+
+@dataclass
+class Plan:
+    """A request's sidecar sequence, how far it is saved, and the load it was granted."""
+
+    sequence: int
+    saved: int = 0
+    blocks: Optional[List[int]] = None
+    load: Optional[Match] = None
+    first: int = 0
+
+
+class SchedulerSide:
+    """The scheduler's half of the connector, reading the sidecar through a reader connection."""
+
+    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+        self._config = config
+        self._block_size = block_size
+        self._requests: Dict[str, "Request"] = {}
+        self._plans: Dict[str, Plan] = {}
+        self._releases: List[int] = []
+        # Released in the step being planned: no longer matched, though still listed.
+        self._released: Set[int] = set()
+        self._index: Optional[SequenceIndex] = None
+        try:
+            self._index = SequenceIndex(Store.sidecar_reader(config.sidecar))
+        except Error as e:
+            logger.error("DejaVu: no sidecar at %s (%s): serving without its copies", config.sidecar, e)
+
+    def matched(self, request: "Request", computed: int) -> int:
+        """Tokens after ``computed`` whose KV the request loads from the sidecar instead of
+        computing them: the longest prefix of its token ids a sequence holds, in whole chunks,
+        short of its last token (vLLM computes that one for the next token's logits)."""
+        self._requests[request.request_id] = request
+        plan = self._plan(request.request_id)
+        plan.load = None
+        if self._index is None:
+            return 0
+        try:
+            self._index.refresh()
+        except Error as e:
+            logger.error("DejaVu: the sidecar cannot be read (%s): request %s computes its prompt", e, request.request_id)
+            return 0
+        match = self._index.longest(
+            list(request.all_token_ids), limit=request.num_tokens - 1, leave_out=self._released
+        )
+        if match is None or match.tokens <= computed:
+            return 0
+        # A chunk across `computed` would overwrite blocks vLLM's own prefix cache shares.
+        if any(c.tokens[0] < computed < c.tokens[1] for c in match.chunks):
+            return 0
+        plan.load, plan.first = match, computed
+        return match.tokens - computed
+
+    def allocated(self, request: "Request", external: int) -> None:
+        """vLLM allocated blocks for ``external`` loaded tokens (0: it loads none)."""
+        if external == 0:
+            self._plan(request.request_id).load = None
+
+    def build(self, output: "SchedulerOutput") -> DejaVuMetadata:
+        """This step's loads, saves and releases."""
+        meta = DejaVuMetadata(releases=self._releases)
+        self._releases = []
+        self._released = set(meta.releases)
+        for new in output.scheduled_new_reqs:
+            plan = self._plan(new.req_id)
+            plan.blocks = list(new.block_ids[0])
+            self._load(meta, new.req_id, plan)
+            self._save(meta, new.req_id, plan, new.num_computed_tokens + output.num_scheduled_tokens[new.req_id])
+        cached = output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            plan = self._plans.get(req_id)
+            if plan is None:
+                continue
+            blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and blocks is not None:
+                plan.blocks = list(blocks[0])  # preempted: a new block table
+            elif blocks is not None:
+                plan.blocks.extend(blocks[0])
+            self._load(meta, req_id, plan)
+            self._save(meta, req_id, plan, cached.num_computed_tokens[i] + output.num_scheduled_tokens[req_id])
+        return meta
+
+    def finished(self, request: "Request") -> None:
+        """The request is done: its sequence goes, unless finished requests are kept."""
+        plan = self._plans.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
+        if plan is not None and not self._config.keep_finished:
+            self._releases.append(plan.sequence)
+            self._released.add(plan.sequence)
+
+    def _plan(self, req_id: str) -> Plan:
+        plan = self._plans.get(req_id)
+        if plan is None:
+            taken = {p.sequence for p in self._plans.values()}
+            if self._index is not None:
+                taken |= set(self._index.held)
+            plan = self._plans[req_id] = Plan(sequence=fresh_id(taken))
+        return plan
+
+    def _load(self, meta: DejaVuMetadata, req_id: str, plan: Plan) -> None:
+        match = plan.load
+        if match is None:
+            return
+        plan.load = None
+        chunks = [(tuple(c.layers), tuple(c.tokens)) for c in match.chunks if c.tokens[0] >= plan.first]
+        meta.loads.append(LoadJob(req_id, match.sequence, plan.first, match.tokens, chunks, list(plan.blocks)))
+        owned = {p.sequence for p in self._plans.values()}
+        if not self._config.keep_finished and match.sequence not in owned:
+            # Left by an engine that died: this request's own sequence holds the prefix once its
+            # first save is in, after which the worker drops the old one.
+            meta.releases.append(match.sequence)
+            self._released.add(match.sequence)
+
+    def _save(self, meta: DejaVuMetadata, req_id: str, plan: Plan, end: int) -> None:
+        start = plan.saved
+        if end <= start:
+            return
+        ids = list(self._requests[req_id].all_token_ids[start:end])
+        bs = self._block_size
+        piece = start
+        while piece < end:
+            stop = min(end, (piece // bs + 1) * bs)
+            meta.saves.append(SaveJob(plan.sequence, piece, stop, ids[piece - start : stop - start], plan.blocks))
+            piece = stop
+        plan.saved = end

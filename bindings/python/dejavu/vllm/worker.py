@@ -1,0 +1,199 @@
+"""The connector's worker side: vLLM's paged KV tensors used in place, each step's loads fetched
+into a request's blocks before the forward pass, and its saves streamed to the sidecar layer by
+layer while the later layers compute.
+
+What is acknowledged when: ``wait_for_save`` returns once the sidecar keeps every token the step
+computed and the ring successor's sidecar holds a copy of it. A step is therefore never lost once
+vLLM has returned its tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+from .._dejavu import Completion, Error, KvCache, KvLayout, KvRegion, KvSpec, Store, Streamer, fetch
+from .config import ConnectorConfig
+from .plan import DejaVuMetadata, SaveJob
+from .sequences import TOKENS, token_log, token_region
+
+# Under vLLM's own logger, so that its messages show as vLLM's do.
+logger = init_logger(f"vllm.{__name__}")
+
+DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class WorkerSide:
+    """A worker's half of the connector, the engine member of its sidecar."""
+
+    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+        self._config = config
+        self._block_size = block_size
+        self._layers: Dict[str, int] = {}
+        self._buffers: List[torch.Tensor] = []
+        self._spec: Optional[KvSpec] = None
+        self._num_blocks = 0
+        self._k_chunk = 0
+        self._store: Optional[Store] = None
+        self._streamer: Optional[Streamer] = None
+        self._worker = (0, 0)
+        # The step's saves, each with a view of its request's blocks, and the metadata they are of.
+        self._views: List[Tuple[SaveJob, KvCache]] = []
+        self._views_of: Optional[DejaVuMetadata] = None
+        # Completions of the step's saves, with what they read (kept alive until waited for).
+        self._pending: List[Tuple[Completion, object]] = []
+        self._load_errors: set = set()
+
+    def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        """Wraps vLLM's per-layer KV tensors (its CPU backend's ``[num_blocks][H][block_size][2 * D]``:
+        per block and head, K then V, K in the order its kernels chose) and joins the sidecar as
+        the stage's engine."""
+        names = list(kv_caches)
+        tensors = [kv_caches[name] for name in names]
+        first = tensors[0]
+        if first.device.type != "cpu" or first.dim() != 4:
+            raise NotImplementedError(
+                f"DejaVuConnector supports vLLM's CPU attention backend; got {first.device.type} "
+                f"KV tensors of shape {tuple(first.shape)}"
+            )
+        num_blocks, heads, block_size, twice_dim = first.shape
+        if block_size != self._block_size or first.dtype not in DTYPES:
+            raise NotImplementedError(f"DejaVuConnector: KV tensors {tuple(first.shape)} of {first.dtype}")
+        self._spec = KvSpec(layers=len(names), kv_heads=heads, head_dim=twice_dim // 2, dtype=DTYPES[first.dtype])
+        self._layers = {name: i for i, name in enumerate(names)}
+        self._buffers = tensors
+        self._num_blocks = num_blocks
+        self._k_chunk = cpu_k_chunk(first.dtype, block_size, heads, twice_dim // 2)
+        if self._k_chunk is None:
+            logger.error("DejaVu: vLLM's CPU kernels keep K in an order not known here: serving without copies")
+            return
+        try:
+            self._store = Store.sidecar(self._config.sidecar, self._config.successor, epoch=None, member=True)
+            self._streamer = Streamer(self._store)
+            self._worker = (self._store.serving()["stage"], 0)
+        except Error as e:
+            self._store = None
+            logger.error("DejaVu: no sidecar at %s (%s): serving without copies", self._config.sidecar, e)
+            return
+        logger.info(
+            "DejaVu: %d layers of %d blocks joined the sidecar at %s as stage %d, epoch %d",
+            len(names), num_blocks, self._config.sidecar, self._worker[0], self._store.epoch(),
+        )
+
+    def start_load(self, meta: DejaVuMetadata) -> None:
+        """Fetches each load of the step into its request's blocks, before the forward pass reads
+        them; a load that fails has its blocks reported, for vLLM to compute them instead."""
+        for job in meta.loads:
+            if self._store is None:
+                self._fail_load(job.blocks, job.first, job.tokens)
+                continue
+            cache = self._view(job.blocks)
+            try:
+                for layers, tokens in job.chunks:
+                    fetch(self._store, cache, self._region(layers, tokens), self._worker, self._worker, job.sequence)
+            except Error as e:
+                logger.error("DejaVu: loading request %s failed (%s): vLLM computes it", job.request, e)
+                self._fail_load(job.blocks, job.first, job.tokens)
+                continue
+            logger.info("DejaVu: request %s loaded tokens %d..%d from the sidecar", job.request, job.first, job.tokens)
+
+    def save_layer(self, name: str, meta: DejaVuMetadata) -> None:
+        """vLLM wrote layer ``name`` of this step: queue its new tokens for the sidecar."""
+        if self._store is None or name not in self._layers:
+            return
+        layer = self._layers[name]
+        for job, cache in self._step_views(meta):
+            region = self._region((layer, layer + 1), (job.start, job.end))
+            completion = self._streamer.region_ready(cache, region, self._worker, self._worker, job.sequence)
+            self._pending.append((completion, cache))
+
+    def wait_for_save(self, meta: DejaVuMetadata) -> None:
+        """Saves the step's token ids after its KV, waits until the sidecar and its successor
+        hold all of it, then drops the sequences released."""
+        if self._store is None:
+            return
+        for job, _ in self._step_views(meta):
+            ids = np.zeros(job.end, dtype=np.int32)
+            ids[job.start :] = job.ids
+            log = token_log(ids)
+            completion = self._streamer.region_ready(
+                log, token_region(job.start, job.end), self._worker, self._worker, job.sequence | TOKENS
+            )
+            self._pending.append((completion, log))
+        pending, self._pending = self._pending, []
+        self._views, self._views_of = [], None
+        try:
+            for completion, _ in pending:
+                completion.wait(timeout=self._config.save_timeout)
+            for sequence in meta.releases:
+                for microbatch in (sequence, sequence | TOKENS):
+                    self._store.release(self._worker, microbatch, (0, 1))
+        except (Error, TimeoutError) as e:
+            logger.error("DejaVu: the sidecar failed (%s): serving on without copies", e)
+            self._store = None
+
+    def load_errors(self) -> set:
+        """Blocks whose load failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Finishes the queued saves and stops the streamer."""
+        if self._streamer is not None:
+            self._streamer.shutdown()
+            self._streamer = None
+
+    def _step_views(self, meta: DejaVuMetadata) -> List[Tuple[SaveJob, KvCache]]:
+        """The step's saves with their views, made at the step's first use."""
+        if self._views_of is not meta:
+            self._views = [(job, self._view(job.blocks)) for job in meta.saves]
+            self._views_of = meta
+        return self._views
+
+    def _view(self, blocks: List[int]) -> KvCache:
+        """vLLM's KV tensors, used in place, as one sequence whose blocks are ``blocks``."""
+        layout = KvLayout.paged(
+            self._spec,
+            1,
+            self._block_size,
+            self._num_blocks,
+            order="hnd",
+            interleaved="head",
+            block_tables=[blocks],
+            k_chunk=self._k_chunk,
+        )
+        return KvCache.wrap(layout, self._buffers)
+
+    def _region(self, layers: Tuple[int, int], tokens: Tuple[int, int]) -> KvRegion:
+        return KvRegion(layers=layers, slots=(0, 1), heads=(0, self._spec.kv_heads), tokens=tokens)
+
+    def _fail_load(self, blocks: List[int], first: int, tokens: int) -> None:
+        bs = self._block_size
+        self._load_errors.update(blocks[first // bs : -(-tokens // bs)])
+
+
+def cpu_k_chunk(dtype: torch.dtype, block_size: int, heads: int, head_dim: int) -> Optional[int]:
+    """How vLLM's CPU attention kernels lay out a token's K in a block, found by having them write
+    one: the elements of its vector they keep together (``k_chunk`` of the library's per-head paged
+    layout; 1 for the portable kernels, which keep K transposed). ``None`` if no such layout
+    holds what they wrote, V included."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim)
+    block = torch.zeros(1, heads, block_size, 2 * head_dim, dtype=dtype)
+    keys, values = block.view(1, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    key = (torch.arange(heads * head_dim) % 251 + 1).reshape(1, heads, head_dim).to(dtype)
+    token = 1
+    ops.cpu_attn_reshape_and_cache(key, -key, keys, values, torch.tensor([token]), isa)
+    written = torch.cat([key.flatten(), -key.flatten()]).view(torch.uint8).numpy().tobytes()
+    spec = KvSpec(layers=1, kv_heads=heads, head_dim=head_dim, dtype=DTYPES[dtype])
+    region = KvRegion(layers=(0, 1), slots=(0, 1), heads=(0, heads), tokens=(token, token + 1))
+    for k_chunk in (d for d in range(1, head_dim + 1) if head_dim % d == 0):
+        layout = KvLayout.paged(spec, 1, block_size, 1, "hnd", "head", [[0]], k_chunk=k_chunk)
+        if bytes(KvCache.wrap(layout, [block]).gather(region)) == written:
+            return k_chunk
+    return None
