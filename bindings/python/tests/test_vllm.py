@@ -1,7 +1,8 @@
 """The vLLM connector (``dejavu.vllm``) against real vLLM on the CPU, with real sidecars.
 
-vLLM starts as few times as possible: once for a failure-free run followed by the same requests
-killed in flight, once for their resumption. Set ``DEJAVU_REQUIRE_VLLM=1`` (CI does) to fail
+vLLM starts as few times as possible, three times in all: once for a failure-free run followed by
+the same requests, killed in flight; once for their resumption, killed in flight with its node;
+once for their second resumption. Set ``DEJAVU_REQUIRE_VLLM=1`` (CI does) to fail
 instead of skipping where vLLM is not installed.
 """
 
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -24,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from test_dejavu import dejavud  # noqa: E402
 
 NEW_TOKENS = 256
-KILL_AFTER = 16  # tokens of every request the router has seen when the engine dies
+KILL_AFTER = 16  # tokens of every request the router has seen from an engine when it dies
 PROMPTS = (40, 200, 300)  # tokens; one within a block of 128, two across blocks
 
 
@@ -54,30 +56,64 @@ def free_port():
         return s.getsockname()[1]
 
 
+class Cluster:
+    """A controller told the ring's size and two sidecars, each the other's successor, as
+    docs/deployment.md starts them: vLLM's worker is stage 0's engine; stage 1's sidecar keeps the
+    copies of stage 0's KV."""
+
+    def __init__(self, tmp_path):
+        self.tmp = tmp_path
+        self.heartbeat = f"127.0.0.1:{free_port()}"
+        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+        self.socket = str(tmp_path / "s0.sock")
+        self.processes = []
+        controller = self.spawn("controller", f"--listen={self.heartbeat}", f"--state={tmp_path / 'state'}",
+                                "--stages=2", "--metrics=127.0.0.1:0")
+        self.metrics = controller.stdout.readline().split()[1]
+        assert controller.stdout.readline().startswith("listening ")
+        self.sidecars = [self.sidecar(stage) for stage in range(2)]
+
+    def spawn(self, *args):
+        process = subprocess.Popen([dejavud(), *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.processes.append(process)
+        return process
+
+    def sidecar(self, stage):
+        process = self.spawn("sidecar", f"--join={stage}", f"--listen={self.addresses[stage]}",
+                             f"--heartbeat={self.heartbeat}", f"--local={self.tmp / f's{stage}.sock'}",
+                             f"--shm-dir={self.tmp}", "--region-bytes=67108864")
+        assert process.stdout.readline().startswith("listening ")
+        return process
+
+    @property
+    def ring(self):
+        """Stage 0's local socket and its successor's address."""
+        return self.socket, self.addresses[1]
+
+    def gauge(self, name):
+        page = urllib.request.urlopen(f"http://{self.metrics}/metrics").read().decode()
+        return next(float(line.split()[-1]) for line in page.splitlines() if line.startswith(name + " "))
+
+    def wait_for(self, condition, what, timeout=30):
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"never {what}"
+            time.sleep(0.05)
+
+    def stop(self):
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
 @pytest.fixture
-def ring(tmp_path):
-    """Two sidecars, each the other's successor: vLLM's worker is stage 0's engine. Yields stage
-    0's local socket and stage 1's address."""
-    daemons, addresses = [], []
+def cluster(tmp_path):
+    cluster = Cluster(tmp_path)
     try:
-        for index in range(2):
-            address = f"127.0.0.1:{free_port()}"
-            daemons.append(
-                subprocess.Popen(
-                    [dejavud(), "sidecar", f"--index={index}", f"--local={tmp_path / f's{index}.sock'}",
-                     f"--listen={address}", f"--shm-dir={tmp_path}", "--region-bytes=67108864"],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    text=True,
-                )
-            )
-            assert daemons[-1].stdout.readline().startswith("listening ")
-            addresses.append(address)
-        yield str(tmp_path / "s0.sock"), addresses[1]
+        yield cluster
     finally:
-        for daemon in daemons:
-            daemon.kill()
-            daemon.wait()
+        cluster.stop()
 
 
 def requests_of(prefix, prompts, max_tokens):
@@ -103,11 +139,27 @@ def progress_of(tmp_path, name):
     return [json.loads(line) for line in text.split("\n")[:-1]]
 
 
-def crashed_so_far(tmp_path, n):
+def tokens_so_far(tmp_path, name, ids):
+    """The tokens of each of ``ids`` that run ``name`` has returned so far."""
     seen = {}
-    for step in progress_of(tmp_path, "first"):
+    for step in progress_of(tmp_path, name):
         seen.update(step)
-    return [seen.get(f"crashed{i}", []) for i in range(n)]
+    return [seen.get(i, []) for i in ids]
+
+
+def kill_when_every_request_has(engine, tmp_path, name, ids, tokens):
+    """Kills run ``name`` once each of ``ids`` has returned ``tokens`` tokens. Its processes stop
+    where they are (mid-step, maybe), then die: tokens computed after the router last heard from
+    it die with it. Returns the tokens each request returned."""
+    deadline = time.monotonic() + 600
+    while min(len(t) for t in tokens_so_far(tmp_path, name, ids)) < tokens:
+        assert engine.poll() is None, (tmp_path / f"{name}.log").read_text()[-4000:]
+        assert time.monotonic() < deadline, f"{name} never got that far"
+        time.sleep(0.05)
+    os.killpg(engine.pid, signal.SIGSTOP)
+    os.killpg(engine.pid, signal.SIGKILL)
+    engine.wait()
+    return tokens_so_far(tmp_path, name, ids)
 
 
 def finish(engine, tmp_path, name, timeout=600):
@@ -120,44 +172,58 @@ def finish(engine, tmp_path, name, timeout=600):
     return json.loads((tmp_path / f"{name}-out.json").read_text())
 
 
-def test_in_flight_requests_survive_a_vllm_crash_and_resume_from_the_sidecars_copies(tmp_path, model, ring):
+def test_in_flight_requests_survive_an_engine_crash_then_a_node_loss_with_identical_output(tmp_path, model, cluster):
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, 512, (n,), generator=generator).tolist() for n in PROMPTS]
+    n = len(prompts)
 
     # One engine: a failure-free run to the end, then the same prompts, killed in flight.
     first = start_engine(
         tmp_path, "first", model,
-        [requests_of("reference", prompts, NEW_TOKENS), requests_of("crashed", prompts, NEW_TOKENS)],
-        ring,
+        [requests_of("reference", prompts, NEW_TOKENS), requests_of("request", prompts, NEW_TOKENS)],
+        cluster.ring,
     )
-    deadline = time.monotonic() + 600
-    while min(len(tokens) for tokens in crashed_so_far(tmp_path, len(prompts))) < KILL_AFTER:
-        assert first.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
-        assert time.monotonic() < deadline, "the first engine never got that far"
-        time.sleep(0.05)
-    # Its processes stop where they are (mid-step, maybe), then die: tokens computed after the
-    # router last heard from it are lost with it.
-    os.killpg(first.pid, signal.SIGSTOP)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
-    seen = {}
-    for step in progress_of(tmp_path, "first"):
-        seen.update(step)
-    reference = [seen[f"reference{i}"] for i in range(len(prompts))]
-    generated = [seen[f"crashed{i}"] for i in range(len(prompts))]
+    ids = [f"request{i}" for i in range(n)]
+    before = kill_when_every_request_has(first, tmp_path, "first", ids, KILL_AFTER)
+    reference = tokens_so_far(tmp_path, "first", [f"reference{i}" for i in range(n)])
     assert all(len(tokens) == NEW_TOKENS for tokens in reference)
-    assert all(0 < len(tokens) < NEW_TOKENS for tokens in generated), [len(t) for t in generated]
+    assert len({tuple(tokens) for tokens in reference}) == n
+    assert all(len(tokens) < NEW_TOKENS for tokens in before), [len(t) for t in before]
+    cluster.wait_for(lambda: cluster.gauge("dejavu_controller_fences_total") == 1, "the engine fenced")
 
-    # A new engine on the same sidecar; each request comes again as a router resubmits it.
-    resubmitted = [
-        {"id": f"resumed{i}", "prompt": prompt + tokens, "max_tokens": NEW_TOKENS - len(tokens)}
-        for i, (prompt, tokens) in enumerate(zip(prompts, generated))
-    ]
-    second = start_engine(tmp_path, "second", model, [resubmitted], ring)
-    resumed = finish(second, tmp_path, "second")
-    for i, request in enumerate(resubmitted):
-        out = resumed[request["id"]]
-        # Every token's KV but the last came from the sidecar: vLLM computed one token per request.
-        assert out["cached"] == len(request["prompt"]) - 1, (i, out["cached"], len(request["prompt"]))
-        assert generated[i] + out["tokens"] == reference[i], i
-    assert len({tuple(tokens) for tokens in reference}) == len(prompts)
+    # A new engine on the same sidecar; each request comes again as a router resubmits it: its
+    # prompt and the tokens it returned. Every token's KV but the last comes from the sidecar.
+    def resubmit(so_far):
+        return [
+            {"id": f"request{i}", "prompt": prompts[i] + so_far[i], "max_tokens": NEW_TOKENS - len(so_far[i])}
+            for i in range(n)
+        ]
+
+    second = start_engine(tmp_path, "second", model, [resubmit(before)], cluster.ring)
+    during = kill_when_every_request_has(second, tmp_path, "second", ids, KILL_AFTER)
+    assert_loaded(tmp_path, "second", resubmit(before))
+
+    # The whole node goes: the engine and its sidecar. The sidecar's command starts it again; the
+    # controller restores it from its successor's copies; a new engine resumes from them.
+    so_far = [before[i] + during[i] for i in range(n)]
+    cluster.sidecars[0].kill()
+    cluster.wait_for(lambda: cluster.gauge("dejavu_controller_fences_total") >= 2, "the node fenced")
+    cluster.sidecars[0] = cluster.sidecar(0)
+    cluster.wait_for(lambda: cluster.gauge("dejavu_controller_recovery_seconds_count") == 1, "the sidecar restored")
+    third = start_engine(tmp_path, "third", model, [resubmit(so_far)], cluster.ring)
+    after = finish(third, tmp_path, "third")
+    loaded = assert_loaded(tmp_path, "third", resubmit(so_far))
+    for i in range(n):
+        assert so_far[i] + after[f"request{i}"]["tokens"] == reference[i], i
+    assert loaded
+
+
+def assert_loaded(tmp_path, name, requests):
+    """Checks that each request of run ``name`` loaded every token's KV but its last one."""
+    log = (tmp_path / f"{name}.log").read_text()
+    for request in requests:
+        needle = f"request {request['id']}-"
+        line = next((l for l in log.splitlines() if needle in l and "loaded tokens" in l), None)
+        assert line is not None, (name, request["id"], log[-4000:])
+        assert line.endswith(f"loaded tokens 0..{len(request['prompt']) - 1} from the sidecar"), line
+    return True
