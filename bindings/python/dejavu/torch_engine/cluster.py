@@ -1,74 +1,19 @@
-"""The daemons beside a pipeline of stage processes on one machine: a ``dejavud controller`` told
-the ring's size and one ``dejavud sidecar`` per stage on loopback, each stage's ring successor the
-next stage's sidecar (docs/deployment.md).
-
-``DaemonCluster.stage_command`` is the command of a stage process beside sidecar ``index``;
-``restart_sidecar`` starts a dead sidecar again with the same command, and ``wait_restored`` waits
-until the controller has restored it from its neighbours.
+"""The daemons beside a pipeline of PyTorch stage processes (``dejavu.daemons.DaemonCluster``),
+and the command of a stage process beside sidecar ``index`` (``DaemonCluster.stage_command``).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import socket as sockets
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
-from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List, Optional
 
+from .. import daemons
 from .model import ModelShape
 
 
-def free_port() -> int:
-    with sockets.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def find_dejavud(given: Optional[str] = None) -> str:
-    """``given``, else ``$DEJAVUD``, else ``dejavud`` on the ``PATH``."""
-    path = given or os.environ.get("DEJAVUD") or shutil.which("dejavud")
-    if not path:
-        raise FileNotFoundError("no dejavud: pass its path, set DEJAVUD, or put it on the PATH")
-    return path
-
-
-class DaemonCluster:
-    """A controller and ``stages`` sidecars (each ``region_bytes`` of shared memory) in ``workdir``
-    (a new temporary directory by default)."""
-
-    def __init__(
-        self,
-        stages: int,
-        dejavud: Optional[str] = None,
-        workdir: Optional[Path] = None,
-        region_bytes: int = 64 << 20,
-    ):
-        if stages < 2:
-            raise ValueError("a ring of sidecars needs at least 2 stages")
-        self.dejavud = find_dejavud(dejavud)
-        self.stages, self.region_bytes = stages, region_bytes
-        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="dejavu-torch-")
-        self.workdir = Path(workdir or self._tmp.name)
-        self.controller_address = f"127.0.0.1:{free_port()}"
-        self.ports = [free_port() for _ in range(stages)]
-        self.processes: List[subprocess.Popen] = []
-        try:
-            self.controller = self._start_controller()
-            self.sidecars = [self._start_sidecar(i) for i in range(stages)]
-        except BaseException:
-            self.stop()
-            raise
-
-    def socket(self, index: int) -> Path:
-        return self.workdir / f"s{index}.sock"
-
-    def successor(self, index: int) -> str:
-        return f"127.0.0.1:{self.ports[(index + 1) % self.stages]}"
+class DaemonCluster(daemons.DaemonCluster):
+    """A controller and a ring of sidecars, one per stage process."""
 
     def stage_command(
         self,
@@ -99,68 +44,3 @@ class DaemonCluster:
         if replicate:
             command += [f"--socket={self.socket(index)}", f"--successor={self.successor(index)}"]
         return command
-
-    def kill_sidecar(self, index: int) -> None:
-        process = self.sidecars[index]
-        process.kill()
-        process.wait()
-
-    def restart_sidecar(self, index: int) -> None:
-        """Starts sidecar ``index`` again with the same command (its predecessor is dead)."""
-        self.sidecars[index] = self._start_sidecar(index)
-
-    def metric(self, name: str) -> float:
-        page = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5).read().decode()
-        return next(float(line.split()[-1]) for line in page.splitlines() if line.startswith(name + " "))
-
-    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout:.0f} s: never {what}")
-            time.sleep(0.01)
-
-    def fences(self) -> float:
-        return self.metric("dejavu_controller_fences_total")
-
-    def restores(self) -> float:
-        return self.metric("dejavu_controller_recovery_seconds_count")
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-
-    def __enter__(self) -> "DaemonCluster":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _spawn(self, *args: str) -> subprocess.Popen:
-        process = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.processes.append(process)
-        return process
-
-    def _start_controller(self) -> subprocess.Popen:
-        process = self._spawn(
-            self.dejavud, "controller", f"--listen={self.controller_address}",
-            f"--state={self.workdir / 'controller.state'}", f"--stages={self.stages}", "--metrics=127.0.0.1:0",
-        )
-        self.metrics = process.stdout.readline().split()[1]
-        if not process.stdout.readline().startswith("listening "):
-            raise RuntimeError("the controller did not start")
-        return process
-
-    def _start_sidecar(self, index: int) -> subprocess.Popen:
-        process = self._spawn(
-            self.dejavud, "sidecar", f"--join={index}", f"--listen=127.0.0.1:{self.ports[index]}",
-            f"--heartbeat={self.controller_address}", f"--local={self.socket(index)}",
-            f"--shm-dir={self.workdir}", f"--region-bytes={self.region_bytes}",
-        )
-        if not process.stdout.readline().startswith("listening "):
-            raise RuntimeError(f"sidecar {index} did not start")
-        return process

@@ -5,8 +5,9 @@ without it), step by step: what the demo and the tests start, kill and start aga
         [--sidecar S0.sock --successor HOST:PORT] [--progress progress.jsonl]
 
 ``requests.json`` lists batches of requests, ``[[{"id", "prompt": [token ids], "max_tokens"},
-...], ...]``, each served to the end before the next is submitted. After every engine step,
-``--progress`` gets one JSON line: each request's tokens generated so far. ``--out`` gets, once all
+...], ...]``, each served to the end before the next is submitted. ``--progress`` gets a JSON line
+when a batch is submitted (``{"time", "submitted": [ids]}``) and after every engine step
+(``{"time", "tokens": {id: tokens so far}}``), times in seconds of ``time.monotonic()``. ``--out`` gets, once all
 are done, each request's ``tokens``, ``cached`` (tokens it did not compute: loaded from the
 sidecar, or found in vLLM's own prefix cache when that is on) and ``seconds`` (from submission to
 its last token).
@@ -56,7 +57,10 @@ def serve(llm, requests: List[dict], progress=None) -> Dict[str, dict]:
     for request in requests:
         params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True, detokenize=False)
         core.add_request(request["id"], TokensPrompt(prompt_token_ids=request["prompt"]), params)
-        submitted[request["id"]] = time.perf_counter()
+        submitted[request["id"]] = time.monotonic()
+    if progress is not None:
+        progress.write(json.dumps({"time": time.monotonic(), "submitted": list(submitted)}) + "\n")
+        progress.flush()
     done: Dict[str, dict] = {}
     while core.has_unfinished_requests():
         step = {}
@@ -67,10 +71,10 @@ def serve(llm, requests: List[dict], progress=None) -> Dict[str, dict]:
                 done[output.request_id] = {
                     "tokens": tokens,
                     "cached": output.num_cached_tokens or 0,
-                    "seconds": time.perf_counter() - submitted[output.request_id],
+                    "seconds": time.monotonic() - submitted[output.request_id],
                 }
         if progress is not None and step:
-            progress.write(json.dumps(step) + "\n")
+            progress.write(json.dumps({"time": time.monotonic(), "tokens": step}) + "\n")
             progress.flush()
     return done
 

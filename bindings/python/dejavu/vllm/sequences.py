@@ -139,18 +139,19 @@ class SequenceIndex:
 def whole_chunks(chunks: Sequence[KvRegion], limit: int) -> Tuple[List[KvRegion], int]:
     """The chunks that lie wholly before ``limit``, and the token their run from token 0 reaches
     in every layer (a chunk reaching past ``limit`` cannot be scattered into a request that ends
-    there)."""
-    layers: Dict[Tuple[int, int], int] = {tuple(r.layers): 0 for r in chunks}
+    there). Chunks may cover one layer (a prompt's, saved layer by layer) or several (a decode
+    step's)."""
+    reached: Dict[int, int] = {layer: 0 for r in chunks for layer in range(*r.layers)}
     kept: List[KvRegion] = []
     for region in sorted(chunks, key=lambda r: (r.tokens[0], r.layers[0])):
         start, end = region.tokens
-        if end > limit:
+        layers = range(*region.layers)
+        if end > limit or any(start > reached[layer] for layer in layers):
             continue
-        reached = layers[tuple(region.layers)]
-        if start <= reached:
-            layers[tuple(region.layers)] = max(reached, end)
-            kept.append(region)
-    if not layers:
+        for layer in layers:
+            reached[layer] = max(reached[layer], end)
+        kept.append(region)
+    if not reached:
         return [], 0
-    end = min(layers.values())
+    end = min(reached.values())
     return [r for r in kept if r.tokens[0] < end], end

@@ -101,12 +101,21 @@ class WorkerSide:
             logger.info("DejaVu: request %s loaded tokens %d..%d from the sidecar", job.request, job.first, job.tokens)
 
     def save_layer(self, name: str, meta: DejaVuMetadata) -> None:
-        """vLLM wrote layer ``name`` of this step: queue its new tokens for the sidecar."""
+        """vLLM wrote layer ``name`` of this step: queue its new tokens for the sidecar. A prompt's
+        tokens go layer by layer, each layer's copy overlapping the next layer's compute; a decode
+        step's one token goes once its last layer is written, every layer in one chunk (a chunk
+        costs a round trip to the successor, which one token's few bytes do not pay for)."""
         if self._store is None or name not in self._layers:
             return
-        layer = self._layers[name]
+        layer, last = self._layers[name], len(self._layers) - 1
         for job, cache in self._step_views(meta):
-            region = self._region((layer, layer + 1), (job.start, job.end))
+            if job.end - job.start > 1:
+                layers = (layer, layer + 1)
+            elif layer == last:
+                layers = (0, last + 1)
+            else:
+                continue
+            region = self._region(layers, (job.start, job.end))
             completion = self._streamer.region_ready(cache, region, self._worker, self._worker, job.sequence)
             self._pending.append((completion, cache))
 

@@ -1,0 +1,327 @@
+"""In-flight vLLM requests that survive an engine crash, then the loss of their whole node, with
+the same output as a failure-free run; against recomputing them from their prompts.
+
+    python -m dejavu.vllm.demo [--prompts 40,200,300] [--new-tokens 256] [--dejavud PATH]
+
+It makes a Llama with seeded random weights (``transformers``, no download), starts a controller
+and two sidecars (vLLM's worker is stage 0's engine; stage 1's sidecar keeps the copies), and
+starts vLLM's CPU engine four times, each a separate ``python -m dejavu.vllm.run``:
+
+1. with the connector: the prompts served to the end (the failure-free run), then the same
+   prompts again, the engine killed once every request has returned ``--kill-after`` tokens;
+2. with the connector, on the same sidecar: each request submitted again as a router would (its
+   prompt and the tokens it returned); killed in flight together with its sidecar (the node
+   lost). The sidecar's command starts it again, and the controller restores it
+   from its successor's copies;
+3. with the connector, on the restored sidecar: each request submitted again and served to its
+   end, one after the other; then the last prompt once more (prefix reuse: this engine keeps
+   finished requests);
+4. without the connector: the prompts served to the end (decode steps without saving), then
+   run 3's requests, computed from their prompts, and the repeated prompt.
+
+It prints whether every request's tokens equal the failure-free run's, how many tokens each
+resumption loaded instead of computing, each one's time to first token against computing it, and
+the decode step's time with the connector saving against without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from ..daemons import DaemonCluster
+
+
+@dataclass
+class Workload:
+    """The requests and the model."""
+
+    prompts: List[int] = field(default_factory=lambda: [40, 200, 300])
+    new_tokens: int = 256
+    kill_after: int = 16
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    vocab: int = 512
+    seed: int = 7
+
+    def prompt_ids(self) -> List[List[int]]:
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed + 4)
+        return [torch.randint(1, self.vocab, (n,), generator=generator).tolist() for n in self.prompts]
+
+
+def make_model(path: Path, w: Workload) -> str:
+    """A Llama of ``w``'s shape with seeded random weights, saved for vLLM (bf16)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(w.seed)
+    config = LlamaConfig(
+        vocab_size=w.vocab,
+        hidden_size=w.hidden,
+        intermediate_size=2 * w.hidden,
+        num_hidden_layers=w.layers,
+        num_attention_heads=w.heads,
+        num_key_value_heads=w.kv_heads,
+        head_dim=w.head_dim,
+        max_position_embeddings=max(w.prompts) + 2 * w.new_tokens + 64,
+        initializer_range=0.2,  # wide enough that greedy decoding does not repeat one token
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+class Engine:
+    """One run of ``python -m dejavu.vllm.run`` in a session of its own (its processes die
+    together), serving ``batches`` one after the other."""
+
+    def __init__(self, workdir: Path, name: str, model: str, batches: List[List[dict]],
+                 cluster: Optional[DaemonCluster] = None, keep_finished: bool = False):
+        self.workdir, self.name = workdir, name
+        (workdir / f"{name}-requests.json").write_text(json.dumps(batches))
+        command = [sys.executable, "-m", "dejavu.vllm.run", "--model", model,
+                   "--requests", str(workdir / f"{name}-requests.json"), "--out", str(self._out),
+                   "--progress", str(self._progress)]
+        if cluster is not None:
+            command += ["--sidecar", str(cluster.socket(0)), "--successor", cluster.successor(0)]
+        if keep_finished:
+            command.append("--keep-finished")
+        self._log = open(workdir / f"{name}.log", "w")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def _out(self) -> Path:
+        return self.workdir / f"{self.name}-out.json"
+
+    @property
+    def _progress(self) -> Path:
+        return self.workdir / f"{self.name}-progress.jsonl"
+
+    def log(self) -> str:
+        return (self.workdir / f"{self.name}.log").read_text()
+
+    def lines(self) -> List[dict]:
+        """The progress lines written so far, leaving out one being written."""
+        text = self._progress.read_text() if self._progress.exists() else ""
+        return [json.loads(line) for line in text.split("\n")[:-1]]
+
+    def tokens(self, ids: List[str]) -> List[List[int]]:
+        """The tokens of each of ``ids`` returned so far."""
+        seen: Dict[str, List[int]] = {}
+        for line in self.lines():
+            seen.update(line.get("tokens", {}))
+        return [seen.get(i, []) for i in ids]
+
+    def first_token_seconds(self, request: str) -> float:
+        """From the request's submission to its first token."""
+        lines = self.lines()
+        submitted = next(line["time"] for line in lines if request in line.get("submitted", ()))
+        return next(line["time"] for line in lines if request in line.get("tokens", {})) - submitted
+
+    def decode_step_seconds(self, ids: List[str]) -> float:
+        """The median time between steps while every one of ``ids`` was decoding."""
+        times = [line["time"] for line in self.lines() if all(i in line.get("tokens", {}) for i in ids)]
+        return statistics.median(b - a for a, b in zip(times, times[1:]))
+
+    def loaded(self, request: str) -> Optional[tuple]:
+        """The tokens the connector loaded for ``request`` (``(first, end)``), from its log."""
+        for line in self.log().splitlines():
+            if f"request {request}-" in line and "loaded tokens" in line:
+                first, end = line.split("loaded tokens ")[1].split()[0].split("..")
+                return int(first), int(end)
+        return None
+
+    def kill_when_every_request_has(self, ids: List[str], tokens: int, timeout: float = 600) -> List[List[int]]:
+        """Kills the run once each of ``ids`` has returned ``tokens`` tokens: its processes stop
+        where they are (mid-step, maybe), then die, and tokens computed after the router last
+        heard from it die with them. Returns the tokens each request returned."""
+        deadline = time.monotonic() + timeout
+        while min(len(t) for t in self.tokens(ids)) < tokens:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited early:\n{self.log()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} never returned {tokens} tokens of each request")
+            time.sleep(0.05)
+        os.killpg(self.process.pid, signal.SIGSTOP)
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        return self.tokens(ids)
+
+    def finish(self, timeout: float = 1200) -> Dict[str, dict]:
+        """Waits for the run to end; what it served."""
+        try:
+            status = self.process.wait(timeout)
+        finally:
+            if self.process.poll() is None:
+                os.killpg(self.process.pid, signal.SIGKILL)
+        if status != 0:
+            raise RuntimeError(f"{self.name} failed ({status}):\n{self.log()[-4000:]}")
+        return json.loads(self._out.read_text())
+
+
+@dataclass
+class Resumption:
+    """One request submitted again after a failure."""
+
+    request: str
+    prompt_tokens: int
+    loaded: Optional[tuple]
+    first_token_seconds: float
+    recomputed_first_token_seconds: float = 0.0
+
+
+@dataclass
+class Report:
+    """What the demo found."""
+
+    identical: List[bool]
+    recomputed_identical: List[bool]
+    after_crash: List[Resumption]
+    after_node_loss: List[Resumption]
+    prefix_reuse: Resumption
+    decode_step_seconds: float
+    decode_step_seconds_without: float
+
+
+def run(w: Workload, dejavud: Optional[str] = None, workdir: Optional[Path] = None, say=print) -> Report:
+    """The four runs (see the module's documentation)."""
+    tmp = None if workdir else tempfile.TemporaryDirectory(prefix="dejavu-vllm-")
+    workdir = Path(workdir or tmp.name)
+    try:
+        return _run(w, dejavud, workdir, say)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _run(w: Workload, dejavud: Optional[str], workdir: Path, say) -> Report:
+    model = make_model(workdir / "model", w)
+    prompts = w.prompt_ids()
+    n = len(prompts)
+    ids = [f"request{i}" for i in range(n)]
+    refs = [f"reference{i}" for i in range(n)]
+
+    def batch(names, prompts_, max_tokens):
+        return [{"id": i, "prompt": p, "max_tokens": m} for i, p, m in zip(names, prompts_, max_tokens)]
+
+    def resubmitted(so_far):
+        return batch(ids, [prompts[i] + so_far[i] for i in range(n)], [w.new_tokens - len(t) for t in so_far])
+
+    (workdir / "daemons").mkdir(exist_ok=True)
+    with DaemonCluster(2, dejavud, workdir / "daemons", region_bytes=256 << 20) as cluster:
+        say(f"a controller and two sidecars up; vLLM's worker is stage 0's engine ({workdir})")
+        first = Engine(workdir, "first", model, [batch(refs, prompts, [w.new_tokens] * n),
+                                                 batch(ids, prompts, [w.new_tokens] * n)], cluster)
+        before = first.kill_when_every_request_has(ids, w.kill_after)
+        reference = first.tokens(refs)
+        step_with = first.decode_step_seconds(refs)
+        say(f"run 1: served {n} requests to the end; the same again, engine killed after "
+            f"{[len(t) for t in before]} tokens")
+        cluster.wait_for(lambda: cluster.fences() >= 1, "the engine fenced")
+
+        again = resubmitted(before)
+        second = Engine(workdir, "second", model, [again], cluster)
+        during = second.kill_when_every_request_has(ids, w.kill_after)
+        after_crash = [Resumption(r["id"], len(r["prompt"]), second.loaded(r["id"]),
+                                  second.first_token_seconds(r["id"])) for r in again]
+        cluster.kill_sidecar(0)
+        say(f"run 2: resumed after the crash; engine and sidecar killed after {[len(t) for t in during]} more tokens")
+        fences = cluster.fences()
+        cluster.restart_sidecar(0)
+        cluster.wait_for(lambda: cluster.restores() >= 1, "the sidecar restored from its successor")
+        say(f"the controller fenced the node ({fences:.0f} fences) and restored its sidecar from its successor")
+
+        so_far = [before[i] + during[i] for i in range(n)]
+        last = resubmitted(so_far)
+        repeat = batch(["repeat"], [prompts[-1]], [w.kill_after])
+        third = Engine(workdir, "third", model, [[r] for r in last] + [repeat], cluster, keep_finished=True)
+        after = third.finish()
+        after_node_loss = [Resumption(r["id"], len(r["prompt"]), third.loaded(r["id"]),
+                                      third.first_token_seconds(r["id"])) for r in last]
+        reuse = Resumption("repeat", len(prompts[0]), third.loaded("repeat"), third.first_token_seconds("repeat"))
+        say("run 3: resumed after the node loss, to the end; the first prompt once more")
+
+    baseline = Engine(workdir, "baseline", model, [batch(refs, prompts, [w.new_tokens] * n)]
+                      + [[r] for r in last] + [repeat])
+    recomputed = baseline.finish()
+    for r in after_node_loss:
+        r.recomputed_first_token_seconds = baseline.first_token_seconds(r.request)
+    reuse.recomputed_first_token_seconds = baseline.first_token_seconds("repeat")
+    say("run 4: without the connector, the same requests computed from their prompts")
+
+    final = [so_far[i] + after[ids[i]]["tokens"] for i in range(n)]
+    return Report(
+        identical=[final[i] == reference[i] for i in range(n)],
+        recomputed_identical=[so_far[i] + recomputed[ids[i]]["tokens"] == reference[i] for i in range(n)],
+        after_crash=after_crash,
+        after_node_loss=after_node_loss,
+        prefix_reuse=reuse,
+        decode_step_seconds=step_with,
+        decode_step_seconds_without=baseline.decode_step_seconds(refs),
+    )
+
+
+def print_report(w: Workload, report: Report) -> None:
+    print()
+    print(f"requests of {w.prompts} prompt tokens, {w.new_tokens} new tokens each (greedy)")
+    print(f"output equal to the failure-free run's: {all(report.identical)} ({report.identical})")
+    print(f"  and when recomputed from the prompts instead: {all(report.recomputed_identical)}")
+    print()
+    print("| resumed | prompt tokens | loaded | first token | computed instead |")
+    print("| --- | --- | --- | --- | --- |")
+    for what, rows in (("after the crash", report.after_crash), ("after the node loss", report.after_node_loss)):
+        for r in rows:
+            loaded = f"{r.loaded[1] - r.loaded[0]}" if r.loaded else "none"
+            instead = f"{r.recomputed_first_token_seconds * 1000:.1f} ms" if r.recomputed_first_token_seconds else ""
+            print(f"| {r.request} {what} | {r.prompt_tokens} | {loaded} | {r.first_token_seconds * 1000:.1f} ms | {instead} |")
+    r = report.prefix_reuse
+    loaded = f"{r.loaded[1] - r.loaded[0]}" if r.loaded else "none"
+    print(f"| a repeated prompt (prefix reuse) | {r.prompt_tokens} | {loaded} | {r.first_token_seconds * 1000:.1f} ms | "
+          f"{r.recomputed_first_token_seconds * 1000:.1f} ms |")
+    print()
+    with_, without = report.decode_step_seconds, report.decode_step_seconds_without
+    print(f"decode step of {len(w.prompts)} requests: {with_ * 1000:.2f} ms with the connector saving, "
+          f"{without * 1000:.2f} ms without ({(with_ / without - 1) * 100:+.1f}%)")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dejavu.vllm.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", default="40,200,300", help="prompt lengths, comma-separated (default 40,200,300)")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens each request generates (default 256)")
+    parser.add_argument("--kill-after", type=int, default=16, help="tokens each request returns before a failure")
+    parser.add_argument("--layers", type=int, default=4, help="the model's layers (default 4)")
+    parser.add_argument("--hidden", type=int, default=256, help="its hidden size (default 256)")
+    parser.add_argument("--dejavud", help="the daemon binary (default: $DEJAVUD, then the PATH)")
+    parser.add_argument("--workdir", help="keep the runs' logs here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    w = Workload(
+        prompts=[int(p) for p in args.prompts.split(",")],
+        new_tokens=args.new_tokens,
+        kill_after=args.kill_after,
+        layers=args.layers,
+        hidden=args.hidden,
+    )
+    if w.kill_after * 2 >= w.new_tokens:
+        parser.error("--new-tokens must exceed twice --kill-after: requests are still running at each failure")
+    workdir = Path(args.workdir) if args.workdir else None
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+    print_report(w, run(w, args.dejavud, workdir))
+
+
+if __name__ == "__main__":
+    main()
