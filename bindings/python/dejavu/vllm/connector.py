@@ -66,6 +66,13 @@ class DejaVuConnector(KVConnectorBase_V1):
         if self.has_connector_metadata():
             self._worker.wait_for_save(self._metadata())
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, DejaVuMetadata) and kv_connector_metadata.preempted:
+            self._worker.wait_for_every_save()
+
+    def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
+        return self._worker.finished(finished_req_ids), None
+
     def get_block_ids_with_load_errors(self) -> set:
         return self._worker.load_errors()
 
@@ -85,8 +92,8 @@ class DejaVuConnector(KVConnectorBase_V1):
         return self._scheduler.build(scheduler_output)
 
     def request_finished(self, request: "Request", block_ids: list) -> Tuple[bool, Optional[dict]]:
-        self._scheduler.finished(request)
-        return False, None
+        # True: its blocks are freed once the workers report its last saves in (get_finished).
+        return self._scheduler.finished(request), None
 
     def _metadata(self) -> DejaVuMetadata:
         meta = self._get_connector_metadata()

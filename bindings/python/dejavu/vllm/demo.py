@@ -240,10 +240,9 @@ def _run(w: Workload, dejavud: Optional[str], workdir: Path, say) -> Report:
                                   second.first_token_seconds(r["id"])) for r in again]
         cluster.kill_sidecar(0)
         say(f"run 2: resumed after the crash; engine and sidecar killed after {[len(t) for t in during]} more tokens")
-        fences = cluster.fences()
         cluster.restart_sidecar(0)
         cluster.wait_for(lambda: cluster.restores() >= 1, "the sidecar restored from its successor")
-        say(f"the controller fenced the node ({fences:.0f} fences) and restored its sidecar from its successor")
+        say("the controller fenced the node and restored its sidecar from its successor's copies")
 
         so_far = [before[i] + during[i] for i in range(n)]
         last = resubmitted(so_far)
@@ -252,8 +251,8 @@ def _run(w: Workload, dejavud: Optional[str], workdir: Path, say) -> Report:
         after = third.finish()
         after_node_loss = [Resumption(r["id"], len(r["prompt"]), third.loaded(r["id"]),
                                       third.first_token_seconds(r["id"])) for r in last]
-        reuse = Resumption("repeat", len(prompts[0]), third.loaded("repeat"), third.first_token_seconds("repeat"))
-        say("run 3: resumed after the node loss, to the end; the first prompt once more")
+        reuse = Resumption("repeat", len(prompts[-1]), third.loaded("repeat"), third.first_token_seconds("repeat"))
+        say("run 3: resumed after the node loss, to the end; the last prompt once more")
 
     baseline = Engine(workdir, "baseline", model, [batch(refs, prompts, [w.new_tokens] * n)]
                       + [[r] for r in last] + [repeat])

@@ -39,8 +39,10 @@ class SaveJob:
 
 @dataclass
 class DejaVuMetadata(KVConnectorMetadata):
-    """One step's loads, saves and releases."""
+    """One step's loads, saves and releases, and whether it preempts requests (whose blocks go
+    to others at once, so every save under way must be in first)."""
 
     loads: List[LoadJob] = field(default_factory=list)
     saves: List[SaveJob] = field(default_factory=list)
     releases: List[int] = field(default_factory=list)
+    preempted: bool = False

@@ -88,7 +88,7 @@ class SchedulerSide:
 
     def build(self, output: "SchedulerOutput") -> DejaVuMetadata:
         """This step's loads, saves and releases."""
-        meta = DejaVuMetadata(releases=self._releases)
+        meta = DejaVuMetadata(releases=self._releases, preempted=bool(output.preempted_req_ids))
         self._releases = []
         self._released = set(meta.releases)
         for new in output.scheduled_new_reqs:
@@ -110,13 +110,15 @@ class SchedulerSide:
             self._save(meta, req_id, plan, cached.num_computed_tokens[i] + output.num_scheduled_tokens[req_id])
         return meta
 
-    def finished(self, request: "Request") -> None:
-        """The request is done: its sequence goes, unless finished requests are kept."""
+    def finished(self, request: "Request") -> bool:
+        """The request is done: its sequence goes, unless finished requests are kept. Whether its
+        blocks wait for its last saves (the workers report when they may be freed)."""
         plan = self._plans.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
         if plan is not None and not self._config.keep_finished:
             self._releases.append(plan.sequence)
             self._released.add(plan.sequence)
+        return plan is not None and self._index is not None
 
     def _plan(self, req_id: str) -> Plan:
         plan = self._plans.get(req_id)

@@ -2,9 +2,13 @@
 into a request's blocks before the forward pass, and its saves streamed to the sidecar layer by
 layer while the later layers compute.
 
-What is acknowledged when: ``wait_for_save`` returns once the sidecar keeps every token the step
-computed and the ring successor's sidecar holds a copy of it. A step is therefore never lost once
-vLLM has returned its tokens.
+What is acknowledged when: a step's saves go on while the next step computes, and that next
+step's ``wait_for_save`` returns once the sidecar keeps every token of the step before it and the
+ring successor's sidecar holds a copy. An engine that dies therefore loses at most the KV of its
+last step and of the step before, which its requests compute again when they are resubmitted. The
+blocks a save reads stay the request's until the save is in: a finished request's blocks are
+freed once its last save is acknowledged (``request_finished`` delays their freeing, and
+``get_finished`` reports them), and a step that preempts requests first waits for every save.
 """
 
 from __future__ import annotations
@@ -43,8 +47,12 @@ class WorkerSide:
         # The step's saves, each with a view of its request's blocks, and the metadata they are of.
         self._views: List[Tuple[SaveJob, KvCache]] = []
         self._views_of: Optional[DejaVuMetadata] = None
-        # Completions of the step's saves, with what they read (kept alive until waited for).
+        # Completions of the step's saves, with what they read (kept alive until waited for), and
+        # the sequences to release once they are in.
         self._pending: List[Tuple[Completion, object]] = []
+        self._previous: Tuple[List[Tuple[Completion, object]], List[int]] = ([], [])
+        # Finished requests whose blocks wait for their last saves.
+        self._finishing: set = set()
         self._load_errors: set = set()
 
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
@@ -120,8 +128,9 @@ class WorkerSide:
             self._pending.append((completion, cache))
 
     def wait_for_save(self, meta: DejaVuMetadata) -> None:
-        """Saves the step's token ids after its KV, waits until the sidecar and its successor
-        hold all of it, then drops the sequences released."""
+        """Queues the step's token ids after its KV; waits until the sidecar and its successor
+        hold the step before it, then drops the sequences that step released. The step's own saves
+        go on while the next one computes."""
         if self._store is None:
             return
         for job, _ in self._step_views(meta):
@@ -132,12 +141,30 @@ class WorkerSide:
                 log, token_region(job.start, job.end), self._worker, self._worker, job.sequence | TOKENS
             )
             self._pending.append((completion, log))
-        pending, self._pending = self._pending, []
         self._views, self._views_of = [], None
+        previous, self._previous = self._previous, (self._pending, meta.releases)
+        self._pending = []
+        self._acknowledge(*previous)
+
+    def wait_for_every_save(self) -> None:
+        """Waits for every save queued, before blocks they read are given to other requests."""
+        previous, self._previous = self._previous, ([], [])
+        self._acknowledge(*previous)
+        # The step under way queued none yet: preemptions come before its forward pass.
+
+    def finished(self, finished: set) -> set:
+        """Requests that finished before this step whose blocks may be freed: their last saves,
+        queued in the step before, are in (this step's ``wait_for_save`` waited for them)."""
+        done, self._finishing = self._finishing, set(finished)
+        return done
+
+    def _acknowledge(self, pending: List[Tuple[Completion, object]], releases: List[int]) -> None:
+        if self._store is None:
+            return
         try:
             for completion, _ in pending:
                 completion.wait(timeout=self._config.save_timeout)
-            for sequence in meta.releases:
+            for sequence in releases:
                 for microbatch in (sequence, sequence | TOKENS):
                     self._store.release(self._worker, microbatch, (0, 1))
         except (Error, TimeoutError) as e:
