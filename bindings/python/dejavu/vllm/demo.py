@@ -14,14 +14,18 @@ starts vLLM's CPU engine four times, each a separate ``python -m dejavu.vllm.run
    lost). The sidecar's command starts it again, and the controller restores it
    from its successor's copies;
 3. with the connector, on the restored sidecar: each request submitted again and served to its
-   end, one after the other; then the last prompt once more (prefix reuse: this engine keeps
-   finished requests);
+   end; then the last prompt once more (prefix reuse: this engine keeps finished requests);
 4. without the connector: the prompts served to the end (decode steps without saving), then
    run 3's requests, computed from their prompts, and the repeated prompt.
 
 It prints whether every request's tokens equal the failure-free run's, how many tokens each
 resumption loaded instead of computing, each one's time to first token against computing it, and
 the decode step's time with the connector saving against without.
+
+Requests are resubmitted together, as they ran before each failure: vLLM's CPU kernels are not
+batch-invariant, and a request decoding beside other requests than in the failure-free run can
+end up with other tokens whether its KV was loaded or computed again (with 16 layers of 1024,
+each of three requests did, at the same token either way, after tens of tokens).
 """
 
 from __future__ import annotations
@@ -247,15 +251,14 @@ def _run(w: Workload, dejavud: Optional[str], workdir: Path, say) -> Report:
         so_far = [before[i] + during[i] for i in range(n)]
         last = resubmitted(so_far)
         repeat = batch(["repeat"], [prompts[-1]], [w.kill_after])
-        third = Engine(workdir, "third", model, [[r] for r in last] + [repeat], cluster, keep_finished=True)
+        third = Engine(workdir, "third", model, [last, repeat], cluster, keep_finished=True)
         after = third.finish()
         after_node_loss = [Resumption(r["id"], len(r["prompt"]), third.loaded(r["id"]),
                                       third.first_token_seconds(r["id"])) for r in last]
         reuse = Resumption("repeat", len(prompts[-1]), third.loaded("repeat"), third.first_token_seconds("repeat"))
         say("run 3: resumed after the node loss, to the end; the last prompt once more")
 
-    baseline = Engine(workdir, "baseline", model, [batch(refs, prompts, [w.new_tokens] * n)]
-                      + [[r] for r in last] + [repeat])
+    baseline = Engine(workdir, "baseline", model, [batch(refs, prompts, [w.new_tokens] * n), last, repeat])
     recomputed = baseline.finish()
     for r in after_node_loss:
         r.recomputed_first_token_seconds = baseline.first_token_seconds(r.request)
