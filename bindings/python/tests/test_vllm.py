@@ -17,7 +17,7 @@ from test_dejavu import dejavud  # noqa: E402
 
 def test_in_flight_requests_survive_an_engine_crash_then_a_node_loss_with_identical_output(tmp_path):
     # Prompts within one block of 128 tokens and across two and three.
-    w = Workload(prompts=[40, 200, 300], new_tokens=128, kill_after=16)
+    w = Workload(prompts=[40, 200, 300], new_tokens=256, kill_after=16)
     report = run(w, dejavud(), tmp_path)
 
     # Every request's tokens, across the two failures, equal the failure-free run's.
@@ -25,11 +25,14 @@ def test_in_flight_requests_survive_an_engine_crash_then_a_node_loss_with_identi
     # Each resumption loaded every token's KV but the last from the sidecar (vLLM computes that one
     # for the next token's logits): after the crash from the engine's own sidecar, after the node
     # loss from the sidecar the controller restored from its successor's copies.
+    assert report.after_crash and report.after_node_loss
     for r in report.after_crash + report.after_node_loss:
         assert r.loaded == (0, r.prompt_tokens - 1), r
     # A repeated prompt loads its whole blocks from the finished request that had it.
     assert report.prefix_reuse.loaded == (0, 256)
-    # Computing the same requests from their prompts gives the same tokens too.
+    # An engine whose connector finds no sidecar says so and serves on, computing the same
+    # requests from their prompts, to the same tokens.
+    assert report.no_sidecar_logged
     assert report.recomputed_identical == [True, True, True]
     assert report.decode_step_seconds > 0 and report.decode_step_seconds_without > 0
 

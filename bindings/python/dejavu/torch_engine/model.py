@@ -40,6 +40,8 @@ class ModelShape:
     vocab: int = 512
     seed: int = 0
     dtype: str = "float32"
+    #: The standard deviation of the random weights (``transformers``' ``initializer_range``).
+    init_std: float = 0.02
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab"):
@@ -85,6 +87,7 @@ class ModelShape:
         parser.add_argument("--vocab", type=int, default=d.vocab)
         parser.add_argument("--dtype", default=d.dtype, help="float32, float16 or bfloat16")
         parser.add_argument("--seed", type=int, default=d.seed, help="the seed of the random weights")
+        parser.add_argument("--init-std", type=float, default=d.init_std, help="their standard deviation")
 
     @classmethod
     def from_arguments(cls, args) -> "ModelShape":
@@ -92,6 +95,7 @@ class ModelShape:
         return cls(
             layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
             intermediate=args.intermediate, vocab=args.vocab, seed=args.seed, dtype=args.dtype,
+            init_std=args.init_std,
         )
 
     def config(self):
@@ -107,6 +111,7 @@ class ModelShape:
             num_key_value_heads=self.kv_heads,
             max_position_embeddings=1 << 16,
             tie_word_embeddings=False,
+            initializer_range=self.init_std,
         )
 
     def build(self, device: str = "cpu", layers: Optional[range] = None) -> torch.nn.Module:

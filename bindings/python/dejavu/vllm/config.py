@@ -14,14 +14,16 @@ class ConnectorConfig:
     ``--local``). ``successor``: the ring successor's sidecar, "host:port" (its KV address), where
     the sidecar copies every saved token. ``keep_finished``: keep a finished request's KV in the
     sidecar, for later requests that share its prefix (by default it is dropped, so that the
-    sidecar holds in-flight requests only). ``save_timeout``: seconds a step waits for its saves
-    before the connector gives up on the sidecar and the engine goes on without it.
+    sidecar holds in-flight requests only). ``save_timeout`` and ``load_timeout``: seconds a step
+    waits for its saves, and for a request's load, before the connector gives up on the sidecar
+    and the engine goes on without it (a load not done is computed instead).
     """
 
     sidecar: str
     successor: str
     keep_finished: bool = False
     save_timeout: float = 30.0
+    load_timeout: float = 30.0
 
     @classmethod
     def from_extra(cls, extra: Dict[str, Any]) -> "ConnectorConfig":
@@ -33,7 +35,7 @@ class ConnectorConfig:
                 f"DejaVuConnector needs kv_connector_extra_config {missing}: the local socket of "
                 "the worker's dejavud sidecar and its ring successor's address"
             )
-        unknown = set(extra) - {"sidecar", "successor", "keep_finished", "save_timeout"}
+        unknown = set(extra) - {"sidecar", "successor", "keep_finished", "save_timeout", "load_timeout"}
         if unknown:
             raise ValueError(f"DejaVuConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
         return cls(
@@ -41,4 +43,5 @@ class ConnectorConfig:
             successor=str(extra["successor"]),
             keep_finished=bool(extra.get("keep_finished", False)),
             save_timeout=float(extra.get("save_timeout", 30.0)),
+            load_timeout=float(extra.get("load_timeout", 30.0)),
         )

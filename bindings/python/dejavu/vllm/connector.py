@@ -92,8 +92,10 @@ class DejaVuConnector(KVConnectorBase_V1):
         return self._scheduler.build(scheduler_output)
 
     def request_finished(self, request: "Request", block_ids: list) -> Tuple[bool, Optional[dict]]:
-        # True: its blocks are freed once the workers report its last saves in (get_finished).
-        return self._scheduler.finished(request), None
+        self._scheduler.finished(request)
+        # Its blocks are freed once the worker reports its last saves in (get_finished), which it
+        # does for every finished request, saved or not.
+        return True, None
 
     def _metadata(self) -> DejaVuMetadata:
         meta = self._get_connector_metadata()

@@ -15,8 +15,11 @@ starts vLLM's CPU engine four times, each a separate ``python -m dejavu.vllm.run
    from its successor's copies;
 3. with the connector, on the restored sidecar: each request submitted again and served to its
    end; then the last prompt once more (prefix reuse: this engine keeps finished requests);
-4. without the connector: the prompts served to the end (decode steps without saving), then
-   run 3's requests, computed from their prompts, and the repeated prompt.
+   then other prompts in batches that alternate between saving and not (``"dejavu_save": False``
+   in a request's ``kv_transfer_params``), for a decode step's cost with copies against without,
+   in one run;
+4. with the connector but no sidecar (it says so, and the engine serves on without copies): run
+   3's requests, computed from their prompts, and the repeated prompt.
 
 It prints whether every request's tokens equal the failure-free run's, how many tokens each
 resumption loaded instead of computing, each one's time to first token against computing it, and
@@ -41,9 +44,16 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..daemons import DaemonCluster
+from ..torch_engine.model import ModelShape
+
+
+#: The demo's model: small, so that four engine starts take a minute on two CPUs, with weights
+#: wide enough that greedy decoding does not repeat one token.
+SMALL = ModelShape(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=512, seed=7,
+                   dtype="bfloat16", init_std=0.2)
 
 
 @dataclass
@@ -53,55 +63,40 @@ class Workload:
     prompts: List[int] = field(default_factory=lambda: [40, 200, 300])
     new_tokens: int = 256
     kill_after: int = 16
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 64
-    vocab: int = 512
-    seed: int = 7
+    shape: ModelShape = SMALL
 
-    def prompt_ids(self) -> List[List[int]]:
+    def prompt_ids(self, salt: int = 0) -> List[List[int]]:
         import torch
 
-        generator = torch.Generator().manual_seed(self.seed + 4)
-        return [torch.randint(1, self.vocab, (n,), generator=generator).tolist() for n in self.prompts]
+        generator = torch.Generator().manual_seed(self.shape.seed + 4 + salt)
+        return [torch.randint(1, self.shape.vocab, (n,), generator=generator).tolist() for n in self.prompts]
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens a request holds: its prompt and all it generates."""
+        return max(self.prompts) + self.new_tokens
 
 
-def make_model(path: Path, w: Workload) -> str:
-    """A Llama of ``w``'s shape with seeded random weights, saved for vLLM (bf16)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(w.seed)
-    config = LlamaConfig(
-        vocab_size=w.vocab,
-        hidden_size=w.hidden,
-        intermediate_size=2 * w.hidden,
-        num_hidden_layers=w.layers,
-        num_attention_heads=w.heads,
-        num_key_value_heads=w.kv_heads,
-        head_dim=w.head_dim,
-        max_position_embeddings=max(w.prompts) + 2 * w.new_tokens + 64,
-        initializer_range=0.2,  # wide enough that greedy decoding does not repeat one token
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+def make_model(path: Path, shape: ModelShape) -> str:
+    """A Llama of ``shape`` with its seeded random weights, saved for vLLM."""
+    shape.build().save_pretrained(path)
     return str(path)
 
 
 class Engine:
     """One run of ``python -m dejavu.vllm.run`` in a session of its own (its processes die
-    together), serving ``batches`` one after the other."""
+    together), serving ``batches`` one after the other, with the connector to ``sidecar`` (its
+    local socket and its successor's address) or without it."""
 
-    def __init__(self, workdir: Path, name: str, model: str, batches: List[List[dict]],
-                 cluster: Optional[DaemonCluster] = None, keep_finished: bool = False):
+    def __init__(self, workdir: Path, name: str, model: str, max_tokens: int, batches: List[List[dict]],
+                 sidecar: Optional[Tuple[str, str]] = None, keep_finished: bool = False):
         self.workdir, self.name = workdir, name
         (workdir / f"{name}-requests.json").write_text(json.dumps(batches))
-        command = [sys.executable, "-m", "dejavu.vllm.run", "--model", model,
+        command = [sys.executable, "-m", "dejavu.vllm.run", "--model", model, "--max-model-len", str(max_tokens),
                    "--requests", str(workdir / f"{name}-requests.json"), "--out", str(self._out),
                    "--progress", str(self._progress)]
-        if cluster is not None:
-            command += ["--sidecar", str(cluster.socket(0)), "--successor", cluster.successor(0)]
+        if sidecar is not None:
+            command += ["--sidecar", sidecar[0], "--successor", sidecar[1]]
         if keep_finished:
             command.append("--keep-finished")
         self._log = open(workdir / f"{name}.log", "w")
@@ -136,10 +131,10 @@ class Engine:
         submitted = next(line["time"] for line in lines if request in line.get("submitted", ()))
         return next(line["time"] for line in lines if request in line.get("tokens", {})) - submitted
 
-    def decode_step_seconds(self, ids: List[str]) -> float:
-        """The median time between steps while every one of ``ids`` was decoding."""
+    def decode_steps(self, ids: List[str]) -> List[float]:
+        """The times between steps while every one of ``ids`` was decoding."""
         times = [line["time"] for line in self.lines() if all(i in line.get("tokens", {}) for i in ids)]
-        return statistics.median(b - a for a, b in zip(times, times[1:]))
+        return [b - a for a, b in zip(times, times[1:])]
 
     def loaded(self, request: str) -> Optional[tuple]:
         """The tokens the connector loaded for ``request`` (``(first, end)``), from its log."""
@@ -194,6 +189,7 @@ class Report:
 
     identical: List[bool]
     recomputed_identical: List[bool]
+    no_sidecar_logged: bool
     after_crash: List[Resumption]
     after_node_loss: List[Resumption]
     prefix_reuse: Resumption
@@ -213,33 +209,44 @@ def run(w: Workload, dejavud: Optional[str] = None, workdir: Optional[Path] = No
 
 
 def _run(w: Workload, dejavud: Optional[str], workdir: Path, say) -> Report:
-    model = make_model(workdir / "model", w)
+    model = make_model(workdir / "model", w.shape)
     prompts = w.prompt_ids()
     n = len(prompts)
     ids = [f"request{i}" for i in range(n)]
     refs = [f"reference{i}" for i in range(n)]
 
-    def batch(names, prompts_, max_tokens):
-        return [{"id": i, "prompt": p, "max_tokens": m} for i, p, m in zip(names, prompts_, max_tokens)]
+    def batch(names, prompts_, max_tokens, save=True):
+        return [{"id": i, "prompt": p, "max_tokens": m, "save": save} for i, p, m in zip(names, prompts_, max_tokens)]
 
     def resubmitted(so_far):
-        return batch(ids, [prompts[i] + so_far[i] for i in range(n)], [w.new_tokens - len(t) for t in so_far])
+        """The requests still running, as a router submits them again: each prompt and the tokens
+        it returned (a request whose last token came before the failure is done)."""
+        running = [i for i in range(n) if len(so_far[i]) < w.new_tokens]
+        if not running:
+            raise RuntimeError("every request was done before the failure: give them more --new-tokens")
+        return batch([ids[i] for i in running], [prompts[i] + so_far[i] for i in running],
+                     [w.new_tokens - len(so_far[i]) for i in running])
+
+    def returned(engine, requests, so_far):
+        """``so_far`` and the tokens ``engine`` returned of each of ``requests`` since."""
+        more = dict(zip((r["id"] for r in requests), engine.tokens([r["id"] for r in requests])))
+        return [so_far[i] + more.get(ids[i], []) for i in range(n)]
 
     (workdir / "daemons").mkdir(exist_ok=True)
     with DaemonCluster(2, dejavud, workdir / "daemons", region_bytes=256 << 20) as cluster:
+        ring = (str(cluster.socket(0)), cluster.successor(0))
         say(f"a controller and two sidecars up; vLLM's worker is stage 0's engine ({workdir})")
-        first = Engine(workdir, "first", model, [batch(refs, prompts, [w.new_tokens] * n),
-                                                 batch(ids, prompts, [w.new_tokens] * n)], cluster)
+        first = Engine(workdir, "first", model, w.max_tokens, [batch(refs, prompts, [w.new_tokens] * n),
+                                                 batch(ids, prompts, [w.new_tokens] * n)], ring)
         before = first.kill_when_every_request_has(ids, w.kill_after)
         reference = first.tokens(refs)
-        step_with = first.decode_step_seconds(refs)
         say(f"run 1: served {n} requests to the end; the same again, engine killed after "
             f"{[len(t) for t in before]} tokens")
         cluster.wait_for(lambda: cluster.fences() >= 1, "the engine fenced")
 
         again = resubmitted(before)
-        second = Engine(workdir, "second", model, [again], cluster)
-        during = second.kill_when_every_request_has(ids, w.kill_after)
+        second = Engine(workdir, "second", model, w.max_tokens, [again], ring)
+        during = second.kill_when_every_request_has([r["id"] for r in again], w.kill_after)
         after_crash = [Resumption(r["id"], len(r["prompt"]), second.loaded(r["id"]),
                                   second.first_token_seconds(r["id"])) for r in again]
         cluster.kill_sidecar(0)
@@ -248,32 +255,49 @@ def _run(w: Workload, dejavud: Optional[str], workdir: Path, say) -> Report:
         cluster.wait_for(lambda: cluster.restores() >= 1, "the sidecar restored from its successor")
         say("the controller fenced the node and restored its sidecar from its successor's copies")
 
-        so_far = [before[i] + during[i] for i in range(n)]
+        so_far = returned(second, again, before)
         last = resubmitted(so_far)
         repeat = batch(["repeat"], [prompts[-1]], [w.kill_after])
-        third = Engine(workdir, "third", model, [last, repeat], cluster, keep_finished=True)
+        # Then other prompts, in batches that alternate between saving and not (a request may opt
+        # out of copies), for the decode step's cost in one run.
+        others = w.prompt_ids(salt=1)
+        alternating = [
+            (save, batch([f"{save}-{k}-{i}" for i in range(n)], others, [w.new_tokens] * n, save=save))
+            for k in range(2)
+            for save in (True, False)
+        ]
+        batches = [last, repeat] + [b for _, b in alternating]
+        third = Engine(workdir, "third", model, w.max_tokens, batches, ring, keep_finished=True)
         after = third.finish()
         after_node_loss = [Resumption(r["id"], len(r["prompt"]), third.loaded(r["id"]),
                                       third.first_token_seconds(r["id"])) for r in last]
         reuse = Resumption("repeat", len(prompts[-1]), third.loaded("repeat"), third.first_token_seconds("repeat"))
-        say("run 3: resumed after the node loss, to the end; the last prompt once more")
+        steps = {True: [], False: []}
+        for save, b in alternating:
+            steps[save] += third.decode_steps([r["id"] for r in b])
+        say("run 3: resumed after the node loss, to the end; the last prompt once more; then decode "
+            "steps with copies and without, alternating")
 
-    baseline = Engine(workdir, "baseline", model, [batch(refs, prompts, [w.new_tokens] * n), last, repeat])
+    # Its connector finds no sidecar: the engine serves on without copies.
+    gone = (str(workdir / "no-sidecar.sock"), ring[1])
+    baseline = Engine(workdir, "baseline", model, w.max_tokens, [last, repeat], gone)
     recomputed = baseline.finish()
     for r in after_node_loss:
         r.recomputed_first_token_seconds = baseline.first_token_seconds(r.request)
     reuse.recomputed_first_token_seconds = baseline.first_token_seconds("repeat")
-    say("run 4: without the connector, the same requests computed from their prompts")
+    say("run 4: no sidecar for the connector; the same requests computed from their prompts")
 
-    final = [so_far[i] + after[ids[i]]["tokens"] for i in range(n)]
+    final = [so_far[i] + after.get(ids[i], {"tokens": []})["tokens"] for i in range(n)]
+    again_computed = [so_far[i] + recomputed.get(ids[i], {"tokens": []})["tokens"] for i in range(n)]
     return Report(
         identical=[final[i] == reference[i] for i in range(n)],
-        recomputed_identical=[so_far[i] + recomputed[ids[i]]["tokens"] == reference[i] for i in range(n)],
+        recomputed_identical=[again_computed[i] == reference[i] for i in range(n)],
+        no_sidecar_logged=baseline.log().count("DejaVu: no sidecar at") == 2,
         after_crash=after_crash,
         after_node_loss=after_node_loss,
         prefix_reuse=reuse,
-        decode_step_seconds=step_with,
-        decode_step_seconds_without=baseline.decode_step_seconds(refs),
+        decode_step_seconds=statistics.median(steps[True]),
+        decode_step_seconds_without=statistics.median(steps[False]),
     )
 
 
@@ -282,6 +306,7 @@ def print_report(w: Workload, report: Report) -> None:
     print(f"requests of {w.prompts} prompt tokens, {w.new_tokens} new tokens each (greedy)")
     print(f"output equal to the failure-free run's: {all(report.identical)} ({report.identical})")
     print(f"  and when recomputed from the prompts instead: {all(report.recomputed_identical)}")
+    print(f"without a sidecar, the connector said so and the engine served on: {report.no_sidecar_logged}")
     print()
     print("| resumed | prompt tokens | loaded | first token | computed instead |")
     print("| --- | --- | --- | --- | --- |")
@@ -296,8 +321,8 @@ def print_report(w: Workload, report: Report) -> None:
           f"{r.recomputed_first_token_seconds * 1000:.1f} ms |")
     print()
     with_, without = report.decode_step_seconds, report.decode_step_seconds_without
-    print(f"decode step of {len(w.prompts)} requests: {with_ * 1000:.2f} ms with the connector saving, "
-          f"{without * 1000:.2f} ms without ({(with_ / without - 1) * 100:+.1f}%)")
+    print(f"decode step of {len(w.prompts)} requests (median, alternating batches in one run): "
+          f"{with_ * 1000:.2f} ms with copies, {without * 1000:.2f} ms without ({(with_ / without - 1) * 100:+.1f}%)")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -305,8 +330,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--prompts", default="40,200,300", help="prompt lengths, comma-separated (default 40,200,300)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens each request generates (default 256)")
     parser.add_argument("--kill-after", type=int, default=16, help="tokens each request returns before a failure")
-    parser.add_argument("--layers", type=int, default=4, help="the model's layers (default 4)")
-    parser.add_argument("--hidden", type=int, default=256, help="its hidden size (default 256)")
+    ModelShape.add_arguments(parser, SMALL)
     parser.add_argument("--dejavud", help="the daemon binary (default: $DEJAVUD, then the PATH)")
     parser.add_argument("--workdir", help="keep the runs' logs here (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -314,8 +338,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         prompts=[int(p) for p in args.prompts.split(",")],
         new_tokens=args.new_tokens,
         kill_after=args.kill_after,
-        layers=args.layers,
-        hidden=args.hidden,
+        shape=ModelShape.from_arguments(args),
     )
     if w.kill_after * 2 >= w.new_tokens:
         parser.error("--new-tokens must exceed twice --kill-after: requests are still running at each failure")

@@ -5,12 +5,12 @@ without it), step by step: what the demo and the tests start, kill and start aga
         [--sidecar S0.sock --successor HOST:PORT] [--progress progress.jsonl]
 
 ``requests.json`` lists batches of requests, ``[[{"id", "prompt": [token ids], "max_tokens"},
-...], ...]``, each served to the end before the next is submitted. ``--progress`` gets a JSON line
-when a batch is submitted (``{"time", "submitted": [ids]}``) and after every engine step
-(``{"time", "tokens": {id: tokens so far}}``), times in seconds of ``time.monotonic()``. ``--out`` gets, once all
-are done, each request's ``tokens``, ``cached`` (tokens it did not compute: loaded from the
-sidecar, or found in vLLM's own prefix cache when that is on) and ``seconds`` (from submission to
-its last token).
+...], ...]`` (``"save": false`` in a request: the connector keeps no copy of it), each served to
+the end before the next is submitted. ``--progress`` gets a JSON line when a batch is submitted
+(``{"time", "submitted": [ids]}``) and after every engine step (``{"time", "tokens": {id: tokens
+so far}}``), times in seconds of ``time.monotonic()``. ``--out`` gets, once all are done, each
+request's ``tokens``, ``cached`` (tokens it did not compute: loaded from the sidecar, or found in
+vLLM's own prefix cache when that is on) and ``seconds`` (from submission to its last token).
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ import time
 from typing import Dict, List, Optional
 
 
-def engine(model: str, sidecar: Optional[str], successor: Optional[str], keep_finished: bool, prefix_caching: bool):
+def engine(
+    model: str,
+    sidecar: Optional[str],
+    successor: Optional[str],
+    keep_finished: bool,
+    prefix_caching: bool,
+    max_model_len: Optional[int] = None,
+):
     """A vLLM engine of ``model`` (token ids in and out, no tokenizer), with the connector when
     ``sidecar`` is given."""
     from vllm import LLM
@@ -44,6 +51,7 @@ def engine(model: str, sidecar: Optional[str], successor: Optional[str], keep_fi
         enforce_eager=True,
         enable_prefix_caching=prefix_caching,
         kv_transfer_config=transfer,
+        max_model_len=max_model_len,
     )
 
 
@@ -55,7 +63,13 @@ def serve(llm, requests: List[dict], progress=None) -> Dict[str, dict]:
     core = llm.llm_engine
     submitted: Dict[str, float] = {}
     for request in requests:
-        params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True, detokenize=False)
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=request["max_tokens"],
+            ignore_eos=True,
+            detokenize=False,
+            extra_args={"kv_transfer_params": {"dejavu_save": request.get("save", True)}},
+        )
         core.add_request(request["id"], TokensPrompt(prompt_token_ids=request["prompt"]), params)
         submitted[request["id"]] = time.monotonic()
     if progress is not None:
@@ -89,13 +103,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--progress", help="a JSON line per engine step: the tokens of each request so far")
     parser.add_argument("--keep-finished", action="store_true", help="keep finished requests' KV for prefix reuse")
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache on")
+    parser.add_argument("--max-model-len", type=int, help="the longest request (default: the model's)")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="GiB of memory for vLLM's KV blocks (default 1)")
     args = parser.parse_args(argv)
     # vLLM's CPU backend reads it at start; without it, it reserves most of the machine's memory.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_gib:g}")
     with open(args.requests) as f:
         batches = json.load(f)
-    llm = engine(args.model, args.sidecar, args.successor, args.keep_finished, args.prefix_caching)
+    llm = engine(args.model, args.sidecar, args.successor, args.keep_finished, args.prefix_caching, args.max_model_len)
     progress = open(args.progress, "a") if args.progress else None
     done: Dict[str, dict] = {}
     try:

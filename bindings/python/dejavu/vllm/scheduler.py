@@ -30,9 +30,11 @@ logger = init_logger(f"vllm.{__name__}")
 
 @dataclass
 class Plan:
-    """A request's sidecar sequence, how far it is saved, and the load it was granted."""
+    """A request's sidecar sequence, whether and how far it is saved, and the load it was
+    granted."""
 
     sequence: int
+    save: bool = True
     saved: int = 0
     blocks: Optional[List[int]] = None
     load: Optional[Match] = None
@@ -62,6 +64,7 @@ class SchedulerSide:
         short of its last token (vLLM computes that one for the next token's logits)."""
         self._requests[request.request_id] = request
         plan = self._plan(request.request_id)
+        plan.save = wants_copies(request)
         plan.load = None
         if self._index is None:
             return 0
@@ -110,15 +113,13 @@ class SchedulerSide:
             self._save(meta, req_id, plan, cached.num_computed_tokens[i] + output.num_scheduled_tokens[req_id])
         return meta
 
-    def finished(self, request: "Request") -> bool:
-        """The request is done: its sequence goes, unless finished requests are kept. Whether its
-        blocks wait for its last saves (the workers report when they may be freed)."""
+    def finished(self, request: "Request") -> None:
+        """The request is done: its sequence goes, unless finished requests are kept."""
         plan = self._plans.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
         if plan is not None and not self._config.keep_finished:
             self._releases.append(plan.sequence)
             self._released.add(plan.sequence)
-        return plan is not None and self._index is not None
 
     def _plan(self, req_id: str) -> Plan:
         plan = self._plans.get(req_id)
@@ -145,7 +146,7 @@ class SchedulerSide:
 
     def _save(self, meta: DejaVuMetadata, req_id: str, plan: Plan, end: int) -> None:
         start = plan.saved
-        if end <= start:
+        if end <= start or not plan.save:
             return
         ids = list(self._requests[req_id].all_token_ids[start:end])
         bs = self._block_size
@@ -155,3 +156,11 @@ class SchedulerSide:
             meta.saves.append(SaveJob(plan.sequence, piece, stop, ids[piece - start : stop - start], plan.blocks))
             piece = stop
         plan.saved = end
+
+
+def wants_copies(request: "Request") -> bool:
+    """Whether the request's KV is to be kept: unless it says otherwise, in its
+    ``kv_transfer_params`` (``SamplingParams(extra_args={"kv_transfer_params": {"dejavu_save":
+    False}})``), for a request not worth protecting."""
+    params = request.kv_transfer_params or {}
+    return bool(params.get("dejavu_save", True))

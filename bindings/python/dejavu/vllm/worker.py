@@ -1,6 +1,6 @@
 """The connector's worker side: vLLM's paged KV tensors used in place, each step's loads fetched
-into a request's blocks before the forward pass, and its saves streamed to the sidecar layer by
-layer while the later layers compute.
+into a request's blocks before the forward pass, and its saves streamed to the sidecar by the
+library's ``Streamer``, a prompt's layer by layer while the later layers compute.
 
 What is acknowledged when: a step's saves go on while the next step computes, and that next
 step's ``wait_for_save`` returns once the sidecar keeps every token of the step before it and the
@@ -13,6 +13,8 @@ freed once its last save is acknowledged (``request_finished`` delays their free
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -21,7 +23,7 @@ from vllm.logger import init_logger
 
 from .._dejavu import Completion, Error, KvCache, KvLayout, KvRegion, KvSpec, Store, Streamer, fetch
 from .config import ConnectorConfig
-from .plan import DejaVuMetadata, SaveJob
+from .plan import DejaVuMetadata, LoadJob, SaveJob
 from .sequences import TOKENS, token_log, token_region
 
 # Under vLLM's own logger, so that its messages show as vLLM's do.
@@ -54,6 +56,8 @@ class WorkerSide:
         # Finished requests whose blocks wait for their last saves.
         self._finishing: set = set()
         self._load_errors: set = set()
+        # Loads run here, so that a step waits for one at most ``load_timeout``.
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dejavu-load")
 
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         """Wraps vLLM's per-layer KV tensors (its CPU backend's ``[num_blocks][H][block_size][2 * D]``:
@@ -93,20 +97,33 @@ class WorkerSide:
 
     def start_load(self, meta: DejaVuMetadata) -> None:
         """Fetches each load of the step into its request's blocks, before the forward pass reads
-        them; a load that fails has its blocks reported, for vLLM to compute them instead."""
+        them; a load that fails, or takes longer than ``load_timeout``, has its blocks reported,
+        for vLLM to compute them instead (a sidecar that timed out is given up)."""
         for job in meta.loads:
             if self._store is None:
                 self._fail_load(job.blocks, job.first, job.tokens)
                 continue
             cache = self._view(job.blocks)
+            fetching = self._loader.submit(self._fetch, cache, job)
             try:
-                for layers, tokens in job.chunks:
-                    fetch(self._store, cache, self._region(layers, tokens), self._worker, self._worker, job.sequence)
+                fetching.result(timeout=self._config.load_timeout)
+            except FutureTimeout:
+                logger.error(
+                    "DejaVu: loading request %s took over %.0f s: vLLM computes it, and the engine serves "
+                    "on without copies", job.request, self._config.load_timeout,
+                )
+                self._store = None
+                self._fail_load(job.blocks, job.first, job.tokens)
+                continue
             except Error as e:
                 logger.error("DejaVu: loading request %s failed (%s): vLLM computes it", job.request, e)
                 self._fail_load(job.blocks, job.first, job.tokens)
                 continue
             logger.info("DejaVu: request %s loaded tokens %d..%d from the sidecar", job.request, job.first, job.tokens)
+
+    def _fetch(self, cache: KvCache, job: LoadJob) -> None:
+        for layers, tokens in job.chunks:
+            fetch(self._store, cache, self._region(layers, tokens), self._worker, self._worker, job.sequence)
 
     def save_layer(self, name: str, meta: DejaVuMetadata) -> None:
         """vLLM wrote layer ``name`` of this step: queue its new tokens for the sidecar. A prompt's
@@ -181,6 +198,7 @@ class WorkerSide:
         if self._streamer is not None:
             self._streamer.shutdown()
             self._streamer = None
+        self._loader.shutdown(wait=False)
 
     def _step_views(self, meta: DejaVuMetadata) -> List[Tuple[SaveJob, KvCache]]:
         """The step's saves with their views, made at the step's first use."""
