@@ -54,3 +54,44 @@ def test_a_match_keeps_only_whole_chunks_that_run_from_token_zero_in_every_layer
     assert whole_chunks(prompt + steps, 39) == ([], 0)
     # A layer whose prompt chunk is missing holds nothing, so no token is held in every layer.
     assert whole_chunks(prompt[1:] + [chunk((0, 1), (10, 40))] + steps, 100)[1] == 0
+
+
+def test_the_worker_side_saves_to_its_sidecar_loads_elsewhere_and_reports_a_failed_load(tmp_path):
+    import torch
+
+    from dejavu.vllm.config import ConnectorConfig
+    from dejavu.vllm.plan import DejaVuMetadata, LoadJob, SaveJob
+    from dejavu.vllm.worker import WorkerSide
+    from test_dejavu import running_sidecar
+
+    with running_sidecar(tmp_path, index=0) as (socket, successor):
+        worker = WorkerSide(ConnectorConfig(sidecar=str(socket), successor=successor.address), block_size=32)
+        # vLLM's CPU layout: [num_blocks][kv_heads][block_size][2 * head_dim], two layers.
+        names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+        kv = {name: torch.randn(8, 2, 32, 128).to(torch.bfloat16) for name in names}
+        worker.register(kv)
+
+        # A step writes tokens 0..40 of a request in blocks 3 and 6: saved layer by layer, then
+        # acknowledged at the end of the next step.
+        step = DejaVuMetadata(saves=[SaveJob(sequence=5, start=0, end=40, ids=list(range(40)), blocks=[3, 6])])
+        for name in names:
+            worker.save_layer(name, step)
+        worker.wait_for_save(step)
+        worker.wait_for_save(DejaVuMetadata())
+        assert successor.chunks == 3  # two layers' KV and the token ids, copied on
+
+        # Loaded into other blocks (noise until then), as a new engine's request would: the same
+        # bytes.
+        chunks = [((0, 1), (0, 40)), ((1, 2), (0, 40))]
+        region = worker._region((0, 2), (0, 39))
+        assert bytes(worker._view([1, 2]).gather(region)) != bytes(worker._view([3, 6]).gather(region))
+        worker.start_load(DejaVuMetadata(loads=[LoadJob("again", 5, 0, 39, chunks, [1, 2])]))
+        assert worker.load_errors() == set()
+        # Compared through the library's view of both places, in the order vLLM's kernels keep K.
+        assert bytes(worker._view([1, 2]).gather(region)) == bytes(worker._view([3, 6]).gather(region))
+
+        # A load of KV the sidecar does not hold reports the blocks it was to fill.
+        missing = LoadJob("other", 77, 0, 39, chunks, [4, 7])
+        worker.start_load(DejaVuMetadata(loads=[missing]))
+        assert worker.load_errors() == {4, 7}
+        worker.shutdown()
