@@ -95,3 +95,14 @@ def test_the_worker_side_saves_to_its_sidecar_loads_elsewhere_and_reports_a_fail
         worker.start_load(DejaVuMetadata(loads=[missing]))
         assert worker.load_errors() == {4, 7}
         worker.shutdown()
+
+
+def test_the_latest_finished_requests_are_kept_and_the_oldest_goes():
+    from dejavu.vllm.sequences import Kept
+
+    kept = Kept(2)
+    assert kept.add(10) == [] and kept.add(11) == []
+    assert kept.add(12) == [10]
+    assert 10 not in kept and 11 in kept and 12 in kept
+    # None kept: a finished request's sequence goes at once.
+    assert Kept(0).add(7) == [7]

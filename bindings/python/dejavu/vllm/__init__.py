@@ -6,8 +6,8 @@ computed it ends. When the engine dies mid-decode, a new engine is started on th
 whoever routes requests submits each unfinished one again: its prompt followed by the tokens it
 had generated. The connector finds the request's KV by its token ids (an exact match, held beside
 the KV in the sidecar), vLLM loads it instead of computing it, and greedy decoding goes on to the
-same tokens as without the crash. A later request sharing a prefix with a running one (or with a
-finished one, with ``keep_finished``) loads that prefix too.
+same tokens as without the crash. A later request sharing a prefix with a running one (or with one of
+the latest ``keep_finished`` finished ones) loads that prefix too.
 
 Configure vLLM with::
 

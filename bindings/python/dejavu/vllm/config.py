@@ -12,16 +12,16 @@ class ConnectorConfig:
 
     ``sidecar``: the local socket of the ``dejavud sidecar`` beside this vLLM worker (its
     ``--local``). ``successor``: the ring successor's sidecar, "host:port" (its KV address), where
-    the sidecar copies every saved token. ``keep_finished``: keep a finished request's KV in the
-    sidecar, for later requests that share its prefix (by default it is dropped, so that the
-    sidecar holds in-flight requests only). ``save_timeout`` and ``load_timeout``: seconds a step
+    the sidecar copies every saved token. ``keep_finished``: how many finished requests' KV the
+    sidecar keeps, the latest, for later requests that share a prefix with them (by default none:
+    the sidecar holds in-flight requests only). ``save_timeout`` and ``load_timeout``: seconds a step
     waits for its saves, and for a request's load, before the connector gives up on the sidecar
     and the engine goes on without it (a load not done is computed instead).
     """
 
     sidecar: str
     successor: str
-    keep_finished: bool = False
+    keep_finished: int = 0
     save_timeout: float = 30.0
     load_timeout: float = 30.0
 
@@ -41,7 +41,7 @@ class ConnectorConfig:
         return cls(
             sidecar=str(extra["sidecar"]),
             successor=str(extra["successor"]),
-            keep_finished=bool(extra.get("keep_finished", False)),
+            keep_finished=int(extra.get("keep_finished", 0)),
             save_timeout=float(extra.get("save_timeout", 30.0)),
             load_timeout=float(extra.get("load_timeout", 30.0)),
         )

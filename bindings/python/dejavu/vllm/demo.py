@@ -89,7 +89,7 @@ class Engine:
     local socket and its successor's address) or without it."""
 
     def __init__(self, workdir: Path, name: str, model: str, max_tokens: int, batches: List[List[dict]],
-                 sidecar: Optional[Tuple[str, str]] = None, keep_finished: bool = False):
+                 sidecar: Optional[Tuple[str, str]] = None, keep_finished: int = 0):
         self.workdir, self.name = workdir, name
         (workdir / f"{name}-requests.json").write_text(json.dumps(batches))
         command = [sys.executable, "-m", "dejavu.vllm.run", "--model", model, "--max-model-len", str(max_tokens),
@@ -97,8 +97,7 @@ class Engine:
                    "--progress", str(self._progress)]
         if sidecar is not None:
             command += ["--sidecar", sidecar[0], "--successor", sidecar[1]]
-        if keep_finished:
-            command.append("--keep-finished")
+        command += ["--keep-finished", str(keep_finished)]
         self._log = open(workdir / f"{name}.log", "w")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -267,7 +266,7 @@ def _run(w: Workload, dejavud: Optional[str], workdir: Path, say) -> Report:
             for save in (True, False)
         ]
         batches = [last, repeat] + [b for _, b in alternating]
-        third = Engine(workdir, "third", model, w.max_tokens, batches, ring, keep_finished=True)
+        third = Engine(workdir, "third", model, w.max_tokens, batches, ring, keep_finished=16)
         after = third.finish()
         after_node_loss = [Resumption(r["id"], len(r["prompt"]), third.loaded(r["id"]),
                                       third.first_token_seconds(r["id"])) for r in last]

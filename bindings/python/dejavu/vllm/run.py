@@ -26,7 +26,7 @@ def engine(
     model: str,
     sidecar: Optional[str],
     successor: Optional[str],
-    keep_finished: bool,
+    keep_finished: int,
     prefix_caching: bool,
     max_model_len: Optional[int] = None,
 ):
@@ -101,7 +101,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--sidecar", help="the local socket of this worker's dejavud sidecar (no connector without)")
     parser.add_argument("--successor", help="the ring successor's sidecar, host:port")
     parser.add_argument("--progress", help="a JSON line per engine step: the tokens of each request so far")
-    parser.add_argument("--keep-finished", action="store_true", help="keep finished requests' KV for prefix reuse")
+    parser.add_argument("--keep-finished", type=int, default=0, help="finished requests' KV kept for prefix reuse, the latest N")
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache on")
     parser.add_argument("--max-model-len", type=int, help="the longest request (default: the model's)")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="GiB of memory for vLLM's KV blocks (default 1)")

@@ -18,7 +18,7 @@ from vllm.logger import init_logger
 from .._dejavu import Error, Store
 from .config import ConnectorConfig
 from .plan import DejaVuMetadata, LoadJob, SaveJob
-from .sequences import Match, SequenceIndex, fresh_id
+from .sequences import Kept, Match, SequenceIndex, fresh_id
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -52,6 +52,7 @@ class SchedulerSide:
         self._releases: List[int] = []
         # Released in the step being planned: no longer matched, though still listed.
         self._released: Set[int] = set()
+        self._kept = Kept(config.keep_finished)
         self._index: Optional[SequenceIndex] = None
         try:
             self._index = SequenceIndex(Store.sidecar_reader(config.sidecar))
@@ -114,12 +115,17 @@ class SchedulerSide:
         return meta
 
     def finished(self, request: "Request") -> None:
-        """The request is done: its sequence goes, unless finished requests are kept."""
+        """The request is done: its sequence goes, unless it is among the latest
+        ``keep_finished`` (the oldest kept one goes instead)."""
         plan = self._plans.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
-        if plan is not None and not self._config.keep_finished:
-            self._releases.append(plan.sequence)
-            self._released.add(plan.sequence)
+        if plan is not None:
+            self._release(self._kept.add(plan.sequence))
+
+    def _release(self, sequences: List[int]) -> None:
+        """Has the workers drop ``sequences`` in the next step; they are not matched meanwhile."""
+        self._releases += sequences
+        self._released.update(sequences)
 
     def _plan(self, req_id: str) -> Plan:
         plan = self._plans.get(req_id)
@@ -138,7 +144,7 @@ class SchedulerSide:
         chunks = [(tuple(c.layers), tuple(c.tokens)) for c in match.chunks if c.tokens[0] >= plan.first]
         meta.loads.append(LoadJob(req_id, match.sequence, plan.first, match.tokens, chunks, list(plan.blocks)))
         owned = {p.sequence for p in self._plans.values()}
-        if not self._config.keep_finished and match.sequence not in owned:
+        if match.sequence not in owned and match.sequence not in self._kept:
             # Left by an engine that died: this request's own sequence holds the prefix once its
             # first save is in, after which the worker drops the old one.
             meta.releases.append(match.sequence)

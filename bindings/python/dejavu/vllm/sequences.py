@@ -12,6 +12,7 @@ exact, on the ids themselves, not on a hash. Nothing here needs vLLM.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -155,3 +156,25 @@ def whole_chunks(chunks: Sequence[KvRegion], limit: int) -> Tuple[List[KvRegion]
         return [], 0
     end = min(reached.values())
     return [r for r in kept if r.tokens[0] < end], end
+
+
+class Kept:
+    """The finished requests' sequences kept for prefix reuse, at most ``limit``, the latest."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._order: "OrderedDict[int, None]" = OrderedDict()
+
+    def __contains__(self, sequence: int) -> bool:
+        return sequence in self._order
+
+    def add(self, sequence: int) -> List[int]:
+        """Keeps ``sequence``; returns those to drop: itself when none are kept, else the oldest
+        beyond the limit."""
+        if self.limit <= 0:
+            return [sequence]
+        self._order[sequence] = None
+        dropped = []
+        while len(self._order) > self.limit:
+            dropped.append(self._order.popitem(last=False)[0])
+        return dropped
