@@ -89,6 +89,26 @@ fn on_a_free_port(launch: impl Fn(u16) -> Daemon) -> (Daemon, u16) {
 }
 
 /// A port free now on loopback (the sidecars listen on fixed ports, as in a deployment).
+/// A controller of a 2-stage ring with its state in `dir`, on ports the kernel chose: the process,
+/// its metrics address and its listening address.
+fn ring_controller(dir: &Path) -> (Daemon, SocketAddr, SocketAddr) {
+    let state = dir.join("controller.state");
+    let mut controller = start(&[
+        "controller",
+        "--listen",
+        "127.0.0.1:0",
+        "--state",
+        state.to_str().unwrap(),
+        "--metrics",
+        "127.0.0.1:0",
+        "--stages",
+        "2",
+    ]);
+    let metrics = controller.next("metrics ");
+    let addr = controller.next("listening ");
+    (controller, metrics, addr)
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -173,20 +193,7 @@ struct Ring {
 
 impl Ring {
     fn start(dir: &Path) -> Self {
-        let state = dir.join("controller.state");
-        let mut controller = start(&[
-            "controller",
-            "--listen",
-            "127.0.0.1:0",
-            "--state",
-            state.to_str().unwrap(),
-            "--metrics",
-            "127.0.0.1:0",
-            "--stages",
-            "2",
-        ]);
-        let metrics = controller.next("metrics ");
-        let addr = controller.next("listening ");
+        let (controller, metrics, addr) = ring_controller(dir);
         let locals = [dir.join("s0.sock"), dir.join("s1.sock")];
         let (workers, ports): (Vec<Daemon>, Vec<u16>) =
             (0..2).map(|k| first_sidecar(k as u32, addr, &locals[k])).unzip();
@@ -543,20 +550,7 @@ fn a_thousand_members_beating_in_step_are_all_heard() {
 #[test]
 fn a_sidecar_whose_port_is_taken_fails_before_it_joins() {
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("controller.state");
-    let mut controller = start(&[
-        "controller",
-        "--listen",
-        "127.0.0.1:0",
-        "--state",
-        state.to_str().unwrap(),
-        "--metrics",
-        "127.0.0.1:0",
-        "--stages",
-        "2",
-    ]);
-    let metrics = controller.next("metrics ");
-    let addr = controller.next("listening ");
+    let (_controller, metrics, addr) = ring_controller(dir.path());
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
     let err = launch_sidecar(0, port, addr, &dir.path().join("s0.sock")).try_next("listening ").unwrap_err();

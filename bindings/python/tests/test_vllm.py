@@ -74,8 +74,9 @@ def test_the_worker_side_saves_to_its_sidecar_loads_elsewhere_and_reports_a_fail
         # A step writes tokens 0..40 of a request in blocks 3 and 6: saved layer by layer, then
         # acknowledged at the end of the next step.
         step = DejaVuMetadata(saves=[SaveJob(sequence=5, start=0, end=40, ids=list(range(40)), blocks=[3, 6])])
+        worker.bind(step)
         for name in names:
-            worker.save_layer(name, step)
+            worker.save_layer(name)
         worker.wait_for_save(step)
         worker.wait_for_save(DejaVuMetadata())
         assert successor.chunks == 3  # two layers' KV and the token ids, copied on

@@ -47,6 +47,11 @@ class DejaVuConnector(KVConnectorBase_V1):
 
     # Worker side.
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind(self._metadata())
+
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 
@@ -60,7 +65,7 @@ class DejaVuConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        self._worker.save_layer(layer_name, self._metadata())
+        self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():

@@ -54,6 +54,9 @@ class SchedulerSide:
         self._released: Set[int] = set()
         self._kept = Kept(config.keep_finished)
         self._index: Optional[SequenceIndex] = None
+        # Whether the index was listed since the last step was planned: what the sidecar keeps
+        # changes only as steps run, so one listing serves every request scheduled in between.
+        self._listed = False
         try:
             self._index = SequenceIndex(Store.sidecar_reader(config.sidecar))
         except Error as e:
@@ -70,7 +73,9 @@ class SchedulerSide:
         if self._index is None:
             return 0
         try:
-            self._index.refresh()
+            if not self._listed:
+                self._index.refresh()
+                self._listed = True
         except Error as e:
             logger.error("DejaVu: the sidecar cannot be read (%s): request %s computes its prompt", e, request.request_id)
             return 0
@@ -95,6 +100,7 @@ class SchedulerSide:
         meta = DejaVuMetadata(releases=self._releases, preempted=bool(output.preempted_req_ids))
         self._releases = []
         self._released = set(meta.releases)
+        self._listed = False
         for new in output.scheduled_new_reqs:
             plan = self._plan(new.req_id)
             plan.blocks = list(new.block_ids[0])

@@ -46,9 +46,8 @@ class WorkerSide:
         self._store: Optional[Store] = None
         self._streamer: Optional[Streamer] = None
         self._worker = (0, 0)
-        # The step's saves, each with a view of its request's blocks, and the metadata they are of.
+        # The step's saves, each with a view of its request's blocks.
         self._views: List[Tuple[SaveJob, KvCache]] = []
-        self._views_of: Optional[DejaVuMetadata] = None
         # Completions of the step's saves, with what they read (kept alive until waited for), and
         # the sequences to release once they are in.
         self._pending: List[Tuple[Completion, object]] = []
@@ -125,7 +124,11 @@ class WorkerSide:
         for layers, tokens in job.chunks:
             fetch(self._store, cache, self._region(layers, tokens), self._worker, self._worker, job.sequence)
 
-    def save_layer(self, name: str, meta: DejaVuMetadata) -> None:
+    def bind(self, meta: DejaVuMetadata) -> None:
+        """A step begins: views of the blocks its saves read."""
+        self._views = [(job, self._view(job.blocks)) for job in meta.saves] if self._store else []
+
+    def save_layer(self, name: str) -> None:
         """vLLM wrote layer ``name`` of this step: queue its new tokens for the sidecar. A prompt's
         tokens go layer by layer, each layer's copy overlapping the next layer's compute; a decode
         step's one token goes once its last layer is written, every layer in one chunk (a chunk
@@ -133,7 +136,7 @@ class WorkerSide:
         if self._store is None or name not in self._layers:
             return
         layer, last = self._layers[name], len(self._layers) - 1
-        for job, cache in self._step_views(meta):
+        for job, cache in self._views:
             if job.end - job.start > 1:
                 layers = (layer, layer + 1)
             elif layer == last:
@@ -150,7 +153,7 @@ class WorkerSide:
         go on while the next one computes."""
         if self._store is None:
             return
-        for job, _ in self._step_views(meta):
+        for job, _ in self._views:
             ids = np.zeros(job.end, dtype=np.int32)
             ids[job.start :] = job.ids
             log = token_log(ids)
@@ -158,7 +161,7 @@ class WorkerSide:
                 log, token_region(job.start, job.end), self._worker, self._worker, job.sequence | TOKENS
             )
             self._pending.append((completion, log))
-        self._views, self._views_of = [], None
+        self._views = []
         previous, self._previous = self._previous, (self._pending, meta.releases)
         self._pending = []
         self._acknowledge(*previous)
@@ -199,13 +202,6 @@ class WorkerSide:
             self._streamer.shutdown()
             self._streamer = None
         self._loader.shutdown(wait=False)
-
-    def _step_views(self, meta: DejaVuMetadata) -> List[Tuple[SaveJob, KvCache]]:
-        """The step's saves with their views, made at the step's first use."""
-        if self._views_of is not meta:
-            self._views = [(job, self._view(job.blocks)) for job in meta.saves]
-            self._views_of = meta
-        return self._views
 
     def _view(self, blocks: List[int]) -> KvCache:
         """vLLM's KV tensors, used in place, as one sequence whose blocks are ``blocks``."""
