@@ -9,7 +9,6 @@ joining it again; the controller is killed and started again on its state. Every
 equal a failure-free run's.
 """
 
-import os
 import signal
 import socket as sockets
 import subprocess

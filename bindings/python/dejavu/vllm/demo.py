@@ -8,7 +8,8 @@ and two sidecars (vLLM's worker is stage 0's engine; stage 1's sidecar keeps the
 starts vLLM's CPU engine four times, each a separate ``python -m dejavu.vllm.run``:
 
 1. with the connector: the prompts served to the end (the failure-free run), then the same
-   prompts again, the engine killed once every request has returned ``--kill-after`` tokens;
+   prompts again, the engine crashing (it kills its own processes) once every request has
+   returned ``--kill-after`` tokens;
 2. with the connector, on the same sidecar: each request submitted again as a router would (its
    prompt and the tokens it returned); killed in flight together with its sidecar (the node
    lost). The sidecar's command starts it again, and the controller restores it
@@ -41,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -86,10 +86,12 @@ def make_model(path: Path, shape: ModelShape) -> str:
 class Engine:
     """One run of ``python -m dejavu.vllm.run`` in a session of its own (its processes die
     together), serving ``batches`` one after the other, with the connector to ``sidecar`` (its
-    local socket and its successor's address) or without it."""
+    local socket and its successor's address) or without it. With ``crash_after``, it crashes
+    once every request of the last batch has returned that many tokens."""
 
     def __init__(self, workdir: Path, name: str, model: str, max_tokens: int, batches: List[List[dict]],
-                 sidecar: Optional[Tuple[str, str]] = None, keep_finished: int = 0):
+                 sidecar: Optional[Tuple[str, str]] = None, keep_finished: int = 0,
+                 crash_after: Optional[int] = None):
         self.workdir, self.name = workdir, name
         (workdir / f"{name}-requests.json").write_text(json.dumps(batches))
         command = [sys.executable, "-m", "dejavu.vllm.run", "--model", model, "--max-model-len", str(max_tokens),
@@ -98,6 +100,8 @@ class Engine:
         if sidecar is not None:
             command += ["--sidecar", sidecar[0], "--successor", sidecar[1]]
         command += ["--keep-finished", str(keep_finished)]
+        if crash_after is not None:
+            command += ["--crash-after", str(crash_after)]
         self._log = open(workdir / f"{name}.log", "w")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -143,20 +147,17 @@ class Engine:
                 return int(first), int(end)
         return None
 
-    def kill_when_every_request_has(self, ids: List[str], tokens: int, timeout: float = 600) -> List[List[int]]:
-        """Kills the run once each of ``ids`` has returned ``tokens`` tokens: its processes stop
-        where they are (mid-step, maybe), then die, and tokens computed after the router last
-        heard from it die with them. Returns the tokens each request returned."""
-        deadline = time.monotonic() + timeout
-        while min(len(t) for t in self.tokens(ids)) < tokens:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited early:\n{self.log()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} never returned {tokens} tokens of each request")
-            time.sleep(0.05)
-        os.killpg(self.process.pid, signal.SIGSTOP)
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
+    def crashed(self, ids: List[str], timeout: float = 600) -> List[List[int]]:
+        """Waits for the run to crash where ``crash_after`` told it to: its processes stop where
+        they are (vLLM's engine core mid-step, maybe), and tokens computed after the router last
+        heard from it die with them. Returns the tokens each of ``ids`` returned."""
+        try:
+            status = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            raise TimeoutError(f"{self.name} never crashed:\n{self.log()[-4000:]}")
+        if status != -signal.SIGKILL:
+            raise RuntimeError(f"{self.name} ended ({status}) instead of crashing:\n{self.log()[-4000:]}")
         return self.tokens(ids)
 
     def finish(self, timeout: float = 1200) -> Dict[str, dict]:
@@ -236,16 +237,17 @@ def _run(w: Workload, dejavud: Optional[str], workdir: Path, say) -> Report:
         ring = (str(cluster.socket(0)), cluster.successor(0))
         say(f"a controller and two sidecars up; vLLM's worker is stage 0's engine ({workdir})")
         first = Engine(workdir, "first", model, w.max_tokens, [batch(refs, prompts, [w.new_tokens] * n),
-                                                 batch(ids, prompts, [w.new_tokens] * n)], ring)
-        before = first.kill_when_every_request_has(ids, w.kill_after)
+                                                 batch(ids, prompts, [w.new_tokens] * n)], ring,
+                       crash_after=w.kill_after)
+        before = first.crashed(ids)
         reference = first.tokens(refs)
         say(f"run 1: served {n} requests to the end; the same again, engine killed after "
             f"{[len(t) for t in before]} tokens")
         cluster.wait_for(lambda: cluster.fences() >= 1, "the engine fenced")
 
         again = resubmitted(before)
-        second = Engine(workdir, "second", model, w.max_tokens, [again], ring)
-        during = second.kill_when_every_request_has([r["id"] for r in again], w.kill_after)
+        second = Engine(workdir, "second", model, w.max_tokens, [again], ring, crash_after=w.kill_after)
+        during = second.crashed([r["id"] for r in again])
         after_crash = [Resumption(r["id"], len(r["prompt"]), second.loaded(r["id"]),
                                   second.first_token_seconds(r["id"])) for r in again]
         cluster.kill_sidecar(0)

@@ -2,7 +2,7 @@
 without it), step by step: what the demo and the tests start, kill and start again.
 
     python -m dejavu.vllm.run --model DIR --requests requests.json --out out.json \\
-        [--sidecar S0.sock --successor HOST:PORT] [--progress progress.jsonl]
+        [--sidecar S0.sock --successor HOST:PORT] [--progress progress.jsonl] [--crash-after N]
 
 ``requests.json`` lists batches of requests, ``[[{"id", "prompt": [token ids], "max_tokens"},
 ...], ...]`` (``"save": false`` in a request: the connector keeps no copy of it), each served to
@@ -11,6 +11,11 @@ the end before the next is submitted. ``--progress`` gets a JSON line when a bat
 so far}}``), times in seconds of ``time.monotonic()``. ``--out`` gets, once all are done, each
 request's ``tokens``, ``cached`` (tokens it did not compute: loaded from the sidecar, or found in
 vLLM's own prefix cache when that is on) and ``seconds`` (from submission to its last token).
+
+``--crash-after N`` makes the run crash at a known point: once every request of the last batch
+has returned ``N`` tokens, and that step's progress line is written, it kills its whole process
+group with SIGKILL (vLLM's engine core, which steps on by itself, dies wherever it is). Start it
+in a process group of its own (``setsid``, or ``start_new_session=True``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from typing import Dict, List, Optional
 
@@ -55,8 +61,14 @@ def engine(
     )
 
 
-def serve(llm, requests: List[dict], progress=None) -> Dict[str, dict]:
-    """Serves ``requests`` to the end, greedily; writes each step's tokens to ``progress``."""
+def crash() -> None:
+    """Kills this process group at once, as a crash of the machine's engine would."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def serve(llm, requests: List[dict], progress=None, crash_after: Optional[int] = None) -> Dict[str, dict]:
+    """Serves ``requests`` to the end, greedily; writes each step's tokens to ``progress``.
+    With ``crash_after``, crashes instead once every request has returned that many tokens."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -76,11 +88,13 @@ def serve(llm, requests: List[dict], progress=None) -> Dict[str, dict]:
         progress.write(json.dumps({"time": time.monotonic(), "submitted": list(submitted)}) + "\n")
         progress.flush()
     done: Dict[str, dict] = {}
+    returned = {request["id"]: 0 for request in requests}
     while core.has_unfinished_requests():
         step = {}
         for output in core.step():
             tokens = list(output.outputs[0].token_ids)
             step[output.request_id] = tokens
+            returned[output.request_id] = len(tokens)
             if output.finished:
                 done[output.request_id] = {
                     "tokens": tokens,
@@ -90,6 +104,8 @@ def serve(llm, requests: List[dict], progress=None) -> Dict[str, dict]:
         if progress is not None and step:
             progress.write(json.dumps({"time": time.monotonic(), "tokens": step}) + "\n")
             progress.flush()
+        if crash_after is not None and min(returned.values()) >= crash_after:
+            crash()
     return done
 
 
@@ -104,8 +120,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--keep-finished", type=int, default=0, help="finished requests' KV kept for prefix reuse, the latest N")
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache on")
     parser.add_argument("--max-model-len", type=int, help="the longest request (default: the model's)")
+    parser.add_argument("--crash-after", type=int, help="crash once every request of the last batch returned N tokens")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="GiB of memory for vLLM's KV blocks (default 1)")
     args = parser.parse_args(argv)
+    if args.crash_after is not None and os.getpgrp() != os.getpid():
+        parser.error("--crash-after kills its process group: start it in one of its own (setsid)")
     # vLLM's CPU backend reads it at start; without it, it reserves most of the machine's memory.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_gib:g}")
     with open(args.requests) as f:
@@ -114,8 +133,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     progress = open(args.progress, "a") if args.progress else None
     done: Dict[str, dict] = {}
     try:
-        for batch in batches:
-            done.update(serve(llm, batch, progress))
+        for k, batch in enumerate(batches):
+            crash_after = args.crash_after if k == len(batches) - 1 else None
+            done.update(serve(llm, batch, progress, crash_after))
     finally:
         if progress is not None:
             progress.close()
