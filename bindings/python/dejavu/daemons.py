@@ -2,28 +2,23 @@
 size and one ``dejavud sidecar`` per stage on loopback, each stage's ring successor the next
 stage's sidecar (docs/deployment.md).
 
-``restart_sidecar`` starts a dead sidecar again with the same command, and ``wait_for`` with
-``restores`` waits until the controller has restored it from its neighbours.
+Each daemon picks its own port at its first start and says which (no port is chosen before it
+is bound, so none can be taken meanwhile); ``restart_sidecar`` starts a dead sidecar again on the
+same port, where its ring predecessor sends, and ``wait_for`` with ``restores`` waits until the
+controller has restored it from its neighbours. Each daemon's log is ``<name>.log`` in the
+working directory.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket as sockets
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from typing import Callable, List, Optional
-
-
-
-def free_port() -> int:
-    with sockets.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def find_dejavud(given: Optional[str] = None) -> str:
@@ -51,8 +46,7 @@ class DaemonCluster:
         self.stages, self.region_bytes = stages, region_bytes
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="dejavu-")
         self.workdir = Path(workdir or self._tmp.name)
-        self.controller_address = f"127.0.0.1:{free_port()}"
-        self.ports = [free_port() for _ in range(stages)]
+        self.ports: List[int] = [0] * stages
         self.processes: List[subprocess.Popen] = []
         try:
             self.controller = self._start_controller()
@@ -107,27 +101,38 @@ class DaemonCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _spawn(self, *args: str) -> subprocess.Popen:
-        process = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        """Starts ``args``, its standard error appended to ``<name>.log``."""
+        with open(self.workdir / f"{name}.log", "a") as log:
+            process = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=log, text=True)
         self.processes.append(process)
         return process
 
+    def _listening(self, name: str, process: subprocess.Popen) -> str:
+        """The address ``process`` says it listens at (after its metrics line, if any)."""
+        for line in process.stdout:
+            if line.startswith("metrics "):
+                self.metrics = line.split()[1]
+            elif line.startswith("listening "):
+                return line.split()[1]
+        process.wait()
+        log = (self.workdir / f"{name}.log").read_text()[-2000:]
+        raise RuntimeError(f"{name} did not start (exit status {process.returncode}):\n{log}")
+
     def _start_controller(self) -> subprocess.Popen:
         process = self._spawn(
-            self.dejavud, "controller", f"--listen={self.controller_address}",
+            "controller", self.dejavud, "controller", "--listen=127.0.0.1:0",
             f"--state={self.workdir / 'controller.state'}", f"--stages={self.stages}", "--metrics=127.0.0.1:0",
         )
-        self.metrics = process.stdout.readline().split()[1]
-        if not process.stdout.readline().startswith("listening "):
-            raise RuntimeError("the controller did not start")
+        self.controller_address = self._listening("controller", process)
         return process
 
     def _start_sidecar(self, index: int) -> subprocess.Popen:
+        name = f"sidecar{index}"
         process = self._spawn(
-            self.dejavud, "sidecar", f"--join={index}", f"--listen=127.0.0.1:{self.ports[index]}",
+            name, self.dejavud, "sidecar", f"--join={index}", f"--listen=127.0.0.1:{self.ports[index]}",
             f"--heartbeat={self.controller_address}", f"--local={self.socket(index)}",
             f"--shm-dir={self.workdir}", f"--region-bytes={self.region_bytes}",
         )
-        if not process.stdout.readline().startswith("listening "):
-            raise RuntimeError(f"sidecar {index} did not start")
+        self.ports[index] = int(self._listening(name, process).rsplit(":", 1)[1])
         return process

@@ -22,12 +22,16 @@ def test_in_flight_requests_survive_an_engine_crash_then_a_node_loss_with_identi
 
     # Every request's tokens, across the two failures, equal the failure-free run's.
     assert report.identical == [True, True, True]
-    # Each resumption loaded every token's KV but the last from the sidecar (vLLM computes that one
-    # for the next token's logits): after the crash from the engine's own sidecar, after the node
-    # loss from the sidecar the controller restored from its successor's copies.
+    # Each resumption loaded its KV from the sidecar, from token 0: after the crash from the
+    # engine's own sidecar, after the node loss from the sidecar the controller restored from its
+    # successor's copies. vLLM computes the last token itself, for the next token's logits. The
+    # token before it was computed in the step whose output the router saw last; that step's
+    # saves are acknowledged only at the end of the next step, which the crash may have cut
+    # short, so it may be computed again too. Every earlier token was acknowledged and is loaded.
     assert report.after_crash and report.after_node_loss
     for r in report.after_crash + report.after_node_loss:
-        assert r.loaded == (0, r.prompt_tokens - 1), r
+        assert r.loaded is not None and r.loaded[0] == 0, r
+        assert r.prompt_tokens - 2 <= r.loaded[1] <= r.prompt_tokens - 1, r
     # A repeated prompt loads its whole blocks from the finished request that had it.
     assert report.prefix_reuse.loaded == (0, 256)
     # An engine whose connector finds no sidecar says so and serves on, computing the same
