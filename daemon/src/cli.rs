@@ -11,8 +11,8 @@ use parking_lot::Mutex;
 use std::sync::Arc;
 
 use crate::controller::{
-    serve_controller, ControllerClient, ControllerConfig, ControllerError, EtcdConfig, Leaving, Lifeline,
-    Member, StoreConfig,
+    serve_controller, ControllerClient, ControllerConfig, ControllerError, EtcdAccess, EtcdAccessError,
+    EtcdAccessFiles, EtcdConfig, Leaving, Lifeline, Member, StoreConfig,
 };
 use crate::handoff::Shapes;
 use crate::heartbeat::{beat_serving, spare_member, Role};
@@ -71,6 +71,9 @@ pub enum CliError {
     /// Its cluster secret.
     #[error(transparent)]
     Secret(#[from] SecretError),
+    /// Its settings to reach a secured etcd.
+    #[error(transparent)]
+    EtcdAccess(#[from] EtcdAccessError),
     /// Its logs could not be set up.
     #[error(transparent)]
     Logging(#[from] crate::logging::LoggingError),
@@ -423,6 +426,24 @@ pub struct ControllerArgs {
     /// leader: how long a failover takes at most.
     #[arg(long, value_name = "SECONDS", default_value_t = 2, requires = "etcd")]
     pub lease_secs: u64,
+    /// TLS to etcd (`https://` URLs): the PEM file of the authority that signed etcd's server
+    /// certificates.
+    #[arg(long, value_name = "FILE", requires = "etcd")]
+    pub etcd_ca: Option<PathBuf>,
+    /// The controller's certificate (PEM) for an etcd that checks its clients' certificates
+    /// (etcd's `--client-cert-auth`), with `--etcd-key`.
+    #[arg(long, value_name = "FILE", requires_all = ["etcd_key", "etcd_ca"])]
+    pub etcd_cert: Option<PathBuf>,
+    /// The private key (PEM) of `--etcd-cert`.
+    #[arg(long, value_name = "FILE", requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
+    /// The etcd user it logs in as, where etcd has authentication on, with
+    /// `--etcd-password-file`.
+    #[arg(long, value_name = "NAME", requires_all = ["etcd", "etcd_password_file"])]
+    pub etcd_user: Option<String>,
+    /// A file holding the password of `--etcd-user` (without its trailing newline).
+    #[arg(long, value_name = "FILE", requires = "etcd_user")]
+    pub etcd_password_file: Option<PathBuf>,
     /// Milliseconds of silence after which a process is declared dead.
     #[arg(long, default_value_t = 300)]
     pub timeout_ms: u64,
@@ -834,11 +855,20 @@ impl ControllerArgs {
         let secret = secret_for(&self.secret, self.secret_file.as_deref(), &[self.listen])?;
         let store = match self.state {
             Some(path) => StoreConfig::File(path),
-            None => StoreConfig::Etcd(EtcdConfig {
-                endpoints: self.etcd,
-                cluster: self.cluster,
-                lease_ttl: Duration::from_secs(self.lease_secs.max(1)),
-            }),
+            None => {
+                let files = EtcdAccessFiles {
+                    ca: self.etcd_ca.as_deref(),
+                    identity: self.etcd_cert.as_deref().zip(self.etcd_key.as_deref()),
+                    user: self.etcd_user.as_deref().zip(self.etcd_password_file.as_deref()),
+                };
+                let access = EtcdAccess::load(&self.etcd, &files)?;
+                StoreConfig::Etcd(EtcdConfig {
+                    endpoints: self.etcd,
+                    cluster: self.cluster,
+                    lease_ttl: Duration::from_secs(self.lease_secs.max(1)),
+                    access,
+                })
+            }
         };
         let config = ControllerConfig {
             listen: self.listen,

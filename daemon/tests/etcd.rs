@@ -3,7 +3,8 @@
 //! from the record the first kept in etcd; members that name every controller follow the leader
 //! (their beats and lifelines reach whichever leads); a paused leader, back after its successor
 //! took over, cannot write an epoch and stops; a leader stopped by SIGTERM gives the leadership up
-//! at once.
+//! at once. A controller reaches an etcd that takes TLS only, checks its clients' certificates and
+//! has user authentication on, and writes past the lifetime of its authentication token.
 //!
 //! Needs Debian's `etcd-server` (`etcd` on the PATH, as `.ci/run` installs it).
 
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 use dejavud::cli::DEFAULT_SECRET;
 use dejavud::cluster::Role;
 use dejavud::controller::{Census, ControllerClient, Health, DEPOSED_EXIT};
-use dejavud::etcd_cluster::EtcdCluster;
+use dejavud::etcd_cluster::{ClientTls, EtcdCluster, EtcdOptions};
 
 /// A process, killed when dropped.
 struct Killed(Child);
@@ -37,9 +38,15 @@ struct Controller {
 
 impl Controller {
     fn start(etcd: &str) -> Self {
+        Self::start_with(etcd, &[])
+    }
+
+    /// A controller given `extra` flags too.
+    fn start_with(etcd: &str, extra: &[&std::ffi::OsStr]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_dejavud"))
             .args(["controller", "--etcd", etcd, "--cluster", "ha-test", "--listen", "127.0.0.1:0"])
             .args(["--timeout-ms", "300", "--lease-secs", "1"])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -116,10 +123,15 @@ fn wait_until(addr: SocketAddr, what: &str, done: impl Fn(&Census) -> bool) -> C
 
 /// The record the leader keeps in etcd, as text.
 fn record_in_etcd(etcd: &str) -> String {
+    record_in_etcd_with(etcd, None)
+}
+
+/// As [`record_in_etcd`], connecting with `options`.
+fn record_in_etcd_with(etcd: &str, options: Option<etcd_client::ConnectOptions>) -> String {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let endpoints: Vec<&str> = etcd.split(',').collect();
-        let mut client = etcd_client::Client::connect(endpoints, None).await.unwrap();
+        let mut client = etcd_client::Client::connect(endpoints, options).await.unwrap();
         let found = client.get("/dejavu/ha-test/record", None).await.unwrap();
         found.kvs().first().map(|kv| kv.value_str().unwrap().to_owned()).unwrap_or_default()
     })
@@ -218,4 +230,129 @@ fn leader_in_etcd(etcd: &str) -> Option<String> {
         let leader = client.leader("/dejavu/ha-test/leader").await.ok()?;
         leader.kv().map(|kv| kv.value_str().unwrap().to_owned())
     })
+}
+
+/// A controller's password on the secured etcd.
+const PASSWORD: &str = "controller-password";
+
+/// TLS options for the secured etcd: its authority, and a client certificate of `node`'s.
+fn tls_options(certs: &Path, node: &str) -> etcd_client::TlsOptions {
+    let read = |name: &str| std::fs::read_to_string(certs.join(name)).unwrap();
+    etcd_client::TlsOptions::new()
+        .ca_certificate(etcd_client::Certificate::from_pem(read("ca.pem")))
+        .identity(etcd_client::Identity::from_pem(read(&format!("{node}.pem")), read(&format!("{node}.key"))))
+}
+
+/// Turns etcd's user authentication on, as an operator would: a root user, and a user
+/// `dejavu` allowed to read and write the keys under `/dejavu/` only.
+fn enable_authentication(etcd: &str, certs: &Path) {
+    use etcd_client::{Client, ConnectOptions, Permission};
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let options = ConnectOptions::new().with_tls(tls_options(certs, "operator"));
+        // etcd may still be starting.
+        let started = Instant::now();
+        let mut client = loop {
+            if let Ok(mut client) = Client::connect([etcd], Some(options.clone())).await {
+                if client.status().await.is_ok() {
+                    break client;
+                }
+            }
+            assert!(started.elapsed() < Duration::from_secs(30), "etcd never answered");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        client.user_add("root", "root-password", None).await.unwrap();
+        client.user_grant_role("root", "root").await.unwrap();
+        client.role_add("dejavu").await.unwrap();
+        client
+            .role_grant_permission("dejavu", Permission::read_write("/dejavu/").with_prefix())
+            .await
+            .unwrap();
+        client.user_add("dejavu", PASSWORD, None).await.unwrap();
+        client.user_grant_role("dejavu", "dejavu").await.unwrap();
+        client.auth_enable().await.unwrap();
+    });
+}
+
+/// What a controller prints to its standard error before it exits, given `args`.
+fn refusal(args: &[&std::ffi::OsStr]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_dejavud"))
+        .args(["controller", "--cluster", "ha-test", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a controller started with {args:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn a_controller_reaches_an_etcd_with_tls_client_certificates_and_users_past_its_token_lifetime() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    // The certificates come from `dejavud certs`: etcd's own (valid for `localhost`), the
+    // controller's and the operator's.
+    let issued = Command::new(env!("CARGO_BIN_EXE_dejavud"))
+        .args(["certs", "--cluster", "etcd-test", "--out"])
+        .arg(&certs)
+        .args(["localhost", "controller", "operator"])
+        .output()
+        .unwrap();
+    assert!(issued.status.success(), "{}", String::from_utf8_lossy(&issued.stderr));
+    let tls = ClientTls {
+        cert: certs.join("localhost.pem"),
+        key: certs.join("localhost.key"),
+        ca: certs.join("ca.pem"),
+    };
+    // Tokens that live one second: the controller's first one is long gone at its later writes.
+    let options = EtcdOptions { tls: Some(tls), auth_token_ttl: Some(1) };
+    let etcd = EtcdCluster::start_with(&dir.path().join("etcd"), 1, &options).expect("etcd on the PATH");
+    let endpoints = etcd.endpoints().to_owned();
+    assert!(endpoints.starts_with("https://localhost:"), "{endpoints}");
+    enable_authentication(&endpoints, &certs);
+    let password = dir.path().join("password");
+    std::fs::write(&password, format!("{PASSWORD}\n")).unwrap();
+    let wrong = dir.path().join("wrong-password");
+    std::fs::write(&wrong, "guessed\n").unwrap();
+
+    // Settings that cannot work are refused at once, and named.
+    let said = refusal(&["--etcd".as_ref(), endpoints.as_ref()]);
+    assert!(said.contains("--etcd-ca") && said.contains(&endpoints), "{said}");
+    let http = endpoints.replace("https://", "http://");
+    let said =
+        refusal(&["--etcd".as_ref(), http.as_ref(), "--etcd-ca".as_ref(), certs.join("ca.pem").as_os_str()]);
+    assert!(said.contains("plain http://"), "{said}");
+    let with_certificate = |password: &Path| -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = vec!["--etcd".into(), endpoints.clone().into()];
+        for (flag, file) in
+            [("--etcd-ca", "ca.pem"), ("--etcd-cert", "controller.pem"), ("--etcd-key", "controller.key")]
+        {
+            args.push(flag.into());
+            args.push(certs.join(file).into());
+        }
+        args.extend(["--etcd-user".into(), "dejavu".into(), "--etcd-password-file".into(), password.into()]);
+        args
+    };
+    let wrong_args = with_certificate(&wrong);
+    let said = refusal(&wrong_args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>());
+    assert!(said.contains("refused this controller's credentials"), "{said}");
+
+    // The right settings: it leads, and members follow it.
+    let args = with_certificate(&password);
+    let leader = Controller::start_with(&endpoints, &args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>());
+    let a = leader.leading(Duration::from_secs(30)).expect("the controller leads on the secured etcd");
+    let member = sidecar(0, &[a], dir.path());
+    wait_until(a, "the member alive", |census| census.health((Role::Sidecar, 0)) == Health::Alive);
+
+    // Past its token's lifetime, it still writes: the member dies, and its fence reaches etcd.
+    std::thread::sleep(Duration::from_millis(2500));
+    drop(member);
+    wait_until(a, "the member fenced", |census| census.is_fenced((Role::Sidecar, 0)) && census.epoch == 1);
+    let reader = etcd_client::ConnectOptions::new()
+        .with_tls(tls_options(&certs, "operator"))
+        .with_user("dejavu", PASSWORD);
+    let record = record_in_etcd_with(&endpoints, Some(reader));
+    assert!(record.starts_with("epoch 1\n"), "{record}");
+    let mut leader = leader.process;
+    assert_eq!(leader.0.try_wait().unwrap(), None, "the controller stopped");
 }

@@ -15,15 +15,19 @@
 //!   exits (a supervisor starts it again, and it campaigns anew).
 //! - **Stopping.** A leader stopped by SIGTERM or SIGINT revokes its lease before it exits
 //!   ([`Leadership::resignation`]): a controller standing by takes over at once.
+//! - **A secured etcd.** TLS, a client certificate and etcd's user authentication come from
+//!   [`EtcdAccess`]. etcd's authentication tokens expire (`--auth-token-ttl`, 5 minutes by
+//!   default); a request refused for an expired token gets a new one and is tried once more.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, LeaderKey, Txn, TxnOp};
+use etcd_client::{Client, Compare, CompareOp, LeaderKey, Txn, TxnOp};
 use tracing::{error, info};
 
+use super::etcd_access::EtcdAccess;
 use super::state::State;
 use super::ControllerError;
 use dejavu_proto::liveness::Record;
@@ -37,6 +41,8 @@ pub struct EtcdConfig {
     pub cluster: String,
     /// The lease's time to live: how long a leader that stopped renewing it stays leader.
     pub lease_ttl: Duration,
+    /// TLS and credentials for a secured etcd (none by default).
+    pub access: EtcdAccess,
 }
 
 impl EtcdConfig {
@@ -97,6 +103,11 @@ impl Leadership {
                     info!(cluster = %config.cluster, %addr, "leading the cluster");
                     return Ok(Self { runtime, client, config, leader, lost });
                 }
+                Err(e) if credentials_refused(&e) => {
+                    return Err(etcd_error(format!(
+                        "etcd refused this controller's credentials (--etcd-user, --etcd-password-file): {e}"
+                    )))
+                }
                 Err(e) if reached || started.elapsed() < ETCD_PATIENCE => {
                     tracing::warn!(error = %e, "campaigning through etcd: trying again");
                     std::thread::sleep(Duration::from_millis(200));
@@ -118,7 +129,7 @@ impl Leadership {
     ) -> Result<(Client, LeaderKey, tokio::task::JoinHandle<()>), etcd_client::Error> {
         let ttl = config.lease_ttl.as_secs().max(1) as i64;
         // No timeout per request: a campaign waits as long as another leads.
-        let options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(5));
+        let options = config.access.options(Duration::from_secs(5));
         let mut client = Client::connect(&config.endpoints, Some(options)).await?;
         let lease = client.lease_grant(ttl, None).await?.id();
         *reached = true;
@@ -166,7 +177,15 @@ impl Leadership {
     /// The record the cluster's last leader kept (a fresh cluster's if none).
     pub fn load(&mut self) -> Result<Record, ControllerError> {
         let key = self.config.record_key();
-        let found = self.runtime.block_on(self.client.get(key.clone(), None)).map_err(etcd_error)?;
+        let client = &self.client;
+        let found = self
+            .runtime
+            .block_on(with_fresh_token(client, || {
+                let mut client = client.clone();
+                let key = key.clone();
+                async move { client.get(key, None).await }
+            }))
+            .map_err(etcd_error)?;
         match found.kvs().first() {
             None => Ok(Record::default()),
             Some(kv) => {
@@ -186,10 +205,17 @@ impl Leadership {
             Compare::create_revision(self.leader.key().to_vec(), CompareOp::Equal, self.leader.rev());
         let write = TxnOp::put(self.config.record_key(), State::encode(record), None);
         let txn = Txn::new().when([still_leading]).and_then([write]);
-        let client = &mut self.client;
+        let client = &self.client;
         let done = self
             .runtime
-            .block_on(async { tokio::time::timeout(WRITE_DEADLINE, client.txn(txn)).await })
+            .block_on(async {
+                let write = with_fresh_token(client, || {
+                    let mut client = client.clone();
+                    let txn = txn.clone();
+                    async move { client.txn(txn).await }
+                });
+                tokio::time::timeout(WRITE_DEADLINE, write).await
+            })
             .map_err(|_| etcd_error("a write took too long"))?
             .map_err(etcd_error)?;
         if !done.succeeded() {
@@ -204,12 +230,16 @@ impl Leadership {
     /// which deletes its leadership key, so that a controller standing by takes over without
     /// waiting for the lease to expire.
     pub fn resignation(&self) -> impl FnOnce() + Send + 'static {
-        let (handle, mut client, lease) =
+        let (handle, client, lease) =
             (self.runtime.handle().clone(), self.client.clone(), self.leader.lease());
         let cluster = self.config.cluster.clone();
-        move || match handle
-            .block_on(async { tokio::time::timeout(WRITE_DEADLINE, client.lease_revoke(lease)).await })
-        {
+        move || match handle.block_on(async {
+            let revoke = with_fresh_token(&client, || {
+                let mut client = client.clone();
+                async move { client.lease_revoke(lease).await }
+            });
+            tokio::time::timeout(WRITE_DEADLINE, revoke).await
+        }) {
             Ok(Ok(_)) => info!(%cluster, "gave the leadership up"),
             Ok(Err(e)) => {
                 error!(%cluster, error = %e, "could not give the leadership up: it lapses with the lease")
@@ -221,5 +251,35 @@ impl Leadership {
     /// Whether the leadership was lost (the lease expired, or a guarded write failed).
     pub fn lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)
+    }
+}
+
+/// Whether etcd refused a request for its authentication token (expired, or revoked when etcd
+/// restarted), rather than for what it asked.
+fn token_refused(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(status)
+        if status.code() == tonic::Code::Unauthenticated || status.message().contains("invalid auth token"))
+}
+
+/// Whether etcd refused this controller's credentials: a wrong user or password, or a user not
+/// allowed the cluster's keys. Trying again cannot help.
+fn credentials_refused(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(status)
+        if status.code() == tonic::Code::PermissionDenied || status.message().contains("authentication failed"))
+}
+
+/// Runs `request`; if etcd refused its token, gets a new one and runs it once more.
+async fn with_fresh_token<T, F, R>(client: &Client, request: R) -> Result<T, etcd_client::Error>
+where
+    R: Fn() -> F,
+    F: std::future::Future<Output = Result<T, etcd_client::Error>>,
+{
+    match request().await {
+        Err(e) if token_refused(&e) => {
+            tracing::debug!(error = %e, "etcd refused the authentication token: getting a new one");
+            client.refresh_token().await?;
+            request().await
+        }
+        answered => answered,
     }
 }

@@ -59,6 +59,7 @@ use crate::heartbeat::{Beat, Role};
 use crate::slots::Slot;
 
 mod client;
+mod etcd_access;
 mod feed;
 mod heartbeats;
 mod leadership;
@@ -69,6 +70,7 @@ mod recovery;
 mod state;
 
 pub use client::{Census, ControllerClient};
+pub use etcd_access::{ClientIdentity, EtcdAccess, EtcdAccessError, EtcdAccessFiles};
 use heartbeats::{authentic_beat, listen_heartbeats, recv_waiting, DATAGRAM_BUFFER};
 pub use leadership::{EtcdConfig, Leadership};
 pub use lifeline::Lifeline;
