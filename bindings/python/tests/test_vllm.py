@@ -111,3 +111,84 @@ def test_the_latest_finished_requests_are_kept_and_the_oldest_goes():
     assert 10 not in kept and 11 in kept and 12 in kept
     # None kept: a finished request's sequence goes at once.
     assert Kept(0).add(7) == [7]
+
+
+def test_a_sequence_no_request_claims_is_dropped_after_its_grace_and_not_before():
+    from dejavu.vllm.sequences import Orphans
+
+    orphans = Orphans(10.0)
+    assert orphans.expired([1, 2, 3], claimed=[2], now=0.0) == []
+    # 3 is claimed for a while (a request loads it): its time starts again once it is not.
+    assert orphans.expired([1, 2, 3], claimed=[2, 3], now=5.0) == []
+    assert orphans.expired([1, 2, 3], claimed=[2], now=9.5) == []
+    assert orphans.expired([1, 2, 3], claimed=[2], now=10.0) == [1]
+    assert orphans.expired([2, 3], claimed=[2], now=19.25) == []
+    assert orphans.expired([2, 3], claimed=[2], now=19.5) == [3]
+    # One the sidecar no longer holds is forgotten: seen again, its time starts anew.
+    assert orphans.expired([2], claimed=[], now=20.0) == []
+    assert orphans.expired([], claimed=[], now=21.0) == []
+    assert orphans.expired([2], claimed=[], now=22.0) == []
+    assert orphans.expired([2], claimed=[], now=31.75) == []
+    assert orphans.expired([2], claimed=[], now=32.0) == [2]
+
+
+def test_the_scheduler_drops_what_a_dead_engine_left_once_no_request_came_back_for_it(tmp_path):
+    """A sequence saved by a worker of an engine that then died stays in the sidecar for
+    ``orphan_seconds`` of the next engine's scheduler, then its workers drop it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dejavu import Store
+    from dejavu.vllm.config import ConnectorConfig
+    from dejavu.vllm.plan import DejaVuMetadata, SaveJob
+    from dejavu.vllm.scheduler import SchedulerSide
+    from dejavu.vllm.sequences import SequenceIndex
+    from dejavu.vllm.worker import WorkerSide
+    from test_dejavu import running_sidecar
+
+    def idle_step():
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+        return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, preempted_req_ids=set(),
+                               num_scheduled_tokens={})
+
+    def run_step(worker, meta):
+        worker.bind(meta)
+        worker.wait_for_save(meta)
+
+    with running_sidecar(tmp_path, index=0) as (socket, successor):
+        config = ConnectorConfig(sidecar=str(socket), successor=successor.address, orphan_seconds=100.0)
+        names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+        kv = {name: torch.randn(8, 2, 32, 128).to(torch.bfloat16) for name in names}
+        dead = WorkerSide(config, block_size=32)
+        dead.register(kv)
+        saved = DejaVuMetadata(saves=[SaveJob(sequence=5, start=0, end=40, ids=list(range(40)), blocks=[3, 6])])
+        dead.bind(saved)
+        for name in names:
+            dead.save_layer(name)
+        dead.wait_for_save(saved)
+        dead.wait_for_save(DejaVuMetadata())
+        dead.shutdown()
+        reader = SequenceIndex(Store.sidecar_reader(str(socket)))
+        reader.refresh()
+        assert set(reader.held) == {5}
+
+        # The next engine: its scheduler looks over the sidecar every 25 s of its clock.
+        now = [1000.0]
+        scheduler = SchedulerSide(config, block_size=32, clock=lambda: now[0])
+        worker = WorkerSide(config, block_size=32)
+        worker.register(kv)
+        for t in (1000.0, 1025.0, 1050.0, 1075.0, 1099.0):
+            now[0] = t
+            meta = scheduler.build(idle_step())
+            assert meta.releases == [], t
+            run_step(worker, meta)
+        now[0] = 1100.0
+        meta = scheduler.build(idle_step())
+        assert meta.releases == [5]
+        # The workers drop it at the end of the next step, once that step's saves are in.
+        run_step(worker, meta)
+        run_step(worker, scheduler.build(idle_step()))
+        reader.refresh()
+        assert reader.held == {}
+        worker.shutdown()

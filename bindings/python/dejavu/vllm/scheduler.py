@@ -6,19 +6,24 @@ prefix saves that prefix again into its own sequence in its first step, so that 
 stands alone whatever happens to the one it loaded from. A prompt is saved in pieces that end on
 vLLM's block boundaries, so that a later request sharing only part of it still loads whole
 pieces; a decode step saves its one token.
+
+A sequence no request of this engine owns or keeps, left by an engine that died, stays for its
+request to come back and load it, for ``orphan_seconds``; then it is dropped. The sidecar is
+looked over for such sequences every quarter of that time (at most every minute).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
 
 from vllm.logger import init_logger
 
 from .._dejavu import Error, Store
 from .config import ConnectorConfig
 from .plan import DejaVuMetadata, LoadJob, SaveJob
-from .sequences import Kept, Match, SequenceIndex, fresh_id
+from .sequences import Kept, Match, Orphans, SequenceIndex, fresh_id
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -44,8 +49,14 @@ class Plan:
 class SchedulerSide:
     """The scheduler's half of the connector, reading the sidecar through a reader connection."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+    def __init__(
+        self, config: ConnectorConfig, block_size: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._config = config
+        self._clock = clock
+        self._orphans = Orphans(config.orphan_seconds)
+        self._sweep_every = min(60.0, config.orphan_seconds / 4)
+        self._next_sweep = clock()
         self._block_size = block_size
         self._requests: Dict[str, "Request"] = {}
         self._plans: Dict[str, Plan] = {}
@@ -97,6 +108,7 @@ class SchedulerSide:
 
     def build(self, output: "SchedulerOutput") -> DejaVuMetadata:
         """This step's loads, saves and releases."""
+        self._sweep()
         meta = DejaVuMetadata(releases=self._releases, preempted=bool(output.preempted_req_ids))
         self._releases = []
         self._released = set(meta.releases)
@@ -127,6 +139,27 @@ class SchedulerSide:
         self._requests.pop(request.request_id, None)
         if plan is not None:
             self._release(self._kept.add(plan.sequence))
+
+    def _sweep(self) -> None:
+        """Releases the sequences left unclaimed for ``orphan_seconds``, when a look is due."""
+        now = self._clock()
+        if self._index is None or now < self._next_sweep:
+            return
+        self._next_sweep = now + self._sweep_every
+        try:
+            self._index.refresh()
+        except Error as e:
+            logger.error("DejaVu: the sidecar cannot be read (%s): orphaned sequences stay for now", e)
+            return
+        # Claimed: owned, kept, being released, or about to be loaded by a request.
+        claimed = {p.sequence for p in self._plans.values()} | self._released
+        claimed |= {p.load.sequence for p in self._plans.values() if p.load is not None}
+        claimed |= {s for s in self._index.held if s in self._kept}
+        expired = self._orphans.expired(self._index.held, claimed, now)
+        if expired:
+            logger.info("DejaVu: dropping %d sequences no request came back for in %.0f s",
+                        len(expired), self._config.orphan_seconds)
+            self._release(expired)
 
     def _release(self, sequences: List[int]) -> None:
         """Has the workers drop ``sequences`` in the next step; they are not matched meanwhile."""

@@ -178,3 +178,27 @@ class Kept:
         while len(self._order) > self.limit:
             dropped.append(self._order.popitem(last=False)[0])
         return dropped
+
+
+class Orphans:
+    """Sequences the sidecar holds that no request of this engine owns or keeps: left by an engine
+    that died, whose requests may still come back (a router submits them again) and load them.
+    Each is given up once it has gone unclaimed for ``grace`` seconds, so that what a crashed
+    engine left does not stay in the sidecar for good."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self._since: Dict[int, float] = {}
+
+    def expired(self, held: Iterable[int], claimed: Iterable[int], now: float) -> List[int]:
+        """Of the sequences ``held``, those not ``claimed`` (owned, kept or being released) since
+        ``grace`` seconds before ``now``, which are forgotten as they are returned."""
+        held, claimed = set(held), set(claimed)
+        for sequence in [s for s in self._since if s not in held or s in claimed]:
+            del self._since[sequence]
+        expired = []
+        for sequence in sorted(held - claimed):
+            if now - self._since.setdefault(sequence, now) >= self.grace:
+                expired.append(sequence)
+                del self._since[sequence]
+        return expired
