@@ -2,7 +2,7 @@
 //! temporary directory: one leads and the others stand by; a killed leader's successor goes on
 //! from the record the first kept in etcd; members that name every controller follow the leader
 //! (their beats and lifelines reach whichever leads); a paused leader, back after its successor
-//! took over, cannot write an epoch and stops; a leader stopped by SIGTERM gives the leadership up
+//! took over, cannot write an epoch, answers no replacement's epoch, and stops; a leader stopped by SIGTERM gives the leadership up
 //! at once. A controller reaches an etcd that takes TLS only, checks its clients' certificates and
 //! has user authentication on, and writes past the lifetime of its authentication token.
 //!
@@ -194,6 +194,10 @@ fn one_controller_leads_members_follow_the_leader_and_a_paused_leader_is_fenced(
 
     // The paused leader comes back: it cannot write, and stops without issuing an epoch.
     second.signal(libc::SIGCONT);
+    // Nor does it tell a replacement the epoch to start in: it confirms that it leads first.
+    let mut asked = ControllerClient::new(b, Duration::from_secs(5), DEFAULT_SECRET.as_bytes());
+    let answer = asked.fenced_in((Role::Sidecar, 2));
+    assert!(answer.is_err(), "the deposed leader answered a replacement's epoch: {answer:?}");
     let mut old = second.process;
     let started = Instant::now();
     let status = loop {

@@ -198,13 +198,25 @@ impl Leadership {
     /// Writes `record`, only while this controller still leads; otherwise the leadership is lost
     /// ([`ControllerError::NotLeader`]) and nothing was written.
     pub fn save(&mut self, record: &Record) -> Result<(), ControllerError> {
+        let write = TxnOp::put(self.config.record_key(), State::encode(record), None);
+        self.guarded(&[write])
+    }
+
+    /// Checks with etcd that this controller still leads, writing nothing: what a leader does
+    /// before it acts on a member (hands a spare a stage's place), so that one paused past its
+    /// lease learns it was deposed before it acts, not after.
+    pub fn confirm(&mut self) -> Result<(), ControllerError> {
+        self.guarded(&[])
+    }
+
+    /// Carries `writes` out in one transaction, only while this controller still leads.
+    fn guarded(&mut self, writes: &[TxnOp]) -> Result<(), ControllerError> {
         if self.lost() {
             return Err(ControllerError::NotLeader);
         }
         let still_leading =
             Compare::create_revision(self.leader.key().to_vec(), CompareOp::Equal, self.leader.rev());
-        let write = TxnOp::put(self.config.record_key(), State::encode(record), None);
-        let txn = Txn::new().when([still_leading]).and_then([write]);
+        let txn = Txn::new().when([still_leading]).and_then(writes.to_vec());
         let client = &self.client;
         let done = self
             .runtime

@@ -425,6 +425,15 @@ impl Store {
         }
     }
 
+    /// Checks that this controller still leads, through etcd (a guarded write of nothing),
+    /// before it acts on a member; a controller with a state file always does.
+    fn confirm_leading(&mut self) -> Result<(), ControllerError> {
+        match self {
+            Store::File { .. } => Ok(()),
+            Store::Etcd(leadership) => leadership.confirm(),
+        }
+    }
+
     /// Whether this controller may no longer act: it lost its leadership.
     fn deposed(&self) -> bool {
         matches!(self, Store::Etcd(leadership) if leadership.lost())
@@ -824,10 +833,15 @@ fn answer_queries(
                 events.fenced.notify_all();
                 Ok((epoch, Message::Epoch(epoch)))
             }
-            Message::FencedIn(member) => match tables.lock().machine.membership(member) {
-                Some(m) if m.awaiting => Ok((m.fenced_in, Message::Epoch(m.fenced_in))),
-                _ => Err(ControllerError::NotFenced(member)),
-            },
+            Message::FencedIn(member) => {
+                // A replacement starts in the epoch answered: only a leader may answer.
+                let mut tables = tables.lock();
+                tables.store.confirm_leading()?;
+                match tables.machine.membership(member) {
+                    Some(m) if m.awaiting => Ok((m.fenced_in, Message::Epoch(m.fenced_in))),
+                    _ => Err(ControllerError::NotFenced(member)),
+                }
+            }
             Message::Recover { epoch, book } => recovery::carry_out(tables, counters, epoch, &book)
                 .map(|orders| (epoch, Message::Orders(orders))),
             Message::ReseedRestored { epoch, book } => {

@@ -52,7 +52,7 @@ pub(super) fn carry_out(
 ) -> Result<RecoveryOrders, ControllerError> {
     let started = Instant::now();
     let depth = ring_depth(book)?;
-    let losses = losses_in(&tables.lock(), epoch, depth)?;
+    let losses = leading_losses_in(tables, epoch, depth)?;
     let mut stages = Vec::new();
     for plan in plan::ring(depth, &losses) {
         let reseeded = match plan.reseed {
@@ -98,7 +98,7 @@ pub(super) fn reseed_restored(
     book: &[SocketAddr],
 ) -> Result<u64, ControllerError> {
     let depth = ring_depth(book)?;
-    let losses = losses_in(&tables.lock(), epoch, depth)?;
+    let losses = leading_losses_in(tables, epoch, depth)?;
     let mut sent = 0;
     for plan in plan::ring(depth, &losses) {
         if let Some((from, Reseed::AfterRestore)) = plan.reseed {
@@ -108,6 +108,18 @@ pub(super) fn reseed_restored(
     counters.reseeded_chunks.fetch_add(sent, Ordering::Relaxed);
     info!(epoch, reseeded = sent, "re-seeded after the restores");
     Ok(sent)
+}
+
+/// [`losses_in`], once this controller has confirmed that it still leads: a controller paused
+/// past its lease must not retarget sidecars on what it knew before its pause.
+fn leading_losses_in(
+    tables: &Mutex<Tables>,
+    epoch: u64,
+    depth: u32,
+) -> Result<Vec<(u32, Loss)>, ControllerError> {
+    let mut tables = tables.lock();
+    tables.store.confirm_leading()?;
+    losses_in(&tables, epoch, depth)
 }
 
 /// What of each stage was fenced in `epoch`, the current one: the whole worker when its sidecar
@@ -277,11 +289,19 @@ pub(super) fn hand_over_spares(tables: &Mutex<Tables>, counters: &Counters, ever
             let awaited = |tables: &Tables| {
                 tables.machine.membership(member).is_some_and(|m| m.awaiting && m.fenced_in == epoch)
             };
-            // Checked in a statement of its own: the lock is let go before the spare is told.
-            let still_awaited = awaited(&tables.lock());
+            // Checked in a statement of its own: the lock is let go before the spare is told. A
+            // controller paused past its lease learns here that it no longer leads, before it
+            // tells anyone anything.
+            let still_awaited = {
+                let mut tables = tables.lock();
+                tables.store.confirm_leading().map(|()| awaited(&tables))
+            };
             let handed = match still_awaited {
-                true => control_of(tables, spare).and_then(|c| Ok(c.assign(member.1, epoch)?)),
-                false => Err(ControllerError::Protocol(format!("{member:?} no longer awaits a replacement"))),
+                Ok(true) => control_of(tables, spare).and_then(|c| Ok(c.assign(member.1, epoch)?)),
+                Ok(false) => {
+                    Err(ControllerError::Protocol(format!("{member:?} no longer awaits a replacement")))
+                }
+                Err(e) => Err(e),
             };
             let (stage, number) = (member.1, spare.1 - SPARE_MEMBERS);
             let mut tables = tables.lock();

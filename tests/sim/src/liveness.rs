@@ -24,6 +24,16 @@
 //!   controller cannot tell from a beat);
 //! - a replacement's first beat ends the member's wait;
 //! - a fence that could not be written changes nothing.
+//!
+//! With [`LivenessSimConfig::leadership`], the record is kept as on etcd (`controller --etcd`):
+//! several controllers, one leading, every write guarded by the writer's leadership. A leader that
+//! is killed, or paused past its lease, is followed by another, started from the record once the
+//! lease has lapsed; the paused one comes back later, with its own view of the cluster, and its
+//! shell goes on as after any wait until it finds it no longer leads. Further invariants:
+//! - a deposed leader writes nothing and hands no spare over (its shell confirms its leadership,
+//!   a guarded write, before it tells a spare);
+//! - the writes that reach the store come from leaders in the order they led: no write of an
+//!   earlier leader after a later one's.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -58,6 +68,11 @@ pub struct LivenessSimConfig {
     pub faults: u32,
     /// Milliseconds of chaos; the run goes on as long again without new faults.
     pub chaos_ms: u64,
+    /// Whether the record is kept as on etcd, by several controllers of which one leads (see
+    /// the module's documentation); otherwise one controller keeps it in its state file.
+    pub leadership: bool,
+    /// With `leadership`: how long a leader that stopped renewing its lease still holds it, ms.
+    pub lease: u64,
 }
 
 impl Default for LivenessSimConfig {
@@ -72,6 +87,8 @@ impl Default for LivenessSimConfig {
             replay: 0.02,
             faults: 12,
             chaos_ms: 3_000,
+            leadership: false,
+            lease: 100,
         }
     }
 }
@@ -92,6 +109,13 @@ impl LivenessSimConfig {
             faults: pick(&mut rng, &[4, 12, 30]) as u32,
             ..Self::default()
         }
+    }
+
+    /// As `self`, the record kept as on etcd, with a lease drawn from `seed`.
+    pub fn on_etcd(self, seed: u64) -> Self {
+        let mut rng = SplitMix64::new(seed ^ 0x1ead_e125_0000_0000);
+        let lease = self.timeout * [1, 2, 4][rng.below(3) as usize];
+        Self { leadership: true, lease, ..self }
     }
 }
 
@@ -125,8 +149,10 @@ enum Event {
     Fault(u32),
     /// A paused process `p` goes on.
     Resume(usize),
-    /// The controller comes back.
+    /// The controller comes back (with `leadership`: the next leader takes over).
     ControllerStarts,
+    /// A deposed leader's shell runs its detector, as after any wait (it was paused).
+    StaleDetect,
     /// The state file can be written again.
     DiskHeals,
     /// Whoever drives the pipeline replaces `member`'s fenced process.
@@ -160,6 +186,13 @@ struct LivenessSim {
     current: BTreeMap<Member, usize>,
     controller: Option<Controller>,
     incarnation: u64,
+    /// The controller incarnation whose writes the store takes: the leader's (with a state
+    /// file, the one controller's); 0 while none leads.
+    leader: u64,
+    /// The incarnation of the last write the store took.
+    last_writer: u64,
+    /// A leader paused past its lease, with its incarnation, while another leads.
+    stale: Option<(Controller, u64)>,
     started_at: u64,
     /// The members named in the record the controller started from.
     started_from: Vec<Member>,
@@ -173,8 +206,13 @@ struct LivenessSim {
     replacing: BTreeMap<Member, u64>,
     /// Spares handed out by this controller: never handed out twice by one controller.
     spares_used: BTreeSet<Member>,
-    /// Spares that took a place: never handed out again by any controller.
-    spares_gone: BTreeSet<Member>,
+    /// Spares that took a place, with their process's last beat then: never handed out again by
+    /// any controller, but one that took a beat sent before (a replay, which a controller that
+    /// never saw the original cannot tell from a beat). The spare then refuses the place, having
+    /// taken one (its sidecar's [`dejavu_proto::Worker`] takes up one place only).
+    spares_gone: BTreeMap<Member, u64>,
+    /// The newest beat of each member this controller took.
+    newest_taken: BTreeMap<Member, u64>,
     report: LivenessReport,
     /// Prints every event (`DEJAVU_SIM_TRACE=1`).
     trace: bool,
@@ -197,6 +235,9 @@ impl LivenessSim {
             current: BTreeMap::new(),
             controller: None,
             incarnation: 0,
+            leader: 0,
+            last_writer: 0,
+            stale: None,
             started_at: 0,
             started_from: Vec::new(),
             disk: Record::default(),
@@ -207,7 +248,8 @@ impl LivenessSim {
             highest_epoch: 0,
             replacing: BTreeMap::new(),
             spares_used: BTreeSet::new(),
-            spares_gone: BTreeSet::new(),
+            spares_gone: BTreeMap::new(),
+            newest_taken: BTreeMap::new(),
             report: LivenessReport::default(),
             trace: std::env::var_os("DEJAVU_SIM_TRACE").is_some(),
         };
@@ -308,9 +350,12 @@ impl LivenessSim {
             self.violation(format!("a restart went back to epoch {}", liveness.record().epoch));
         }
         self.incarnation += 1;
+        // It campaigned and won: the store takes its writes, and no older leader's.
+        self.leader = self.incarnation;
         self.started_at = self.now;
         self.started_from = self.disk.members.keys().copied().collect();
         self.last_taken.clear();
+        self.newest_taken.clear();
         // A restarted controller has handed no spare over yet.
         self.spares_used.clear();
         self.controller = Some(liveness);
@@ -363,6 +408,7 @@ impl LivenessSim {
             Event::Fault(_) => self.inject(),
             Event::Resume(p) => self.processes[p].paused = false,
             Event::ControllerStarts => self.start_controller(),
+            Event::StaleDetect => self.stale_detect(),
             Event::DiskHeals => self.disk_broken = false,
             Event::Replace(member) => self.replace(member),
             Event::TakeUp { spare, member, epoch } => self.take_up(spare, member, epoch),
@@ -408,6 +454,8 @@ impl LivenessSim {
                 self.violation(format!("{beat:?} was taken, yet its member still awaits a replacement"));
             }
             self.last_taken.insert(beat.member, now);
+            let newest = self.newest_taken.entry(beat.member).or_default();
+            *newest = (*newest).max(beat.sequence);
             if let Some(&p) = self.current.get(&beat.member) {
                 let process = &mut self.processes[p];
                 process.taken |= process.epoch == beat.epoch;
@@ -419,11 +467,27 @@ impl LivenessSim {
     /// Writes the machine's record if it changed, as the shell does after a beat and before
     /// each detection (it fails while the state file cannot be written).
     fn write_record(&mut self) {
+        let writable = self.writable(self.incarnation);
         let Some(controller) = self.controller.as_mut() else { return };
-        if let Some(record) = controller.unwritten_record().filter(|_| !self.disk_broken) {
+        if let Some(record) = controller.unwritten_record().filter(|_| writable) {
             self.disk = record.clone();
             controller.record_written();
+            self.took_write(self.incarnation);
         }
+    }
+
+    /// Whether the store takes a write of controller incarnation `incarnation`: the state file
+    /// can be written, and (on etcd) the writer still leads.
+    fn writable(&self, incarnation: u64) -> bool {
+        !self.disk_broken && self.leader == incarnation
+    }
+
+    /// The store took a write of `incarnation`.
+    fn took_write(&mut self, incarnation: u64) {
+        if incarnation < self.last_writer {
+            self.violation(format!("leader {incarnation} wrote after leader {}", self.last_writer));
+        }
+        self.last_writer = incarnation;
     }
 
     fn detect(&mut self) {
@@ -444,10 +508,10 @@ impl LivenessSim {
         if self.trace {
             println!("       fence {dead:?}");
         }
+        let writable = self.writable(self.incarnation);
         let controller = self.controller.as_mut().expect("running");
         let before = controller.record().clone();
-        let broken = self.disk_broken;
-        let written = controller.fence(&dead, None, now, |_| if broken { Err(()) } else { Ok(()) });
+        let written = controller.fence(&dead, None, now, |_| if writable { Ok(()) } else { Err(()) });
         match written {
             Err(()) => {
                 if controller.record() != &before {
@@ -458,6 +522,7 @@ impl LivenessSim {
             }
             Ok(epoch) => {
                 self.disk = controller.record().clone();
+                self.took_write(self.incarnation);
                 self.fenced(epoch, &dead, &before);
             }
         }
@@ -559,8 +624,16 @@ impl LivenessSim {
                 if !self.spares_used.insert(a.spare) {
                     violations.push(format!("{a:?}: the spare was handed out before"));
                 }
-                if self.spares_gone.contains(&a.spare) {
-                    violations.push(format!("{a:?}: the spare took another place before"));
+                if let Some(&gone_at) = self.spares_gone.get(&a.spare) {
+                    if self.newest_taken.get(&a.spare).is_some_and(|&newest| newest <= gone_at) {
+                        self.report
+                            .faults
+                            .entry("spare handed out on a replayed beat")
+                            .and_modify(|n| *n += 1)
+                            .or_insert(1);
+                    } else {
+                        violations.push(format!("{a:?}: the spare took another place before"));
+                    }
                 }
             }
             let outstanding: BTreeSet<Member> = controller.outstanding_spares().map(|a| a.member).collect();
@@ -584,6 +657,11 @@ impl LivenessSim {
                 self.violation(v);
             }
             for a in assignments {
+                if !self.writable(self.incarnation) && self.cfg.leadership {
+                    // Its shell confirms it still leads before it tells a spare, and cannot.
+                    self.controller.as_mut().expect("running").spare_failed(a);
+                    continue;
+                }
                 if self.rng.chance(0.1) {
                     // The spare could not be told (its control listener is cut off).
                     self.fault("spare hand-over failed");
@@ -611,7 +689,7 @@ impl LivenessSim {
         self.fault("spare took a place");
         let now = self.now;
         self.controller.as_mut().expect("checked above").spare_handed_over(assignment, now);
-        self.spares_gone.insert(spare);
+        self.spares_gone.insert(spare, self.processes[p].sequence);
         self.kill(p);
         if let Some(&old) = self.current.get(&member) {
             self.kill(old);
@@ -650,10 +728,17 @@ impl LivenessSim {
                 }
             }
             5 if self.rng.chance(0.3) => self.claim_twice(p),
+            5 if self.cfg.leadership && self.controller.is_some() && self.rng.chance(0.5) => {
+                self.pause_leader()
+            }
             5 if self.controller.is_some() => {
                 self.fault("controller crash");
                 self.controller = None;
-                let downtime = self.rng.below(4 * self.cfg.timeout);
+                // On etcd, the next leader takes over once the dead one's lease lapses.
+                let downtime = match self.cfg.leadership {
+                    true => self.cfg.lease + self.rng.below(self.cfg.interval),
+                    false => self.rng.below(4 * self.cfg.timeout),
+                };
                 self.schedule(self.now + downtime, Event::ControllerStarts);
             }
             _ => {
@@ -662,6 +747,70 @@ impl LivenessSim {
                 let length = self.rng.below(2 * self.cfg.timeout);
                 self.schedule(self.now + length, Event::DiskHeals);
             }
+        }
+    }
+
+    /// The leader is paused (SIGSTOP) past its lease: the lease lapses, the next leader takes over
+    /// from the record, and the paused one goes on some time after (SIGCONT), knowing nothing of
+    /// it. Beats and lifelines reach it no more: the members follow the new leader.
+    fn pause_leader(&mut self) {
+        if self.stale.is_some() {
+            return;
+        }
+        self.fault("leader paused past its lease");
+        let old = self.controller.take().expect("a leader to pause");
+        self.stale = Some((old, self.incarnation));
+        self.leader = 0;
+        let takeover = self.now + self.cfg.lease + self.rng.below(self.cfg.interval);
+        self.schedule(takeover, Event::ControllerStarts);
+        let back = takeover + self.rng.below(4 * self.cfg.timeout);
+        self.schedule(back, Event::StaleDetect);
+    }
+
+    /// A deposed leader back from its pause: its shell writes what it had not written, runs its
+    /// detector and fences the dead, and hands spares over, as after any wait. Every write fails,
+    /// for another leads: at its first, the shell learns it was deposed and stops. Until then it
+    /// runs its detector at the machine's deadlines.
+    fn stale_detect(&mut self) {
+        let Some((mut old, incarnation)) = self.stale.take() else { return };
+        let now = self.now;
+        let writable = self.writable(incarnation);
+        if writable {
+            self.violation(format!("leader {incarnation}, paused past its lease, still leads"));
+        }
+        let store = self.disk.clone();
+        let mut tried = old.unwritten_record().is_some();
+        let dead = old.tick(now);
+        if !tried && !dead.is_empty() {
+            tried = true;
+            let before = old.record().clone();
+            match old.fence(&dead, None, now, |_| if writable { Ok(()) } else { Err(()) }) {
+                Ok(epoch) => {
+                    self.violation(format!("deposed leader {incarnation} fenced {dead:?} in epoch {epoch}"))
+                }
+                Err(()) if old.record() != &before => {
+                    self.violation("a deposed leader's failed fence changed its record".into())
+                }
+                Err(()) => {}
+            }
+        }
+        for role in [Role::Sidecar, Role::Engine] {
+            for assignment in old.assign_spares(role, now) {
+                // Its shell confirms its leadership before it tells the spare (a guarded write).
+                tried = true;
+                if writable {
+                    self.violation(format!("deposed leader {incarnation} handed {assignment:?} over"));
+                }
+                old.spare_failed(assignment);
+            }
+        }
+        if self.disk != store {
+            self.violation(format!("a write of deposed leader {incarnation} reached the store"));
+        }
+        if !tried {
+            let next = old.poll_timeout(now).map_or(now + self.cfg.timeout / 2, |at| at.max(now + 1));
+            self.stale = Some((old, incarnation));
+            self.schedule(next, Event::StaleDetect);
         }
     }
 

@@ -1,9 +1,10 @@
 //! `dejavu-sim`: runs seeds of the control-plane simulator and reports violations.
 //!
-//! `dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness | --recovery | --forwarding] [--quiet]`:
+//! `dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness [--etcd] | --recovery | --forwarding] [--quiet]`:
 //! `--varied` draws each seed's cluster shape and delays from the seed (`SimConfig::varied`);
 //! `--liveness` runs the controller's liveness machine instead (`dejavu_sim::liveness`;
-//! `DEJAVU_SIM_TRACE=1` prints its events), `--recovery` the cluster's recovery machine
+//! `DEJAVU_SIM_TRACE=1` prints its events; `--etcd` keeps its record as on etcd, where leaders
+//! are killed and paused past their lease and others take over), `--recovery` the cluster's recovery machine
 //! (`dejavu_sim::recovery`), `--forwarding` a sidecar's forwarding machine
 //! (`dejavu_sim::forwarding`). `dejavu-sim --journal FILE` replays a journal `dejavud controller --journal FILE` wrote
 //! through fresh machines, and fails where one decides otherwise.
@@ -27,6 +28,7 @@ fn main() -> ExitCode {
     let mut quiet = false;
     let mut varied = false;
     let mut liveness = false;
+    let mut etcd = false;
     let mut recovery = false;
     let mut forwarding = false;
     let mut i = 0;
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
             "--quiet" => quiet = true,
             "--varied" => varied = true,
             "--liveness" => liveness = true,
+            "--etcd" => etcd = true,
             "--recovery" => recovery = true,
             "--forwarding" => forwarding = true,
             _ => return usage(),
@@ -59,10 +62,11 @@ fn main() -> ExitCode {
     let started = Instant::now();
     let (mut runs, mut failed) = (0u64, 0u64);
     let machine = match (liveness, recovery, forwarding) {
+        (true, false, false) if etcd => " --liveness --etcd",
         (true, false, false) => " --liveness",
         (false, true, false) => " --recovery",
         (false, false, true) => " --forwarding",
-        (false, false, false) => "",
+        (false, false, false) if !etcd => "",
         _ => return usage(),
     };
     let flags = format!("{}{machine}", if varied { " --varied" } else { "" });
@@ -71,6 +75,7 @@ fn main() -> ExitCode {
         // The running machines: their violations, or what a single seed's run did.
         let machine_run = if liveness {
             let cfg = if varied { LivenessSimConfig::varied(seed) } else { LivenessSimConfig::default() };
+            let cfg = if etcd { cfg.on_etcd(seed) } else { cfg };
             let report = run_liveness_seed(seed, &cfg);
             Some((report.violations, format!("{} fences, faults {:?}", report.fences, report.faults)))
         } else if recovery {
@@ -146,7 +151,7 @@ fn replay(path: &str) -> ExitCode {
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness | --recovery | --forwarding] [--quiet] | --journal FILE"
+        "usage: dejavu-sim [--seed N | --seeds A..B] [--varied] [--liveness [--etcd] | --recovery | --forwarding] [--quiet] | --journal FILE"
     );
     ExitCode::from(2)
 }
