@@ -18,7 +18,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 
 def find_dejavud(given: Optional[str] = None) -> str:
@@ -108,13 +108,14 @@ class DaemonCluster:
         self.processes.append(process)
         return process
 
-    def _listening(self, name: str, process: subprocess.Popen) -> str:
-        """The address ``process`` says it listens at (after its metrics line, if any)."""
+    def _listening(self, name: str, process: subprocess.Popen) -> Tuple[str, Optional[str]]:
+        """The address ``process`` says it listens at, and where it serves metrics (if it does)."""
+        metrics = None
         for line in process.stdout:
             if line.startswith("metrics "):
-                self.metrics = line.split()[1]
+                metrics = line.split()[1]
             elif line.startswith("listening "):
-                return line.split()[1]
+                return line.split()[1], metrics
         process.wait()
         log = (self.workdir / f"{name}.log").read_text()[-2000:]
         raise RuntimeError(f"{name} did not start (exit status {process.returncode}):\n{log}")
@@ -124,7 +125,7 @@ class DaemonCluster:
             "controller", self.dejavud, "controller", "--listen=127.0.0.1:0",
             f"--state={self.workdir / 'controller.state'}", f"--stages={self.stages}", "--metrics=127.0.0.1:0",
         )
-        self.controller_address = self._listening("controller", process)
+        self.controller_address, self.metrics = self._listening("controller", process)
         return process
 
     def _start_sidecar(self, index: int) -> subprocess.Popen:
@@ -134,5 +135,5 @@ class DaemonCluster:
             f"--heartbeat={self.controller_address}", f"--local={self.socket(index)}",
             f"--shm-dir={self.workdir}", f"--region-bytes={self.region_bytes}",
         )
-        self.ports[index] = int(self._listening(name, process).rsplit(":", 1)[1])
+        self.ports[index] = int(self._listening(name, process)[0].rsplit(":", 1)[1])
         return process
