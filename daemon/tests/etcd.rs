@@ -4,7 +4,8 @@
 //! (their beats and lifelines reach whichever leads); a paused leader, back after its successor
 //! took over, cannot write an epoch, answers no replacement's epoch, and stops; a leader stopped by SIGTERM gives the leadership up
 //! at once. A controller reaches an etcd that takes TLS only, checks its clients' certificates and
-//! has user authentication on, and writes past the lifetime of its authentication token.
+//! has user authentication on, and writes past the lifetime of its authentication token. A
+//! recovery feed that names every controller follows the leader.
 //!
 //! Needs Debian's `etcd-server` (`etcd` on the PATH, as `.ci/run` installs it).
 
@@ -359,4 +360,39 @@ fn a_controller_reaches_an_etcd_with_tls_client_certificates_and_users_past_its_
     assert!(record.starts_with("epoch 1\n"), "{record}");
     let mut leader = leader.process;
     assert_eq!(leader.0.try_wait().unwrap(), None, "the controller stopped");
+}
+
+#[test]
+fn a_recovery_feed_naming_every_controller_follows_the_leader() {
+    use dejavulib::net::controller::RecoveryFeed;
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdCluster::start(dir.path(), 1).expect("etcd (Debian's etcd-server) on the PATH");
+    let endpoints = etcd.endpoints().to_owned();
+    let stages = ["--stages".as_ref(), "2".as_ref()];
+    let first = Controller::start_with(&endpoints, &stages);
+    let a = first.leading(Duration::from_secs(30)).expect("the first controller leads");
+    let second = Controller::start_with(&endpoints, &stages);
+    let b = second.standing_by();
+
+    // The standby is named first: the feed finds it serves nothing, and asks the leader.
+    let mut feed = RecoveryFeed::following(&[b, a], DEFAULT_SECRET.as_bytes()).unwrap();
+    assert_eq!(feed.watch(0, Duration::from_millis(50)).unwrap(), None, "no recovery yet");
+    assert_eq!(feed.controller(), a);
+
+    // The leader dies: once the second leads, the feed's requests reach it.
+    drop(first);
+    assert_eq!(second.leading(Duration::from_secs(30)), Some(b), "the second controller takes over");
+    let started = Instant::now();
+    let answer = loop {
+        match feed.watch(0, Duration::from_millis(50)) {
+            Ok(answer) => break answer,
+            Err(e) => assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the feed never reached the new leader: {e}"
+            ),
+        }
+    };
+    assert_eq!(answer, None);
+    assert_eq!(feed.controller(), b);
+    assert!(RecoveryFeed::following(&[], DEFAULT_SECRET.as_bytes()).is_none());
 }

@@ -388,7 +388,8 @@ enum DjvStatus djv_sidecar_restore(struct DjvStore *store,
                                    uintptr_t capacity,
                                    uintptr_t *count);
 
-// Opens the recovery feed of the controller at `controller` ("host:port", its `--listen`),
+// Opens the recovery feed of the controller at `controller` ("host:port", its `--listen`; or
+// several, comma-separated, for controllers on etcd: the feed follows whichever leads),
 // proving the cluster secret `secret` (`secret_len` bytes; NULL: the secret of a cluster started
 // without one). Nothing is sent until the first watch.
 //

@@ -5,7 +5,7 @@ use std::ffi::{c_char, CStr};
 use std::time::Duration;
 
 use dejavulib::net::auth::DEFAULT_SECRET;
-use dejavulib::net::controller::{QueryError, RecoveryFeed};
+use dejavulib::net::controller::{parse_controllers, QueryError, RecoveryFeed};
 
 use super::{call, give, DjvStatus, Failure};
 
@@ -36,7 +36,8 @@ impl From<QueryError> for Failure {
     }
 }
 
-/// Opens the recovery feed of the controller at `controller` ("host:port", its `--listen`),
+/// Opens the recovery feed of the controller at `controller` ("host:port", its `--listen`; or
+/// several, comma-separated, for controllers on etcd: the feed follows whichever leads),
 /// proving the cluster secret `secret` (`secret_len` bytes; NULL: the secret of a cluster started
 /// without one). Nothing is sent until the first watch.
 ///
@@ -57,16 +58,15 @@ pub unsafe extern "C" fn djv_recovery_feed_open(
         }
         // SAFETY: a NUL-terminated string per the contract (not NULL: checked).
         let text = unsafe { CStr::from_ptr(controller) }.to_string_lossy();
-        let addr = text
-            .parse()
-            .map_err(|e| Failure::invalid(format!("controller {text:?} is not HOST:PORT ({e})")))?;
+        let controllers = parse_controllers(&text).map_err(Failure::invalid)?;
         let secret = match secret.is_null() {
             true => DEFAULT_SECRET.as_bytes().to_vec(),
             // SAFETY: `secret` is valid for `secret_len` reads per the contract.
             false => unsafe { std::slice::from_raw_parts(secret, secret_len) }.to_vec(),
         };
+        let feed = RecoveryFeed::following(&controllers, secret).expect("parsed at least one controller");
         // SAFETY: the caller passes a writable `out`.
-        unsafe { give(out, DjvRecoveryFeed(RecoveryFeed::new(addr, secret))) }
+        unsafe { give(out, DjvRecoveryFeed(feed)) }
     })
 }
 

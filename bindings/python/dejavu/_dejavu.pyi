@@ -159,8 +159,11 @@ class PinnedBuffer:
 class RecoveryFeed:
     """What whoever feeds a pipeline (it alone holds the requests' tokens) watches: the recoveries
     the controller at ``controller`` ("host:port", its ``--listen``) carries out itself (a
-    controller started with ``--stages``), each with where every sequence resumes. ``secret`` is
-    the cluster's (``--secret-file``; by default the one of a cluster started without one).
+    controller started with ``--stages``), each with where every sequence resumes. Several
+    controllers on etcd are named comma-separated ("10.0.0.1:7400,10.0.0.2:7400"): the feed
+    follows whichever leads, trying the others in turn when the one that answered last cannot be
+    reached. ``secret`` is the cluster's (``--secret-file``; by default the one of a cluster
+    started without one).
 
     A feeder keeps the epoch of the last recovery it handled, waits for the next one, feeds every
     sequence of it again from its resume token on (through the whole pipeline, as the first

@@ -6,7 +6,7 @@ use std::time::Duration;
 use dejavu_proto::plan::{Loss, Source};
 use dejavulib::message::{Mark, RecoveryOrders};
 use dejavulib::net::auth::DEFAULT_SECRET;
-use dejavulib::net::controller::{QueryError, RecoveryFeed};
+use dejavulib::net::controller::{parse_controllers, QueryError, RecoveryFeed};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -65,9 +65,7 @@ impl PyRecoveryFeed {
     #[new]
     #[pyo3(signature = (controller, secret = None))]
     fn new(controller: &str, secret: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        let addr = controller
-            .parse()
-            .map_err(|e| value_err(format!("controller {controller:?} is not HOST:PORT ({e})")))?;
+        let controllers = parse_controllers(controller).map_err(value_err)?;
         let secret: Vec<u8> = match secret {
             None => DEFAULT_SECRET.as_bytes().to_vec(),
             Some(s) => match s.extract::<String>() {
@@ -75,7 +73,8 @@ impl PyRecoveryFeed {
                 Err(_) => s.extract::<Vec<u8>>()?,
             },
         };
-        Ok(Self { feed: Mutex::new(RecoveryFeed::new(addr, secret)) })
+        let feed = RecoveryFeed::following(&controllers, secret).expect("parsed at least one controller");
+        Ok(Self { feed: Mutex::new(feed) })
     }
 
     #[pyo3(signature = (after = 0, timeout = 5.0))]

@@ -222,6 +222,8 @@ def test_a_recovery_feed_refuses_what_it_cannot_do(tmp_path):
 
     with pytest.raises(ValueError, match="HOST:PORT"):
         dejavu.RecoveryFeed("nowhere")
+    with pytest.raises(ValueError, match='"nowhere" is not HOST:PORT'):
+        dejavu.RecoveryFeed("127.0.0.1:1,nowhere")
     with pytest.raises(ValueError, match="timeout"):
         dejavu.RecoveryFeed("127.0.0.1:1").watch(0, timeout=-1)
     with pytest.raises(dejavu.ControllerError):
@@ -232,6 +234,9 @@ def test_a_recovery_feed_refuses_what_it_cannot_do(tmp_path):
         w.spawn(w.dejavud, "controller", f"--listen={w.heartbeat}", f"--state={tmp_path / 'state'}").stdout.readline()
         with pytest.raises(dejavu.ControllerError, match="--stages"):
             dejavu.RecoveryFeed(w.heartbeat).watch(0, timeout=0.1)
+        # Named among others (controllers on etcd), it is found past one that cannot be reached.
+        with pytest.raises(dejavu.ControllerError, match="--stages"):
+            dejavu.RecoveryFeed(f"127.0.0.1:{free_port()},{w.heartbeat}").watch(0, timeout=0.1)
         with pytest.raises(dejavu.ControllerError):
             dejavu.RecoveryFeed(w.heartbeat, secret=b"another cluster").watch(0, timeout=0.1)
     finally:

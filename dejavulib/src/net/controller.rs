@@ -66,6 +66,8 @@ fn handshake_error(e: PeerError) -> QueryError {
 pub struct QueryConnection {
     addr: SocketAddr,
     deadline: Duration,
+    /// How long opening a connection (connect and handshake) may take.
+    opening: Duration,
     secret: Vec<u8>,
     connection: Option<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
     next_request: u64,
@@ -75,7 +77,14 @@ impl QueryConnection {
     /// A connection to the controller at `addr`, proving the cluster secret `secret`; a call
     /// slower than `deadline` fails.
     pub fn new(addr: SocketAddr, deadline: Duration, secret: impl Into<Vec<u8>>) -> Self {
-        Self { addr, deadline, secret: secret.into(), connection: None, next_request: 1 }
+        Self { addr, deadline, opening: deadline, secret: secret.into(), connection: None, next_request: 1 }
+    }
+
+    /// As `self`, a connection given up if it is not open (connected, the secret proven) within
+    /// `opening`: a controller standing by on etcd holds its port without serving it, so its
+    /// connections are accepted but never answered.
+    pub fn opening_within(self, opening: Duration) -> Self {
+        Self { opening, ..self }
     }
 
     /// The controller's address.
@@ -128,11 +137,11 @@ impl QueryConnection {
 
     fn try_call(&mut self, payload: Vec<u8>, deadline: Duration) -> Result<(u64, Message), QueryError> {
         if self.connection.is_none() {
-            let stream = TcpStream::connect_timeout(&self.addr, self.deadline)?;
+            let stream = TcpStream::connect_timeout(&self.addr, self.opening)?;
             stream.set_nodelay(true)?;
             stream.set_write_timeout(Some(self.deadline))?;
-            stream.set_read_timeout(Some(self.deadline))?;
-            client_handshake_blocking(&stream, &self.secret, QUERY_CLIENT_NODE, self.deadline)
+            stream.set_read_timeout(Some(self.opening))?;
+            client_handshake_blocking(&stream, &self.secret, QUERY_CLIENT_NODE, self.opening)
                 .map_err(handshake_error)?;
             self.connection = Some((BufReader::new(stream.try_clone()?), BufWriter::new(stream)));
         }
@@ -171,6 +180,16 @@ impl QueryConnection {
     }
 }
 
+/// The controllers named in `text`: `HOST:PORT`, or several, comma-separated (each controller
+/// of a cluster on etcd); `Err` names the first that is not an address.
+pub fn parse_controllers(text: &str) -> Result<Vec<SocketAddr>, String> {
+    let addrs = text
+        .split(',')
+        .map(|one| one.trim().parse().map_err(|e| format!("controller {one:?} is not HOST:PORT ({e})")))
+        .collect::<Result<Vec<SocketAddr>, String>>()?;
+    Ok(addrs)
+}
+
 /// The longest a single watch waits at the controller (it answers sooner if a recovery is ready).
 pub const MAX_WATCH: Duration = Duration::from_secs(10);
 
@@ -199,14 +218,48 @@ pub const MAX_WATCH: Duration = Duration::from_secs(10);
 ///     }
 /// }
 /// ```
+///
+/// Where several controllers run on etcd, the feed follows whichever leads
+/// ([`RecoveryFeed::following`]): the new leader serves the same feed, from the record the old
+/// one kept in etcd.
 pub struct RecoveryFeed {
-    link: QueryConnection,
+    /// One connection per controller.
+    links: Vec<QueryConnection>,
+    /// The one that answered last.
+    current: usize,
 }
+
+/// How long a feed waits for an answer (beyond a watch's own wait).
+const FEED_DEADLINE: Duration = Duration::from_secs(5);
+
+/// How long a feed that follows several controllers waits for one to open a connection before it
+/// tries the next: one standing by never does.
+const FOLLOWER_OPENING: Duration = Duration::from_millis(500);
 
 impl RecoveryFeed {
     /// The feed of the controller at `addr`, proving the cluster secret `secret`.
     pub fn new(addr: SocketAddr, secret: impl Into<Vec<u8>>) -> Self {
-        Self { link: QueryConnection::new(addr, Duration::from_secs(5), secret) }
+        Self { links: vec![QueryConnection::new(addr, FEED_DEADLINE, secret)], current: 0 }
+    }
+
+    /// The feed of a cluster whose controllers are at `controllers` (several on etcd, of which
+    /// one leads and the others stand by): each request goes to the one that answered last, and
+    /// on to the others in turn when it cannot be reached or opens no connection within half a
+    /// second (a controller standing by holds its port but serves nothing). `None` if
+    /// `controllers` is empty.
+    pub fn following(controllers: &[SocketAddr], secret: impl Into<Vec<u8>>) -> Option<Self> {
+        let secret = secret.into();
+        let opening = if controllers.len() > 1 { FOLLOWER_OPENING } else { FEED_DEADLINE };
+        let links: Vec<QueryConnection> = controllers
+            .iter()
+            .map(|&addr| QueryConnection::new(addr, FEED_DEADLINE, secret.clone()).opening_within(opening))
+            .collect();
+        (!links.is_empty()).then_some(Self { links, current: 0 })
+    }
+
+    /// The address of the controller that answered last (the first, before any answer).
+    pub fn controller(&self) -> SocketAddr {
+        self.links[self.current].addr()
     }
 
     /// The recovery of the first epoch after `after` in which the controller fenced a stage, once
@@ -219,7 +272,7 @@ impl RecoveryFeed {
     pub fn watch(&mut self, after: u64, wait: Duration) -> Result<Option<RecoveryOrders>, QueryError> {
         let wait = wait.min(MAX_WATCH);
         let wait_ms = wait.as_millis() as u32;
-        match self.call(&Message::WatchRecovery { after, wait_ms }, wait + self.link.deadline)? {
+        match self.call(&Message::WatchRecovery { after, wait_ms }, wait + FEED_DEADLINE)? {
             (_, Message::Orders(orders)) if orders.epoch > after => Ok(Some(orders)),
             (_, Message::Epoch(_)) => Ok(None),
             (_, other) => Err(QueryError::Protocol(format!("a recovery watch answered with {other:?}"))),
@@ -229,19 +282,35 @@ impl RecoveryFeed {
     /// Tells the controller that every sequence of the recovery of `epoch` was fed again (saying
     /// it twice counts once).
     pub fn acknowledge(&mut self, epoch: u64) -> Result<(), QueryError> {
-        match self.call(&Message::AcknowledgeRecovery(epoch), self.link.deadline)? {
+        match self.call(&Message::AcknowledgeRecovery(epoch), FEED_DEADLINE)? {
             (_, Message::Epoch(_)) => Ok(()),
             (_, other) => Err(QueryError::Protocol(format!("an acknowledgement answered with {other:?}"))),
         }
     }
 
-    /// A request, sent again once on a new connection if the one it went out on, opened by an
-    /// earlier call, broke (a controller restarted on its address): both requests are idempotent.
+    /// A request to the controller that answered last, then to each other in turn while one
+    /// cannot be reached. On each, it is sent again once on a new connection if the one it went
+    /// out on, opened by an earlier call, broke (a controller restarted on its address): both
+    /// requests are idempotent. The last failure to reach one is returned if none answers.
     fn call(&mut self, message: &Message, deadline: Duration) -> Result<(u64, Message), QueryError> {
-        let reused = self.link.connected();
-        match self.link.call_within(message, deadline) {
-            Err(QueryError::Io(_)) if reused => self.link.call_within(message, deadline),
-            other => other,
+        let n = self.links.len();
+        let mut unreachable = None;
+        for k in 0..n {
+            let i = (self.current + k) % n;
+            let link = &mut self.links[i];
+            let reused = link.connected();
+            let answer = match link.call_within(message, deadline) {
+                Err(QueryError::Io(_)) if reused => link.call_within(message, deadline),
+                other => other,
+            };
+            match answer {
+                Err(QueryError::Io(e)) => unreachable = Some(e),
+                answer => {
+                    self.current = i;
+                    return answer;
+                }
+            }
         }
+        Err(QueryError::Io(unreachable.expect("a feed has a controller")))
     }
 }
