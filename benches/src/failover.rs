@@ -2,7 +2,9 @@
 //! etcd cluster, one leading and one standing by; the leader is SIGKILLed, and the time until the
 //! standby serves (it prints `listening`) is one failover. A new standby is started each time.
 //! The limit is the lease's TTL plus one heartbeat interval: a dead leader's lease expires within
-//! its TTL, and the next must take over within a heartbeat of that.
+//! its TTL, and the next must take over within a heartbeat of that. The standby does better when
+//! the leader's process is gone: its address refuses connections, and the standby revokes its
+//! lease at its next probe (`dejavud::controller::PROBE_EVERY`).
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -5,7 +5,8 @@
 //! took over, cannot write an epoch, answers no replacement's epoch, and stops; a leader stopped by SIGTERM gives the leadership up
 //! at once. A controller reaches an etcd that takes TLS only, checks its clients' certificates and
 //! has user authentication on, and writes past the lifetime of its authentication token. A
-//! recovery feed that names every controller follows the leader.
+//! recovery feed that names every controller follows the leader. A controller standing by takes
+//! over from a killed leader long before the leader's lease lapses, but not from a paused one.
 //!
 //! Needs Debian's `etcd-server` (`etcd` on the PATH, as `.ci/run` installs it).
 
@@ -395,4 +396,33 @@ fn a_recovery_feed_naming_every_controller_follows_the_leader() {
     assert_eq!(answer, None);
     assert_eq!(feed.controller(), b);
     assert!(RecoveryFeed::following(&[], DEFAULT_SECRET.as_bytes()).is_none());
+}
+
+#[test]
+fn a_standby_takes_over_from_a_dead_leader_at_once_and_from_a_paused_one_only_after_its_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdCluster::start(dir.path(), 1).expect("etcd (Debian's etcd-server) on the PATH");
+    let endpoints = etcd.endpoints().to_owned();
+    // A lease of a minute: a takeover within seconds can only come from the dead leader's lease
+    // being revoked.
+    let long_lease = ["--lease-secs".as_ref(), "60".as_ref()];
+    let first = Controller::start_with(&endpoints, &long_lease);
+    first.leading(Duration::from_secs(30)).expect("the first controller leads");
+    let second = Controller::start_with(&endpoints, &long_lease);
+    let b = second.standing_by();
+
+    // Killed: its address refuses connections, and the standby revokes its lease.
+    drop(first);
+    assert_eq!(
+        second.leading(Duration::from_secs(20)),
+        Some(b),
+        "the standby did not take over from the dead leader"
+    );
+
+    // Paused: its port is still bound, so it may only be slow; the standby waits for its lease.
+    let third = Controller::start_with(&endpoints, &long_lease);
+    third.standing_by();
+    second.signal(libc::SIGSTOP);
+    assert_eq!(third.leading(Duration::from_secs(3)), None, "the standby took over from a paused leader");
+    second.signal(libc::SIGCONT);
 }

@@ -120,8 +120,8 @@ fn record(e2e: &mut E2e, what: &str, measured: Result<(Vec<Row>, String), String
     }
 }
 
-/// The controller's rows alone (`--controller-only`): its scale, and, where etcd is installed, a
-/// member's detection during a failover.
+/// The controller's rows alone (`--controller-only`): its scale, and, where etcd is installed, the
+/// failover time and a member's detection during a failover.
 fn controller_only(machine: &dejavu_benches::machine::Machine, quick: bool) -> std::process::ExitCode {
     let measured = e2e::find_dejavud().and_then(|exe| {
         let (window, detections) = controller_load_settings(quick);
@@ -130,9 +130,14 @@ fn controller_only(machine: &dejavu_benches::machine::Machine, quick: bool) -> s
         let mut notes = vec![note];
         if Command::new("etcd").arg("--version").output().is_ok() {
             let runs = if quick { FAILOVERS_QUICK } else { FAILOVERS };
-            let (more, note) = dejavu_benches::failover::measure_detection(&exe, runs)?;
-            rows.extend(more);
-            notes.push(note);
+            for measured in [
+                dejavu_benches::failover::measure(&exe, runs),
+                dejavu_benches::failover::measure_detection(&exe, runs),
+            ] {
+                let (more, note) = measured?;
+                rows.extend(more);
+                notes.push(note);
+            }
         }
         Ok((rows, notes.join("\n")))
     });

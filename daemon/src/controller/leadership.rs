@@ -15,6 +15,12 @@
 //!   exits (a supervisor starts it again, and it campaigns anew).
 //! - **Stopping.** A leader stopped by SIGTERM or SIGINT revokes its lease before it exits
 //!   ([`Leadership::resignation`]): a controller standing by takes over at once.
+//! - **A leader that died.** A controller standing by connects to the leader's address (the
+//!   election's value) every [`PROBE_EVERY`]. A refused connection means no process listens
+//!   there: the leader's process is gone, though its lease lives on until its TTL. The controller
+//!   standing by then revokes that lease, and the next leader takes over within a probe rather
+//!   than a TTL. A leader that is paused or cut off does not refuse (its port is bound, or its
+//!   host does not answer): its lease lapses with its TTL, as before.
 //! - **A secured etcd.** TLS, a client certificate and etcd's user authentication come from
 //!   [`EtcdAccess`]. etcd's authentication tokens expire (`--auth-token-ttl`, 5 minutes by
 //!   default); a request refused for an expired token gets a new one and is tried once more.
@@ -60,6 +66,9 @@ const ETCD_PATIENCE: Duration = Duration::from_secs(30);
 
 /// How long a guarded write may take.
 const WRITE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// How often a controller standing by checks that the leader's process still listens.
+pub const PROBE_EVERY: Duration = Duration::from_millis(100);
 
 /// This controller's leadership of its cluster (see the module's documentation).
 pub struct Leadership {
@@ -158,7 +167,10 @@ impl Leadership {
                 tell(Some(holder));
             }
         }
-        let won = match client.campaign(election, addr.to_string(), lease).await {
+        let watching = tokio::spawn(depose_the_dead(client.clone(), election.clone(), addr));
+        let campaign = client.campaign(election, addr.to_string(), lease).await;
+        watching.abort();
+        let won = match campaign {
             Ok(won) => won,
             Err(e) => {
                 keeping.abort();
@@ -263,6 +275,31 @@ impl Leadership {
     /// Whether the leadership was lost (the lease expired, or a guarded write failed).
     pub fn lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)
+    }
+}
+
+/// While this controller (at `addr`) campaigns: revokes the lease of a leader whose address
+/// refuses connections, its process gone (see the module's documentation). A leader that
+/// announced an address of any interface (`0.0.0.0`) cannot be probed from elsewhere: it is left
+/// to its TTL.
+async fn depose_the_dead(mut client: Client, election: String, addr: SocketAddr) {
+    loop {
+        tokio::time::sleep(PROBE_EVERY).await;
+        let Ok(answer) = client.leader(election.clone()).await else { continue };
+        let Some(kv) = answer.kv() else { continue };
+        let Some(leader) = kv.value_str().ok().and_then(|v| v.parse::<SocketAddr>().ok()) else { continue };
+        if leader == addr || leader.ip().is_unspecified() {
+            continue;
+        }
+        let probe = tokio::time::timeout(PROBE_EVERY, tokio::net::TcpStream::connect(leader)).await;
+        if let Ok(Err(e)) = probe {
+            if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                info!(%leader, "the leader's address refuses connections, its process gone: revoking its lease");
+                if let Err(e) = client.lease_revoke(kv.lease()).await {
+                    tracing::warn!(%leader, error = %e, "could not revoke the dead leader's lease: it lapses with its TTL");
+                }
+            }
+        }
     }
 }
 

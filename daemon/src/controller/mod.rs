@@ -72,7 +72,7 @@ mod state;
 pub use client::{Census, ControllerClient};
 pub use etcd_access::{ClientIdentity, EtcdAccess, EtcdAccessError, EtcdAccessFiles};
 use heartbeats::{authentic_beat, listen_heartbeats, recv_waiting, DATAGRAM_BUFFER};
-pub use leadership::{EtcdConfig, Leadership};
+pub use leadership::{EtcdConfig, Leadership, PROBE_EVERY};
 pub use lifeline::Lifeline;
 use query::{refusal_code, QUERY_SERVER_NODE};
 pub use state::{Membership, Record, State};
@@ -802,6 +802,15 @@ fn answer_queries(
 ) -> Result<(), ControllerError> {
     let Query { depth, secret, heartbeats, tables, counters, events } = *query;
     stream.set_nodelay(true)?;
+    // A connection closed before it said anything (its client speaks first) is a probe: a
+    // controller standing by checking that this one's process lives. Nothing to answer, and
+    // nothing refused.
+    stream.set_read_timeout(Some(HANDSHAKE_DEADLINE))?;
+    let probe = matches!(stream.peek(&mut [0u8; 1]), Ok(0));
+    stream.set_read_timeout(None)?;
+    if probe {
+        return Ok(());
+    }
     if let Err(e) = server_handshake_blocking(&stream, secret, QUERY_SERVER_NODE, HANDSHAKE_DEADLINE) {
         counters.refused_queries.fetch_add(1, Ordering::Relaxed);
         return Err(ControllerError::Auth(e.to_string()));
