@@ -60,29 +60,43 @@ def test_a_match_keeps_only_whole_chunks_that_run_from_token_zero_in_every_layer
     assert whole_chunks(prompt[1:] + [chunk((0, 1), (10, 40))] + steps, 100)[1] == 0
 
 
-def test_the_worker_side_saves_to_its_sidecar_loads_elsewhere_and_reports_a_failed_load(tmp_path):
+#: Two layers' names, as vLLM gives them to the connector.
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+def cpu_worker(config):
+    """A worker side over two layers of vLLM's CPU layout, ``[num_blocks][kv_heads][block_size]
+    [2 * head_dim]``, filled with noise."""
     import torch
 
-    from dejavu.vllm.config import ConnectorConfig
-    from dejavu.vllm.plan import DejaVuMetadata, LoadJob, SaveJob
     from dejavu.vllm.worker import WorkerSide
+
+    worker = WorkerSide(config, block_size=32)
+    worker.register({name: torch.randn(8, 2, 32, 128).to(torch.bfloat16) for name in LAYERS})
+    return worker
+
+
+def save_a_request(worker, sequence=5):
+    """A step that writes tokens 0..40 of a request in blocks 3 and 6, saved layer by layer, then
+    acknowledged at the end of the next step."""
+    from dejavu.vllm.plan import DejaVuMetadata, SaveJob
+
+    step = DejaVuMetadata(saves=[SaveJob(sequence=sequence, start=0, end=40, ids=list(range(40)), blocks=[3, 6])])
+    worker.bind(step)
+    for name in LAYERS:
+        worker.save_layer(name)
+    worker.wait_for_save(step)
+    worker.wait_for_save(DejaVuMetadata())
+
+
+def test_the_worker_side_saves_to_its_sidecar_loads_elsewhere_and_reports_a_failed_load(tmp_path):
+    from dejavu.vllm.config import ConnectorConfig
+    from dejavu.vllm.plan import DejaVuMetadata, LoadJob
     from test_dejavu import running_sidecar
 
     with running_sidecar(tmp_path, index=0) as (socket, successor):
-        worker = WorkerSide(ConnectorConfig(sidecar=str(socket), successor=successor.address), block_size=32)
-        # vLLM's CPU layout: [num_blocks][kv_heads][block_size][2 * head_dim], two layers.
-        names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-        kv = {name: torch.randn(8, 2, 32, 128).to(torch.bfloat16) for name in names}
-        worker.register(kv)
-
-        # A step writes tokens 0..40 of a request in blocks 3 and 6: saved layer by layer, then
-        # acknowledged at the end of the next step.
-        step = DejaVuMetadata(saves=[SaveJob(sequence=5, start=0, end=40, ids=list(range(40)), blocks=[3, 6])])
-        worker.bind(step)
-        for name in names:
-            worker.save_layer(name)
-        worker.wait_for_save(step)
-        worker.wait_for_save(DejaVuMetadata())
+        worker = cpu_worker(ConnectorConfig(sidecar=str(socket), successor=successor.address))
+        save_a_request(worker)
         assert successor.chunks == 3  # two layers' KV and the token ids, copied on
 
         # Loaded into other blocks (noise until then), as a new engine's request would: the same
@@ -137,14 +151,10 @@ def test_the_scheduler_drops_what_a_dead_engine_left_once_no_request_came_back_f
     ``orphan_seconds`` of the next engine's scheduler, then its workers drop it."""
     from types import SimpleNamespace
 
-    import torch
-
     from dejavu import Store
     from dejavu.vllm.config import ConnectorConfig
-    from dejavu.vllm.plan import DejaVuMetadata, SaveJob
     from dejavu.vllm.scheduler import SchedulerSide
     from dejavu.vllm.sequences import SequenceIndex
-    from dejavu.vllm.worker import WorkerSide
     from test_dejavu import running_sidecar
 
     def idle_step():
@@ -158,16 +168,8 @@ def test_the_scheduler_drops_what_a_dead_engine_left_once_no_request_came_back_f
 
     with running_sidecar(tmp_path, index=0) as (socket, successor):
         config = ConnectorConfig(sidecar=str(socket), successor=successor.address, orphan_seconds=100.0)
-        names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-        kv = {name: torch.randn(8, 2, 32, 128).to(torch.bfloat16) for name in names}
-        dead = WorkerSide(config, block_size=32)
-        dead.register(kv)
-        saved = DejaVuMetadata(saves=[SaveJob(sequence=5, start=0, end=40, ids=list(range(40)), blocks=[3, 6])])
-        dead.bind(saved)
-        for name in names:
-            dead.save_layer(name)
-        dead.wait_for_save(saved)
-        dead.wait_for_save(DejaVuMetadata())
+        dead = cpu_worker(config)
+        save_a_request(dead, sequence=5)
         dead.shutdown()
         reader = SequenceIndex(Store.sidecar_reader(str(socket)))
         reader.refresh()
@@ -176,8 +178,7 @@ def test_the_scheduler_drops_what_a_dead_engine_left_once_no_request_came_back_f
         # The next engine: its scheduler looks over the sidecar every 25 s of its clock.
         now = [1000.0]
         scheduler = SchedulerSide(config, block_size=32, clock=lambda: now[0])
-        worker = WorkerSide(config, block_size=32)
-        worker.register(kv)
+        worker = cpu_worker(config)
         for t in (1000.0, 1025.0, 1050.0, 1075.0, 1099.0):
             now[0] = t
             meta = scheduler.build(idle_step())
