@@ -1,7 +1,8 @@
 //! The daemons beside a supervisor, through the real binary: they outlive the shell that started
 //! them, end cleanly on SIGTERM (the sidecar's socket removed, the controller's state kept), replace
 //! a socket a dead sidecar left and refuse one a live sidecar holds, and a second controller on the
-//! same state file is refused.
+//! same state file is refused. A member whose lifeline no controller takes says so, and says
+//! again when one does.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -380,4 +381,47 @@ fn an_engine_naming_its_own_sidecar_as_successor_is_warned() {
     drop(engine);
     let (_, stderr) = first.signal_and_wait(libc::SIGTERM);
     assert!(stderr.contains("names this sidecar as its successor"), "{stderr}");
+}
+
+#[test]
+fn a_member_says_when_no_controller_takes_its_lifeline_and_when_one_does_again() {
+    use std::sync::mpsc::channel;
+    use std::time::Instant;
+    let dir = tempfile::tempdir().unwrap();
+    // The controller's address, where nobody listens yet.
+    let at = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let local = dir.path().join("s0.sock");
+    let mut member = start(&[
+        "sidecar",
+        "--listen",
+        "127.0.0.1:0",
+        "--local",
+        local.to_str().unwrap(),
+        "--index",
+        "0",
+        "--heartbeat",
+        &at,
+    ]);
+    let (tx, lines) = channel();
+    let stderr = BufReader::new(member.child.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let wait_for = |text: &str| {
+        let until = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            let line = lines.recv_timeout(left).unwrap_or_else(|_| panic!("the member never said {text:?}"));
+            if line.contains(text) {
+                return line;
+            }
+        }
+    };
+    let said = wait_for("no controller has taken this member's lifeline");
+    assert!(said.contains("WARN") && said.contains("neither detected nor recovered"), "{said}");
+    let _controller =
+        start(&["controller", "--listen", &at, "--state", dir.path().join("state").to_str().unwrap()]);
+    wait_for("a controller holds this member's lifeline again");
 }

@@ -102,6 +102,10 @@ pub struct Lifeline {
 /// No fence heard (epochs of fences start at 1).
 const NOT_FENCED: u64 = 0;
 
+/// How long a member's lifeline may find no controller to take it before the member says so:
+/// longer than a failover on etcd takes, even one that waits out a lease.
+pub const NO_CONTROLLER_PATIENCE: Duration = Duration::from_secs(5);
+
 impl Lifeline {
     /// Holds a lifeline for `member`, whose process was started in `epoch`, to the controller at
     /// `controller`, proving the cluster secret `secret`; a connection that cannot be opened or
@@ -162,11 +166,18 @@ impl Lifeline {
             (stop.clone(), held.clone(), fenced.clone(), secret.to_vec());
         std::thread::Builder::new().name("lifeline".into()).spawn(move || {
             let mut opened = first;
+            // Since when no controller holds the lifeline, and whether the member said so.
+            let mut unheld_since = opened.is_none().then(Instant::now);
+            let mut said = false;
             while !stopped.load(Ordering::SeqCst) {
                 let at = controllers[next % controllers.len()];
                 match opened.take().map_or_else(|| open(at, (member, epoch, process), patience, &secret), Ok)
                 {
                     Ok((stream, shutter)) => {
+                        if said {
+                            info!(?member, controller = %at, "a controller holds this member's lifeline again: its failures are detected again");
+                        }
+                        said = false;
                         *holding.lock() = shutter;
                         // Dropped meanwhile: the drop found no connection to shut down.
                         if stopped.load(Ordering::SeqCst) {
@@ -183,10 +194,22 @@ impl Lifeline {
                             // A fenced process holds no lifeline again: it would be refused.
                             break;
                         }
+                        unheld_since = Some(Instant::now());
                     }
                     Err(e) => {
                         debug!(error = %e, %at, "cannot hold a lifeline to this controller");
                         next += 1;
+                        if !said && unheld_since.is_some_and(|since| since.elapsed() >= NO_CONTROLLER_PATIENCE) {
+                            warn!(
+                                ?member,
+                                ?controllers,
+                                "no controller has taken this member's lifeline for {} s: none leads (on etcd, \
+                                 etcd may be down). Serving and copies go on, but failures here are neither \
+                                 detected nor recovered until a controller leads again",
+                                NO_CONTROLLER_PATIENCE.as_secs()
+                            );
+                            said = true;
+                        }
                     }
                 }
                 std::thread::sleep(retry);
