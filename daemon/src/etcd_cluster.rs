@@ -82,6 +82,15 @@ impl EtcdCluster {
         Ok(cluster)
     }
 
+    /// Kills member `index` (a machine of the etcd cluster lost); the others keep a quorum while
+    /// more than half of them live.
+    pub fn kill_member(&mut self, index: usize) {
+        if let Some(member) = self.members.get_mut(index) {
+            let _ = member.kill();
+            let _ = member.wait();
+        }
+    }
+
     /// Its client URLs, comma-separated (as `controller --etcd` takes them).
     pub fn endpoints(&self) -> &str {
         &self.endpoints

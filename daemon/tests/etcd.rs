@@ -6,7 +6,8 @@
 //! at once. A controller reaches an etcd that takes TLS only, checks its clients' certificates and
 //! has user authentication on, and writes past the lifetime of its authentication token. A
 //! recovery feed that names every controller follows the leader. A controller standing by takes
-//! over from a killed leader long before the leader's lease lapses, but not from a paused one.
+//! over from a killed leader long before the leader's lease lapses, but not from a paused one. A
+//! leader goes on when an etcd member dies.
 //!
 //! Needs Debian's `etcd-server` (`etcd` on the PATH, as `.ci/run` installs it).
 
@@ -425,4 +426,27 @@ fn a_standby_takes_over_from_a_dead_leader_at_once_and_from_a_paused_one_only_af
     second.signal(libc::SIGSTOP);
     assert_eq!(third.leading(Duration::from_secs(3)), None, "the standby took over from a paused leader");
     second.signal(libc::SIGCONT);
+}
+
+#[test]
+fn a_leader_goes_on_when_an_etcd_member_dies() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut etcd = EtcdCluster::start(dir.path(), 3).expect("etcd (Debian's etcd-server) on the PATH");
+    let endpoints = etcd.endpoints().to_owned();
+    let leader = Controller::start(&endpoints);
+    let a = leader.leading(Duration::from_secs(30)).expect("the controller leads");
+    let member = sidecar(0, &[a], dir.path());
+    wait_until(a, "the member alive", |census| census.health((Role::Sidecar, 0)) == Health::Alive);
+
+    // The first etcd member named dies: the other two keep the quorum, and the leader, whose
+    // client spreads its requests over every endpoint, keeps its lease (1 s, renewed through the
+    // others for 3 s) and goes on writing.
+    etcd.kill_member(0);
+    std::thread::sleep(Duration::from_secs(3));
+    drop(member);
+    wait_until(a, "the member fenced", |census| census.is_fenced((Role::Sidecar, 0)) && census.epoch == 1);
+    let mut leader = leader.process;
+    assert_eq!(leader.0.try_wait().unwrap(), None, "the controller stopped when one etcd member died");
+    let rest = endpoints.split(',').skip(1).collect::<Vec<_>>().join(",");
+    assert!(record_in_etcd(&rest).starts_with("epoch 1\n"));
 }
