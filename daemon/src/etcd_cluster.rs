@@ -27,7 +27,8 @@ pub struct EtcdOptions {
 
 /// The members of a local etcd cluster.
 pub struct EtcdCluster {
-    members: Vec<Child>,
+    /// Each member's process; `None` once killed.
+    members: Vec<Option<Child>>,
     endpoints: String,
 }
 
@@ -77,7 +78,7 @@ impl EtcdCluster {
                 command.stdout(Stdio::null()).stderr(Stdio::null()).spawn().map_err(|e| {
                     std::io::Error::new(e.kind(), format!("etcd (Debian's etcd-server): {e}"))
                 })?;
-            cluster.members.push(child);
+            cluster.members.push(Some(child));
         }
         Ok(cluster)
     }
@@ -85,9 +86,18 @@ impl EtcdCluster {
     /// Kills member `index` (a machine of the etcd cluster lost); the others keep a quorum while
     /// more than half of them live.
     pub fn kill_member(&mut self, index: usize) {
-        if let Some(member) = self.members.get_mut(index) {
+        if let Some(mut member) = self.members.get_mut(index).and_then(Option::take) {
             let _ = member.kill();
             let _ = member.wait();
+        }
+    }
+
+    /// Sends `signal` to every member (SIGSTOP: etcd stops answering, as when it is down or cut
+    /// off; SIGCONT: it answers again).
+    pub fn signal_all(&self, signal: i32) {
+        for member in self.members.iter().flatten() {
+            // SAFETY: kill(2) on the pid of a child this cluster started and has not reaped.
+            unsafe { libc::kill(member.id() as i32, signal) };
         }
     }
 
@@ -99,7 +109,7 @@ impl EtcdCluster {
 
 impl Drop for EtcdCluster {
     fn drop(&mut self) {
-        for member in &mut self.members {
+        for member in self.members.iter_mut().flatten() {
             let _ = member.kill();
             let _ = member.wait();
         }

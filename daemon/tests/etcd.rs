@@ -7,7 +7,8 @@
 //! has user authentication on, and writes past the lifetime of its authentication token. A
 //! recovery feed that names every controller follows the leader. A controller standing by takes
 //! over from a killed leader long before the leader's lease lapses, but not from a paused one. A
-//! leader goes on when an etcd member dies.
+//! leader goes on when an etcd member dies; when etcd stops answering, the leader stops, and once
+//! etcd is back a controller standing by leads from the record.
 //!
 //! Needs Debian's `etcd-server` (`etcd` on the PATH, as `.ci/run` installs it).
 
@@ -449,4 +450,51 @@ fn a_leader_goes_on_when_an_etcd_member_dies() {
     assert_eq!(leader.0.try_wait().unwrap(), None, "the controller stopped when one etcd member died");
     let rest = endpoints.split(',').skip(1).collect::<Vec<_>>().join(",");
     assert!(record_in_etcd(&rest).starts_with("epoch 1\n"));
+}
+
+#[test]
+fn when_etcd_stops_answering_the_leader_stops_and_once_it_is_back_another_leads_from_the_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdCluster::start(dir.path(), 1).expect("etcd (Debian's etcd-server) on the PATH");
+    let endpoints = etcd.endpoints().to_owned();
+    let first = Controller::start(&endpoints);
+    let a = first.leading(Duration::from_secs(30)).expect("the first controller leads");
+    let second = Controller::start(&endpoints);
+    let b = second.standing_by();
+    let dead = sidecar(1, &[a, b], dir.path());
+    let member = sidecar(0, &[a, b], dir.path());
+    wait_until(a, "both members alive", |census| {
+        census.health((Role::Sidecar, 0)) == Health::Alive
+            && census.health((Role::Sidecar, 1)) == Health::Alive
+    });
+    drop(dead);
+    wait_until(a, "sidecar 1 fenced", |census| census.is_fenced((Role::Sidecar, 1)) && census.epoch == 1);
+
+    // etcd stops answering (down, or cut off): the leader cannot renew its lease (1 s), and
+    // stops rather than act on a leadership it may have lost.
+    etcd.signal_all(libc::SIGSTOP);
+    let mut old = first.process;
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = old.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "the leader went on without etcd");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(DEPOSED_EXIT));
+
+    // etcd answers again: the controller standing by leads, from the record, and the member that
+    // beat to both all along is alive there.
+    etcd.signal_all(libc::SIGCONT);
+    assert_eq!(second.leading(Duration::from_secs(30)), Some(b), "no controller leads once etcd is back");
+    let census = wait_until(b, "the member alive at the new leader", |census| {
+        census.health((Role::Sidecar, 0)) == Health::Alive
+    });
+    assert_eq!(census.epoch, 1);
+    assert!(census.is_fenced((Role::Sidecar, 1)), "{census:?}");
+    drop(member);
+    wait_until(b, "sidecar 0 fenced by the new leader", |census| {
+        census.is_fenced((Role::Sidecar, 0)) && census.epoch == 2
+    });
 }

@@ -13,6 +13,9 @@
 //!   paused or cut off past its lease therefore cannot write a fence, so it can never issue an
 //!   epoch after its successor has: its write fails, it learns it lost the leadership, and it
 //!   exits (a supervisor starts it again, and it campaigns anew).
+//! - **A leader that cannot renew.** A renewal that etcd does not answer before the lease may have
+//!   expired (etcd down, or this controller cut off from it) ends the leadership as a refused
+//!   one does: the controller stops, and a supervisor starts it again to stand by.
 //! - **Stopping.** A leader stopped by SIGTERM or SIGINT revokes its lease before it exits
 //!   ([`Leadership::resignation`]): a controller standing by takes over at once.
 //! - **A leader that died.** A controller standing by connects to the leader's address (the
@@ -140,22 +143,34 @@ impl Leadership {
         // No timeout per request: a campaign waits as long as another leads.
         let options = config.access.options(Duration::from_secs(5));
         let mut client = Client::connect(&config.endpoints, Some(options)).await?;
+        let asked = tokio::time::Instant::now();
         let lease = client.lease_grant(ttl, None).await?.id();
         *reached = true;
         // Renewed three times a TTL; a renewal that fails or finds the lease gone ends it.
         let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
         let every = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
         let flag = lost.clone();
+        let lease_ttl = Duration::from_secs(ttl as u64);
         let keeping = tokio::spawn(async move {
+            // A renewal etcd does not answer (etcd down, or this controller cut off from it) ends
+            // the leadership once the lease may have expired: counted from before the last
+            // renewal that succeeded was sent, so never later than etcd counts it.
+            let mut renewed_from = asked;
             loop {
-                let renewed = match keeper.keep_alive().await {
-                    Ok(()) => answers.message().await.ok().flatten().is_some_and(|a| a.ttl() > 0),
-                    Err(_) => false,
+                let sent = tokio::time::Instant::now();
+                let renewal = async {
+                    match keeper.keep_alive().await {
+                        Ok(()) => answers.message().await.ok().flatten().is_some_and(|a| a.ttl() > 0),
+                        Err(_) => false,
+                    }
                 };
+                let left = lease_ttl.saturating_sub(renewed_from.elapsed());
+                let renewed = tokio::time::timeout(left, renewal).await.unwrap_or(false);
                 if !renewed {
                     flag.store(true, Ordering::SeqCst);
                     return;
                 }
+                renewed_from = sent;
                 tokio::time::sleep(every).await;
             }
         });
