@@ -87,6 +87,18 @@ impl Controller {
         }
     }
 
+    /// How it exits, waiting up to 30 s for it (`never` says what it did not do otherwise).
+    fn exit_status(mut self, never: &str) -> std::process::ExitStatus {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.process.0.try_wait().unwrap() {
+                return status;
+            }
+            assert!(started.elapsed() < Duration::from_secs(30), "{never}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn signal(&self, signal: i32) {
         // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
         let rc = unsafe { libc::kill(self.process.0.id() as i32, signal) };
@@ -202,16 +214,7 @@ fn one_controller_leads_members_follow_the_leader_and_a_paused_leader_is_fenced(
     let mut asked = ControllerClient::new(b, Duration::from_secs(5), DEFAULT_SECRET.as_bytes());
     let answer = asked.fenced_in((Role::Sidecar, 2));
     assert!(answer.is_err(), "the deposed leader answered a replacement's epoch: {answer:?}");
-    let mut old = second.process;
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = old.0.try_wait().unwrap() {
-            break status;
-        }
-        assert!(started.elapsed() < Duration::from_secs(30), "the old leader never stopped");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert_eq!(status.code(), Some(DEPOSED_EXIT));
+    assert_eq!(second.exit_status("the old leader never stopped").code(), Some(DEPOSED_EXIT));
     let record = record_in_etcd(&endpoints);
     assert!(record.starts_with(&format!("epoch {epoch}\n")), "{record}");
     assert!(record.contains("incarnation 3"), "{record}");
@@ -434,14 +437,16 @@ fn a_leader_goes_on_when_an_etcd_member_dies() {
     let dir = tempfile::tempdir().unwrap();
     let mut etcd = EtcdCluster::start(dir.path(), 3).expect("etcd (Debian's etcd-server) on the PATH");
     let endpoints = etcd.endpoints().to_owned();
-    let leader = Controller::start(&endpoints);
+    // A lease longer than etcd takes to elect a new leader of its own (up to twice its 1 s election
+    // timeout) when the member that died led etcd: renewals wait for that election meanwhile.
+    let leader = Controller::start_with(&endpoints, &["--lease-secs".as_ref(), "5".as_ref()]);
     let a = leader.leading(Duration::from_secs(30)).expect("the controller leads");
     let member = sidecar(0, &[a], dir.path());
     wait_until(a, "the member alive", |census| census.health((Role::Sidecar, 0)) == Health::Alive);
 
     // The first etcd member named dies: the other two keep the quorum, and the leader, whose
-    // client spreads its requests over every endpoint, keeps its lease (1 s, renewed through the
-    // others for 3 s) and goes on writing.
+    // client spreads its requests over every endpoint (a renewal stream that went to the dead
+    // member is opened again through the others), keeps its lease and goes on writing.
     etcd.kill_member(0);
     std::thread::sleep(Duration::from_secs(3));
     drop(member);
@@ -473,16 +478,7 @@ fn when_etcd_stops_answering_the_leader_stops_and_once_it_is_back_another_leads_
     // etcd stops answering (down, or cut off): the leader cannot renew its lease (1 s), and
     // stops rather than act on a leadership it may have lost.
     etcd.signal_all(libc::SIGSTOP);
-    let mut old = first.process;
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = old.0.try_wait().unwrap() {
-            break status;
-        }
-        assert!(started.elapsed() < Duration::from_secs(30), "the leader went on without etcd");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert_eq!(status.code(), Some(DEPOSED_EXIT));
+    assert_eq!(first.exit_status("the leader went on without etcd").code(), Some(DEPOSED_EXIT));
 
     // etcd answers again: the controller standing by leads, from the record, and the member that
     // beat to both all along is alive there.

@@ -13,9 +13,11 @@
 //!   paused or cut off past its lease therefore cannot write a fence, so it can never issue an
 //!   epoch after its successor has: its write fails, it learns it lost the leadership, and it
 //!   exits (a supervisor starts it again, and it campaigns anew).
-//! - **A leader that cannot renew.** A renewal that etcd does not answer before the lease may have
-//!   expired (etcd down, or this controller cut off from it) ends the leadership as a refused
-//!   one does: the controller stops, and a supervisor starts it again to stand by.
+//! - **A leader that cannot renew.** A renewal stream that breaks (the etcd member it went to
+//!   died) is opened again through the other endpoints. A renewal that etcd does not answer
+//!   before the lease may have expired (etcd down, or this controller cut off from it) ends the
+//!   leadership as a refused one does: the controller stops, and a supervisor starts it again
+//!   to stand by.
 //! - **Stopping.** A leader stopped by SIGTERM or SIGINT revokes its lease before it exits
 //!   ([`Leadership::resignation`]): a controller standing by takes over at once.
 //! - **A leader that died.** A controller standing by connects to the leader's address (the
@@ -33,7 +35,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, LeaderKey, Txn, TxnOp};
+use etcd_client::{Client, Compare, CompareOp, LeaderKey, LeaseKeepAliveStream, LeaseKeeper, Txn, TxnOp};
 use tracing::{error, info};
 
 use super::etcd_access::EtcdAccess;
@@ -147,33 +149,10 @@ impl Leadership {
         let lease = client.lease_grant(ttl, None).await?.id();
         *reached = true;
         // Renewed three times a TTL; a renewal that fails or finds the lease gone ends it.
-        let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
+        let renewals = client.lease_keep_alive(lease).await?;
         let every = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
-        let flag = lost.clone();
-        let lease_ttl = Duration::from_secs(ttl as u64);
-        let keeping = tokio::spawn(async move {
-            // A renewal etcd does not answer (etcd down, or this controller cut off from it) ends
-            // the leadership once the lease may have expired: counted from before the last
-            // renewal that succeeded was sent, so never later than etcd counts it.
-            let mut renewed_from = asked;
-            loop {
-                let sent = tokio::time::Instant::now();
-                let renewal = async {
-                    match keeper.keep_alive().await {
-                        Ok(()) => answers.message().await.ok().flatten().is_some_and(|a| a.ttl() > 0),
-                        Err(_) => false,
-                    }
-                };
-                let left = lease_ttl.saturating_sub(renewed_from.elapsed());
-                let renewed = tokio::time::timeout(left, renewal).await.unwrap_or(false);
-                if !renewed {
-                    flag.store(true, Ordering::SeqCst);
-                    return;
-                }
-                renewed_from = sent;
-                tokio::time::sleep(every).await;
-            }
-        });
+        let keeping =
+            tokio::spawn(keep_alive(client.clone(), lease, renewals, asked, ttl as u64, every, lost.clone()));
         let election = config.election();
         let holder = client.leader(election.clone()).await.ok();
         let holder = holder.and_then(|r| r.kv().and_then(|kv| kv.value_str().ok().map(str::to_owned)));
@@ -292,6 +271,69 @@ impl Leadership {
         self.lost.load(Ordering::SeqCst)
     }
 }
+
+/// Renews `lease` (granted for `ttl` seconds, asked for at `asked`) every `every` over
+/// `renewals`, until a renewal fails for good; then sets `lost`.
+///
+/// A renewal stream that breaks (the etcd member it went to died) is opened again, through the
+/// client's other endpoints. A renewal that etcd answers with the lease gone, or that is not
+/// answered before the lease may have expired (etcd down, or this controller cut off from it),
+/// ends the leadership: counted from before the last renewal that succeeded was sent, so never
+/// later than etcd counts it.
+async fn keep_alive(
+    mut client: Client,
+    lease: i64,
+    renewals: (LeaseKeeper, LeaseKeepAliveStream),
+    asked: tokio::time::Instant,
+    ttl: u64,
+    every: Duration,
+    lost: Arc<AtomicBool>,
+) {
+    let lease_ttl = Duration::from_secs(ttl);
+    let mut renewed_from = asked;
+    let mut renewals = Some(renewals);
+    loop {
+        let sent = tokio::time::Instant::now();
+        let renewal = async {
+            loop {
+                let (keeper, answers) = match renewals.as_mut() {
+                    Some(stream) => stream,
+                    None => match client.lease_keep_alive(lease).await {
+                        Ok(stream) => renewals.insert(stream),
+                        Err(_) => {
+                            tokio::time::sleep(REOPEN_PAUSE).await;
+                            continue;
+                        }
+                    },
+                };
+                let answer = match keeper.keep_alive().await {
+                    Ok(()) => answers.message().await,
+                    Err(e) => Err(e),
+                };
+                match answer {
+                    // A TTL of 0: etcd no longer holds the lease.
+                    Ok(Some(answer)) => return answer.ttl() > 0,
+                    // The stream broke: another is opened.
+                    Ok(None) | Err(_) => {
+                        renewals = None;
+                        tokio::time::sleep(REOPEN_PAUSE).await;
+                    }
+                }
+            }
+        };
+        let left = lease_ttl.saturating_sub(renewed_from.elapsed());
+        let renewed = tokio::time::timeout(left, renewal).await.unwrap_or(false);
+        if !renewed {
+            lost.store(true, Ordering::SeqCst);
+            return;
+        }
+        renewed_from = sent;
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// How long a broken renewal stream waits before it is opened again.
+const REOPEN_PAUSE: Duration = Duration::from_millis(50);
 
 /// While this controller (at `addr`) campaigns: revokes the lease of a leader whose address
 /// refuses connections, its process gone (see the module's documentation). A leader that
