@@ -148,11 +148,9 @@ impl Leadership {
         let asked = tokio::time::Instant::now();
         let lease = client.lease_grant(ttl, None).await?.id();
         *reached = true;
-        // Renewed three times a TTL; a renewal that fails or finds the lease gone ends it.
         let renewals = client.lease_keep_alive(lease).await?;
-        let every = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
         let keeping =
-            tokio::spawn(keep_alive(client.clone(), lease, renewals, asked, ttl as u64, every, lost.clone()));
+            tokio::spawn(keep_alive(client.clone(), lease, renewals, asked, ttl as u64, lost.clone()));
         let election = config.election();
         let holder = client.leader(election.clone()).await.ok();
         let holder = holder.and_then(|r| r.kv().and_then(|kv| kv.value_str().ok().map(str::to_owned)));
@@ -272,7 +270,7 @@ impl Leadership {
     }
 }
 
-/// Renews `lease` (granted for `ttl` seconds, asked for at `asked`) every `every` over
+/// Renews `lease` (granted for `ttl` seconds, asked for at `asked`) three times a TTL over
 /// `renewals`, until a renewal fails for good; then sets `lost`.
 ///
 /// A renewal stream that breaks (the etcd member it went to died) is opened again, through the
@@ -286,10 +284,10 @@ async fn keep_alive(
     renewals: (LeaseKeeper, LeaseKeepAliveStream),
     asked: tokio::time::Instant,
     ttl: u64,
-    every: Duration,
     lost: Arc<AtomicBool>,
 ) {
     let lease_ttl = Duration::from_secs(ttl);
+    let every = (lease_ttl / 3).max(Duration::from_millis(100));
     let mut renewed_from = asked;
     let mut renewals = Some(renewals);
     loop {

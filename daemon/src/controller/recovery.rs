@@ -52,7 +52,7 @@ pub(super) fn carry_out(
 ) -> Result<RecoveryOrders, ControllerError> {
     let started = Instant::now();
     let depth = ring_depth(book)?;
-    let losses = leading_losses_in(tables, epoch, depth)?;
+    let losses = losses_in(tables, epoch, depth)?;
     let mut stages = Vec::new();
     for plan in plan::ring(depth, &losses) {
         let reseeded = match plan.reseed {
@@ -98,7 +98,7 @@ pub(super) fn reseed_restored(
     book: &[SocketAddr],
 ) -> Result<u64, ControllerError> {
     let depth = ring_depth(book)?;
-    let losses = leading_losses_in(tables, epoch, depth)?;
+    let losses = losses_in(tables, epoch, depth)?;
     let mut sent = 0;
     for plan in plan::ring(depth, &losses) {
         if let Some((from, Reseed::AfterRestore)) = plan.reseed {
@@ -110,29 +110,20 @@ pub(super) fn reseed_restored(
     Ok(sent)
 }
 
-/// [`losses_in`], once this controller has confirmed that it still leads: a controller paused
-/// past its lease must not retarget sidecars on what it knew before its pause.
-fn leading_losses_in(
-    tables: &Mutex<Tables>,
-    epoch: u64,
-    depth: u32,
-) -> Result<Vec<(u32, Loss)>, ControllerError> {
-    let mut tables = tables.lock();
-    tables.store.confirm_leading()?;
-    losses_in(&tables, epoch, depth)
-}
-
 /// What of each stage was fenced in `epoch`, the current one: the whole worker when its sidecar
 /// was. A late request for an older epoch is refused: it must not retarget sidecars from an old
-/// book.
-fn losses_in(tables: &Tables, epoch: u64, depth: u32) -> Result<Vec<(u32, Loss)>, ControllerError> {
+/// book. Neither may a controller paused past its lease, on what it knew before its pause: it
+/// confirms that it still leads first.
+fn losses_in(tables: &Mutex<Tables>, epoch: u64, depth: u32) -> Result<Vec<(u32, Loss)>, ControllerError> {
+    let mut tables = tables.lock();
+    tables.store.confirm_leading()?;
     let current = tables.machine.epoch();
     if epoch != current {
         return Err(ControllerError::Protocol(format!(
             "a recovery of epoch {epoch}, not the current {current}"
         )));
     }
-    let losses = losses_fenced_in(tables, epoch, depth);
+    let losses = losses_fenced_in(&tables, epoch, depth);
     if losses.is_empty() {
         return Err(ControllerError::Protocol(format!("no stage of {depth} was fenced in epoch {epoch}")));
     }
