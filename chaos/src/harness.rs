@@ -8,11 +8,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dejavu_engine::ModelConfig;
-use dejavud::cluster::{Cluster, ClusterConfig, Disaggregation, SpillLimits, TransportKind};
+use dejavud::cluster::{
+    Cluster, ClusterConfig, ControlPlane, Disaggregation, EtcdControllers, SpillLimits, TransportKind,
+};
 use dejavud::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
+use dejavud::etcd_cluster::EtcdCluster;
 use dejavud::netns::{Fabric, NetnsError};
 
 use crate::check::{check, Violation};
+use crate::control_plane;
 use crate::inject::{plan, ChaosInjector, Injected};
 use crate::proxy::Proxies;
 use crate::report::{Report, Runs};
@@ -70,17 +74,21 @@ pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) ->
     let baseline = Resources::now();
 
     say("failure-free reference run...");
-    let (reference, _) = one_run(scenario, options, seed, &workload, &[], OnFailure::Recover);
+    let (reference, _, control) = one_run(scenario, options, seed, &workload, &[], OnFailure::Recover);
     let reference = reference?;
+    whole_runs.extend(control);
     whole_runs.extend(baseline.leaked_by("the failure-free run"));
 
     say(&format!("run with {} faults, recovered...", faults.len()));
-    let (faulty, injected) = one_run(scenario, options, seed, &workload, &faults, OnFailure::Recover);
+    let (faulty, injected, control) =
+        one_run(scenario, options, seed, &workload, &faults, OnFailure::Recover);
+    whole_runs.extend(control);
     whole_runs.extend(baseline.leaked_by("the run with faults"));
 
     let restart = if scenario.limits.restart_baseline && faults.iter().any(|f| f.kind.is_process_fault()) {
         say("the same faults, restarted from scratch...");
-        let (restart, _) = one_run(scenario, options, seed, &workload, &faults, OnFailure::Restart);
+        let (restart, _, control) = one_run(scenario, options, seed, &workload, &faults, OnFailure::Restart);
+        whole_runs.extend(control);
         whole_runs.extend(baseline.leaked_by("the restart baseline"));
         match restart {
             Ok(run) => Some(run),
@@ -115,8 +123,9 @@ pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) ->
     Ok(report)
 }
 
-/// One run on fresh proxies and clusters, with `faults` (none for the reference); everything it
-/// started is gone when it returns.
+/// One run on fresh proxies and clusters (and a fresh etcd cluster for controllers on etcd), with
+/// `faults` (none for the reference); everything it started is gone when it returns. Also returns
+/// the control plane's violations (see [`control_plane`]), with controllers on etcd.
 fn one_run(
     scenario: &Scenario,
     options: &Options,
@@ -124,7 +133,7 @@ fn one_run(
     workload: &Workload,
     faults: &[Fault],
     on_failure: OnFailure,
-) -> (Result<Run, Failed>, Vec<Injected>) {
+) -> (Result<Run, Failed>, Vec<Injected>, Vec<Violation>) {
     let gateway = options.fabric.as_ref().map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |f| f.gateway());
     let proxies = Arc::new(Proxies::on(gateway, seed));
     let replicate = on_failure == OnFailure::Recover;
@@ -137,9 +146,63 @@ fn one_run(
         watch_every: Duration::from_millis(scenario.cluster.heartbeat_ms),
         retries: scenario.limits.retries,
     };
+    let shape = &scenario.cluster;
+    let mut etcd = match shape.on_etcd().then(|| LocalEtcd::start(shape.etcd_members)).transpose() {
+        Ok(etcd) => etcd,
+        Err(e) => {
+            let error = dejavud::cluster::ClusterError::Io(e);
+            return (Err(Failed { error: error.into(), run: Box::default() }), Vec::new(), Vec::new());
+        }
+    };
     let mut injector = ChaosInjector::new(faults, &proxies, on_failure);
+    if let Some(etcd) = &mut etcd {
+        config.control_plane = ControlPlane::Etcd(EtcdControllers {
+            endpoints: etcd.cluster.client_addrs(),
+            controllers: shape.controllers,
+            lease_secs: shape.lease_secs,
+        });
+        injector = injector.on_etcd(&mut etcd.cluster, shape.etcd_members);
+    }
     let result = drive(workload, &driver, &mut || Cluster::start(config.clone()), &mut injector);
-    (result, injector.injected)
+    let injected = injector.injected;
+    let control = etcd.map_or_else(Vec::new, |etcd| {
+        let lives = match &result {
+            Ok(run) => &run.controllers,
+            Err(failed) => &failed.run.controllers,
+        };
+        match control_plane::history(&etcd.cluster.live_client_addrs()) {
+            Ok(events) => control_plane::check(&events, lives),
+            Err(detail) => vec![Violation { invariant: "etcd history read", detail, step: None }],
+        }
+    });
+    (result, injected, control)
+}
+
+/// A local etcd cluster in a temporary directory of its own, both gone when dropped.
+struct LocalEtcd {
+    cluster: EtcdCluster,
+    dir: std::path::PathBuf,
+}
+
+impl LocalEtcd {
+    fn start(members: u32) -> std::io::Result<Self> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name =
+            format!("dejavu-chaos-etcd-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let dir = std::env::temp_dir().join(name);
+        std::fs::create_dir_all(&dir)?;
+        let cluster = EtcdCluster::start(&dir, members as usize)?;
+        Ok(Self { cluster, dir })
+    }
+}
+
+impl Drop for LocalEtcd {
+    fn drop(&mut self) {
+        // Its members first: they write there until they die.
+        self.cluster.kill_all();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 fn cluster_config(

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use dejavud::cluster::{Cluster, ClusterError, Kill, Link, RecoveryHooks, Role};
 use dejavud::driver::{Injector, OnFailure};
+use dejavud::etcd_cluster::EtcdCluster;
 use serde::Serialize;
 
 use crate::hooks::ScheduledFaults;
@@ -79,6 +80,10 @@ pub struct ChaosInjector<'a> {
     started: Instant,
     /// The faults scheduled inside the next recoveries.
     in_recovery: ScheduledFaults,
+    /// The etcd cluster the controllers keep their state in, if they do, with its members' count.
+    etcd: Option<(&'a mut EtcdCluster, u32)>,
+    /// etcd members killed so far (the first ones).
+    etcd_killed: u32,
     /// What was done, in order.
     pub injected: Vec<Injected>,
 }
@@ -93,8 +98,15 @@ impl<'a> ChaosInjector<'a> {
             on_failure,
             started: Instant::now(),
             in_recovery: ScheduledFaults::default(),
+            etcd: None,
+            etcd_killed: 0,
             injected: Vec::new(),
         }
+    }
+
+    /// The same, for controllers on `etcd`, a cluster of `members` members.
+    pub fn on_etcd(self, etcd: &'a mut EtcdCluster, members: u32) -> Self {
+        Self { etcd: Some((etcd, members)), ..self }
     }
 
     fn apply(&mut self, step: u64, fault: Fault, cluster: &mut Cluster) -> Result<(), ClusterError> {
@@ -151,6 +163,29 @@ impl<'a> ChaosInjector<'a> {
                 note = Some("no recovery without replication: skipped".to_owned());
             }
             FaultKind::KillWorkerInRecovery => self.in_recovery.kill_in_next_recovery(stage, Kill::Worker),
+            FaultKind::CutLeaderFromEtcd => {
+                let members = self.etcd.as_ref().map_or(0, |e| e.1);
+                let controller = cluster.leading_controller();
+                note = Some(format!("controller {controller} cut off"));
+                for member in 0..members {
+                    let cut = NetFault::Stall { both: true, lasting };
+                    self.proxies.inject(Link::Etcd { controller, member }, cut);
+                }
+            }
+            FaultKind::KillEtcdMember => {
+                let Some((etcd, _)) = self.etcd.as_mut() else {
+                    return Err(ClusterError::Invalid("kill-etcd-member needs controllers on etcd".into()));
+                };
+                let member = self.etcd_killed;
+                etcd.kill_member(member as usize);
+                // Its machine is gone: what stood in front of it refuses, as it would.
+                let controllers = cluster.controllers();
+                for controller in 0..controllers {
+                    self.proxies.inject(Link::Etcd { controller, member }, NetFault::Down);
+                }
+                note = Some(format!("etcd member {} killed", self.etcd_killed));
+                self.etcd_killed += 1;
+            }
             _ if restarting && fault.link == LinkKind::Replica => {
                 note = Some("no replica links without replication: skipped".to_owned());
             }

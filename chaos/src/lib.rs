@@ -11,10 +11,13 @@
 //! - [`proxy`]: the user-space proxy that delays, throttles, stalls, resets, corrupts, truncates;
 //! - [`check`]: the invariants (bit-identical output, exactly-once delivery, bounded recompute,
 //!   bounded recovery), and the leak check in [`harness`];
+//! - [`control_plane`]: with controllers on etcd, the invariants of their leadership, checked
+//!   from etcd's own history;
 //! - [`report`]: per fault class injected / survived / violated, recovery percentiles, slowdowns;
 //! - [`harness`]: the runs of one scenario.
 
 pub mod check;
+pub mod control_plane;
 pub mod harness;
 pub mod hooks;
 pub mod inject;

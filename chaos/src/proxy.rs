@@ -57,6 +57,9 @@ pub enum NetFault {
     Corrupt,
     /// Half of the next write is forwarded, then the connection is closed.
     Truncate,
+    /// The target is gone for good (its machine died): every open connection is closed, and the
+    /// proxy stops listening, so new ones are refused as they would be.
+    Down,
 }
 
 /// Counters of one link.
@@ -97,6 +100,8 @@ pub struct LinkState {
     rng: Mutex<SplitMix64>,
     /// Both ends of every open connection, by number, to close on a reset.
     connections: Mutex<HashMap<u64, [TcpStream; 2]>>,
+    /// Whether its target is gone ([`NetFault::Down`]).
+    down: AtomicBool,
     /// Counters.
     pub stats: LinkStats,
 }
@@ -107,6 +112,7 @@ impl LinkState {
             faults: Mutex::default(),
             rng: Mutex::new(SplitMix64::new(seed)),
             connections: Mutex::default(),
+            down: AtomicBool::new(false),
             stats: LinkStats::default(),
         }
     }
@@ -123,8 +129,11 @@ impl LinkState {
                     f.stalled_until[Direction::Backward as usize] = Some(now + lasting);
                 }
             }
-            NetFault::Reset => {
+            NetFault::Reset | NetFault::Down => {
                 drop(f);
+                if fault == NetFault::Down {
+                    self.down.store(true, Ordering::SeqCst);
+                }
                 let open = std::mem::take(&mut *self.connections.lock());
                 self.stats.reset.fetch_add(open.len() as u64, Ordering::Relaxed);
                 open.values().flatten().for_each(|stream| {
@@ -256,7 +265,8 @@ impl Drop for Proxies {
 }
 
 fn accept_loop(listener: TcpListener, target: SocketAddr, shared: &Shared, state: &Arc<LinkState>) {
-    while !shared.stop.load(Ordering::Relaxed) {
+    // Returning drops the listener: a link whose target is down refuses connections.
+    while !shared.stop.load(Ordering::Relaxed) && !state.down.load(Ordering::SeqCst) {
         let client = match listener.accept() {
             Ok((client, _)) => client,
             Err(e) if e.kind() == ErrorKind::WouldBlock => {

@@ -96,6 +96,22 @@ pub struct ClusterShape {
     /// address of its own on a bridge, as on machines of their own; the controller, the driver
     /// and the proxies on the bridge's address. Needs root and iproute2 (`ip`).
     pub namespaces: bool,
+    /// Controllers: 1 with a state file (the default), or with `etcd_members`, this many on a
+    /// local etcd cluster of that many members (one leads, the others stand by), each controller's
+    /// connection to each etcd member through a proxy of its own.
+    pub controllers: u32,
+    /// Members of the local etcd cluster the controllers keep their state in (0: no etcd). Needs
+    /// `etcd` on the PATH (Debian's `etcd-server`).
+    pub etcd_members: u32,
+    /// Seconds a leader that stopped renewing its etcd lease stays leader (`--lease-secs`).
+    pub lease_secs: u64,
+}
+
+impl ClusterShape {
+    /// Whether its controllers run on etcd.
+    pub fn on_etcd(&self) -> bool {
+        self.etcd_members > 0
+    }
 }
 
 /// The transport between a scenario's sidecars.
@@ -125,6 +141,9 @@ impl Default for ClusterShape {
             prompt_slots: 8,
             transport: Transport::Tcp,
             namespaces: false,
+            controllers: 1,
+            etcd_members: 0,
+            lease_secs: 2,
         }
     }
 }
@@ -204,13 +223,24 @@ pub enum FaultKind {
     /// lost. Needs `cluster.spill_memory_bytes`.
     FillSpill,
     /// SIGKILL the controller; the cluster starts another on the same state file when it next
-    /// needs it.
+    /// needs it. With controllers on etcd: the leader, whom a controller standing by succeeds.
     KillController,
     /// SIGSTOP the controller for `duration_ms`, then SIGCONT (longer than the time it has to
-    /// answer, and asked something meanwhile: killed and replaced).
+    /// answer, and asked something meanwhile: killed and replaced). With controllers on etcd: the
+    /// leader; past its lease, another takes the lead, and the old one must not act once resumed
+    /// (its writes fail, and it stops).
     PauseController,
-    /// SIGKILL the controller in the middle of the next recovery, right after it fenced the dead.
+    /// SIGKILL the controller in the middle of the next recovery, right after it fenced the dead
+    /// (with controllers on etcd, the leader: its successor finishes the recovery).
     KillControllerInRecovery,
+    /// Cut the leading controller off from etcd for `duration_ms` (its connections to every etcd
+    /// member stall both ways), while members and the cluster still reach it: it cannot renew
+    /// its lease, so it must stop leading, and another takes the lead. Needs controllers on etcd.
+    CutLeaderFromEtcd,
+    /// SIGKILL one etcd member (the first still alive): the others keep a quorum, and the
+    /// controllers go on through them. Needs controllers on etcd, and no more of these than a
+    /// quorum allows.
+    KillEtcdMember,
     /// SIGKILL a stage's worker in the middle of the next recovery of other stages, once their
     /// replacements are up and before they restore: a second failure during a recovery.
     KillWorkerInRecovery,
@@ -218,7 +248,7 @@ pub enum FaultKind {
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 20] = [
+    pub const ALL: [FaultKind; 22] = [
         FaultKind::KillEngine,
         FaultKind::KillWorker,
         FaultKind::KillSidecar,
@@ -239,6 +269,8 @@ impl FaultKind {
         FaultKind::PauseController,
         FaultKind::KillControllerInRecovery,
         FaultKind::KillWorkerInRecovery,
+        FaultKind::CutLeaderFromEtcd,
+        FaultKind::KillEtcdMember,
     ];
 
     /// Whether it acts on a stage's processes.
@@ -257,12 +289,22 @@ impl FaultKind {
         )
     }
 
-    /// Whether it acts on the controller.
+    /// Whether it acts on the control plane: the controllers, or the etcd they keep their state
+    /// in.
     pub fn is_controller_fault(self) -> bool {
         matches!(
             self,
-            FaultKind::KillController | FaultKind::PauseController | FaultKind::KillControllerInRecovery
+            FaultKind::KillController
+                | FaultKind::PauseController
+                | FaultKind::KillControllerInRecovery
+                | FaultKind::CutLeaderFromEtcd
+                | FaultKind::KillEtcdMember
         )
+    }
+
+    /// Whether it needs controllers on etcd.
+    pub fn needs_etcd(self) -> bool {
+        matches!(self, FaultKind::CutLeaderFromEtcd | FaultKind::KillEtcdMember)
     }
 
     /// Whether it acts on a sidecar's storage.
@@ -299,6 +341,8 @@ impl FaultKind {
             FaultKind::PauseController => "pause-controller",
             FaultKind::KillControllerInRecovery => "kill-controller-in-recovery",
             FaultKind::KillWorkerInRecovery => "kill-worker-in-recovery",
+            FaultKind::CutLeaderFromEtcd => "cut-leader-from-etcd",
+            FaultKind::KillEtcdMember => "kill-etcd-member",
         }
     }
 }
@@ -484,6 +528,23 @@ impl Scenario {
         if w.seats == Some(0) {
             return fail("workload.seats must be at least 1".into());
         }
+        if c.controllers == 0 || c.controllers > 8 || c.etcd_members > 7 {
+            return fail("cluster.controllers must be 1..=8, cluster.etcd_members 0..=7".into());
+        }
+        if c.controllers > 1 && !c.on_etcd() {
+            return fail("several controllers keep their state in etcd: set cluster.etcd_members".into());
+        }
+        if c.on_etcd() && !(1..=60).contains(&c.lease_secs) {
+            return fail("cluster.lease_secs must be 1..=60".into());
+        }
+        // A quorum of etcd members must outlive the kills.
+        let etcd_kills = self.faults.iter().filter(|f| f.kind == FaultKind::KillEtcdMember).count() as u32;
+        if c.on_etcd() && etcd_kills > (c.etcd_members - 1) / 2 {
+            return fail(format!(
+                "{etcd_kills} kill-etcd-member faults leave {} etcd members no quorum",
+                c.etcd_members
+            ));
+        }
         for f in &self.faults {
             self.check_fault(f).or_else(|why| fail(format!("fault at step {}: {why}", f.at_step)))?;
         }
@@ -493,6 +554,9 @@ impl Scenario {
             }
             if r.kinds.is_empty() {
                 return fail("random.kinds is empty".into());
+            }
+            if let Some(kind) = r.kinds.iter().find(|k| k.needs_etcd()) {
+                return fail(format!("{} is scheduled ([[fault]]), not drawn", kind.name()));
             }
             if !(1..=MAX_MS).contains(&r.duration_ms) {
                 return fail(format!("random.duration_ms must be 1..={MAX_MS}"));
@@ -511,6 +575,9 @@ impl Scenario {
             }
             _ => {}
         }
+        if fault.kind.needs_etcd() && !self.cluster.on_etcd() {
+            return Err(format!("{} needs controllers on etcd: set cluster.etcd_members", fault.kind.name()));
+        }
         if fault.kind == FaultKind::FillSpill && self.cluster.spill_memory_bytes.is_none() {
             return Err("fill-spill needs sidecars that spill: set cluster.spill_memory_bytes".into());
         }
@@ -522,6 +589,7 @@ impl Scenario {
                 | FaultKind::StaleRejoin
                 | FaultKind::StaleSidecar
                 | FaultKind::PauseController
+                | FaultKind::CutLeaderFromEtcd
                 | FaultKind::Delay
                 | FaultKind::Bandwidth
                 | FaultKind::Partition

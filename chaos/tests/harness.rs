@@ -1,5 +1,6 @@
 //! The harness end to end, with real processes: the shipped CI scenario survives every fault
-//! class, the swapping, disaggregated and QUIC scenarios their faults; a deliberately broken build
+//! class of a cluster with one controller, controllers on etcd every fault of the control plane,
+//! the swapping, disaggregated and QUIC scenarios their faults; a deliberately broken build
 //! (replicas skipped while claimed) is caught; a bad scenario is refused with a clear message.
 
 use std::path::Path;
@@ -53,6 +54,32 @@ fn the_ci_scenario_survives_every_fault_class() {
             .unwrap();
     assert!(scenario.workload.seats.unwrap() < scenario.workload.requests);
     assert!(scenario.workload.prompt_tokens_max.unwrap() > scenario.workload.prompt_tokens);
+}
+
+#[test]
+fn controllers_on_etcd_survive_every_fault_of_the_control_plane() {
+    let out = chaos(&["run", &scenario("ha.toml"), "--json"]);
+    let report = report(&out);
+    assert_eq!(out.status.code(), Some(0), "{report:#}");
+    assert_eq!(report["passed"], true);
+    let classes = report["classes"].as_array().unwrap();
+    for kind in [
+        "kill-controller",
+        "pause-controller",
+        "kill-controller-in-recovery",
+        "cut-leader-from-etcd",
+        "kill-etcd-member",
+    ] {
+        let class =
+            classes.iter().find(|c| c["class"] == kind).unwrap_or_else(|| panic!("no {kind}: {report:#}"));
+        assert_eq!(class["injected"], 1, "{report:#}");
+        assert_eq!(class["violated"], 0, "{report:#}");
+    }
+    // Each worker death was recovered under whichever controller led then.
+    assert!(report["recoveries"].as_u64().unwrap() >= 4, "{report:#}");
+    // The killed leaders, the one deposed by its pause and the one cut off from etcd each stopped,
+    // and the cluster started them again to stand by.
+    assert!(report["controller_restarts"].as_u64().unwrap() >= 4, "{report:#}");
 }
 
 #[test]
@@ -173,6 +200,20 @@ fn a_bad_scenario_is_refused_with_a_clear_message() {
             "prompt_tokens_max must be at least",
         ),
         ("name = \"x\"\n[workload]\nseats = 0\n", "workload.seats must be at least 1"),
+        (
+            "name = \"x\"\n[[fault]]\nat_step = 1\nkind = \"kill-etcd-member\"\n",
+            "kill-etcd-member needs controllers on etcd",
+        ),
+        ("name = \"x\"\n[cluster]\ncontrollers = 3\n", "several controllers keep their state in etcd"),
+        (
+            "name = \"x\"\n[cluster]\netcd_members = 3\n[[fault]]\nat_step = 1\nkind = \"kill-etcd-member\"\n\
+             [[fault]]\nat_step = 2\nkind = \"kill-etcd-member\"\n",
+            "2 kill-etcd-member faults leave 3 etcd members no quorum",
+        ),
+        (
+            "name = \"x\"\n[cluster]\netcd_members = 3\n[random]\nrate = 0.1\nkinds = [\"cut-leader-from-etcd\"]\n",
+            "cut-leader-from-etcd is scheduled",
+        ),
         ("name = \"x\"\n[cluster]\nstep_ms = -1.5\n", "cluster.step_ms must be 0..=600000"),
         (
             "name = \"x\"\n[cluster]\nprompt_stages = 2\nprompt_slots = 4\n[workload]\nrequests = 8\nseats = 4\n",

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
-use crate::cluster::{Cluster, ClusterError, Kill, NoHooks, Recovered, RecoveryHooks, Sequence};
+use crate::cluster::{
+    Cluster, ClusterError, ControllerLife, Kill, NoHooks, Recovered, RecoveryHooks, Sequence,
+};
 use crate::process::{ProcessError, StepReply};
 use dejavu_engine::Seat;
 use dejavu_proto::recovery::Transcript;
@@ -232,6 +234,9 @@ pub struct Run {
     /// Spare processes recoveries made stages' processes of (counted as `controller_restarts`
     /// is).
     pub spares_used: u64,
+    /// Every controller process of each cluster, and how it ended (gathered as
+    /// `controller_restarts` is).
+    pub controllers: Vec<ControllerLife>,
     /// Starting the first cluster (its processes, until every one has beaten).
     pub startup: Duration,
     /// Wall time serving, from the first cluster being up to the last token (a restart's start of
@@ -360,7 +365,7 @@ fn drive_into(
             }
         }
         if run.tokens.iter().all(|t| t.len() == workload.new_tokens as usize) {
-            run.count_from(&cluster);
+            run.count_from(&mut cluster);
             return Ok(());
         }
     }
@@ -428,14 +433,14 @@ fn recover_now(
 /// Handles the failure `record` describes by starting everything again: `cluster` goes (its
 /// processes and hosts first), a new one is started and every request starts from its first token.
 fn restart(
-    cluster: Cluster,
+    mut cluster: Cluster,
     start: &mut dyn FnMut() -> Result<Cluster, ClusterError>,
     run: &mut Run,
     mut record: RecoveryRecord,
 ) -> Result<Cluster, DriveError> {
     let detected = Instant::now();
     record.recomputed = run.tokens.iter().map(|t| t.len() as u64).sum();
-    run.count_from(&cluster);
+    run.count_from(&mut cluster);
     drop(cluster);
     let cluster = start()?;
     run.tokens.iter_mut().for_each(Vec::clear);
@@ -496,7 +501,8 @@ impl Run {
     }
 
     /// Adds what `cluster`, about to go, counted.
-    fn count_from(&mut self, cluster: &Cluster) {
+    fn count_from(&mut self, cluster: &mut Cluster) {
+        self.controllers.extend(cluster.controller_lives());
         self.controller_restarts += cluster.controller_restarts();
         self.stale_heartbeats += cluster.stale_heartbeats();
         self.prompt_fallbacks += cluster.prompt_fallbacks();

@@ -30,6 +30,8 @@ pub struct EtcdCluster {
     /// Each member's process; `None` once killed.
     members: Vec<Option<Child>>,
     endpoints: String,
+    /// Each member's client port on loopback.
+    ports: Vec<u16>,
 }
 
 impl EtcdCluster {
@@ -57,7 +59,7 @@ impl EtcdCluster {
         let listen: Vec<String> = ports.iter().map(|port| format!("{scheme}://127.0.0.1:{port}")).collect();
         let clients: Vec<String> = ports.iter().map(|port| format!("{scheme}://{host}:{port}")).collect();
         let initial: Vec<String> = names.iter().zip(&peers).map(|(n, p)| format!("{n}={p}")).collect();
-        let mut cluster = Self { members: Vec::new(), endpoints: clients.join(",") };
+        let mut cluster = Self { members: Vec::new(), endpoints: clients.join(","), ports: ports.clone() };
         for (i, name) in names.iter().enumerate() {
             let mut command = Command::new("etcd");
             command
@@ -101,17 +103,34 @@ impl EtcdCluster {
         }
     }
 
+    /// Its members' client addresses on loopback, in order.
+    pub fn client_addrs(&self) -> Vec<std::net::SocketAddr> {
+        self.ports.iter().map(|&port| std::net::SocketAddr::from(([127, 0, 0, 1], port))).collect()
+    }
+
+    /// The client addresses of its members still alive.
+    pub fn live_client_addrs(&self) -> Vec<std::net::SocketAddr> {
+        let alive = self.members.iter().map(Option::is_some);
+        self.client_addrs().into_iter().zip(alive).filter_map(|(addr, alive)| alive.then_some(addr)).collect()
+    }
+
     /// Its client URLs, comma-separated (as `controller --etcd` takes them).
     pub fn endpoints(&self) -> &str {
         &self.endpoints
     }
 }
 
+impl EtcdCluster {
+    /// Kills every member (as dropping it does).
+    pub fn kill_all(&mut self) {
+        for index in 0..self.members.len() {
+            self.kill_member(index);
+        }
+    }
+}
+
 impl Drop for EtcdCluster {
     fn drop(&mut self) {
-        for member in self.members.iter_mut().flatten() {
-            let _ = member.kill();
-            let _ = member.wait();
-        }
+        self.kill_all();
     }
 }

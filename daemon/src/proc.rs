@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use thiserror::Error;
@@ -33,7 +33,14 @@ const STDERR_TAIL: usize = 8 << 10;
 pub struct Proc {
     child: Child,
     stderr: Arc<Mutex<VecDeque<u8>>>,
+    /// The lines it wrote to standard output after its first announcement, with when they were
+    /// read (the first [`LATER_LINES`]).
+    later: Arc<Mutex<Vec<(Instant, String)>>>,
 }
+
+/// Lines of a child's standard output kept after its first announcement: a controller standing
+/// by says two more when it takes the lead (`metrics ADDR`, `listening ADDR`).
+const LATER_LINES: usize = 64;
 
 impl Proc {
     /// Its process id.
@@ -95,6 +102,18 @@ impl Proc {
         self.signal(libc::SIGSTOP)
     }
 
+    /// How it ended, if it has (reaping it); `None` while it runs.
+    pub fn exited(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        self.child.try_wait()
+    }
+
+    /// The last line it wrote to standard output, after its first announcement, that starts with
+    /// `prefix`: that line without the prefix, and when it was read.
+    pub fn said_later(&self, prefix: &str) -> Option<(Instant, String)> {
+        let later = self.later.lock();
+        later.iter().rev().find_map(|(at, line)| Some((*at, line.strip_prefix(prefix)?.trim().to_owned())))
+    }
+
     /// The end of what it wrote to standard error.
     pub fn stderr_tail(&self) -> String {
         let tail = self.stderr.lock();
@@ -126,6 +145,20 @@ pub fn spawn(exe: &Path, args: &[String], what: &str, patience: Duration) -> Res
     spawn_on(None, exe, args, what, patience)
 }
 
+/// [`spawn`] of a controller on etcd, which may also announce `standby ADDR`: another controller
+/// leads, and it serves once it takes the lead (then it says `listening ADDR`, which
+/// [`Proc::said_later`] finds). A controller standing by has no metrics page yet.
+pub fn spawn_candidate(
+    exe: &Path,
+    args: &[String],
+    what: &str,
+    patience: Duration,
+) -> Result<(Spawned, bool), SpawnError> {
+    let spawned = start(None, exe, args, what, patience, &["listening ", "standby "])?;
+    let standing_by = spawned.1 == "standby ";
+    Ok((spawned.0, standing_by))
+}
+
 /// [`spawn`], in `host`'s network namespace if one is given.
 pub fn spawn_on(
     host: Option<&Arc<Host>>,
@@ -134,6 +167,19 @@ pub fn spawn_on(
     what: &str,
     patience: Duration,
 ) -> Result<Spawned, SpawnError> {
+    Ok(start(host, exe, args, what, patience, &["listening "])?.0)
+}
+
+/// Starts the process and waits for a line that starts with one of `announcements` and names an
+/// address; returns it with the announcement it made.
+fn start(
+    host: Option<&Arc<Host>>,
+    exe: &Path,
+    args: &[String],
+    what: &str,
+    patience: Duration,
+    announcements: &'static [&'static str],
+) -> Result<(Spawned, &'static str), SpawnError> {
     let fail = |why: String| SpawnError { what: what.to_owned(), why };
     let mut command = Command::new(exe);
     // The cluster's secret, where flags would show it to every user of the machine.
@@ -163,7 +209,8 @@ pub fn spawn_on(
             tail.drain(..excess);
         }
     });
-    let mut proc = Proc { child, stderr };
+    let later = Arc::new(Mutex::new(Vec::new()));
+    let mut proc = Proc { child, stderr, later: later.clone() };
     let (tx, rx) = crossbeam_channel::bounded(1);
     std::thread::spawn(move || {
         let mut reader = BufReader::new(&mut out);
@@ -180,17 +227,32 @@ pub fn spawn_on(
         }
         let _ = tx.send((line, metrics));
         // Keep reading so the child never blocks on a full stdout pipe.
-        let _ = std::io::copy(&mut reader, &mut std::io::sink());
+        let mut line = String::new();
+        while matches!(reader.read_line(&mut line), Ok(1..)) {
+            let mut later = later.lock();
+            if later.len() < LATER_LINES {
+                later.push((Instant::now(), line.trim().to_owned()));
+            }
+            line.clear();
+        }
     });
     let (line, metrics) = rx.recv_timeout(patience).unwrap_or_default();
-    match line.trim().strip_prefix("listening ").and_then(|a| a.parse().ok()) {
-        Some(addr) => Ok(Spawned { proc, addr, metrics }),
+    let announced = announcements.iter().find_map(|&announcement| {
+        let addr = line.trim().strip_prefix(announcement)?.parse().ok()?;
+        Some((addr, announcement))
+    });
+    match announced {
+        Some((addr, announcement)) => Ok((Spawned { proc, addr, metrics }, announcement)),
         None => {
             // Once it is dead, all it wrote to standard error has been drained: the reason it
             // gave is in the message.
             let _ = proc.kill();
             let _ = drain.join();
-            Err(fail(format!("{} {}", line.trim(), proc.stderr_tail().trim())))
+            let said = match line.trim() {
+                "" => format!("it announced nothing within {patience:?}"),
+                line => line.to_owned(),
+            };
+            Err(fail(format!("{said} {}", proc.stderr_tail().trim())))
         }
     }
 }

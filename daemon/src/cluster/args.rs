@@ -26,7 +26,7 @@ impl Cluster {
 
     pub(super) fn sidecar_args(
         config: &ClusterConfig,
-        heartbeat: SocketAddr,
+        heartbeat: &str,
         who: SidecarOf,
         socket: &std::path::Path,
         dir: &Path,
@@ -62,7 +62,7 @@ impl Cluster {
 
     pub(super) fn stage_args(
         config: &ClusterConfig,
-        heartbeat: SocketAddr,
+        heartbeat: &str,
         sidecars: Option<(PathBuf, SocketAddr)>,
         (index, start): (usize, Start),
         next: SocketAddr,

@@ -32,6 +32,38 @@ pub enum Link {
         /// The sending stage.
         from: u32,
     },
+    /// Controller `controller`'s connection to etcd member `member`, with controllers on etcd
+    /// ([`ControlPlane::Etcd`]).
+    Etcd {
+        /// The controller, in the order they were first started.
+        controller: u32,
+        /// The etcd member, in the order of [`EtcdControllers::endpoints`].
+        member: u32,
+    },
+}
+
+/// Which controllers a cluster runs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ControlPlane {
+    /// One controller with a state file (`dejavud controller --state`), replaced on the same port
+    /// and file when it dies or stops answering.
+    #[default]
+    Embedded,
+    /// Several controllers on an etcd cluster (`dejavud controller --etcd`): one leads, the others
+    /// stand by, and one that exits is started again as a supervisor would.
+    Etcd(EtcdControllers),
+}
+
+/// Controllers on an etcd cluster that someone else runs (a test's or the chaos harness's
+/// [`crate::etcd_cluster::EtcdCluster`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdControllers {
+    /// The etcd members' client addresses (plain `http`).
+    pub endpoints: Vec<SocketAddr>,
+    /// Controllers to run.
+    pub controllers: u32,
+    /// Their lease's time to live, in whole seconds (`--lease-secs`).
+    pub lease_secs: u64,
 }
 
 /// Says which address a process is given for a link: the target's own, or one in front of it.
@@ -94,8 +126,11 @@ pub struct ClusterConfig {
     /// runs on any CPU.
     pub cpus: Option<CpuSplit>,
     /// Where the controller (and each controller that replaces it) appends the journal of its
-    /// liveness machine, if anywhere (`dejavud controller --journal`).
+    /// liveness machine, if anywhere (`dejavud controller --journal`); one controller only, not
+    /// with [`ControlPlane::Etcd`].
     pub journal: Option<PathBuf>,
+    /// One controller with a state file (the default), or several on etcd.
+    pub control_plane: ControlPlane,
 }
 
 /// CPUs set apart for computing and for copying KV: the stages run on `compute` but for their
@@ -170,6 +205,7 @@ impl ClusterConfig {
             fabric: None,
             cpus: None,
             journal: None,
+            control_plane: ControlPlane::Embedded,
         }
     }
 

@@ -65,16 +65,18 @@ impl Faults<'_> {
         Ok(self.cluster.process(stage, role)?.proc.pause(pause)?)
     }
 
-    /// SIGKILLs the controller. The cluster notices when it next asks it something (after a
-    /// failed step, or in a recovery) and starts another on the same state.
+    /// SIGKILLs the controller in charge (the leader, with controllers on etcd). The cluster
+    /// notices when it next asks it something (after a failed step, or in a recovery) and starts
+    /// another on the same state, or follows the controller that takes the lead.
     pub fn kill_controller(&mut self) -> Result<(), ClusterError> {
-        Ok(self.cluster.controller.proc.kill()?)
+        self.cluster.controllers.kill_leader()
     }
 
-    /// Stops the controller for `pause`: a pause longer than the time it has to answer gets it
-    /// replaced, if the cluster asks it something meanwhile.
+    /// Stops the controller in charge for `pause`. One controller: a pause longer than the time
+    /// it has to answer gets it replaced, if the cluster asks it something meanwhile. On etcd: a
+    /// pause past the leader's lease gets it deposed, and it must stop once resumed.
     pub fn pause_controller(&mut self, pause: Duration) -> Result<(), ClusterError> {
-        Ok(self.cluster.controller.proc.pause(pause)?)
+        self.cluster.controllers.pause_leader(pause)
     }
 
     /// Fills stage `stage`'s sidecar's spill directory with a file as large as the directory may

@@ -18,6 +18,7 @@ use thiserror::Error;
 
 mod args;
 mod config;
+mod controllers;
 mod faults;
 mod hooks;
 mod recovery;
@@ -25,7 +26,10 @@ mod spares;
 mod watch;
 
 use args::{spill_dir_of, worker_host, SidecarOf, Start};
-pub use config::{ClusterConfig, CpuSplit, Disaggregation, Interpose, Link, SpillLimits};
+pub use config::{
+    ClusterConfig, ControlPlane, CpuSplit, Disaggregation, EtcdControllers, Interpose, Link, SpillLimits,
+};
+pub use controllers::{ControllerEnd, ControllerLife};
 pub use faults::Faults;
 pub use hooks::{NoHooks, RecoveryHooks};
 pub use recovery::{Recovered, RECOVERY_ATTEMPTS};
@@ -34,7 +38,7 @@ use crate::controller::{Census, ControllerClient, ControllerError, Member};
 use crate::handoff::Shapes;
 pub use crate::heartbeat::Role;
 use crate::netns::NetnsError;
-use crate::proc::{spawn, Spawned};
+use crate::proc::Spawned;
 pub use crate::proc::{Proc, SpawnError};
 use crate::process::{ProcessError, RemotePipeline, StepReply};
 pub use crate::transport::TransportKind;
@@ -101,16 +105,6 @@ pub struct Sequence<'a> {
     pub generated: &'a [u32],
 }
 
-/// The controller process and the cluster's connection to it. A controller that dies or stops
-/// answering is replaced on the same port with the same state file, and goes on where it stopped.
-struct Supervised {
-    proc: Proc,
-    metrics: Option<SocketAddr>,
-    client: ControllerClient,
-    args: Vec<String>,
-    restarts: u64,
-}
-
 /// A directory of the cluster's own, in shared memory (`/dev/shm`) where there is one, else under
 /// the system's temporary directory, removed when dropped: the controller's state file, the
 /// sidecars' local sockets and the memory regions they share with their engines.
@@ -170,7 +164,7 @@ pub struct Cluster {
     sidecar_starts: u64,
     stages: Vec<Spawned>,
     driver: SocketAddr,
-    controller: Supervised,
+    controllers: controllers::Controllers,
     /// Fenced processes left running; killed with the cluster.
     spared: Vec<Spawned>,
     /// The driver's end of the chain.
@@ -208,15 +202,15 @@ impl Cluster {
         if config.transport == TransportKind::Quic {
             dir.issue_certs()?;
         }
-        let controller = Self::start_controller(&config, &dir)?;
-        let heartbeat = controller.client.addr();
+        let controllers = controllers::Controllers::start(&config, &dir)?;
+        let heartbeat = controllers.heartbeat_arg();
         let (mut sidecars, mut sockets) = (Vec::new(), Vec::new());
         if config.replicate {
             for i in 0..n {
                 let socket = dir.join(format!("sidecar-{i}-{i}.sock"));
                 let place = config.place(&worker_host(i))?;
                 let who = SidecarOf::Stage(i, Start::First);
-                let args = Self::sidecar_args(&config, heartbeat, who, &socket, &dir, place.ip);
+                let args = Self::sidecar_args(&config, &heartbeat, who, &socket, &dir, place.ip);
                 sidecars.push(place.spawn(&config.exe, &args, &format!("sidecar {i}"))?);
                 sockets.push(socket);
             }
@@ -228,7 +222,7 @@ impl Cluster {
             let copies = Self::copies(&sidecars, &sockets, index);
             let place = config.place(&worker_host(index))?;
             let args =
-                Self::stage_args(&config, heartbeat, copies, (index, Start::First), next, &dir, place.ip);
+                Self::stage_args(&config, &heartbeat, copies, (index, Start::First), next, &dir, place.ip);
             let stage = place.spawn(&config.exe, &args, &format!("stage {index}"))?;
             next = stage.addr;
             stages.push(stage);
@@ -238,7 +232,8 @@ impl Cluster {
         let mut remote = RemotePipeline::connect(first, results, n as u32 - 1, config.deadline, &secret())?;
         // A step in flight when the controller declares a stage dead fails at once, not at its
         // deadline.
-        let (fence_watch, fences) = watch::FenceWatch::start(heartbeat, &secret(), remote.epoch())?;
+        let (fence_watch, fences) =
+            watch::FenceWatch::start(controllers.leader_addr(), &secret(), remote.epoch())?;
         remote.watch_fences(fences);
         let prompt = Self::start_prompt_pipeline(&config, &sidecars, &dir)?;
         let mut cluster = Self {
@@ -251,7 +246,7 @@ impl Cluster {
             dir,
             stages,
             driver,
-            controller,
+            controllers,
             spared: Vec::new(),
             remote,
             _fence_watch: fence_watch,
@@ -356,56 +351,13 @@ impl Cluster {
         Ok(crate::metrics::scrape(at)?)
     }
 
-    fn start_controller(config: &ClusterConfig, dir: &Path) -> Result<Supervised, ClusterError> {
-        let timeout = config.heartbeat * 3;
-        let mut args = vec![
-            "controller".to_owned(),
-            format!("--state={}", dir.join("controller.state").display()),
-            format!("--timeout-ms={}", timeout.as_millis()),
-            format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
-            format!("--metrics={}", SocketAddr::new(config.gateway(), 0)),
-        ];
-        args.extend(config.journal.iter().map(|path| format!("--journal={}", path.display())));
-        let first =
-            [args.clone(), vec![format!("--listen={}", SocketAddr::new(config.gateway(), 0))]].concat();
-        let started = spawn(&config.exe, &first, "the controller", START)?;
-        // Its replacements take the same port, which every process beats to.
-        args.push(format!("--listen={}", started.addr));
-        // A controller that takes this long to answer is presumed dead and replaced.
-        let patience = (config.heartbeat * 5).max(Duration::from_millis(200));
-        Ok(Supervised {
-            proc: started.proc,
-            metrics: started.metrics,
-            client: ControllerClient::new(started.addr, patience, secret()),
-            args,
-            restarts: 0,
-        })
-    }
-
-    /// Replaces the controller (killing it first: it may only be stopped).
-    fn restart_controller(&mut self) -> Result<(), ClusterError> {
-        let _ = self.controller.proc.kill();
-        let started = spawn(&self.config.exe, &self.controller.args, "a replacement controller", START)?;
-        self.controller.proc = started.proc;
-        self.controller.metrics = started.metrics;
-        self.controller.restarts += 1;
-        // Its connection went with the old process.
-        self.controller.client.disconnect();
-        Ok(())
-    }
-
-    /// Asks the controller, replacing it once if it does not answer.
+    /// Asks the controller in charge, replacing it (or following its successor) if it does not
+    /// answer.
     fn ask<T>(
         &mut self,
-        mut call: impl FnMut(&mut ControllerClient) -> Result<T, ControllerError>,
+        call: impl FnMut(&mut ControllerClient) -> Result<T, ControllerError>,
     ) -> Result<T, ClusterError> {
-        match call(&mut self.controller.client) {
-            Ok(answer) => Ok(answer),
-            Err(_) => {
-                self.restart_controller()?;
-                Ok(call(&mut self.controller.client)?)
-            }
-        }
+        self.controllers.ask(call)
     }
 
     /// Who is alive, as the controller says.
@@ -428,7 +380,7 @@ impl Cluster {
     /// Starts `stages` spare stages and `sidecars` spare sidecars (registered with the controller
     /// as spares), now (`wait`) or in the background (their hosts too, with network namespaces).
     fn start_spares(&mut self, (stages, sidecars): (u64, u64), wait: bool) -> Result<(), ClusterError> {
-        let heartbeat = self.controller.client.addr();
+        let heartbeat = self.controllers.heartbeat_arg();
         // Each job makes its process's host first, where it runs.
         let placed = |config: &ClusterConfig, n: u32| {
             config
@@ -436,7 +388,7 @@ impl Cluster {
                 .map_err(|e| SpawnError { what: "a spare".into(), why: e.to_string() })
         };
         for _ in 0..stages {
-            let (n, config) = (self.spares.started, self.config.clone());
+            let (n, config, heartbeat) = (self.spares.started, self.config.clone(), heartbeat.clone());
             self.spares.start_stage(
                 Box::new(move || {
                     let place = placed(&config, n)?;
@@ -454,12 +406,13 @@ impl Cluster {
         }
         for _ in 0..sidecars {
             let (n, config, dir) = (self.spares.started, self.config.clone(), self.dir.to_path_buf());
+            let heartbeat = heartbeat.clone();
             let socket = self.dir.join(format!("spare-sidecar-{n}.sock"));
             let local = socket.clone();
             let job = Box::new(move || {
                 let place = placed(&config, n)?;
                 let args =
-                    Self::sidecar_args(&config, heartbeat, SidecarOf::Spare(n), &local, &dir, place.ip);
+                    Self::sidecar_args(&config, &heartbeat, SidecarOf::Spare(n), &local, &dir, place.ip);
                 place.spawn(&config.exe, &args, "a spare sidecar")
             });
             self.spares.start_sidecar(job, socket, wait)?;
@@ -484,13 +437,13 @@ impl Cluster {
                 Err(e) => tracing::warn!(error = %e, "a spare sidecar could not be assigned: starting one"),
             }
         }
-        let heartbeat = self.controller.client.addr();
+        let heartbeat = self.controllers.heartbeat_arg();
         let socket = self.dir.join(format!("sidecar-{victim}-{}.sock", self.sidecar_starts));
         self.sidecar_starts += 1;
         let who = SidecarOf::Stage(victim, Start::Replacement);
         // A replacement takes the dead worker's host, as a restarted machine would.
         let place = self.config.place(&worker_host(victim))?;
-        let args = Self::sidecar_args(&self.config, heartbeat, who, &socket, &self.dir, place.ip);
+        let args = Self::sidecar_args(&self.config, &heartbeat, who, &socket, &self.dir, place.ip);
         Ok((place.spawn(&self.config.exe, &args, "a replacement sidecar")?, socket))
     }
 
@@ -502,11 +455,11 @@ impl Cluster {
         epoch: u64,
         next: SocketAddr,
     ) -> Result<Spawned, ClusterError> {
-        let heartbeat = self.controller.client.addr();
+        let heartbeat = self.controllers.heartbeat_arg();
         let copies = Self::copies(&self.sidecars, &self.sockets, victim);
         let args = |ip| {
             let who = (victim, Start::Replacement);
-            Self::stage_args(&self.config, heartbeat, copies.clone(), who, next, &self.dir, ip)
+            Self::stage_args(&self.config, &heartbeat, copies.clone(), who, next, &self.dir, ip)
         };
         if let Some(spare) = self.spares.take_stage() {
             // Without the subcommand; it serves where it listens, on its own host.
@@ -599,23 +552,30 @@ impl Cluster {
         crate::metrics::value_of(&page, "dejavu_controller_stale_heartbeats_total", &[]).unwrap_or(0.0) as u64
     }
 
-    /// The controller's metrics page.
+    /// The metrics page of the controller in charge.
     pub fn controller_metrics(&self) -> Result<String, ClusterError> {
-        let at =
-            self.controller.metrics.ok_or_else(|| ClusterError::Invalid("no controller metrics".into()))?;
-        crate::metrics::scrape(at).map_err(|e| {
-            // Say what became of it: a scrape that fails has no other trace.
-            ClusterError::Invalid(format!(
-                "the controller's metrics at {at}: {e} (controller pid {}, {} restarts; its last words: {})",
-                self.controller.proc.pid(),
-                self.controller.restarts,
-                self.controller.proc.stderr_tail()
-            ))
-        })
+        self.controllers.metrics()
     }
 
-    /// Controllers started to replace one that died or stopped answering.
+    /// Controllers started to replace one that died, stopped answering or was deposed.
     pub fn controller_restarts(&self) -> u64 {
-        self.controller.restarts
+        self.controllers.restarts()
+    }
+
+    /// Every controller process's life so far (see [`ControllerLife`]).
+    pub fn controller_lives(&mut self) -> Vec<ControllerLife> {
+        self.controllers.lives()
+    }
+
+    /// Controllers it runs (1, or several on etcd).
+    pub fn controllers(&self) -> u32 {
+        self.controllers.count()
+    }
+
+    /// Which controller leads, in the order they were first started (0 with one): the one that
+    /// announced the lead last, of those alive.
+    pub fn leading_controller(&mut self) -> u32 {
+        self.controllers.follow();
+        self.controllers.leader()
     }
 }

@@ -57,9 +57,9 @@ impl Cluster {
     pub fn detect(&mut self, patience: Duration) -> Result<Vec<(usize, Kill)>, ClusterError> {
         let mut start = Instant::now();
         loop {
-            let restarts = self.controller.restarts;
+            let changes = self.controllers.changes();
             let census = self.census()?;
-            if self.controller.restarts != restarts {
+            if self.controllers.changes() != changes {
                 start = Instant::now();
             }
             let fenced = self.victims_in(&census, Census::is_fenced);
@@ -322,20 +322,14 @@ impl Cluster {
         }
     }
 
-    /// Has the controller carry out a part of a recovery (`call`), replacing it once if it
-    /// cannot be reached; unlike [`Cluster::ask`], a refusal is not taken for a dead controller.
+    /// Has the controller carry out a part of a recovery (`call`), replacing it (or following
+    /// its successor) if it cannot be reached; unlike [`Cluster::ask`], a refusal is not taken
+    /// for a dead controller.
     fn patiently<T>(
         &mut self,
         call: impl Fn(&mut ControllerClient) -> Result<T, ControllerError>,
     ) -> Result<T, ClusterError> {
-        match call(&mut self.controller.client) {
-            Err(ControllerError::Io(e)) => {
-                tracing::warn!(error = %e, "the controller did not answer a recovery: replacing it");
-                self.restart_controller()?;
-                Ok(call(&mut self.controller.client)?)
-            }
-            carried_out => Ok(carried_out?),
-        }
+        self.controllers.ask_unless(call, |e| !matches!(e, ControllerError::Io(_)))
     }
 
     /// Tells every prompt stage, if there are any, that token stage `stage`'s sidecar was

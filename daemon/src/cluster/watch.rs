@@ -12,6 +12,7 @@ use crossbeam_channel::{Receiver, Sender};
 use dejavu_proto::fencing::fenced_since;
 use tracing::debug;
 
+use super::controllers::LeaderAddr;
 use crate::controller::ControllerClient;
 
 /// How long one wait on the controller lasts before the watcher asks again (and sees whether it
@@ -30,20 +31,20 @@ pub(super) struct FenceWatch {
 }
 
 impl FenceWatch {
-    /// Watches the controller at `controller` (proving the cluster secret `secret`) for epochs
-    /// after `epoch`; each new epoch it opens comes out of the receiver, in order.
+    /// Watches the controller in charge, at `controller` (proving the cluster secret `secret`),
+    /// for epochs after `epoch`; each new epoch it opens comes out of the receiver, in order.
     pub(super) fn start(
-        controller: SocketAddr,
+        controller: LeaderAddr,
         secret: &[u8],
         epoch: u64,
     ) -> std::io::Result<(Self, Receiver<u64>)> {
         let (opened, fences) = crossbeam_channel::unbounded();
         let stop = Arc::new(AtomicBool::new(false));
-        let client = ControllerClient::new(controller, WAIT * 3, secret);
         let stopped = stop.clone();
+        let secret = secret.to_vec();
         let thread = std::thread::Builder::new()
             .name("fence-watch".into())
-            .spawn(move || watch(client, epoch, &opened, &stopped))?;
+            .spawn(move || watch(&controller, &secret, epoch, &opened, &stopped))?;
         Ok((Self { stop, thread: Some(thread) }, fences))
     }
 }
@@ -59,9 +60,15 @@ impl Drop for FenceWatch {
     }
 }
 
-/// Sends each epoch after `known` the controller opens into `opened`, until `stop`.
-fn watch(mut client: ControllerClient, mut known: u64, opened: &Sender<u64>, stop: &AtomicBool) {
+/// Sends each epoch after `known` the controller in charge opens into `opened`, until `stop`.
+fn watch(controller: &LeaderAddr, secret: &[u8], mut known: u64, opened: &Sender<u64>, stop: &AtomicBool) {
+    let client_of = |addr: SocketAddr| ControllerClient::new(addr, WAIT * 3, secret);
+    let mut client = client_of(*controller.lock());
     while !stop.load(Ordering::Relaxed) {
+        let leader = *controller.lock();
+        if leader != client.addr() {
+            client = client_of(leader);
+        }
         match client.await_fence(known, WAIT) {
             Ok(epoch) if fenced_since(known, epoch) => {
                 known = epoch;

@@ -85,6 +85,9 @@ pub struct Leadership {
     lost: Arc<AtomicBool>,
 }
 
+/// How long a campaign may take before its controller says it stands by.
+const STANDBY_AFTER: Duration = Duration::from_millis(500);
+
 fn etcd_error(e: impl std::fmt::Display) -> ControllerError {
     ControllerError::Etcd(e.to_string())
 }
@@ -109,9 +112,12 @@ impl Leadership {
             let attempt =
                 runtime.block_on(Self::try_campaign(&config, addr, &lost, &mut waiting, &mut reached));
             match attempt {
-                Ok((client, leader, keeping)) => {
+                Ok((mut client, leader, keeping)) => {
                     if lost.load(Ordering::SeqCst) {
                         keeping.abort();
+                        // Its key would hold the election for a TTL, this controller waiting
+                        // behind its own former self.
+                        runtime.block_on(give_up(&mut client, leader.lease()));
                         continue;
                     }
                     info!(cluster = %config.cluster, %addr, "leading the cluster");
@@ -148,6 +154,27 @@ impl Leadership {
         let asked = tokio::time::Instant::now();
         let lease = client.lease_grant(ttl, None).await?.id();
         *reached = true;
+        match Self::campaign_on(config, addr, lost, waiting, client.clone(), lease, asked).await {
+            Ok(won) => Ok(won),
+            Err(e) => {
+                // A key of this attempt's would hold the election until its lease lapsed.
+                give_up(&mut client, lease).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// The rest of [`Leadership::try_campaign`], on the lease `lease` asked for at `asked`.
+    async fn campaign_on(
+        config: &EtcdConfig,
+        addr: SocketAddr,
+        lost: &Arc<AtomicBool>,
+        waiting: &mut Option<impl FnOnce(Option<String>)>,
+        mut client: Client,
+        lease: i64,
+        asked: tokio::time::Instant,
+    ) -> Result<(Client, LeaderKey, tokio::task::JoinHandle<()>), etcd_client::Error> {
+        let ttl = config.lease_ttl.as_secs().max(1) as i64;
         let renewals = client.lease_keep_alive(lease).await?;
         let keeping =
             tokio::spawn(keep_alive(client.clone(), lease, renewals, asked, ttl as u64, lost.clone()));
@@ -160,7 +187,20 @@ impl Leadership {
             }
         }
         let watching = tokio::spawn(depose_the_dead(client.clone(), election.clone(), addr));
-        let campaign = client.campaign(election, addr.to_string(), lease).await;
+        let mut campaigner = client.clone();
+        let campaign = campaigner.campaign(election, addr.to_string(), lease);
+        tokio::pin!(campaign);
+        // A campaign that does not end at once waits behind a leader, even where etcd could not
+        // say who leads (a request that went to an etcd member that died, say).
+        let campaign = tokio::select! {
+            won = &mut campaign => won,
+            () = tokio::time::sleep(STANDBY_AFTER) => {
+                if let Some(tell) = waiting.take() {
+                    tell(None);
+                }
+                campaign.await
+            }
+        };
         watching.abort();
         let won = match campaign {
             Ok(won) => won,
@@ -184,7 +224,7 @@ impl Leadership {
         let client = &self.client;
         let found = self
             .runtime
-            .block_on(with_fresh_token(client, || {
+            .block_on(ask_etcd(client, || {
                 let mut client = client.clone();
                 let key = key.clone();
                 async move { client.get(key, None).await }
@@ -225,7 +265,7 @@ impl Leadership {
         let done = self
             .runtime
             .block_on(async {
-                let write = with_fresh_token(client, || {
+                let write = ask_etcd(client, || {
                     let mut client = client.clone();
                     let txn = txn.clone();
                     async move { client.txn(txn).await }
@@ -250,7 +290,7 @@ impl Leadership {
             (self.runtime.handle().clone(), self.client.clone(), self.leader.lease());
         let cluster = self.config.cluster.clone();
         move || match handle.block_on(async {
-            let revoke = with_fresh_token(&client, || {
+            let revoke = ask_etcd(&client, || {
                 let mut client = client.clone();
                 async move { client.lease_revoke(lease).await }
             });
@@ -358,6 +398,16 @@ async fn depose_the_dead(mut client: Client, election: String, addr: SocketAddr)
     }
 }
 
+/// Revokes `lease`, given up by a campaign that failed, if etcd answers within a moment: its key,
+/// if it has one, then leaves the election at once rather than after its TTL. A lease etcd does
+/// not revoke lapses by itself.
+async fn give_up(client: &mut Client, lease: i64) {
+    let revoke = client.lease_revoke(lease);
+    if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(1), revoke).await {
+        tracing::debug!(error = %e, "could not revoke a campaign's lease");
+    }
+}
+
 /// Whether etcd refused a request for its authentication token (expired, or revoked when etcd
 /// restarted), rather than for what it asked.
 fn token_refused(e: &etcd_client::Error) -> bool {
@@ -372,18 +422,42 @@ fn credentials_refused(e: &etcd_client::Error) -> bool {
         if status.code() == tonic::Code::PermissionDenied || status.message().contains("authentication failed"))
 }
 
-/// Runs `request`; if etcd refused its token, gets a new one and runs it once more.
-async fn with_fresh_token<T, F, R>(client: &Client, request: R) -> Result<T, etcd_client::Error>
+/// Whether a request failed only because the etcd member it went to could not be reached (it
+/// died, say): another member may answer the same request.
+fn member_unreachable(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::GRpcStatus(status) => status.code() == tonic::Code::Unavailable,
+        etcd_client::Error::TransportError(_) => true,
+        _ => false,
+    }
+}
+
+/// Tries at most for a request that went to an etcd member that could not be reached.
+const UNREACHABLE_TRIES: u32 = 10;
+
+/// Runs `request`; if etcd refused its token, gets a new one and runs it once more; if the
+/// member it went to could not be reached, runs it again a few times (the client's balancer
+/// sends it to another member once it has found that one down). Every request here is
+/// idempotent: a guarded write of the same record, or a read.
+async fn ask_etcd<T, F, R>(client: &Client, request: R) -> Result<T, etcd_client::Error>
 where
     R: Fn() -> F,
     F: std::future::Future<Output = Result<T, etcd_client::Error>>,
 {
-    match request().await {
-        Err(e) if token_refused(&e) => {
-            tracing::debug!(error = %e, "etcd refused the authentication token: getting a new one");
-            client.refresh_token().await?;
-            request().await
+    let mut tries = 1;
+    loop {
+        match request().await {
+            Err(e) if token_refused(&e) => {
+                tracing::debug!(error = %e, "etcd refused the authentication token: getting a new one");
+                client.refresh_token().await?;
+                return request().await;
+            }
+            Err(e) if member_unreachable(&e) && tries < UNREACHABLE_TRIES => {
+                tracing::debug!(error = %e, "an etcd member could not be reached: asking again");
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            answered => return answered,
         }
-        answered => answered,
     }
 }

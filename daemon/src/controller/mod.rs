@@ -67,6 +67,7 @@ mod lifeline;
 mod metrics;
 mod query;
 mod recovery;
+mod standby;
 mod state;
 
 pub use client::{Census, ControllerClient};
@@ -582,7 +583,9 @@ pub fn serve_controller(
                 println!("standby {addr}");
                 let _ = std::io::stdout().flush();
             };
+            let door = standby::Door::open(&tcp)?;
             let mut leadership = Leadership::campaign(etcd, addr, waiting)?;
+            door.shut(addr);
             config.leaving.set(leadership.resignation());
             let record = leadership.load()?;
             (Store::Etcd(Box::new(leadership)), record)

@@ -27,7 +27,7 @@ impl State {
     }
 
     /// The record a state file's text holds.
-    pub(super) fn parse(text: &str) -> Result<Record, String> {
+    pub fn parse(text: &str) -> Result<Record, String> {
         let mut state = Record::default();
         let (mut epoch, mut incarnation) = (false, false);
         for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
