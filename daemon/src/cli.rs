@@ -217,9 +217,12 @@ pub struct StageArgs {
     /// sidecar keeps it (the local copy) and forwards it to the successor's sidecar.
     #[arg(long, requires = "successor")]
     pub local: Option<PathBuf>,
-    /// Its ring successor's sidecar, which keeps a replica of each step's KV.
-    #[arg(long, requires = "local")]
-    pub successor: Option<SocketAddr>,
+    /// Its ring successor's sidecar, which keeps a replica of each step's KV: the next stage's
+    /// (the last stage's is the first's). `none` keeps the local copy only, which survives the
+    /// engine but not the worker: a ring of one stage has no other sidecar. Its own sidecar is
+    /// refused.
+    #[arg(long, value_name = "ADDR|none", requires = "local")]
+    pub successor: Option<dejavulib::local::Successor>,
     /// Run the streamer, the thread that copies each step's KV to the sidecar, on these CPUs (a
     /// list such as 4-7), so that copies do not preempt the compute [default: as `--cpus`].
     #[arg(long, value_name = "LIST", requires = "local")]

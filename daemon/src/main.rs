@@ -146,12 +146,17 @@ fn main() -> ExitCode {
                 eprintln!("dejavud demo: {e}");
                 return ExitCode::from(2);
             }
+            // A ring of one stage has no other sidecar to keep a replica.
+            let copies = if stages == 1 {
+                "its own sidecar process (local copies only: a ring of one stage)"
+            } else {
+                "its own sidecar process and its ring successor's"
+            };
             if !json {
                 emit(&format!(
                     "DéjàVu demo: the reference model (8 layers, d_model 256, 8 query / 2 KV heads) as {stages} stage \
 processes {on}, {requests} requests of {prompt_tokens} prompt + {new_tokens} new tokens, \
-each stage's KV copied every step to its own sidecar process and its ring successor's, every \
-process heartbeating to a controller process{cpus}\n"
+each stage's KV copied every step to {copies}, every process heartbeating to a controller process{cpus}\n"
                 ));
             }
             match demo::run(&config, |line| {

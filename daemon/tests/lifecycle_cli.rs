@@ -370,17 +370,17 @@ fn without_a_controller_each_engine_that_joins_takes_over_in_a_newer_epoch() {
 }
 
 #[test]
-fn an_engine_naming_its_own_sidecar_as_successor_is_warned() {
+fn an_engine_naming_its_own_sidecar_as_successor_is_refused_and_the_sidecar_logs_it() {
     use dejavulib::local::LocalSidecar;
     let dir = tempfile::tempdir().unwrap();
     let local = dir.path().join("s0.sock");
     let mut first = sidecar(&local);
     // Its own KV transport, the address of its `listening` line.
     let itself = first.addr;
-    let engine = LocalSidecar::connect(&local, 0, itself).unwrap();
-    drop(engine);
+    let refused = LocalSidecar::connect(&local, 0, itself).map(|_| ()).unwrap_err().to_string();
+    assert!(refused.contains("as its own successor") && refused.contains("`none`"), "{refused}");
     let (_, stderr) = first.signal_and_wait(libc::SIGTERM);
-    assert!(stderr.contains("names this sidecar as its successor"), "{stderr}");
+    assert!(stderr.contains("as its own successor"), "{stderr}");
 }
 
 #[test]

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use dejavud::heartbeat::decode;
 use dejavud::sidecar::control::{ControlError, SidecarControl};
 use dejavulib::chunk::{ChunkDescriptor, SequencePlace, HEADER_LEN};
-use dejavulib::local::{LocalError, LocalSidecar};
+use dejavulib::local::{LocalError, LocalSidecar, Successor};
 use dejavulib::memory::StagingPool;
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{PeerServer, ServerConfig};
@@ -783,4 +783,27 @@ fn sequence_chunk(
     let len = descriptor.payload_len() as usize;
     let kv = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
     (descriptor, kv)
+}
+
+#[test]
+fn an_engine_naming_its_own_sidecar_as_successor_is_refused_and_none_keeps_local_copies_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_sidecar, socket, addr, metrics) =
+        start_sidecar_serving(dir.path(), &["--index", "0", "--metrics", "127.0.0.1:0"]);
+    // Its copies would die with it: refused, with what to give instead.
+    let error = LocalSidecar::connect(&socket, 0, addr).map(|_| ()).unwrap_err().to_string();
+    assert!(error.contains("its own successor") && error.contains("`none`"), "{error}");
+    // No successor: the chunk is kept here and acknowledged, and a restarted engine gets it back.
+    let mut engine = LocalSidecar::connect(&socket, 1, Successor::LocalOnly).unwrap();
+    let (token, token_kv) = chunk(1, 6);
+    engine.put(&token, &token_kv).unwrap();
+    drop(engine);
+    let mut restarted = LocalSidecar::connect(&socket, 2, Successor::LocalOnly).unwrap();
+    let mut out = Vec::new();
+    assert_eq!(restarted.get(&token.key(), &mut out).unwrap(), token);
+    assert_eq!(out, token_kv);
+    assert_eq!(restarted.recovery().unwrap().serving.successor, None);
+    let page = dejavud::metrics::scrape(metrics.expect("it serves metrics")).unwrap();
+    let forwarded = dejavud::metrics::value_of(&page, "dejavu_sidecar_forwarded_chunks_total", &[]);
+    assert_eq!(forwarded, Some(0.0), "nothing forwarded: {page}");
 }

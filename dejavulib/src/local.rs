@@ -204,6 +204,72 @@ impl Channel {
     }
 }
 
+/// Where a sidecar forwards its engine's KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Successor {
+    /// The ring successor's sidecar, which keeps a replica: the KV survives the whole worker.
+    Sidecar(SocketAddr),
+    /// Nowhere: the sidecar keeps the local copy only, which survives the engine but not the
+    /// worker. A ring of one stage has no other sidecar (written `none`).
+    LocalOnly,
+}
+
+impl Successor {
+    /// What the engine's hello carries: the address, or nothing for [`Successor::LocalOnly`].
+    pub fn to_payload(self) -> String {
+        match self {
+            Successor::Sidecar(addr) => addr.to_string(),
+            Successor::LocalOnly => String::new(),
+        }
+    }
+
+    /// The successor a hello's payload names (see [`Successor::to_payload`]); `None` if it is
+    /// neither empty nor an address.
+    pub fn from_payload(payload: &[u8]) -> Option<Self> {
+        if payload.is_empty() {
+            return Some(Successor::LocalOnly);
+        }
+        std::str::from_utf8(payload).ok()?.parse().ok().map(Successor::Sidecar)
+    }
+
+    /// Its address, if it has one.
+    pub fn addr(self) -> Option<SocketAddr> {
+        match self {
+            Successor::Sidecar(addr) => Some(addr),
+            Successor::LocalOnly => None,
+        }
+    }
+}
+
+impl From<SocketAddr> for Successor {
+    fn from(addr: SocketAddr) -> Self {
+        Successor::Sidecar(addr)
+    }
+}
+
+impl std::str::FromStr for Successor {
+    type Err = String;
+
+    /// `none`, or an `ip:port` address.
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.trim() {
+            "none" => Ok(Successor::LocalOnly),
+            addr => addr.parse().map(Successor::Sidecar).map_err(|_| {
+                format!("{addr:?} is neither an ip:port address nor `none` (local copies only)")
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for Successor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Successor::Sidecar(addr) => addr.fmt(f),
+            Successor::LocalOnly => f.write_str("none"),
+        }
+    }
+}
+
 /// A socket error: [`LocalError::Closed`] when the sidecar's end is gone.
 fn closed_or_io(e: std::io::Error) -> LocalError {
     match e.kind() {
@@ -214,9 +280,10 @@ fn closed_or_io(e: std::io::Error) -> LocalError {
 
 impl LocalSidecar {
     /// Connects to the sidecar at `path` as an engine of `epoch` whose successor's sidecar is
-    /// `successor`, and maps the region it offers.
-    pub fn connect(path: &Path, epoch: u64, successor: SocketAddr) -> Result<Self, LocalError> {
-        Self::connect_with(path, epoch, successor, 0)
+    /// `successor` (or [`Successor::LocalOnly`]), and maps the region it offers. A sidecar named
+    /// as its own successor refuses: its copies would die with it.
+    pub fn connect(path: &Path, epoch: u64, successor: impl Into<Successor>) -> Result<Self, LocalError> {
+        Self::connect_with(path, epoch, successor.into(), 0)
     }
 
     /// As [`LocalSidecar::connect`], for an engine that does not report its own liveness to the
@@ -224,8 +291,12 @@ impl LocalSidecar {
     /// engine, in `epoch`, for as long as this connection lasts, so that the engine's death is
     /// seen as soon as its connection closes ([`HELLO_MEMBER`]). Without a controller, the same
     /// as [`LocalSidecar::connect`].
-    pub fn connect_as_member(path: &Path, epoch: u64, successor: SocketAddr) -> Result<Self, LocalError> {
-        Self::connect_with(path, epoch, successor, HELLO_MEMBER)
+    pub fn connect_as_member(
+        path: &Path,
+        epoch: u64,
+        successor: impl Into<Successor>,
+    ) -> Result<Self, LocalError> {
+        Self::connect_with(path, epoch, successor.into(), HELLO_MEMBER)
     }
 
     /// As [`LocalSidecar::connect_as_member`], in the epoch the sidecar gives the engine
@@ -233,8 +304,8 @@ impl LocalSidecar {
     /// it awaits a replacement (the sidecar waits a moment for the fence of an engine that has
     /// just died); 0 for the stage's first engine; without a controller, one newer than the last
     /// engine's. [`LocalSidecar::epoch`] says which.
-    pub fn join(path: &Path, successor: SocketAddr) -> Result<Self, LocalError> {
-        Self::connect_with(path, 0, successor, HELLO_MEMBER | HELLO_EPOCH_FROM_SIDECAR)
+    pub fn join(path: &Path, successor: impl Into<Successor>) -> Result<Self, LocalError> {
+        Self::connect_with(path, 0, successor.into(), HELLO_MEMBER | HELLO_EPOCH_FROM_SIDECAR)
     }
 
     /// Connects to the sidecar at `path` as a reader ([`HELLO_READER`]): it lists
@@ -249,8 +320,8 @@ impl LocalSidecar {
         self.epoch
     }
 
-    fn connect_with(path: &Path, epoch: u64, successor: SocketAddr, flags: u32) -> Result<Self, LocalError> {
-        Self::open(path, epoch, &successor.to_string(), flags)
+    fn connect_with(path: &Path, epoch: u64, successor: Successor, flags: u32) -> Result<Self, LocalError> {
+        Self::open(path, epoch, &successor.to_payload(), flags)
     }
 
     fn open(path: &Path, epoch: u64, successor: &str, flags: u32) -> Result<Self, LocalError> {

@@ -271,9 +271,10 @@ enum DjvStatus djv_file_store_open(const char *dir, struct DjvStore **out);
 
 // Connects to the engine's own sidecar (a `dejavud sidecar` process) at its local socket
 // `socket`, as an engine started in `epoch`: each chunk flushed crosses a memory region shared
-// with the sidecar, which keeps it and forwards it to the sidecar at `successor` ("ip:port");
-// a fetch comes back through shared memory. A newer epoch takes the sidecar over from an older
-// engine; an older one is refused.
+// with the sidecar, which keeps it and forwards it to the sidecar at `successor` ("ip:port", the
+// next stage's; "none" for local copies only, in a ring of one stage; the engine's own sidecar is
+// refused); a fetch comes back through shared memory. A newer epoch takes the sidecar over from
+// an older engine; an older one is refused.
 //
 // # Safety
 //

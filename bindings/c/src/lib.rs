@@ -590,9 +590,10 @@ pub unsafe extern "C" fn djv_file_store_open(dir: *const c_char, out: *mut *mut 
 
 /// Connects to the engine's own sidecar (a `dejavud sidecar` process) at its local socket
 /// `socket`, as an engine started in `epoch`: each chunk flushed crosses a memory region shared
-/// with the sidecar, which keeps it and forwards it to the sidecar at `successor` ("ip:port");
-/// a fetch comes back through shared memory. A newer epoch takes the sidecar over from an older
-/// engine; an older one is refused.
+/// with the sidecar, which keeps it and forwards it to the sidecar at `successor` ("ip:port", the
+/// next stage's; "none" for local copies only, in a ring of one stage; the engine's own sidecar is
+/// refused); a fetch comes back through shared memory. A newer epoch takes the sidecar over from
+/// an older engine; an older one is refused.
 ///
 /// # Safety
 ///
@@ -665,7 +666,7 @@ pub unsafe extern "C" fn djv_sidecar_epoch(store: *mut DjvStore, epoch: *mut u64
 unsafe fn sidecar_addresses<'a>(
     socket: *const c_char,
     successor: *const c_char,
-) -> Result<(&'a str, std::net::SocketAddr), Failure> {
+) -> Result<(&'a str, dejavulib::local::Successor), Failure> {
     if socket.is_null() || successor.is_null() {
         return Err(Failure::invalid("socket or successor is NULL"));
     }
@@ -676,7 +677,7 @@ unsafe fn sidecar_addresses<'a>(
         .to_str()
         .ok()
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| Failure::invalid("successor is not an ip:port address"))?;
+        .ok_or_else(|| Failure::invalid("successor is neither an ip:port address nor \"none\""))?;
     Ok((socket, successor))
 }
 

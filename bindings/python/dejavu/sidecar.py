@@ -16,8 +16,10 @@ class SidecarClient:
 
     The engine registers its KV caches (used in place, one per microbatch) and reports each
     step complete; the step's KV crosses shared memory in one chunk, and the sidecar keeps it and
-    forwards it to the ring successor's sidecar at ``successor`` ("host:port") before
-    ``step_done`` returns. After a restart (a newer ``epoch``: the older engine is cut off),
+    forwards it to the ring successor's sidecar at ``successor`` ("host:port": the next stage's,
+    the last stage's being the first's) before ``step_done`` returns. ``"none"`` keeps the local
+    copy only, which survives the engine but not its worker (a ring of one stage has no other
+    sidecar); naming the engine's own sidecar is refused (``dejavu.Error``). After a restart (a newer ``epoch``: the older engine is cut off),
     ``restore`` follows the sidecar's recovery instructions: it fetches the KV the sidecar keeps
     into the registered caches and says where each sequence resumes.
 

@@ -149,7 +149,8 @@ impl PyStore {
     /// The engine's own sidecar (a `dejavud sidecar` process) at its local socket `path`: each
     /// chunk crosses a memory region shared with it; the sidecar keeps it (the local copy, which a
     /// restarted engine fetches back through shared memory) and forwards it to the sidecar at
-    /// `successor` ("host:port"). `epoch` is the engine's: a newer one takes the sidecar over
+    /// `successor` ("host:port", the next stage's; `"none"` for local copies only, in a ring of
+    /// one stage; the engine's own sidecar is refused). `epoch` is the engine's: a newer one takes the sidecar over
     /// from an older engine, an older one is refused. With `member`, the sidecar reports the
     /// engine's liveness to the controller for it, for as long as this connection lasts (the
     /// engine's death is seen as soon as its process's connection closes).
@@ -164,7 +165,10 @@ impl PyStore {
         epoch: Option<u64>,
         member: bool,
     ) -> PyResult<Self> {
-        let addr = resolve(successor)?;
+        let addr = match successor.trim() {
+            "none" => dejavulib::local::Successor::LocalOnly,
+            host_port => dejavulib::local::Successor::Sidecar(resolve(host_port)?),
+        };
         let local = py
             .detach(|| match (epoch, member) {
                 (None, _) => LocalSidecar::join(&path, addr),

@@ -537,6 +537,13 @@ def dejavud():
 def running_sidecar(tmp_path, index):
     """A ``dejavud sidecar`` of stage ``index`` with its local socket in ``tmp_path``, forwarding to
     a ``PeerServer`` here; yields the socket and that successor, and stops both."""
+    with running_sidecar_at(tmp_path, index) as (socket, successor, _):
+        yield socket, successor
+
+
+@contextlib.contextmanager
+def running_sidecar_at(tmp_path, index):
+    """As ``running_sidecar``, also yielding where the sidecar's own KV transport listens."""
     socket = tmp_path / "sidecar.sock"
     sidecar = subprocess.Popen(
         [dejavud(), "sidecar", f"--index={index}", f"--local={socket}", f"--shm-dir={tmp_path}", "--region-bytes=1048576"],
@@ -546,8 +553,9 @@ def running_sidecar(tmp_path, index):
     )
     successor = dejavu.PeerServer(b"dejavu reference cluster")
     try:
-        assert sidecar.stdout.readline().startswith("listening ")
-        yield socket, successor
+        line = sidecar.stdout.readline()
+        assert line.startswith("listening "), line
+        yield socket, successor, line.split()[1]
     finally:
         sidecar.kill()
         sidecar.wait()
@@ -671,6 +679,27 @@ def test_the_sidecar_client_reports_steps_and_restores_after_a_restart(tmp_path)
         # The old engine is cut off.
         with pytest.raises(dejavu.Error, match="older"):
             dejavu.SidecarClient(socket, successor.address, epoch=1)
+
+
+def test_a_single_stage_names_no_successor_and_its_own_sidecar_is_refused(tmp_path):
+    with running_sidecar_at(tmp_path, index=0) as (socket, successor, itself):
+        # Its copies would die with it.
+        with pytest.raises(dejavu.Error, match="its own successor"):
+            dejavu.SidecarClient(socket, itself, epoch=1)
+        layout = layouts()["faster_transformer"]
+        cache = dejavu.KvCache.wrap(layout, engine_buffers(layout, 30))
+        client = dejavu.SidecarClient(socket, "none", epoch=2)
+        client.register(cache, microbatch=0)
+        client.step_done(0, range(0, 2), range(0, 8))
+        assert successor.chunks == 0, "nothing forwarded"
+        del client
+        # The local copy survives the engine.
+        fresh = dejavu.KvCache(layout)
+        restarted = dejavu.SidecarClient(socket, "none", epoch=3)
+        restarted.register(fresh, microbatch=0)
+        assert restarted.restore() == {(0, (0, 2)): 8}
+        held = dejavu.KvRegion(layers=range(3), slots=range(2), heads=range(3), tokens=range(8))
+        assert bytes(fresh.gather(held)) == bytes(cache.gather(held))
 
 
 def test_a_finished_sequence_released_is_dropped_by_the_sidecar_and_at_its_successor(tmp_path):

@@ -96,9 +96,14 @@ impl Cluster {
             args.extend(Self::shape_args(&shapes));
         }
         if let Some((local, successor)) = sidecars {
-            let successor = config.route(Link::Replica { from: index as u32 }, successor);
             args.push(format!("--local={}", local.display()));
-            args.push(format!("--successor={successor}"));
+            if config.splits.len() == 1 {
+                // A ring of one stage: no other sidecar to keep a replica.
+                args.push("--successor=none".to_owned());
+            } else {
+                let successor = config.route(Link::Replica { from: index as u32 }, successor);
+                args.push(format!("--successor={successor}"));
+            }
             if let Some(split) = &config.cpus {
                 args.push(format!("--streamer-cpus={}", split.replication));
             }

@@ -138,8 +138,9 @@ pub struct Replication {
     /// Its own sidecar's local socket: the local copy, through shared memory, which the sidecar
     /// forwards to the successor.
     pub local: PathBuf,
-    /// Its ring successor's sidecar: the replica.
-    pub successor: SocketAddr,
+    /// Its ring successor's sidecar (the replica), or none (a ring of one stage: local copies
+    /// only).
+    pub successor: dejavulib::local::Successor,
     /// CPUs of the streamer thread (`None`: the process's).
     pub streamer_cpus: Option<CpuList>,
 }

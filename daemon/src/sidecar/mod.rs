@@ -20,7 +20,7 @@ use std::io::{BufReader, BufWriter, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,7 +28,9 @@ use dejavu_proto::fencing::{newest_of, Claim};
 use dejavu_proto::forwarding::{Answer, Counts, Kept, Next, Sent, DEFAULT_BACKLOG};
 use dejavu_proto::worker::{NotASpare, Place, Worker};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
-use dejavulib::local::{HELLO_EPOCH_FROM_SIDECAR, HELLO_MEMBER, HELLO_READER, MAX_LOCAL_PAYLOAD};
+use dejavulib::local::{
+    Successor as Named, HELLO_EPOCH_FROM_SIDECAR, HELLO_MEMBER, HELLO_READER, MAX_LOCAL_PAYLOAD,
+};
 use dejavulib::message::Message;
 use dejavulib::net::{ClientConfig, PeerClient, PeerError, PeerServer, PeerStore};
 use dejavulib::resume::HeldChunk;
@@ -249,6 +251,9 @@ struct Sidecar {
     /// Where and as what it forwards: the successor's address and a store on it (locked apart,
     /// so that a retarget never waits for a forward to a dead or partitioned successor).
     successor: Mutex<Option<Successor>>,
+    /// Whether its engine named no successor ([`Named::LocalOnly`]): it keeps the local copy
+    /// only, and forwards nothing.
+    local_only: AtomicBool,
     runtime: tokio::runtime::Handle,
     /// Engine connections so far (numbers them, and their regions).
     connections: AtomicU64,
@@ -297,6 +302,7 @@ pub fn serve_sidecar(
         stats: SidecarStats::default(),
         engine: Mutex::new(EngineInUse::default()),
         successor: Mutex::new(None),
+        local_only: AtomicBool::new(false),
         runtime: runtime.handle().clone(),
         connections: AtomicU64::new(0),
         machine: Mutex::new(Worker::new(
@@ -434,18 +440,24 @@ impl Sidecar {
             // A reader takes no one's place: it sees what the engine in use sees.
             self.machine.lock().engine_epoch().unwrap_or(0)
         } else {
-            let epoch = self.engine_epoch(&hello, &mut writer)?;
-            let successor = parse_addr(&hello.payload)?;
-            if self.is_itself(successor) {
-                warn!(
-                    stage = self.index(),
-                    %successor,
-                    "the engine names this sidecar as its successor: its copies would die with it (the \
-                     successor is the next stage's sidecar; a one-stage ring has no other)"
+            let successor = Named::from_payload(&hello.payload)
+                .ok_or_else(|| SidecarError::Protocol("a malformed successor address".into()))?;
+            if let Some(addr) = successor.addr().filter(|&addr| self.is_itself(addr)) {
+                let reason = format!(
+                    "the engine names this sidecar ({addr}) as its own successor: its copies would die \
+                     with it. Name the next stage's sidecar (the ring wraps around), or `none` for local \
+                     copies only (a ring of one stage)"
                 );
+                warn!(stage = self.index(), "{reason}");
+                reply_error(&mut writer, &hello, ErrorCode::Other, &reason)?;
+                return Err(SidecarError::Protocol(reason));
             }
+            let epoch = self.engine_epoch(&hello, &mut writer)?;
             self.claim_engine(&hello, epoch, n, stream, &mut writer)?;
-            self.set_successor(successor, epoch);
+            match successor {
+                Named::Sidecar(addr) => self.set_successor(addr, epoch),
+                Named::LocalOnly => self.keep_locally_only(),
+            }
             epoch
         };
         let path = self.config.shm_dir.join(format!(
@@ -665,8 +677,21 @@ impl Sidecar {
             || (self.addr.ip().is_unspecified() && addr.port() == self.addr.port() && addr.ip().is_loopback())
     }
 
+    /// Keeps its engine's chunks here only from now on, forwarding nothing.
+    fn keep_locally_only(&self) {
+        self.local_only.store(true, Ordering::SeqCst);
+        if let Some(old) = self.successor.lock().take() {
+            old.client.shut();
+        }
+        info!(
+            stage = self.index(),
+            "no successor named: local copies only (they do not survive this worker)"
+        );
+    }
+
     /// Forwards to `successor` from now on, in `epoch`.
     fn set_successor(&self, successor: SocketAddr, epoch: u64) {
+        self.local_only.store(false, Ordering::SeqCst);
         let mut current = self.successor.lock();
         if current.as_ref().is_some_and(|s| s.addr == successor) {
             return;
@@ -732,7 +757,7 @@ impl Sidecar {
     /// forwarded are dropped with it (the backlog skips what the store no longer holds).
     fn release(&self, place: &SequencePlace, epoch: u64) -> Result<u64, SidecarError> {
         let chunks = self.store.release_place(place);
-        if self.config.skip_forwarding {
+        if self.config.skip_forwarding || self.local_only.load(Ordering::SeqCst) {
             return Ok(chunks);
         }
         let Some(Successor { addr, store, .. }) = self.successor.lock().clone() else {
@@ -750,7 +775,7 @@ impl Sidecar {
     /// every chunk kept before it that was not given up on.
     fn keep_and_forward(&self, chunk: &[u8], epoch: u64) -> Result<(), SidecarError> {
         let (descriptor, kept) = self.keep_one(chunk)?;
-        if self.config.skip_forwarding {
+        if self.config.skip_forwarding || self.local_only.load(Ordering::SeqCst) {
             return Ok(());
         }
         let Some(Successor { addr, store, .. }) = self.successor.lock().clone() else {
@@ -1033,13 +1058,6 @@ fn stale(e: &StoreError) -> bool {
     let StoreError::Io { source, .. } = e else { return false };
     let peer = source.get_ref().and_then(|inner| inner.downcast_ref::<PeerError>());
     matches!(peer, Some(PeerError::Refused { code: ErrorCode::StaleEpoch, .. }))
-}
-
-fn parse_addr(payload: &[u8]) -> Result<SocketAddr, SidecarError> {
-    std::str::from_utf8(payload)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| SidecarError::Protocol("a malformed address".into()))
 }
 
 /// Answers `to` with `message`, from `sender` in `epoch`.
