@@ -318,6 +318,11 @@ pub struct MemberArgs {
     /// each, and the lifeline and the queries to whichever leads.
     #[arg(long, value_name = "ADDR,...", value_delimiter = ',')]
     pub heartbeat: Vec<SocketAddr>,
+    /// The address its heartbeats are sent from, when its listeners are bound to one (set by the
+    /// process, not a flag): the controller reaches the ports its beats name at the address they
+    /// come from, which the route would otherwise pick (another of the host's addresses).
+    #[arg(skip)]
+    pub source: Option<std::net::IpAddr>,
     /// Milliseconds between heartbeats.
     #[arg(long, default_value_t = 100)]
     pub heartbeat_ms: u64,
@@ -651,8 +656,8 @@ impl MemberArgs {
             (Duration::from_millis(self.heartbeat_ms), self.secret.as_bytes(), (Role::Engine, stage));
         let lifeline =
             Lifeline::hold_for(to, member, epoch, pid, interval, secret).map_err(CliError::Member)?;
-        let heartbeat =
-            beat_serving(to, member, epoch, interval, (None, None), secret).map_err(CliError::Heartbeat)?;
+        let heartbeat = beat_serving(to, member, epoch, interval, (None, None), secret, self.source)
+            .map_err(CliError::Heartbeat)?;
         Ok(Some(Membership::new(heartbeat, lifeline)))
     }
 
@@ -677,8 +682,8 @@ impl MemberArgs {
                 ControllerError::Io(e) => CliError::Heartbeat(e),
                 refused => CliError::Member(refused),
             })?;
-        let heartbeat =
-            beat_serving(to, (role, index), epoch, interval, ports, secret).map_err(CliError::Heartbeat)?;
+        let heartbeat = beat_serving(to, (role, index), epoch, interval, ports, secret, self.source)
+            .map_err(CliError::Heartbeat)?;
         Ok(Some(Membership::new(heartbeat, lifeline)))
     }
 }
@@ -762,6 +767,7 @@ impl SidecarArgs {
         let (local, shm_dir) = (self.local.clone(), self.shm_dir.clone());
         self.member.init("the sidecar", move || remove_sidecar_files(&local, &shm_dir))?;
         self.member.secure(&[self.listen])?;
+        self.member.source = Some(self.listen.ip()).filter(|ip| !ip.is_unspecified());
         // Before asking for an epoch: a start that cannot listen must not use one up.
         free_unix_path(&self.local)?;
         let transports = self.transport.transports()?;

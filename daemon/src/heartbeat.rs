@@ -103,11 +103,12 @@ pub fn beat(
     control_port: Option<u16>,
     secret: &[u8],
 ) -> std::io::Result<Heartbeat> {
-    beat_serving(&[controller], member, epoch, interval, (control_port, None), secret)
+    beat_serving(&[controller], member, epoch, interval, (control_port, None), secret, None)
 }
 
 /// As [`beat`], to each of `controllers` (several on etcd: whichever leads takes them), naming
-/// the sender's control listener's port and its KV transport's port.
+/// the sender's control listener's port and its KV transport's port, sent from `source` if
+/// given (the address those listen at: the controller reaches them at the beats' source).
 pub fn beat_serving(
     controllers: &[SocketAddr],
     member: (Role, u32),
@@ -115,18 +116,20 @@ pub fn beat_serving(
     interval: Duration,
     (control_port, data_port): (Option<u16>, Option<u16>),
     secret: &[u8],
+    source: Option<std::net::IpAddr>,
 ) -> std::io::Result<Heartbeat> {
     let Some(&first) = controllers.first() else {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "no controller to beat to"));
     };
     let controllers = controllers.to_vec();
-    // Bound to no address in particular: the route to the controller picks the source, on
-    // loopback or from a network namespace of the worker's own.
-    let unspecified: SocketAddr = match first {
-        SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, 0).into(),
-        SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+    // Without a source, bound to no address in particular: the route to the controller picks
+    // it, on loopback or from a network namespace of the worker's own.
+    let from: SocketAddr = match (source, first) {
+        (Some(ip), _) => (ip, 0).into(),
+        (None, SocketAddr::V4(_)) => (std::net::Ipv4Addr::UNSPECIFIED, 0).into(),
+        (None, SocketAddr::V6(_)) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
     };
-    let socket = UdpSocket::bind(unspecified)?;
+    let socket = UdpSocket::bind(from)?;
     let mut beat = Beat { member, pid: std::process::id(), epoch, sequence: 0, control_port, data_port };
     let secret = secret.to_vec();
     let stop = Arc::new(AtomicBool::new(false));

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 import urllib.request
+from pathlib import Path
 
 import dejavu
 
@@ -239,5 +240,101 @@ def test_a_recovery_feed_refuses_what_it_cannot_do(tmp_path):
             dejavu.RecoveryFeed(f"127.0.0.1:{free_port()},{w.heartbeat}").watch(0, timeout=0.1)
         with pytest.raises(dejavu.ControllerError):
             dejavu.RecoveryFeed(w.heartbeat, secret=b"another cluster").watch(0, timeout=0.1)
+    finally:
+        w.stop()
+
+
+def test_the_compose_files_daemons_run_a_ring_that_survives_an_engine_and_a_worker(tmp_path):
+    """deploy/compose.yaml's daemons, started with its commands and configuration files, and
+    Python engines with its engines' environments, on loopback: each 172.28.0.x address becomes
+    127.28.0.x (loopback too), and each volume a directory here."""
+    import yaml
+    from test_dejavu import dejavud
+
+    deploy = Path(__file__).resolve().parents[3] / "deploy"
+    services = yaml.safe_load((deploy / "compose.yaml").read_text())["services"]
+    (tmp_path / "secret").write_text("the cluster secret of this test\n")
+
+    def here(text):
+        return text.replace("172.28.0.", "127.28.0.")
+
+    def volumes(service):
+        """Each of `service`'s mounts: where it is in the container, and here."""
+        mounts = {}
+        for volume in services[service].get("volumes", []):
+            source, target = volume.split(":")[:2]
+            if source.startswith("./"):
+                mounts[target] = tmp_path / "secret" if source == "./secret" else deploy / source[2:]
+            else:
+                mounts[target] = tmp_path / source
+                mounts[target].mkdir(exist_ok=True)
+        return mounts
+
+    def daemon_command(service):
+        """The service's command, its configuration file read from deploy/ and written here with
+        this machine's paths and addresses."""
+        command = services[service]["command"]
+        assert command[0] == "dejavud" and command[2] == "--config", command
+        mounts = volumes(service)
+        text = here(mounts.pop(command[3]).read_text())
+        for target, path in sorted(mounts.items(), key=lambda m: -len(m[0])):
+            text = text.replace(target, str(path))
+        config = tmp_path / f"{service}.toml"
+        config.write_text(text)
+        return [dejavud(), command[1], "--config", str(config)]
+
+    def engine_args(service):
+        env = services[service]["environment"]
+        socket = env["DEJAVU_SOCKET"]
+        for target, path in volumes(service).items():
+            socket = socket.replace(target, str(path))
+        return [env["DEJAVU_STAGE"], socket, here(env["DEJAVU_SUCCESSOR"])]
+
+    w = Walkthrough(tmp_path, dejavud())
+
+    def start_daemon(service):
+        process = w.spawn(*daemon_command(service))
+        line = process.stdout.readline()
+        if line.startswith("metrics "):
+            if service == "controller":
+                w.metrics = line.split()[1]
+            line = process.stdout.readline()
+        assert line.startswith("listening "), f"{service}: {line!r}"
+        return process
+
+    def start_engine(service, reference=False):
+        stage, socket, successor = engine_args(service)
+        process = w.spawn(sys.executable, str(w.engine_file), stage, "-" if reference else socket, successor)
+        _, epoch, resume = process.stdout.readline().split()
+        return process, epoch, int(resume)
+
+    try:
+        reference = [steps(start_engine(f"engine-{k}", reference=True)[0], 12) for k in range(2)]
+        start_daemon("controller")
+        sidecars = [start_daemon(f"sidecar-{k}") for k in range(2)]
+        engines = [start_engine(f"engine-{k}") for k in range(2)]
+        assert [(epoch, resume) for _, epoch, resume in engines] == [("0", 0), ("0", 0)]
+        outputs = [steps(engines[k][0], 6) for k in range(2)]
+
+        # An engine dies, and is started again as its container would be: it resumes from its
+        # sidecar.
+        kill(engines[0][0])
+        w.wait_for(lambda: w.gauge("dejavu_controller_fences_total") == 1, "engine 0 fenced")
+        engine0, epoch, resume = start_engine("engine-0")
+        assert (epoch, resume) == ("1", 6)
+        outputs[0] += steps(engine0, 6)
+
+        # A whole worker dies; both its containers start again with the same commands; the
+        # controller restores its sidecar from the ring, and its engine resumes from there.
+        kill(sidecars[1])
+        kill(engines[1][0])
+        w.wait_for(lambda: w.gauge("dejavu_controller_fences_total") == 2, "worker 1 fenced")
+        sidecars[1] = start_daemon("sidecar-1")
+        w.wait_for(lambda: w.gauge("dejavu_controller_recovery_seconds_count") == 1, "worker 1 restored")
+        engine1, epoch, resume = start_engine("engine-1")
+        assert (epoch, resume) == ("2", 6)
+        outputs[1] += steps(engine1, 6)
+
+        assert outputs == reference
     finally:
         w.stop()
