@@ -37,6 +37,8 @@ pub enum Change {
     Campaigned(String),
     /// A campaigner's key went (its lease revoked or lapsed, or it resigned).
     Left(String),
+    /// The record was written with text that is not a record (why).
+    Unreadable(String),
 }
 
 /// A change at a revision, to a cluster's keys.
@@ -58,13 +60,16 @@ pub fn history(endpoints: &[SocketAddr]) -> Result<Vec<Event>, String> {
         .build()
         .map_err(|e| format!("no runtime to read etcd with: {e}"))?;
     let urls: Vec<String> = endpoints.iter().map(|a| format!("http://{a}")).collect();
-    runtime.block_on(async {
+    let reading = async {
         let fail = |e: etcd_client::Error| format!("reading etcd's history: {e}");
         let mut client = Client::connect(&urls, None).await.map_err(fail)?;
         let now = client
             .get(PREFIX, Some(GetOptions::new().with_prefix().with_count_only()))
             .await
             .map_err(fail)?;
+        if now.count() == 0 {
+            return Ok(Vec::new());
+        }
         let last = now.header().map_or(0, |h| h.revision());
         let options = WatchOptions::new().with_prefix().with_start_revision(1);
         let mut stream = client.watch(PREFIX, Some(options)).await.map_err(fail)?;
@@ -84,8 +89,16 @@ pub fn history(endpoints: &[SocketAddr]) -> Result<Vec<Event>, String> {
             }
         }
         Ok(events)
+    };
+    runtime.block_on(async {
+        tokio::time::timeout(HISTORY_PATIENCE, reading)
+            .await
+            .unwrap_or_else(|_| Err(format!("etcd's history was not read within {HISTORY_PATIENCE:?}")))
     })
 }
+
+/// How long reading etcd's history may take.
+const HISTORY_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The event a key's change is, if it is one of a cluster's.
 fn parse(kind: EventType, kv: &etcd_client::KeyValue) -> Option<Event> {
@@ -93,8 +106,10 @@ fn parse(kind: EventType, kv: &etcd_client::KeyValue) -> Option<Event> {
     let (cluster, rest) = key.split_once('/')?;
     let change = match (rest, kind) {
         ("record", EventType::Put) => {
-            let record = State::parse(kv.value_str().ok()?).ok()?;
-            Change::Record { epoch: record.epoch, incarnation: record.incarnation }
+            match kv.value_str().map_err(|e| e.to_string()).and_then(State::parse) {
+                Ok(record) => Change::Record { epoch: record.epoch, incarnation: record.incarnation },
+                Err(why) => Change::Unreadable(why),
+            }
         }
         (rest, EventType::Put) if rest.starts_with("leader/") && kv.version() == 1 => {
             Change::Campaigned(key.to_owned())
@@ -154,6 +169,12 @@ fn check_cluster(cluster: &str, events: &[&Event], out: &mut Vec<Violation>) {
                 if let Some(revision) = created.remove(key.as_str()) {
                     campaigners.remove(&revision);
                 }
+            }
+            Change::Unreadable(why) => {
+                violation(
+                    "epochs only grow",
+                    format!("a record written at revision {} that cannot be read: {why}", event.revision),
+                );
             }
             &Change::Record { epoch, incarnation } => {
                 let at = event.revision;

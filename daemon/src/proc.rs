@@ -34,8 +34,8 @@ pub struct Proc {
     child: Child,
     stderr: Arc<Mutex<VecDeque<u8>>>,
     /// The lines it wrote to standard output after its first announcement, with when they were
-    /// read (the first [`LATER_LINES`]).
-    later: Arc<Mutex<Vec<(Instant, String)>>>,
+    /// read (the last [`LATER_LINES`]).
+    later: Arc<Mutex<VecDeque<(Instant, String)>>>,
 }
 
 /// Lines of a child's standard output kept after its first announcement: a controller standing
@@ -209,7 +209,7 @@ fn start(
             tail.drain(..excess);
         }
     });
-    let later = Arc::new(Mutex::new(Vec::new()));
+    let later = Arc::new(Mutex::new(VecDeque::new()));
     let mut proc = Proc { child, stderr, later: later.clone() };
     let (tx, rx) = crossbeam_channel::bounded(1);
     std::thread::spawn(move || {
@@ -226,13 +226,15 @@ fn start(
             }
         }
         let _ = tx.send((line, metrics));
-        // Keep reading so the child never blocks on a full stdout pipe.
-        let mut line = String::new();
-        while matches!(reader.read_line(&mut line), Ok(1..)) {
+        // Keep reading so the child never blocks on a full stdout pipe (bytes, not text: a line
+        // that is not UTF-8 must not stop the draining).
+        let mut line = Vec::new();
+        while matches!(reader.read_until(b'\n', &mut line), Ok(1..)) {
             let mut later = later.lock();
-            if later.len() < LATER_LINES {
-                later.push((Instant::now(), line.trim().to_owned()));
+            if later.len() == LATER_LINES {
+                later.pop_front();
             }
+            later.push_back((Instant::now(), String::from_utf8_lossy(&line).trim().to_owned()));
             line.clear();
         }
     });

@@ -803,6 +803,12 @@ fn an_engine_naming_its_own_sidecar_as_successor_is_refused_and_none_keeps_local
     assert_eq!(restarted.get(&token.key(), &mut out).unwrap(), token);
     assert_eq!(out, token_kv);
     assert_eq!(restarted.recovery().unwrap().serving.successor, None);
+    // Named itself later (a recovery of a ring of one stage names the stage its own
+    // predecessor), it still keeps the local copy only.
+    LocalSidecar::retarget_now(&socket, addr, 2).unwrap();
+    let (next, next_kv) = chunk(7, 6);
+    restarted.put(&next, &next_kv).unwrap();
+    assert_eq!(restarted.recovery().unwrap().serving.successor, None);
     let page = dejavud::metrics::scrape(metrics.expect("it serves metrics")).unwrap();
     let forwarded = dejavud::metrics::value_of(&page, "dejavu_sidecar_forwarded_chunks_total", &[]);
     assert_eq!(forwarded, Some(0.0), "nothing forwarded: {page}");

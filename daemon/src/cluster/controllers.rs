@@ -4,9 +4,10 @@
 //!   answering is replaced on the same port and file, and goes on where it stopped.
 //! - **On etcd**: several controllers of one cluster, each with a port of its own; members beat to
 //!   all of them. The one that leads announces `listening ADDR`, the others `standby ADDR` first.
-//!   The cluster asks the newest leader that answers. A controller that exits (killed, or deposed:
-//!   status [`DEPOSED_EXIT`]) is started again on its port once another leads, as a supervisor
-//!   would start it again, and stands by.
+//!   The cluster asks the newest leader that answers. When the one it asked does not answer, it
+//!   follows the leader that took over, and then starts again, on their ports, the controllers
+//!   that exited (killed, or deposed: status [`DEPOSED_EXIT`]), as a supervisor would; they stand
+//!   by.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -19,6 +20,9 @@ use super::config::{ControlPlane, EtcdControllers};
 use super::{secret, ClusterConfig, ClusterError, Link, START};
 use crate::controller::{ControllerClient, ControllerError, DEPOSED_EXIT};
 use crate::proc::{spawn, spawn_candidate, Proc, Spawned};
+
+/// How long a controller started again on etcd has to say it stands by (or leads).
+const CANDIDATE_START: Duration = Duration::from_secs(3);
 
 /// Where the controller in charge listens, shared with whoever follows it (the fence watch).
 pub(super) type LeaderAddr = Arc<Mutex<SocketAddr>>;
@@ -152,6 +156,11 @@ impl Controllers {
                 // Its replacements take the same port, which every process beats to.
                 let args = [common, vec![format!("--listen={}", started.addr)]].concat();
                 (vec![Seat::started(started, args, false)], None)
+            }
+            ControlPlane::Etcd(_) if config.journal.is_some() => {
+                return Err(ClusterError::Invalid(
+                    "a journal is kept by one controller: not with controllers on etcd".into(),
+                ));
             }
             ControlPlane::Etcd(etcd) => {
                 // A lease lapses within its TTL, and etcd looks for lapsed leases twice a second.
@@ -322,10 +331,13 @@ impl Controllers {
             seat.killed = true;
             let _ = seat.proc.kill();
         }
+        seat.refresh();
         let args = seat.args.clone();
         let (started, standing_by) = match self.failover {
             None => (spawn(&self.exe, &args, "a replacement controller", START)?, false),
-            Some(_) => spawn_candidate(&self.exe, &args, "a replacement controller", START)?,
+            // One that cannot reach etcd yet (cut off from it, say) does not hold the cluster up
+            // for long: it is tried again at the next failover.
+            Some(_) => spawn_candidate(&self.exe, &args, "a replacement controller", CANDIDATE_START)?,
         };
         let replaced = std::mem::replace(&mut self.seats[index], Seat::started(started, args, standing_by));
         self.ended.push(replaced);
@@ -341,7 +353,10 @@ impl Controllers {
     pub(super) fn kill_leader(&mut self) -> Result<(), ClusterError> {
         self.follow();
         let seat = &mut self.seats[self.leader];
-        seat.killed = true;
+        // One that had exited already keeps the end it chose.
+        if matches!(seat.proc.exited(), Ok(None)) {
+            seat.killed = true;
+        }
         Ok(seat.proc.kill()?)
     }
 

@@ -29,6 +29,12 @@
 //! - **A secured etcd.** TLS, a client certificate and etcd's user authentication come from
 //!   [`EtcdAccess`]. etcd's authentication tokens expire (`--auth-token-ttl`, 5 minutes by
 //!   default); a request refused for an expired token gets a new one and is tried once more.
+//! - **An etcd member that died.** A request that went to a member that cannot be reached is
+//!   asked again, a few times, of the others (every request here is idempotent).
+//! - **Standing by.** A controller says it stands by (`waiting`) as soon as etcd names another
+//!   leader, or once its campaign has waited `STANDBY_AFTER` (half a second). A campaign that
+//!   fails revokes its lease before it tries again, so that its key does not hold the election
+//!   for a TTL.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -585,7 +585,7 @@ pub fn serve_controller(
             };
             let door = standby::Door::open(&tcp)?;
             let mut leadership = Leadership::campaign(etcd, addr, waiting)?;
-            door.shut(addr);
+            door.shut();
             config.leaving.set(leadership.resignation());
             let record = leadership.load()?;
             (Store::Etcd(Box::new(leadership)), record)

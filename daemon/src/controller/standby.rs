@@ -10,13 +10,16 @@ use std::time::Duration;
 
 /// Closes the connections to a listener until [`Door::shut`].
 pub(super) struct Door {
+    /// Where the listener listens (the thread is woken by a connection there).
+    addr: SocketAddr,
     standing_by: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Door {
-    /// Starts closing every connection `listener` (bound at `addr`) accepts.
+    /// Starts closing every connection `listener` accepts.
     pub(super) fn open(listener: &TcpListener) -> std::io::Result<Self> {
+        let addr = listener.local_addr()?;
         let listener = listener.try_clone()?;
         let standing_by = Arc::new(AtomicBool::new(true));
         let still = standing_by.clone();
@@ -25,20 +28,33 @@ impl Door {
                 if !still.load(Ordering::SeqCst) {
                     return;
                 }
-                drop(stream);
+                if stream.is_err() {
+                    // Out of descriptors, say: wait rather than spin.
+                    std::thread::sleep(Duration::from_millis(10));
+                }
             }
         })?;
-        Ok(Self { standing_by, thread: Some(thread) })
+        Ok(Self { addr, standing_by, thread: Some(thread) })
     }
 
-    /// Stops closing connections, once the controller at `addr` serves them: the thread is woken
-    /// by a connection of its own, and the next connections wait for the controller's loop.
-    pub(super) fn shut(mut self, addr: SocketAddr) {
+    /// Stops closing connections (the controller leads and serves them, or gave up): the thread
+    /// is woken by a connection of its own, and the next connections wait for the controller.
+    pub(super) fn shut(mut self) {
+        self.close();
+    }
+
+    fn close(&mut self) {
+        let Some(thread) = self.thread.take() else { return };
         self.standing_by.store(false, Ordering::SeqCst);
         // Its accept may have taken a client's connection meanwhile: the client tries again.
-        let _ = TcpStream::connect_timeout(&addr, Duration::from_secs(1));
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        let _ = thread.join();
+    }
+}
+
+impl Drop for Door {
+    /// A campaign that failed leaves no thread closing the port's connections.
+    fn drop(&mut self) {
+        self.close();
     }
 }

@@ -689,8 +689,13 @@ impl Sidecar {
         );
     }
 
-    /// Forwards to `successor` from now on, in `epoch`.
+    /// Forwards to `successor` from now on, in `epoch`; named itself (a ring of one stage, whose
+    /// recovery names the stage its own predecessor), it keeps the local copy only.
     fn set_successor(&self, successor: SocketAddr, epoch: u64) {
+        if self.is_itself(successor) {
+            self.keep_locally_only();
+            return;
+        }
         self.local_only.store(false, Ordering::SeqCst);
         let mut current = self.successor.lock();
         if current.as_ref().is_some_and(|s| s.addr == successor) {
