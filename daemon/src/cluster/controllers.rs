@@ -85,6 +85,11 @@ impl Seat {
         }
     }
 
+    /// Whether its process still runs.
+    fn running(&mut self) -> bool {
+        matches!(self.proc.exited(), Ok(None))
+    }
+
     /// Notes whether it announced the lead since it stood by.
     fn refresh(&mut self) {
         if self.leading_since.is_none() {
@@ -292,7 +297,7 @@ impl Controllers {
         let mut newest: Option<(Instant, usize)> = None;
         for (index, seat) in self.seats.iter_mut().enumerate() {
             seat.refresh();
-            let alive = matches!(seat.proc.exited(), Ok(None));
+            let alive = seat.running();
             if let (true, Some(since)) = (alive, seat.leading_since) {
                 if newest.is_none_or(|(at, _)| since > at) {
                     newest = Some((since, index));
@@ -316,7 +321,7 @@ impl Controllers {
     /// that does not start is tried again next time: the cluster goes on with those it has.
     fn restart_exited(&mut self) {
         for index in 0..self.seats.len() {
-            if index != self.leader && !matches!(self.seats[index].proc.exited(), Ok(None)) {
+            if index != self.leader && !self.seats[index].running() {
                 if let Err(e) = self.restart(index) {
                     tracing::warn!(error = %e, controller = index, "a controller did not start again");
                 }
@@ -327,7 +332,7 @@ impl Controllers {
     /// Replaces controller `index` (killing it first: it may only be stopped).
     fn restart(&mut self, index: usize) -> Result<(), ClusterError> {
         let seat = &mut self.seats[index];
-        if matches!(seat.proc.exited(), Ok(None)) {
+        if seat.running() {
             seat.killed = true;
             let _ = seat.proc.kill();
         }
@@ -354,7 +359,7 @@ impl Controllers {
         self.follow();
         let seat = &mut self.seats[self.leader];
         // One that had exited already keeps the end it chose.
-        if matches!(seat.proc.exited(), Ok(None)) {
+        if seat.running() {
             seat.killed = true;
         }
         Ok(seat.proc.kill()?)

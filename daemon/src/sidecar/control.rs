@@ -41,7 +41,7 @@ use tracing::{info, warn};
 
 use dejavu_proto::worker::Place;
 
-use super::{reply, reply_error, Sidecar, SidecarError};
+use super::{reply, reply_error, Forward, Sidecar, SidecarError};
 use crate::slots::Slot;
 
 /// The largest request or reply: a page of a listing, or a re-seed's address.
@@ -144,9 +144,9 @@ impl Sidecar {
         let epoch = self.epoch();
         self.set_successor(to, epoch);
         // Another request may have named another successor since: then this re-seed is void.
-        let successor = self.successor.lock().clone().filter(|s| s.addr == to);
-        let Some(successor) = successor else {
-            return Err(SidecarError::NotTheSuccessor(to));
+        let successor = match self.successor.lock().clone() {
+            Forward::To(successor) if successor.addr == to => successor,
+            _ => return Err(SidecarError::NotTheSuccessor(to)),
         };
         let store = successor.store.lock();
         store.client().set_epoch(epoch);

@@ -20,7 +20,7 @@ use std::io::{BufReader, BufWriter, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -250,13 +250,32 @@ struct Sidecar {
     machine: Mutex<Worker<ChunkKey>>,
     /// Where and as what it forwards: the successor's address and a store on it (locked apart,
     /// so that a retarget never waits for a forward to a dead or partitioned successor).
-    successor: Mutex<Option<Successor>>,
-    /// Whether its engine named no successor ([`Named::LocalOnly`]): it keeps the local copy
-    /// only, and forwards nothing.
-    local_only: AtomicBool,
+    successor: Mutex<Forward>,
     runtime: tokio::runtime::Handle,
     /// Engine connections so far (numbers them, and their regions).
     connections: AtomicU64,
+}
+
+/// Where a sidecar forwards its engine's chunks.
+#[derive(Clone, Default)]
+enum Forward {
+    /// No engine has named a successor yet.
+    #[default]
+    Unnamed,
+    /// Its engine named none ([`Named::LocalOnly`]): it keeps the local copy only.
+    LocalOnly,
+    /// The ring successor's sidecar.
+    To(Successor),
+}
+
+impl Forward {
+    /// The successor's address, if there is one.
+    fn addr(&self) -> Option<SocketAddr> {
+        match self {
+            Forward::To(successor) => Some(successor.addr),
+            Forward::Unnamed | Forward::LocalOnly => None,
+        }
+    }
 }
 
 /// The ring successor a sidecar forwards to: its address, a store on it (locked apart from the
@@ -301,8 +320,7 @@ pub fn serve_sidecar(
         store,
         stats: SidecarStats::default(),
         engine: Mutex::new(EngineInUse::default()),
-        successor: Mutex::new(None),
-        local_only: AtomicBool::new(false),
+        successor: Mutex::new(Forward::Unnamed),
         runtime: runtime.handle().clone(),
         connections: AtomicU64::new(0),
         machine: Mutex::new(Worker::new(
@@ -639,7 +657,7 @@ impl Sidecar {
                 let page = Message::HeldPage {
                     stage: self.index(),
                     epoch: newest_of(epoch, self.assigned_epoch()),
-                    successor: self.successor.lock().as_ref().map(|s| s.addr),
+                    successor: self.successor.lock().addr(),
                     count: page.len() as u32,
                     left: left.min(u32::MAX as usize) as u32,
                 };
@@ -679,8 +697,7 @@ impl Sidecar {
 
     /// Keeps its engine's chunks here only from now on, forwarding nothing.
     fn keep_locally_only(&self) {
-        self.local_only.store(true, Ordering::SeqCst);
-        if let Some(old) = self.successor.lock().take() {
+        if let Forward::To(old) = std::mem::replace(&mut *self.successor.lock(), Forward::LocalOnly) {
             old.client.shut();
         }
         info!(
@@ -696,9 +713,8 @@ impl Sidecar {
             self.keep_locally_only();
             return;
         }
-        self.local_only.store(false, Ordering::SeqCst);
         let mut current = self.successor.lock();
-        if current.as_ref().is_some_and(|s| s.addr == successor) {
+        if current.addr() == Some(successor) {
             return;
         }
         // What the old successor lacks, the re-seed that names the new one copies to it whole.
@@ -722,7 +738,7 @@ impl Sidecar {
         let client = store.client().clone();
         // The successor given up: a forward still waiting on it fails now, not at a timeout.
         let new = Successor { addr: successor, store: Arc::new(Mutex::new(store)), client };
-        if let Some(old) = current.replace(new) {
+        if let Forward::To(old) = std::mem::replace(&mut *current, Forward::To(new)) {
             old.client.shut();
         }
     }
@@ -757,16 +773,26 @@ impl Sidecar {
         Ok(())
     }
 
+    /// The successor to forward to; `None` where nothing is forwarded (local copies only, or
+    /// replication broken on purpose for a test), an error where no successor was named yet.
+    fn forwarding_to(&self) -> Result<Option<Successor>, SidecarError> {
+        if self.config.skip_forwarding {
+            return Ok(None);
+        }
+        match self.successor.lock().clone() {
+            Forward::To(successor) => Ok(Some(successor)),
+            Forward::LocalOnly => Ok(None),
+            Forward::Unnamed => Err(SidecarError::NoSuccessor),
+        }
+    }
+
     /// Drops the sequence at `place` here, then at the successor's sidecar (its replica), as the
     /// engine of `epoch`; returns the chunks dropped here. Chunks of it still waiting to be
     /// forwarded are dropped with it (the backlog skips what the store no longer holds).
     fn release(&self, place: &SequencePlace, epoch: u64) -> Result<u64, SidecarError> {
         let chunks = self.store.release_place(place);
-        if self.config.skip_forwarding || self.local_only.load(Ordering::SeqCst) {
+        let Some(Successor { addr, store, .. }) = self.forwarding_to()? else {
             return Ok(chunks);
-        }
-        let Some(Successor { addr, store, .. }) = self.successor.lock().clone() else {
-            return Err(SidecarError::NoSuccessor);
         };
         let mut store = store.lock();
         store.client().set_epoch(epoch);
@@ -780,11 +806,8 @@ impl Sidecar {
     /// every chunk kept before it that was not given up on.
     fn keep_and_forward(&self, chunk: &[u8], epoch: u64) -> Result<(), SidecarError> {
         let (descriptor, kept) = self.keep_one(chunk)?;
-        if self.config.skip_forwarding || self.local_only.load(Ordering::SeqCst) {
+        let Some(Successor { addr, store, .. }) = self.forwarding_to()? else {
             return Ok(());
-        }
-        let Some(Successor { addr, store, .. }) = self.successor.lock().clone() else {
-            return Err(SidecarError::NoSuccessor);
         };
         // One forward at a time: the successor's store is held throughout.
         let mut store = store.lock();
