@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use dejavu_engine::ModelConfig;
 use dejavud::cluster::{
-    Cluster, ClusterConfig, ControlPlane, Disaggregation, EtcdControllers, SpillLimits, TransportKind,
+    Cluster, ClusterConfig, ControlPlane, Disaggregation, EtcdControllers, Recoveries, SpillLimits,
+    TransportKind,
 };
 use dejavud::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
 use dejavud::etcd_cluster::EtcdCluster;
@@ -20,7 +21,7 @@ use crate::control_plane;
 use crate::inject::{plan, ChaosInjector, Injected};
 use crate::proxy::Proxies;
 use crate::report::{Report, Runs};
-use crate::scenario::{Fault, Scenario, Transport, WorkloadShape};
+use crate::scenario::{Fault, RecoveredBy, Scenario, Transport, WorkloadShape};
 
 /// How to run a scenario.
 #[derive(Clone, Debug)]
@@ -120,6 +121,7 @@ pub fn run(scenario: &Scenario, options: &Options, mut say: impl FnMut(&str)) ->
         violations,
     );
     report.namespaces = options.fabric.is_some();
+    report.recovered_by = scenario.cluster.recoveries;
     Ok(report)
 }
 
@@ -243,6 +245,10 @@ fn cluster_config(
             .map(|memory_bytes| SpillLimits { memory_bytes, dir_bytes: scenario.cluster.spill_dir_bytes }),
         interpose: Some(proxies.clone()),
         fabric: options.fabric.clone(),
+        recoveries: match scenario.cluster.recoveries {
+            RecoveredBy::Controller => Recoveries::ByController,
+            RecoveredBy::Driver => Recoveries::Driven,
+        },
         ..ClusterConfig::new(options.exe.clone())
     }
 }

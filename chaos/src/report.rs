@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::check::Violation;
 use crate::inject::Injected;
-use crate::scenario::FaultKind;
+use crate::scenario::{FaultKind, RecoveredBy};
 
 /// Percentiles of a set of durations, in milliseconds (nearest rank).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -74,6 +74,8 @@ pub struct Report {
     pub prompt_stages: Option<u32>,
     /// Whether each worker ran in a network namespace of its own (otherwise all on loopback).
     pub namespaces: bool,
+    /// Who carried out the recoveries.
+    pub recovered_by: RecoveredBy,
     /// Tokens generated per run.
     pub tokens: u64,
     /// Per fault class.
@@ -237,6 +239,7 @@ impl Report {
         Self {
             scenario: scenario.to_owned(),
             namespaces: false,
+            recovered_by: RecoveredBy::default(),
             seed,
             stages,
             prompt_stages,
@@ -283,13 +286,17 @@ impl Report {
         let mut t = String::new();
         let _ = writeln!(
             t,
-            "scenario {:?}, seed {}, {} stages{}{}, {} tokens",
+            "scenario {:?}, seed {}, {} stages{}{}, {} tokens, recoveries by the {}",
             self.scenario,
             self.seed,
             self.stages,
             self.prompt_stages.map_or(String::new(), |p| format!(" (tokens; prompts: {p} more)")),
             if self.namespaces { ", each worker in a network namespace" } else { "" },
-            self.tokens
+            self.tokens,
+            match self.recovered_by {
+                RecoveredBy::Controller => "controller (the harness feeds from its recovery feed)",
+                RecoveredBy::Driver => "harness's driver, step by step",
+            }
         );
         let _ = writeln!(t, "\n{:<28} {:>9} {:>9} {:>9}", "fault class", "injected", "survived", "violated");
         for row in &self.classes {

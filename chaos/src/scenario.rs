@@ -105,6 +105,22 @@ pub struct ClusterShape {
     pub etcd_members: u32,
     /// Seconds a leader that stopped renewing its etcd lease stays leader (`--lease-secs`).
     pub lease_secs: u64,
+    /// Who carries out recoveries: `controller` (the controller restores, hands spare sidecars
+    /// over and publishes where each sequence resumes; the harness starts replacements and feeds
+    /// the pipeline from the recovery feed, as beside any engine), or `driver` (the harness step by
+    /// step, each recovery's steps replayed through the simulated recovery machine).
+    pub recoveries: RecoveredBy,
+}
+
+/// Who carries out a scenario's recoveries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RecoveredBy {
+    /// The controller; the harness feeds the pipeline from its recovery feed.
+    #[default]
+    Controller,
+    /// The harness's driver, step by step.
+    Driver,
 }
 
 impl ClusterShape {
@@ -144,6 +160,7 @@ impl Default for ClusterShape {
             controllers: 1,
             etcd_members: 0,
             lease_secs: 2,
+            recoveries: RecoveredBy::Controller,
         }
     }
 }

@@ -26,6 +26,7 @@ fn the_ci_scenario_survives_every_fault_class() {
     let report = report(&out);
     assert_eq!(out.status.code(), Some(0), "{report:#}");
     assert_eq!(report["passed"], true);
+    assert_eq!(report["recovered_by"], "controller");
     let classes = report["classes"].as_array().unwrap();
     assert_eq!(classes.len(), 20, "every fault class injected: {classes:#?}");
     assert!(report["spares_used"].as_u64().unwrap() >= 2, "the spare worker replaced a dead one: {report:#}");
@@ -57,11 +58,31 @@ fn the_ci_scenario_survives_every_fault_class() {
 }
 
 #[test]
+fn recoveries_the_driver_carries_out_step_by_step_survive_every_fault_class_too() {
+    // The mixed scenario again, its recoveries carried out by the harness's driver: each one's
+    // steps replay through the simulated recovery machine (an invariant the report checks).
+    let text = std::fs::read_to_string(scenario("ci-mixed.toml")).unwrap();
+    let driven = text.replacen("[cluster]\n", "[cluster]\nrecoveries = \"driver\"\n", 1);
+    assert_ne!(driven, text);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ci-mixed-driven.toml");
+    std::fs::write(&path, driven).unwrap();
+    let out = chaos(&["run", path.to_str().unwrap(), "--json"]);
+    let report = report(&out);
+    assert_eq!(out.status.code(), Some(0), "{report:#}");
+    assert_eq!(report["recovered_by"], "driver");
+    assert_eq!(report["classes"].as_array().unwrap().len(), 20, "{report:#}");
+    assert!(report["recoveries"].as_u64().unwrap() >= 6, "{report:#}");
+    assert!(report["retried_recoveries"].as_u64().unwrap() >= 1, "{report:#}");
+}
+
+#[test]
 fn controllers_on_etcd_survive_every_fault_of_the_control_plane() {
     let out = chaos(&["run", &scenario("ha.toml"), "--json"]);
     let report = report(&out);
     assert_eq!(out.status.code(), Some(0), "{report:#}");
     assert_eq!(report["passed"], true);
+    assert_eq!(report["recovered_by"], "controller");
     let classes = report["classes"].as_array().unwrap();
     for kind in [
         "kill-controller",
@@ -88,6 +109,7 @@ fn microbatch_swapping_survives_kills_a_stalled_sidecar_and_replica_faults() {
     let report = report(&out);
     assert_eq!(out.status.code(), Some(0), "{report:#}");
     assert_eq!(report["passed"], true);
+    assert_eq!(report["recovered_by"], "controller");
     let classes = report["classes"].as_array().unwrap();
     assert_eq!(classes.len(), 6, "{classes:#?}");
     assert!(classes.iter().all(|c| c["violated"] == 0 && c["survived"].as_u64() >= Some(1)));
@@ -116,6 +138,7 @@ fn replication_over_quic_survives_kills_and_a_stalled_sidecar() {
     let report = report(&out);
     assert_eq!(out.status.code(), Some(0), "{report:#}");
     assert_eq!(report["passed"], true);
+    assert_eq!(report["recovered_by"], "controller");
     let classes = report["classes"].as_array().unwrap();
     assert_eq!(classes.len(), 4, "{classes:#?}");
     assert!(classes.iter().all(|c| c["violated"] == 0 && c["survived"].as_u64() >= Some(1)));

@@ -15,7 +15,7 @@ use crate::controller::{
     EtcdAccessFiles, EtcdConfig, Leaving, Lifeline, Member, StoreConfig,
 };
 use crate::handoff::Shapes;
-use crate::heartbeat::{beat_serving, spare_member, Role};
+use crate::heartbeat::{beat_serving, spare_member, DataPort, Role};
 use crate::lifecycle::{end_on_signals, free_unix_path, ClaimError, LifeArgs};
 use crate::logging::LogArgs;
 use crate::membership::Membership;
@@ -475,10 +475,11 @@ pub struct ControllerArgs {
     #[arg(long, value_name = "FILE")]
     pub journal: Option<PathBuf>,
     /// The ring's stages, to have the controller restore replaced sidecars itself: when a fenced
-    /// stage's replacement sidecar (`sidecar --replace STAGE`, on a fixed `--listen` port) beats,
-    /// the surviving predecessor's sidecar re-seeds it and the surviving successor's hands it the
-    /// stage's own KV, which the replacement engine then restores. Without it, whoever drives the
-    /// pipeline carries recoveries out (the demo).
+    /// stage's replacement sidecar (`sidecar --replace STAGE`) beats naming its KV port, the
+    /// surviving predecessor's sidecar re-seeds it and the surviving successor's hands it the
+    /// stage's own KV, which the replacement engine then restores; the recovery feed says where
+    /// each sequence resumes. Without it, whoever drives the pipeline carries recoveries out step
+    /// by step (`dejavud demo --recoveries driver`).
     #[arg(long, value_name = "N")]
     pub stages: Option<u32>,
     /// How it is started: its flags file, its parent.
@@ -517,6 +518,18 @@ pub(crate) fn announce(addr: SocketAddr, metrics: Option<SocketAddr>) {
     println!("listening {addr}");
     let _ = std::io::stdout().flush();
 }
+
+/// Prints `assigned STAGE EPOCH`: a spare sidecar was handed stage `stage`'s place in `epoch`
+/// (a supervisor that started it learns which spare took which place).
+pub(crate) fn say_assigned(stage: u32, epoch: u64) {
+    use std::io::Write;
+    // Said to whoever listens: a supervisor that no longer reads is no reason to fail.
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{ASSIGNED} {stage} {epoch}").and_then(|()| out.flush());
+}
+
+/// The prefix of the line a spare sidecar prints when it is handed a stage: `assigned STAGE EPOCH`.
+pub const ASSIGNED: &str = "assigned";
 
 /// How long a process joining as a member waits for the fence of its predecessor that has just
 /// died (an engine its sidecar gives an epoch, a sidecar started with `--join`).
@@ -573,7 +586,7 @@ impl MemberArgs {
     /// is dropped).
     pub(crate) fn start(&self, role: Role, index: u32) -> Result<Option<Membership>, CliError> {
         self.init("a spare", || {})?;
-        self.beat(role, index, self.epoch, (None, None))
+        self.beat(role, index, self.epoch, (None, DataPort::none()))
     }
 
     /// Takes the secret from `--secret-file` if given, and refuses the default one where the
@@ -656,8 +669,9 @@ impl MemberArgs {
             (Duration::from_millis(self.heartbeat_ms), self.secret.as_bytes(), (Role::Engine, stage));
         let lifeline =
             Lifeline::hold_for(to, member, epoch, pid, interval, secret).map_err(CliError::Member)?;
-        let heartbeat = beat_serving(to, member, epoch, interval, (None, None), secret, self.source)
-            .map_err(CliError::Heartbeat)?;
+        let heartbeat =
+            beat_serving(to, member, epoch, interval, (None, DataPort::none()), secret, self.source)
+                .map_err(CliError::Heartbeat)?;
         Ok(Some(Membership::new(heartbeat, lifeline)))
     }
 
@@ -668,7 +682,7 @@ impl MemberArgs {
         role: Role,
         index: u32,
         epoch: u64,
-        ports: (Option<u16>, Option<u16>),
+        ports: (Option<u16>, DataPort),
     ) -> Result<Option<Membership>, CliError> {
         let to = self.heartbeat.as_slice();
         if to.is_empty() {
@@ -711,7 +725,8 @@ impl StageArgs {
         self.member.init("the stage", || {})?;
         self.member.secure(&[self.listen])?;
         let this = self.resolved()?;
-        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, (None, None))?;
+        let _heartbeat =
+            this.member.beat(Role::Engine, this.position()?, this.member.epoch, (None, DataPort::none()))?;
         let (listen, metrics) = (this.listen, this.member.metrics);
         Ok(serve_stage(this.config()?, listen, metrics, announce)?)
     }
@@ -725,7 +740,8 @@ impl StageArgs {
     ) -> Result<(), CliError> {
         self.member.pin()?;
         let this = self.resolved()?;
-        let _heartbeat = this.member.beat(Role::Engine, this.position()?, this.member.epoch, (None, None))?;
+        let _heartbeat =
+            this.member.beat(Role::Engine, this.position()?, this.member.epoch, (None, DataPort::none()))?;
         let metrics = this.member.metrics;
         Ok(serve_stage_on(this.config()?, listener, metrics, assigned)?)
     }
@@ -799,22 +815,24 @@ impl SidecarArgs {
             |source| CliError::Listen { what: "for control", at: self.listen.ip().to_string(), source };
         let control = std::net::TcpListener::bind((self.listen.ip(), 0)).map_err(listen)?;
         let port = control.local_addr().map_err(listen)?.port();
-        // Named only when fixed: a port the system picks is known once the transport listens.
-        let data_port = Some(self.listen.port()).filter(|&port| port != 0);
+        // A port the system picks is named once the transport listens.
+        let data_port = DataPort::new(self.listen.port());
         let heartbeat = Arc::new(Mutex::new(self.member.beat(
             Role::Sidecar,
             member,
             self.member.epoch,
-            (Some(port), data_port),
+            (Some(port), data_port.clone()),
         )?));
         let spare = self.spare.map(|_| {
-            let (args, heartbeat) = (self.member.clone(), heartbeat.clone());
-            // Assigned: it beats as that stage's sidecar, in the recovery's epoch.
+            let (args, heartbeat, data_port) = (self.member.clone(), heartbeat.clone(), data_port.clone());
+            // Assigned: it beats as that stage's sidecar, in the recovery's epoch, and says so on
+            // standard output for whoever started it.
             OnAssign(Arc::new(move |stage, epoch| {
-                match args.beat(Role::Sidecar, stage, epoch, (Some(port), data_port)) {
+                match args.beat(Role::Sidecar, stage, epoch, (Some(port), data_port.clone())) {
                     Ok(beats) => *heartbeat.lock() = beats,
                     Err(e) => tracing::warn!(error = %e, "an assigned spare cannot send heartbeats"),
                 }
+                say_assigned(stage, epoch);
             }))
         });
         let probe = heartbeat.clone();
@@ -848,7 +866,11 @@ impl SidecarArgs {
             }),
             transport: transports,
         };
-        Ok(serve_sidecar(config, Some(control), self.member.metrics, announce)?)
+        let ready = move |addr: SocketAddr, metrics| {
+            data_port.name(addr.port());
+            announce(addr, metrics);
+        };
+        Ok(serve_sidecar(config, Some(control), self.member.metrics, ready)?)
     }
 }
 

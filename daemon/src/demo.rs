@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use crate::cluster::Kill;
-use crate::cluster::{Cluster, ClusterConfig, ClusterError, CpuSplit, Role, TransportKind};
+use crate::cluster::{Cluster, ClusterConfig, ClusterError, CpuSplit, Recoveries, Role, TransportKind};
 use crate::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
 use crate::metrics::value_of;
 use crate::netns::Fabric;
@@ -51,6 +51,9 @@ pub struct DemoConfig {
     /// CPUs set apart for the stages' compute and for replication, if any (see
     /// [`DemoSettings::split_cpus`]).
     pub cpus: Option<CpuSplit>,
+    /// Who carries out the recovery: the controller, the cluster feeding the pipeline from its
+    /// recovery feed, or the cluster step by step.
+    pub recoveries: Recoveries,
     /// The `dejavud` executable to start stage and sidecar processes with.
     pub exe: PathBuf,
 }
@@ -125,6 +128,31 @@ pub struct DemoSettings {
     /// CPU there is nothing to split) [default: true].
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub split_cpus: Option<bool>,
+    /// Who carries out the recovery: the controller (`controller --stages`: it fences, restores
+    /// the replaced sidecar and publishes where each sequence resumes, which the demo's driver
+    /// reads from its recovery feed, as any engine's feeder would), or the driver step by step,
+    /// with the controller's help [default: controller].
+    #[arg(long, value_enum)]
+    pub recoveries: Option<RecoveriesSetting>,
+}
+
+/// Who carries out recoveries, as a setting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RecoveriesSetting {
+    /// The controller; the driver resumes the sequences from its recovery feed.
+    Controller,
+    /// The driver, step by step.
+    Driver,
+}
+
+impl From<RecoveriesSetting> for Recoveries {
+    fn from(setting: RecoveriesSetting) -> Self {
+        match setting {
+            RecoveriesSetting::Controller => Recoveries::ByController,
+            RecoveriesSetting::Driver => Recoveries::Driven,
+        }
+    }
 }
 
 /// The CPUs this process may run on, in halves: compute, then replication; `None` with one CPU.
@@ -169,6 +197,7 @@ impl DemoSettings {
             transport: self.transport.or(base.transport),
             namespaces: self.namespaces.or(base.namespaces),
             split_cpus: self.split_cpus.or(base.split_cpus),
+            recoveries: self.recoveries.or(base.recoveries),
         }
     }
 
@@ -195,6 +224,7 @@ impl DemoSettings {
             },
             namespaces: self.namespaces.unwrap_or(false),
             cpus: if self.split_cpus.unwrap_or(true) { split_available_cpus() } else { None },
+            recoveries: self.recoveries.unwrap_or(RecoveriesSetting::Controller).into(),
             exe,
         }
     }
@@ -311,6 +341,7 @@ fn start_cluster(
         transport: config.transport,
         fabric: fabric.cloned(),
         cpus: config.cpus.clone(),
+        recoveries: config.recoveries,
         ..ClusterConfig::new(config.exe.clone())
     })
 }

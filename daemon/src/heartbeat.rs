@@ -25,6 +25,7 @@ use std::time::{Duration, SystemTime};
 
 use dejavulib::net::auth::{sign, verify, SIGNATURE_LEN};
 use dejavulib::wire::{FrameHeader, Kind, FRAME_HEADER_LEN};
+use parking_lot::{Condvar, Mutex};
 
 /// What a signature of a heartbeat is over, besides the header (never a signature of anything else).
 const SIGNED_AS: &[u8] = b"dejavu heartbeat";
@@ -72,9 +73,47 @@ pub struct Beat {
     pub sequence: u64,
     /// The port of the sender's control listener, on the datagram's source address.
     pub control_port: Option<u16>,
-    /// The port of the sender's KV transport (a sidecar's `--listen`), on the same address, when
-    /// it is fixed: where a recovery sends a replaced sidecar the KV it must hold.
+    /// The port of the sender's KV transport (a sidecar's `--listen`), on the same address, once
+    /// it listens: where a recovery sends a replaced sidecar the KV it must hold.
     pub data_port: Option<u16>,
+}
+
+/// The port of a member's KV transport, as its beats name it: fixed from the start, or named
+/// once the transport listens on a port the system picked (none until then). Clones share it;
+/// naming it sends a beat at once, so the controller need not wait an interval to learn it.
+#[derive(Clone, Debug, Default)]
+pub struct DataPort(Arc<(Mutex<u16>, Condvar)>);
+
+impl DataPort {
+    /// Port `port` (0: none yet).
+    pub fn new(port: u16) -> Self {
+        Self(Arc::new((Mutex::new(port), Condvar::new())))
+    }
+
+    /// No KV transport: the beats name none.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// The transport listens on `port` now: the beats name it, starting with one sent at once.
+    pub fn name(&self, port: u16) {
+        *self.0 .0.lock() = port;
+        self.0 .1.notify_all();
+    }
+
+    /// The port, if named.
+    pub fn get(&self) -> Option<u16> {
+        Some(*self.0 .0.lock()).filter(|&port| port != 0)
+    }
+
+    /// Waits up to `interval`, or until the port is named (differs from `known`).
+    fn wait(&self, known: Option<u16>, interval: Duration) {
+        let (port, named) = &*self.0;
+        let mut port = port.lock();
+        if Some(*port).filter(|&p| p != 0) == known {
+            let _ = named.wait_for(&mut port, interval);
+        }
+    }
 }
 
 impl Beat {
@@ -103,7 +142,7 @@ pub fn beat(
     control_port: Option<u16>,
     secret: &[u8],
 ) -> std::io::Result<Heartbeat> {
-    beat_serving(&[controller], member, epoch, interval, (control_port, None), secret, None)
+    beat_serving(&[controller], member, epoch, interval, (control_port, DataPort::none()), secret, None)
 }
 
 /// As [`beat`], to each of `controllers` (several on etcd: whichever leads takes them), naming
@@ -114,7 +153,7 @@ pub fn beat_serving(
     member: (Role, u32),
     epoch: u64,
     interval: Duration,
-    (control_port, data_port): (Option<u16>, Option<u16>),
+    (control_port, data_port): (Option<u16>, DataPort),
     secret: &[u8],
     source: Option<std::net::IpAddr>,
 ) -> std::io::Result<Heartbeat> {
@@ -130,7 +169,8 @@ pub fn beat_serving(
         (None, SocketAddr::V6(_)) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
     };
     let socket = UdpSocket::bind(from)?;
-    let mut beat = Beat { member, pid: std::process::id(), epoch, sequence: 0, control_port, data_port };
+    let mut beat =
+        Beat { member, pid: std::process::id(), epoch, sequence: 0, control_port, data_port: None };
     let secret = secret.to_vec();
     let stop = Arc::new(AtomicBool::new(false));
     let stopped = stop.clone();
@@ -140,12 +180,13 @@ pub fn beat_serving(
             // (replacements start in a newer one, but nothing else forbids it) goes on above its
             // predecessor; never backwards, whatever the clock does.
             beat.sequence = clock_micros().max(beat.sequence + 1);
+            beat.data_port = data_port.get();
             // A lost datagram is a missed beat; the controller tolerates a few.
             let datagram = beat.encode(&secret);
             for &controller in &controllers {
                 let _ = socket.send_to(&datagram, controller);
             }
-            std::thread::sleep(interval);
+            data_port.wait(beat.data_port, interval);
         }
     })?;
     Ok(Heartbeat { stop })

@@ -8,7 +8,9 @@ use std::time::Duration;
 use dejavu_engine::{CacheLayout, ModelConfig, Pipeline, Seat};
 use dejavu_proto::plan::Loss;
 use dejavu_proto::recovery::Input;
-use dejavud::cluster::{Cluster, ClusterConfig, ClusterError, Kill, RecoveryHooks, Role, Sequence};
+use dejavud::cluster::{
+    Cluster, ClusterConfig, ClusterError, Kill, Recoveries, RecoveryHooks, Role, Sequence,
+};
 use dejavud::metrics::value_of;
 use dejavud::process::RemotePipeline;
 
@@ -533,6 +535,147 @@ fn a_stale_engine_back_from_a_pause_is_fenced_out() {
     let copied = engine(&stale, "dejavu_stage_copied_chunks_total");
     assert!(copied < engine(&stale, "dejavu_stage_steps_total"), "its copy failed: {stale}");
     assert_eq!(kept(&mut chain), kept_before, "its KV copies are refused");
+
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "request {i}");
+    }
+}
+
+/// The tests' cluster, its recoveries carried out by the controller.
+fn cluster_by_controller(spares: u32) -> Cluster {
+    Cluster::start(ClusterConfig { recoveries: Recoveries::ByController, spares, ..config() }).unwrap()
+}
+
+/// A counter of the controller's metrics page.
+fn controller_counter(chain: &Cluster, name: &str) -> f64 {
+    let page = chain.controller_metrics().unwrap();
+    value_of(&page, name, &[]).unwrap_or_else(|| panic!("no {name}: {page}"))
+}
+
+#[test]
+fn the_controller_recovers_a_killed_engine_or_worker_and_the_feeder_resumes_bit_identically() {
+    let expected = reference();
+    let prompts = prompts();
+    for (victim, what) in [(2usize, Kill::Engine), (1, Kill::Worker), (3, Kill::Worker)] {
+        let mut chain = cluster_by_controller(0);
+        let done = 3;
+        let mut so_far = start_requests(&mut chain.remote, done);
+        chain.faults().kill(victim, what).unwrap();
+        let position = (prompts[0].len() + done - 1) as u32;
+        assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err(), "{victim} {what:?}");
+        assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(victim, what)]);
+
+        let recovered = chain.recover_all(&[(victim, what)], &sequences(&prompts, &so_far)).unwrap();
+        assert_eq!((recovered.epoch, recovered.attempts), (1, 1), "{recovered:?}");
+        assert_eq!(recovered.victims, [(victim, what)]);
+        assert!(recovered.copies_lost.is_empty(), "{recovered:?}");
+        // Every replaced engine restored from its own sidecar: the controller handed a replaced
+        // sidecar the stage's KV from the successor's.
+        let page = chain.metrics(victim, Role::Engine).unwrap();
+        let restored =
+            |target| value_of(&page, "dejavu_stage_restored_tokens_total", &[("target", target)]).unwrap();
+        assert!(restored("local") > 0.0, "{page}");
+        assert_eq!(restored("peer"), 0.0, "{page}");
+        // The controller restored a replaced sidecar itself, and heard the feeder acknowledge.
+        let restores = controller_counter(&chain, "dejavu_controller_recovery_seconds_count");
+        assert_eq!(restores, if what == Kill::Worker { 1.0 } else { 0.0 });
+        assert_eq!(controller_counter(&chain, "dejavu_controller_recoveries_acknowledged_total"), 1.0);
+        assert_eq!(controller_counter(&chain, "dejavu_controller_recovery_acknowledged_epoch"), 1.0);
+
+        for (i, tokens) in so_far.iter_mut().enumerate() {
+            *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+            assert_eq!(*tokens, expected[i], "{victim} {what:?}, request {i}");
+        }
+    }
+}
+
+#[test]
+fn adjacent_workers_recovered_by_the_controller_recompute_and_replicate_again() {
+    let expected = reference();
+    let prompts = prompts();
+    let mut chain = cluster_by_controller(0);
+    let done = 3;
+    let so_far = start_requests(&mut chain.remote, done);
+
+    // Workers 1 and 2 die together: worker 1's replica died with worker 2's sidecar.
+    chain.faults().kill_together(&[(1, Kill::Worker), (2, Kill::Worker)]).unwrap();
+    let position = (prompts[0].len() + done - 1) as u32;
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    let victims = chain.detect(Duration::from_secs(3)).unwrap();
+    assert_eq!(victims, [(1, Kill::Worker), (2, Kill::Worker)]);
+    let first = chain.recover_all(&victims, &sequences(&prompts, &so_far)).unwrap();
+    assert_eq!(first.copies_lost, [1], "the ring cannot restore worker 1: {first:?}");
+
+    // Worker 1's recomputed steps went on to worker 2's new sidecar as it computed them, so when
+    // worker 1 dies again its KV comes back from there, with nothing to recompute.
+    copies_landed(&mut chain, 1);
+    chain.faults().kill(1, Kill::Worker).unwrap();
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
+    let second = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
+    assert!(second.copies_lost.is_empty(), "{second:?}");
+    assert_eq!(second.lag, [(1, 0)], "worker 2's sidecar held all of worker 1's KV: {second:?}");
+    let mut so_far = so_far;
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "request {i}");
+    }
+}
+
+#[test]
+fn the_controller_hands_a_spare_sidecar_the_place_of_a_lost_worker() {
+    let expected = reference();
+    let prompts = prompts();
+    let mut chain = cluster_by_controller(1);
+    let done = 3;
+    let mut so_far = start_requests(&mut chain.remote, done);
+    chain.faults().kill(2, Kill::Worker).unwrap();
+    let position = (prompts[0].len() + done - 1) as u32;
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(2, Kill::Worker)]);
+    chain.recover_all(&[(2, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
+    // The controller chose the spare sidecar; the cluster made its spare stage the engine.
+    assert_eq!(controller_counter(&chain, "dejavu_controller_spares_assigned_total"), 1.0);
+    assert_eq!(chain.spares_used(), 2);
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "request {i}");
+    }
+}
+
+#[test]
+fn a_recovery_by_the_controller_survives_the_controllers_crash_and_a_second_death_in_its_middle() {
+    let expected = reference();
+    let prompts = prompts();
+    let mut chain = cluster_by_controller(0);
+    let done = 3;
+    let mut so_far = start_requests(&mut chain.remote, done);
+    let position = (prompts[0].len() + done - 1) as u32;
+
+    // The controller dies right after fencing an engine: its replacement, on the same state,
+    // keeps the fence and publishes the recovery once the replacement engine joins.
+    chain.faults().kill(2, Kill::Engine).unwrap();
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(2, Kill::Engine)]);
+    let mut crash = InRecovery { crash_controller: true, ..InRecovery::default() };
+    let first = chain.recover_with(&mut crash, &[(2, Kill::Engine)], &sequences(&prompts, &so_far)).unwrap();
+    assert_eq!((first.epoch, first.attempts), (1, 1), "{first:?}");
+    assert_eq!(chain.controller_restarts(), 1);
+
+    // Worker 1 dies; worker 2 dies while worker 1's replacement is about to resume. The attempt
+    // fails on the broken chain, the controller fences worker 2, and the next attempt replaces it
+    // and resumes both.
+    chain.faults().kill(1, Kill::Worker).unwrap();
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
+    let mut kill = InRecovery { kill: Some((2, Kill::Worker)), ..InRecovery::default() };
+    let both = chain.recover_with(&mut kill, &[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
+    assert_eq!(both.attempts, 2, "{both:?}");
+    assert_eq!(both.victims, [(1, Kill::Worker), (2, Kill::Worker)]);
+    assert_eq!(both.epoch, 3, "{both:?}");
+    assert!(chain.dead().unwrap().is_empty(), "every replacement lives");
+    assert_eq!(controller_counter(&chain, "dejavu_controller_recovery_acknowledged_epoch"), 3.0);
 
     for (i, tokens) in so_far.iter_mut().enumerate() {
         *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);

@@ -1,7 +1,8 @@
 //! The recovery of a ring's failed stages as a state machine: which step comes next, in which
 //! epoch, and what a failure in the middle of it does.
 //!
-//! Whoever carries a recovery out (the demo's driver, the chaos harness, the controller) asks
+//! Whoever carries a recovery out step by step (a cluster supervisor driving its pipeline:
+//! `dejavud`'s `Recoveries::Driven`, which the demo and the chaos harness can choose) asks
 //! [`Recovery::step`] what to do, does it, and reports the result with [`Recovery::complete`], or
 //! with [`Recovery::fail`] when it could not (naming the stages found dead meanwhile). The
 //! machine decides everything else:

@@ -131,6 +131,24 @@ pub struct ClusterConfig {
     pub journal: Option<PathBuf>,
     /// One controller with a state file (the default), or several on etcd.
     pub control_plane: ControlPlane,
+    /// Who carries out recoveries.
+    pub recoveries: Recoveries,
+}
+
+/// Who carries out a cluster's recoveries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Recoveries {
+    /// The cluster, step by step as [`dejavu_proto::recovery::Recovery`] decides: it has the
+    /// controller fence and re-seed, and restores the replaced stages from wherever their copies
+    /// live. Its steps replay through the simulated machine, and faults can be injected between
+    /// them ([`super::RecoveryHooks`]).
+    #[default]
+    Driven,
+    /// The controller, as beside any engine (`dejavud controller --stages`): it fences, hands
+    /// spare sidecars over and restores replaced sidecars; the cluster starts the replacements a
+    /// supervisor would and, as whoever feeds the pipeline, resumes each sequence where the
+    /// recovery feed says ([`dejavulib::net::controller::RecoveryFeed`]).
+    ByController,
 }
 
 /// CPUs set apart for computing and for copying KV: the stages run on `compute` but for their
@@ -206,6 +224,7 @@ impl ClusterConfig {
             cpus: None,
             journal: None,
             control_plane: ControlPlane::Embedded,
+            recoveries: Recoveries::Driven,
         }
     }
 

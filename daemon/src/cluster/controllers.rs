@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::config::{ControlPlane, EtcdControllers};
+use super::config::{ControlPlane, EtcdControllers, Recoveries};
 use super::{secret, ClusterConfig, ClusterError, Link, START};
 use crate::controller::{ControllerClient, ControllerError, DEPOSED_EXIT};
 use crate::proc::{spawn, spawn_candidate, Proc, Spawned};
@@ -147,6 +147,9 @@ impl Controllers {
             format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
             format!("--metrics={}", SocketAddr::new(config.gateway(), 0)),
         ];
+        if config.recoveries == Recoveries::ByController {
+            common.push(format!("--stages={}", config.splits.len()));
+        }
         // A controller that takes this long to answer is presumed dead (and replaced, or another
         // asked).
         let patience = (config.heartbeat * 5).max(Duration::from_millis(200));
@@ -237,6 +240,11 @@ impl Controllers {
     /// Every controller's address, comma-separated: where members beat (`--heartbeat`).
     pub(super) fn heartbeat_arg(&self) -> String {
         self.seats.iter().map(|s| s.addr.to_string()).collect::<Vec<_>>().join(",")
+    }
+
+    /// Every controller's address, in the order they were first started.
+    pub(super) fn addrs(&self) -> Vec<SocketAddr> {
+        self.seats.iter().map(|s| s.addr).collect()
     }
 
     /// Where the controller in charge listens, kept current for whoever follows it.

@@ -5,9 +5,11 @@
 //! The demo, the chaos harness and the process tests share it.
 //!
 //! What a cluster runs is [`ClusterConfig`] (the `config` module); the processes' command lines
-//! are built in `args` (their transport flags in `config`), the recovery procedure is in
-//! `recovery` ([`Cluster::recover_all`]), the points where the chaos harness injects faults into it
-//! in `hooks` ([`RecoveryHooks`]), and spare workers in `spares`.
+//! are built in `args` (their transport flags in `config`). A recovery ([`Cluster::recover_all`],
+//! in `recovery`) is carried out as [`Recoveries`] says: by the controller, the cluster starting
+//! the replacements and feeding the pipeline from the recovery feed (`by_controller`), or by the
+//! cluster step by step (`recovery`). The points where the chaos harness injects faults into
+//! either are in `hooks` ([`RecoveryHooks`]), and spare workers in `spares`.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -17,6 +19,7 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 mod args;
+mod by_controller;
 mod config;
 mod controllers;
 mod faults;
@@ -27,7 +30,8 @@ mod watch;
 
 use args::{spill_dir_of, worker_host, SidecarOf, Start};
 pub use config::{
-    ClusterConfig, ControlPlane, CpuSplit, Disaggregation, EtcdControllers, Interpose, Link, SpillLimits,
+    ClusterConfig, ControlPlane, CpuSplit, Disaggregation, EtcdControllers, Interpose, Link, Recoveries,
+    SpillLimits,
 };
 pub use controllers::{ControllerEnd, ControllerLife};
 pub use faults::Faults;
@@ -43,6 +47,7 @@ pub use crate::proc::{Proc, SpawnError};
 use crate::process::{ProcessError, RemotePipeline, StepReply};
 pub use crate::transport::TransportKind;
 use dejavu_engine::pipeline::Seat;
+use dejavulib::net::controller::RecoveryFeed;
 
 /// What dies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,6 +181,10 @@ pub struct Cluster {
     prompt: Option<PromptPipeline>,
     /// Spare workers.
     spares: spares::SparePool,
+    /// The controller's recovery feed, once a recovery by the controller has used it.
+    recovery_feed: Option<RecoveryFeed>,
+    /// The newest recovery by the controller whose sequences resumed.
+    acknowledged: u64,
     /// Holds the controller's state, the local sockets and the shared regions; removed last, once
     /// every process is gone.
     dir: StateDir,
@@ -239,6 +248,8 @@ impl Cluster {
         let mut cluster = Self {
             prompt,
             spares: spares::SparePool::default(),
+            recovery_feed: None,
+            acknowledged: 0,
             config,
             sidecar_starts: sidecars.len() as u64,
             sidecars,
@@ -437,6 +448,15 @@ impl Cluster {
                 Err(e) => tracing::warn!(error = %e, "a spare sidecar could not be assigned: starting one"),
             }
         }
+        self.new_replacement_sidecar(victim)
+    }
+
+    /// A new process to replace stage `victim`'s sidecar, which asks the controller for the
+    /// place (`--replace`), on the dead worker's host. Returns it with its local socket.
+    pub(super) fn new_replacement_sidecar(
+        &mut self,
+        victim: usize,
+    ) -> Result<(Spawned, PathBuf), ClusterError> {
         let heartbeat = self.controllers.heartbeat_arg();
         let socket = self.dir.join(format!("sidecar-{victim}-{}.sock", self.sidecar_starts));
         self.sidecar_starts += 1;

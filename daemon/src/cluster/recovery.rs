@@ -9,7 +9,9 @@ use dejavu_proto::plan::{Loss, Source};
 use dejavu_proto::recovery::{Answer, Input, Outcome, Recovery, RecoveryConfig, Step, Transcript};
 use dejavulib::message::StageOrders;
 
-use super::{Cluster, ClusterError, Kill, Link, NoHooks, RecoveryHooks, Role, Sequence, RECOVERY_PATIENCE};
+use super::{
+    Cluster, ClusterError, Kill, Link, NoHooks, Recoveries, RecoveryHooks, Role, Sequence, RECOVERY_PATIENCE,
+};
 use crate::controller::{Census, ControllerClient, ControllerError, Member};
 use crate::proc::Spawned;
 use crate::process::RestoreSource;
@@ -35,7 +37,11 @@ impl Cluster {
     }
 
     /// The stages whose engine or sidecar is `down` in `census`, and what of each to replace.
-    fn victims_in(&self, census: &Census, down: fn(&Census, Member) -> bool) -> Vec<(usize, Kill)> {
+    pub(super) fn victims_in(
+        &self,
+        census: &Census,
+        down: fn(&Census, Member) -> bool,
+    ) -> Vec<(usize, Kill)> {
         (0..self.len() as u32)
             .filter_map(|stage| {
                 let sidecar_down = self.config.replicate && down(census, (Role::Sidecar, stage));
@@ -125,6 +131,9 @@ impl Cluster {
     ) -> Result<Recovered, ClusterError> {
         if self.sidecars.is_empty() {
             return Err(ClusterError::Invalid("recovery needs replication".into()));
+        }
+        if self.config.recoveries == Recoveries::ByController {
+            return self.recover_by_controller(hooks, victims, sequences);
         }
         let losses: Vec<(u32, Loss)> =
             victims.iter().map(|&(stage, what)| (stage as u32, what.into())).collect();
@@ -224,20 +233,7 @@ impl Cluster {
                 Ok(Answer::Started((Role::Engine, stage)))
             }
             Step::Repair { stages } => {
-                let reachable: Vec<(u32, SocketAddr)> = stages
-                    .iter()
-                    .map(|&index| {
-                        let addr = self.stages[index as usize].addr;
-                        let reach = if index == 0 {
-                            self.config.route(Link::Input, addr)
-                        } else {
-                            self.config.route(Link::Activation { from: index - 1 }, addr)
-                        };
-                        (index, reach)
-                    })
-                    .collect();
-                let last_replaced = stages.last() == Some(&(n as u32 - 1));
-                self.remote.replace_all(&reachable, last_replaced)?;
+                self.repair_chain(&stages)?;
                 Ok(Answer::Repaired)
             }
             Step::CarryOut { epoch } => {
@@ -332,9 +328,29 @@ impl Cluster {
         self.controllers.ask_unless(call, |e| !matches!(e, ControllerError::Io(_)))
     }
 
+    /// Repairs the chain around the replaced `stages` (in stage order): each replacement is sent
+    /// to through the route its link takes.
+    pub(super) fn repair_chain(&mut self, stages: &[u32]) -> Result<(), ClusterError> {
+        let reachable: Vec<(u32, SocketAddr)> = stages
+            .iter()
+            .map(|&index| {
+                let addr = self.stages[index as usize].addr;
+                let reach = if index == 0 {
+                    self.config.route(Link::Input, addr)
+                } else {
+                    self.config.route(Link::Activation { from: index - 1 }, addr)
+                };
+                (index, reach)
+            })
+            .collect();
+        let last_replaced = stages.last() == Some(&(self.len() as u32 - 1));
+        self.remote.replace_all(&reachable, last_replaced)?;
+        Ok(())
+    }
+
     /// Tells every prompt stage, if there are any, that token stage `stage`'s sidecar was
     /// replaced. A prompt pipeline that cannot be told is no longer used.
-    fn hand_prompts_to(&mut self, stage: usize) {
+    pub(super) fn hand_prompts_to(&mut self, stage: usize) {
         let to = self.sidecars[stage].addr;
         let Some(p) = self.prompt.as_mut().filter(|p| !p.broken) else { return };
         for prompt_stage in 0..p.stages.len() as u32 {
@@ -347,7 +363,7 @@ impl Cluster {
     }
 
     /// Lets a replaced process go: killed (when dropped), or kept running when `spare`.
-    fn retire(&mut self, old: Spawned, spare: bool) {
+    pub(super) fn retire(&mut self, old: Spawned, spare: bool) {
         if spare {
             self.spared.push(old);
         }

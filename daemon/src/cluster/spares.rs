@@ -108,6 +108,31 @@ impl SparePool {
     }
 }
 
+impl SparePool {
+    /// Whether it holds spare sidecars, ready or starting.
+    pub(super) fn has_sidecars(&self) -> bool {
+        !self.sidecars.is_empty() || !self.starting_sidecars.is_empty()
+    }
+
+    /// The ready spare sidecar that `chosen` picks, if any (those started since are ready now).
+    pub(super) fn take_sidecar_where(&mut self, chosen: impl Fn(&Spawned) -> bool) -> Option<SpareSidecar> {
+        let mut i = 0;
+        while i < self.starting_sidecars.len() {
+            match self.starting_sidecars[i].1.try_recv() {
+                Ok(started) => {
+                    let (socket, _) = self.starting_sidecars.remove(i);
+                    if let Ok(process) = started {
+                        self.sidecars.push(SpareSidecar { process, socket });
+                    }
+                }
+                Err(_) => i += 1,
+            }
+        }
+        let i = self.sidecars.iter().position(|spare| chosen(&spare.process))?;
+        Some(self.sidecars.remove(i))
+    }
+}
+
 impl Drop for SparePool {
     fn drop(&mut self) {
         // The spares still starting are taken (and killed, dropped) before the spawner ends.

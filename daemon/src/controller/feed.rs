@@ -22,7 +22,7 @@ use crate::heartbeat::Role;
 
 /// How often a watch looks again at a recovery whose replacements are not in place yet (a fence
 /// wakes it at once).
-const RECHECK: Duration = Duration::from_millis(20);
+const RECHECK: Duration = Duration::from_millis(5);
 
 /// The recovery of the first epoch after `after` in which a stage of the ring of `depth` was
 /// fenced, once its replacements are in place, waiting until `until` for one; `None` if there is

@@ -11,8 +11,9 @@
 //!   timeout, or whose lifeline broke, is fenced in a new epoch, together with every member that
 //!   failed with it (the private `detect` module decides). Whoever waits on the query port for a
 //!   fence hears of it then. Its census then names the fenced members, the recovery's
-//!   victims, until their replacements beat; whoever drives the pipeline carries the recovery out
-//!   from there.
+//!   victims, until their replacements beat. With `--stages` it carries the recovery out itself
+//!   (below) and publishes where each sequence resumes on its recovery feed; without, whoever
+//!   drives the pipeline carries it out step by step, with the controller's help.
 //! - A fence opens a new epoch in which the fenced members' old processes are ignored: a member
 //!   fenced in epoch `e` counts as fenced until a process started in epoch `e` or later (its
 //!   replacement) beats for it, and beats from older processes are stale.
@@ -263,8 +264,15 @@ impl Tables {
         if let Some(port) = control_port {
             self.controls.insert(member, SocketAddr::new(from.ip(), port));
         }
-        if let Some(port) = data_port {
-            self.data.insert(member, SocketAddr::new(from.ip(), port));
+        match data_port {
+            Some(port) => {
+                self.data.insert(member, SocketAddr::new(from.ip(), port));
+            }
+            // A new process whose transport does not listen yet: not where its predecessor's did.
+            None if first_of_process => {
+                self.data.remove(&member);
+            }
+            None => {}
         }
         counters.heartbeats.fetch_add(1, Ordering::Relaxed);
         if let Some(gap) = gap_ms {
@@ -368,7 +376,7 @@ pub struct ControllerConfig {
     /// The ring's stages, when the controller restores replaced sidecars itself: once a fenced
     /// stage's replacement sidecar beats, it has the surviving predecessor's sidecar re-seed it
     /// and the surviving successor's hand back the stage's own KV (`recovery::restore_replaced`).
-    /// `None` when whoever drives the pipeline carries recoveries out (the demo's cluster).
+    /// `None` when whoever drives the pipeline carries recoveries out step by step.
     pub stages: Option<u32>,
 }
 

@@ -188,9 +188,9 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
         let known = tables.lock().data.get(&(Role::Sidecar, stage)).copied();
         match known {
             Some(to) => break to,
-            None if started.elapsed() < RESTORE_PATIENCE => std::thread::sleep(Duration::from_millis(20)),
+            None if started.elapsed() < RESTORE_PATIENCE => std::thread::sleep(Duration::from_millis(2)),
             None => {
-                warn!(stage, "a replaced sidecar names no fixed --listen port: nothing restored");
+                warn!(stage, "a replaced sidecar named no KV port in time: nothing restored");
                 return settled(tables, stage);
             }
         }
