@@ -66,9 +66,15 @@ class DaemonCluster:
         process.kill()
         process.wait()
 
-    def restart_sidecar(self, index: int) -> None:
-        """Starts sidecar ``index`` again with the same command (its predecessor is dead)."""
-        self.sidecars[index] = self._start_sidecar(index)
+    def restart_sidecar(self, index: int, memory_bytes: Optional[int] = None) -> None:
+        """Starts sidecar ``index`` again with the same command (its predecessor is dead); with
+        ``memory_bytes``, keeping at most that many bytes of copies in memory and spilling the rest
+        to ``spill_dir(index)``."""
+        self.sidecars[index] = self._start_sidecar(index, memory_bytes)
+
+    def spill_dir(self, index: int) -> Path:
+        """Where sidecar ``index`` spills, when it was restarted with a memory budget."""
+        return self.workdir / f"s{index}.spill"
 
     def metric(self, name: str) -> float:
         page = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5).read().decode()
@@ -128,12 +134,13 @@ class DaemonCluster:
         self.controller_address, self.metrics = self._listening("controller", process)
         return process
 
-    def _start_sidecar(self, index: int) -> subprocess.Popen:
+    def _start_sidecar(self, index: int, memory_bytes: Optional[int] = None) -> subprocess.Popen:
         name = f"sidecar{index}"
+        spill = [] if memory_bytes is None else [f"--spill-dir={self.spill_dir(index)}", f"--memory-bytes={memory_bytes}"]
         process = self._spawn(
             name, self.dejavud, "sidecar", f"--join={index}", f"--listen=127.0.0.1:{self.ports[index]}",
             f"--heartbeat={self.controller_address}", f"--local={self.socket(index)}",
-            f"--shm-dir={self.workdir}", f"--region-bytes={self.region_bytes}",
+            f"--shm-dir={self.workdir}", f"--region-bytes={self.region_bytes}", *spill,
         )
         self.ports[index] = int(self._listening(name, process)[0].rsplit(":", 1)[1])
         return process

@@ -34,6 +34,12 @@ def test_in_flight_requests_survive_an_engine_crash_then_a_node_loss_with_identi
         assert r.prompt_tokens - 2 <= r.loaded[1] <= r.prompt_tokens - 1, r
     # A repeated prompt loads its whole blocks from the finished request that had it.
     assert report.prefix_reuse.loaded == (0, 256)
+    # Once the copies it would load were damaged on disk, the load fails its checksum, vLLM
+    # computes the blocks instead, and the tokens are those computed without any sidecar.
+    damaged = report.damaged
+    assert damaged.pieces_damaged >= 1, damaged
+    assert damaged.load_failed and damaged.loaded is None, damaged
+    assert damaged.identical_to_computed, damaged
     # An engine whose connector finds no sidecar says so and serves on, computing the same
     # requests from their prompts, to the same tokens.
     assert report.no_sidecar_logged

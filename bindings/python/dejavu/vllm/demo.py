@@ -5,7 +5,7 @@ the same output as a failure-free run; against recomputing them from their promp
 
 It makes a Llama with seeded random weights (``transformers``, no download), starts a controller
 and two sidecars (vLLM's worker is stage 0's engine; stage 1's sidecar keeps the copies), and
-starts vLLM's CPU engine four times, each a separate ``python -m dejavu.vllm.run``:
+starts vLLM's CPU engine five times, each a separate ``python -m dejavu.vllm.run``:
 
 1. with the connector: the prompts served to the end (the failure-free run), then the same
    prompts again, the engine crashing (it kills its own processes) once every request has
@@ -19,12 +19,18 @@ starts vLLM's CPU engine four times, each a separate ``python -m dejavu.vllm.run
    then other prompts in batches that alternate between saving and not (``"dejavu_save": False``
    in a request's ``kv_transfer_params``), for a decode step's cost with copies against without,
    in one run;
-4. with the connector but no sidecar (it says so, and the engine serves on without copies): run
+4. with the connector, after a copy was damaged on disk: the node's sidecar is killed again and
+   started with no memory for copies, so that the copies its successor hands back all go to its
+   spill files, and one byte of each sequence's first piece of KV is flipped there. The repeated
+   prompt is submitted once more: its load fails the checksum, the connector reports the blocks
+   (``get_block_ids_with_load_errors``) and vLLM computes them instead;
+5. with the connector but no sidecar (it says so, and the engine serves on without copies): run
    3's requests, computed from their prompts, and the repeated prompt.
 
 It prints whether every request's tokens equal the failure-free run's, how many tokens each
-resumption loaded instead of computing, each one's time to first token against computing it, and
-the decode step's time with the connector saving against without.
+resumption loaded instead of computing, each one's time to first token against computing it,
+whether the damaged load was computed instead with the same tokens as without a sidecar, and the
+decode step's time with the connector saving against without.
 
 Requests are resubmitted together, as they ran before each failure: vLLM's CPU kernels are not
 batch-invariant, and a request decoding beside other requests than in the failure-free run can
@@ -139,6 +145,10 @@ class Engine:
         times = [line["time"] for line in self.lines() if all(i in line.get("tokens", {}) for i in ids)]
         return [b - a for a, b in zip(times, times[1:])]
 
+    def load_failed(self, request: str) -> bool:
+        """Whether the connector reported a load of ``request`` failed, from its log."""
+        return any(f"loading request {request}-" in line and "failed" in line for line in self.log().splitlines())
+
     def loaded(self, request: str) -> Optional[tuple]:
         """The tokens the connector loaded for ``request`` (``(first, end)``), from its log."""
         for line in self.log().splitlines():
@@ -184,6 +194,16 @@ class Resumption:
 
 
 @dataclass
+class DamagedLoad:
+    """The repeated prompt submitted again after its copies were damaged on disk."""
+
+    pieces_damaged: int
+    load_failed: bool
+    loaded: Optional[tuple]
+    identical_to_computed: bool
+
+
+@dataclass
 class Report:
     """What the demo found."""
 
@@ -193,6 +213,7 @@ class Report:
     after_crash: List[Resumption]
     after_node_loss: List[Resumption]
     prefix_reuse: Resumption
+    damaged: DamagedLoad
     decode_step_seconds: float
     decode_step_seconds_without: float
 
@@ -279,6 +300,16 @@ def _run(w: Workload, dejavud: Optional[str], workdir: Path, say) -> Report:
         say("run 3: resumed after the node loss, to the end; the last prompt once more; then decode "
             "steps with copies and without, alternating")
 
+        # The node's sidecar again, now spilling every copy its successor hands back to files, of
+        # which each sequence's first piece of KV is damaged.
+        cluster.kill_sidecar(0)
+        cluster.restart_sidecar(0, memory_bytes=0)
+        cluster.wait_for(lambda: cluster.restores() >= 2, "the sidecar restored again")
+        pieces = damage_first_pieces(cluster.spill_dir(0))
+        fourth = Engine(workdir, "damaged", model, w.max_tokens, [repeat], ring)
+        from_damaged = fourth.finish()
+        say(f"run 4: the last prompt again, {pieces} pieces of its copies damaged on disk")
+
     # Its connector finds no sidecar: the engine serves on without copies.
     gone = (str(workdir / "no-sidecar.sock"), ring[1])
     baseline = Engine(workdir, "baseline", model, w.max_tokens, [last, repeat], gone)
@@ -286,7 +317,7 @@ def _run(w: Workload, dejavud: Optional[str], workdir: Path, say) -> Report:
     for r in after_node_loss:
         r.recomputed_first_token_seconds = baseline.first_token_seconds(r.request)
     reuse.recomputed_first_token_seconds = baseline.first_token_seconds("repeat")
-    say("run 4: no sidecar for the connector; the same requests computed from their prompts")
+    say("run 5: no sidecar for the connector; the same requests computed from their prompts")
 
     final = [so_far[i] + after.get(ids[i], {"tokens": []})["tokens"] for i in range(n)]
     again_computed = [so_far[i] + recomputed.get(ids[i], {"tokens": []})["tokens"] for i in range(n)]
@@ -297,9 +328,30 @@ def _run(w: Workload, dejavud: Optional[str], workdir: Path, say) -> Report:
         after_crash=after_crash,
         after_node_loss=after_node_loss,
         prefix_reuse=reuse,
+        damaged=DamagedLoad(
+            pieces_damaged=pieces,
+            load_failed=fourth.load_failed("repeat"),
+            loaded=fourth.loaded("repeat"),
+            identical_to_computed=from_damaged["repeat"]["tokens"] == recomputed["repeat"]["tokens"],
+        ),
         decode_step_seconds=statistics.median(steps[True]),
         decode_step_seconds_without=statistics.median(steps[False]),
     )
+
+
+def damage_first_pieces(spill_dir: Path) -> int:
+    """Flips the last byte of each spilled sequence's first piece of KV (its chunks from token 0;
+    not its token ids, kept in sequences with the top bit set) in ``spill_dir``; returns how many
+    were damaged. A sidecar's read of one fails its checksum."""
+    damaged = 0
+    for path in sorted(spill_dir.glob("*.djv")):
+        fields = dict((part[0], part[1:]) for part in path.stem.split("-")[1:])
+        if int(fields["m"]) < 1 << 31 and fields["t"].startswith("0_"):
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+            damaged += 1
+    return damaged
 
 
 def print_report(w: Workload, report: Report) -> None:
@@ -320,6 +372,10 @@ def print_report(w: Workload, report: Report) -> None:
     loaded = f"{r.loaded[1] - r.loaded[0]}" if r.loaded else "none"
     print(f"| a repeated prompt (prefix reuse) | {r.prompt_tokens} | {loaded} | {r.first_token_seconds * 1000:.1f} ms | "
           f"{r.recomputed_first_token_seconds * 1000:.1f} ms |")
+    d = report.damaged
+    print(f"a repeated prompt whose copies were damaged on disk ({d.pieces_damaged} pieces): load failed "
+          f"{d.load_failed}, loaded {d.loaded or 'nothing'}, computed instead with the same tokens as "
+          f"without a sidecar: {d.identical_to_computed}")
     print()
     with_, without = report.decode_step_seconds, report.decode_step_seconds_without
     print(f"decode step of {len(w.prompts)} requests (median, alternating batches in one run): "
