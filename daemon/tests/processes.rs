@@ -682,3 +682,33 @@ fn a_recovery_by_the_controller_survives_the_controllers_crash_and_a_second_deat
         assert_eq!(*tokens, expected[i], "request {i}");
     }
 }
+
+#[test]
+fn a_successor_lost_in_the_middle_of_a_restore_by_the_controller_leaves_the_stage_to_recompute() {
+    let expected = reference();
+    let prompts = prompts();
+    let mut chain = cluster_by_controller(0);
+    let done = 3;
+    let so_far = start_requests(&mut chain.remote, done);
+    let position = (prompts[0].len() + done - 1) as u32;
+
+    // Worker 1 dies; the sidecar of its successor, which holds its copy, stops before the
+    // controller can hand that copy back, and its worker dies while the hand-back waits on it.
+    // The controller plans worker 1's restore again: its copy is lost, and the restore ends
+    // rather than waiting for it for good.
+    chain.faults().kill(1, Kill::Worker).unwrap();
+    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
+    chain.faults().signal(2, Role::Sidecar, libc::SIGSTOP).unwrap();
+    let mut kill = InRecovery { kill: Some((2, Kill::Worker)), ..InRecovery::default() };
+    let recovered = chain.recover_with(&mut kill, &[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
+    assert_eq!(recovered.victims, [(1, Kill::Worker), (2, Kill::Worker)], "{recovered:?}");
+    assert_eq!(recovered.copies_lost, [1], "{recovered:?}");
+    assert!(chain.dead().unwrap().is_empty(), "every replacement lives");
+
+    let mut so_far = so_far;
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "request {i}");
+    }
+}

@@ -169,7 +169,9 @@ impl Cluster {
             }
         }
         Err(ClusterError::Invalid(format!(
-            "the controller published no recovery after epoch {after} within {RECOVERY_PATIENCE:?}"
+            "the controller published no recovery after epoch {after} within {RECOVERY_PATIENCE:?}; its last \
+             words:\n{}",
+            self.controllers.last_words()
         )))
     }
 

@@ -289,15 +289,20 @@ impl Controllers {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        Err(ClusterError::Invalid(format!(
+            "no controller answered within {failover:?} ({error}); their last words:\n{}",
+            self.last_words()
+        )))
+    }
+
+    /// What each controller process wrote last to its standard error, one per line.
+    pub(super) fn last_words(&self) -> String {
         let words: Vec<String> = self
             .seats
             .iter()
             .map(|seat| format!("controller pid {}: {}", seat.proc.pid(), seat.proc.stderr_tail().trim()))
             .collect();
-        Err(ClusterError::Invalid(format!(
-            "no controller answered within {failover:?} ({error}); their last words:\n{}",
-            words.join("\n")
-        )))
+        words.join("\n")
     }
 
     /// Points the client at the controller that announced the lead last, of those alive.

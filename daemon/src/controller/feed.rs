@@ -11,7 +11,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use dejavu_proto::plan::{self, Loss};
+use dejavu_proto::plan::{self, Loss, Source};
 use dejavulib::message::{RecoveryOrders, StageOrders};
 use parking_lot::Mutex;
 use tracing::info;
@@ -46,12 +46,32 @@ pub(super) fn watch(
             let _ = events.fenced.wait_until(&mut tables, (Instant::now() + RECHECK).min(until));
         }
     };
-    // The marks are read from the sidecars without the tables' lock.
+    // Each replaced engine restores from its own sidecar, a replaced one included (the restore
+    // handed it its stage's KV, or had nothing to give): the marks are read there, without the
+    // tables' lock, and each plan says where that KV came from.
+    let handed_back = tables.lock().handed_back.clone();
     let stages = plan::ring(depth, &losses)
         .into_iter()
-        .map(|plan| Ok(StageOrders { marks: marks_of(tables, &plan)?, reseeded: None, plan }))
+        .map(|mut plan| {
+            // Lost when the plan says so (its successor fenced with it), or when its restore
+            // found nothing to hand back.
+            if plan.loss == Loss::Worker && plan.source != Source::Lost {
+                plan.source = handed_back.get(&plan.stage).copied().unwrap_or(plan.source);
+            }
+            let own = plan::StagePlan { source: own_unless_lost(plan.source), ..plan };
+            Ok(StageOrders { marks: marks_of(tables, &own)?, reseeded: None, plan })
+        })
         .collect::<Result<Vec<_>, ControllerError>>()?;
     Ok(Some(RecoveryOrders { epoch, stages }))
+}
+
+/// Where a replaced engine restores from, given where its stage's KV came from: its own sidecar,
+/// unless the KV was lost.
+fn own_unless_lost(source: Source) -> Source {
+    match source {
+        Source::Lost => Source::Lost,
+        Source::Own | Source::Successor(_) => Source::Own,
+    }
 }
 
 /// The first epoch after `after` in which a stage was fenced, with its losses, if every stage it

@@ -54,6 +54,7 @@ use thiserror::Error;
 use tracing::{debug, error, info, warn};
 
 use dejavu_proto::liveness::{self, Heard, LivenessConfig};
+use dejavu_proto::plan::Source;
 use dejavu_proto::Controller;
 
 use crate::heartbeat::{Beat, Role};
@@ -174,6 +175,9 @@ struct Tables {
     /// Where a fenced sidecar's replacement is announced, once it beats, when the controller
     /// restores replaced sidecars itself.
     replaced: Option<crossbeam_channel::Sender<u32>>,
+    /// Where each replaced sidecar this controller restored got its stage's own KV from: its
+    /// successor's sidecar, or nowhere (lost). The recovery feed says so.
+    handed_back: HashMap<u32, Source>,
 }
 
 /// Counters for the metrics page.
@@ -628,6 +632,7 @@ pub fn serve_controller(
         lifelines: HashMap::new(),
         data: HashMap::new(),
         replaced: None,
+        handed_back: HashMap::new(),
     };
     let mut tables = tables;
     let replaced = config.stages.map(|depth| {

@@ -175,11 +175,13 @@ const RESTORE_PATIENCE: Duration = Duration::from_secs(10);
 /// on, and the surviving successor's hands it back the stage's own KV, which the stage's
 /// replacement engine restores from it (through shared memory, as after an engine restart). A
 /// neighbour replaced too has nothing to give: the stage's KV is recomputed, and the replica
-/// comes once that neighbour's engine writes again.
+/// comes once that neighbour's engine writes again. Each try plans again, so a neighbour that
+/// dies during the restore is planned as lost; one that cannot be reached for
+/// [`RESTORE_PATIENCE`] counts as lost too, so that the recovery is not held up for good.
 pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stage: u32, depth: u32) {
     if stage >= depth {
         warn!(stage, depth, "a replaced sidecar outside the ring: nothing restored");
-        return settled(tables, stage);
+        return settled(tables, stage, Source::Lost);
     }
     let started = Instant::now();
     // Where the replacement serves KV, as its heartbeats say: a controller that restarted in the
@@ -191,72 +193,68 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
             None if started.elapsed() < RESTORE_PATIENCE => std::thread::sleep(Duration::from_millis(2)),
             None => {
                 warn!(stage, "a replaced sidecar named no KV port in time: nothing restored");
-                return settled(tables, stage);
+                return settled(tables, stage, Source::Lost);
             }
         }
     };
-    let plan = {
-        let tables = tables.lock();
-        // The ring's plan for this worker, with every stage whose sidecar still awaits its own
-        // replacement lost too: such a neighbour holds nothing to give.
-        let awaiting = |k: u32| tables.machine.membership((Role::Sidecar, k)).is_some_and(|m| m.awaiting);
-        let mut losses: Vec<(u32, Loss)> =
-            (0..depth).filter(|&k| awaiting(k)).map(|k| (k, Loss::Worker)).collect();
-        losses.push((stage, Loss::Worker));
-        plan::ring(depth, &losses)
-            .into_iter()
-            .find(|p| p.stage == stage)
-            .expect("a stage of the ring is planned")
-    };
-    let predecessor = match plan.reseed {
-        Some((from, Reseed::Now)) => Some(from),
-        Some((_, Reseed::AfterRestore)) | None => None,
-    };
-    let successor = match plan.source {
-        Source::Successor(holder) => Some(holder),
-        Source::Own | Source::Lost => None,
-    };
-    let mut sent = 0;
-    loop {
+    let (mut reseeded, mut handed_back, mut sent) = (false, None, 0);
+    let source = loop {
+        let plan = plan_of_replaced(tables, stage, depth);
+        let successor = match plan.source {
+            Source::Successor(holder) => Some(holder),
+            Source::Own | Source::Lost => None,
+        };
         let attempt = (|| {
-            let mut sent = 0;
-            if let Some(from) = predecessor {
+            if let (false, Some((from, Reseed::Now))) = (reseeded, plan.reseed) {
                 sent += control_of(tables, (Role::Sidecar, from))?.reseed(to)?;
             }
-            if let Some(holder) = successor {
+            reseeded = true;
+            if let (None, Some(holder)) = (handed_back, successor) {
                 sent += control_of(tables, (Role::Sidecar, holder))?.hand_back(stage, to)?;
+                handed_back = Some(holder);
             }
-            Ok::<_, ControllerError>(sent)
+            Ok::<_, ControllerError>(())
         })();
         match attempt {
-            Ok(chunks) => {
-                sent += chunks;
-                break;
-            }
+            Ok(()) => break handed_back.map_or(Source::Lost, Source::Successor),
             Err(e) if started.elapsed() < RESTORE_PATIENCE => {
                 debug!(stage, error = %e, "restoring a replaced sidecar: trying again");
                 std::thread::sleep(Duration::from_millis(50));
             }
             Err(e) => {
-                error!(stage, error = %e, "could not restore a replaced sidecar: a restarted controller tries again");
-                return;
+                error!(stage, error = %e, "could not restore a replaced sidecar: its stage's KV is recomputed");
+                break handed_back.map_or(Source::Lost, Source::Successor);
             }
         }
+    };
+    if source == Source::Lost {
+        warn!(stage, "the replaced sidecar's successor has nothing to give: the stage's KV is recomputed");
     }
-    if successor.is_none() {
-        warn!(stage, "the replaced sidecar's successor was replaced too: the stage's KV is recomputed");
-    }
-    settled(tables, stage);
+    settled(tables, stage, source);
     counters.recoveries.fetch_add(1, Ordering::Relaxed);
     counters.recovery_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
     counters.reseeded_chunks.fetch_add(sent, Ordering::Relaxed);
     info!(stage, %to, chunks = sent, took = ?started.elapsed(), "restored a replaced sidecar");
 }
 
-/// Records that stage `stage`'s replaced sidecar needs no restore any more (restored, or never
-/// restorable), so that a restarted controller does not take it up again.
-fn settled(tables: &Mutex<Tables>, stage: u32) {
+/// The ring's plan for stage `stage`'s replaced sidecar, with every stage whose sidecar awaits its
+/// own replacement, or was replaced since this one's fence, lost too: such a neighbour's sidecar
+/// started after this stage's died, and holds nothing of it to give.
+fn plan_of_replaced(tables: &Mutex<Tables>, stage: u32, depth: u32) -> plan::StagePlan {
+    let tables = tables.lock();
+    let sidecar = |k: u32| tables.machine.membership((Role::Sidecar, k));
+    let fenced_in = sidecar(stage).map_or(0, |m| m.fenced_in);
+    let lost = |k: u32| sidecar(k).is_some_and(|m| m.awaiting || (fenced_in > 0 && m.fenced_in >= fenced_in));
+    let mut losses: Vec<(u32, Loss)> = (0..depth).filter(|&k| lost(k)).map(|k| (k, Loss::Worker)).collect();
+    losses.push((stage, Loss::Worker));
+    plan::ring(depth, &losses).into_iter().find(|p| p.stage == stage).expect("a stage of the ring is planned")
+}
+
+/// Records that stage `stage`'s replaced sidecar needs no restore any more (restored from
+/// `source`, or never restorable), so that a restarted controller does not take it up again.
+fn settled(tables: &Mutex<Tables>, stage: u32, source: Source) {
     let mut tables = tables.lock();
+    tables.handed_back.insert(stage, source);
     tables.machine.restore_done(stage);
     if let Err(e) = tables.save() {
         error!(stage, error = %e, "cannot record a finished restore: a restarted controller does it again");
