@@ -701,7 +701,8 @@ fn a_successor_lost_in_the_middle_of_a_restore_by_the_controller_leaves_the_stag
     assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
     chain.faults().signal(2, Role::Sidecar, libc::SIGSTOP).unwrap();
     let mut kill = InRecovery { kill: Some((2, Kill::Worker)), ..InRecovery::default() };
-    let recovered = chain.recover_with(&mut kill, &[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
+    let recovered =
+        chain.recover_with(&mut kill, &[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
     assert_eq!(recovered.victims, [(1, Kill::Worker), (2, Kill::Worker)], "{recovered:?}");
     assert_eq!(recovered.copies_lost, [1], "{recovered:?}");
     assert!(chain.dead().unwrap().is_empty(), "every replacement lives");

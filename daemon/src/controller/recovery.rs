@@ -204,13 +204,32 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
             Source::Successor(holder) => Some(holder),
             Source::Own | Source::Lost => None,
         };
+        // The replica from the predecessor and the stage's own KV from the successor, at once:
+        // they come from two sidecars.
+        let reseed = match (reseeded, plan.reseed) {
+            (false, Some((from, Reseed::Now))) => Some(from),
+            _ => None,
+        };
+        let hand_back_from = successor.filter(|_| handed_back.is_none());
+        let (reseed, hand_back) = std::thread::scope(|scope| {
+            let reseeding = reseed.map(|from| {
+                scope.spawn(move || {
+                    Ok::<_, ControllerError>(control_of(tables, (Role::Sidecar, from))?.reseed(to)?)
+                })
+            });
+            let handing_back = hand_back_from.map(|holder| {
+                Ok::<_, ControllerError>(control_of(tables, (Role::Sidecar, holder))?.hand_back(stage, to)?)
+            });
+            let reseeded = reseeding.map(|thread| thread.join().expect("a re-seed does not panic"));
+            (reseeded, handing_back)
+        });
         let attempt = (|| {
-            if let (false, Some((from, Reseed::Now))) = (reseeded, plan.reseed) {
-                sent += control_of(tables, (Role::Sidecar, from))?.reseed(to)?;
+            if let Some(chunks) = reseed.transpose()? {
+                sent += chunks;
             }
             reseeded = true;
-            if let (None, Some(holder)) = (handed_back, successor) {
-                sent += control_of(tables, (Role::Sidecar, holder))?.hand_back(stage, to)?;
+            if let (Some(chunks), Some(holder)) = (hand_back.transpose()?, hand_back_from) {
+                sent += chunks;
                 handed_back = Some(holder);
             }
             Ok::<_, ControllerError>(())
