@@ -135,6 +135,24 @@ fn start_requests(remote: &mut RemotePipeline, done: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// Kills `victims` together, sees the next step fail, and waits for the controller to name them
+/// dead.
+fn kill_and_detect(chain: &mut Cluster, so_far: &[Vec<u32>], victims: &[(usize, Kill)]) {
+    chain.faults().kill_together(victims).unwrap();
+    let position = (prompts()[0].len() + so_far[0].len() - 1) as u32;
+    assert!(chain.remote.run(seat(0), &[*so_far[0].last().unwrap()], position).is_err(), "{victims:?}");
+    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), victims);
+}
+
+/// Decodes every request on from `so_far` to the end, and checks that each gives the
+/// failure-free tokens (`context` says which run, in the failure message).
+fn finish_identically(chain: &mut Cluster, so_far: &mut [Vec<u32>], expected: &[Vec<u32>], context: &str) {
+    for (i, tokens) in so_far.iter_mut().enumerate() {
+        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
+        assert_eq!(*tokens, expected[i], "{context} request {i}");
+    }
+}
+
 fn sequences<'a>(prompts: &'a [Vec<u32>], generated: &'a [Vec<u32>]) -> Vec<Sequence<'a>> {
     prompts
         .iter()
@@ -258,10 +276,7 @@ fn a_killed_engine_or_worker_is_replaced_and_sequences_resume_bit_identically() 
             }
         }
 
-        for (i, tokens) in so_far.iter_mut().enumerate() {
-            *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-            assert_eq!(*tokens, expected[i], "{victim} {what:?}, request {i}");
-        }
+        finish_identically(&mut chain, &mut so_far, &expected, &format!("{victim} {what:?}"));
     }
 }
 
@@ -298,10 +313,7 @@ fn a_controller_crash_loses_no_failure_and_never_reuses_an_epoch() {
     let controller = chain.controller_metrics().unwrap();
     assert_eq!(value_of(&controller, "dejavu_controller_incarnation", &[]), Some(3.0), "{controller}");
 
-    for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-        assert_eq!(*tokens, expected[i], "request {i}");
-    }
+    finish_identically(&mut chain, &mut so_far, &expected, "");
 }
 
 #[test]
@@ -330,10 +342,7 @@ fn after_a_worker_recovery_replication_goes_on_and_survives_a_second_failure() {
         (recomputed as usize) < steps,
         "the local copy was found: {recomputed} of {steps} steps recomputed"
     );
-    for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-        assert_eq!(*tokens, expected[i], "request {i}");
-    }
+    finish_identically(&mut chain, &mut so_far, &expected, "");
 }
 
 #[test]
@@ -370,10 +379,7 @@ fn a_worker_killed_during_a_recovery_fails_the_attempt_at_its_fence_and_the_next
     // output is the failure-free one.
     assert_eq!(both.copies_lost, [1], "{both:?}");
     let mut so_far = so_far;
-    for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-        assert_eq!(*tokens, expected[i], "request {i}");
-    }
+    finish_identically(&mut chain, &mut so_far, &expected, "");
 }
 
 #[test]
@@ -410,10 +416,7 @@ fn adjacent_workers_lost_together_recompute_and_the_controller_reseeds_the_secon
     assert!(second.copies_lost.is_empty());
     assert_eq!(second.lag, [(1, 0)], "worker 2's sidecar held all of worker 1's KV");
     let mut so_far = so_far;
-    for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-        assert_eq!(*tokens, expected[i], "request {i}");
-    }
+    finish_identically(&mut chain, &mut so_far, &expected, "");
 }
 
 #[test]
@@ -435,10 +438,7 @@ fn workers_apart_in_the_chain_lost_together_are_recovered_in_one_repair() {
     let recovered = chain.recover_all(&victims, &sequences(&prompts, &so_far)).unwrap();
     assert!(recovered.copies_lost.is_empty(), "{recovered:?}");
     let mut so_far = so_far;
-    for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-        assert_eq!(*tokens, expected[i], "request {i}");
-    }
+    finish_identically(&mut chain, &mut so_far, &expected, "");
 }
 
 /// The controller's decisions replay: a run of real processes in which a whole worker is killed,
@@ -456,10 +456,7 @@ fn the_controllers_and_the_recoverys_decisions_in_a_real_run_replay_through_the_
     chain.faults().kill(1, Kill::Worker).unwrap();
     assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
     let recovered = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
-    for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-        assert_eq!(*tokens, expected[i], "request {i}");
-    }
+    finish_identically(&mut chain, &mut so_far, &expected, "");
     drop(chain);
 
     let text = std::fs::read_to_string(&journal).unwrap();
@@ -536,10 +533,7 @@ fn a_stale_engine_back_from_a_pause_is_fenced_out() {
     assert!(copied < engine(&stale, "dejavu_stage_steps_total"), "its copy failed: {stale}");
     assert_eq!(kept(&mut chain), kept_before, "its KV copies are refused");
 
-    for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-        assert_eq!(*tokens, expected[i], "request {i}");
-    }
+    finish_identically(&mut chain, &mut so_far, &expected, "");
 }
 
 /// The tests' cluster, its recoveries carried out by the controller.
@@ -561,11 +555,7 @@ fn the_controller_recovers_a_killed_engine_or_worker_and_the_feeder_resumes_bit_
         let mut chain = cluster_by_controller(0);
         let done = 3;
         let mut so_far = start_requests(&mut chain.remote, done);
-        chain.faults().kill(victim, what).unwrap();
-        let position = (prompts[0].len() + done - 1) as u32;
-        assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err(), "{victim} {what:?}");
-        assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(victim, what)]);
-
+        kill_and_detect(&mut chain, &so_far, &[(victim, what)]);
         let recovered = chain.recover_all(&[(victim, what)], &sequences(&prompts, &so_far)).unwrap();
         assert_eq!((recovered.epoch, recovered.attempts), (1, 1), "{recovered:?}");
         assert_eq!(recovered.victims, [(victim, what)]);
@@ -583,10 +573,7 @@ fn the_controller_recovers_a_killed_engine_or_worker_and_the_feeder_resumes_bit_
         assert_eq!(controller_counter(&chain, "dejavu_controller_recoveries_acknowledged_total"), 1.0);
         assert_eq!(controller_counter(&chain, "dejavu_controller_recovery_acknowledged_epoch"), 1.0);
 
-        for (i, tokens) in so_far.iter_mut().enumerate() {
-            *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-            assert_eq!(*tokens, expected[i], "{victim} {what:?}, request {i}");
-        }
+        finish_identically(&mut chain, &mut so_far, &expected, &format!("{victim} {what:?}"));
     }
 }
 
@@ -599,28 +586,20 @@ fn adjacent_workers_recovered_by_the_controller_recompute_and_replicate_again() 
     let so_far = start_requests(&mut chain.remote, done);
 
     // Workers 1 and 2 die together: worker 1's replica died with worker 2's sidecar.
-    chain.faults().kill_together(&[(1, Kill::Worker), (2, Kill::Worker)]).unwrap();
-    let position = (prompts[0].len() + done - 1) as u32;
-    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
-    let victims = chain.detect(Duration::from_secs(3)).unwrap();
-    assert_eq!(victims, [(1, Kill::Worker), (2, Kill::Worker)]);
+    let victims = [(1, Kill::Worker), (2, Kill::Worker)];
+    kill_and_detect(&mut chain, &so_far, &victims);
     let first = chain.recover_all(&victims, &sequences(&prompts, &so_far)).unwrap();
     assert_eq!(first.copies_lost, [1], "the ring cannot restore worker 1: {first:?}");
 
     // Worker 1's recomputed steps went on to worker 2's new sidecar as it computed them, so when
     // worker 1 dies again its KV comes back from there, with nothing to recompute.
     copies_landed(&mut chain, 1);
-    chain.faults().kill(1, Kill::Worker).unwrap();
-    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
-    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
+    kill_and_detect(&mut chain, &so_far, &[(1, Kill::Worker)]);
     let second = chain.recover_all(&[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
     assert!(second.copies_lost.is_empty(), "{second:?}");
     assert_eq!(second.lag, [(1, 0)], "worker 2's sidecar held all of worker 1's KV: {second:?}");
     let mut so_far = so_far;
-    for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-        assert_eq!(*tokens, expected[i], "request {i}");
-    }
+    finish_identically(&mut chain, &mut so_far, &expected, "");
 }
 
 #[test]
@@ -630,18 +609,12 @@ fn the_controller_hands_a_spare_sidecar_the_place_of_a_lost_worker() {
     let mut chain = cluster_by_controller(1);
     let done = 3;
     let mut so_far = start_requests(&mut chain.remote, done);
-    chain.faults().kill(2, Kill::Worker).unwrap();
-    let position = (prompts[0].len() + done - 1) as u32;
-    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
-    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(2, Kill::Worker)]);
+    kill_and_detect(&mut chain, &so_far, &[(2, Kill::Worker)]);
     chain.recover_all(&[(2, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
     // The controller chose the spare sidecar; the cluster made its spare stage the engine.
     assert_eq!(controller_counter(&chain, "dejavu_controller_spares_assigned_total"), 1.0);
     assert_eq!(chain.spares_used(), 2);
-    for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-        assert_eq!(*tokens, expected[i], "request {i}");
-    }
+    finish_identically(&mut chain, &mut so_far, &expected, "");
 }
 
 #[test]
@@ -651,13 +624,10 @@ fn a_recovery_by_the_controller_survives_the_controllers_crash_and_a_second_deat
     let mut chain = cluster_by_controller(0);
     let done = 3;
     let mut so_far = start_requests(&mut chain.remote, done);
-    let position = (prompts[0].len() + done - 1) as u32;
 
     // The controller dies right after fencing an engine: its replacement, on the same state,
     // keeps the fence and publishes the recovery once the replacement engine joins.
-    chain.faults().kill(2, Kill::Engine).unwrap();
-    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
-    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(2, Kill::Engine)]);
+    kill_and_detect(&mut chain, &so_far, &[(2, Kill::Engine)]);
     let mut crash = InRecovery { crash_controller: true, ..InRecovery::default() };
     let first = chain.recover_with(&mut crash, &[(2, Kill::Engine)], &sequences(&prompts, &so_far)).unwrap();
     assert_eq!((first.epoch, first.attempts), (1, 1), "{first:?}");
@@ -666,9 +636,7 @@ fn a_recovery_by_the_controller_survives_the_controllers_crash_and_a_second_deat
     // Worker 1 dies; worker 2 dies while worker 1's replacement is about to resume. The attempt
     // fails on the broken chain, the controller fences worker 2, and the next attempt replaces it
     // and resumes both.
-    chain.faults().kill(1, Kill::Worker).unwrap();
-    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
-    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
+    kill_and_detect(&mut chain, &so_far, &[(1, Kill::Worker)]);
     let mut kill = InRecovery { kill: Some((2, Kill::Worker)), ..InRecovery::default() };
     let both = chain.recover_with(&mut kill, &[(1, Kill::Worker)], &sequences(&prompts, &so_far)).unwrap();
     assert_eq!(both.attempts, 2, "{both:?}");
@@ -677,10 +645,7 @@ fn a_recovery_by_the_controller_survives_the_controllers_crash_and_a_second_deat
     assert!(chain.dead().unwrap().is_empty(), "every replacement lives");
     assert_eq!(controller_counter(&chain, "dejavu_controller_recovery_acknowledged_epoch"), 3.0);
 
-    for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-        assert_eq!(*tokens, expected[i], "request {i}");
-    }
+    finish_identically(&mut chain, &mut so_far, &expected, "");
 }
 
 #[test]
@@ -690,15 +655,12 @@ fn a_successor_lost_in_the_middle_of_a_restore_by_the_controller_leaves_the_stag
     let mut chain = cluster_by_controller(0);
     let done = 3;
     let so_far = start_requests(&mut chain.remote, done);
-    let position = (prompts[0].len() + done - 1) as u32;
 
     // Worker 1 dies; the sidecar of its successor, which holds its copy, stops before the
     // controller can hand that copy back, and its worker dies while the hand-back waits on it.
     // The controller plans worker 1's restore again: its copy is lost, and the restore ends
     // rather than waiting for it for good.
-    chain.faults().kill(1, Kill::Worker).unwrap();
-    assert!(chain.remote.run(seat(0), &[so_far[0][done - 1]], position).is_err());
-    assert_eq!(chain.detect(Duration::from_secs(3)).unwrap(), [(1, Kill::Worker)]);
+    kill_and_detect(&mut chain, &so_far, &[(1, Kill::Worker)]);
     chain.faults().signal(2, Role::Sidecar, libc::SIGSTOP).unwrap();
     let mut kill = InRecovery { kill: Some((2, Kill::Worker)), ..InRecovery::default() };
     let recovered =
@@ -708,8 +670,5 @@ fn a_successor_lost_in_the_middle_of_a_restore_by_the_controller_leaves_the_stag
     assert!(chain.dead().unwrap().is_empty(), "every replacement lives");
 
     let mut so_far = so_far;
-    for (i, tokens) in so_far.iter_mut().enumerate() {
-        *tokens = decode(&mut chain.remote, i, tokens.clone(), NEW_TOKENS);
-        assert_eq!(*tokens, expected[i], "request {i}");
-    }
+    finish_identically(&mut chain, &mut so_far, &expected, "");
 }
