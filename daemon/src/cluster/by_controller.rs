@@ -260,7 +260,9 @@ impl Resumption {
             failures,
             recomputed: self.recomputed,
             lag: self.lag,
-            copies_lost: (self.orders.values())
+            copies_lost: self
+                .orders
+                .values()
                 .filter(|o| o.plan.source == Source::Lost)
                 .map(|o| o.plan.stage as usize)
                 .collect(),

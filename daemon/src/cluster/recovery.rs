@@ -391,7 +391,8 @@ pub struct Recovered {
     /// sequences were recomputed from the prompt, as the ring cannot restore them.
     pub copies_lost: Vec<usize>,
     /// The recovery machine's steps and inputs, which replay through a fresh machine
-    /// ([`Transcript::replay`]).
+    /// ([`Transcript::replay`]); empty when the controller carried the recovery out
+    /// ([`super::Recoveries::ByController`]).
     pub transcript: Transcript,
 }
 

@@ -223,24 +223,29 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
             let reseeded = reseeding.map(|thread| thread.join().expect("a re-seed does not panic"));
             (reseeded, handing_back)
         });
-        let attempt = (|| {
-            if let Some(chunks) = reseed.transpose()? {
+        // What went through counts, whatever else failed: only the rest is tried again.
+        let mut failed = None;
+        match reseed {
+            Some(Ok(chunks)) => sent += chunks,
+            Some(Err(e)) => failed = Some(e),
+            None => {}
+        }
+        reseeded |= failed.is_none();
+        match hand_back {
+            Some(Ok(chunks)) => {
                 sent += chunks;
+                handed_back = hand_back_from;
             }
-            reseeded = true;
-            if let (Some(chunks), Some(holder)) = (hand_back.transpose()?, hand_back_from) {
-                sent += chunks;
-                handed_back = Some(holder);
-            }
-            Ok::<_, ControllerError>(())
-        })();
-        match attempt {
-            Ok(()) => break handed_back.map_or(Source::Lost, Source::Successor),
-            Err(e) if started.elapsed() < RESTORE_PATIENCE => {
+            Some(Err(e)) => failed = failed.or(Some(e)),
+            None => {}
+        }
+        match failed {
+            None => break handed_back.map_or(Source::Lost, Source::Successor),
+            Some(e) if started.elapsed() < RESTORE_PATIENCE => {
                 debug!(stage, error = %e, "restoring a replaced sidecar: trying again");
                 std::thread::sleep(Duration::from_millis(50));
             }
-            Err(e) => {
+            Some(e) => {
                 error!(stage, error = %e, "could not restore a replaced sidecar: its stage's KV is recomputed");
                 break handed_back.map_or(Source::Lost, Source::Successor);
             }
