@@ -829,10 +829,12 @@ impl SidecarArgs {
             // standard output for whoever started it.
             OnAssign(Arc::new(move |stage, epoch| {
                 match args.beat(Role::Sidecar, stage, epoch, (Some(port), data_port.clone())) {
-                    Ok(beats) => *heartbeat.lock() = beats,
+                    Ok(beats) => {
+                        *heartbeat.lock() = beats;
+                        say_assigned(stage, epoch);
+                    }
                     Err(e) => tracing::warn!(error = %e, "an assigned spare cannot send heartbeats"),
                 }
-                say_assigned(stage, epoch);
             }))
         });
         let probe = heartbeat.clone();

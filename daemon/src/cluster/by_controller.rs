@@ -26,8 +26,10 @@ use crate::proc::Spawned;
 use crate::process::RestoreSource;
 
 /// How long a fenced sidecar's place waits for the controller to hand it a spare, when the
-/// cluster keeps spare sidecars, before a replacement is started instead.
-const HANDOVER_PATIENCE: Duration = Duration::from_secs(2);
+/// cluster keeps spare sidecars, before a replacement is started instead: long enough for a
+/// controller started again meanwhile to hear the spares (a spare handed over after that races
+/// the replacement for the place).
+const HANDOVER_PATIENCE: Duration = Duration::from_secs(10);
 
 /// Heartbeats a failed attempt waits for the controller to fence a stage that died during it.
 const FENCING_PATIENCE: u32 = 10;

@@ -125,7 +125,11 @@ impl SparePool {
                         self.sidecars.push(SpareSidecar { process, socket });
                     }
                 }
-                Err(_) => i += 1,
+                // Its start was dropped (the spawner is gone): no spare will come of it.
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    self.starting_sidecars.remove(i);
+                }
+                Err(crossbeam_channel::TryRecvError::Empty) => i += 1,
             }
         }
         let i = self.sidecars.iter().position(|spare| chosen(&spare.process))?;

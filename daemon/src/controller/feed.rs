@@ -56,7 +56,8 @@ pub(super) fn watch(
             // Lost when the plan says so (its successor fenced with it), or when its restore
             // found nothing to hand back.
             if plan.loss == Loss::Worker && plan.source != Source::Lost {
-                plan.source = handed_back.get(&plan.stage).copied().unwrap_or(plan.source);
+                let restored = handed_back.get(&plan.stage).filter(|&&(fence, _)| fence == epoch);
+                plan.source = restored.map_or(plan.source, |&(_, source)| source);
             }
             let own = plan::StagePlan { source: own_unless_lost(plan.source), ..plan };
             Ok(StageOrders { marks: marks_of(tables, &own)?, reseeded: None, plan })

@@ -175,9 +175,10 @@ struct Tables {
     /// Where a fenced sidecar's replacement is announced, once it beats, when the controller
     /// restores replaced sidecars itself.
     replaced: Option<crossbeam_channel::Sender<u32>>,
-    /// Where each replaced sidecar this controller restored got its stage's own KV from: its
-    /// successor's sidecar, or nowhere (lost). The recovery feed says so.
-    handed_back: HashMap<u32, Source>,
+    /// Where each replaced sidecar this controller restored got its stage's own KV from (its
+    /// successor's sidecar, or nowhere: lost), with the epoch of the fence it replaced. The
+    /// recovery feed of that epoch says so.
+    handed_back: HashMap<u32, (u64, Source)>,
 }
 
 /// Counters for the metrics page.

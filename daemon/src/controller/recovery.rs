@@ -179,9 +179,12 @@ const RESTORE_PATIENCE: Duration = Duration::from_secs(10);
 /// dies during the restore is planned as lost; one that cannot be reached for
 /// [`RESTORE_PATIENCE`] counts as lost too, so that the recovery is not held up for good.
 pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stage: u32, depth: u32) {
+    // The fence this restore serves: a replacement fenced again meanwhile has a restore of its
+    // own queued, which this one must not settle for it.
+    let serves = fenced_in(tables, stage);
     if stage >= depth {
         warn!(stage, depth, "a replaced sidecar outside the ring: nothing restored");
-        return settled(tables, stage, Source::Lost);
+        return settled(tables, stage, serves, Source::Lost);
     }
     let started = Instant::now();
     // Where the replacement serves KV, as its heartbeats say: a controller that restarted in the
@@ -193,12 +196,17 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
             None if started.elapsed() < RESTORE_PATIENCE => std::thread::sleep(Duration::from_millis(2)),
             None => {
                 warn!(stage, "a replaced sidecar named no KV port in time: nothing restored");
-                return settled(tables, stage, Source::Lost);
+                return settled(tables, stage, serves, Source::Lost);
             }
         }
     };
     let (mut reseeded, mut handed_back, mut sent) = (false, None, 0);
     let source = loop {
+        if fenced_in(tables, stage) != serves {
+            // The replacement was fenced in turn: the restore of its own replacement follows.
+            info!(stage, "a replaced sidecar was replaced again before its restore: giving it up");
+            return;
+        }
         let plan = plan_of_replaced(tables, stage, depth);
         let successor = match plan.source {
             Source::Successor(holder) => Some(holder),
@@ -226,11 +234,13 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
         // What went through counts, whatever else failed: only the rest is tried again.
         let mut failed = None;
         match reseed {
-            Some(Ok(chunks)) => sent += chunks,
+            Some(Ok(chunks)) => {
+                sent += chunks;
+                reseeded = true;
+            }
             Some(Err(e)) => failed = Some(e),
             None => {}
         }
-        reseeded |= failed.is_none();
         match hand_back {
             Some(Ok(chunks)) => {
                 sent += chunks;
@@ -254,7 +264,7 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
     if source == Source::Lost {
         warn!(stage, "the replaced sidecar's successor has nothing to give: the stage's KV is recomputed");
     }
-    settled(tables, stage, source);
+    settled(tables, stage, serves, source);
     counters.recoveries.fetch_add(1, Ordering::Relaxed);
     counters.recovery_micros.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
     counters.reseeded_chunks.fetch_add(sent, Ordering::Relaxed);
@@ -274,11 +284,21 @@ fn plan_of_replaced(tables: &Mutex<Tables>, stage: u32, depth: u32) -> plan::Sta
     plan::ring(depth, &losses).into_iter().find(|p| p.stage == stage).expect("a stage of the ring is planned")
 }
 
-/// Records that stage `stage`'s replaced sidecar needs no restore any more (restored from
-/// `source`, or never restorable), so that a restarted controller does not take it up again.
-fn settled(tables: &Mutex<Tables>, stage: u32, source: Source) {
+/// The epoch stage `stage`'s sidecar was last fenced in (0: never).
+fn fenced_in(tables: &Mutex<Tables>, stage: u32) -> u64 {
+    tables.lock().machine.membership((Role::Sidecar, stage)).map_or(0, |m| m.fenced_in)
+}
+
+/// Records that stage `stage`'s replaced sidecar, replaced after its fence of epoch `serves`,
+/// needs no restore any more (restored from `source`, or never restorable), so that a restarted
+/// controller does not take it up again; unless the stage was fenced again since, whose restore
+/// is still to come.
+fn settled(tables: &Mutex<Tables>, stage: u32, serves: u64, source: Source) {
     let mut tables = tables.lock();
-    tables.handed_back.insert(stage, source);
+    if tables.machine.membership((Role::Sidecar, stage)).map_or(0, |m| m.fenced_in) != serves {
+        return;
+    }
+    tables.handed_back.insert(stage, (serves, source));
     tables.machine.restore_done(stage);
     if let Err(e) = tables.save() {
         error!(stage, error = %e, "cannot record a finished restore: a restarted controller does it again");
