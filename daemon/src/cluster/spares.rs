@@ -106,9 +106,7 @@ impl SparePool {
         }
         self.sidecars.pop()
     }
-}
 
-impl SparePool {
     /// Whether it holds spare sidecars, ready or starting.
     pub(super) fn has_sidecars(&self) -> bool {
         !self.sidecars.is_empty() || !self.starting_sidecars.is_empty()

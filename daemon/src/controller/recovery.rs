@@ -219,18 +219,7 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
             _ => None,
         };
         let hand_back_from = successor.filter(|_| handed_back.is_none());
-        let (reseed, hand_back) = std::thread::scope(|scope| {
-            let reseeding = reseed.map(|from| {
-                scope.spawn(move || {
-                    Ok::<_, ControllerError>(control_of(tables, (Role::Sidecar, from))?.reseed(to)?)
-                })
-            });
-            let handing_back = hand_back_from.map(|holder| {
-                Ok::<_, ControllerError>(control_of(tables, (Role::Sidecar, holder))?.hand_back(stage, to)?)
-            });
-            let reseeded = reseeding.map(|thread| thread.join().expect("a re-seed does not panic"));
-            (reseeded, handing_back)
-        });
+        let (reseed, hand_back) = reseed_and_hand_back(tables, (stage, to), reseed, hand_back_from);
         // What went through counts, whatever else failed: only the rest is tried again.
         let mut failed = None;
         match reseed {
@@ -271,13 +260,35 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
     info!(stage, %to, chunks = sent, took = ?started.elapsed(), "restored a replaced sidecar");
 }
 
+/// What one part of a restore sent, in chunks, or why it failed.
+type Sent = Result<u64, ControllerError>;
+
+/// Has the sidecar of stage `from` re-seed stage `stage`'s replaced sidecar at `to`, and the one of
+/// stage `holder` hand it back its stage's KV, each if given, at once (they are two sidecars).
+/// Returns the chunks each sent, or why it failed.
+fn reseed_and_hand_back(
+    tables: &Mutex<Tables>,
+    (stage, to): (u32, SocketAddr),
+    from: Option<u32>,
+    holder: Option<u32>,
+) -> (Option<Sent>, Option<Sent>) {
+    std::thread::scope(|scope| {
+        let reseeding =
+            from.map(|from| scope.spawn(move || Ok(control_of(tables, (Role::Sidecar, from))?.reseed(to)?)));
+        let handed_back =
+            holder.map(|holder| Ok(control_of(tables, (Role::Sidecar, holder))?.hand_back(stage, to)?));
+        let reseeded = reseeding.map(|thread| thread.join().expect("a re-seed does not panic"));
+        (reseeded, handed_back)
+    })
+}
+
 /// The ring's plan for stage `stage`'s replaced sidecar, with every stage whose sidecar awaits its
 /// own replacement, or was replaced since this one's fence, lost too: such a neighbour's sidecar
 /// started after this stage's died, and holds nothing of it to give.
 fn plan_of_replaced(tables: &Mutex<Tables>, stage: u32, depth: u32) -> plan::StagePlan {
     let tables = tables.lock();
+    let fenced_in = sidecar_fenced_in(&tables, stage);
     let sidecar = |k: u32| tables.machine.membership((Role::Sidecar, k));
-    let fenced_in = sidecar(stage).map_or(0, |m| m.fenced_in);
     let lost = |k: u32| sidecar(k).is_some_and(|m| m.awaiting || (fenced_in > 0 && m.fenced_in >= fenced_in));
     let mut losses: Vec<(u32, Loss)> = (0..depth).filter(|&k| lost(k)).map(|k| (k, Loss::Worker)).collect();
     losses.push((stage, Loss::Worker));
@@ -286,7 +297,12 @@ fn plan_of_replaced(tables: &Mutex<Tables>, stage: u32, depth: u32) -> plan::Sta
 
 /// The epoch stage `stage`'s sidecar was last fenced in (0: never).
 fn fenced_in(tables: &Mutex<Tables>, stage: u32) -> u64 {
-    tables.lock().machine.membership((Role::Sidecar, stage)).map_or(0, |m| m.fenced_in)
+    sidecar_fenced_in(&tables.lock(), stage)
+}
+
+/// [`fenced_in`], under the lock already held.
+fn sidecar_fenced_in(tables: &Tables, stage: u32) -> u64 {
+    tables.machine.membership((Role::Sidecar, stage)).map_or(0, |m| m.fenced_in)
 }
 
 /// Records that stage `stage`'s replaced sidecar, replaced after its fence of epoch `serves`,
@@ -295,7 +311,7 @@ fn fenced_in(tables: &Mutex<Tables>, stage: u32) -> u64 {
 /// is still to come.
 fn settled(tables: &Mutex<Tables>, stage: u32, serves: u64, source: Source) {
     let mut tables = tables.lock();
-    if tables.machine.membership((Role::Sidecar, stage)).map_or(0, |m| m.fenced_in) != serves {
+    if sidecar_fenced_in(&tables, stage) != serves {
         return;
     }
     tables.handed_back.insert(stage, (serves, source));
