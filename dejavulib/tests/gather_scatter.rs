@@ -26,7 +26,7 @@ enum Kind {
     Paged(PagedOrder, KvInterleave),
 }
 
-const KINDS: [Kind; 9] = [
+const KINDS: [Kind; 11] = [
     Kind::Ft,
     Kind::PerLayer(PerLayerOrder::Bhsd),
     Kind::PerLayer(PerLayerOrder::Bshd),
@@ -36,6 +36,8 @@ const KINDS: [Kind; 9] = [
     Kind::Paged(PagedOrder::Hnd, KvInterleave::Interleaved),
     Kind::Paged(PagedOrder::Hnd, KvInterleave::PerHead { k_chunk: 1 }),
     Kind::Paged(PagedOrder::Hnd, KvInterleave::PerHead { k_chunk: 2 }),
+    Kind::Paged(PagedOrder::Nhd, KvInterleave::PerToken),
+    Kind::Paged(PagedOrder::Hnd, KvInterleave::PerToken),
 ];
 
 /// Whether FasterTransformer's 16-byte K pieces fit `spec`'s head size.

@@ -68,7 +68,10 @@ class KvLayout:
         block (``True`` or ``"block"``: ``[num_blocks][2][block]``) or per head (``"head"``,
         vLLM's CPU backend; ``order="hnd"`` only): per block and head, K as
         ``[D / k_chunk][block_size][k_chunk]`` (``k_chunk`` elements of a token's K together;
-        whole rows by default), then V as ``[block_size][D]``."""
+        whole rows by default), then V as ``[block_size][D]``; or per token (``"token"``, vLLM's
+        unified cache on its GPU backends: each token's K vector of a head, then its V vector,
+        per block ``[block_size][H][2][D]`` with ``order="nhd"``, ``[H][block_size][2][D]`` with
+        ``"hnd"``)."""
     @property
     def buffer_sizes(self) -> List[int]:
         """Bytes of each buffer a cache of this layout has, in order."""

@@ -124,7 +124,9 @@ impl PyLayout {
     /// vLLM-style paged blocks per layer, NHD or HND, K and V separate (`interleaved=False`),
     /// interleaved per block (`True` or "block": `[num_blocks][2][block]`) or per head ("head":
     /// vLLM's CPU backend, HND only: per block and head, K as `[D / k_chunk][block_size][k_chunk]`
-    /// (rows by default), then V as `[block_size][D]`);
+    /// (rows by default), then V as `[block_size][D]`) or per token ("token": vLLM's unified
+    /// cache on its GPU backends, each token's K vector of a head then its V vector, per block
+    /// `[block_size][H][2][D]` in NHD or `[H][block_size][2][D]` in HND);
     /// `block_tables[slot]` lists the physical blocks of each sequence.
     #[staticmethod]
     #[pyo3(signature = (spec, slots, block_size, num_blocks, order = "nhd", interleaved = None, block_tables = None, k_chunk = None))]
@@ -151,9 +153,10 @@ impl PyLayout {
                 (Ok(false), _) => KvInterleave::Separate,
                 (Ok(true), _) | (_, Ok("block")) => KvInterleave::Interleaved,
                 (_, Ok("head")) => KvInterleave::PerHead { k_chunk: k_chunk.unwrap_or(spec.0.head_dim()) },
+                (_, Ok("token")) => KvInterleave::PerToken,
                 _ => {
                     return Err(PyValueError::new_err(format!(
-                        "interleaved {how}: use False, True (\"block\") or \"head\""
+                        "interleaved {how}: use False, True (\"block\"), \"head\" or \"token\""
                     )))
                 }
             },

@@ -25,7 +25,30 @@ def layouts():
         "paged_nhd": dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "nhd", False, blocks),
         "paged_hnd_interleaved": dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "hnd", True, blocks),
         "paged_hnd_per_head": dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "hnd", "head", blocks),
+        "paged_nhd_per_token": dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "nhd", "token", blocks),
+        "paged_hnd_per_token": dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "hnd", "token", blocks),
     }
+
+
+@pytest.mark.parametrize("order", ["nhd", "hnd"])
+def test_the_per_token_paged_layout_is_vllms_unified_block(order):
+    # vLLM's unified cache, as its GPU backends read it: a layer's logical
+    # [num_blocks][H][block_size][2 * D], K then V in the last axis, stored NHD or HND.
+    block_size, num_blocks, d = 16, 6, SPEC.head_dim
+    layout = layouts()[f"paged_{order}_per_token"]
+    assert layout.buffer_sizes == [num_blocks * SPEC.kv_heads * block_size * 2 * d * 2] * SPEC.layers
+    buffers = [np.zeros(n // 2, dtype=np.float16) for n in layout.buffer_sizes]
+    cache = dejavu.KvCache.wrap(layout, buffers)
+    one = dejavu.KvRegion(layers=(2, 3), slots=(1, 2), heads=(1, 2), tokens=(20, 21))
+    packed = np.arange(1, 2 * d + 1, dtype=np.float16)  # K then V of one head and token
+    cache.scatter(one, packed)
+    if order == "nhd":
+        logical = buffers[2].reshape(num_blocks, block_size, SPEC.kv_heads, 2 * d).transpose(0, 2, 1, 3)
+    else:
+        logical = buffers[2].reshape(num_blocks, SPEC.kv_heads, block_size, 2 * d)
+    block, row = 4, 20 % block_size  # slot 1's second block is physical block 4
+    assert np.array_equal(logical[block, 1, row], packed)
+    assert np.count_nonzero(logical) == 2 * d
 
 
 def test_the_per_head_paged_layout_is_vllms_cpu_block():
@@ -58,6 +81,8 @@ def test_the_per_head_paged_layout_is_vllms_cpu_block():
         dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "nhd", "head")
     with pytest.raises(ValueError, match="interleaved"):
         dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "hnd", "sideways")
+    with pytest.raises(ValueError, match="token"):
+        dejavu.KvLayout.paged(SPEC, SLOTS, 16, 6, "nhd", "sideways")
 
 
 def engine_buffers(layout, seed):

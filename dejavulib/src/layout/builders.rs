@@ -39,6 +39,12 @@ pub enum KvInterleave {
         /// Elements of a token's K vector kept together; divides the head size.
         k_chunk: u32,
     },
+    /// One buffer per layer in which each token's K vector of a head is followed by its V vector:
+    /// `[num_blocks][block_size][H][2][D]` ([`PagedOrder::Nhd`]) or `[num_blocks][H][block_size][2][D]`
+    /// ([`PagedOrder::Hnd`]). This is vLLM's unified KV cache (a layer's logical
+    /// `[num_blocks][H][block_size][2 * D]`, whose last axis its GPU backends split into K and V),
+    /// in its layer-major layouts (`LBNHC`, `LBHNC`).
+    PerToken,
 }
 
 /// Geometry of a paged KV pool.
@@ -177,7 +183,8 @@ impl KvLayout {
     /// vLLM-style paged blocks. With [`KvInterleave::Separate`], buffer `2l` is layer `l`'s K pool
     /// and `2l + 1` its V pool; with [`KvInterleave::Interleaved`], buffer `l` holds both, each block
     /// K rows then V rows; with [`KvInterleave::PerHead`], buffer `l` holds both, each head of a
-    /// block its K rows then its V rows. Scale pools (if any) follow in buffers of their own, `[num_blocks][block]`
+    /// block its K rows then its V rows; with [`KvInterleave::PerToken`], buffer `l` holds both, each
+    /// token's K vector of a head then its V vector. Scale pools (if any) follow in buffers of their own, `[num_blocks][block]`
     /// in the block's order with one f32 per (token, head).
     ///
     /// Each slot starts with an empty block table: give it blocks with [`KvLayout::set_block_table`]
@@ -249,6 +256,27 @@ impl KvLayout {
                 chunk_stride: bs * piece,
             }
         };
+        // Each token's and head's K vector then its V vector, `pair` bytes together.
+        let per_token = |part: Part, offset: u64| {
+            let pair = spec.vector_bytes(Part::K) + spec.vector_bytes(Part::V);
+            let (head_stride, token_stride) = match config.order {
+                PagedOrder::Nhd => (pair, h * pair),
+                PagedOrder::Hnd => (bs * pair, pair),
+            };
+            PartMap {
+                buffer: BufferMap::PerLayer { first: 0, step: 1 },
+                offset,
+                slot_stride: 0,
+                head_stride,
+                tokens: TokenMap::Paged {
+                    block_size: config.block_size,
+                    block_stride: bs * h * pair,
+                    token_stride,
+                },
+                chunk_elems: spec.vector_elems(part),
+                chunk_stride: 0,
+            }
+        };
         let (k, v, mut sizes, next) = match config.interleave {
             KvInterleave::Separate => (
                 block_map(Part::K, 0, 2, 0, 1),
@@ -265,6 +293,12 @@ impl KvLayout {
             KvInterleave::PerHead { k_chunk } => (
                 per_head(Part::K, 0, k_chunk),
                 per_head(Part::V, bs * spec.vector_bytes(Part::K), spec.vector_elems(Part::V)),
+                vec![2 * pool; layers as usize],
+                layers,
+            ),
+            KvInterleave::PerToken => (
+                per_token(Part::K, 0),
+                per_token(Part::V, spec.vector_bytes(Part::K)),
                 vec![2 * pool; layers as usize],
                 layers,
             ),
@@ -391,9 +425,8 @@ mod tests {
             for order in [PagedOrder::Nhd, PagedOrder::Hnd] {
                 let per_head = [1, 4, 16].map(|k_chunk| KvInterleave::PerHead { k_chunk });
                 let per_head = per_head.into_iter().filter(|_| order == PagedOrder::Hnd);
-                for interleave in
-                    [KvInterleave::Separate, KvInterleave::Interleaved].into_iter().chain(per_head)
-                {
+                let shared = [KvInterleave::Separate, KvInterleave::Interleaved, KvInterleave::PerToken];
+                for interleave in shared.into_iter().chain(per_head) {
                     let cfg = PagedConfig { block_size: 4, num_blocks: 5, order, interleave };
                     let tables = BlockTables::from_tables(vec![vec![3, 0], vec![4, 1, 2]]);
                     let layout = KvLayout::paged(s, 2, cfg, Some(tables)).unwrap();
@@ -448,6 +481,33 @@ mod tests {
         let uneven = KvInterleave::PerHead { k_chunk: 3 };
         let uneven = PagedConfig { order: PagedOrder::Hnd, interleave: uneven, ..nhd };
         assert!(matches!(KvLayout::paged(s, 1, uneven, None), Err(LayoutError::Invalid(_))));
+    }
+
+    #[test]
+    fn per_token_interleave_is_vllms_unified_block() {
+        // vLLM's unified cache: a layer's `[num_blocks][H][block_size][2 * D]`, stored with the
+        // token axis outside the head axis (NHD) or inside it (HND); K then V in the last axis.
+        let (bs, h, d, blocks) = (4u64, 3u64, 16u64, 5u32);
+        let s = KvSpec::new(2, h as u32, d as u32, DType::F16).unwrap();
+        for order in [PagedOrder::Nhd, PagedOrder::Hnd] {
+            let interleave = KvInterleave::PerToken;
+            let cfg = PagedConfig { block_size: bs as u32, num_blocks: blocks, order, interleave };
+            let tables = BlockTables::from_tables(vec![vec![3, 1]]);
+            let layout = KvLayout::paged(s, 1, cfg, Some(tables)).unwrap();
+            assert_eq!(layout.buffer_sizes(), &[blocks as u64 * bs * h * 2 * d * 2; 2][..]);
+            for (token, block) in [(2u64, 3u64), (6, 1)] {
+                let at = Coord { layer: 1, slot: 0, head: 2, token: token as u32 };
+                let (t, e) = (token % bs, 5);
+                let vector = match order {
+                    PagedOrder::Nhd => ((block * bs + t) * h + 2) * 2 * d,
+                    PagedOrder::Hnd => ((block * h + 2) * bs + t) * 2 * d,
+                };
+                let k = layout.element_offset(Part::K, at, e as u32).unwrap();
+                let v = layout.element_offset(Part::V, at, e as u32).unwrap();
+                assert_eq!(k, (1, (vector + e) * 2), "K {order:?} {token}");
+                assert_eq!(v, (1, (vector + d + e) * 2), "V {order:?} {token}");
+            }
+        }
     }
 
     #[test]

@@ -20,8 +20,12 @@ Configure vLLM with::
         kv_connector_extra_config={"sidecar": "/run/dejavu/s0.sock", "successor": "10.0.0.2:7100"},
     )
 
-Supported: vLLM's CPU attention backend, one worker per engine. ``python -m dejavu.vllm.run``
-serves a list of requests with it, step by step.
+Supported: one worker per engine, with vLLM's CPU attention backend or its GPU backends
+(FlashAttention, Triton, FlexAttention) in its layer-major KV layouts (``LBNHC``, the default,
+and ``LBHNC``): ``dejavu.vllm.tensors`` says how each backend's tensors are read. The connector's
+tests run real vLLM on the CPU; vLLM was not run on a GPU with it, whose tensors it hands to the
+library's CUDA copy kernels, in layouts the library's own GPU tests cover. ``python -m
+dejavu.vllm.run`` serves a list of requests with it, step by step.
 """
 
 from .connector import DejaVuConnector

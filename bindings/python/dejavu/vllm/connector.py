@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -53,7 +54,10 @@ class DejaVuConnector(KVConnectorBase_V1):
             self._worker.bind(self._metadata())
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
-        self._worker.register(kv_caches)
+        backends = {b.get_name() for b in get_current_attn_backends(self._vllm_config, list(kv_caches))}
+        if len(backends) != 1:
+            raise NotImplementedError(f"DejaVuConnector: layers under several attention backends {sorted(backends)}")
+        self._worker.register(kv_caches, backends.pop())
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         # vLLM calls it before the forward pass when a load is due (a synchronous load), after

@@ -15,21 +15,32 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from .._dejavu import Completion, Error, KvCache, KvLayout, KvRegion, KvSpec, Store, Streamer, fetch
+from .._dejavu import (
+    Completion,
+    CudaEngine,
+    DeviceKvCache,
+    Error,
+    KvCache,
+    KvLayout,
+    KvRegion,
+    KvSpec,
+    Store,
+    Streamer,
+    fetch,
+)
 from .config import ConnectorConfig
 from .plan import DejaVuMetadata, LoadJob, SaveJob
 from .sequences import TOKENS, token_log, token_region
+from .tensors import PagedTensors, paged_tensors
 
 # Under vLLM's own logger, so that its messages show as vLLM's do.
 logger = init_logger(f"vllm.{__name__}")
-
-DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 class WorkerSide:
@@ -39,15 +50,15 @@ class WorkerSide:
         self._config = config
         self._block_size = block_size
         self._layers: Dict[str, int] = {}
-        self._buffers: List[torch.Tensor] = []
+        self._tensors: Optional[PagedTensors] = None
         self._spec: Optional[KvSpec] = None
-        self._num_blocks = 0
-        self._k_chunk = 0
+        # The GPU's copy kernels, where vLLM's tensors are on one.
+        self._engine: Optional[CudaEngine] = None
         self._store: Optional[Store] = None
         self._streamer: Optional[Streamer] = None
         self._worker = (0, 0)
         # The step's saves, each with a view of its request's blocks.
-        self._views: List[Tuple[SaveJob, KvCache]] = []
+        self._views: List[Tuple[SaveJob, Union[KvCache, DeviceKvCache]]] = []
         # Completions of the step's saves, with what they read (kept alive until waited for), and
         # the sequences to release once they are in.
         self._pending: List[Tuple[Completion, object]] = []
@@ -58,30 +69,20 @@ class WorkerSide:
         # Loads run here, so that a step waits for one at most ``load_timeout``.
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dejavu-load")
 
-    def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
-        """Wraps vLLM's per-layer KV tensors (its CPU backend's ``[num_blocks][H][block_size][2 * D]``:
-        per block and head, K then V, K in the order its kernels chose) and joins the sidecar as
-        the stage's engine."""
+    def register(self, kv_caches: Dict[str, torch.Tensor], backend: str) -> None:
+        """Wraps vLLM's per-layer KV tensors, as ``backend`` (its attention backend's name) lays
+        them out (``tensors``), and joins the sidecar as the stage's engine. On a GPU the library's
+        copy kernels read and write them in place (``CudaEngine``)."""
         names = list(kv_caches)
         tensors = [kv_caches[name] for name in names]
-        first = tensors[0]
-        if first.device.type != "cpu" or first.dim() != 4:
-            raise NotImplementedError(
-                f"DejaVuConnector supports vLLM's CPU attention backend; got {first.device.type} "
-                f"KV tensors of shape {tuple(first.shape)}"
-            )
-        num_blocks, heads, block_size, twice_dim = first.shape
-        if block_size != self._block_size or first.dtype not in DTYPES:
-            raise NotImplementedError(f"DejaVuConnector: KV tensors {tuple(first.shape)} of {first.dtype}")
-        self._spec = KvSpec(layers=len(names), kv_heads=heads, head_dim=twice_dim // 2, dtype=DTYPES[first.dtype])
+        device = tensors[0].device
+        if device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(f"DejaVuConnector: KV tensors on {device.type} are not supported")
+        self._tensors = paged_tensors(tensors, backend, self._block_size)
+        self._spec = self._tensors.spec
         self._layers = {name: i for i, name in enumerate(names)}
-        self._buffers = tensors
-        self._num_blocks = num_blocks
-        self._k_chunk = cpu_k_chunk(first.dtype, block_size, heads, twice_dim // 2)
-        if self._k_chunk is None:
-            logger.error("DejaVu: vLLM's CPU kernels keep K in an order not known here: serving without copies")
-            return
         try:
+            self._engine = CudaEngine(device.index or 0) if device.type == "cuda" else None
             self._store = Store.sidecar(self._config.sidecar, self._config.successor, epoch=None, member=True)
             self._streamer = Streamer(self._store)
             self._worker = (self._store.serving()["stage"], 0)
@@ -90,8 +91,8 @@ class WorkerSide:
             logger.error("DejaVu: no sidecar at %s (%s): serving without copies", self._config.sidecar, e)
             return
         logger.info(
-            "DejaVu: %d layers of %d blocks joined the sidecar at %s as stage %d, epoch %d",
-            len(names), num_blocks, self._config.sidecar, self._worker[0], self._store.epoch(),
+            "DejaVu: %d layers of %d blocks (%s) joined the sidecar at %s as stage %d, epoch %d",
+            len(names), self._tensors.num_blocks, backend, self._config.sidecar, self._worker[0], self._store.epoch(),
         )
 
     def start_load(self, meta: DejaVuMetadata) -> None:
@@ -103,7 +104,9 @@ class WorkerSide:
                 self._fail_load(job.blocks, job.first, job.tokens)
                 continue
             cache = self._view(job.blocks)
-            fetching = self._loader.submit(self._fetch, cache, job)
+            # The forward pass's stream, read on its own thread.
+            stream = self._stream() if self._engine is not None else None
+            fetching = self._loader.submit(self._fetch, cache, job, stream)
             try:
                 fetching.result(timeout=self._config.load_timeout)
             except FutureTimeout:
@@ -120,9 +123,18 @@ class WorkerSide:
                 continue
             logger.info("DejaVu: request %s loaded tokens %d..%d from the sidecar", job.request, job.first, job.tokens)
 
-    def _fetch(self, cache: KvCache, job: LoadJob) -> None:
+    def _fetch(self, cache: Union[KvCache, DeviceKvCache], job: LoadJob, stream: object) -> None:
+        """Fetches the job's chunks into ``cache``: straight into vLLM's tensors on the CPU; on a
+        GPU into host memory first, each chunk then scattered up after the work queued on
+        ``stream`` (the forward pass's), which reads them once the load returns."""
+        staging = KvCache(KvLayout.per_layer(self._spec, 1, job.tokens)) if stream is not None else None
         for layers, tokens in job.chunks:
-            fetch(self._store, cache, self._region(layers, tokens), self._worker, self._worker, job.sequence)
+            region = self._region(layers, tokens)
+            if staging is None:
+                fetch(self._store, cache, region, self._worker, self._worker, job.sequence)
+            else:
+                fetch(self._store, staging, region, self._worker, self._worker, job.sequence)
+                cache.scatter(region, staging.gather(region), stream=stream)
 
     def bind(self, meta: DejaVuMetadata) -> None:
         """A step begins: views of the blocks its saves read."""
@@ -144,7 +156,13 @@ class WorkerSide:
             else:
                 continue
             region = self._region(layers, (job.start, job.end))
-            completion = self._streamer.region_ready(cache, region, self._worker, self._worker, job.sequence)
+            if self._engine is None:
+                completion = self._streamer.region_ready(cache, region, self._worker, self._worker, job.sequence)
+            else:
+                # Queued behind the kernels that wrote the layer, on the forward pass's stream.
+                completion = self._streamer.device_region_ready(
+                    cache, self._stream(), region, self._worker, self._worker, job.sequence
+                )
             self._pending.append((completion, cache))
 
     def wait_for_save(self, meta: DejaVuMetadata) -> None:
@@ -203,19 +221,16 @@ class WorkerSide:
             self._streamer = None
         self._loader.shutdown(wait=False)
 
-    def _view(self, blocks: List[int]) -> KvCache:
+    def _view(self, blocks: List[int]) -> Union[KvCache, DeviceKvCache]:
         """vLLM's KV tensors, used in place, as one sequence whose blocks are ``blocks``."""
-        layout = KvLayout.paged(
-            self._spec,
-            1,
-            self._block_size,
-            self._num_blocks,
-            order="hnd",
-            interleaved="head",
-            block_tables=[blocks],
-            k_chunk=self._k_chunk,
-        )
-        return KvCache.wrap(layout, self._buffers)
+        layout = self._tensors.layout(blocks)
+        if self._engine is not None:
+            return self._engine.wrap(layout, self._tensors.buffers)
+        return KvCache.wrap(layout, self._tensors.buffers)
+
+    @staticmethod
+    def _stream() -> "torch.cuda.Stream":
+        return torch.cuda.current_stream()
 
     def _region(self, layers: Tuple[int, int], tokens: Tuple[int, int]) -> KvRegion:
         return KvRegion(layers=layers, slots=(0, 1), heads=(0, self._spec.kv_heads), tokens=tokens)
@@ -224,26 +239,3 @@ class WorkerSide:
         bs = self._block_size
         self._load_errors.update(blocks[first // bs : -(-tokens // bs)])
 
-
-def cpu_k_chunk(dtype: torch.dtype, block_size: int, heads: int, head_dim: int) -> Optional[int]:
-    """How vLLM's CPU attention kernels lay out a token's K in a block, found by having them write
-    one: the elements of its vector they keep together (``k_chunk`` of the library's per-head paged
-    layout; 1 for the portable kernels, which keep K transposed). ``None`` if no such layout
-    holds what they wrote, V included."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    isa = _get_attn_isa(dtype, block_size, head_dim)
-    block = torch.zeros(1, heads, block_size, 2 * head_dim, dtype=dtype)
-    keys, values = block.view(1, heads, 2 * block_size, head_dim).chunk(2, dim=2)
-    key = (torch.arange(heads * head_dim) % 251 + 1).reshape(1, heads, head_dim).to(dtype)
-    token = 1
-    ops.cpu_attn_reshape_and_cache(key, -key, keys, values, torch.tensor([token]), isa)
-    written = torch.cat([key.flatten(), -key.flatten()]).view(torch.uint8).numpy().tobytes()
-    spec = KvSpec(layers=1, kv_heads=heads, head_dim=head_dim, dtype=DTYPES[dtype])
-    region = KvRegion(layers=(0, 1), slots=(0, 1), heads=(0, heads), tokens=(token, token + 1))
-    for k_chunk in (d for d in range(1, head_dim + 1) if head_dim % d == 0):
-        layout = KvLayout.paged(spec, 1, block_size, 1, "hnd", "head", [[0]], k_chunk=k_chunk)
-        if bytes(KvCache.wrap(layout, [block]).gather(region)) == written:
-            return k_chunk
-    return None
