@@ -813,3 +813,24 @@ fn an_engine_naming_its_own_sidecar_as_successor_is_refused_and_none_keeps_local
     let forwarded = dejavud::metrics::value_of(&page, "dejavu_sidecar_forwarded_chunks_total", &[]);
     assert_eq!(forwarded, Some(0.0), "nothing forwarded: {page}");
 }
+
+#[test]
+fn a_caller_with_little_patience_gives_up_on_a_stopped_sidecar_before_the_request_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let (sidecar, _socket, control) = sidecar_under_control(dir.path());
+    assert!(control.held_of(1).is_ok(), "answers while running");
+    let signal = |name: &str| {
+        let status = Command::new("kill").args([name, &sidecar.0.id().to_string()]).status().unwrap();
+        assert!(status.success(), "kill {name}");
+    };
+    // A stopped process: its kernel still accepts the connection, but nothing proves the secret.
+    signal("-STOP");
+    let started = std::time::Instant::now();
+    let impatient = control.clone().reaching_within(Duration::from_millis(300));
+    assert!(matches!(impatient.held_of(1), Err(ControlError::Auth { .. })), "gave up on the handshake");
+    let waited = started.elapsed();
+    // The request's own deadline is 10 s: the caller waited its patience, not that.
+    assert!(waited < Duration::from_secs(5), "waited {waited:?}");
+    signal("-CONT");
+    assert!(control.held_of(1).is_ok(), "answers again once running");
+}

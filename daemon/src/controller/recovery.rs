@@ -219,7 +219,10 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
             _ => None,
         };
         let hand_back_from = successor.filter(|_| handed_back.is_none());
-        let (reseed, hand_back) = reseed_and_hand_back(tables, (stage, to), reseed, hand_back_from);
+        // A neighbour that does not answer within what is left of the patience counts as failed
+        // (a stopped process accepts connections but never proves the secret).
+        let left = RESTORE_PATIENCE.saturating_sub(started.elapsed()).max(MIN_REACH);
+        let (reseed, hand_back) = reseed_and_hand_back(tables, (stage, to), left, reseed, hand_back_from);
         // What went through counts, whatever else failed: only the rest is tried again.
         let mut failed = None;
         match reseed {
@@ -263,20 +266,25 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
 /// What one part of a restore sent, in chunks, or why it failed.
 type Sent = Result<u64, ControllerError>;
 
+/// The least time a restore's try gives a neighbour to connect and prove the secret.
+const MIN_REACH: Duration = Duration::from_millis(100);
+
 /// Has the sidecar of stage `from` re-seed stage `stage`'s replaced sidecar at `to`, and the one of
-/// stage `holder` hand it back its stage's KV, each if given, at once (they are two sidecars).
-/// Returns the chunks each sent, or why it failed.
+/// stage `holder` hand it back its stage's KV, each if given, at once (they are two sidecars),
+/// each giving up on a sidecar that has not answered within `reach`. Returns the chunks each
+/// sent, or why it failed.
 fn reseed_and_hand_back(
     tables: &Mutex<Tables>,
     (stage, to): (u32, SocketAddr),
+    reach: Duration,
     from: Option<u32>,
     holder: Option<u32>,
 ) -> (Option<Sent>, Option<Sent>) {
+    let control =
+        |k: u32| Ok::<_, ControllerError>(control_of(tables, (Role::Sidecar, k))?.reaching_within(reach));
     std::thread::scope(|scope| {
-        let reseeding =
-            from.map(|from| scope.spawn(move || Ok(control_of(tables, (Role::Sidecar, from))?.reseed(to)?)));
-        let handed_back =
-            holder.map(|holder| Ok(control_of(tables, (Role::Sidecar, holder))?.hand_back(stage, to)?));
+        let reseeding = from.map(|from| scope.spawn(move || Ok(control(from)?.reseed(to)?)));
+        let handed_back = holder.map(|holder| Ok(control(holder)?.hand_back(stage, to)?));
         let reseeded = reseeding.map(|thread| thread.join().expect("a re-seed does not panic"));
         (reseeded, handed_back)
     })

@@ -266,6 +266,8 @@ pub enum ControlError {
 pub struct SidecarControl {
     addr: SocketAddr,
     deadline: Duration,
+    /// How long connecting and proving the secret may take (at most `deadline`).
+    reach: Duration,
     secret: Vec<u8>,
     /// Entries asked for per page of a listing.
     page: u32,
@@ -274,7 +276,11 @@ pub struct SidecarControl {
 impl std::fmt::Debug for SidecarControl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The secret stays out of logs.
-        f.debug_struct("SidecarControl").field("addr", &self.addr).field("deadline", &self.deadline).finish()
+        f.debug_struct("SidecarControl")
+            .field("addr", &self.addr)
+            .field("deadline", &self.deadline)
+            .field("reach", &self.reach)
+            .finish()
     }
 }
 
@@ -282,7 +288,16 @@ impl SidecarControl {
     /// A client of the control listener at `addr`, proving the cluster `secret`; a request
     /// slower than `deadline` fails.
     pub fn new(addr: SocketAddr, deadline: Duration, secret: &[u8]) -> Self {
-        Self { addr, deadline, secret: secret.to_vec(), page: MAX_PAGE as u32 }
+        Self { addr, deadline, reach: deadline, secret: secret.to_vec(), page: MAX_PAGE as u32 }
+    }
+
+    /// The same client, giving up on a listener that has not connected and proved the secret
+    /// within `patience` (at most the deadline), while the request itself may still take the
+    /// whole deadline: for a caller with only so long to wait for a peer that may be gone or
+    /// stopped, whose request (a re-seed moving a stage's KV) can be long.
+    pub fn reaching_within(mut self, patience: Duration) -> Self {
+        self.reach = patience.min(self.deadline);
+        self
     }
 
     /// The same client, asking for listings `entries` at a time (at least 1; the sidecar gives
@@ -368,11 +383,11 @@ impl SidecarControl {
 
     fn call(&self, request: &Message) -> Result<Message, ControlError> {
         let io = |source| ControlError::Io { addr: self.addr, source };
-        let stream = TcpStream::connect_timeout(&self.addr, self.deadline).map_err(io)?;
+        let stream = TcpStream::connect_timeout(&self.addr, self.reach).map_err(io)?;
         stream.set_nodelay(true).map_err(io)?;
         stream.set_read_timeout(Some(self.deadline)).map_err(io)?;
         stream.set_write_timeout(Some(self.deadline)).map_err(io)?;
-        client_handshake_blocking(&stream, &self.secret, CONTROLLER_NODE, self.deadline)
+        client_handshake_blocking(&stream, &self.secret, CONTROLLER_NODE, self.reach)
             .map_err(|e| ControlError::Auth { addr: self.addr, reason: e.to_string() })?;
         let mut writer = BufWriter::new(stream.try_clone().map_err(io)?);
         let (header, payload) = request.frame(CONTROLLER_NODE, 0, 1);
