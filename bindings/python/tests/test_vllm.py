@@ -243,3 +243,55 @@ def test_the_scheduler_drops_what_a_dead_engine_left_once_no_request_came_back_f
         reader.refresh()
         assert reader.held == {}
         worker.shutdown()
+
+
+def test_the_sidecar_is_listed_again_no_sooner_than_ten_times_what_the_last_listing_took():
+    from dejavu.vllm.scheduler import ListingPace
+
+    pace = ListingPace(share=0.1)
+    assert pace.due(0.0), "never listed"
+    pace.listed(100.0, 100.5)  # half a second: many chunks held
+    assert not pace.due(100.6) and not pace.due(105.4)
+    assert pace.due(105.5)
+    pace.listed(200.0, 200.001)  # a millisecond: listed again at the next pass
+    assert not pace.due(200.005) and pace.due(200.02)
+
+
+def test_a_released_sequence_is_not_matched_again_from_a_listing_older_than_its_release(tmp_path):
+    from types import SimpleNamespace
+
+    from dejavu.vllm.config import ConnectorConfig
+    from dejavu.vllm.scheduler import SchedulerSide
+    from test_dejavu import running_sidecar
+
+    def request(name):
+        # The dead engine's request: its 40 tokens, then the one vLLM computes for the logits.
+        ids = list(range(40)) + [7]
+        return SimpleNamespace(request_id=name, all_token_ids=ids, num_tokens=len(ids), kv_transfer_params=None)
+
+    def step(name, blocks):
+        new = SimpleNamespace(req_id=name, block_ids=(blocks,), num_computed_tokens=40)
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+        return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached, preempted_req_ids=set(),
+                               num_scheduled_tokens={name: 1})
+
+    with running_sidecar(tmp_path, index=0) as (socket, successor):
+        config = ConnectorConfig(sidecar=str(socket), successor=successor.address)
+        dead = cpu_worker(config)
+        save_a_request(dead, sequence=5)
+        dead.shutdown()
+
+        # Each reading of this clock is a second on: a listing takes one, so the next is due ten on.
+        clock = iter(range(1000, 2000))
+        scheduler = SchedulerSide(config, block_size=32, clock=lambda: float(next(clock)))
+        first = request("first")
+        assert scheduler.matched(first, 0) == 40, "the dead engine's sequence"
+        scheduler.allocated(first, 40)
+        meta = scheduler.build(step("first", [1, 2]))
+        assert [job.sequence for job in meta.loads] == [5]
+        assert 5 in meta.releases, "left by a dead engine: the request's own sequence takes over"
+
+        # The next request, with the same tokens, is planned before another listing is due: the
+        # listing still shows sequence 5, whose release is under way, and it is not matched.
+        second = request("second")
+        assert scheduler.matched(second, 0) == 0

@@ -10,13 +10,19 @@ pieces; a decode step saves its one token.
 A sequence no request of this engine owns or keeps, left by an engine that died, stays for its
 request to come back and load it, for ``orphan_seconds``; then it is dropped. The sidecar is
 looked over for such sequences every quarter of that time (at most every minute).
+
+Listing what the sidecar keeps costs time in proportion to its chunks (a decode step adds two
+per request), and the scheduler waits for it. It lists at most once per scheduling pass, and no
+sooner after the last listing than ten times what that one took (``ListingPace``): with many
+sequences held, listing takes a tenth of the scheduler's time at most. A request matched
+against a listing a little old misses at most the tokens saved since, which vLLM computes.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 from vllm.logger import init_logger
 
@@ -31,6 +37,28 @@ if TYPE_CHECKING:
 
 # Under vLLM's own logger, so that its messages show as vLLM's do.
 logger = init_logger(f"vllm.{__name__}")
+
+#: Scheduling passes after the one that releases a sequence by which its workers dropped it: they
+#: drop it at the end of the step after that pass's (once that step's saves are in), and with
+#: vLLM's asynchronous scheduling a pass is planned while the step before it runs.
+RELEASE_LAG = 3
+
+
+class ListingPace:
+    """When the scheduler lists the sidecar again: no sooner after the end of the last listing
+    than ``1 / share`` times what it took, so that listing takes at most ``share`` of the time."""
+
+    def __init__(self, share: float = 0.1) -> None:
+        self.share = share
+        self._next: Optional[float] = None
+
+    def due(self, now: float) -> bool:
+        """Whether a listing may start at ``now``."""
+        return self._next is None or now >= self._next
+
+    def listed(self, started: float, ended: float) -> None:
+        """A listing ran from ``started`` to ``ended``."""
+        self._next = ended + (ended - started) / self.share
 
 
 @dataclass
@@ -61,13 +89,16 @@ class SchedulerSide:
         self._requests: Dict[str, "Request"] = {}
         self._plans: Dict[str, Plan] = {}
         self._releases: List[int] = []
-        # Released in the step being planned: no longer matched, though still listed.
-        self._released: Set[int] = set()
+        # Sequences released, with the scheduling pass whose step drops them: not matched until
+        # a listing taken after their workers dropped them.
+        self._gone: Dict[int, int] = {}
+        self._passes = 0
         self._kept = Kept(config.keep_finished)
         self._index: Optional[SequenceIndex] = None
         # Whether the index was listed since the last step was planned: what the sidecar keeps
         # changes only as steps run, so one listing serves every request scheduled in between.
         self._listed = False
+        self._pace = ListingPace()
         try:
             self._index = SequenceIndex(Store.sidecar_reader(config.sidecar))
         except Error as e:
@@ -84,14 +115,14 @@ class SchedulerSide:
         if self._index is None:
             return 0
         try:
-            if not self._listed:
-                self._index.refresh()
+            if not self._listed and self._pace.due(self._clock()):
+                self._list()
                 self._listed = True
         except Error as e:
             logger.error("DejaVu: the sidecar cannot be read (%s): request %s computes its prompt", e, request.request_id)
             return 0
         match = self._index.longest(
-            list(request.all_token_ids), limit=request.num_tokens - 1, leave_out=self._released
+            list(request.all_token_ids), limit=request.num_tokens - 1, leave_out=self._gone
         )
         if match is None or match.tokens <= computed:
             return 0
@@ -108,10 +139,10 @@ class SchedulerSide:
 
     def build(self, output: "SchedulerOutput") -> DejaVuMetadata:
         """This step's loads, saves and releases."""
+        self._passes += 1
         self._sweep()
         meta = DejaVuMetadata(releases=self._releases, preempted=bool(output.preempted_req_ids))
         self._releases = []
-        self._released = set(meta.releases)
         self._listed = False
         for new in output.scheduled_new_reqs:
             plan = self._plan(new.req_id)
@@ -147,12 +178,12 @@ class SchedulerSide:
             return
         self._next_sweep = now + self._sweep_every
         try:
-            self._index.refresh()
+            self._list()
         except Error as e:
             logger.error("DejaVu: the sidecar cannot be read (%s): orphaned sequences stay for now", e)
             return
         # Claimed: owned, kept, being released, or about to be loaded by a request.
-        claimed = {p.sequence for p in self._plans.values()} | self._released
+        claimed = {p.sequence for p in self._plans.values()} | set(self._gone)
         claimed |= {p.load.sequence for p in self._plans.values() if p.load is not None}
         claimed |= {s for s in self._index.held if s in self._kept}
         expired = self._orphans.expired(self._index.held, claimed, now)
@@ -161,10 +192,17 @@ class SchedulerSide:
                         len(expired), self._config.orphan_seconds)
             self._release(expired)
 
+    def _list(self) -> None:
+        """Lists the sidecar again; forgets the releases its workers have carried out since."""
+        started = self._clock()
+        self._index.refresh()
+        self._pace.listed(started, self._clock())
+        self._gone = {s: p for s, p in self._gone.items() if p + RELEASE_LAG > self._passes}
+
     def _release(self, sequences: List[int]) -> None:
         """Has the workers drop ``sequences`` in the next step; they are not matched meanwhile."""
         self._releases += sequences
-        self._released.update(sequences)
+        self._gone.update((s, self._passes + 1) for s in sequences)
 
     def _plan(self, req_id: str) -> Plan:
         plan = self._plans.get(req_id)
@@ -187,7 +225,7 @@ class SchedulerSide:
             # Left by an engine that died: this request's own sequence holds the prefix once its
             # first save is in, after which the worker drops the old one.
             meta.releases.append(match.sequence)
-            self._released.add(match.sequence)
+            self._gone[match.sequence] = self._passes
 
     def _save(self, meta: DejaVuMetadata, req_id: str, plan: Plan, end: int) -> None:
         start = plan.saved
