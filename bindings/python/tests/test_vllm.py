@@ -134,7 +134,7 @@ def test_the_gpu_backends_tensors_are_read_as_their_kernels_split_them(backend):
     # layer's tensor non-contiguous.
     block_major = torch.zeros(8, len(LAYERS), 32, 2, 128, dtype=torch.bfloat16)
     per_layer = [block_major[:, layer].transpose(1, 2) for layer in range(len(LAYERS))]
-    with pytest.raises(NotImplementedError, match="layer-major"):
+    with pytest.raises(NotImplementedError, match="LBNHC and LBHNC"):
         paged_tensors(per_layer, "FLASH_ATTN", 32)
 
 
@@ -163,6 +163,44 @@ def test_the_worker_side_saves_to_its_sidecar_loads_elsewhere_and_reports_a_fail
         missing = LoadJob("other", 77, 0, 39, chunks, [4, 7])
         worker.start_load(DejaVuMetadata(loads=[missing]))
         assert worker.load_errors() == {4, 7}
+        worker.shutdown()
+
+
+def test_a_load_through_host_memory_of_each_chunks_size_puts_every_token_in_its_block(tmp_path):
+    # The GPU path's load, here with the GPU backends' layout in host memory: each chunk is
+    # fetched into host memory of its own blocks, then uploaded packed (on a GPU by the copy
+    # kernels, here by the CPU's scatter).
+    import threading
+
+    from dejavu.vllm.config import ConnectorConfig
+    from dejavu.vllm.plan import DejaVuMetadata, LoadJob, SaveJob
+    from test_dejavu import running_sidecar
+
+    with running_sidecar(tmp_path, index=0) as (socket, successor):
+        worker = cpu_worker(ConnectorConfig(sidecar=str(socket), successor=successor.address), "FLASH_ATTN/LBNHC")
+        save_a_request(worker)
+        # A decode step's token 40, in the request's second block (physical block 6), every layer.
+        step = DejaVuMetadata(saves=[SaveJob(sequence=5, start=40, end=41, ids=[40], blocks=[3, 6])])
+        worker.bind(step)
+        for name in LAYERS:
+            worker.save_layer(name)
+        worker.wait_for_save(step)
+        worker.wait_for_save(DejaVuMetadata())
+
+        chunks = [((0, 1), (0, 40)), ((1, 2), (0, 40)), ((0, 2), (40, 41))]
+        region = worker._region((0, 2), (0, 41))
+        target = worker._view([4, 7])
+        assert bytes(target.gather(region)) != bytes(worker._view([3, 6]).gather(region))
+        job = LoadJob("staged", 5, 0, 41, chunks, [4, 7])
+        worker._fetch(target, job, lambda r, data: target.scatter(r, data), threading.Event())
+        assert bytes(worker._view([4, 7]).gather(region)) == bytes(worker._view([3, 6]).gather(region))
+
+        # A load given up on stops before its next chunk.
+        given_up = threading.Event()
+        given_up.set()
+        uploaded = []
+        worker._fetch(target, job, lambda r, data: uploaded.append(r), given_up)
+        assert uploaded == []
         worker.shutdown()
 
 
@@ -261,7 +299,7 @@ def test_a_released_sequence_is_not_matched_again_from_a_listing_older_than_its_
     from types import SimpleNamespace
 
     from dejavu.vllm.config import ConnectorConfig
-    from dejavu.vllm.scheduler import SchedulerSide
+    from dejavu.vllm.scheduler import RELEASE_LAG, SchedulerSide
     from test_dejavu import running_sidecar
 
     def request(name):
@@ -269,11 +307,11 @@ def test_a_released_sequence_is_not_matched_again_from_a_listing_older_than_its_
         ids = list(range(40)) + [7]
         return SimpleNamespace(request_id=name, all_token_ids=ids, num_tokens=len(ids), kv_transfer_params=None)
 
-    def step(name, blocks):
-        new = SimpleNamespace(req_id=name, block_ids=(blocks,), num_computed_tokens=40)
+    def step(new=()):
+        new = [SimpleNamespace(req_id=name, block_ids=(blocks,), num_computed_tokens=40) for name, blocks in new]
         cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-        return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached, preempted_req_ids=set(),
-                               num_scheduled_tokens={name: 1})
+        return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached, preempted_req_ids=set(),
+                               num_scheduled_tokens={r.req_id: 1 for r in new})
 
     with running_sidecar(tmp_path, index=0) as (socket, successor):
         config = ConnectorConfig(sidecar=str(socket), successor=successor.address)
@@ -281,17 +319,35 @@ def test_a_released_sequence_is_not_matched_again_from_a_listing_older_than_its_
         save_a_request(dead, sequence=5)
         dead.shutdown()
 
-        # Each reading of this clock is a second on: a listing takes one, so the next is due ten on.
-        clock = iter(range(1000, 2000))
-        scheduler = SchedulerSide(config, block_size=32, clock=lambda: float(next(clock)))
+        # Each listing takes a second of this clock, so the next is due ten seconds after it.
+        now = [1000.0]
+        scheduler = SchedulerSide(config, block_size=32, clock=lambda: now[0])
+        refresh, listings = scheduler._index.refresh, []
+
+        def slow_refresh():
+            refresh()
+            now[0] += 1.0
+            listings.append(now[0])
+
+        scheduler._index.refresh = slow_refresh
         first = request("first")
         assert scheduler.matched(first, 0) == 40, "the dead engine's sequence"
         scheduler.allocated(first, 40)
-        meta = scheduler.build(step("first", [1, 2]))
+        meta = scheduler.build(step([("first", [1, 2])]))
         assert [job.sequence for job in meta.loads] == [5]
         assert 5 in meta.releases, "left by a dead engine: the request's own sequence takes over"
+        assert len(listings) == 2  # the first match's, and the first pass's look for orphans
 
-        # The next request, with the same tokens, is planned before another listing is due: the
-        # listing still shows sequence 5, whose release is under way, and it is not matched.
-        second = request("second")
-        assert scheduler.matched(second, 0) == 0
+        # A pass later, a request with the same tokens comes before another listing is due: the
+        # last listing still shows sequence 5, whose release is under way, and it is not matched.
+        scheduler.build(step())
+        assert scheduler.matched(request("second"), 0) == 0
+        assert len(listings) == 2, "not listed again yet"
+
+        # Once a listing is taken RELEASE_LAG passes after the release, the workers have dropped
+        # it (none runs here, so the sidecar still lists it, and it is matched again).
+        now[0] += 20.0
+        for _ in range(RELEASE_LAG - 1):
+            scheduler.build(step())
+        assert scheduler.matched(request("third"), 0) == 40
+        assert len(listings) == 3

@@ -221,8 +221,9 @@ pub(super) fn restore_replaced(tables: &Mutex<Tables>, counters: &Counters, stag
         let hand_back_from = successor.filter(|_| handed_back.is_none());
         // A neighbour that does not answer within what is left of the patience counts as failed
         // (a stopped process accepts connections but never proves the secret).
-        let left = RESTORE_PATIENCE.saturating_sub(started.elapsed()).max(MIN_REACH);
-        let (reseed, hand_back) = reseed_and_hand_back(tables, (stage, to), left, reseed, hand_back_from);
+        let patience_ends = started + RESTORE_PATIENCE;
+        let (reseed, hand_back) =
+            reseed_and_hand_back(tables, (stage, to), patience_ends, reseed, hand_back_from);
         // What went through counts, whatever else failed: only the rest is tried again.
         let mut failed = None;
         match reseed {
@@ -271,17 +272,21 @@ const MIN_REACH: Duration = Duration::from_millis(100);
 
 /// Has the sidecar of stage `from` re-seed stage `stage`'s replaced sidecar at `to`, and the one of
 /// stage `holder` hand it back its stage's KV, each if given, at once (they are two sidecars),
-/// each giving up on a sidecar that has not answered within `reach`. Returns the chunks each
-/// sent, or why it failed.
+/// each giving up on a sidecar that has not answered by `patience_ends` (given [`MIN_REACH`] at
+/// least). Returns the chunks each sent, or why it failed.
 fn reseed_and_hand_back(
     tables: &Mutex<Tables>,
     (stage, to): (u32, SocketAddr),
-    reach: Duration,
+    patience_ends: Instant,
     from: Option<u32>,
     holder: Option<u32>,
 ) -> (Option<Sent>, Option<Sent>) {
-    let control =
-        |k: u32| Ok::<_, ControllerError>(control_of(tables, (Role::Sidecar, k))?.reaching_within(reach));
+    let control = |k: u32| {
+        let control = control_of(tables, (Role::Sidecar, k))?;
+        // What is left once its control listener is known, which may have taken a while.
+        let reach = patience_ends.saturating_duration_since(Instant::now()).max(MIN_REACH);
+        Ok::<_, ControllerError>(control.reaching_within(reach))
+    };
     std::thread::scope(|scope| {
         let reseeding = from.map(|from| scope.spawn(move || Ok(control(from)?.reseed(to)?)));
         let handed_back = holder.map(|holder| Ok(control(holder)?.hand_back(stage, to)?));

@@ -46,6 +46,12 @@ class DejaVuConnector(KVConnectorBase_V1):
         else:
             self._worker = WorkerSide(config, block_size)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        # Each layer's save is queued from save_kv_layer, which a replayed full CUDA graph skips:
+        # vLLM then captures graphs piecewise, running the connector's calls between the pieces.
+        return True
+
     # Worker side.
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

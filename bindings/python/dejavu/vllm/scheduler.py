@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
 
 from vllm.logger import init_logger
 
@@ -89,8 +89,8 @@ class SchedulerSide:
         self._requests: Dict[str, "Request"] = {}
         self._plans: Dict[str, Plan] = {}
         self._releases: List[int] = []
-        # Sequences released, with the scheduling pass whose step drops them: not matched until
-        # a listing taken after their workers dropped them.
+        # Sequences released, with the scheduling pass that sent the release: not matched until a
+        # listing taken once their workers dropped them (RELEASE_LAG passes on).
         self._gone: Dict[int, int] = {}
         self._passes = 0
         self._kept = Kept(config.keep_finished)
@@ -122,7 +122,7 @@ class SchedulerSide:
             logger.error("DejaVu: the sidecar cannot be read (%s): request %s computes its prompt", e, request.request_id)
             return 0
         match = self._index.longest(
-            list(request.all_token_ids), limit=request.num_tokens - 1, leave_out=self._gone
+            list(request.all_token_ids), limit=request.num_tokens - 1, leave_out=self._leaving()
         )
         if match is None or match.tokens <= computed:
             return 0
@@ -161,6 +161,7 @@ class SchedulerSide:
                 plan.blocks.extend(blocks[0])
             self._load(meta, req_id, plan)
             self._save(meta, req_id, plan, cached.num_computed_tokens[i] + output.num_scheduled_tokens[req_id])
+        self._gone.update((sequence, self._passes) for sequence in meta.releases)
         return meta
 
     def finished(self, request: "Request") -> None:
@@ -183,7 +184,7 @@ class SchedulerSide:
             logger.error("DejaVu: the sidecar cannot be read (%s): orphaned sequences stay for now", e)
             return
         # Claimed: owned, kept, being released, or about to be loaded by a request.
-        claimed = {p.sequence for p in self._plans.values()} | set(self._gone)
+        claimed = {p.sequence for p in self._plans.values()} | self._leaving()
         claimed |= {p.load.sequence for p in self._plans.values() if p.load is not None}
         claimed |= {s for s in self._index.held if s in self._kept}
         expired = self._orphans.expired(self._index.held, claimed, now)
@@ -202,12 +203,16 @@ class SchedulerSide:
     def _release(self, sequences: List[int]) -> None:
         """Has the workers drop ``sequences`` in the next step; they are not matched meanwhile."""
         self._releases += sequences
-        self._gone.update((s, self._passes + 1) for s in sequences)
+
+    def _leaving(self) -> Set[int]:
+        """Sequences released, or to be released by the next step, that a listing may still show."""
+        return set(self._gone) | set(self._releases)
 
     def _plan(self, req_id: str) -> Plan:
         plan = self._plans.get(req_id)
         if plan is None:
-            taken = {p.sequence for p in self._plans.values()}
+            # Every id a listing may not show yet is taken too: kept, or released but not dropped.
+            taken = {p.sequence for p in self._plans.values()} | self._leaving() | set(self._kept)
             if self._index is not None:
                 taken |= set(self._index.held)
             plan = self._plans[req_id] = Plan(sequence=fresh_id(taken))
@@ -225,7 +230,6 @@ class SchedulerSide:
             # Left by an engine that died: this request's own sequence holds the prefix once its
             # first save is in, after which the worker drops the old one.
             meta.releases.append(match.sequence)
-            self._gone[match.sequence] = self._passes
 
     def _save(self, meta: DejaVuMetadata, req_id: str, plan: Plan, end: int) -> None:
         start = plan.saved

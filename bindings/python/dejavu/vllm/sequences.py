@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -167,6 +167,9 @@ class Kept:
 
     def __contains__(self, sequence: int) -> bool:
         return sequence in self._order
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._order)
 
     def add(self, sequence: int) -> List[int]:
         """Keeps ``sequence``; returns those to drop: itself when none are kept, else the oldest

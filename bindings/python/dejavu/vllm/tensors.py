@@ -91,15 +91,17 @@ def paged_tensors(tensors: Sequence[torch.Tensor], backend: str, block_size: int
 
 def per_token_order(tensors: Sequence[torch.Tensor]) -> Tuple[str, List[torch.Tensor]]:
     """The block order the tensors' strides give, and each as a C-contiguous view of its memory:
-    tokens outside heads ("nhd") or inside them ("hnd"). A layout whose blocks interleave layers
-    (vLLM's block-major ones) leaves a layer's tensor non-contiguous, and is refused."""
+    tokens outside heads ("nhd", vLLM's LBNHC) or inside them ("hnd", LBHNC). A layout whose
+    blocks interleave layers (vLLM's block-major ones) or whose heads lie outside its blocks
+    (LHBNC) is refused."""
     if all(t.transpose(1, 2).is_contiguous() for t in tensors):
         return "nhd", [t.transpose(1, 2) for t in tensors]
     if all(t.is_contiguous() for t in tensors):
         return "hnd", list(tensors)
     raise NotImplementedError(
-        f"DejaVuConnector: KV tensors of strides {tensors[0].stride()} are in none of vLLM's "
-        "layer-major layouts (LBNHC, LBHNC); set VLLM_KV_CACHE_LAYOUT=NHD"
+        f"DejaVuConnector: KV tensors of strides {tensors[0].stride()} are in neither of the layouts "
+        "it reads, vLLM's LBNHC and LBHNC (its block-major layouts and LHBNC are not supported); "
+        "set VLLM_KV_CACHE_LAYOUT=NHD"
     )
 
 

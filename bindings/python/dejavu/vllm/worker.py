@@ -13,9 +13,10 @@ freed once its last save is acknowledged (``request_finished`` delays their free
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -81,8 +82,10 @@ class WorkerSide:
         self._tensors = paged_tensors(tensors, backend, self._block_size)
         self._spec = self._tensors.spec
         self._layers = {name: i for i, name in enumerate(names)}
+        if device.type == "cuda":
+            # No CUDA driver or NVRTC is a setup error, not a missing sidecar: it stops the engine.
+            self._engine = CudaEngine(device.index or 0)
         try:
-            self._engine = CudaEngine(device.index or 0) if device.type == "cuda" else None
             self._store = Store.sidecar(self._config.sidecar, self._config.successor, epoch=None, member=True)
             self._streamer = Streamer(self._store)
             self._worker = (self._store.serving()["stage"], 0)
@@ -104,12 +107,22 @@ class WorkerSide:
                 self._fail_load(job.blocks, job.first, job.tokens)
                 continue
             cache = self._view(job.blocks)
-            # The forward pass's stream, read on its own thread.
-            stream = self._stream() if self._engine is not None else None
-            fetching = self._loader.submit(self._fetch, cache, job, stream)
+            upload = None
+            if self._engine is not None:
+                # Read here, on vLLM's thread: the loader thread's current stream is the default
+                # one, not the forward pass's.
+                stream = self._stream()
+
+                def upload(region: KvRegion, data: bytes, cache=cache, stream=stream) -> None:
+                    cache.scatter(region, data, stream=stream)
+
+            cancelled = threading.Event()
+            fetching = self._loader.submit(self._fetch, cache, job, upload, cancelled)
             try:
                 fetching.result(timeout=self._config.load_timeout)
             except FutureTimeout:
+                # Its blocks are vLLM's to compute now: the load stops at its next chunk.
+                cancelled.set()
                 logger.error(
                     "DejaVu: loading request %s took over %.0f s: vLLM computes it, and the engine serves "
                     "on without copies", job.request, self._config.load_timeout,
@@ -123,18 +136,27 @@ class WorkerSide:
                 continue
             logger.info("DejaVu: request %s loaded tokens %d..%d from the sidecar", job.request, job.first, job.tokens)
 
-    def _fetch(self, cache: Union[KvCache, DeviceKvCache], job: LoadJob, stream: object) -> None:
-        """Fetches the job's chunks into ``cache``: straight into vLLM's tensors on the CPU; on a
-        GPU into host memory first, each chunk then scattered up after the work queued on
-        ``stream`` (the forward pass's), which reads them once the load returns."""
-        staging = KvCache(KvLayout.per_layer(self._spec, 1, job.tokens)) if stream is not None else None
+    def _fetch(
+        self,
+        cache: Union[KvCache, DeviceKvCache],
+        job: LoadJob,
+        upload: Optional[Callable[[KvRegion, bytes], None]],
+        cancelled: threading.Event,
+    ) -> None:
+        """Fetches the job's chunks, until ``cancelled``: straight into vLLM's tensors (``cache``)
+        where they are in host memory; otherwise each chunk into host memory of its own size,
+        then handed to ``upload`` packed (on a GPU: scattered up after the forward pass's queued
+        work, which reads it once the load returns)."""
         for layers, tokens in job.chunks:
+            if cancelled.is_set():
+                return
             region = self._region(layers, tokens)
-            if staging is None:
+            if upload is None:
                 fetch(self._store, cache, region, self._worker, self._worker, job.sequence)
-            else:
-                fetch(self._store, staging, region, self._worker, self._worker, job.sequence)
-                cache.scatter(region, staging.gather(region), stream=stream)
+                continue
+            staging = KvCache(host_staging(self._spec, self._block_size, tokens))
+            fetch(self._store, staging, region, self._worker, self._worker, job.sequence)
+            upload(region, staging.gather(region))
 
     def bind(self, meta: DejaVuMetadata) -> None:
         """A step begins: views of the blocks its saves read."""
@@ -239,3 +261,11 @@ class WorkerSide:
         bs = self._block_size
         self._load_errors.update(blocks[first // bs : -(-tokens // bs)])
 
+
+def host_staging(spec: KvSpec, block_size: int, tokens: Tuple[int, int]) -> KvLayout:
+    """A host layout of one sequence holding tokens ``tokens`` of every layer, in the blocks that
+    range spans alone: a chunk is fetched into the region it was saved from, so its tokens keep
+    their places, and every block before them is one spare block, never written."""
+    first, end = tokens[0] // block_size, -(-tokens[1] // block_size)
+    table = [0] * first + list(range(1, end - first + 1))
+    return KvLayout.paged(spec, 1, block_size, end - first + 1, "nhd", "token", [table])
