@@ -24,7 +24,8 @@ Supported: one worker per engine, with vLLM's CPU attention backend or its GPU b
 (FlashAttention, Triton, FlexAttention) in its layer-major KV layouts (``LBNHC``, the default,
 and ``LBHNC``): ``dejavu.vllm.tensors`` says how each backend's tensors are read. The connector's
 tests run real vLLM on the CPU; vLLM was not run on a GPU with it, whose tensors it hands to the
-library's CUDA copy kernels, in layouts the library's own GPU tests cover. ``python -m
+library's CUDA copy kernels, in layouts the package's GPU tests check against the CPU copies
+(the per-token layouts of vLLM's GPU backends have not run on a GPU yet). ``python -m
 dejavu.vllm.run`` serves a list of requests with it, step by step.
 """
 
