@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 
 use dejavud::heartbeat::decode;
 use dejavud::sidecar::control::{ControlError, SidecarControl};
@@ -18,9 +19,13 @@ use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{PeerServer, ServerConfig};
 use dejavulib::reshard::{send, Transfer};
 use dejavulib::resume::{resume_points, HeldChunk};
-use dejavulib::store::StoreError;
+use dejavulib::store::{Started, StoreError};
+use dejavulib::streamer::{Shutdown, StreamJob};
 use dejavulib::wire::{read_frame, write_frame, FrameHeader, Kind};
-use dejavulib::{ChunkStore, DType, HostStore, KvCache, KvLayout, KvRegion, KvSpec, Packing, WorkerId};
+use dejavulib::{
+    ChunkStore, DType, HostStore, KvCache, KvLayout, KvRegion, KvSpec, Packing, Streamer, StreamerConfig,
+    WorkerId,
+};
 use std::time::Duration;
 
 const EXE: &str = env!("CARGO_BIN_EXE_dejavud");
@@ -833,4 +838,116 @@ fn a_caller_with_little_patience_gives_up_on_a_stopped_sidecar_before_the_reques
     assert!(waited < Duration::from_secs(5), "waited {waited:?}");
     signal("-CONT");
     assert!(control.held_of(1).is_ok(), "answers again once running");
+}
+
+/// A cache of 4 layers x 4 heads of 32, fp16, 4 slots of 64 tokens, every byte differing from its
+/// neighbours' so that a misplaced byte shows.
+fn patterned_cache() -> KvCache {
+    let spec = KvSpec::new(4, 4, 32, DType::F16).unwrap();
+    let cache = KvCache::new(KvLayout::faster_transformer(spec, 4, 64).unwrap()).unwrap();
+    let all = KvRegion::new(0..4, 0..4, 0..4, 0..64);
+    let pattern: Vec<u8> = (0..cache.packed_len(&all)).map(|i| (i * 7 + i / 253) as u8).collect();
+    cache.scatter(&all, cache.layout().preferred_packing(), &pattern).unwrap();
+    cache
+}
+
+/// `region` of `cache`, gathered in the cache's packing.
+fn gathered(cache: &KvCache, region: &KvRegion) -> Vec<u8> {
+    let mut out = vec![0; cache.packed_len(region) as usize];
+    cache.gather(region, cache.layout().preferred_packing(), &mut out).unwrap();
+    out
+}
+
+/// A streamer over a sidecar leaves each step's put in flight: the sidecar keeps the next step
+/// while it forwards the one before. A step completes only once the successor holds it, bit for
+/// bit; the sidecar keeps every one; a release after the steps drops them here and at the replica.
+#[test]
+fn steps_streamed_with_their_puts_in_flight_are_held_by_the_successor_once_they_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_sidecar, socket, _) = sidecar_with_region(dir.path(), 1 << 20);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let successor_store = HostStore::new();
+    let successor = successor(&runtime, &successor_store);
+    let engine = LocalSidecar::connect(&socket, 0, successor.addr()).unwrap();
+    let cache = Arc::new(patterned_cache());
+    let streamer = Streamer::spawn(StreamerConfig::default(), Box::new(engine)).unwrap();
+
+    // A prompt of all four slots, then decode steps, queued at once.
+    let worker = WorkerId { stage: 1, rank: 0 };
+    let steps = (40..56).map(|t| KvRegion::new(0..4, 0..4, 0..4, t..t + 1));
+    let regions: Vec<KvRegion> =
+        std::iter::once(KvRegion::new(0..4, 0..4, 0..4, 0..40)).chain(steps).collect();
+    let completions: Vec<_> = regions
+        .iter()
+        .map(|region| {
+            let transfer = Transfer::in_place(worker, worker, 0, region);
+            streamer
+                .submit(StreamJob { cache: cache.clone(), transfer, tokens: region.tokens.clone() })
+                .unwrap()
+        })
+        .collect();
+    let mut keys = Vec::new();
+    for (region, completion) in regions.iter().zip(completions) {
+        let receipt = completion.wait_timeout(Duration::from_secs(30)).unwrap();
+        // Complete means replicated: the successor holds it already, as gathered.
+        let mut replica = Vec::new();
+        successor_store.clone().get(&receipt.key, &mut replica).unwrap();
+        assert_eq!(replica, gathered(&cache, region), "{:?}", region.tokens);
+        keys.push(receipt.key);
+    }
+    let stats = streamer.shutdown(Shutdown::Drain).unwrap();
+    assert_eq!((stats.completed, stats.failed), (regions.len() as u64, 0));
+
+    // Kept too, by the sidecar itself.
+    let mut engine = LocalSidecar::connect(&socket, 1, successor.addr()).unwrap();
+    let mut kept = Vec::new();
+    for (region, key) in regions.iter().zip(&keys) {
+        engine.get(key, &mut kept).unwrap();
+        assert_eq!(kept, gathered(&cache, region), "{:?}", region.tokens);
+    }
+    let place = SequencePlace { destination: worker, microbatch: 0, slots: 0..4 };
+    assert_eq!(engine.release(&place).unwrap(), regions.len() as u64);
+    assert_eq!(successor_store.len(), 0, "released at the replica");
+}
+
+/// With the successor gone, each put left in flight is answered with the forward's failure, in
+/// order, once the sidecar has kept it: nothing waits for ever, the local copies are kept, and the
+/// connection goes on.
+#[test]
+fn puts_in_flight_to_a_successor_that_is_gone_fail_each_in_turn_and_are_kept_locally() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_sidecar, socket, _) = sidecar_with_region(dir.path(), 1 << 20);
+    // An address nothing listens on.
+    let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let mut engine = LocalSidecar::connect(&socket, 0, gone).unwrap();
+    let cache = patterned_cache();
+    let packing = cache.layout().preferred_packing();
+    let worker = WorkerId { stage: 1, rank: 0 };
+    let regions: Vec<KvRegion> = (10..14).map(|t| KvRegion::new(0..4, 0..2, 0..4, t..t + 1)).collect();
+    let mut keys = Vec::new();
+    for region in &regions {
+        let descriptor = ChunkDescriptor {
+            source: worker,
+            destination: worker,
+            microbatch: 0,
+            region: region.clone(),
+            spec: cache.layout().spec().share(4, 4).unwrap(),
+            packing,
+        };
+        let plan = cache.gather_plan(region, packing).unwrap();
+        let mut staging = vec![0; cache.packed_len(region) as usize];
+        let started = engine.start_put_gathered(&descriptor, &cache, &plan, &mut staging).unwrap();
+        assert!(matches!(started, Started::InFlight(_)), "{started:?}");
+        keys.push(descriptor.key());
+    }
+    for key in &keys {
+        let outcome = engine.finish_put().expect("a put in flight");
+        assert!(outcome.is_err(), "{key:?} cannot be forwarded");
+    }
+    assert!(engine.finish_put().is_none(), "nothing more in flight");
+    let mut kept = Vec::new();
+    for (region, key) in regions.iter().zip(&keys) {
+        engine.get(key, &mut kept).unwrap();
+        assert_eq!(kept, gathered(&cache, region), "kept locally: {:?}", region.tokens);
+    }
 }

@@ -1,12 +1,13 @@
 //! The engine's end of its sidecar: a [`ChunkStore`] whose chunks cross a memory region shared
 //! with the sidecar process ([`crate::shm`]), with requests on a local Unix socket in
-//! [`crate::wire`] frames, one at a time:
+//! [`crate::wire`] frames, one at a time, but for puts in flight ([`PUT_IN_FLIGHT`]):
 //!
 //! | request (engine) | reply (sidecar) |
 //! |---|---|
 //! | `Hello`, epoch = the engine's, id 0 = flags ([`HELLO_MEMBER`], [`HELLO_EPOCH_FROM_SIDECAR`], [`HELLO_READER`]), payload = the successor sidecar's address (empty for a reader) | `Welcome`, epoch = the engine's (the sidecar's choice with [`HELLO_EPOCH_FROM_SIDECAR`]), ids 0-1 = the region's capacity, payload = its file; `Error` (`StaleEpoch`) if a newer engine is connected |
 //! | [`Message::Mapped`] | [`Message::Done`]; the sidecar removes the region's file |
 //! | `Put`, id 0 = length of the chunk (header and payload) written into the region | `PutAck` once the sidecar keeps it and has forwarded it to the successor; `Error` otherwise |
+//! | `Put` with id 1 = [`PUT_IN_FLIGHT`] | `Taken` once the sidecar keeps it (the region is free), then `PutAck` once forwarded, or `Error`; `Error` alone if it cannot be kept |
 //! | `Get`, payload = a chunk key | `GetReply`, id 0 = length of the chunk written into the region; `Error` (`NotFound`) |
 //! | [`Message::Successor`] (also as the first and only frame of a connection of its own, epoch = the engine's) | `Done`; forwards go there from now on (a forward under way to the replaced successor fails at once); `Error` (`StaleEpoch`) on its own connection from an engine older than the one in use |
 //! | [`Message::Assign`] (first and only frame of a connection of the cluster's) | `Done` once a spare sidecar has become that stage's; `Error` if it is not a spare waiting for one |
@@ -18,6 +19,7 @@
 //!
 //! The sidecar itself is a process of the daemon (`dejavud sidecar`).
 
+use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter, ErrorKind, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
@@ -31,7 +33,7 @@ use crate::chunk::{verify_payload, ChunkDescriptor, ChunkKey, SequencePlace, HEA
 use crate::message::Message;
 use crate::resume::{resume_points, HeldChunk, ResumePoint};
 use crate::shm::{SharedRegion, ShmError};
-use crate::store::{check_gathered, gather_encoded, ChunkStore, StoreError};
+use crate::store::{check_gathered, gather_encoded, ChunkStore, Started, StoreError};
 use crate::wire::{read_frame, write_frame, ErrorCode, Frame, FrameError, FrameHeader, Kind};
 
 /// A `Hello` flag (id 0): the sidecar is to report the engine's liveness to the controller on
@@ -48,6 +50,13 @@ pub const HELLO_EPOCH_FROM_SIDECAR: u32 = 2;
 /// no successor (an empty payload). A serving engine's scheduler in another process than its
 /// workers (vLLM's) asks through one what its workers' sidecar keeps ([`LocalSidecar::reader`]).
 pub const HELLO_READER: u32 = 4;
+
+/// A `Put` flag (id 1): the engine has its next chunk to write into the region. The sidecar answers
+/// `Taken` as soon as it keeps the chunk (the region is free again), then `PutAck` (or `Error`)
+/// once it has forwarded it, meanwhile reading the next requests: a `Put` with this flag is kept
+/// while the puts before it are forwarded; any other request waits until every forward before it
+/// is answered ([`ChunkStore::start_put_gathered`]).
+pub const PUT_IN_FLIGHT: u32 = 1;
 
 /// Largest payload of a frame on the local socket (addresses, keys, paths, reasons).
 pub const MAX_LOCAL_PAYLOAD: u64 = 64 << 10;
@@ -126,6 +135,17 @@ struct Channel {
     next_request: u64,
     /// Whether the sidecar closed the connection.
     closed: bool,
+    /// Puts sent with [`PUT_IN_FLIGHT`] whose outcome has not been handed out, oldest first.
+    in_flight: VecDeque<InFlightPut>,
+}
+
+/// A put sent with [`PUT_IN_FLIGHT`], and what the sidecar has said of it so far.
+struct InFlightPut {
+    request: u64,
+    /// Whether the sidecar is done with the region: it kept the chunk (`Taken`), or answered.
+    taken: bool,
+    /// Its `PutAck` (`Ok`) or `Error`, once read.
+    outcome: Option<Result<(), LocalError>>,
 }
 
 impl Channel {
@@ -135,6 +155,7 @@ impl Channel {
             writer: BufWriter::new(stream),
             next_request: 1,
             closed: false,
+            in_flight: VecDeque::new(),
         })
     }
 
@@ -152,8 +173,87 @@ impl Channel {
         if self.closed {
             return Err(LocalError::Closed);
         }
+        // The sidecar answers a request once every forward before it is answered.
+        self.settle()?;
         let result = self.send(kind, epoch, ids, payload).and_then(|request| self.receive(request, expect));
         self.closed = matches!(result, Err(LocalError::Closed));
+        result
+    }
+
+    /// Sends a `Put` of the `len` bytes written into the region with [`PUT_IN_FLIGHT`]: its
+    /// outcome is read later ([`Channel::await_region`], [`Channel::finish_oldest`]).
+    fn put_in_flight(&mut self, len: u32) -> Result<(), LocalError> {
+        if self.closed {
+            return Err(LocalError::Closed);
+        }
+        let sent = self.send(Kind::Put, 0, [len, PUT_IN_FLIGHT, 0, 0], &[]);
+        let request = self.note_closed(sent)?;
+        self.in_flight.push_back(InFlightPut { request, taken: false, outcome: None });
+        Ok(())
+    }
+
+    /// Reads answers to puts in flight until the sidecar is done with the region.
+    fn await_region(&mut self) -> Result<(), LocalError> {
+        while self.in_flight.iter().any(|put| !put.taken) {
+            self.read_in_flight()?;
+        }
+        Ok(())
+    }
+
+    /// Reads answers to puts in flight until every one is answered (their outcomes are kept for
+    /// [`Channel::finish_oldest`]).
+    fn settle(&mut self) -> Result<(), LocalError> {
+        while self.in_flight.iter().any(|put| put.outcome.is_none()) {
+            self.read_in_flight()?;
+        }
+        Ok(())
+    }
+
+    /// The outcome of the oldest put in flight, once answered; `None` if there is none.
+    fn finish_oldest(&mut self) -> Option<Result<(), LocalError>> {
+        while self.in_flight.front()?.outcome.is_none() {
+            if let Err(e) = self.read_in_flight() {
+                // Whatever the sidecar did with it, this put is over: it hears the error.
+                self.in_flight.pop_front();
+                return Some(Err(e));
+            }
+        }
+        self.in_flight.pop_front().and_then(|put| put.outcome)
+    }
+
+    /// Reads one answer to a put in flight. A failed read fails every put still unanswered.
+    fn read_in_flight(&mut self) -> Result<(), LocalError> {
+        let read = self.read_reply();
+        let frame = match self.note_closed(read) {
+            Ok(frame) => frame,
+            Err(e) => {
+                for put in self.in_flight.iter_mut().filter(|put| put.outcome.is_none()) {
+                    put.taken = true;
+                    put.outcome = Some(Err(LocalError::Protocol(format!("no answer from the sidecar: {e}"))));
+                }
+                return Err(e);
+            }
+        };
+        let request = frame.header.request;
+        let Some(put) = self.in_flight.iter_mut().find(|put| put.request == request) else {
+            return Err(LocalError::Protocol(format!(
+                "an answer to {request}, which is not a put in flight"
+            )));
+        };
+        match frame.header.kind {
+            Kind::Taken if put.outcome.is_none() => put.taken = true,
+            Kind::PutAck | Kind::Error if put.outcome.is_none() => {
+                put.taken = true;
+                put.outcome = Some(refusal(&frame).map_or(Ok(()), Err));
+            }
+            other => return Err(LocalError::Protocol(format!("an unexpected {other:?} for put {request}"))),
+        }
+        Ok(())
+    }
+
+    /// `result`, after noting whether it says the sidecar closed the connection.
+    fn note_closed<T>(&mut self, result: Result<T, LocalError>) -> Result<T, LocalError> {
+        self.closed |= matches!(result, Err(LocalError::Closed));
         result
     }
 
@@ -184,24 +284,35 @@ impl Channel {
 
     /// Reads the reply to request `request`, which must be of kind `expect`.
     fn receive(&mut self, request: u64, expect: Kind) -> Result<Frame, LocalError> {
-        let frame = match read_frame(&mut self.reader, MAX_LOCAL_PAYLOAD) {
-            Ok(Some(frame)) => frame,
-            Ok(None) | Err(FrameError::Truncated { .. }) => return Err(LocalError::Closed),
-            Err(FrameError::Io(e)) => return Err(closed_or_io(e)),
-            Err(e) => return Err(e.into()),
-        };
+        let frame = self.read_reply()?;
         if frame.header.request != request {
             return Err(LocalError::Protocol(format!("a reply to {} for {request}", frame.header.request)));
         }
         match frame.header.kind {
             k if k == expect => Ok(frame),
-            Kind::Error if ErrorCode::from_code(frame.header.ids[0]) == ErrorCode::NotFound => {
-                Err(LocalError::NotFound)
-            }
-            Kind::Error => Err(LocalError::Protocol(String::from_utf8_lossy(&frame.payload).into_owned())),
+            Kind::Error => Err(refusal(&frame).expect("an error frame")),
             other => Err(LocalError::Protocol(format!("an unexpected {other:?}"))),
         }
     }
+
+    /// The next frame from the sidecar.
+    fn read_reply(&mut self) -> Result<Frame, LocalError> {
+        match read_frame(&mut self.reader, MAX_LOCAL_PAYLOAD) {
+            Ok(Some(frame)) => Ok(frame),
+            Ok(None) | Err(FrameError::Truncated { .. }) => Err(LocalError::Closed),
+            Err(FrameError::Io(e)) => Err(closed_or_io(e)),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// The error an `Error` frame carries (`NotFound` as [`LocalError::NotFound`]); `None` for any
+/// other frame.
+fn refusal(frame: &Frame) -> Option<LocalError> {
+    (frame.header.kind == Kind::Error).then(|| match ErrorCode::from_code(frame.header.ids[0]) {
+        ErrorCode::NotFound => LocalError::NotFound,
+        _ => LocalError::Protocol(String::from_utf8_lossy(&frame.payload).into_owned()),
+    })
 }
 
 /// Where a sidecar forwards its engine's KV.
@@ -362,6 +473,7 @@ impl LocalSidecar {
     /// forward none of them: KV restored from a replica, which exists already, becomes the local
     /// copy again.
     pub fn keep(&mut self, chunks: &[&[u8]]) -> Result<(), StoreError> {
+        self.channel.settle().map_err(|e| self.store_error(e))?;
         let capacity = self.region.capacity();
         let mut rest = chunks;
         while !rest.is_empty() {
@@ -434,6 +546,25 @@ impl LocalSidecar {
         Ok((Serving { stage, epoch, successor }, (count, left)))
     }
 
+    /// Gathers the chunk `descriptor` says (header, then payload) into the region, which the
+    /// sidecar must not be reading; returns its length.
+    fn gather_into_region(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &KvCache,
+        plan: &GatherPlan,
+        staging: &[u8],
+    ) -> Result<u32, StoreError> {
+        check_gathered(descriptor, plan, staging)?;
+        let len = HEADER_LEN + staging.len();
+        let encoded = match self.region.data_mut(len) {
+            Ok(data) => data,
+            Err(e) => return Err(self.store_error(e.into())),
+        };
+        gather_encoded(descriptor, cache, plan, encoded)?;
+        Ok(len as u32)
+    }
+
     fn store_error(&self, e: LocalError) -> StoreError {
         StoreError::Io { op: "local sidecar", path: self.path.clone(), source: std::io::Error::other(e) }
     }
@@ -445,6 +576,7 @@ impl ChunkStore for LocalSidecar {
     }
 
     fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+        self.channel.settle().map_err(|e| self.store_error(e))?;
         let header = descriptor.encode_header(payload);
         let len = self.region.write(&[&header, payload]).map_err(|e| self.store_error(e.into()))?;
         let acked = self.channel.call(Kind::Put, 0, [len as u32, 0, 0, 0], &[], Kind::PutAck);
@@ -461,17 +593,32 @@ impl ChunkStore for LocalSidecar {
         plan: &GatherPlan,
         staging: &mut [u8],
     ) -> Result<Duration, StoreError> {
-        check_gathered(descriptor, plan, staging)?;
-        let len = HEADER_LEN + staging.len();
-        let encoded = match self.region.data_mut(len) {
-            Ok(data) => data,
-            Err(e) => return Err(self.store_error(e.into())),
-        };
-        gather_encoded(descriptor, cache, plan, encoded)?;
-        let written = len as u32;
+        self.channel.settle().map_err(|e| self.store_error(e))?;
+        let written = self.gather_into_region(descriptor, cache, plan, staging)?;
         let acked = self.channel.call(Kind::Put, 0, [written, 0, 0, 0], &[], Kind::PutAck);
         acked.map_err(|e| self.store_error(e))?;
         Ok(Duration::ZERO)
+    }
+
+    /// Gathers into the region once the sidecar has kept the puts before (not waiting for their
+    /// forwards), and leaves the put in flight ([`PUT_IN_FLIGHT`]): the sidecar keeps this chunk
+    /// while it forwards those before it.
+    fn start_put_gathered(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &KvCache,
+        plan: &GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<Started, StoreError> {
+        self.channel.await_region().map_err(|e| self.store_error(e))?;
+        let written = self.gather_into_region(descriptor, cache, plan, staging)?;
+        self.channel.put_in_flight(written).map_err(|e| self.store_error(e))?;
+        Ok(Started::InFlight(Duration::ZERO))
+    }
+
+    fn finish_put(&mut self) -> Option<Result<(), StoreError>> {
+        let outcome = self.channel.finish_oldest()?;
+        Some(outcome.map_err(|e| self.store_error(e)))
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {

@@ -22,7 +22,7 @@ use crate::layout::KvLayout;
 use crate::memory::StagingPool;
 use crate::placement::{Setup, SetupError, WorkerId};
 use crate::region::KvRegion;
-use crate::store::{ChunkStore, StoreError};
+use crate::store::{ChunkStore, Started, StoreError};
 
 /// Errors of `stream_out` / `stream_in`.
 #[derive(Debug, Error)]
@@ -218,6 +218,68 @@ pub fn send(
     pool: &StagingPool,
     store: &mut dyn ChunkStore,
 ) -> Result<ChunkReceipt, StreamError> {
+    send_with(cache, transfer, tokens, pool, store, Flush::Whole).map(|(receipt, _)| receipt)
+}
+
+/// A send the store may leave in flight ([`start_send`]).
+#[derive(Debug)]
+pub enum Sending {
+    /// The chunk is flushed.
+    Done(ChunkReceipt),
+    /// The store no longer needs the cache's bytes, and finishes the put later
+    /// ([`ChunkStore::finish_put`]); [`InFlight::finish`] makes the receipt of its outcome.
+    InFlight(InFlight),
+}
+
+/// A send left in flight by its store.
+#[derive(Debug)]
+pub struct InFlight {
+    receipt: ChunkReceipt,
+    started: Instant,
+}
+
+impl InFlight {
+    /// The receipt of the send, now that its put is over (timed until now).
+    pub fn finish(mut self) -> ChunkReceipt {
+        self.receipt.io_time = self.started.elapsed().saturating_sub(self.receipt.copy_time);
+        self.receipt
+    }
+}
+
+/// As [`send`], but a store that keeps the chunk before its put is over (a sidecar, which then
+/// forwards it) may leave the put in flight ([`ChunkStore::start_put_gathered`]): the next send's
+/// gather then overlaps its end. The caller finishes it with [`ChunkStore::finish_put`].
+pub fn start_send(
+    cache: &KvCache,
+    transfer: &Transfer,
+    tokens: Range<u32>,
+    pool: &StagingPool,
+    store: &mut dyn ChunkStore,
+) -> Result<Sending, StreamError> {
+    let started = Instant::now();
+    let receipt = send_with(cache, transfer, tokens, pool, store, Flush::MayStayInFlight)?;
+    Ok(match receipt {
+        (receipt, false) => Sending::Done(receipt),
+        (receipt, true) => Sending::InFlight(InFlight { receipt, started }),
+    })
+}
+
+/// Whether a send waits for its put to be over.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Flush {
+    Whole,
+    MayStayInFlight,
+}
+
+/// [`send`] and [`start_send`]: the receipt, and whether the put was left in flight.
+fn send_with(
+    cache: &KvCache,
+    transfer: &Transfer,
+    tokens: Range<u32>,
+    pool: &StagingPool,
+    store: &mut dyn ChunkStore,
+    flush: Flush,
+) -> Result<(ChunkReceipt, bool), StreamError> {
     let region = transfer.from.with_tokens(tokens.clone());
     let packing = cache.layout().preferred_packing();
     // Checked before sizing the staging lease, so a bad region is an error, not a huge allocation.
@@ -225,7 +287,8 @@ pub fn send(
     if region.is_empty() {
         // Nothing to move (a step with no new tokens).
         let key = transfer_key(transfer, tokens);
-        return Ok(ChunkReceipt { key, bytes: 0, copy_time: Duration::ZERO, io_time: Duration::ZERO });
+        let receipt = ChunkReceipt { key, bytes: 0, copy_time: Duration::ZERO, io_time: Duration::ZERO };
+        return Ok((receipt, false));
     }
     let started = Instant::now();
     let mut staging = pool.lease(cache.packed_len(&region) as usize);
@@ -233,13 +296,20 @@ pub fn send(
     let descriptor = describe(cache.layout(), transfer, tokens)?;
     // Gathered into the store's own memory where it has some (a sidecar's shared region): the
     // gather and the hand-over are then one step, timed as the flush.
-    let copy_time = store.put_gathered(&descriptor, cache, &plan, &mut staging)?;
-    Ok(ChunkReceipt {
+    let (copy_time, in_flight) = match flush {
+        Flush::Whole => (store.put_gathered(&descriptor, cache, &plan, &mut staging)?, false),
+        Flush::MayStayInFlight => match store.start_put_gathered(&descriptor, cache, &plan, &mut staging)? {
+            Started::Done(copy_time) => (copy_time, false),
+            Started::InFlight(copy_time) => (copy_time, true),
+        },
+    };
+    let receipt = ChunkReceipt {
         key: descriptor.key(),
         bytes: staging.len() as u64,
         copy_time,
         io_time: started.elapsed().saturating_sub(copy_time),
-    })
+    };
+    Ok((receipt, in_flight))
 }
 
 /// The descriptor of the chunk that carries `tokens` of one transfer out of a cache laid out as

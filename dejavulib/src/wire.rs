@@ -68,6 +68,9 @@ pub enum Kind {
     Get = 12,
     /// The chunk asked for.
     GetReply = 13,
+    /// A put's chunk is kept where it was sent, whose sender may reuse the memory it crossed (a
+    /// sidecar's shared region); the put's `PutAck` or `Error` follows.
+    Taken = 14,
     /// A control-plane message (payload: its encoding).
     Control = 20,
     /// Liveness.
@@ -91,6 +94,7 @@ impl Kind {
             11 => Kind::PutAck,
             12 => Kind::Get,
             13 => Kind::GetReply,
+            14 => Kind::Taken,
             20 => Kind::Control,
             21 => Kind::Heartbeat,
             22 => Kind::Activation,

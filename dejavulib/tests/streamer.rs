@@ -16,9 +16,10 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use dejavulib::cache::GatherPlan;
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey};
 use dejavulib::reshard::{StreamError, Transfer};
-use dejavulib::store::StoreError;
+use dejavulib::store::{Started, StoreError};
 use dejavulib::streamer::{Completion, Shutdown, StreamJob, StreamerError};
 use dejavulib::{
     plan_stream_out, ChunkStore, Coord, DType, HostStore, KvCache, KvLayout, KvSpec, Part, Setup, Streamer,
@@ -210,8 +211,66 @@ impl ChunkStore for GateStore {
     }
 }
 
+/// Leaves every gathered put in flight ([`ChunkStore::start_put_gathered`]), as a sidecar does
+/// once it keeps a chunk, and stores it in `inner` when finished; the `fail_finish`-th put to
+/// finish (1-based) fails instead. The first start waits for `first_start` (or `PATIENCE`), so that
+/// a test can queue every job before any runs. `events` says what the streamer asked, in order.
+struct InFlightStore {
+    inner: HostStore,
+    pending: std::collections::VecDeque<(ChunkDescriptor, Vec<u8>)>,
+    events: Arc<std::sync::Mutex<Vec<String>>>,
+    started: usize,
+    finished: usize,
+    fail_finish: usize,
+    first_start: Option<mpsc::Receiver<()>>,
+}
+
+impl InFlightStore {
+    fn log(&self, event: String) {
+        self.events.lock().unwrap().push(event);
+    }
+}
+
+impl ChunkStore for InFlightStore {
+    fn put(&mut self, descriptor: &ChunkDescriptor, payload: &[u8]) -> Result<(), StoreError> {
+        self.inner.put(descriptor, payload)
+    }
+
+    fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {
+        self.inner.get(key, out)
+    }
+
+    fn start_put_gathered(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &KvCache,
+        plan: &GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<Started, StoreError> {
+        if let Some(gate) = self.first_start.take() {
+            let _ = gate.recv_timeout(PATIENCE);
+        }
+        cache.gather_with(plan, staging).map_err(|e| StoreError::Gather(Box::new(e)))?;
+        self.pending.push_back((descriptor.clone(), staging.to_vec()));
+        self.log(format!("start {}", self.started));
+        self.started += 1;
+        Ok(Started::InFlight(Duration::ZERO))
+    }
+
+    fn finish_put(&mut self) -> Option<Result<(), StoreError>> {
+        let (descriptor, payload) = self.pending.pop_front()?;
+        self.log(format!("finish {}", self.finished));
+        self.finished += 1;
+        if self.finished == self.fail_finish {
+            let source = io::Error::other("injected failure of a forward");
+            return Some(Err(StoreError::Io { op: "forward", path: PathBuf::from("/injected"), source }));
+        }
+        Some(self.inner.put(&descriptor, &payload))
+    }
+}
+
 fn config(name: &str, queue_depth: usize) -> StreamerConfig {
-    StreamerConfig { queue_depth, name: name.into(), cpus: None }
+    StreamerConfig { queue_depth, name: name.into(), ..StreamerConfig::default() }
 }
 
 fn wait(c: Completion) -> Result<dejavulib::reshard::ChunkReceipt, StreamerError> {
@@ -348,6 +407,54 @@ fn a_failing_put_fails_only_its_own_job() {
     let log = inner.put_log();
     assert_eq!(log, vec![expected_keys[0].clone(), expected_keys[1].clone(), expected_keys[3].clone()]);
     assert_no_thread_named("djv-failing");
+}
+
+/// With a store that leaves puts in flight, the streamer starts each job before it finishes the
+/// one before (whose put then overlaps the next gather), finishes the last once nothing more is
+/// queued, answers the jobs in order, and a put that fails when finished fails its own job only.
+#[test]
+fn puts_left_in_flight_overlap_the_next_job_and_are_answered_in_order() {
+    let inner = HostStore::new().logging_puts();
+    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (open, first_start) = mpsc::channel();
+    let store = InFlightStore {
+        inner: inner.clone(),
+        pending: Default::default(),
+        events: events.clone(),
+        started: 0,
+        finished: 0,
+        fail_finish: 3,
+        first_start: Some(first_start),
+    };
+    let streamer = Streamer::spawn(config("djv-inflight", 8), Box::new(store)).unwrap();
+    let cache = new_cache();
+    for l in 0..LAYERS {
+        write_layer(&cache, 0, l);
+    }
+    let jobs = layer_jobs(&cache, 0, 0..LAYERS);
+    let keys: Vec<ChunkKey> =
+        jobs.iter().map(|j| dejavulib::reshard::transfer_key(&j.transfer, j.tokens.clone())).collect();
+    let completions: Vec<Completion> = jobs.into_iter().map(|j| streamer.submit(j).unwrap()).collect();
+    open.send(()).unwrap();
+    // Each waited for without a shutdown: the last is finished once the queue is empty.
+    for (i, c) in completions.into_iter().enumerate() {
+        let r = wait(c);
+        if i == 2 {
+            assert!(
+                matches!(&r, Err(StreamerError::Stream(StreamError::Store(StoreError::Io { .. })))),
+                "job {i}: {r:?}"
+            );
+        } else {
+            assert_eq!(r.unwrap().key, keys[i], "job {i}");
+        }
+    }
+    let events = events.lock().unwrap().clone();
+    let want = ["start 0", "start 1", "finish 0", "start 2", "finish 1", "start 3", "finish 2", "finish 3"];
+    assert_eq!(events, want);
+    let stats = streamer.shutdown(Shutdown::Drain).unwrap();
+    assert_eq!((stats.completed, stats.failed, stats.cancelled), (LAYERS as u64 - 1, 1, 0));
+    assert_eq!(inner.put_log(), vec![keys[0].clone(), keys[1].clone(), keys[3].clone()]);
+    assert_no_thread_named("djv-inflight");
 }
 
 #[test]

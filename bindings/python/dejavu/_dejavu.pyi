@@ -278,8 +278,10 @@ class Completion:
 class Streamer:
     """A background thread that gathers and flushes KV regions while the engine computes."""
 
-    def __init__(self, store: Store, queue_depth: int = 64, cpus: Optional[str] = None) -> None:
-        """``cpus`` (such as ``"4-7"``) puts the thread on those CPUs, away from the engine's compute."""
+    def __init__(self, store: Store, queue_depth: int = 64, cpus: Optional[str] = None, puts_in_flight: int = 1) -> None:
+        """``cpus`` (such as ``"4-7"``) puts the thread on those CPUs, away from the engine's compute.
+        With a sidecar store, ``puts_in_flight`` puts cross to the successor while the next chunk
+        is gathered (0: each awaited); a completion still comes only once its chunk is replicated."""
     def layer_ready(self, a: Setup, source: Worker, b: Setup, cache: KvCache, microbatch: int, layer: int, tokens: RangeLike) -> List[Completion]:
         """Local ``layer`` of ``microbatch`` is written: queue its part of every transfer toward ``b``."""
     def device_layer_ready(self, a: Setup, source: Worker, b: Setup, cache: DeviceKvCache, stream: StreamLike, microbatch: int, layer: int, tokens: RangeLike) -> List[Completion]:

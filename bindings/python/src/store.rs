@@ -53,6 +53,20 @@ impl<S: ChunkStore + ?Sized> ChunkStore for Shared<S> {
         self.0.lock().put_gathered(descriptor, cache, plan, staging)
     }
 
+    fn start_put_gathered(
+        &mut self,
+        descriptor: &dejavulib::chunk::ChunkDescriptor,
+        cache: &dejavulib::KvCache,
+        plan: &dejavulib::cache::GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<dejavulib::store::Started, ChunkStoreError> {
+        self.0.lock().start_put_gathered(descriptor, cache, plan, staging)
+    }
+
+    fn finish_put(&mut self) -> Option<Result<(), ChunkStoreError>> {
+        self.0.lock().finish_put()
+    }
+
     fn get(
         &mut self,
         key: &dejavulib::chunk::ChunkKey,

@@ -68,12 +68,14 @@ pub(crate) struct PyStreamer {
 impl PyStreamer {
     /// Starts the thread; it flushes to `store`. `submit`-style calls block (GIL released) once
     /// `queue_depth` jobs wait. `cpus` (a list such as "4-7") puts the thread on those CPUs, away
-    /// from an engine computing on the others.
+    /// from an engine computing on the others. With a sidecar store, `puts_in_flight` puts (1 by
+    /// default) cross to the successor while the next chunk is gathered; 0 waits for each. A
+    /// completion comes once its chunk is kept and replicated either way.
     #[new]
-    #[pyo3(signature = (store, queue_depth = 64, cpus = None))]
-    fn new(store: &PyStore, queue_depth: usize, cpus: Option<&str>) -> PyResult<Self> {
+    #[pyo3(signature = (store, queue_depth = 64, cpus = None, puts_in_flight = 1))]
+    fn new(store: &PyStore, queue_depth: usize, cpus: Option<&str>, puts_in_flight: usize) -> PyResult<Self> {
         let cpus = cpus.map(str::parse::<CpuList>).transpose().map_err(|e| Error::new_err(e.to_string()))?;
-        let config = StreamerConfig { queue_depth, cpus, ..StreamerConfig::default() };
+        let config = StreamerConfig { queue_depth, cpus, puts_in_flight, ..StreamerConfig::default() };
         let streamer = Streamer::spawn(config, Box::new(store.inner.clone()))
             .map_err(|e| Error::new_err(e.to_string()))?;
         Ok(Self { inner: Mutex::new(Some(streamer)) })

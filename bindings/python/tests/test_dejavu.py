@@ -614,6 +614,31 @@ def test_flush_and_fetch_through_the_local_sidecar(tmp_path):
         dejavu.Store.sidecar(tmp_path / "nobody.sock", "127.0.0.1:9")
 
 
+def test_a_streamer_over_the_sidecar_completes_each_step_once_replicated(tmp_path):
+    with running_sidecar(tmp_path, index=1) as (socket, successor):
+        layout = layouts()["per_layer_bhsd"]
+        engine = dejavu.KvCache.wrap(layout, engine_buffers(layout, 17))
+        store = dejavu.Store.sidecar(socket, successor.address, epoch=1)
+        steps = [
+            dejavu.KvRegion(layers=range(3), slots=range(2), heads=range(3), tokens=range(t, t + 1)) for t in range(8)
+        ]
+        for puts_in_flight, microbatch in [(1, 0), (0, 1)]:
+            before = successor.chunks
+            streamer = dejavu.Streamer(store, queue_depth=4, puts_in_flight=puts_in_flight)
+            completions = [streamer.region_ready(engine, step, (1, 0), (1, 0), microbatch) for step in steps]
+            for i, completion in enumerate(completions):
+                completion.wait(timeout=30)
+                # Complete means replicated: the successor holds it already.
+                assert successor.chunks >= before + i + 1, (puts_in_flight, i)
+            stats = streamer.shutdown()
+            assert (stats["completed"], stats["failed"]) == (len(steps), 0)
+            assert successor.chunks == before + len(steps)
+            for step in steps:  # and kept by the sidecar, byte for byte
+                restored = dejavu.KvCache(layout)
+                dejavu.fetch(store, restored, step, (1, 0), (1, 0), microbatch)
+                assert bytes(restored.gather(step)) == bytes(engine.gather(step))
+
+
 def test_a_reader_lists_and_fetches_beside_the_engine_and_changes_nothing(tmp_path):
     with running_sidecar(tmp_path, index=1) as (socket, successor):
         layout = layouts()["per_layer_bhsd"]

@@ -30,6 +30,7 @@ use dejavu_proto::worker::{NotASpare, Place, Worker};
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace, HEADER_LEN};
 use dejavulib::local::{
     Successor as Named, HELLO_EPOCH_FROM_SIDECAR, HELLO_MEMBER, HELLO_READER, MAX_LOCAL_PAYLOAD,
+    PUT_IN_FLIGHT,
 };
 use dejavulib::message::Message;
 use dejavulib::net::{ClientConfig, PeerClient, PeerError, PeerServer, PeerStore};
@@ -49,6 +50,9 @@ use crate::metrics::{Exposition, MetricType};
 use crate::transport::Transports;
 
 pub mod control;
+mod forwards;
+
+use forwards::{ForwardJob, Forwards};
 
 /// Errors of a sidecar.
 #[derive(Debug, Error)]
@@ -502,63 +506,91 @@ impl Sidecar {
             }
             _ => None,
         };
-        while let Some(frame) = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)? {
-            // A frame read before a newer engine took over is not acted on.
-            if !is_reader && self.engine.lock().connection.as_ref().map(|c| c.0) != Some(n) {
-                return Ok(());
-            }
-            if is_reader && !reader_may(&frame) {
-                let reason = "a reader connection only lists and fetches chunks";
-                reply_error(&mut writer, &frame, ErrorCode::Unexpected, reason)?;
-                writer.flush()?;
-                continue;
-            }
-            let request = frame.header.request;
-            let answer = |kind: Kind, ids: [u32; 4]| {
-                let mut header = FrameHeader::new(kind, self.index(), epoch, request);
-                header.ids = ids;
-                header
-            };
-            if frame.header.kind == Kind::Control {
-                match Message::of_frame(&frame) {
-                    Ok(message) => self.answer_engine(&frame, message, epoch, &mut region, &mut writer)?,
-                    Err(e) => reply_error(&mut writer, &frame, ErrorCode::Unexpected, &e.to_string())?,
+        let writer = Mutex::new(writer);
+        std::thread::scope(|scope| {
+            let mut forwards = Forwards::new(scope, self, &writer);
+            while let Some(frame) = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)? {
+                // A frame read before a newer engine took over is not acted on.
+                if !is_reader && self.engine.lock().connection.as_ref().map(|c| c.0) != Some(n) {
+                    return Ok(());
                 }
-                writer.flush()?;
-                continue;
-            }
-            match (frame.header.kind, frame.header.ids[0]) {
-                (Kind::Put, len) => match self.keep_and_forward(region.read(len as usize)?, epoch) {
-                    Ok(()) => write_frame(&mut writer, &answer(Kind::PutAck, [0; 4]), &[])?,
-                    Err(e) => reply_error(&mut writer, &frame, ErrorCode::Other, &e.to_string())?,
-                },
-                (Kind::Get, _) => {
-                    let Some(key) = ChunkKey::decode(&frame.payload) else {
-                        reply_error(&mut writer, &frame, ErrorCode::Unexpected, "a malformed chunk key")?;
-                        continue;
-                    };
-                    let mut payload = Vec::new();
-                    match self.store.clone().get(&key, &mut payload) {
-                        Ok(descriptor) => {
-                            let header = descriptor.encode_header(&payload);
-                            let len = region.write(&[&header, &payload])?;
-                            add(&self.stats.local_restores, 1);
-                            write_frame(&mut writer, &answer(Kind::GetReply, [len as u32, 0, 0, 0]), &[])?;
+                if is_reader && !reader_may(&frame) {
+                    let reason = "a reader connection only lists and fetches chunks";
+                    reply_error(&mut *writer.lock(), &frame, ErrorCode::Unexpected, reason)?;
+                    continue;
+                }
+                if frame.header.kind == Kind::Put && frame.header.ids[1] & PUT_IN_FLIGHT != 0 {
+                    let len = frame.header.ids[0] as usize;
+                    match self.keep_one(region.read(len)?) {
+                        Ok((descriptor, kept)) => {
+                            let taken =
+                                FrameHeader::new(Kind::Taken, self.index(), epoch, frame.header.request);
+                            let mut writer = writer.lock();
+                            write_frame(&mut *writer, &taken, &[])?;
+                            writer.flush()?;
+                            forwards.push(ForwardJob { request: frame, descriptor, kept, epoch });
                         }
-                        Err(StoreError::NotFound(_)) => {
-                            reply_error(&mut writer, &frame, ErrorCode::NotFound, "no such chunk")?
-                        }
-                        Err(e) => reply_error(&mut writer, &frame, ErrorCode::Other, &e.to_string())?,
+                        Err(e) => reply_error(&mut *writer.lock(), &frame, ErrorCode::Other, &e.to_string())?,
                     }
+                    continue;
                 }
-                (kind, op) => reply_error(
-                    &mut writer,
-                    &frame,
-                    ErrorCode::Unexpected,
-                    &format!("unexpected {kind:?} {op}"),
-                )?,
+                // Any other request is answered after every forward before it: it may depend on
+                // them (a release of what they carry, a listing of what is kept).
+                forwards.drain();
+                let mut writer = writer.lock();
+                self.answer_request(&frame, epoch, &mut region, &mut *writer)?;
+                writer.flush()?;
             }
-            writer.flush()?;
+            Ok(())
+        })
+    }
+
+    /// Answers one request of the engine of `epoch` (or of a reader), other than a put in flight.
+    fn answer_request(
+        &self,
+        frame: &Frame,
+        epoch: u64,
+        region: &mut SharedRegion,
+        writer: &mut impl Write,
+    ) -> Result<(), SidecarError> {
+        let request = frame.header.request;
+        let answer = |kind: Kind, ids: [u32; 4]| {
+            let mut header = FrameHeader::new(kind, self.index(), epoch, request);
+            header.ids = ids;
+            header
+        };
+        if frame.header.kind == Kind::Control {
+            return match Message::of_frame(frame) {
+                Ok(message) => self.answer_engine(frame, message, epoch, region, writer),
+                Err(e) => reply_error(writer, frame, ErrorCode::Unexpected, &e.to_string()),
+            };
+        }
+        match (frame.header.kind, frame.header.ids[0]) {
+            (Kind::Put, len) => match self.keep_and_forward(region.read(len as usize)?, epoch) {
+                Ok(()) => write_frame(writer, &answer(Kind::PutAck, [0; 4]), &[])?,
+                Err(e) => reply_error(writer, frame, ErrorCode::Other, &e.to_string())?,
+            },
+            (Kind::Get, _) => {
+                let Some(key) = ChunkKey::decode(&frame.payload) else {
+                    return reply_error(writer, frame, ErrorCode::Unexpected, "a malformed chunk key");
+                };
+                let mut payload = Vec::new();
+                match self.store.clone().get(&key, &mut payload) {
+                    Ok(descriptor) => {
+                        let header = descriptor.encode_header(&payload);
+                        let len = region.write(&[&header, &payload])?;
+                        add(&self.stats.local_restores, 1);
+                        write_frame(writer, &answer(Kind::GetReply, [len as u32, 0, 0, 0]), &[])?;
+                    }
+                    Err(StoreError::NotFound(_)) => {
+                        reply_error(writer, frame, ErrorCode::NotFound, "no such chunk")?
+                    }
+                    Err(e) => reply_error(writer, frame, ErrorCode::Other, &e.to_string())?,
+                }
+            }
+            (kind, op) => {
+                reply_error(writer, frame, ErrorCode::Unexpected, &format!("unexpected {kind:?} {op}"))?
+            }
         }
         Ok(())
     }
@@ -806,6 +838,17 @@ impl Sidecar {
     /// every chunk kept before it that was not given up on.
     fn keep_and_forward(&self, chunk: &[u8], epoch: u64) -> Result<(), SidecarError> {
         let (descriptor, kept) = self.keep_one(chunk)?;
+        self.forward(&descriptor, &kept, epoch)
+    }
+
+    /// Forwards a chunk just kept (`kept`: header and payload), as [`Sidecar::keep_and_forward`]
+    /// does once it has kept it.
+    fn forward(
+        &self,
+        descriptor: &ChunkDescriptor,
+        kept: &Arc<Vec<u8>>,
+        epoch: u64,
+    ) -> Result<(), SidecarError> {
         let Some(Successor { addr, store, .. }) = self.forwarding_to()? else {
             return Ok(());
         };
@@ -825,7 +868,7 @@ impl Sidecar {
             // hashed again); an older one is read back from the store, if it is still held.
             store.client().set_epoch(sent_epoch);
             let result = if sent_key == key {
-                Some((store.put_encoded(&kept), kept.len() - HEADER_LEN))
+                Some((store.put_encoded(kept), kept.len() - HEADER_LEN))
             } else {
                 self.store.clone().get(&sent_key, &mut payload).ok().map(|held| {
                     let result = store.put(&held, &payload);

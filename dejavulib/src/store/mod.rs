@@ -90,6 +90,29 @@ pub trait ChunkStore: Send {
         Ok(gathered)
     }
 
+    /// Starts flushing the region `plan` gathers from `cache`, as [`ChunkStore::put_gathered`]
+    /// does, but a store that keeps a chunk before it finishes the put (a sidecar, which keeps it,
+    /// then forwards it to its successor) may return as soon as it no longer needs `staging` or
+    /// its own memory: [`Started::InFlight`]. The put is then over only once
+    /// [`ChunkStore::finish_put`] says so; the next put's gather overlaps its end. Puts left in
+    /// flight finish in the order they started, and any other call of the store waits for them
+    /// first (their outcomes are kept for `finish_put`). By default the put is over on return.
+    fn start_put_gathered(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &KvCache,
+        plan: &GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<Started, StoreError> {
+        self.put_gathered(descriptor, cache, plan, staging).map(Started::Done)
+    }
+
+    /// Waits for the oldest put [`ChunkStore::start_put_gathered`] left in flight and returns its
+    /// outcome; `None` when none is in flight.
+    fn finish_put(&mut self) -> Option<Result<(), StoreError>> {
+        None
+    }
+
     /// Fetches the chunk under `key` after verifying it, and returns its payload: by default
     /// fetched into `buffer` ([`ChunkStore::get`]); a store that holds it in memory hands out its
     /// own bytes, shared, saving the copy.
@@ -113,6 +136,16 @@ pub trait ChunkStore: Send {
         let _ = place;
         Err(StoreError::Unsupported("release"))
     }
+}
+
+/// How [`ChunkStore::start_put_gathered`] left a put. Each carries the time the gather took as a
+/// step of its own, as [`ChunkStore::put_gathered`] returns it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Started {
+    /// The put is over.
+    Done(Duration),
+    /// The store no longer needs the bytes; [`ChunkStore::finish_put`] says when the put is over.
+    InFlight(Duration),
 }
 
 /// A fetched chunk's payload ([`ChunkStore::get_payload`]): in the caller's buffer, or the

@@ -15,6 +15,7 @@ mod device;
 
 pub use device::{send_from_device, DeviceJob, DeviceStaging};
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -28,7 +29,7 @@ use crate::affinity::CpuList;
 use crate::cache::KvCache;
 use crate::cuda::{CudaEngine, DeviceKv};
 use crate::memory::StagingPool;
-use crate::reshard::{send, ChunkReceipt, StreamError, Transfer};
+use crate::reshard::{send, start_send, ChunkReceipt, InFlight, Sending, StreamError, Transfer};
 use crate::store::ChunkStore;
 
 /// Errors a streamer job or the streamer itself reports.
@@ -154,11 +155,17 @@ pub struct StreamerConfig {
     pub name: String,
     /// CPUs the thread runs on (see [`crate::affinity`]); `None`: those of the thread spawning it.
     pub cpus: Option<CpuList>,
+    /// Puts the streamer may leave in flight while it gathers the next job, with a store that
+    /// keeps a chunk before its put is over ([`ChunkStore::start_put_gathered`]: a sidecar, which
+    /// then forwards it): 1 by default, so that a step crosses to the successor while the next
+    /// is gathered; 0 waits for each put before the next gather. Jobs complete in order either
+    /// way, each once its put is over.
+    pub puts_in_flight: usize,
 }
 
 impl Default for StreamerConfig {
     fn default() -> Self {
-        Self { queue_depth: 64, name: "dejavu-streamer".into(), cpus: None }
+        Self { queue_depth: 64, name: "dejavu-streamer".into(), cpus: None, puts_in_flight: 1 }
     }
 }
 
@@ -177,7 +184,7 @@ impl Streamer {
         let cancel = Arc::new(AtomicBool::new(false));
         let flag = cancel.clone();
         let (pinned_tx, pinned) = bounded(1);
-        let cpus = config.cpus;
+        let (cpus, window) = (config.cpus, config.puts_in_flight);
         let thread = std::thread::Builder::new().name(config.name).spawn(move || {
             let pin = cpus.map_or(Ok(()), |cpus| cpus.pin_current_thread());
             let refused = pin.is_err();
@@ -185,7 +192,7 @@ impl Streamer {
             if refused {
                 return Outcome { stats: StreamerStats::default(), store_panicked: false };
             }
-            run(rx, store, flag)
+            run(rx, store, flag, window)
         })?;
         if let Ok(Err(e)) = pinned.recv() {
             let _ = thread.join();
@@ -306,45 +313,146 @@ struct Outcome {
     store_panicked: bool,
 }
 
-fn run(rx: Receiver<Envelope>, mut store: Box<dyn ChunkStore>, cancel: Arc<AtomicBool>) -> Outcome {
+/// The streamer thread: runs the jobs in order, leaving at most `window` puts in flight.
+fn run(
+    rx: Receiver<Envelope>,
+    store: Box<dyn ChunkStore>,
+    cancel: Arc<AtomicBool>,
+    window: usize,
+) -> Outcome {
     let pool = StagingPool::default();
     let mut device_staging = DeviceStaging::default();
-    let mut stats = StreamerStats::default();
-    let mut store_panicked = false;
+    let mut jobs = Jobs {
+        store,
+        stats: StreamerStats::default(),
+        store_panicked: false,
+        in_flight: VecDeque::new(),
+        window,
+    };
     // The loop runs until every sender is gone, so every queued job gets an answer, even after a
     // panic: a job's Completion never hangs while the Streamer is alive.
-    for Envelope { work, done } in rx.iter() {
-        let result = if store_panicked {
-            stats.failed += 1;
-            Err(StreamerError::WorkerGone)
-        } else if cancel.load(Ordering::SeqCst) {
-            stats.cancelled += 1;
-            Err(StreamerError::Cancelled)
-        } else {
-            let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &work {
-                Work::Host(job) => send(&job.cache, &job.transfer, job.tokens.clone(), &pool, store.as_mut()),
-                Work::Device(job) => send_from_device(job, &mut device_staging, store.as_mut()),
-            }));
-            match sent {
-                Ok(Ok(receipt)) => {
-                    stats.completed += 1;
-                    stats.bytes += receipt.bytes;
-                    Ok(receipt)
-                }
-                Ok(Err(e)) => {
-                    stats.failed += 1;
-                    Err(e.into())
-                }
-                Err(_) => {
-                    // The store's state is unknown after a panic: stop using it.
-                    store_panicked = true;
-                    stats.failed += 1;
-                    Err(StreamerError::WorkerGone)
+    loop {
+        let Envelope { work, done } = match rx.try_recv() {
+            Ok(envelope) => envelope,
+            Err(TryRecvError::Empty) => {
+                // Nothing queued: what is in flight is finished before the thread sleeps, so that
+                // a job's completion does not wait for the next job.
+                jobs.finish_all();
+                match rx.recv() {
+                    Ok(envelope) => envelope,
+                    Err(_) => break,
                 }
             }
+            Err(TryRecvError::Disconnected) => break,
         };
-        // The submitter may have dropped its Completion; that is fine.
+        if jobs.store_panicked {
+            jobs.stats.failed += 1;
+            let _ = done.send(Err(StreamerError::WorkerGone));
+        } else if cancel.load(Ordering::SeqCst) {
+            jobs.finish_all();
+            jobs.stats.cancelled += 1;
+            let _ = done.send(Err(StreamerError::Cancelled));
+        } else {
+            jobs.run(&work, done, &pool, &mut device_staging);
+        }
+    }
+    jobs.finish_all();
+    Outcome { stats: jobs.stats, store_panicked: jobs.store_panicked }
+}
+
+/// The streamer thread's store, what it has counted, and the sends its store left in flight, each
+/// with its job's answer channel, oldest first. Jobs are answered in the order they were queued.
+struct Jobs {
+    store: Box<dyn ChunkStore>,
+    stats: StreamerStats,
+    store_panicked: bool,
+    in_flight: VecDeque<(InFlight, Sender<Result<ChunkReceipt, StreamerError>>)>,
+    /// Puts left in flight at most ([`StreamerConfig::puts_in_flight`]).
+    window: usize,
+}
+
+impl Jobs {
+    /// Runs one job: answers it, or leaves its put in flight and finishes the one before.
+    fn run(
+        &mut self,
+        work: &Work,
+        done: Sender<Result<ChunkReceipt, StreamerError>>,
+        pool: &StagingPool,
+        device_staging: &mut DeviceStaging,
+    ) {
+        let (store, window) = (self.store.as_mut(), self.window);
+        let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match work {
+            Work::Host(job) if window == 0 => {
+                send(&job.cache, &job.transfer, job.tokens.clone(), pool, store).map(Sending::Done)
+            }
+            Work::Host(job) => start_send(&job.cache, &job.transfer, job.tokens.clone(), pool, store),
+            Work::Device(job) => send_from_device(job, device_staging, store).map(Sending::Done),
+        }));
+        match started {
+            Ok(Ok(Sending::InFlight(sending))) => {
+                self.in_flight.push_back((sending, done));
+                while self.in_flight.len() > self.window {
+                    self.finish_oldest();
+                }
+            }
+            // The puts before it are answered first.
+            Ok(Ok(Sending::Done(receipt))) => {
+                self.finish_all();
+                self.answer(done, Ok(receipt));
+            }
+            Ok(Err(e)) => {
+                self.finish_all();
+                self.answer(done, Err(e.into()));
+            }
+            Err(_) => self.panicked(done),
+        }
+    }
+
+    /// Waits for the oldest put in flight and answers its job.
+    fn finish_oldest(&mut self) {
+        let Some((sending, done)) = self.in_flight.pop_front() else { return };
+        let store = self.store.as_mut();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.finish_put())) {
+            Ok(Some(outcome)) => {
+                let result = outcome.map(|()| sending.finish()).map_err(|e| StreamError::from(e).into());
+                self.answer(done, result);
+            }
+            // The store lost track of a put it left in flight: its state is unknown.
+            Ok(None) | Err(_) => self.panicked(done),
+        }
+    }
+
+    /// Answers every job whose put is in flight.
+    fn finish_all(&mut self) {
+        while !self.in_flight.is_empty() {
+            self.finish_oldest();
+        }
+    }
+
+    /// Counts and sends a job's result. The submitter may have dropped its Completion; that is
+    /// fine.
+    fn answer(
+        &mut self,
+        done: Sender<Result<ChunkReceipt, StreamerError>>,
+        result: Result<ChunkReceipt, StreamerError>,
+    ) {
+        match &result {
+            Ok(receipt) => {
+                self.stats.completed += 1;
+                self.stats.bytes += receipt.bytes;
+            }
+            Err(_) => self.stats.failed += 1,
+        }
         let _ = done.send(result);
     }
-    Outcome { stats, store_panicked }
+
+    /// The store panicked: its state is unknown, so it is used no more. This job, those in
+    /// flight, and every later one fail.
+    fn panicked(&mut self, done: Sender<Result<ChunkReceipt, StreamerError>>) {
+        self.store_panicked = true;
+        for (_, earlier) in std::mem::take(&mut self.in_flight) {
+            self.answer(earlier, Err(StreamerError::WorkerGone));
+        }
+        self.answer(done, Err(StreamerError::WorkerGone));
+    }
 }
