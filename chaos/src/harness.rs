@@ -192,10 +192,25 @@ impl LocalEtcd {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let name =
             format!("dejavu-chaos-etcd-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-        let dir = std::env::temp_dir().join(name);
-        std::fs::create_dir_all(&dir)?;
+        let dir = etcd_data_dir(&name)?;
         let cluster = EtcdCluster::start(&dir, members as usize)?;
         Ok(Self { cluster, dir })
+    }
+}
+
+/// A new directory `name` for a local etcd's data: in memory where the machine has a tmpfs at
+/// `/dev/shm`, so that the members' fsyncs (each write, on the leader and on the followers) do not
+/// wait behind a disk the rest of a loaded machine shares, which can hold an election past the
+/// controllers' lease; under the temporary directory elsewhere.
+fn etcd_data_dir(name: &str) -> std::io::Result<std::path::PathBuf> {
+    let in_memory = std::path::Path::new("/dev/shm").join(name);
+    match std::fs::create_dir_all(&in_memory) {
+        Ok(()) => Ok(in_memory),
+        Err(_) => {
+            let dir = std::env::temp_dir().join(name);
+            std::fs::create_dir_all(&dir)?;
+            Ok(dir)
+        }
     }
 }
 
