@@ -936,18 +936,98 @@ fn puts_in_flight_to_a_successor_that_is_gone_fail_each_in_turn_and_are_kept_loc
         };
         let plan = cache.gather_plan(region, packing).unwrap();
         let mut staging = vec![0; cache.packed_len(region) as usize];
-        let started = engine.start_put_gathered(&descriptor, &cache, &plan, &mut staging).unwrap();
-        assert!(matches!(started, Started::InFlight(_)), "{started:?}");
-        keys.push(descriptor.key());
+        match engine.start_put_gathered(&descriptor, &cache, &plan, &mut staging).unwrap() {
+            Started::InFlight { ticket, .. } => keys.push((descriptor.key(), ticket)),
+            other => panic!("left in flight: {other:?}"),
+        }
     }
-    for key in &keys {
-        let outcome = engine.finish_put().expect("a put in flight");
+    for (key, ticket) in &keys {
+        let outcome = engine.finish_put(*ticket).expect("a put in flight");
         assert!(outcome.is_err(), "{key:?} cannot be forwarded");
+        assert!(engine.finish_put(*ticket).is_none(), "handed out once");
     }
-    assert!(engine.finish_put().is_none(), "nothing more in flight");
+    let keys: Vec<_> = keys.into_iter().map(|(key, _)| key).collect();
     let mut kept = Vec::new();
     for (region, key) in regions.iter().zip(&keys) {
         engine.get(key, &mut kept).unwrap();
         assert_eq!(kept, gathered(&cache, region), "kept locally: {:?}", region.tokens);
+    }
+}
+
+/// While the successor is stopped, a put in flight is kept (`Taken`: the next put's gather goes
+/// on) but not answered: its outcome waits for the successor, and so does a streamed job's
+/// completion. Once the successor runs again, every put is answered in turn, and the successor
+/// holds each chunk.
+#[test]
+fn a_put_in_flight_frees_the_region_at_once_but_is_answered_only_once_the_successor_holds_it() {
+    let (here, there) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (_own, socket, _) = start_sidecar(here.path(), &["--index", "1", "--region-bytes", "1048576"]);
+    let (replica, replica_socket, replica_addr) = start_sidecar(there.path(), &["--index", "2"]);
+    let signal = |name: &str| {
+        let status = Command::new("kill").args([name, &replica.0.id().to_string()]).status().unwrap();
+        assert!(status.success(), "kill {name}");
+    };
+    let cache = Arc::new(patterned_cache());
+    let packing = cache.layout().preferred_packing();
+    let worker = WorkerId { stage: 1, rank: 0 };
+    let steps: Vec<KvRegion> = (20..23).map(|t| KvRegion::new(0..4, 0..4, 0..4, t..t + 1)).collect();
+    let descriptor = |region: &KvRegion| ChunkDescriptor {
+        source: worker,
+        destination: worker,
+        microbatch: 0,
+        region: region.clone(),
+        spec: cache.layout().spec().share(4, 4).unwrap(),
+        packing,
+    };
+    let mut engine = LocalSidecar::connect(&socket, 0, replica_addr).unwrap();
+    // Connected to the successor before it stops, so that each forward waits on its answer.
+    let (warm_up, warm_up_kv) = chunk_in(3, 0..1, 9);
+    engine.put(&warm_up, &warm_up_kv).unwrap();
+    signal("-STOP");
+
+    // Each put is kept and the region freed while the successor cannot answer: with puts that
+    // waited for their forwards, the second start would wait for ever.
+    let (started_tx, started) = std::sync::mpsc::channel();
+    let (engine_back, engine_returned) = std::sync::mpsc::channel();
+    let starting = {
+        let (cache, steps) = (cache.clone(), steps.clone());
+        let descriptors: Vec<ChunkDescriptor> = steps.iter().map(descriptor).collect();
+        std::thread::spawn(move || {
+            let mut tickets = Vec::new();
+            for (region, descriptor) in steps.iter().zip(&descriptors) {
+                let plan = cache.gather_plan(region, packing).unwrap();
+                let mut staging = vec![0; cache.packed_len(region) as usize];
+                match engine.start_put_gathered(descriptor, &cache, &plan, &mut staging).unwrap() {
+                    Started::InFlight { ticket, .. } => tickets.push(ticket),
+                    other => panic!("left in flight: {other:?}"),
+                }
+                started_tx.send(()).unwrap();
+            }
+            // Then the first put's outcome, which waits for the successor.
+            let first = engine.finish_put(tickets[0]).expect("in flight");
+            engine_back.send((engine, tickets, first)).unwrap();
+        })
+    };
+    for _ in &steps {
+        started.recv_timeout(Duration::from_secs(20)).expect("a put in flight was kept at once");
+    }
+    assert!(
+        engine_returned.recv_timeout(Duration::from_millis(500)).is_err(),
+        "a put is answered only once the successor holds its chunk"
+    );
+    signal("-CONT");
+    let (mut engine, tickets, first) = engine_returned.recv_timeout(Duration::from_secs(20)).unwrap();
+    starting.join().unwrap();
+    first.unwrap();
+    for &ticket in &tickets[1..] {
+        engine.finish_put(ticket).expect("in flight").unwrap();
+    }
+    assert!(engine.finish_put(tickets[0]).is_none(), "each outcome is handed out once");
+    // The successor holds each chunk, as gathered.
+    let mut reader = LocalSidecar::reader(&replica_socket).unwrap();
+    let mut replica_kv = Vec::new();
+    for region in &steps {
+        reader.get(&descriptor(region).key(), &mut replica_kv).unwrap();
+        assert_eq!(replica_kv, gathered(&cache, region), "{:?}", region.tokens);
     }
 }

@@ -51,11 +51,11 @@ pub const HELLO_EPOCH_FROM_SIDECAR: u32 = 2;
 /// workers (vLLM's) asks through one what its workers' sidecar keeps ([`LocalSidecar::reader`]).
 pub const HELLO_READER: u32 = 4;
 
-/// A `Put` flag (id 1): the engine has its next chunk to write into the region. The sidecar answers
-/// `Taken` as soon as it keeps the chunk (the region is free again), then `PutAck` (or `Error`)
-/// once it has forwarded it, meanwhile reading the next requests: a `Put` with this flag is kept
-/// while the puts before it are forwarded; any other request waits until every forward before it
-/// is answered ([`ChunkStore::start_put_gathered`]).
+/// A `Put` flag (id 1): the put is *in flight*. The sidecar answers `Taken` as soon as it keeps
+/// the chunk, after which the engine may write the region again (its next chunk), and answers the
+/// put itself later, with `PutAck` once it has forwarded the chunk (or `Error`). Meanwhile it reads
+/// the next requests: a `Put` with this flag is kept while the puts before it are forwarded; any
+/// other request is answered after every forward before it ([`ChunkStore::start_put_gathered`]).
 pub const PUT_IN_FLIGHT: u32 = 1;
 
 /// Largest payload of a frame on the local socket (addresses, keys, paths, reasons).
@@ -180,16 +180,17 @@ impl Channel {
         result
     }
 
-    /// Sends a `Put` of the `len` bytes written into the region with [`PUT_IN_FLIGHT`]: its
-    /// outcome is read later ([`Channel::await_region`], [`Channel::finish_oldest`]).
-    fn put_in_flight(&mut self, len: u32) -> Result<(), LocalError> {
+    /// Sends a `Put` of the `len` bytes written into the region with [`PUT_IN_FLIGHT`]; returns
+    /// its request number. Its outcome is read later ([`Channel::await_region`],
+    /// [`Channel::finish`]).
+    fn put_in_flight(&mut self, len: u32) -> Result<u64, LocalError> {
         if self.closed {
             return Err(LocalError::Closed);
         }
         let sent = self.send(Kind::Put, 0, [len, PUT_IN_FLIGHT, 0, 0], &[]);
         let request = self.note_closed(sent)?;
         self.in_flight.push_back(InFlightPut { request, taken: false, outcome: None });
-        Ok(())
+        Ok(request)
     }
 
     /// Reads answers to puts in flight until the sidecar is done with the region.
@@ -201,7 +202,7 @@ impl Channel {
     }
 
     /// Reads answers to puts in flight until every one is answered (their outcomes are kept for
-    /// [`Channel::finish_oldest`]).
+    /// [`Channel::finish`]).
     fn settle(&mut self) -> Result<(), LocalError> {
         while self.in_flight.iter().any(|put| put.outcome.is_none()) {
             self.read_in_flight()?;
@@ -209,46 +210,50 @@ impl Channel {
         Ok(())
     }
 
-    /// The outcome of the oldest put in flight, once answered; `None` if there is none.
-    fn finish_oldest(&mut self) -> Option<Result<(), LocalError>> {
-        while self.in_flight.front()?.outcome.is_none() {
-            if let Err(e) = self.read_in_flight() {
-                // Whatever the sidecar did with it, this put is over: it hears the error.
-                self.in_flight.pop_front();
-                return Some(Err(e));
-            }
+    /// The outcome of the put in flight sent as request `request`, once answered (it is then no
+    /// longer in flight); `None` if no put in flight has that number.
+    fn finish(&mut self, request: u64) -> Option<Result<(), LocalError>> {
+        let at = self.in_flight.iter().position(|put| put.request == request)?;
+        while self.in_flight[at].outcome.is_none() {
+            // A failed read answers every put still unanswered, this one included.
+            let _ = self.read_in_flight();
         }
-        self.in_flight.pop_front().and_then(|put| put.outcome)
+        self.in_flight.remove(at).and_then(|put| put.outcome)
     }
 
-    /// Reads one answer to a put in flight. A failed read fails every put still unanswered.
+    /// Reads one answer to a put in flight. A failed read, or a frame that answers no put in
+    /// flight as it may, leaves the connection out of step: every put still unanswered fails,
+    /// and the connection is closed for good.
     fn read_in_flight(&mut self) -> Result<(), LocalError> {
         let read = self.read_reply();
         let frame = match self.note_closed(read) {
             Ok(frame) => frame,
-            Err(e) => {
-                for put in self.in_flight.iter_mut().filter(|put| put.outcome.is_none()) {
-                    put.taken = true;
-                    put.outcome = Some(Err(LocalError::Protocol(format!("no answer from the sidecar: {e}"))));
-                }
-                return Err(e);
-            }
+            Err(e) => return Err(self.fail_in_flight(e)),
         };
         let request = frame.header.request;
-        let Some(put) = self.in_flight.iter_mut().find(|put| put.request == request) else {
-            return Err(LocalError::Protocol(format!(
-                "an answer to {request}, which is not a put in flight"
-            )));
-        };
-        match frame.header.kind {
-            Kind::Taken if put.outcome.is_none() => put.taken = true,
-            Kind::PutAck | Kind::Error if put.outcome.is_none() => {
+        let put = self.in_flight.iter_mut().find(|put| put.request == request && put.outcome.is_none());
+        match (put, frame.header.kind) {
+            (Some(put), Kind::Taken) => put.taken = true,
+            (Some(put), Kind::PutAck | Kind::Error) => {
                 put.taken = true;
                 put.outcome = Some(refusal(&frame).map_or(Ok(()), Err));
             }
-            other => return Err(LocalError::Protocol(format!("an unexpected {other:?} for put {request}"))),
+            (_, kind) => {
+                let e = LocalError::Protocol(format!("an unexpected {kind:?} for request {request}"));
+                self.closed = true;
+                return Err(self.fail_in_flight(e));
+            }
         }
         Ok(())
+    }
+
+    /// Fails every put in flight not answered yet, after `e`; returns `e`.
+    fn fail_in_flight(&mut self, e: LocalError) -> LocalError {
+        for put in self.in_flight.iter_mut().filter(|put| put.outcome.is_none()) {
+            put.taken = true;
+            put.outcome = Some(Err(LocalError::Protocol(format!("no answer from the sidecar: {e}"))));
+        }
+        e
     }
 
     /// `result`, after noting whether it says the sidecar closed the connection.
@@ -612,12 +617,12 @@ impl ChunkStore for LocalSidecar {
     ) -> Result<Started, StoreError> {
         self.channel.await_region().map_err(|e| self.store_error(e))?;
         let written = self.gather_into_region(descriptor, cache, plan, staging)?;
-        self.channel.put_in_flight(written).map_err(|e| self.store_error(e))?;
-        Ok(Started::InFlight(Duration::ZERO))
+        let ticket = self.channel.put_in_flight(written).map_err(|e| self.store_error(e))?;
+        Ok(Started::InFlight { gathered: Duration::ZERO, ticket })
     }
 
-    fn finish_put(&mut self) -> Option<Result<(), StoreError>> {
-        let outcome = self.channel.finish_oldest()?;
+    fn finish_put(&mut self, ticket: u64) -> Option<Result<(), StoreError>> {
+        let outcome = self.channel.finish(ticket)?;
         Some(outcome.map_err(|e| self.store_error(e)))
     }
 

@@ -236,10 +236,18 @@ pub enum Sending {
 pub struct InFlight {
     receipt: ChunkReceipt,
     started: Instant,
+    ticket: u64,
 }
 
 impl InFlight {
-    /// The receipt of the send, now that its put is over (timed until now).
+    /// What names its put to [`ChunkStore::finish_put`].
+    pub fn ticket(&self) -> u64 {
+        self.ticket
+    }
+
+    /// The receipt of the send, now that its put is over, timed until now: its `io_time` runs
+    /// until the put is over, and so takes in whatever the caller did meanwhile (the next send's
+    /// gather), so that the `io_time`s of overlapping sends add up to more than their wall time.
     pub fn finish(mut self) -> ChunkReceipt {
         self.receipt.io_time = self.started.elapsed().saturating_sub(self.receipt.copy_time);
         self.receipt
@@ -259,8 +267,8 @@ pub fn start_send(
     let started = Instant::now();
     let receipt = send_with(cache, transfer, tokens, pool, store, Flush::MayStayInFlight)?;
     Ok(match receipt {
-        (receipt, false) => Sending::Done(receipt),
-        (receipt, true) => Sending::InFlight(InFlight { receipt, started }),
+        (receipt, None) => Sending::Done(receipt),
+        (receipt, Some(ticket)) => Sending::InFlight(InFlight { receipt, started, ticket }),
     })
 }
 
@@ -271,7 +279,7 @@ enum Flush {
     MayStayInFlight,
 }
 
-/// [`send`] and [`start_send`]: the receipt, and whether the put was left in flight.
+/// [`send`] and [`start_send`]: the receipt, and the ticket of the put if it was left in flight.
 fn send_with(
     cache: &KvCache,
     transfer: &Transfer,
@@ -279,7 +287,7 @@ fn send_with(
     pool: &StagingPool,
     store: &mut dyn ChunkStore,
     flush: Flush,
-) -> Result<(ChunkReceipt, bool), StreamError> {
+) -> Result<(ChunkReceipt, Option<u64>), StreamError> {
     let region = transfer.from.with_tokens(tokens.clone());
     let packing = cache.layout().preferred_packing();
     // Checked before sizing the staging lease, so a bad region is an error, not a huge allocation.
@@ -288,7 +296,7 @@ fn send_with(
         // Nothing to move (a step with no new tokens).
         let key = transfer_key(transfer, tokens);
         let receipt = ChunkReceipt { key, bytes: 0, copy_time: Duration::ZERO, io_time: Duration::ZERO };
-        return Ok((receipt, false));
+        return Ok((receipt, None));
     }
     let started = Instant::now();
     let mut staging = pool.lease(cache.packed_len(&region) as usize);
@@ -297,10 +305,10 @@ fn send_with(
     // Gathered into the store's own memory where it has some (a sidecar's shared region): the
     // gather and the hand-over are then one step, timed as the flush.
     let (copy_time, in_flight) = match flush {
-        Flush::Whole => (store.put_gathered(&descriptor, cache, &plan, &mut staging)?, false),
+        Flush::Whole => (store.put_gathered(&descriptor, cache, &plan, &mut staging)?, None),
         Flush::MayStayInFlight => match store.start_put_gathered(&descriptor, cache, &plan, &mut staging)? {
-            Started::Done(copy_time) => (copy_time, false),
-            Started::InFlight(copy_time) => (copy_time, true),
+            Started::Done(copy_time) => (copy_time, None),
+            Started::InFlight { gathered, ticket } => (gathered, Some(ticket)),
         },
     };
     let receipt = ChunkReceipt {

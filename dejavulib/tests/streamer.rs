@@ -217,7 +217,8 @@ impl ChunkStore for GateStore {
 /// a test can queue every job before any runs. `events` says what the streamer asked, in order.
 struct InFlightStore {
     inner: HostStore,
-    pending: std::collections::VecDeque<(ChunkDescriptor, Vec<u8>)>,
+    /// Each put in flight: its ticket, descriptor and payload.
+    pending: std::collections::VecDeque<(u64, ChunkDescriptor, Vec<u8>)>,
     events: Arc<std::sync::Mutex<Vec<String>>>,
     started: usize,
     finished: usize,
@@ -251,14 +252,16 @@ impl ChunkStore for InFlightStore {
             let _ = gate.recv_timeout(PATIENCE);
         }
         cache.gather_with(plan, staging).map_err(|e| StoreError::Gather(Box::new(e)))?;
-        self.pending.push_back((descriptor.clone(), staging.to_vec()));
-        self.log(format!("start {}", self.started));
+        let ticket = self.started as u64;
+        self.pending.push_back((ticket, descriptor.clone(), staging.to_vec()));
+        self.log(format!("start {ticket}"));
         self.started += 1;
-        Ok(Started::InFlight(Duration::ZERO))
+        Ok(Started::InFlight { gathered: Duration::ZERO, ticket })
     }
 
-    fn finish_put(&mut self) -> Option<Result<(), StoreError>> {
-        let (descriptor, payload) = self.pending.pop_front()?;
+    fn finish_put(&mut self, ticket: u64) -> Option<Result<(), StoreError>> {
+        let at = self.pending.iter().position(|(t, _, _)| *t == ticket)?;
+        let (_, descriptor, payload) = self.pending.remove(at)?;
         self.log(format!("finish {}", self.finished));
         self.finished += 1;
         if self.finished == self.fail_finish {
@@ -455,6 +458,43 @@ fn puts_left_in_flight_overlap_the_next_job_and_are_answered_in_order() {
     assert_eq!((stats.completed, stats.failed, stats.cancelled), (LAYERS as u64 - 1, 1, 0));
     assert_eq!(inner.put_log(), vec![keys[0].clone(), keys[1].clone(), keys[3].clone()]);
     assert_no_thread_named("djv-inflight");
+}
+
+/// A job that completes at once (an empty token range) while puts are in flight is answered after
+/// them: the streamer finishes them first.
+#[test]
+fn a_job_done_at_once_is_answered_after_the_puts_in_flight_before_it() {
+    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (open, first_start) = mpsc::channel();
+    let store = InFlightStore {
+        inner: HostStore::new(),
+        pending: Default::default(),
+        events: events.clone(),
+        started: 0,
+        finished: 0,
+        fail_finish: 0,
+        first_start: Some(first_start),
+    };
+    let streamer = Streamer::spawn(config("djv-inflight-mix", 8), Box::new(store)).unwrap();
+    let cache = new_cache();
+    let mut jobs = layer_jobs(&cache, 0, 0..3);
+    let empty = StreamJob { tokens: 0..0, ..jobs[0].clone() };
+    jobs.insert(2, empty);
+    let completions: Vec<Completion> = jobs.into_iter().map(|j| streamer.submit(j).unwrap()).collect();
+    open.send(()).unwrap();
+    let mut completions: Vec<Option<Completion>> = completions.into_iter().map(Some).collect();
+    // Once the empty job is answered, the two before it are: the streamer answered them first.
+    let empty = wait(completions[2].take().unwrap()).unwrap();
+    assert_eq!(empty.bytes, 0, "the empty job moves nothing");
+    for (i, c) in completions.iter().enumerate().take(2) {
+        assert!(c.as_ref().unwrap().is_finished(), "job {i} answered before the empty job");
+    }
+    for c in completions.into_iter().flatten() {
+        wait(c).unwrap();
+    }
+    let events = events.lock().unwrap().clone();
+    assert_eq!(events, ["start 0", "start 1", "finish 0", "finish 1", "start 2", "finish 2"]);
+    streamer.shutdown(Shutdown::Drain).unwrap();
 }
 
 #[test]

@@ -63,8 +63,8 @@ impl<S: ChunkStore + ?Sized> ChunkStore for Shared<S> {
         self.0.lock().start_put_gathered(descriptor, cache, plan, staging)
     }
 
-    fn finish_put(&mut self) -> Option<Result<(), ChunkStoreError>> {
-        self.0.lock().finish_put()
+    fn finish_put(&mut self, ticket: u64) -> Option<Result<(), ChunkStoreError>> {
+        self.0.lock().finish_put(ticket)
     }
 
     fn get(

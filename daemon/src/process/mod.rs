@@ -281,6 +281,7 @@ impl StageProcess {
                 local: sidecars.local.clone(),
                 stats: process.stats.clone(),
                 lost: sidecars.lost.clone(),
+                in_flight: VecDeque::new(),
             };
             let streamer =
                 StreamerConfig { cpus: replication.streamer_cpus.clone(), ..StreamerConfig::default() };

@@ -1,6 +1,7 @@
 //! A stage's sidecars: its own through shared memory (the streamer hands it each step's KV through
 //! [`ToSidecar`]), others (a recovery's restore sources) over the transport.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use dejavulib::cache::GatherPlan;
 use dejavulib::chunk::{ChunkDescriptor, ChunkKey, SequencePlace};
 use dejavulib::local::LocalSidecar;
 use dejavulib::net::{ClientConfig, PeerStore};
-use dejavulib::store::StoreError;
+use dejavulib::store::{Started, StoreError};
 use dejavulib::{ChunkStore, KvCache};
 use parking_lot::Mutex;
 
@@ -26,6 +27,8 @@ pub(super) struct ToSidecar {
     pub(super) stats: Arc<StageStats>,
     /// Set once the sidecar has closed the connection ([`Sidecars::lost`]).
     pub(super) lost: Arc<AtomicBool>,
+    /// The ticket and bytes of each put left in flight: counted once it is over.
+    pub(super) in_flight: VecDeque<(u64, usize)>,
 }
 
 impl ToSidecar {
@@ -59,6 +62,30 @@ impl ChunkStore for ToSidecar {
     ) -> Result<Duration, StoreError> {
         let result = self.local.lock().put_gathered(descriptor, cache, plan, staging);
         self.counted(result, staging.len())
+    }
+
+    /// Leaves the put in flight, as the sidecar connection does: the step's forward overlaps the
+    /// next step's gather.
+    fn start_put_gathered(
+        &mut self,
+        descriptor: &ChunkDescriptor,
+        cache: &KvCache,
+        plan: &GatherPlan,
+        staging: &mut [u8],
+    ) -> Result<Started, StoreError> {
+        let started = self.local.lock().start_put_gathered(descriptor, cache, plan, staging);
+        if let Ok(Started::InFlight { ticket, .. }) = started {
+            self.in_flight.push_back((ticket, staging.len()));
+            return started;
+        }
+        self.counted(started, staging.len())
+    }
+
+    fn finish_put(&mut self, ticket: u64) -> Option<Result<(), StoreError>> {
+        let outcome = self.local.lock().finish_put(ticket)?;
+        let at = self.in_flight.iter().position(|&(t, _)| t == ticket);
+        let bytes = at.and_then(|at| self.in_flight.remove(at)).map_or(0, |(_, bytes)| bytes);
+        Some(self.counted(outcome, bytes))
     }
 
     fn get(&mut self, key: &ChunkKey, out: &mut Vec<u8>) -> Result<ChunkDescriptor, StoreError> {

@@ -57,8 +57,9 @@ impl<'scope, 'env> Forwards<'scope, 'env> {
         Self { scope, sidecar, writer, thread: None, unanswered: 0 }
     }
 
-    /// Hands a kept chunk to the forwarding thread, behind those before it.
-    pub(super) fn push(&mut self, job: ForwardJob) {
+    /// Hands a kept chunk to the forwarding thread, behind those before it; gives it back if the
+    /// thread is gone.
+    pub(super) fn push(&mut self, job: ForwardJob) -> Result<(), Box<ForwardJob>> {
         let (sidecar, writer) = (self.sidecar, self.writer);
         let (jobs, _) = self.thread.get_or_insert_with(|| {
             let (jobs, queue) = unbounded();
@@ -66,25 +67,20 @@ impl<'scope, 'env> Forwards<'scope, 'env> {
             self.scope.spawn(move || forward_in_order(sidecar, writer, queue, answered));
             (jobs, answers)
         });
-        match jobs.send(job) {
-            Ok(()) => self.unanswered += 1,
-            Err(unsent) => {
-                let reason = "the sidecar's forwarding thread is gone";
-                let request = &unsent.0.request;
-                if let Err(e) = reply_error(&mut *self.writer.lock(), request, ErrorCode::Other, reason) {
-                    warn!(stage = sidecar.index(), "a put's refusal was not delivered: {e}");
-                }
-            }
-        }
+        jobs.send(job).map_err(|unsent| Box::new(unsent.0))?;
+        self.unanswered += 1;
+        Ok(())
     }
 
-    /// Waits until every forward handed over so far is answered.
+    /// Waits until every forward handed over so far is answered. If the forwarding thread is
+    /// gone (it panicked), the puts it did not answer never will be: the connection is shut, so
+    /// that the engine hears of it instead of waiting for ever.
     pub(super) fn drain(&mut self) {
         let Some((_, answers)) = &self.thread else { return };
         while self.unanswered > 0 {
             if answers.recv().is_err() {
-                // The thread is gone (it panicked): nothing more will be answered.
                 self.unanswered = 0;
+                let _ = self.writer.lock().get_ref().shutdown(std::net::Shutdown::Both);
                 return;
             }
             self.unanswered -= 1;

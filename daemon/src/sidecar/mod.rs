@@ -52,7 +52,7 @@ use crate::transport::Transports;
 pub mod control;
 mod forwards;
 
-use forwards::{ForwardJob, Forwards};
+use forwards::{ForwardJob, Forwards, SharedWriter};
 
 /// Errors of a sidecar.
 #[derive(Debug, Error)]
@@ -500,7 +500,7 @@ impl Sidecar {
         }
         // Its liveness, reported for it as long as this connection lasts: the lifeline ends
         // with the connection, which ends with the engine's process.
-        let _membership = match (&self.config.engine_membership, hello.header.ids[0] & HELLO_MEMBER) {
+        let membership = match (&self.config.engine_membership, hello.header.ids[0] & HELLO_MEMBER) {
             (Some(member), HELLO_MEMBER) if !is_reader => {
                 (member.0)(self.index(), epoch, peer_pid(writer.get_ref()).unwrap_or(0))
             }
@@ -509,40 +509,69 @@ impl Sidecar {
         let writer = Mutex::new(writer);
         std::thread::scope(|scope| {
             let mut forwards = Forwards::new(scope, self, &writer);
-            while let Some(frame) = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)? {
-                // A frame read before a newer engine took over is not acted on.
-                if !is_reader && self.engine.lock().connection.as_ref().map(|c| c.0) != Some(n) {
-                    return Ok(());
-                }
-                if is_reader && !reader_may(&frame) {
-                    let reason = "a reader connection only lists and fetches chunks";
-                    reply_error(&mut *writer.lock(), &frame, ErrorCode::Unexpected, reason)?;
-                    continue;
-                }
-                if frame.header.kind == Kind::Put && frame.header.ids[1] & PUT_IN_FLIGHT != 0 {
-                    let len = frame.header.ids[0] as usize;
-                    match self.keep_one(region.read(len)?) {
-                        Ok((descriptor, kept)) => {
-                            let taken =
-                                FrameHeader::new(Kind::Taken, self.index(), epoch, frame.header.request);
-                            let mut writer = writer.lock();
-                            write_frame(&mut *writer, &taken, &[])?;
-                            writer.flush()?;
-                            forwards.push(ForwardJob { request: frame, descriptor, kept, epoch });
-                        }
-                        Err(e) => reply_error(&mut *writer.lock(), &frame, ErrorCode::Other, &e.to_string())?,
+            let mut serve = || -> Result<(), SidecarError> {
+                while let Some(frame) = read_frame(&mut reader, MAX_LOCAL_PAYLOAD)? {
+                    // A frame read before a newer engine took over is not acted on.
+                    if !is_reader && self.engine.lock().connection.as_ref().map(|c| c.0) != Some(n) {
+                        return Ok(());
                     }
-                    continue;
+                    if is_reader && !reader_may(&frame) {
+                        let reason = "a reader connection only lists and fetches chunks";
+                        reply_error(&mut *writer.lock(), &frame, ErrorCode::Unexpected, reason)?;
+                        continue;
+                    }
+                    if frame.header.kind == Kind::Put && frame.header.ids[1] & PUT_IN_FLIGHT != 0 {
+                        self.keep_in_flight(frame, epoch, &region, &writer, &mut forwards)?;
+                        continue;
+                    }
+                    // Any other request is answered after every forward before it: it may depend
+                    // on them (a release of what they carry, a listing of what is kept).
+                    forwards.drain();
+                    let mut writer = writer.lock();
+                    self.answer_request(&frame, epoch, &mut region, &mut *writer)?;
+                    writer.flush()?;
                 }
-                // Any other request is answered after every forward before it: it may depend on
-                // them (a release of what they carry, a listing of what is kept).
-                forwards.drain();
-                let mut writer = writer.lock();
-                self.answer_request(&frame, epoch, &mut region, &mut *writer)?;
-                writer.flush()?;
-            }
-            Ok(())
+                Ok(())
+            };
+            let served = serve();
+            // The lifeline ends with the connection, not with the forwards it left, which go on.
+            drop(membership);
+            served
         })
+    }
+
+    /// Keeps the chunk of a put in flight (`put`) and hands it to the connection's forwarding
+    /// thread, then answers `Taken`: the engine may write the region again. The put itself is
+    /// answered once its forward is over; at once, with an `Error`, if its chunk cannot be kept.
+    fn keep_in_flight(
+        &self,
+        put: Frame,
+        epoch: u64,
+        region: &SharedRegion,
+        writer: &SharedWriter,
+        forwards: &mut Forwards<'_, '_>,
+    ) -> Result<(), SidecarError> {
+        let (descriptor, kept) = match self.keep_one(region.read(put.header.ids[0] as usize)?) {
+            Ok(kept) => kept,
+            Err(e) => return reply_error(&mut *writer.lock(), &put, ErrorCode::Other, &e.to_string()),
+        };
+        let request = put.header.request;
+        // Handed over under the writer's lock, which the forwarding thread needs to answer the
+        // put: `Taken` reaches the engine first. Handed over before `Taken` is written: a kept
+        // chunk is forwarded even if the engine is gone.
+        let mut writer = writer.lock();
+        match forwards.push(ForwardJob { request: put, descriptor, kept, epoch }) {
+            Ok(()) => {
+                let taken = FrameHeader::new(Kind::Taken, self.index(), epoch, request);
+                write_frame(&mut *writer, &taken, &[])?;
+                writer.flush()?;
+                Ok(())
+            }
+            Err(job) => {
+                let reason = "the sidecar's forwarding thread is gone";
+                reply_error(&mut *writer, &job.request, ErrorCode::Other, reason)
+            }
+        }
     }
 
     /// Answers one request of the engine of `epoch` (or of a reader), other than a put in flight.

@@ -93,10 +93,10 @@ pub trait ChunkStore: Send {
     /// Starts flushing the region `plan` gathers from `cache`, as [`ChunkStore::put_gathered`]
     /// does, but a store that keeps a chunk before it finishes the put (a sidecar, which keeps it,
     /// then forwards it to its successor) may return as soon as it no longer needs `staging` or
-    /// its own memory: [`Started::InFlight`]. The put is then over only once
-    /// [`ChunkStore::finish_put`] says so; the next put's gather overlaps its end. Puts left in
-    /// flight finish in the order they started, and any other call of the store waits for them
-    /// first (their outcomes are kept for `finish_put`). By default the put is over on return.
+    /// its own memory: [`Started::InFlight`], with a ticket. The put is then over only once
+    /// [`ChunkStore::finish_put`] says so for that ticket; the next put's gather overlaps its end.
+    /// Any other call of the store waits for the puts in flight first (their outcomes are kept
+    /// for `finish_put`). By default the put is over on return.
     fn start_put_gathered(
         &mut self,
         descriptor: &ChunkDescriptor,
@@ -107,9 +107,11 @@ pub trait ChunkStore: Send {
         self.put_gathered(descriptor, cache, plan, staging).map(Started::Done)
     }
 
-    /// Waits for the oldest put [`ChunkStore::start_put_gathered`] left in flight and returns its
-    /// outcome; `None` when none is in flight.
-    fn finish_put(&mut self) -> Option<Result<(), StoreError>> {
+    /// Waits for the put [`ChunkStore::start_put_gathered`] left in flight with `ticket` and
+    /// returns its outcome; `None` when no put in flight has that ticket (it was finished
+    /// already, or never started).
+    fn finish_put(&mut self, ticket: u64) -> Option<Result<(), StoreError>> {
+        let _ = ticket;
         None
     }
 
@@ -144,8 +146,14 @@ pub trait ChunkStore: Send {
 pub enum Started {
     /// The put is over.
     Done(Duration),
-    /// The store no longer needs the bytes; [`ChunkStore::finish_put`] says when the put is over.
-    InFlight(Duration),
+    /// The store no longer needs the bytes; [`ChunkStore::finish_put`] with the ticket says when
+    /// the put is over.
+    InFlight {
+        /// The time the gather took as a step of its own.
+        gathered: Duration,
+        /// What names this put to [`ChunkStore::finish_put`].
+        ticket: u64,
+    },
 }
 
 /// A fetched chunk's payload ([`ChunkStore::get_payload`]): in the caller's buffer, or the

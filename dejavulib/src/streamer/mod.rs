@@ -404,21 +404,27 @@ impl Jobs {
                 self.finish_all();
                 self.answer(done, Err(e.into()));
             }
-            Err(_) => self.panicked(done),
+            Err(_) => {
+                self.give_up();
+                self.answer(done, Err(StreamerError::WorkerGone));
+            }
         }
     }
 
     /// Waits for the oldest put in flight and answers its job.
     fn finish_oldest(&mut self) {
         let Some((sending, done)) = self.in_flight.pop_front() else { return };
-        let store = self.store.as_mut();
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.finish_put())) {
+        let (store, ticket) = (self.store.as_mut(), sending.ticket());
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.finish_put(ticket))) {
             Ok(Some(outcome)) => {
                 let result = outcome.map(|()| sending.finish()).map_err(|e| StreamError::from(e).into());
                 self.answer(done, result);
             }
             // The store lost track of a put it left in flight: its state is unknown.
-            Ok(None) | Err(_) => self.panicked(done),
+            Ok(None) | Err(_) => {
+                self.in_flight.push_front((sending, done));
+                self.give_up();
+            }
         }
     }
 
@@ -446,13 +452,12 @@ impl Jobs {
         let _ = done.send(result);
     }
 
-    /// The store panicked: its state is unknown, so it is used no more. This job, those in
-    /// flight, and every later one fail.
-    fn panicked(&mut self, done: Sender<Result<ChunkReceipt, StreamerError>>) {
+    /// The store panicked (or lost track of a put): its state is unknown, so it is used no more.
+    /// The jobs whose puts are in flight fail, in order, and so does every later one.
+    fn give_up(&mut self) {
         self.store_panicked = true;
-        for (_, earlier) in std::mem::take(&mut self.in_flight) {
-            self.answer(earlier, Err(StreamerError::WorkerGone));
+        for (_, done) in std::mem::take(&mut self.in_flight) {
+            self.answer(done, Err(StreamerError::WorkerGone));
         }
-        self.answer(done, Err(StreamerError::WorkerGone));
     }
 }
