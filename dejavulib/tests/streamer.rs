@@ -226,6 +226,26 @@ struct InFlightStore {
     first_start: Option<mpsc::Receiver<()>>,
 }
 
+/// An [`InFlightStore`] over `inner` whose `fail_finish`-th finished put fails (none for 0), the
+/// events it logs, and the sender that lets its first put start.
+fn in_flight_store(
+    inner: HostStore,
+    fail_finish: usize,
+) -> (InFlightStore, Arc<std::sync::Mutex<Vec<String>>>, mpsc::Sender<()>) {
+    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (open, first_start) = mpsc::channel();
+    let store = InFlightStore {
+        inner,
+        pending: Default::default(),
+        events: events.clone(),
+        started: 0,
+        finished: 0,
+        fail_finish,
+        first_start: Some(first_start),
+    };
+    (store, events, open)
+}
+
 impl InFlightStore {
     fn log(&self, event: String) {
         self.events.lock().unwrap().push(event);
@@ -418,17 +438,7 @@ fn a_failing_put_fails_only_its_own_job() {
 #[test]
 fn puts_left_in_flight_overlap_the_next_job_and_are_answered_in_order() {
     let inner = HostStore::new().logging_puts();
-    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let (open, first_start) = mpsc::channel();
-    let store = InFlightStore {
-        inner: inner.clone(),
-        pending: Default::default(),
-        events: events.clone(),
-        started: 0,
-        finished: 0,
-        fail_finish: 3,
-        first_start: Some(first_start),
-    };
+    let (store, events, open) = in_flight_store(inner.clone(), 3);
     let streamer = Streamer::spawn(config("djv-inflight", 8), Box::new(store)).unwrap();
     let cache = new_cache();
     for l in 0..LAYERS {
@@ -464,17 +474,7 @@ fn puts_left_in_flight_overlap_the_next_job_and_are_answered_in_order() {
 /// them: the streamer finishes them first.
 #[test]
 fn a_job_done_at_once_is_answered_after_the_puts_in_flight_before_it() {
-    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let (open, first_start) = mpsc::channel();
-    let store = InFlightStore {
-        inner: HostStore::new(),
-        pending: Default::default(),
-        events: events.clone(),
-        started: 0,
-        finished: 0,
-        fail_finish: 0,
-        first_start: Some(first_start),
-    };
+    let (store, events, open) = in_flight_store(HostStore::new(), 0);
     let streamer = Streamer::spawn(config("djv-inflight-mix", 8), Box::new(store)).unwrap();
     let cache = new_cache();
     let mut jobs = layer_jobs(&cache, 0, 0..3);
