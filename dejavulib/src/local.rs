@@ -142,7 +142,8 @@ struct Channel {
 /// A put sent with [`PUT_IN_FLIGHT`], and what the sidecar has said of it so far.
 struct InFlightPut {
     request: u64,
-    /// Whether the sidecar is done with the region: it kept the chunk (`Taken`), or answered.
+    /// Whether the sidecar said `Taken`: it kept the chunk, and is done with the region (as it is
+    /// once it has answered).
     taken: bool,
     /// Its `PutAck` (`Ok`) or `Error`, once read.
     outcome: Option<Result<(), LocalError>>,
@@ -195,7 +196,7 @@ impl Channel {
 
     /// Reads answers to puts in flight until the sidecar is done with the region.
     fn await_region(&mut self) -> Result<(), LocalError> {
-        while self.in_flight.iter().any(|put| !put.taken) {
+        while self.in_flight.iter().any(|put| !put.taken && put.outcome.is_none()) {
             self.read_in_flight()?;
         }
         Ok(())
@@ -235,8 +236,7 @@ impl Channel {
         match (put, frame.header.kind) {
             (Some(put), Kind::Taken) => put.taken = true,
             (Some(put), Kind::PutAck | Kind::Error) => {
-                put.taken = true;
-                put.outcome = Some(refusal(&frame).map_or(Ok(()), Err));
+                put.outcome = Some(refusal(&frame).map_or(Ok(()), Err))
             }
             (_, kind) => {
                 let e = LocalError::Protocol(format!("an unexpected {kind:?} for request {request}"));
@@ -250,7 +250,6 @@ impl Channel {
     /// Fails every put in flight not answered yet, after `e`; returns `e`.
     fn fail_in_flight(&mut self, e: LocalError) -> LocalError {
         for put in self.in_flight.iter_mut().filter(|put| put.outcome.is_none()) {
-            put.taken = true;
             put.outcome = Some(Err(LocalError::Protocol(format!("no answer from the sidecar: {e}"))));
         }
         e

@@ -234,8 +234,10 @@ pub enum Sending {
 /// A send left in flight by its store.
 #[derive(Debug)]
 pub struct InFlight {
+    /// The receipt as the store left the put, timed until then.
     receipt: ChunkReceipt,
-    started: Instant,
+    /// When the store left the put in flight.
+    left: Instant,
     ticket: u64,
 }
 
@@ -249,7 +251,7 @@ impl InFlight {
     /// until the put is over, and so takes in whatever the caller did meanwhile (the next send's
     /// gather), so that the `io_time`s of overlapping sends add up to more than their wall time.
     pub fn finish(mut self) -> ChunkReceipt {
-        self.receipt.io_time = self.started.elapsed().saturating_sub(self.receipt.copy_time);
+        self.receipt.io_time += self.left.elapsed();
         self.receipt
     }
 }
@@ -264,11 +266,10 @@ pub fn start_send(
     pool: &StagingPool,
     store: &mut dyn ChunkStore,
 ) -> Result<Sending, StreamError> {
-    let started = Instant::now();
     let receipt = send_with(cache, transfer, tokens, pool, store, Flush::MayStayInFlight)?;
     Ok(match receipt {
         (receipt, None) => Sending::Done(receipt),
-        (receipt, Some(ticket)) => Sending::InFlight(InFlight { receipt, started, ticket }),
+        (receipt, Some(ticket)) => Sending::InFlight(InFlight { receipt, left: Instant::now(), ticket }),
     })
 }
 
