@@ -19,7 +19,7 @@ use crate::heartbeat::{beat_serving, spare_member, DataPort, Role};
 use crate::lifecycle::{end_on_signals, free_unix_path, ClaimError, LifeArgs};
 use crate::logging::LogArgs;
 use crate::membership::Membership;
-use crate::process::{serve_stage, serve_stage_on, Handoff, Replication, StageConfig};
+use crate::process::{serve_stage, serve_stage_on, EngineCommand, Handoff, Replication, StageConfig};
 use crate::sidecar::{serve_sidecar, EngineEpoch, EngineMembership, FencedProbe, OnAssign, SidecarConfig};
 use crate::transport::TransportArgs;
 use dejavu_engine::{CacheLayout, ModelConfig};
@@ -174,7 +174,7 @@ pub enum Layout {
     PerLayer,
 }
 
-/// Run one stage of the reference model.
+/// Run one stage: the reference model, or an engine process given after `--`.
 #[derive(Clone, Debug, Args)]
 pub struct StageArgs {
     /// Position of this stage in the chain (0 is the first).
@@ -236,6 +236,14 @@ pub struct StageArgs {
     /// What it is as a member of the cluster.
     #[command(flatten)]
     pub member: MemberArgs,
+    /// An engine process to run instead of the reference model: the command and its arguments,
+    /// after `--` (such as `-- python3 -m dejavu.torch_engine member --shape ...`). The stage
+    /// keeps the chain and its membership, and the engine computes each step and keeps its KV
+    /// with the sidecar, speaking the engine protocol on its standard input and output
+    /// (docs/protocol.md). `--layout`, `--step-ms` and prompt handoffs are the reference
+    /// model's only.
+    #[arg(last = true, value_name = "ENGINE")]
+    pub engine: Vec<String>,
 }
 
 /// Which prompts a stage computes.
@@ -772,6 +780,10 @@ impl StageArgs {
             device_caches: self.device_caches,
             handoff,
             transport: self.transport.transports()?,
+            engine: (!self.engine.is_empty())
+                .then(|| EngineCommand::new(self.engine))
+                .transpose()
+                .map_err(|e| CliError::Flags(e.to_string()))?,
         })
     }
 }

@@ -13,6 +13,7 @@ use crate::cluster::{Cluster, ClusterConfig, ClusterError, CpuSplit, Recoveries,
 use crate::driver::{drive, DriverConfig, Failed, OnFailure, Run, Workload};
 use crate::metrics::value_of;
 use crate::netns::Fabric;
+use crate::process::EngineCommand;
 use dejavu_engine::ModelConfig;
 use dejavulib::affinity::CpuList;
 use serde::Serialize;
@@ -56,6 +57,59 @@ pub struct DemoConfig {
     pub recoveries: Recoveries,
     /// The `dejavud` executable to start stage and sidecar processes with.
     pub exe: PathBuf,
+    /// The engine each stage runs: the reference model, or an engine process.
+    pub engine: DemoEngine,
+}
+
+/// The engine of the demo's stages.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DemoEngine {
+    /// The reference model, in each stage process.
+    Reference,
+    /// The PyTorch engine (`dejavu.torch_engine`): a Hugging Face `transformers` Llama of the
+    /// reference model's shape with seeded random weights, an engine process under each stage,
+    /// started with this Python interpreter.
+    Torch {
+        /// The Python interpreter that has the `dejavu` package, torch and transformers.
+        python: String,
+    },
+}
+
+impl DemoEngine {
+    /// Its name in reports.
+    pub fn name(&self) -> &'static str {
+        match self {
+            DemoEngine::Reference => "reference",
+            DemoEngine::Torch { .. } => "torch",
+        }
+    }
+
+    /// The engine process each stage runs, if not the reference model.
+    pub fn command(&self) -> Option<EngineCommand> {
+        let DemoEngine::Torch { python } = self else { return None };
+        let m = ModelConfig::reference();
+        // The reference model's shape (float32, the reference model's seed): the same sizes,
+        // computed by transformers' Llama layers instead.
+        let shape = format!(
+            "{{\"layers\": {}, \"hidden\": {}, \"heads\": {}, \"kv_heads\": {}, \"intermediate\": {}, \"vocab\": {}, \"seed\": {}, \"dtype\": \"float32\"}}",
+            m.layers, m.d_model, m.q_heads, m.kv_heads, m.ffn, m.vocab, m.seed
+        );
+        let argv =
+            [python.as_str(), "-m", "dejavu.torch_engine", "member", "--shape", &shape, "--threads", "1"];
+        Some(EngineCommand::new(argv.iter().map(|a| a.to_string()).collect()).expect("a program"))
+    }
+}
+
+/// The engine of the stages, as a setting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineSetting {
+    /// The reference model, in each stage process.
+    Reference,
+    /// The PyTorch engine (`python3 -m dejavu.torch_engine member`, with `--python`): a
+    /// `transformers` Llama of the same shape with seeded random weights, as an engine process
+    /// under each stage.
+    Torch,
 }
 
 /// What to kill, as a setting.
@@ -134,6 +188,14 @@ pub struct DemoSettings {
     /// with the controller's help [default: controller].
     #[arg(long, value_enum)]
     pub recoveries: Option<RecoveriesSetting>,
+    /// The engine each stage runs: the reference model, or the PyTorch engine as an engine
+    /// process under each stage (needs the `dejavu` Python package, torch and transformers)
+    /// [default: reference].
+    #[arg(long, value_enum)]
+    pub engine: Option<EngineSetting>,
+    /// The Python interpreter of `--engine torch` [default: python3].
+    #[arg(long)]
+    pub python: Option<String>,
 }
 
 /// Who carries out recoveries, as a setting.
@@ -198,6 +260,8 @@ impl DemoSettings {
             namespaces: self.namespaces.or(base.namespaces),
             split_cpus: self.split_cpus.or(base.split_cpus),
             recoveries: self.recoveries.or(base.recoveries),
+            engine: self.engine.or(base.engine),
+            python: self.python.or(base.python),
         }
     }
 
@@ -226,6 +290,12 @@ impl DemoSettings {
             cpus: if self.split_cpus.unwrap_or(true) { split_available_cpus() } else { None },
             recoveries: self.recoveries.unwrap_or(RecoveriesSetting::Controller).into(),
             exe,
+            engine: match self.engine.unwrap_or(EngineSetting::Reference) {
+                EngineSetting::Reference => DemoEngine::Reference,
+                EngineSetting::Torch => {
+                    DemoEngine::Torch { python: self.python.unwrap_or_else(|| "python3".into()) }
+                }
+            },
         }
     }
 }
@@ -260,6 +330,8 @@ pub struct Recovery {
 /// The demo's results.
 #[derive(Clone, Debug, Serialize)]
 pub struct DemoReport {
+    /// The engine the stages ran: `reference` or `torch`.
+    pub engine: &'static str,
     /// Tokens generated per run.
     pub tokens: u64,
     /// Failure-free run without replication (no fault tolerance), seconds. Every run's time is
@@ -303,6 +375,18 @@ pub struct DemoReport {
     pub matched: bool,
     /// Whether the restart from scratch did.
     pub restart_matched: bool,
+    /// The first request's prompt and the tokens the failure-free run generated for it: what
+    /// another run of the same model (in one process, say) must generate too.
+    pub first_request: FirstRequest,
+}
+
+/// A request and what it generated.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct FirstRequest {
+    /// Its prompt's tokens.
+    pub prompt: Vec<u32>,
+    /// The tokens generated.
+    pub tokens: Vec<u32>,
 }
 
 /// Even consecutive layer ranges for `stages` stages.
@@ -342,6 +426,7 @@ fn start_cluster(
         fabric: fabric.cloned(),
         cpus: config.cpus.clone(),
         recoveries: config.recoveries,
+        engine: config.engine.command(),
         ..ClusterConfig::new(config.exe.clone())
     })
 }
@@ -471,6 +556,14 @@ impl DemoConfig {
                 "requests and prompt tokens must be positive, new tokens at least 2".into(),
             ));
         }
+        if self.engine != DemoEngine::Reference
+            && (self.spares > 0 || self.transport != TransportKind::Tcp || !self.step_time.is_zero())
+        {
+            return Err(DemoError::Invalid(
+                "--engine torch runs without spares and --step-ms, over TCP (it reads a peer sidecar over TCP)"
+                    .into(),
+            ));
+        }
         if self.device_caches == Some(0) {
             return Err(DemoError::Invalid("device caches must be at least 1".into()));
         }
@@ -536,6 +629,7 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
     say("run with the same failure, restarted from scratch...");
     let (restarted, _) = run_once(config, fabric, Some(kill_at), OnFailure::Restart)?;
     Ok(DemoReport {
+        engine: config.engine.name(),
         tokens: steps,
         unreplicated_s: unreplicated.elapsed.as_secs_f64(),
         failure_free_s: reference.elapsed.as_secs_f64(),
@@ -555,6 +649,10 @@ pub fn run(config: &DemoConfig, mut say: impl FnMut(&str)) -> Result<DemoReport,
             && unreplicated.tokens == reference.tokens
             && interleaved.tokens == reference.tokens,
         restart_matched: restarted.tokens == reference.tokens,
+        first_request: FirstRequest {
+            prompt: workload(config).prompts.first().cloned().unwrap_or_default(),
+            tokens: reference.tokens.first().cloned().unwrap_or_default(),
+        },
     })
 }
 

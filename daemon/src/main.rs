@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 
 use dejavud::certs;
 use dejavud::commands::ProcessCommand;
-use dejavud::demo::{self, DemoConfig, DemoSettings};
+use dejavud::demo::{self, DemoConfig, DemoEngine, DemoSettings};
 use dejavud::plan::{self, Overrides};
 
 /// The DéjàVu daemon: a fault-tolerance demo, the deployment planner and cluster certificates.
@@ -132,6 +132,12 @@ fn main() -> ExitCode {
             };
             let config = settings.or(file).resolve(exe);
             let DemoConfig { stages, requests, prompt_tokens, new_tokens, namespaces, .. } = config;
+            let model = match config.engine {
+                DemoEngine::Reference => "the reference model",
+                DemoEngine::Torch { .. } => {
+                    "the PyTorch engine (a transformers Llama with seeded random weights, an engine process under each stage)"
+                }
+            };
             let cpus = match &config.cpus {
                 Some(split) => format!(
                     "; the stages compute on {}, their streamers and sidecars copy on {}",
@@ -154,7 +160,7 @@ fn main() -> ExitCode {
             };
             if !json {
                 emit(&format!(
-                    "DéjàVu demo: the reference model (8 layers, d_model 256, 8 query / 2 KV heads) as {stages} stage \
+                    "DéjàVu demo: {model} (8 layers, d_model 256, 8 query / 2 KV heads) as {stages} stage \
 processes {on}, {requests} requests of {prompt_tokens} prompt + {new_tokens} new tokens, \
 each stage's KV copied every step to {copies}, every process heartbeating to a controller process{cpus}\n"
                 ));

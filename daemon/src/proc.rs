@@ -188,10 +188,12 @@ fn start(
         host.enter(&mut command).map_err(|e| fail(format!("cannot enter {}: {e}", host.name())))?;
     }
     // Whoever starts a process here owns it: it dies with its starter, leaving nothing behind
-    // when a run is interrupted.
+    // when a run is interrupted. (Its flags end at a `--`, after which come an engine's.)
+    let flags = args.iter().position(|a| a == "--").unwrap_or(args.len());
     let mut child = command
-        .args(args)
+        .args(&args[..flags])
         .arg("--die-with-parent")
+        .args(&args[flags..])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -301,8 +301,10 @@ class Streamer:
 def flush(store: Store, cache: KvCache, region: KvRegion, source: Worker = (0, 0), destination: Worker = (0, 0), microbatch: int = 0) -> int:
     """Flushes ``region`` as one checksummed chunk; returns the bytes flushed."""
 
-def fetch(store: Store, cache: KvCache, region: KvRegion, source: Worker = (0, 0), destination: Worker = (0, 0), microbatch: int = 0) -> int:
-    """Fetches and verifies the chunk ``flush`` wrote, scatters it into ``region``."""
+def fetch(store: Store, cache: KvCache, region: KvRegion, source: Worker = (0, 0), destination: Worker = (0, 0), microbatch: int = 0, keep_in: Optional[Store] = None) -> int:
+    """Fetches and verifies the chunk ``flush`` wrote, scatters it into ``region``. With ``keep_in``,
+    a sidecar store, that sidecar keeps the chunk as the engine's own and forwards it nowhere (KV
+    restored from a peer's replica becomes the local copy again)."""
 
 def stream_out(a: Setup, source: Worker, b: Setup, caches: Sequence[KvCache], tokens: RangeLike, store: Store) -> dict:
     """Streams ``tokens`` of worker ``source`` of setup ``a`` toward the workers of setup ``b``."""

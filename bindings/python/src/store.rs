@@ -8,7 +8,7 @@ use dejavulib::file_io::FileBackend;
 use dejavulib::local::LocalSidecar;
 use dejavulib::net::tcp::TcpTransport;
 use dejavulib::net::{ClientConfig, PeerServer, PeerStore, ServerConfig, Transport};
-use dejavulib::reshard::{receive, send};
+use dejavulib::reshard::{install, receive, send, transfer_key};
 use dejavulib::restore::{restore_from_sidecar, RestoreError};
 use dejavulib::resume::ResumePoint;
 use dejavulib::store::StoreError as ChunkStoreError;
@@ -415,10 +415,13 @@ pub(crate) fn flush(
 }
 
 /// Fetches the chunk `flush` wrote for the same region, source, destination and microbatch,
-/// verifies it and scatters it into `region` of `cache` (which may use another layout). Returns
-/// the bytes fetched.
+/// verifies it and scatters it into `region` of `cache` (which may use another layout). With
+/// `keep_in`, a sidecar store, that sidecar keeps the chunk as the engine's own and forwards it
+/// nowhere: KV restored from a peer's replica becomes the local copy again. Returns the bytes
+/// fetched.
 #[pyfunction]
-#[pyo3(signature = (store, cache, region, source = (0, 0), destination = (0, 0), microbatch = 0))]
+#[pyo3(signature = (store, cache, region, source = (0, 0), destination = (0, 0), microbatch = 0, keep_in = None))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn fetch(
     py: Python<'_>,
     store: &PyStore,
@@ -427,14 +430,25 @@ pub(crate) fn fetch(
     source: (u32, u32),
     destination: (u32, u32),
     microbatch: u32,
+    keep_in: Option<&PyStore>,
 ) -> PyResult<u64> {
     let transfer = local_transfer(&region.0, source, destination, microbatch);
     let tokens = region.0.tokens.clone();
-    let receipt = py
+    let keeper = keep_in.map(PyStore::connection).transpose()?;
+    let bytes = py
         .detach(|| {
             let mut payload = Vec::new();
-            receive(&cache.cache, &transfer, tokens, &mut store.inner.clone(), &mut payload)
+            let mut store = store.inner.clone();
+            let Some(keeper) = keeper.filter(|_| !tokens.is_empty()) else {
+                return receive(&cache.cache, &transfer, tokens, &mut store, &mut payload).map(|r| r.bytes);
+            };
+            let descriptor = store.get(&transfer_key(&transfer, tokens.clone()), &mut payload)?;
+            let receipt = install(&cache.cache, &transfer, tokens, &descriptor, &payload)?;
+            let mut chunk = descriptor.encode_header(&payload).to_vec();
+            chunk.extend_from_slice(&payload);
+            keeper.0.lock().keep(&[&chunk])?;
+            Ok(receipt.bytes)
         })
         .map_err(stream_err)?;
-    Ok(receipt.bytes)
+    Ok(bytes)
 }

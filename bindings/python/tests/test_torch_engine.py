@@ -241,3 +241,61 @@ def test_swapping_stages_killed_mid_decode_resume_bit_identical():
     # Each replacement restored every microbatch, swapped out or not: at most `lag` steps of
     # them are recomputed.
     assert all(r.resumed_step >= r.failed_step - workload.lag - 1 for r in generation.recoveries)
+
+
+#: The shape `dejavud demo --engine torch` gives the engine: the reference model's.
+DEMO_SHAPE = ModelShape(layers=8, hidden=256, heads=8, kv_heads=2, intermediate=512, vocab=512, seed=0xDE1A5EED)
+
+
+def test_the_daemon_runs_the_engine_under_its_stage_host_and_each_kill_resumes_bit_identical():
+    """``dejavud demo --engine torch``: the daemon's stage processes run the PyTorch engine as
+    engine processes (``python -m dejavu.torch_engine member``); the controller recovers from an
+    engine killed alone (restored from its own sidecar), and the driver from a whole worker
+    killed (restored from its successor's sidecar)."""
+    import json
+    import subprocess
+    import sys
+
+    from test_dejavu import dejavud
+
+    common = [dejavud(), "demo", "--engine=torch", f"--python={sys.executable}", "--stages=2", "--victim=1",
+              "--requests=4", "--prompt-tokens=6", "--new-tokens=10", "--json"]
+    reports = {}
+    for kill, recoveries in (("engine", "controller"), ("worker", "driver")):
+        run = subprocess.run(common + [f"--kill={kill}", f"--recoveries={recoveries}"],
+                             capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr
+        reports[kill] = json.loads(run.stdout)
+    for report in reports.values():
+        assert report["engine"] == "torch"
+        assert report["matched"] is True and report["restart_matched"] is True
+        # The replacement restored what replication kept: it recomputes the interrupted step (and
+        # at most one the streamer had not finished), where a restart recomputes all 20 before.
+        assert report["recovery"]["tokens_recomputed"] <= 2
+        assert report["restart_tokens_recomputed"] == 20
+    # What the engine processes computed is what the same model computes in one process.
+    first = reports["engine"]["first_request"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        stages = [TorchStage(DEMO_SHAPE, range(0, 4), 1, 16), TorchStage(DEMO_SHAPE, range(4, 8), 1, 16)]
+        expected = generate(stages, torch.tensor([first["prompt"]]), len(first["tokens"]))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(first["tokens"]) == 10
+    assert expected[0].tolist() == first["tokens"]
+    assert reports["worker"]["first_request"] == first
+
+
+def test_an_engine_process_that_cannot_be_the_stage_stops_it_with_the_reason():
+    import subprocess
+    import sys
+
+    from test_dejavu import dejavud
+
+    engine = [sys.executable, "-m", "dejavu.torch_engine", "member", "--shape", DEMO_SHAPE.to_json()]
+    run = subprocess.run([dejavud(), "stage", "--index=0", "--epoch=0", "--layers=0..12", "--next=127.0.0.1:9",
+                          "--"] + engine, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "layers range(0, 12) are not a non-empty range within the model's 8" in run.stderr
+    assert "the engine process is gone (exit status: 2)" in run.stderr

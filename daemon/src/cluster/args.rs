@@ -112,6 +112,10 @@ impl Cluster {
             args.push(format!("--cpus={}", split.compute));
         }
         args.extend(config.transport_args(dir));
+        if let Some(engine) = &config.engine {
+            args.push("--".to_owned());
+            args.extend(engine.argv().iter().cloned());
+        }
         args
     }
 

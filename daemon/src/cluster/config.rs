@@ -12,6 +12,7 @@ use super::{certs_in, ClusterError, TransportKind, START};
 use crate::handoff::Shapes;
 use crate::netns::{Fabric, Host};
 use crate::proc::{spawn_on, SpawnError, Spawned};
+use crate::process::EngineCommand;
 use dejavu_engine::pipeline::CacheLayout;
 
 /// A connection between the processes of a cluster that something (a fault-injecting proxy) may be
@@ -133,6 +134,9 @@ pub struct ClusterConfig {
     pub control_plane: ControlPlane,
     /// Who carries out recoveries.
     pub recoveries: Recoveries,
+    /// An engine process each stage runs instead of the reference model (`dejavud stage --
+    /// ENGINE...`), such as the PyTorch engine; not with spares or a prompt pipeline.
+    pub engine: Option<EngineCommand>,
 }
 
 /// Who carries out a cluster's recoveries.
@@ -225,6 +229,7 @@ impl ClusterConfig {
             journal: None,
             control_plane: ControlPlane::Embedded,
             recoveries: Recoveries::Driven,
+            engine: None,
         }
     }
 

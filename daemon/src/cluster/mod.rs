@@ -206,6 +206,11 @@ impl Cluster {
     /// Starts the controller, sidecars (when replicating), then the stages last first (so each
     /// knows where to send), and connects to them.
     pub fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
+        if config.engine.is_some() && (config.spares > 0 || config.disaggregation.is_some()) {
+            return Err(ClusterError::Invalid(
+                "an engine process runs without spares and without a prompt pipeline".into(),
+            ));
+        }
         let n = config.splits.len();
         let dir = StateDir::create()?;
         if config.transport == TransportKind::Quic {

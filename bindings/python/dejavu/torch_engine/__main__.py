@@ -1,15 +1,18 @@
-"""``python -m dejavu.torch_engine stage ...`` (a stage process) or ``... demo ...`` (the demo)."""
+"""``python -m dejavu.torch_engine stage ...`` (a stage process of the Python driver), ``... member
+...`` (the engine process of a ``dejavud stage``) or ``... demo ...`` (the demo)."""
 
 import sys
 
 
 def main() -> int:
-    commands = {"stage", "demo"}
+    commands = {"stage", "member", "demo"}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        print("usage: python -m dejavu.torch_engine {stage|demo} [--help]", file=sys.stderr)
+        print("usage: python -m dejavu.torch_engine {stage|member|demo} [--help]", file=sys.stderr)
         return 2
     if sys.argv[1] == "stage":
         from .stage import main as run
+    elif sys.argv[1] == "member":
+        from .member import main as run
     else:
         from .demo import main as run
     return run(sys.argv[2:])

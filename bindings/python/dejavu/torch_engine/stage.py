@@ -60,12 +60,25 @@ class SidecarGone(Exception):
 class Replication:
     """A stage's KV handed to its sidecar step by step, at most ``lag`` steps unacknowledged."""
 
-    def __init__(self, stage: TorchStage, socket: str, successor: str, lag: int):
+    def __init__(
+        self,
+        stage: TorchStage,
+        socket: str,
+        successor: str,
+        lag: int,
+        epoch: Optional[int] = None,
+        stage_index: Optional[int] = None,
+        member: bool = True,
+        cpus: Optional[str] = None,
+    ):
+        """``epoch``, ``stage_index`` and ``member`` go to the ``SidecarClient`` (by default the
+        sidecar gives the epoch and the stage, and the engine is a member through it); ``cpus``
+        puts the streamer thread on those CPUs."""
         if lag < 1:
             raise ValueError("lag must be at least 1 step")
         self.stage, self.lag = stage, lag
-        self.client = dejavu.SidecarClient(socket, successor)
-        self.streamer = dejavu.Streamer(self.client.store)
+        self.client = dejavu.SidecarClient(socket, successor, epoch, stage_index, member=member)
+        self.streamer = dejavu.Streamer(self.client.store, cpus=cpus)
         self.pending: Deque[dejavu.Completion] = deque()
         #: Steps kept by the sidecar and its successor; steps the sidecar kept alone.
         self.acknowledged = 0

@@ -1,0 +1,303 @@
+"""The PyTorch engine as the engine process of a ``dejavud stage`` (``python -m
+dejavu.torch_engine member``): ``dejavud stage ... -- python3 -m dejavu.torch_engine member
+--shape JSON`` runs it under the daemon's stage host.
+
+The stage host keeps the chain between stages, the heartbeats and the fencing; this process
+computes each step with a ``TorchStage`` and keeps its KV with the stage's ``dejavud sidecar``
+(``Streamer.region_ready``, one chunk per step, as the reference engine does), and restores a
+sequence's KV when told to: from its own sidecar, or from a peer's after its sidecar died with
+its worker. They speak the engine protocol (docs/protocol.md, "Engine processes") on this
+process's standard input and output: a little-endian ``u32`` length, then a kind byte and its
+fields.
+
+Each step is one sequence (a slot of a microbatch), as the stage host sends them. A request the
+engine cannot carry out (a slot, a position or a shape out of range) is refused with the reason,
+and changes nothing. A sidecar that is gone ends the process (exit status ``SIDECAR_GONE``): its
+stage host stops, and the controller replaces the stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from typing import BinaryIO, Dict, Optional
+
+import numpy as np
+import torch
+
+import dejavu
+
+from .model import ModelShape, TorchStage
+from .stage import SIDECAR_GONE, Replication, SidecarGone
+
+# Message kinds (docs/protocol.md): from the stage host, then to it.
+START, STEP, RESTORE = 1, 2, 3
+READY, OUTPUT, RESTORED, REFUSED = 1, 2, 3, 4
+
+#: The longest message either side sends.
+MAX_MESSAGE = 1 << 30
+
+
+class ProtocolError(Exception):
+    """The stage host said something that is not the protocol."""
+
+
+@dataclass
+class Start:
+    """The stage this process is to be."""
+
+    index: int
+    epoch: int
+    layers: range
+    slots: int
+    microbatches: int
+    resident: int
+    max_tokens: int
+    sidecar: str
+    successor: str
+    copy_cpus: str
+    secret: bytes
+
+
+class Fields:
+    """Reads a message's fields in order."""
+
+    def __init__(self, body: bytes):
+        self.body, self.at = body, 0
+
+    def take(self, n: int) -> bytes:
+        if self.at + n > len(self.body):
+            raise ProtocolError(f"a message of {len(self.body)} bytes cut short")
+        taken = self.body[self.at : self.at + n]
+        self.at += n
+        return taken
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def u32(self) -> int:
+        return struct.unpack("<I", self.take(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack("<Q", self.take(8))[0]
+
+    def bytes(self) -> bytes:
+        return self.take(self.u32())
+
+    def text(self) -> str:
+        return self.bytes().decode()
+
+    def rest(self) -> bytes:
+        rest = self.body[self.at :]
+        self.at = len(self.body)
+        return rest
+
+    def end(self) -> None:
+        if self.at != len(self.body):
+            raise ProtocolError(f"{len(self.body) - self.at} bytes after the last field")
+
+
+def read_message(stream: BinaryIO) -> Optional[bytes]:
+    """One message's body, or ``None`` at the end of the input."""
+    length = stream.read(4)
+    if not length:
+        return None
+    if len(length) < 4:
+        raise ProtocolError("the input ended inside a message's length")
+    (n,) = struct.unpack("<I", length)
+    if not 0 < n <= MAX_MESSAGE:
+        raise ProtocolError(f"a message of {n} bytes")
+    body = stream.read(n)
+    if len(body) < n:
+        raise ProtocolError("the input ended inside a message")
+    return body
+
+
+def write_message(stream: BinaryIO, body: bytes) -> None:
+    stream.write(struct.pack("<I", len(body)) + body)
+    stream.flush()
+
+
+def parse_start(body: bytes) -> Start:
+    f = Fields(body)
+    if f.u8() != START:
+        raise ProtocolError("the first message is not a start")
+    index, epoch = f.u32(), f.u64()
+    first, end = f.u32(), f.u32()
+    start = Start(
+        index, epoch, range(first, end), f.u32(), f.u32(), f.u32(), f.u32(),
+        f.text(), f.text(), f.text(), f.bytes(),
+    )
+    f.end()
+    return start
+
+
+class Member:
+    """A stage's engine: its ``TorchStage`` and its KV's replication."""
+
+    def __init__(self, stage: TorchStage, start: Start, replication: Optional[Replication]):
+        self.stage, self.start, self.replication = stage, start, replication
+        self.peers: Dict[str, dejavu.Store] = {}
+
+    def step(self, microbatch: int, slot: int, position: int, count: int, replicate: bool, data: bytes) -> bytes:
+        """Runs one step of one sequence; returns its output as the protocol carries it."""
+        stage = self.stage
+        if not 0 <= microbatch < stage.microbatches:
+            raise ValueError(f"microbatch {microbatch} of {stage.microbatches}")
+        if stage.first:
+            ids = np.frombuffer(data, dtype="<u4")
+            if ids.size != count:
+                raise ValueError(f"{ids.size} token ids for {count} tokens")
+            if ids.size and int(ids.max()) >= stage.shape.vocab:
+                raise ValueError(f"token id {int(ids.max())} beyond the vocabulary of {stage.shape.vocab}")
+            inputs = torch.from_numpy(ids.astype(np.int64)).view(1, count)
+        else:
+            hidden = stage.shape.hidden
+            values = np.frombuffer(data, dtype="<f4")
+            if values.size != count * hidden:
+                raise ValueError(f"{values.size} values for {count} tokens of {hidden}")
+            inputs = torch.from_numpy(values.copy()).view(1, count, hidden)
+        slots = range(slot, slot + 1)
+        if self.replication is not None and not stage.resident(microbatch):
+            # The streamer may still be reading the set a swap is about to reuse.
+            self.replication.drain()
+        out = stage.forward(inputs, slots, position, microbatch=microbatch)
+        if replicate and self.replication is not None:
+            self.replication.step(microbatch, slots, range(position, position + count))
+        if stage.last:
+            return struct.pack("<I", int(out[0]))
+        return out.to(torch.float32).cpu().contiguous().numpy().tobytes()
+
+    def restore(self, microbatch: int, slot: int, prompt_len: int, kv_tokens: int, source: str) -> int:
+        """Fetches the sequence's chunks (its prompt's, then one per token up to ``kv_tokens``)
+        from its own sidecar, or from the sidecar at ``source``, in order while they are there.
+        What comes from a peer, its own sidecar keeps again without forwarding it (the peer holds
+        the replica; a prompt's chunk forwarded there would start the sequence over). Returns the
+        tokens restored."""
+        stage, replication = self.stage, self.replication
+        if replication is None or prompt_len == 0:
+            return 0
+        if not (0 <= microbatch < stage.microbatches and 0 <= slot < stage.slots):
+            raise ValueError(f"no sequence in slot {slot} of microbatch {microbatch}")
+        own = replication.client.store
+        store = self._peer(source) if source else own
+        worker = replication.client.worker
+        through_mirror = stage.restores_through_mirror
+        target, tensors = stage.host_mirror() if through_mirror else (stage.kv(microbatch).cache, [])
+        slots = range(slot, slot + 1)
+        chunks = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, min(kv_tokens, stage.max_tokens))]
+        restored = 0
+        for first, end in chunks:
+            region = stage.region(slots, range(first, end))
+            try:
+                dejavu.fetch(store, target, region, worker, worker, microbatch, keep_in=own if source else None)
+            except dejavu.NotFoundError:
+                break
+            except dejavu.Error as e:
+                print(f"stage {self.start.index}: restore stopped at token {first}: {e}", file=sys.stderr)
+                break
+            restored = end
+        if restored:
+            if through_mirror:
+                stage.load_mirror(microbatch, tensors, [(slots, restored)])
+            else:
+                stage.restored(microbatch, [(slots, restored)])
+        return restored
+
+    def _peer(self, address: str) -> dejavu.Store:
+        """The sidecar at ``address``, over TCP with the cluster secret (one connection each)."""
+        if address not in self.peers:
+            self.peers[address] = dejavu.Store.peer(address, self.start.secret, self.start.index, self.start.epoch)
+        return self.peers[address]
+
+    def handle(self, body: bytes) -> bytes:
+        """Carries out one request; returns the answer's body."""
+        f = Fields(body)
+        kind = f.u8()
+        try:
+            if kind == STEP:
+                microbatch, slot, position, count, replicate = f.u32(), f.u32(), f.u32(), f.u32(), f.u8()
+                out = self.step(microbatch, slot, position, count, replicate == 1, f.rest())
+                return bytes([OUTPUT]) + out
+            if kind == RESTORE:
+                microbatch, slot, prompt_len, kv_tokens = f.u32(), f.u32(), f.u32(), f.u32()
+                source = f.text()
+                f.end()
+                tokens = self.restore(microbatch, slot, prompt_len, kv_tokens, source)
+                return bytes([RESTORED]) + struct.pack("<I", tokens)
+        except (ValueError, IndexError) as e:
+            return bytes([REFUSED]) + str(e).encode()
+        raise ProtocolError(f"message kind {kind} to an engine")
+
+
+def parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dejavu.torch_engine member", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", required=True, help="the model's ModelShape as JSON")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--lag", type=int, default=2, help="steps that may wait for acknowledgement")
+    p.add_argument(
+        "--threads", type=int, default=0,
+        help="torch's CPU threads (0: torch's default, every CPU; idle threads of several stages on "
+        "the same CPUs spin and slow each other's steps down)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv) -> int:
+    args = parse(argv)
+    # Standard output carries the protocol; anything else printed goes to standard error.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    requests = sys.stdin.buffer
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    body = read_message(requests)
+    if body is None:
+        return 0
+    start = parse_start(body)
+    name = f"stage {start.index} (layers {start.layers.start}..{start.layers.stop})"
+    try:
+        resident = start.resident if start.resident < start.microbatches else None
+        stage = TorchStage(
+            ModelShape.from_json(args.shape), start.layers, start.slots, start.max_tokens, args.device,
+            start.microbatches, resident,
+        )
+    except ValueError as e:
+        print(f"{name}: cannot be built: {e}", file=sys.stderr)
+        return 2
+    replication = None
+    if start.sidecar:
+        try:
+            replication = Replication(
+                stage, start.sidecar, start.successor, args.lag, epoch=start.epoch, stage_index=start.index,
+                member=False, cpus=start.copy_cpus or None,
+            )
+        except (dejavu.Error, SidecarGone) as e:
+            print(f"{name}: cannot join the sidecar at {start.sidecar}: {e}", file=sys.stderr)
+            return SIDECAR_GONE
+    epoch = replication.epoch if replication is not None else start.epoch
+    write_message(out, bytes([READY]) + struct.pack("<Q", epoch))
+    member = Member(stage, start, replication)
+    while True:
+        body = read_message(requests)
+        if body is None:
+            break
+        try:
+            write_message(out, member.handle(body))
+        except SidecarGone as e:
+            acknowledged = replication.acknowledged if replication else 0
+            print(
+                f"{name}: the sidecar at {start.sidecar} is gone ({e}); {acknowledged} steps were "
+                "acknowledged, the rest are recomputed by a replacement",
+                file=sys.stderr,
+            )
+            return SIDECAR_GONE
+    if replication is not None:
+        try:
+            replication.drain()
+        except SidecarGone:
+            return SIDECAR_GONE
+    return 0

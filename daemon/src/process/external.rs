@@ -1,0 +1,646 @@
+//! An engine process of any language as the engine of a stage: the stage host keeps the chain
+//! and the cluster membership, and the engine process computes each step and keeps its KV with
+//! its own sidecar (through the library's bindings: `dejavu.SidecarClient`, `Streamer`, `fetch`).
+//!
+//! The host starts the engine's command with pipes on its standard input and output (its
+//! standard error is the host's) and asks the kernel to kill it if the host dies. They talk in
+//! messages: a little-endian `u32` length of what follows, then a `u8` kind and its fields,
+//! integers little-endian, byte strings as a `u32` length and the bytes.
+//!
+//! The host sends:
+//! - `1` **start**, once: the stage's index (`u32`), its epoch (`u64`), its first and end layers,
+//!   slots per microbatch, microbatches, microbatches kept resident (`u32` each; as many as there
+//!   are microbatches unless fewer are swapped), tokens per sequence at most (`u32`), then four
+//!   byte strings: its sidecar's local socket (empty: no replication), its successor's sidecar
+//!   (`host:port`, or `none`), the CPUs for its copies (such as `2-3`; empty: any) and the
+//!   cluster secret (to read a peer sidecar after its own died with its worker).
+//! - `2` **step**: microbatch, slot, position and token count (`u32` each), whether to replicate
+//!   the step's KV (`u8`, 0 or 1), then the input: token ids (`u32`) into the first stage, hidden
+//!   states (`f32`) into the others.
+//! - `3` **restore**: microbatch, slot, prompt length and the tokens with KV (`u32` each), then
+//!   the sidecar to read from (a byte string, `host:port`; empty: its own). The KV is kept as one
+//!   chunk for the prompt, then one per token; the engine fetches them in that order while they
+//!   are there.
+//!
+//! The engine answers each in turn:
+//! - `1` **ready**, to start, once it has built its model and joined its sidecar: the epoch it
+//!   joined in (`u64`).
+//! - `2` **output**, to a step: the hidden states (`f32`) to pass on, or from the last stage the
+//!   next token (`u32`).
+//! - `3` **restored**, to a restore: the tokens restored (`u32`).
+//! - `4` **refused**, to a step or a restore it cannot carry out (shapes or positions out of
+//!   range): why, in UTF-8. The host drops the request and goes on.
+//!
+//! An engine whose sidecar is gone exits: the host stops, and the controller replaces the stage.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::SocketAddr;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+
+use thiserror::Error;
+use tracing::{info, warn};
+
+use super::{ProcessError, StageConfig, StageEngine, StageStats};
+use dejavu_engine::pipeline::Seat;
+
+/// The command line of an engine process: a program and its arguments.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineCommand {
+    argv: Vec<String>,
+}
+
+impl EngineCommand {
+    /// The command `argv` (the program first); an empty one is refused.
+    pub fn new(argv: Vec<String>) -> Result<Self, ExternalError> {
+        if argv.is_empty() {
+            return Err(ExternalError::EmptyCommand);
+        }
+        Ok(Self { argv })
+    }
+
+    /// The program and its arguments.
+    pub fn argv(&self) -> &[String] {
+        &self.argv
+    }
+}
+
+/// Errors of an engine process or of what it says.
+#[derive(Debug, Error)]
+pub enum ExternalError {
+    /// No program was given.
+    #[error("an engine command needs a program")]
+    EmptyCommand,
+    /// The program could not be started.
+    #[error("cannot start the engine {program}: {source}")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The engine process ended, or closed its pipes.
+    #[error("the engine process is gone ({0})")]
+    Gone(String),
+    /// A message that is not one of the protocol's, or not the answer expected.
+    #[error("the engine process said something malformed: {0}")]
+    Malformed(String),
+    /// The engine refused a request (it changed nothing).
+    #[error("the engine refused: {0}")]
+    Refused(String),
+    /// Something the stage is configured for that an engine process does not do.
+    #[error("an engine process cannot {0}")]
+    Unsupported(&'static str),
+}
+
+/// Longest message either side may send: a step's input or output of a long prompt fits easily.
+pub const MAX_MESSAGE: u32 = 1 << 30;
+
+/// What the host sends.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToEngine {
+    /// The stage to be, once.
+    Start(Start),
+    /// A step to run.
+    Step {
+        /// The sequence.
+        seat: Seat,
+        /// Its first token's position.
+        position: u32,
+        /// Its tokens.
+        count: u32,
+        /// Whether to hand the step's KV to the sidecar.
+        replicate: bool,
+        /// Token ids or hidden states, little-endian.
+        input: Vec<u8>,
+    },
+    /// A sequence's KV to restore.
+    Restore {
+        /// The sequence.
+        seat: Seat,
+        /// Its prompt's length (its first chunk).
+        prompt_len: u32,
+        /// Tokens computed so far: no chunk beyond them is read.
+        kv_tokens: u32,
+        /// The sidecar to read from, or the engine's own.
+        from: Option<SocketAddr>,
+    },
+}
+
+/// The stage an engine process is to be.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Start {
+    /// Its position in the chain.
+    pub index: u32,
+    /// The epoch it joins its sidecar in.
+    pub epoch: u64,
+    /// Global layers it runs.
+    pub layers: std::ops::Range<u32>,
+    /// Sequences per microbatch.
+    pub slots: u32,
+    /// Microbatches.
+    pub microbatches: u32,
+    /// Microbatches whose KV stays in device memory (fewer than `microbatches`: swapping).
+    pub resident: u32,
+    /// Tokens per sequence at most.
+    pub max_tokens: u32,
+    /// Its sidecar's local socket, if it replicates.
+    pub sidecar: String,
+    /// Its successor's sidecar, or `none`.
+    pub successor: String,
+    /// CPUs for its copies, if set apart.
+    pub copy_cpus: String,
+    /// The cluster secret.
+    pub secret: Vec<u8>,
+}
+
+/// What the engine answers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FromEngine {
+    /// Built and joined, in this epoch.
+    Ready(u64),
+    /// A step's output.
+    Output(Vec<u8>),
+    /// Tokens restored.
+    Restored(u32),
+    /// A request refused, and why.
+    Refused(String),
+}
+
+/// Writes a little-endian message body's fields.
+#[derive(Default)]
+struct Body(Vec<u8>);
+
+impl Body {
+    fn u8(mut self, v: u8) -> Self {
+        self.0.push(v);
+        self
+    }
+    fn u32(mut self, v: u32) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn u64(mut self, v: u64) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn bytes(self, v: &[u8]) -> Self {
+        let mut this = self.u32(v.len() as u32);
+        this.0.extend_from_slice(v);
+        this
+    }
+    fn rest(mut self, v: &[u8]) -> Self {
+        self.0.extend_from_slice(v);
+        self
+    }
+}
+
+/// Reads a message body's fields.
+struct Fields<'a>(&'a [u8]);
+
+impl<'a> Fields<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], ExternalError> {
+        if self.0.len() < n {
+            return Err(ExternalError::Malformed(format!(
+                "{} bytes where {n} more were expected",
+                self.0.len()
+            )));
+        }
+        let (taken, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(taken)
+    }
+    fn u8(&mut self) -> Result<u8, ExternalError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, ExternalError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> Result<u64, ExternalError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    fn bytes(&mut self) -> Result<&'a [u8], ExternalError> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    fn text(&mut self) -> Result<String, ExternalError> {
+        String::from_utf8(self.bytes()?.to_vec())
+            .map_err(|_| ExternalError::Malformed("text that is not UTF-8".into()))
+    }
+    fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.0)
+    }
+    fn end(&self) -> Result<(), ExternalError> {
+        match self.0.len() {
+            0 => Ok(()),
+            n => Err(ExternalError::Malformed(format!("{n} bytes after the last field"))),
+        }
+    }
+}
+
+impl ToEngine {
+    /// The message's body (without its length).
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            ToEngine::Start(s) => Body::default()
+                .u8(1)
+                .u32(s.index)
+                .u64(s.epoch)
+                .u32(s.layers.start)
+                .u32(s.layers.end)
+                .u32(s.slots)
+                .u32(s.microbatches)
+                .u32(s.resident)
+                .u32(s.max_tokens)
+                .bytes(s.sidecar.as_bytes())
+                .bytes(s.successor.as_bytes())
+                .bytes(s.copy_cpus.as_bytes())
+                .bytes(&s.secret),
+            ToEngine::Step { seat, position, count, replicate, input } => Body::default()
+                .u8(2)
+                .u32(seat.microbatch)
+                .u32(seat.slot)
+                .u32(*position)
+                .u32(*count)
+                .u8(u8::from(*replicate))
+                .rest(input),
+            ToEngine::Restore { seat, prompt_len, kv_tokens, from } => Body::default()
+                .u8(3)
+                .u32(seat.microbatch)
+                .u32(seat.slot)
+                .u32(*prompt_len)
+                .u32(*kv_tokens)
+                .bytes(from.map(|a| a.to_string()).unwrap_or_default().as_bytes()),
+        }
+        .0
+    }
+
+    /// The message in `body`.
+    pub fn decode(body: &[u8]) -> Result<Self, ExternalError> {
+        let mut f = Fields(body);
+        let message = match f.u8()? {
+            1 => ToEngine::Start(Start {
+                index: f.u32()?,
+                epoch: f.u64()?,
+                layers: f.u32()?..f.u32()?,
+                slots: f.u32()?,
+                microbatches: f.u32()?,
+                resident: f.u32()?,
+                max_tokens: f.u32()?,
+                sidecar: f.text()?,
+                successor: f.text()?,
+                copy_cpus: f.text()?,
+                secret: f.bytes()?.to_vec(),
+            }),
+            2 => ToEngine::Step {
+                seat: Seat { microbatch: f.u32()?, slot: f.u32()? },
+                position: f.u32()?,
+                count: f.u32()?,
+                replicate: match f.u8()? {
+                    0 => false,
+                    1 => true,
+                    v => return Err(ExternalError::Malformed(format!("replicate flag {v}"))),
+                },
+                input: f.rest().to_vec(),
+            },
+            3 => ToEngine::Restore {
+                seat: Seat { microbatch: f.u32()?, slot: f.u32()? },
+                prompt_len: f.u32()?,
+                kv_tokens: f.u32()?,
+                from: match f.text()?.as_str() {
+                    "" => None,
+                    addr => Some(
+                        addr.parse().map_err(|_| ExternalError::Malformed(format!("address {addr:?}")))?,
+                    ),
+                },
+            },
+            kind => return Err(ExternalError::Malformed(format!("message kind {kind} to an engine"))),
+        };
+        f.end()?;
+        Ok(message)
+    }
+}
+
+impl FromEngine {
+    /// The message's body (without its length).
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            FromEngine::Ready(epoch) => Body::default().u8(1).u64(*epoch),
+            FromEngine::Output(out) => Body::default().u8(2).rest(out),
+            FromEngine::Restored(tokens) => Body::default().u8(3).u32(*tokens),
+            FromEngine::Refused(why) => Body::default().u8(4).rest(why.as_bytes()),
+        }
+        .0
+    }
+
+    /// The message in `body`.
+    pub fn decode(body: &[u8]) -> Result<Self, ExternalError> {
+        let mut f = Fields(body);
+        let message = match f.u8()? {
+            1 => FromEngine::Ready(f.u64()?),
+            2 => FromEngine::Output(f.rest().to_vec()),
+            3 => FromEngine::Restored(f.u32()?),
+            4 => FromEngine::Refused(String::from_utf8_lossy(f.rest()).into_owned()),
+            kind => return Err(ExternalError::Malformed(format!("message kind {kind} from an engine"))),
+        };
+        f.end()?;
+        Ok(message)
+    }
+}
+
+/// Writes one message: its length, then `body`.
+pub fn write_message(w: &mut impl Write, body: &[u8]) -> std::io::Result<()> {
+    w.write_all(&(body.len() as u32).to_le_bytes())?;
+    w.write_all(body)?;
+    w.flush()
+}
+
+/// Reads one message's body; `None` at the end of the stream before a message began.
+pub fn read_message(r: &mut impl Read) -> Result<Option<Vec<u8>>, ExternalError> {
+    let mut length = [0u8; 4];
+    match r.read_exact(&mut length) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(ExternalError::Gone(e.to_string())),
+    }
+    let length = u32::from_le_bytes(length);
+    if length == 0 || length > MAX_MESSAGE {
+        return Err(ExternalError::Malformed(format!("a message of {length} bytes")));
+    }
+    let mut body = vec![0u8; length as usize];
+    r.read_exact(&mut body).map_err(|e| ExternalError::Gone(format!("in the middle of a message: {e}")))?;
+    Ok(Some(body))
+}
+
+/// A stage's engine process, started by the stage host.
+pub(super) struct ExternalEngine {
+    child: Child,
+    to: BufWriter<ChildStdin>,
+    from: BufReader<ChildStdout>,
+    /// Whether steps' KV goes to the sidecar (there is one, and replication is not paused).
+    replicate: bool,
+    /// Set once the process is gone or out of step with the host: the stage stops.
+    lost: bool,
+    stats: Arc<StageStats>,
+    index: u32,
+}
+
+impl ExternalEngine {
+    /// Starts `command` as the engine of the stage `config` describes and waits until it is
+    /// ready: built, and joined to its sidecar.
+    pub(super) fn start(
+        command: &EngineCommand,
+        config: &StageConfig,
+        stats: Arc<StageStats>,
+    ) -> Result<Self, ProcessError> {
+        if config.handoff.is_some() {
+            return Err(ExternalError::Unsupported("hand prompts over between pipelines").into());
+        }
+        let argv = command.argv();
+        let mut process = Command::new(&argv[0]);
+        process.args(&argv[1..]).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        // SAFETY: between fork and exec the closure only calls prctl, which is async-signal-safe
+        // and touches no memory of the parent's.
+        unsafe {
+            process.pre_exec(|| {
+                // The engine dies with the host (the thread that started it), killed or not.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child =
+            process.spawn().map_err(|source| ExternalError::Spawn { program: argv[0].clone(), source })?;
+        let (to, from) = (child.stdin.take().expect("piped"), child.stdout.take().expect("piped"));
+        let replication = config.replication.as_ref();
+        let start = Start {
+            index: config.index,
+            epoch: config.epoch,
+            layers: config.layers.clone(),
+            slots: config.slots,
+            microbatches: config.microbatches,
+            resident: config
+                .device_caches
+                .unwrap_or(config.microbatches)
+                .clamp(1, config.microbatches.max(1)),
+            max_tokens: config.max_tokens,
+            sidecar: replication.map(|r| r.local.display().to_string()).unwrap_or_default(),
+            successor: replication.map(|r| r.successor.to_string()).unwrap_or_else(|| "none".into()),
+            copy_cpus: replication
+                .and_then(|r| r.streamer_cpus.as_ref())
+                .map(|c| c.to_string())
+                .unwrap_or_default(),
+            secret: config.secret.clone(),
+        };
+        let mut engine = Self {
+            child,
+            to: BufWriter::new(to),
+            from: BufReader::new(from),
+            replicate: replication.is_some(),
+            lost: false,
+            stats,
+            index: config.index,
+        };
+        match engine.ask(&ToEngine::Start(start))? {
+            FromEngine::Ready(epoch) => {
+                info!(stage = config.index, epoch, engine = %argv.join(" "), "the engine process is ready");
+                Ok(engine)
+            }
+            other => Err(engine.out_of_step("start", &other).into()),
+        }
+    }
+
+    /// Sends `message` and reads the answer; a failure on either pipe, or a malformed answer,
+    /// loses the engine.
+    fn ask(&mut self, message: &ToEngine) -> Result<FromEngine, ExternalError> {
+        if self.lost {
+            return Err(ExternalError::Gone("it was lost before".into()));
+        }
+        let answer = write_message(&mut self.to, &message.encode())
+            .map_err(|e| ExternalError::Gone(e.to_string()))
+            .and_then(|()| read_message(&mut self.from))
+            .and_then(|body| match body {
+                Some(body) => FromEngine::decode(&body),
+                None => Err(ExternalError::Gone(self.exit_status())),
+            });
+        if answer.is_err() {
+            self.lost = true;
+        }
+        answer
+    }
+
+    /// How the process ended, in words (it closed its output: it is gone or going).
+    fn exit_status(&mut self) -> String {
+        let status: Option<ExitStatus> = self.child.wait().ok();
+        status.map_or_else(|| "it closed its output".into(), |s| s.to_string())
+    }
+
+    /// An answer of the wrong kind to `request`: the engine is out of step, and lost.
+    fn out_of_step(&mut self, request: &str, answer: &FromEngine) -> ExternalError {
+        self.lost = true;
+        ExternalError::Malformed(format!("{answer:?} in answer to a {request}"))
+    }
+}
+
+impl StageEngine for ExternalEngine {
+    fn step(&mut self, seat: Seat, position: u32, count: u32, input: &[u8]) -> Result<Vec<u8>, ProcessError> {
+        let step = ToEngine::Step { seat, position, count, replicate: self.replicate, input: input.to_vec() };
+        match self.ask(&step)? {
+            FromEngine::Output(out) => {
+                StageStats::add(&self.stats.steps, 1);
+                StageStats::add(&self.stats.tokens, count as u64);
+                Ok(out)
+            }
+            FromEngine::Refused(why) => Err(ExternalError::Refused(why).into()),
+            other => Err(self.out_of_step("step", &other).into()),
+        }
+    }
+
+    fn restore(&mut self, seat: Seat, prompt_len: u32, kv_tokens: u32, from: Option<SocketAddr>) -> u32 {
+        let answer = self.ask(&ToEngine::Restore { seat, prompt_len, kv_tokens, from });
+        let restored = match answer {
+            Ok(FromEngine::Restored(tokens)) => tokens,
+            Ok(FromEngine::Refused(why)) => {
+                warn!(stage = self.index, why, "the engine refused a restore");
+                0
+            }
+            Ok(other) => {
+                let e = self.out_of_step("restore", &other);
+                warn!(stage = self.index, error = %e, "restore failed");
+                0
+            }
+            Err(e) => {
+                warn!(stage = self.index, error = %e, "restore failed");
+                0
+            }
+        };
+        let (restores, tokens) = match from {
+            None => (&self.stats.local_restores, &self.stats.local_restored_tokens),
+            Some(_) => (&self.stats.peer_restores, &self.stats.peer_restored_tokens),
+        };
+        StageStats::add(restores, 1);
+        StageStats::add(tokens, restored as u64);
+        restored
+    }
+
+    fn load(&mut self, seat: Seat, _prompt_len: u32) -> u32 {
+        warn!(
+            stage = self.index,
+            ?seat,
+            "an engine process does not load handed-over prompts: computed instead"
+        );
+        0
+    }
+
+    fn handoff_to(&mut self, _token_stage: u32, _to: SocketAddr) -> Result<(), ProcessError> {
+        Err(ExternalError::Unsupported("hand prompts over between pipelines").into())
+    }
+
+    fn set_replication(&mut self, on: bool) {
+        self.replicate = on;
+    }
+
+    fn lost(&self) -> bool {
+        self.lost
+    }
+}
+
+impl Drop for ExternalEngine {
+    fn drop(&mut self) {
+        // Its input closes with `to`; a process that does not end on that is killed.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn start() -> Start {
+        Start {
+            index: 2,
+            epoch: 7,
+            layers: 4..6,
+            slots: 4,
+            microbatches: 2,
+            resident: 1,
+            max_tokens: 288,
+            sidecar: "/run/dejavu/s2.sock".into(),
+            successor: "10.0.0.3:7100".into(),
+            copy_cpus: "1".into(),
+            secret: b"not a real secret".to_vec(),
+        }
+    }
+
+    #[test]
+    fn every_message_decodes_to_what_was_encoded() {
+        let seat = Seat { microbatch: 1, slot: 3 };
+        let to = [
+            ToEngine::Start(start()),
+            ToEngine::Step { seat, position: 40, count: 1, replicate: true, input: vec![1, 2, 3, 4] },
+            ToEngine::Step { seat, position: 0, count: 32, replicate: false, input: Vec::new() },
+            ToEngine::Restore { seat, prompt_len: 32, kv_tokens: 40, from: None },
+            ToEngine::Restore {
+                seat,
+                prompt_len: 32,
+                kv_tokens: 40,
+                from: Some("127.0.0.1:9".parse().unwrap()),
+            },
+        ];
+        for message in to {
+            assert_eq!(ToEngine::decode(&message.encode()).unwrap(), message);
+        }
+        let from = [
+            FromEngine::Ready(7),
+            FromEngine::Output(vec![9; 1024]),
+            FromEngine::Restored(40),
+            FromEngine::Refused("slot 9 of 4".into()),
+        ];
+        for message in from {
+            assert_eq!(FromEngine::decode(&message.encode()).unwrap(), message);
+        }
+    }
+
+    #[test]
+    fn short_long_and_unknown_messages_are_typed_errors() {
+        let body = ToEngine::Start(start()).encode();
+        for cut in 0..body.len() {
+            assert!(
+                matches!(ToEngine::decode(&body[..cut]), Err(ExternalError::Malformed(_))),
+                "cut at {cut}"
+            );
+        }
+        let mut long = body.clone();
+        long.push(0);
+        assert!(matches!(ToEngine::decode(&long), Err(ExternalError::Malformed(_))));
+        assert!(matches!(ToEngine::decode(&[9]), Err(ExternalError::Malformed(_))));
+        assert!(matches!(FromEngine::decode(&[0]), Err(ExternalError::Malformed(_))));
+        let bad_flag = [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
+        assert!(matches!(ToEngine::decode(&bad_flag), Err(ExternalError::Malformed(_))));
+    }
+
+    #[test]
+    fn messages_are_framed_by_their_length() {
+        let mut stream = Vec::new();
+        write_message(&mut stream, &FromEngine::Restored(5).encode()).unwrap();
+        write_message(&mut stream, &FromEngine::Ready(1).encode()).unwrap();
+        let mut r = &stream[..];
+        assert_eq!(
+            FromEngine::decode(&read_message(&mut r).unwrap().unwrap()).unwrap(),
+            FromEngine::Restored(5)
+        );
+        assert_eq!(
+            FromEngine::decode(&read_message(&mut r).unwrap().unwrap()).unwrap(),
+            FromEngine::Ready(1)
+        );
+        assert!(read_message(&mut r).unwrap().is_none());
+        // A length beyond the bound, and a message cut short, are errors, not allocations or hangs.
+        let mut huge = &(MAX_MESSAGE + 1).to_le_bytes()[..];
+        assert!(matches!(read_message(&mut huge), Err(ExternalError::Malformed(_))));
+        let cut = [8u8, 0, 0, 0, 1, 2];
+        assert!(matches!(read_message(&mut &cut[..]), Err(ExternalError::Gone(_))));
+    }
+}
