@@ -11,7 +11,8 @@
 //! - [`heartbeat`]: processes beat every interval to the controller;
 //! - [`membership`]: a process's heartbeats and lifeline, held and let go together;
 //! - [`process`]: the stage host: an engine's stages as separate processes passing activations
-//!   over TCP, copying their KV to sidecars and restoring it after a replacement;
+//!   over TCP, copying their KV to sidecars and restoring it after a replacement; each runs the
+//!   reference model, or an engine process of any language ([`process::external`]);
 //! - [`swap`]: microbatch swapping, fewer device caches than microbatches, the rest in host memory;
 //! - [`handoff`]: prompt-token disaggregation, prompt stages handing KV to token stages;
 //! - [`spare`]: processes registered ahead, made stages or sidecars by a recovery;
