@@ -19,7 +19,9 @@ use crate::heartbeat::{beat_serving, spare_member, DataPort, Role};
 use crate::lifecycle::{end_on_signals, free_unix_path, ClaimError, LifeArgs};
 use crate::logging::LogArgs;
 use crate::membership::Membership;
-use crate::process::{serve_stage, serve_stage_on, EngineCommand, Handoff, Replication, StageConfig};
+use crate::process::{
+    serve_stage, serve_stage_on, EngineCommand, EngineProcess, Handoff, Replication, StageConfig,
+};
 use crate::sidecar::{serve_sidecar, EngineEpoch, EngineMembership, FencedProbe, OnAssign, SidecarConfig};
 use crate::transport::TransportArgs;
 use dejavu_engine::{CacheLayout, ModelConfig};
@@ -166,7 +168,7 @@ pub fn secret_for(given: &str, file: Option<&Path>, listening: &[SocketAddr]) ->
 }
 
 /// The KV cache layout of a stage.
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Layout {
     /// FasterTransformer's K `[L][B][H][D/x][S][x]` and V `[L][B][H][S][D]`.
     Ft,
@@ -740,22 +742,28 @@ impl StageArgs {
     }
 
     /// Runs the stage on `listener`, a spare's (logs already set up), answering `assigned` once
-    /// it serves; until it is killed.
+    /// it serves, with the engine process the spare started ahead, if any; until it is killed.
     pub(crate) fn run_on(
         self,
         listener: std::net::TcpListener,
         assigned: impl FnOnce(std::net::SocketAddr, Option<std::net::SocketAddr>),
+        standby: Option<EngineProcess>,
     ) -> Result<(), CliError> {
         self.member.pin()?;
         let this = self.resolved()?;
         let _heartbeat =
             this.member.beat(Role::Engine, this.position()?, this.member.epoch, (None, DataPort::none()))?;
         let metrics = this.member.metrics;
-        Ok(serve_stage_on(this.config()?, listener, metrics, assigned)?)
+        Ok(serve_stage_on(this.config()?, listener, metrics, assigned, standby)?)
     }
 
     /// What the flags describe.
     fn config(self) -> Result<StageConfig, CliError> {
+        if !self.engine.is_empty() && (self.layout != Layout::Ft || self.step_ms != 0.0) {
+            return Err(CliError::Flags(
+                "--layout and --step-ms are the reference model's, not an engine process's".into(),
+            ));
+        }
         let handoff = self.handoff.handoff(&self.member.secret)?;
         Ok(StageConfig {
             model: ModelConfig::reference(),

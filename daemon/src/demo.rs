@@ -557,11 +557,10 @@ impl DemoConfig {
             ));
         }
         if self.engine != DemoEngine::Reference
-            && (self.spares > 0 || self.transport != TransportKind::Tcp || !self.step_time.is_zero())
+            && (self.transport != TransportKind::Tcp || !self.step_time.is_zero())
         {
             return Err(DemoError::Invalid(
-                "--engine torch runs without spares and --step-ms, over TCP (it reads a peer sidecar over TCP)"
-                    .into(),
+                "--engine torch runs without --step-ms, over TCP (it reads a peer sidecar over TCP)".into(),
             ));
         }
         if self.device_caches == Some(0) {

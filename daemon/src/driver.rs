@@ -278,9 +278,14 @@ pub fn drive(
     let started = Instant::now();
     let mut run = Run { tokens: vec![Vec::new(); workload.prompts.len()], ..Run::default() };
     let result = drive_into(&mut run, workload, config, start, injector);
+    // Served until the last token: the cluster's teardown after it (its spares still starting,
+    // its processes stopped) is not serving time.
     run.elapsed = started.elapsed().saturating_sub(run.startup);
     match result {
-        Ok(()) => Ok(run),
+        Ok(cluster) => {
+            drop(cluster);
+            Ok(run)
+        }
         Err(error) => Err(Failed { error, run: Box::new(run) }),
     }
 }
@@ -291,7 +296,7 @@ fn drive_into(
     config: &DriverConfig,
     start: &mut dyn FnMut() -> Result<Cluster, ClusterError>,
     injector: &mut dyn Injector,
-) -> Result<(), DriveError> {
+) -> Result<Cluster, DriveError> {
     let starting = Instant::now();
     let mut cluster = start()?;
     run.startup = starting.elapsed();
@@ -366,7 +371,7 @@ fn drive_into(
         }
         if run.tokens.iter().all(|t| t.len() == workload.new_tokens as usize) {
             run.count_from(&mut cluster);
-            return Ok(());
+            return Ok(cluster);
         }
     }
 }

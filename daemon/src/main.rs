@@ -135,7 +135,7 @@ fn main() -> ExitCode {
             let model = match config.engine {
                 DemoEngine::Reference => "the reference model",
                 DemoEngine::Torch { .. } => {
-                    "the PyTorch engine (a transformers Llama with seeded random weights, an engine process under each stage)"
+                    "the PyTorch engine (a transformers Llama with seeded random weights) as an engine process under each stage"
                 }
             };
             let cpus = match &config.cpus {
@@ -160,7 +160,7 @@ fn main() -> ExitCode {
             };
             if !json {
                 emit(&format!(
-                    "DéjàVu demo: {model} (8 layers, d_model 256, 8 query / 2 KV heads) as {stages} stage \
+                    "DéjàVu demo: {model}, 8 layers, d_model 256, 8 query / 2 KV heads, as {stages} stage \
 processes {on}, {requests} requests of {prompt_tokens} prompt + {new_tokens} new tokens, \
 each stage's KV copied every step to {copies}, every process heartbeating to a controller process{cpus}\n"
                 ));

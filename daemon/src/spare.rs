@@ -21,6 +21,7 @@ use dejavulib::wire::{read_frame, write_frame, ErrorCode, FrameHeader, Kind};
 
 use crate::cli::{CliError, MemberArgs, StageArgs};
 use crate::heartbeat::{spare_member, Role};
+use crate::process::{EngineCommand, EngineProcess};
 
 /// The node id an assigner proves the cluster secret as.
 pub const ASSIGNER: u32 = u32::MAX - 1;
@@ -40,6 +41,11 @@ pub struct SpareArgs {
     /// What it is as a member of the cluster until assigned (its heartbeats, logs).
     #[command(flatten)]
     pub member: MemberArgs,
+    /// An engine process to start now, after `--` (as `stage` takes it): it stands by, its
+    /// imports done, and becomes the engine of the stage this spare is assigned if the
+    /// assignment names the same command (the reference model's stages do not use it).
+    #[arg(last = true, value_name = "ENGINE")]
+    pub engine: Vec<String>,
 }
 
 /// The flags of `stage`, parsed from an assignment.
@@ -62,10 +68,22 @@ impl SpareArgs {
         let listen = |source| CliError::Listen { what: "for an assignment", at: at.to_string(), source };
         let listener = TcpListener::bind(at).map_err(listen)?;
         let addr = listener.local_addr().map_err(listen)?;
+        // Started on this thread, which serves as the stage later: the engine lives as long.
+        let standby = (!self.engine.is_empty())
+            .then(|| {
+                EngineCommand::new(self.engine.clone()).and_then(|command| EngineProcess::spawn(&command))
+            })
+            .transpose()
+            .map_err(|e| CliError::Flags(e.to_string()))?;
+        // Ready once its engine is warm: the cluster counts on a spare that says it listens.
+        let standby = standby
+            .map(|mut engine| engine.standby().map(|()| engine))
+            .transpose()
+            .map_err(|e| CliError::Flags(format!("its engine process: {e}")))?;
         crate::cli::announce(addr, None);
         for stream in listener.incoming() {
             let Ok(stream) = stream else { continue };
-            let stage = match read_assignment(&stream, &self.member.secret) {
+            let stage = match read_assignment(&stream, &self.member.secret, &self.engine) {
                 Ok(stage) => stage,
                 Err(reason) => {
                     tracing::warn!(%reason, "refused an assignment");
@@ -77,10 +95,11 @@ impl SpareArgs {
             // From now on it beats as the stage, in the recovery's epoch.
             drop(heartbeat);
             let listener = listener.try_clone().map_err(listen)?;
-            return stage.run_on(listener, |_, metrics| {
+            let serving = |_, metrics| {
                 let (header, payload) = Message::StageServing { metrics }.frame(SPARE, 0, 1);
                 let _ = write_frame(&mut &stream, &header, &payload).and_then(|()| (&stream).flush());
-            });
+            };
+            return stage.run_on(listener, serving, standby);
         }
         Err(CliError::SpareStopped)
     }
@@ -132,8 +151,9 @@ impl SpareError {
 }
 
 /// Reads an assignment off `stream`: the assigner's proof of the cluster secret `secret`, then
-/// the stage's flags.
-fn read_assignment(stream: &TcpStream, secret: &str) -> Result<StageArgs, SpareError> {
+/// the stage's flags, whose engine process, if any, must be the spare's own `engine`: an
+/// assignment names no command of its own to run.
+fn read_assignment(stream: &TcpStream, secret: &str, engine: &[String]) -> Result<StageArgs, SpareError> {
     let who = "an assigner";
     server_handshake_blocking(stream, secret.as_bytes(), SPARE, ASSIGNMENT_PATIENCE)
         .map_err(|e| SpareError::Handshake { who: who.into(), reason: e.to_string() })?;
@@ -152,7 +172,8 @@ fn read_assignment(stream: &TcpStream, secret: &str) -> Result<StageArgs, SpareE
         }
         Err(e) => return Err(SpareError::Protocol { who: who.into(), what: e.to_string() }),
     };
-    if flags.iter().any(|flag| flag.starts_with("--secret")) {
+    let own_flags = flags.iter().take_while(|flag| *flag != "--");
+    if own_flags.clone().any(|flag| flag.starts_with("--secret")) {
         return Err(SpareError::Flags(
             "an assignment names no secret: the spare's own is the stage's".into(),
         ));
@@ -160,6 +181,11 @@ fn read_assignment(stream: &TcpStream, secret: &str) -> Result<StageArgs, SpareE
     let args = std::iter::once("stage").chain(flags.iter().map(String::as_str));
     let mut stage =
         Assigned::try_parse_from(args).map(|a| a.stage).map_err(|e| SpareError::Flags(e.to_string()))?;
+    if !stage.engine.is_empty() && stage.engine != engine {
+        return Err(SpareError::Flags(
+            "an assignment's engine process must be the one the spare was started with".into(),
+        ));
+    }
     stage.member.secret = secret.to_owned();
     Ok(stage)
 }

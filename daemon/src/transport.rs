@@ -59,6 +59,11 @@ impl Transports {
         Self { identity: Some(identity) }
     }
 
+    /// Whether the transport is QUIC.
+    pub fn is_quic(&self) -> bool {
+        self.identity.is_some()
+    }
+
     /// A transport (each holds its own sockets).
     pub fn make(&self) -> Result<Arc<dyn Transport>, TransportError> {
         Ok(match &self.identity {

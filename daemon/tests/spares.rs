@@ -37,3 +37,28 @@ fn spares_replace_dead_workers_and_are_replaced_in_turn() {
         assert!(r.recomputed <= 1 + 2 * 4, "restored from the copies: {r:?}");
     }
 }
+
+#[test]
+fn a_spare_runs_no_engine_process_an_assignment_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let ran = dir.path().join("ran");
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_dejavud"));
+    let args = ["spare", "--id=0", "--listen=127.0.0.1:0"].map(String::from);
+    let spare = dejavud::proc::spawn(exe, &args, "a spare", std::time::Duration::from_secs(30)).unwrap();
+    // Whoever holds the cluster secret may assign the spare a stage, but not a command to run.
+    let flags = ["--index=0", "--epoch=0", "--layers=0..8", "--next=127.0.0.1:9", "--", "touch"]
+        .map(String::from)
+        .into_iter()
+        .chain([ran.display().to_string()])
+        .collect::<Vec<_>>();
+    let secret = dejavud::cli::cluster_secret().as_bytes();
+    let refused =
+        dejavud::spare::assign_stage(spare.addr, &flags, 0, secret, std::time::Duration::from_secs(10));
+    match refused {
+        Err(dejavud::spare::SpareError::Refused(why)) => {
+            assert!(why.contains("must be the one the spare was started with"), "{why}")
+        }
+        other => panic!("an assignment naming an engine process was not refused: {other:?}"),
+    }
+    assert!(!ran.exists(), "the assignment's command ran");
+}

@@ -206,10 +206,8 @@ impl Cluster {
     /// Starts the controller, sidecars (when replicating), then the stages last first (so each
     /// knows where to send), and connects to them.
     pub fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
-        if config.engine.is_some() && (config.spares > 0 || config.disaggregation.is_some()) {
-            return Err(ClusterError::Invalid(
-                "an engine process runs without spares and without a prompt pipeline".into(),
-            ));
+        if config.engine.is_some() && config.disaggregation.is_some() {
+            return Err(ClusterError::Invalid("an engine process runs without a prompt pipeline".into()));
         }
         let n = config.splits.len();
         let dir = StateDir::create()?;
@@ -408,13 +406,18 @@ impl Cluster {
             self.spares.start_stage(
                 Box::new(move || {
                     let place = placed(&config, n)?;
-                    let args = [
+                    let mut args = vec![
                         "spare".to_owned(),
                         format!("--id={n}"),
                         format!("--heartbeat={heartbeat}"),
                         format!("--heartbeat-ms={}", config.heartbeat.as_millis()),
                         format!("--listen={}", SocketAddr::new(place.ip, 0)),
                     ];
+                    // Its engine process starts now and stands by, warm, for the stage to come.
+                    if let Some(engine) = &config.engine {
+                        args.push("--".to_owned());
+                        args.extend(engine.argv().iter().cloned());
+                    }
                     place.spawn(&config.exe, &args, "a spare stage")
                 }),
                 wait,

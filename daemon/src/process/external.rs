@@ -22,7 +22,11 @@
 //!   chunk for the prompt, then one per token; the engine fetches them in that order while they
 //!   are there.
 //!
-//! The engine answers each in turn:
+//! The engine says first, unasked:
+//! - `5` **standby**, once it has started (its imports done): a spare's engine waits so, warm,
+//!   until its stage is known.
+//!
+//! Then it answers each request in turn:
 //! - `1` **ready**, to start, once it has built its model and joined its sidecar: the epoch it
 //!   joined in (`u64`).
 //! - `2` **output**, to a step: the hidden states (`f32`) to pass on, or from the last stage the
@@ -31,13 +35,19 @@
 //! - `4` **refused**, to a step or a restore it cannot carry out (shapes or positions out of
 //!   range): why, in UTF-8. The host drops the request and goes on.
 //!
-//! An engine whose sidecar is gone exits: the host stops, and the controller replaces the stage.
+//! An engine whose sidecar is gone exits. The host stops when its engine is gone (it finds so at the
+//! next request), answers out of turn or with an output of the wrong size, or takes longer than
+//! [`REQUEST_PATIENCE`] to answer; the controller, hearing the host fall silent, replaces the
+//! stage. The command must be the engine itself (or `exec` it): only the process the host started
+//! is killed with it.
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 use tracing::{info, warn};
@@ -92,10 +102,22 @@ pub enum ExternalError {
     /// Something the stage is configured for that an engine process does not do.
     #[error("an engine process cannot {0}")]
     Unsupported(&'static str),
+    /// No answer within the patience given: the engine is taken for hung.
+    #[error("the engine process gave no answer within {0:?}")]
+    Stuck(Duration),
 }
 
 /// Longest message either side may send: a step's input or output of a long prompt fits easily.
 pub const MAX_MESSAGE: u32 = 1 << 30;
+
+/// Time an engine has to start (its imports) and to build its stage and join its sidecar, each.
+pub const START_PATIENCE: Duration = Duration::from_secs(600);
+
+/// Time an engine has to answer a step or a restore before it is taken for hung.
+pub const REQUEST_PATIENCE: Duration = Duration::from_secs(120);
+
+/// Time an engine that closed its output has to exit.
+const EXIT_PATIENCE: Duration = Duration::from_secs(2);
 
 /// What the host sends.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,6 +188,8 @@ pub enum FromEngine {
     Restored(u32),
     /// A request refused, and why.
     Refused(String),
+    /// Started, waiting to be told its stage.
+    Standby,
 }
 
 /// Writes a little-endian message body's fields.
@@ -330,6 +354,7 @@ impl FromEngine {
             FromEngine::Output(out) => Body::default().u8(2).rest(out),
             FromEngine::Restored(tokens) => Body::default().u8(3).u32(*tokens),
             FromEngine::Refused(why) => Body::default().u8(4).rest(why.as_bytes()),
+            FromEngine::Standby => Body::default().u8(5),
         }
         .0
     }
@@ -342,6 +367,7 @@ impl FromEngine {
             2 => FromEngine::Output(f.rest().to_vec()),
             3 => FromEngine::Restored(f.u32()?),
             4 => FromEngine::Refused(String::from_utf8_lossy(f.rest()).into_owned()),
+            5 => FromEngine::Standby,
             kind => return Err(ExternalError::Malformed(format!("message kind {kind} from an engine"))),
         };
         f.end()?;
@@ -354,6 +380,26 @@ pub fn write_message(w: &mut impl Write, body: &[u8]) -> std::io::Result<()> {
     w.write_all(&(body.len() as u32).to_le_bytes())?;
     w.write_all(body)?;
     w.flush()
+}
+
+/// Waits at most `patience` for `reader` to have something to read (or its end).
+fn readable_within(reader: &BufReader<ChildStdout>, patience: Duration) -> Result<(), ExternalError> {
+    if !reader.buffer().is_empty() {
+        return Ok(());
+    }
+    let deadline = Instant::now() + patience;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut fd = libc::pollfd { fd: reader.get_ref().as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ms = left.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: `fd` is one valid pollfd, and its descriptor is open for as long as `reader` is.
+        match unsafe { libc::poll(&mut fd, 1, ms) } {
+            0 => return Err(ExternalError::Stuck(patience)),
+            n if n > 0 => return Ok(()),
+            _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => continue,
+            _ => return Err(ExternalError::Gone(std::io::Error::last_os_error().to_string())),
+        }
+    }
 }
 
 /// Reads one message's body; `None` at the end of the stream before a message began.
@@ -373,40 +419,39 @@ pub fn read_message(r: &mut impl Read) -> Result<Option<Vec<u8>>, ExternalError>
     Ok(Some(body))
 }
 
-/// A stage's engine process, started by the stage host.
-pub(super) struct ExternalEngine {
+/// An engine process started and not told its stage yet: a spare's, standing by with its
+/// imports done, or a stage's own on its way to [`EngineProcess::start`].
+pub struct EngineProcess {
+    command: EngineCommand,
     child: Child,
     to: BufWriter<ChildStdin>,
     from: BufReader<ChildStdout>,
-    /// Whether steps' KV goes to the sidecar (there is one, and replication is not paused).
-    replicate: bool,
-    /// Set once the process is gone or out of step with the host: the stage stops.
-    lost: bool,
-    stats: Arc<StageStats>,
-    index: u32,
+    /// Whether it has said it stands by.
+    standing_by: bool,
 }
 
-impl ExternalEngine {
-    /// Starts `command` as the engine of the stage `config` describes and waits until it is
-    /// ready: built, and joined to its sidecar.
-    pub(super) fn start(
-        command: &EngineCommand,
-        config: &StageConfig,
-        stats: Arc<StageStats>,
-    ) -> Result<Self, ProcessError> {
-        if config.handoff.is_some() {
-            return Err(ExternalError::Unsupported("hand prompts over between pipelines").into());
-        }
+impl EngineProcess {
+    /// Starts `command`, its standard input and output piped to this process and its standard
+    /// error this process's. The kernel kills it when the calling thread exits (the stage host's
+    /// main thread, for as long as the process lives).
+    pub fn spawn(command: &EngineCommand) -> Result<Self, ExternalError> {
         let argv = command.argv();
         let mut process = Command::new(&argv[0]);
         process.args(&argv[1..]).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-        // SAFETY: between fork and exec the closure only calls prctl, which is async-signal-safe
-        // and touches no memory of the parent's.
+        // The start message gives it the secret; its own children need not inherit it.
+        process.env_remove(crate::cli::SECRET_ENV);
+        let host = std::process::id();
+        // SAFETY: between fork and exec the closure only calls prctl and getppid, which are
+        // async-signal-safe and touch no memory of the parent's.
         unsafe {
-            process.pre_exec(|| {
-                // The engine dies with the host (the thread that started it), killed or not.
+            process.pre_exec(move || {
+                // The engine dies with the host (the thread that started it), killed or not; a
+                // host that died before this took effect is no longer its parent.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() as u32 != host {
+                    return Err(std::io::Error::other("the stage host is gone"));
                 }
                 Ok(())
             });
@@ -414,6 +459,65 @@ impl ExternalEngine {
         let mut child =
             process.spawn().map_err(|source| ExternalError::Spawn { program: argv[0].clone(), source })?;
         let (to, from) = (child.stdin.take().expect("piped"), child.stdout.take().expect("piped"));
+        let (to, from) = (BufWriter::new(to), BufReader::new(from));
+        Ok(Self { command: command.clone(), child, to, from, standing_by: false })
+    }
+
+    /// Waits until it says it stands by (its imports done), at most [`START_PATIENCE`].
+    pub fn standby(&mut self) -> Result<(), ExternalError> {
+        if self.standing_by {
+            return Ok(());
+        }
+        match self.answer(START_PATIENCE)? {
+            FromEngine::Standby => {
+                self.standing_by = true;
+                Ok(())
+            }
+            other => Err(ExternalError::Malformed(format!("{other:?} before it stood by"))),
+        }
+    }
+
+    /// The next message, within `patience`.
+    fn answer(&mut self, patience: Duration) -> Result<FromEngine, ExternalError> {
+        readable_within(&self.from, patience)?;
+        match read_message(&mut self.from)? {
+            Some(body) => FromEngine::decode(&body),
+            None => Err(ExternalError::Gone(self.exit_status())),
+        }
+    }
+
+    /// How it ended, in words. It closed its output: it is exiting, and is killed if it has not
+    /// within [`EXIT_PATIENCE`].
+    fn exit_status(&mut self) -> String {
+        let deadline = Instant::now() + EXIT_PATIENCE;
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        self.child.wait().map_or_else(|_| "it closed its output".into(), |s: ExitStatus| s.to_string())
+    }
+
+    /// The command it was started with.
+    pub fn command(&self) -> &EngineCommand {
+        &self.command
+    }
+
+    /// Makes it the engine of the stage `config` describes, and waits until it is ready: built,
+    /// and joined to its sidecar.
+    pub(super) fn start(
+        mut self,
+        config: &StageConfig,
+        stats: Arc<StageStats>,
+    ) -> Result<ExternalEngine, ProcessError> {
+        if config.handoff.is_some() {
+            return Err(ExternalError::Unsupported("hand prompts over between pipelines").into());
+        }
+        if config.transport.is_quic() {
+            return Err(
+                ExternalError::Unsupported("read a peer sidecar over QUIC (it reads over TCP)").into()
+            );
+        }
+        self.standby()?;
         let replication = config.replication.as_ref();
         let start = Start {
             index: config.index,
@@ -434,47 +538,58 @@ impl ExternalEngine {
                 .unwrap_or_default(),
             secret: config.secret.clone(),
         };
-        let mut engine = Self {
-            child,
-            to: BufWriter::new(to),
-            from: BufReader::new(from),
+        let mut engine = ExternalEngine {
+            process: self,
             replicate: replication.is_some(),
             lost: false,
             stats,
             index: config.index,
         };
-        match engine.ask(&ToEngine::Start(start))? {
+        match engine.ask(&ToEngine::Start(start), START_PATIENCE)? {
             FromEngine::Ready(epoch) => {
-                info!(stage = config.index, epoch, engine = %argv.join(" "), "the engine process is ready");
+                let command = engine.process.command.argv().join(" ");
+                info!(stage = config.index, epoch, engine = %command, "the engine process is ready");
                 Ok(engine)
             }
             other => Err(engine.out_of_step("start", &other).into()),
         }
     }
+}
 
-    /// Sends `message` and reads the answer; a failure on either pipe, or a malformed answer,
-    /// loses the engine.
-    fn ask(&mut self, message: &ToEngine) -> Result<FromEngine, ExternalError> {
+impl Drop for EngineProcess {
+    fn drop(&mut self) {
+        // The host is going: so is its engine.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A stage's engine process, told its stage.
+pub(super) struct ExternalEngine {
+    process: EngineProcess,
+    /// Whether steps' KV goes to the sidecar (there is one, and replication is not paused).
+    replicate: bool,
+    /// Set once the process is gone or out of step with the host: the stage stops.
+    lost: bool,
+    stats: Arc<StageStats>,
+    index: u32,
+}
+
+impl ExternalEngine {
+    /// Sends `message` and reads the answer, within `patience`; a failure on either pipe, a
+    /// malformed answer or none in time loses the engine.
+    fn ask(&mut self, message: &ToEngine, patience: Duration) -> Result<FromEngine, ExternalError> {
         if self.lost {
             return Err(ExternalError::Gone("it was lost before".into()));
         }
-        let answer = write_message(&mut self.to, &message.encode())
+        let process = &mut self.process;
+        let answer = write_message(&mut process.to, &message.encode())
             .map_err(|e| ExternalError::Gone(e.to_string()))
-            .and_then(|()| read_message(&mut self.from))
-            .and_then(|body| match body {
-                Some(body) => FromEngine::decode(&body),
-                None => Err(ExternalError::Gone(self.exit_status())),
-            });
+            .and_then(|()| process.answer(patience));
         if answer.is_err() {
             self.lost = true;
         }
         answer
-    }
-
-    /// How the process ended, in words (it closed its output: it is gone or going).
-    fn exit_status(&mut self) -> String {
-        let status: Option<ExitStatus> = self.child.wait().ok();
-        status.map_or_else(|| "it closed its output".into(), |s| s.to_string())
     }
 
     /// An answer of the wrong kind to `request`: the engine is out of step, and lost.
@@ -486,8 +601,19 @@ impl ExternalEngine {
 
 impl StageEngine for ExternalEngine {
     fn step(&mut self, seat: Seat, position: u32, count: u32, input: &[u8]) -> Result<Vec<u8>, ProcessError> {
+        if count == 0 {
+            return Err(ProcessError::Protocol("a step of no tokens".into()));
+        }
         let step = ToEngine::Step { seat, position, count, replicate: self.replicate, input: input.to_vec() };
-        match self.ask(&step)? {
+        match self.ask(&step, REQUEST_PATIENCE)? {
+            // A token from the last stage, hidden states (f32) for the step's tokens from others.
+            FromEngine::Output(out)
+                if out.len() != 4 && (out.is_empty() || out.len() % (4 * count as usize) != 0) =>
+            {
+                let e = ExternalError::Malformed(format!("{} bytes of output for {count} tokens", out.len()));
+                self.lost = true;
+                Err(e.into())
+            }
             FromEngine::Output(out) => {
                 StageStats::add(&self.stats.steps, 1);
                 StageStats::add(&self.stats.tokens, count as u64);
@@ -499,7 +625,7 @@ impl StageEngine for ExternalEngine {
     }
 
     fn restore(&mut self, seat: Seat, prompt_len: u32, kv_tokens: u32, from: Option<SocketAddr>) -> u32 {
-        let answer = self.ask(&ToEngine::Restore { seat, prompt_len, kv_tokens, from });
+        let answer = self.ask(&ToEngine::Restore { seat, prompt_len, kv_tokens, from }, REQUEST_PATIENCE);
         let restored = match answer {
             Ok(FromEngine::Restored(tokens)) => tokens,
             Ok(FromEngine::Refused(why)) => {
@@ -547,14 +673,6 @@ impl StageEngine for ExternalEngine {
     }
 }
 
-impl Drop for ExternalEngine {
-    fn drop(&mut self) {
-        // Its input closes with `to`; a process that does not end on that is killed.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -598,6 +716,7 @@ mod tests {
             FromEngine::Output(vec![9; 1024]),
             FromEngine::Restored(40),
             FromEngine::Refused("slot 9 of 4".into()),
+            FromEngine::Standby,
         ];
         for message in from {
             assert_eq!(FromEngine::decode(&message.encode()).unwrap(), message);

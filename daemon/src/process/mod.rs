@@ -83,8 +83,7 @@ mod sidecars;
 mod stats;
 
 use chain::{accept_upstreams, closed_by_peer, connect, say_hello};
-use external::ExternalEngine;
-pub use external::{EngineCommand, ExternalError};
+pub use external::{EngineCommand, EngineProcess, ExternalError};
 use reference::ReferenceStage;
 pub use remote::{RemotePipeline, RestoreSource, SequenceRecovery, StepReply};
 pub use stats::StageStats;
@@ -291,21 +290,27 @@ pub fn serve_stage(
     metrics: Option<SocketAddr>,
     ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
 ) -> Result<(), ProcessError> {
-    serve_stage_on(config, TcpListener::bind(listen)?, metrics, ready)
+    serve_stage_on(config, TcpListener::bind(listen)?, metrics, ready, None)
 }
 
-/// [`serve_stage`] on a listener already bound (a spare's, which it was started with).
+/// [`serve_stage`] on a listener already bound (a spare's, which it was started with), and with
+/// the engine process `standby` that spare started ahead, if any: it becomes the stage's engine
+/// if it was started with the stage's engine command (and is ended otherwise).
 pub fn serve_stage_on(
     config: StageConfig,
     listener: TcpListener,
     metrics: Option<SocketAddr>,
     ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
+    standby: Option<EngineProcess>,
 ) -> Result<(), ProcessError> {
     let stats = Arc::new(StageStats::default());
     let (index, epoch, secret, mut next) = (config.index, config.epoch, config.secret.clone(), config.next);
-    let mut engine: Box<dyn StageEngine> = match config.engine.clone() {
-        Some(command) => Box::new(ExternalEngine::start(&command, &config, stats.clone())?),
-        None => Box::new(ReferenceStage::new(config, stats.clone())?),
+    let mut engine: Box<dyn StageEngine> = match (config.engine.clone(), standby) {
+        (Some(command), Some(standby)) if *standby.command() == command => {
+            Box::new(standby.start(&config, stats.clone())?)
+        }
+        (Some(command), _) => Box::new(EngineProcess::spawn(&command)?.start(&config, stats.clone())?),
+        (None, _) => Box::new(ReferenceStage::new(config, stats.clone())?),
     };
     let metrics = match metrics {
         Some(at) => {
@@ -345,12 +350,17 @@ pub fn serve_stage_on(
                 other => Err(ProcessError::Protocol(format!("unexpected {other:?} frame"))),
             };
             let out = match out {
-                Ok(out) => out,
-                // Without its sidecar it can neither keep nor copy KV: it stops.
+                // Without its sidecar (or its engine process) it can neither compute nor keep KV:
+                // it stops, whatever it was asked, and is replaced.
                 Err(e) if engine.lost() => {
                     error!(stage = index, error = %e, "the stage stops");
                     return Err(e);
                 }
+                Ok(_) if engine.lost() => {
+                    error!(stage = index, "its engine was lost: the stage stops");
+                    return Err(ExternalError::Gone("lost while answering a control message".into()).into());
+                }
+                Ok(out) => out,
                 Err(e) => {
                     warn!(stage = index, error = %e, "dropped a frame");
                     continue;

@@ -2,7 +2,8 @@
 dejavu.torch_engine member``): ``dejavud stage ... -- python3 -m dejavu.torch_engine member
 --shape JSON`` runs it under the daemon's stage host.
 
-The stage host keeps the chain between stages, the heartbeats and the fencing; this process
+A spare stage (``dejavud spare ... -- ENGINE``) starts it ahead: it imports what it needs and
+stands by until its stage is known. The stage host keeps the chain between stages, the heartbeats and the fencing; this process
 computes each step with a ``TorchStage`` and keeps its KV with the stage's ``dejavud sidecar``
 (``Streamer.region_ready``, one chunk per step, as the reference engine does), and restores a
 sequence's KV when told to: from its own sidecar, or from a peer's after its sidecar died with
@@ -35,7 +36,7 @@ from .stage import SIDECAR_GONE, Replication, SidecarGone
 
 # Message kinds (docs/protocol.md): from the stage host, then to it.
 START, STEP, RESTORE = 1, 2, 3
-READY, OUTPUT, RESTORED, REFUSED = 1, 2, 3, 4
+READY, OUTPUT, RESTORED, REFUSED, STANDBY = 1, 2, 3, 4, 5
 
 #: The longest message either side sends.
 MAX_MESSAGE = 1 << 30
@@ -189,6 +190,10 @@ class Member:
         target, tensors = stage.host_mirror() if through_mirror else (stage.kv(microbatch).cache, [])
         slots = range(slot, slot + 1)
         chunks = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, min(kv_tokens, stage.max_tokens))]
+        if replication is not None and through_mirror and not stage.resident(microbatch):
+            # Loading the mirror swaps the microbatch in: the streamer may still be reading the
+            # set that swap reuses.
+            replication.drain()
         restored = 0
         for first, end in chunks:
             region = stage.region(slots, range(first, end))
@@ -246,14 +251,26 @@ def parse(argv) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv) -> int:
-    args = parse(argv)
-    # Standard output carries the protocol; anything else printed goes to standard error.
+def protocol_output() -> BinaryIO:
+    """Standard output as the protocol's channel; anything else printed from now on goes to
+    standard error. Called before the imports (``__main__``), which may print."""
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
+    return out
+
+
+def main(argv, out: Optional[BinaryIO] = None) -> int:
+    args = parse(argv)
+    out = protocol_output() if out is None else out
     requests = sys.stdin.buffer
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    shape = ModelShape.from_json(args.shape)
+    # What building the stage imports, imported while a spare stands by for its stage.
+    from transformers import LlamaForCausalLM  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    write_message(out, bytes([STANDBY]))
     body = read_message(requests)
     if body is None:
         return 0
@@ -262,8 +279,7 @@ def main(argv) -> int:
     try:
         resident = start.resident if start.resident < start.microbatches else None
         stage = TorchStage(
-            ModelShape.from_json(args.shape), start.layers, start.slots, start.max_tokens, args.device,
-            start.microbatches, resident,
+            shape, start.layers, start.slots, start.max_tokens, args.device, start.microbatches, resident,
         )
     except ValueError as e:
         print(f"{name}: cannot be built: {e}", file=sys.stderr)
