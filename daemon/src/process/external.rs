@@ -420,7 +420,7 @@ pub fn read_message(r: &mut impl Read) -> Result<Option<Vec<u8>>, ExternalError>
 }
 
 /// An engine process started and not told its stage yet: a spare's, standing by with its
-/// imports done, or a stage's own on its way to [`EngineProcess::start`].
+/// imports done, or a stage's own about to be told it.
 pub struct EngineProcess {
     command: EngineCommand,
     child: Child,

@@ -32,7 +32,7 @@ import torch
 import dejavu
 
 from .model import ModelShape, TorchStage
-from .stage import SIDECAR_GONE, Replication, SidecarGone
+from .stage import SIDECAR_GONE, Replication, SidecarGone, serve
 
 # Message kinds (docs/protocol.md): from the stage host, then to it.
 START, STEP, RESTORE = 1, 2, 3
@@ -297,23 +297,5 @@ def main(argv, out: Optional[BinaryIO] = None) -> int:
     epoch = replication.epoch if replication is not None else start.epoch
     write_message(out, bytes([READY]) + struct.pack("<Q", epoch))
     member = Member(stage, start, replication)
-    while True:
-        body = read_message(requests)
-        if body is None:
-            break
-        try:
-            write_message(out, member.handle(body))
-        except SidecarGone as e:
-            acknowledged = replication.acknowledged if replication else 0
-            print(
-                f"{name}: the sidecar at {start.sidecar} is gone ({e}); {acknowledged} steps were "
-                "acknowledged, the rest are recomputed by a replacement",
-                file=sys.stderr,
-            )
-            return SIDECAR_GONE
-    if replication is not None:
-        try:
-            replication.drain()
-        except SidecarGone:
-            return SIDECAR_GONE
-    return 0
+    return serve(iter(lambda: read_message(requests), None), member.handle, lambda answer: write_message(out, answer),
+                 replication, name, start.sidecar)

@@ -41,7 +41,7 @@ import pickle
 import sys
 import time
 from collections import deque
-from typing import BinaryIO, Deque, Dict, Optional, Tuple
+from typing import BinaryIO, Callable, Deque, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
@@ -206,6 +206,41 @@ class StageServer:
             return ("error", "ValueError", str(e))
 
 
+def serve(
+    requests: Iterable, handle: Callable, answer: Callable, replication: Optional[Replication], name: str, socket: str
+) -> int:
+    """Answers each of ``requests`` in turn (``answer(handle(request))``) until they end, then
+    waits for the replication of every step; returns the process's exit status: 0, or
+    ``SIDECAR_GONE`` once the sidecar at ``socket`` is gone (``name`` says whose, to standard
+    error)."""
+    for request in requests:
+        try:
+            answer(handle(request))
+        except SidecarGone as e:
+            acknowledged = replication.acknowledged if replication else 0
+            print(
+                f"{name}: the sidecar at {socket} is gone ({e}); {acknowledged} steps were acknowledged, "
+                "the rest are recomputed by a replacement",
+                file=sys.stderr,
+            )
+            return SIDECAR_GONE
+    if replication is not None:
+        try:
+            replication.drain()
+        except SidecarGone:
+            return SIDECAR_GONE
+    return 0
+
+
+def pickled(stream: BinaryIO) -> Iterator[tuple]:
+    """The requests pickled on ``stream``, until it ends."""
+    while True:
+        try:
+            yield pickle.load(stream)
+        except EOFError:
+            return
+
+
 def send(out: BinaryIO, message: tuple) -> None:
     pickle.dump(message, out, protocol=pickle.HIGHEST_PROTOCOL)
     out.flush()
@@ -275,24 +310,5 @@ def main(argv) -> int:
         return SIDECAR_GONE
     send(out, ("ready", epoch, resume, seconds))
     server = StageServer(stage, replication)
-    while True:
-        try:
-            request = pickle.load(requests)
-        except EOFError:
-            break
-        try:
-            send(out, server.handle(request))
-        except SidecarGone as e:
-            acknowledged = replication.acknowledged if replication else 0
-            print(
-                f"stage {args.layers}: the sidecar at {args.socket} is gone ({e}); "
-                f"{acknowledged} steps were acknowledged, the rest are recomputed by a replacement",
-                file=sys.stderr,
-            )
-            return SIDECAR_GONE
-    if replication is not None:
-        try:
-            replication.drain()
-        except SidecarGone:
-            return SIDECAR_GONE
-    return 0
+    return serve(pickled(requests), server.handle, lambda answer: send(out, answer), replication,
+                 f"stage {args.layers}", args.socket)
