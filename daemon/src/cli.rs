@@ -33,7 +33,7 @@ pub use dejavulib::net::auth::DEFAULT_SECRET;
 
 /// The environment variable a process takes its cluster secret from when `--secret` is not
 /// given: unlike a flag, it does not show in the process list.
-pub const SECRET_ENV: &str = "DEJAVU_SECRET";
+pub use dejavulib::net::auth::SECRET_ENV;
 
 /// Why the cluster secret a process was given cannot be used.
 #[derive(Debug, thiserror::Error)]

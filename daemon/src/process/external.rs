@@ -439,7 +439,7 @@ impl EngineProcess {
         let mut process = Command::new(&argv[0]);
         process.args(&argv[1..]).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         // The start message gives it the secret; its own children need not inherit it.
-        process.env_remove(crate::cli::SECRET_ENV);
+        process.env_remove(dejavulib::net::auth::SECRET_ENV);
         let host = std::process::id();
         // SAFETY: between fork and exec the closure only calls prctl and getppid, which are
         // async-signal-safe and touch no memory of the parent's.

@@ -28,6 +28,10 @@ type HmacSha256 = Hmac<Sha256>;
 /// secret of its own.
 pub const DEFAULT_SECRET: &str = "dejavu reference cluster";
 
+/// The environment variable a process of the daemon takes its cluster secret from when no flag
+/// gives it: unlike a flag, it does not show in the process list.
+pub const SECRET_ENV: &str = "DEJAVU_SECRET";
+
 /// Bytes of a handshake nonce.
 pub const NONCE_LEN: usize = 32;
 /// Bytes of an HMAC-SHA256 tag.

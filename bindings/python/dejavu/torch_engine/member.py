@@ -24,7 +24,7 @@ import os
 import struct
 import sys
 from dataclasses import dataclass
-from typing import BinaryIO, Dict, Optional
+from typing import BinaryIO, Dict, NoReturn, Optional
 
 import numpy as np
 import torch
@@ -283,7 +283,7 @@ def main(argv, out: Optional[BinaryIO] = None) -> int:
         )
     except ValueError as e:
         print(f"{name}: cannot be built: {e}", file=sys.stderr)
-        return 2
+        leave(2)
     replication = None
     if start.sidecar:
         try:
@@ -293,9 +293,20 @@ def main(argv, out: Optional[BinaryIO] = None) -> int:
             )
         except (dejavu.Error, SidecarGone) as e:
             print(f"{name}: cannot join the sidecar at {start.sidecar}: {e}", file=sys.stderr)
-            return SIDECAR_GONE
+            leave(SIDECAR_GONE)
     epoch = replication.epoch if replication is not None else start.epoch
     write_message(out, bytes([READY]) + struct.pack("<Q", epoch))
     member = Member(stage, start, replication)
-    return serve(iter(lambda: read_message(requests), None), member.handle, lambda answer: write_message(out, answer),
-                 replication, name, start.sidecar)
+    status = serve(iter(lambda: read_message(requests), None), member.handle, lambda answer: write_message(out, answer),
+                   replication, name, start.sidecar)
+    if status != 0:
+        leave(status)
+    return status
+
+
+def leave(status: int) -> NoReturn:
+    """Exits at once with ``status``: a stage that cannot go on has nothing to clean up, and its
+    stage host, which learns why from the status, stops sooner (and is replaced sooner) than after
+    the interpreter's teardown of torch."""
+    sys.stderr.flush()
+    os._exit(status)
