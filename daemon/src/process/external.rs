@@ -624,23 +624,21 @@ impl StageEngine for ExternalEngine {
         }
     }
 
-    fn restore(&mut self, seat: Seat, prompt_len: u32, kv_tokens: u32, from: Option<SocketAddr>) -> u32 {
-        let answer = self.ask(&ToEngine::Restore { seat, prompt_len, kv_tokens, from }, REQUEST_PATIENCE);
-        let restored = match answer {
-            Ok(FromEngine::Restored(tokens)) => tokens,
-            Ok(FromEngine::Refused(why)) => {
+    fn restore(
+        &mut self,
+        seat: Seat,
+        prompt_len: u32,
+        kv_tokens: u32,
+        from: Option<SocketAddr>,
+    ) -> Result<u32, ProcessError> {
+        let restore = ToEngine::Restore { seat, prompt_len, kv_tokens, from };
+        let restored = match self.ask(&restore, REQUEST_PATIENCE)? {
+            FromEngine::Restored(tokens) => tokens,
+            FromEngine::Refused(why) => {
                 warn!(stage = self.index, why, "the engine refused a restore");
                 0
             }
-            Ok(other) => {
-                let e = self.out_of_step("restore", &other);
-                warn!(stage = self.index, error = %e, "restore failed");
-                0
-            }
-            Err(e) => {
-                warn!(stage = self.index, error = %e, "restore failed");
-                0
-            }
+            other => return Err(self.out_of_step("restore", &other).into()),
         };
         let (restores, tokens) = match from {
             None => (&self.stats.local_restores, &self.stats.local_restored_tokens),
@@ -648,7 +646,7 @@ impl StageEngine for ExternalEngine {
         };
         StageStats::add(restores, 1);
         StageStats::add(tokens, restored as u64);
-        restored
+        Ok(restored)
     }
 
     fn load(&mut self, seat: Seat, _prompt_len: u32) -> u32 {

@@ -225,8 +225,14 @@ pub(crate) trait StageEngine {
     fn step(&mut self, seat: Seat, position: u32, count: u32, input: &[u8]) -> Result<Vec<u8>, ProcessError>;
     /// Restores `seat`'s KV (the prompt's chunk, then one per token up to `kv_tokens`) from the
     /// sidecar at `from`, or from its own, in order, as far as it is kept; returns the tokens
-    /// restored (the driver recomputes the rest).
-    fn restore(&mut self, seat: Seat, prompt_len: u32, kv_tokens: u32, from: Option<SocketAddr>) -> u32;
+    /// restored (the driver recomputes the rest). An error means the engine itself failed.
+    fn restore(
+        &mut self,
+        seat: Seat,
+        prompt_len: u32,
+        kv_tokens: u32,
+        from: Option<SocketAddr>,
+    ) -> Result<u32, ProcessError>;
     /// Loads `seat`'s prompt KV, handed over by a prompt pipeline, from its own sidecar; returns
     /// the tokens loaded (0: the driver has the prompt computed here).
     fn load(&mut self, seat: Seat, prompt_len: u32) -> u32;
@@ -262,7 +268,7 @@ fn control(
     match message {
         Message::Restore { stage, seat, prompt_len, kv_tokens, from } => {
             let seat = Seat { microbatch: seat.microbatch, slot: seat.slot };
-            let tokens = engine.restore(seat, prompt_len, kv_tokens, from);
+            let tokens = engine.restore(seat, prompt_len, kv_tokens, from)?;
             Ok(Message::Restored { stage, tokens }.encode())
         }
         Message::Load { stage, seat, prompt_len } => {
@@ -351,14 +357,10 @@ pub fn serve_stage_on(
             };
             let out = match out {
                 // Without its sidecar (or its engine process) it can neither compute nor keep KV:
-                // it stops, whatever it was asked, and is replaced.
+                // it stops, and is replaced.
                 Err(e) if engine.lost() => {
                     error!(stage = index, error = %e, "the stage stops");
                     return Err(e);
-                }
-                Ok(_) if engine.lost() => {
-                    error!(stage = index, "its engine was lost: the stage stops");
-                    return Err(ExternalError::Gone("lost while answering a control message".into()).into());
                 }
                 Ok(out) => out,
                 Err(e) => {

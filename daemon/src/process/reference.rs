@@ -402,8 +402,14 @@ impl StageEngine for ReferenceStage {
         self.run_step(seat, position, count, input)
     }
 
-    fn restore(&mut self, seat: Seat, prompt_len: u32, kv_tokens: u32, from: Option<SocketAddr>) -> u32 {
-        ReferenceStage::restore(self, seat, prompt_len, kv_tokens, from)
+    fn restore(
+        &mut self,
+        seat: Seat,
+        prompt_len: u32,
+        kv_tokens: u32,
+        from: Option<SocketAddr>,
+    ) -> Result<u32, ProcessError> {
+        Ok(ReferenceStage::restore(self, seat, prompt_len, kv_tokens, from))
     }
 
     fn load(&mut self, seat: Seat, prompt_len: u32) -> u32 {
