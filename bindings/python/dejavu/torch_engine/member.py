@@ -190,7 +190,7 @@ class Member:
         target, tensors = stage.host_mirror() if through_mirror else (stage.kv(microbatch).cache, [])
         slots = range(slot, slot + 1)
         chunks = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, min(kv_tokens, stage.max_tokens))]
-        if replication is not None and through_mirror and not stage.resident(microbatch):
+        if through_mirror and not stage.resident(microbatch):
             # Loading the mirror swaps the microbatch in: the streamer may still be reading the
             # set that swap reuses.
             replication.drain()
