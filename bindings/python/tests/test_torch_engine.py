@@ -205,16 +205,48 @@ def test_microbatches_swapped_through_host_memory_give_the_tokens_of_microbatche
     assert all(stage.swapped_bytes == 0 for stage in kept)
     # Every step of every microbatch after the first swapped one out and one in.
     assert all(stage.swapped_bytes > 0 for stage in swapped)
+    assert all(stage.prefetches == 0 for stage in kept + swapped)
     with pytest.raises(ValueError, match="microbatch 3: the stage has 3"):
         swapped[0].forward(ids(2, 1), range(2), 5, microbatch=3)
     with pytest.raises(ValueError, match="4 resident microbatches of 3"):
         TorchStage(SHAPE, range(0, 2), 2, 16, microbatches=3, resident=4)
 
 
+def test_microbatches_swapped_in_ahead_give_the_tokens_of_microbatches_kept_resident():
+    prompts, new_tokens = ids(8, 5, seed=11), 9
+
+    def stages(resident, prefetch=True):
+        return [TorchStage(SHAPE, range(0, 2), 2, 16, microbatches=4, resident=resident, prefetch=prefetch),
+                TorchStage(SHAPE, range(2, 4), 2, 16, microbatches=4, resident=resident, prefetch=prefetch)]
+
+    kept, ahead, in_turn = stages(4), stages(2), stages(2, prefetch=False)
+    expected = generate(kept, prompts, new_tokens, microbatches=4)
+    assert torch.equal(generate(ahead, prompts, new_tokens, microbatches=4), expected)
+    assert torch.equal(generate(in_turn, prompts, new_tokens, microbatches=4), expected)
+    # Round the microbatches, each step's swap was started by the step before, and moved the
+    # bytes the swaps in turn moved; the last step's prefetch (of microbatch 0, never stepped
+    # again) swapped one more microbatch out and one in.
+    assert all(stage.prefetches == 4 * new_tokens for stage in ahead)
+    assert all(stage.prefetches == 0 for stage in in_turn)
+    for early, late in zip(ahead, in_turn):
+        microbatch = early.sets[0].cache.packed_len(early.region(range(2), range(0, 5 + new_tokens - 1)))
+        assert early.swapped_bytes == late.swapped_bytes + 2 * microbatch
+    # A prefetch for a microbatch the driver does not step next is undone by a later swap.
+    stage = TorchStage(SHAPE, range(0, 2), 2, 16, microbatches=4, resident=2)
+    reference = TorchStage(SHAPE, range(0, 2), 2, 16, microbatches=4)
+    positions = [0] * 4
+    for m in (0, 2, 1, 3, 0, 3, 2, 2, 1):
+        x = ids(2, 1, seed=m + 10 * positions[m])
+        out = stage.forward(x, range(2), positions[m], microbatch=m)
+        assert torch.equal(out, reference.forward(x, range(2), positions[m], microbatch=m))
+        positions[m] += 1
+    assert stage.prefetches > 0
+
+
 def test_swapping_stages_killed_mid_decode_resume_bit_identical():
     from test_dejavu import dejavud
 
-    workload = Workload(SHAPE, stages=2, batch=2, prompt=6, new_tokens=10, microbatches=3, resident=1)
+    workload = Workload(SHAPE, stages=2, batch=2, prompt=6, new_tokens=10, microbatches=3, resident=2)
     stages = [TorchStage(SHAPE, workload.layers(i), 2, workload.max_tokens, microbatches=3) for i in range(2)]
     expected = generate(stages, workload.prompts(), workload.new_tokens, microbatches=3)
     run = Run(workload, dejavud())
@@ -232,12 +264,14 @@ def test_swapping_stages_killed_mid_decode_resume_bit_identical():
                 cluster.wait_for(lambda: cluster.restores() > restores, "sidecar 1 restored")
 
         generation = run.generate(before_step=before_step)
-        swapped = run.swapped_bytes()
+        swapped, prefetches = run.swapped_bytes(), run.prefetches()
     finally:
         run.stop()
     assert torch.equal(generation.tokens, expected)
     assert [(r.stage, r.failed_step) for r in generation.recoveries] == [(0, 3), (1, 6)]
-    assert swapped > 0
+    # Two of three microbatches kept on each stage's device: swaps are started ahead, by the
+    # replacements too (the stats are theirs).
+    assert swapped > 0 and prefetches > 0
     # Each replacement restored every microbatch, swapped out or not: at most `lag` steps of
     # them are recomputed.
     assert all(r.resumed_step >= r.failed_step - workload.lag - 1 for r in generation.recoveries)

@@ -109,7 +109,14 @@ class Run:
 
     def swapped_bytes(self) -> int:
         """Bytes the stages swapped out and in so far."""
-        return sum(stage.request(("stats",), "stats")[1]["swapped_bytes"] for stage in self.pipeline.stages)
+        return self._stat("swapped_bytes")
+
+    def prefetches(self) -> int:
+        """Swaps the stages started ahead of their step so far."""
+        return self._stat("prefetches")
+
+    def _stat(self, name: str) -> int:
+        return sum(stage.request(("stats",), "stats")[1][name] for stage in self.pipeline.stages)
 
     def stop(self) -> None:
         running = self.pipeline.stages if hasattr(self, "pipeline") else []

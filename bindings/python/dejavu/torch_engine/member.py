@@ -162,9 +162,6 @@ class Member:
                 raise ValueError(f"{values.size} values for {count} tokens of {hidden}")
             inputs = torch.from_numpy(values.copy()).view(1, count, hidden)
         slots = range(slot, slot + 1)
-        if self.replication is not None and not stage.resident(microbatch):
-            # The streamer may still be reading the set a swap is about to reuse.
-            self.replication.drain()
         out = stage.forward(inputs, slots, position, microbatch=microbatch)
         if replicate and self.replication is not None:
             self.replication.step(microbatch, slots, range(position, position + count))
@@ -190,10 +187,6 @@ class Member:
         target, tensors = stage.host_mirror() if through_mirror else (stage.kv(microbatch).cache, [])
         slots = range(slot, slot + 1)
         chunks = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, min(kv_tokens, stage.max_tokens))]
-        if through_mirror and not stage.resident(microbatch):
-            # Loading the mirror swaps the microbatch in: the streamer may still be reading the
-            # set that swap reuses.
-            replication.drain()
         restored = 0
         for first, end in chunks:
             region = stage.region(slots, range(first, end))
@@ -244,6 +237,10 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--lag", type=int, default=2, help="steps that may wait for acknowledgement")
     p.add_argument(
+        "--no-prefetch", dest="prefetch", action="store_false",
+        help="swap a microbatch in when its step comes, not during the step before (with swapping)",
+    )
+    p.add_argument(
         "--threads", type=int, default=0,
         help="torch's CPU threads (0: torch's default, every CPU; idle threads of several stages on "
         "the same CPUs spin and slow each other's steps down)",
@@ -280,6 +277,7 @@ def main(argv, out: Optional[BinaryIO] = None) -> int:
         resident = start.resident if start.resident < start.microbatches else None
         stage = TorchStage(
             shape, start.layers, start.slots, start.max_tokens, args.device, start.microbatches, resident,
+            prefetch=args.prefetch,
         )
     except ValueError as e:
         print(f"{name}: cannot be built: {e}", file=sys.stderr)

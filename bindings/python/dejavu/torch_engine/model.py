@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -184,6 +186,14 @@ class KvSet:
         self.cache = engine.wrap(layout, buffers) if engine is not None else dejavu.KvCache.wrap(layout, buffers)
         #: The microbatch whose KV it holds, if any.
         self.holds: Optional[int] = None
+        #: A prefetch swapping ``holds`` in, while it runs: wait for it before using the set.
+        self.loading: Optional[Future] = None
+
+    def settle(self) -> None:
+        """Waits for the prefetch into this set, if one runs (raising what it raised)."""
+        loading, self.loading = self.loading, None
+        if loading is not None:
+            loading.result()
 
     def tensors(self) -> List[torch.Tensor]:
         """K and V of each layer, in the layout's buffer order."""
@@ -202,6 +212,14 @@ class TorchStage:
     device (microbatch swapping): a step of another one first swaps the least recently used one
     out to host memory (pinned on a GPU) and its own in, each as one gather or scatter of the
     tokens written so far through the library's copies.
+
+    With ``prefetch`` (the default) and at least two resident microbatches, a step of microbatch
+    ``m`` also starts swapping ``m + 1`` in (the order both drivers step microbatches in) on a
+    thread of the stage's, into the least recently used set other than ``m``'s, while ``m``
+    computes; the step of ``m + 1`` waits for it. On a GPU the copies wait for the kernels queued
+    on the compute stream so far (an event), and run on a stream of their own. A set's KV may
+    still be read by the replication streamer: ``before_swap_out(microbatch)``, when set, is called
+    before the set holding ``microbatch`` is swapped out, and returns once nothing reads it.
     """
 
     def __init__(
@@ -213,6 +231,7 @@ class TorchStage:
         device: str = "cpu",
         microbatches: int = 1,
         resident: Optional[int] = None,
+        prefetch: bool = True,
     ):
         if not (0 <= layers.start < layers.stop <= shape.layers) or layers.step != 1:
             raise ValueError(f"layers {layers} are not a non-empty range within the model's {shape.layers}")
@@ -250,6 +269,15 @@ class TorchStage:
         self.recent: List[KvSet] = list(self.sets)
         #: Bytes swapped out and in so far.
         self.swapped_bytes = 0
+        self._swapped_lock = threading.Lock()
+        #: Called with a microbatch before the set holding it is swapped out (see the class).
+        self.before_swap_out: Optional[Callable[[int], None]] = None
+        #: The thread prefetches run on, and on a GPU their stream.
+        self._prefetcher = ThreadPoolExecutor(1, "swap-in") if prefetch and self.swapping and resident > 1 else None
+        self._copy_stream = torch.cuda.Stream(self.device) if self._prefetcher and self.engine is not None else None
+        #: Swaps started ahead of their step so far (one started for a microbatch the driver then
+        #: does not step next is undone by a later swap).
+        self.prefetches = 0
         self._mirror: Optional[Tuple[dejavu.KvCache, List[torch.Tensor]]] = None
 
     @property
@@ -268,21 +296,58 @@ class TorchStage:
         return self.kv(0).cache
 
     def kv(self, microbatch: int) -> KvSet:
-        """The set holding ``microbatch``'s KV on the device, swapping it in if it is not."""
+        """The set holding ``microbatch``'s KV on the device, swapping it in if it is not (or
+        waiting for the prefetch that swaps it in)."""
         if not 0 <= microbatch < self.microbatches:
             raise ValueError(f"microbatch {microbatch}: the stage has {self.microbatches}")
         held = next((kv for kv in self.sets if kv.holds == microbatch), None)
         if held is None:
             held = min(self.sets, key=lambda kv: (kv.holds is not None, self.recent.index(kv)))
+            held.settle()
             if held.holds is not None:
                 self._swap_out(held)
             self._swap_in(microbatch, held)
-        self.recent.remove(held)
-        self.recent.append(held)
+        held.settle()
+        self._used(held)
         return held
 
     def resident(self, microbatch: int) -> bool:
+        """Whether ``microbatch``'s KV is on the device (or being swapped in ahead)."""
         return any(kv.holds == microbatch for kv in self.sets)
+
+    def prefetch(self, microbatch: int) -> bool:
+        """Starts swapping ``microbatch`` in on the stage's prefetch thread, into the least
+        recently used set other than the one used last, unless it is resident already, or the
+        stage does not prefetch. Returns whether a swap started."""
+        if self._prefetcher is None or self.resident(microbatch):
+            return False
+        spare = [kv for kv in self.recent[:-1] if kv.loading is None]
+        if not spare:
+            return False
+        kv = spare[0]
+        evicted = kv.holds
+        if evicted is not None and self.before_swap_out is not None:
+            self.before_swap_out(evicted)
+        kv.holds = microbatch
+        stream = None
+        if self._copy_stream is not None:
+            # The copies read and write the set after the kernels queued so far, not the later ones.
+            self._copy_stream.wait_event(torch.cuda.current_stream(self.device).record_event())
+            stream = {"stream": self._copy_stream}
+        kv.loading = self._prefetcher.submit(self._swap, kv, evicted, microbatch, stream)
+        self._used(kv)
+        self.prefetches += 1
+        return True
+
+    def _used(self, kv: KvSet) -> None:
+        self.recent.remove(kv)
+        self.recent.append(kv)
+
+    def _swap(self, kv: KvSet, evicted: Optional[int], microbatch: int, stream: Optional[dict]) -> None:
+        """Swaps ``evicted`` out of ``kv`` (if any) and ``microbatch`` into it, on ``stream``."""
+        if evicted is not None:
+            self._gather_home(kv, evicted, stream)
+        self._scatter_home(kv, microbatch, stream)
 
     def _moved(self, microbatch: int) -> Tuple[dejavu.KvRegion, int]:
         region = self.region(range(self.slots), range(0, self.lengths[microbatch]))
@@ -293,6 +358,16 @@ class TorchStage:
 
     def _swap_out(self, kv: KvSet) -> None:
         microbatch, kv.holds = kv.holds, None
+        if self.before_swap_out is not None:
+            self.before_swap_out(microbatch)
+        self._gather_home(kv, microbatch, self._stream())
+
+    def _swap_in(self, microbatch: int, kv: KvSet) -> None:
+        self._scatter_home(kv, microbatch, self._stream())
+        kv.holds = microbatch
+
+    def _gather_home(self, kv: KvSet, microbatch: int, stream: Optional[dict]) -> None:
+        """Gathers ``microbatch``'s KV from ``kv`` into its home in host memory."""
         region, size = self._moved(microbatch)
         if size == 0:
             return
@@ -301,15 +376,19 @@ class TorchStage:
             full = self.sets[0].cache.packed_len(self.region(range(self.slots), range(0, self.max_tokens)))
             home = torch.empty(full, dtype=torch.uint8, pin_memory=self.engine is not None)
             self.homes[microbatch] = home
-        kv.cache.gather(region, home[:size], **self._stream())
-        self.swapped_bytes += size
+        kv.cache.gather(region, home[:size], **(stream or {}))
+        self._count(size)
 
-    def _swap_in(self, microbatch: int, kv: KvSet) -> None:
+    def _scatter_home(self, kv: KvSet, microbatch: int, stream: Optional[dict]) -> None:
+        """Scatters ``microbatch``'s KV from its home in host memory into ``kv``."""
         region, size = self._moved(microbatch)
         if size:
-            kv.cache.scatter(region, self.homes[microbatch][:size], **self._stream())
+            kv.cache.scatter(region, self.homes[microbatch][:size], **(stream or {}))
+            self._count(size)
+
+    def _count(self, size: int) -> None:
+        with self._swapped_lock:
             self.swapped_bytes += size
-        kv.holds = microbatch
 
     def region(self, slots: range, tokens: range) -> dejavu.KvRegion:
         """The KV of this stage's layers (local numbers) for ``slots`` and ``tokens``."""
@@ -351,6 +430,7 @@ class TorchStage:
         ``[batch, vocab]``), on the stage's device."""
         batch, count = self.check_inputs(inputs, slots, start)
         kv = self.kv(microbatch)
+        self.prefetch((microbatch + 1) % self.microbatches)
         end = start + count
         x = self.embed(inputs.to(self.device)) if self.first else inputs.to(self.device, self.shape.torch_dtype)
         positions = torch.arange(start, end, device=self.device).unsqueeze(0).expand(batch, count)

@@ -19,8 +19,9 @@ Then, per request (each a pickled tuple; each answer too):
   successor. A step is *acknowledged* once both hold it. At most ``lag`` steps are not acknowledged
   yet: a step waits for the acknowledgement of the step ``lag`` before it.
 - ``("drain",)`` waits until every step is answered: ``("drained", steps acknowledged)``.
-- ``("stats",)``: ``("stats", {"swapped_bytes", "acknowledged", "unforwarded"})``, the bytes
-  swapped out and in, the steps acknowledged, and the steps the sidecar kept but could not forward.
+- ``("stats",)``: ``("stats", {"swapped_bytes", "prefetches", "acknowledged", "unforwarded"})``, the
+  bytes swapped out and in, the swaps started ahead of their step, the steps acknowledged, and the
+  steps the sidecar kept but could not forward.
 - ``("release", microbatch, (first slot, end slot))``: the sequences finished; the sidecar and its successor
   drop their KV. ``("released", chunks)``.
 
@@ -79,10 +80,13 @@ class Replication:
         self.stage, self.lag = stage, lag
         self.client = dejavu.SidecarClient(socket, successor, epoch, stage_index, member=member)
         self.streamer = dejavu.Streamer(self.client.store, cpus=cpus)
-        self.pending: Deque[dejavu.Completion] = deque()
+        #: The steps not acknowledged yet, oldest first, each with its microbatch.
+        self.pending: Deque[Tuple[int, dejavu.Completion]] = deque()
         #: Steps kept by the sidecar and its successor; steps the sidecar kept alone.
         self.acknowledged = 0
         self.unforwarded = 0
+        # A swap must not reuse a set the streamer may still be reading.
+        stage.before_swap_out = self.settle
 
     @property
     def epoch(self) -> int:
@@ -129,7 +133,7 @@ class Replication:
                 completion = self.streamer.device_region_ready(cache, stream, region, worker, worker, microbatch)
         except dejavu.Error as e:
             raise SidecarGone(str(e)) from e
-        self.pending.append(completion)
+        self.pending.append((microbatch, completion))
         while len(self.pending) > self.lag:
             self._acknowledge()
 
@@ -137,6 +141,12 @@ class Replication:
         while self.pending:
             self._acknowledge()
         return self.acknowledged
+
+    def settle(self, microbatch: int) -> None:
+        """Waits until no step of ``microbatch`` is pending (with the steps queued before them):
+        the streamer no longer reads its KV, which a swap may then replace."""
+        while any(m == microbatch for m, _ in self.pending):
+            self._acknowledge()
 
     def release(self, microbatch: int, slots: range) -> int:
         self.drain()
@@ -147,7 +157,7 @@ class Replication:
 
     def _acknowledge(self) -> None:
         try:
-            self.pending.popleft().wait()
+            self.pending.popleft()[1].wait()
         except dejavu.Error as e:
             if not self._sidecar_answers():
                 raise SidecarGone(str(e)) from e
@@ -181,9 +191,6 @@ class StageServer:
                 began = time.perf_counter()
                 _, microbatch, (first, end), start, inputs, replicate = request
                 slots = range(first, end)
-                if self.replication is not None and not self.stage.resident(microbatch):
-                    # The streamer may still be reading the set a swap is about to reuse.
-                    self.replication.drain()
                 out = self.stage.forward(inputs, slots, start, microbatch=microbatch)
                 if replicate and self.replication is not None:
                     self.replication.step(microbatch, slots, range(start, start + inputs.shape[1]))
@@ -195,6 +202,7 @@ class StageServer:
                 replication = self.replication
                 return ("stats", {
                     "swapped_bytes": self.stage.swapped_bytes,
+                    "prefetches": self.stage.prefetches,
                     "acknowledged": replication.acknowledged if replication else 0,
                     "unforwarded": replication.unforwarded if replication else 0,
                 })
@@ -262,6 +270,10 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--successor", default="", help="the ring successor's sidecar, HOST:PORT")
     p.add_argument("--lag", type=int, default=2, help="steps that may wait for acknowledgement")
     p.add_argument(
+        "--no-prefetch", dest="prefetch", action="store_false",
+        help="swap a microbatch in when its step comes, not during the step before (with swapping)",
+    )
+    p.add_argument(
         "--threads", type=int, default=0,
         help="torch's CPU threads (0: torch's default, every CPU; idle threads of several stages on "
         "the same CPUs spin and slow each other's steps down)",
@@ -280,7 +292,7 @@ def main(argv) -> int:
     first, end = (int(x) for x in args.layers.split(":"))
     stage = TorchStage(
         ModelShape.from_json(args.shape), range(first, end), args.slots, args.max_tokens, args.device,
-        args.microbatches, args.resident,
+        args.microbatches, args.resident, prefetch=args.prefetch,
     )
     if args.socket and stage.restores_through_mirror:
         # A replacement's restore goes through a pinned host mirror: pin it while standing by.
