@@ -152,6 +152,25 @@ def test_prompt_stages_hand_their_kv_to_token_stages_split_another_way():
         for local, layer in enumerate(stage.layers):
             assert torch.equal(stage.keys[local][:, :, :10], prompt_stages[0].keys[layer][:, :, :10])
             assert torch.equal(stage.values[local][:, :, :10], prompt_stages[0].values[layer][:, :, :10])
+    # Through the stages' host mirrors (the way of stages on a GPU), in two pieces of the prompt:
+    # the same KV, the same tokens.
+    def split_as_before():
+        return ([TorchStage(SHAPE, range(0, 4), slots, max_tokens)],
+                [TorchStage(SHAPE, range(0, 2), slots, max_tokens), TorchStage(SHAPE, range(2, 4), slots, max_tokens)])
+
+    mirrored_prompt, mirrored_tokens = split_as_before()
+    mirrored_prompt[0].forward(prompts, range(slots), 0)
+    store = dejavu.HostStore()
+    for piece in (range(0, 4), range(4, 10)):
+        received = hand_over(mirrored_prompt, mirrored_tokens, piece, store, through_host=True)
+        assert received == sum(s.cache.packed_len(s.region(range(slots), piece)) for s in mirrored_tokens)
+    for stage, direct in zip(mirrored_tokens, token_stages):
+        for ours, theirs in zip(stage.kv(0).tensors(), direct.kv(0).tensors()):
+            assert torch.equal(ours[:, :, :10], theirs[:, :, :10])
+        assert stage.lengths[0] == 10 and stage._mirror is None
+    prompt_again, tokens_again = split_as_before()
+    via_host = generate_disaggregated(prompt_again, tokens_again, prompts, new_tokens, dejavu.HostStore(), through_host=True)
+    assert torch.equal(via_host, expected)
     # Token stages with another model shape are refused.
     other = TorchStage(ModelShape(layers=4, hidden=128, heads=4, kv_heads=4, intermediate=256, vocab=512), range(0, 4), slots, max_tokens)
     with pytest.raises(ValueError, match="one model shape"):

@@ -2,13 +2,14 @@
 hand its KV to token stages split another way (``stream_out`` / ``stream_in`` through a store),
 which decode from there without computing the prompt again.
 
-The stages' caches must be host memory (``TorchStage`` on the CPU): ``stream_out`` and
-``stream_in`` take host caches.
+``stream_out`` and ``stream_in`` take host caches: a stage whose KV is on a GPU hands it over
+through its host mirror (``TorchStage.host_mirror``, pinned), one copy each way between the device
+and the mirror.
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -28,15 +29,38 @@ def setup_of(stages: List[TorchStage]) -> dejavu.Setup:
     return dejavu.Setup(spec, [(s.layers, 1) for s in stages], microbatch_slots=slots, microbatches=1)
 
 
-def hand_over(prompt_stages: List[TorchStage], token_stages: List[TorchStage], tokens: range, store: dejavu.Store) -> int:
+def hand_over(
+    prompt_stages: List[TorchStage],
+    token_stages: List[TorchStage],
+    tokens: range,
+    store: dejavu.Store,
+    through_host: Optional[bool] = None,
+) -> int:
     """Streams ``tokens`` of every sequence's KV from the prompt stages into the token stages,
-    resharded to their layers, through ``store``; returns the bytes received."""
+    resharded to their layers, through ``store``; returns the bytes received. A stage on a GPU
+    goes through its host mirror; ``through_host`` makes every stage go that way (``True``) or
+    none (``False``)."""
     a, b = setup_of(prompt_stages), setup_of(token_stages)
+
+    def mirrored(stage: TorchStage) -> bool:
+        return stage.engine is not None if through_host is None else through_host
+
     for index, stage in enumerate(prompt_stages):
-        dejavu.stream_out(a, (index, 0), b, [stage.cache], tokens, store)
+        slots = range(stage.slots)
+        cache = stage.save_mirror(0, slots, tokens) if mirrored(stage) else stage.cache
+        dejavu.stream_out(a, (index, 0), b, [cache], tokens, store)
+        stage.drop_mirror()
     received = 0
     for index, stage in enumerate(token_stages):
-        received += dejavu.stream_in(a, b, (index, 0), [stage.cache], tokens, store)["bytes"]
+        slots = range(stage.slots)
+        if mirrored(stage):
+            mirror, tensors = stage.host_mirror()
+            received += dejavu.stream_in(a, b, (index, 0), [mirror], tokens, store)["bytes"]
+            stage.load_tokens(0, tensors, slots, tokens)
+            stage.drop_mirror()
+        else:
+            received += dejavu.stream_in(a, b, (index, 0), [stage.cache], tokens, store)["bytes"]
+            stage.restored(0, [(slots, tokens.stop)])
     return received
 
 
@@ -46,15 +70,17 @@ def generate_disaggregated(
     prompts: torch.Tensor,
     new_tokens: int,
     store: dejavu.Store,
+    through_host: Optional[bool] = None,
 ) -> torch.Tensor:
     """Greedy generation with the prompt on ``prompt_stages`` and every later token on
-    ``token_stages``: ``[batch, new_tokens]`` token ids, as ``model.generate`` on either split."""
+    ``token_stages``: ``[batch, new_tokens]`` token ids, as ``model.generate`` on either split
+    (``through_host`` as for ``hand_over``)."""
     batch, prompt = prompts.shape
     slots = range(batch)
     x = prompts
     for stage in prompt_stages:
         x = stage.forward(x, slots, 0)
-    hand_over(prompt_stages, token_stages, range(0, prompt), store)
+    hand_over(prompt_stages, token_stages, range(0, prompt), store, through_host)
     tokens, start = [x.cpu()], prompt
     while len(tokens) < new_tokens:
         x = tokens[-1].unsqueeze(1)

@@ -520,12 +520,30 @@ class TorchStage:
         if not restored:
             return
         kv = self.kv(microbatch)
-        for target, source in zip(kv.tensors(), tensors):
-            for slots, tokens in restored:
-                target[slots.start : slots.stop, :, :tokens].copy_(
-                    source[slots.start : slots.stop, :, :tokens], non_blocking=True
-                )
+        for slots, tokens in restored:
+            self._copy(kv.tensors(), tensors, slots, range(0, tokens))
         self.restored(microbatch, restored)
+
+    def save_mirror(self, microbatch: int, slots: range, tokens: range) -> dejavu.KvCache:
+        """Copies ``tokens`` of ``slots`` of ``microbatch``'s KV into the host mirror (made as
+        ``host_mirror`` makes it); returns the mirror's cache, for the library to read from."""
+        mirror, tensors = self.host_mirror()
+        self._copy(tensors, self.kv(microbatch).tensors(), slots, tokens)
+        return mirror
+
+    def load_tokens(self, microbatch: int, tensors: List[torch.Tensor], slots: range, tokens: range) -> None:
+        """Copies ``tokens`` of ``slots`` from a host mirror's ``tensors`` into ``microbatch``'s KV,
+        which then holds the sequences up to ``tokens.stop``."""
+        self._copy(self.kv(microbatch).tensors(), tensors, slots, tokens)
+        self.restored(microbatch, [(slots, tokens.stop)])
+
+    def _copy(self, targets: List[torch.Tensor], sources: List[torch.Tensor], slots: range, tokens: range) -> None:
+        """Copies ``tokens`` of ``slots`` of each source tensor into its target, between the host
+        and the stage's device; returns once they are copied."""
+        for target, source in zip(targets, sources):
+            target[slots.start : slots.stop, :, tokens.start : tokens.stop].copy_(
+                source[slots.start : slots.stop, :, tokens.start : tokens.stop], non_blocking=True
+            )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
