@@ -32,7 +32,7 @@ import torch
 import dejavu
 
 from .model import ModelShape, TorchStage
-from .stage import SIDECAR_GONE, Replication, SidecarGone, serve
+from .stage import SIDECAR_GONE, Replication, SidecarGone, add_engine_arguments, serve
 
 # Message kinds (docs/protocol.md): from the stage host, then to it.
 START, STEP, RESTORE = 1, 2, 3
@@ -234,17 +234,7 @@ class Member:
 def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dejavu.torch_engine member", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", required=True, help="the model's ModelShape as JSON")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--lag", type=int, default=2, help="steps that may wait for acknowledgement")
-    p.add_argument(
-        "--no-prefetch", dest="prefetch", action="store_false",
-        help="swap a microbatch in when its step comes, not during the step before (with swapping)",
-    )
-    p.add_argument(
-        "--threads", type=int, default=0,
-        help="torch's CPU threads (0: torch's default, every CPU; idle threads of several stages on "
-        "the same CPUs spin and slow each other's steps down)",
-    )
+    add_engine_arguments(p)
     return p.parse_args(argv)
 
 

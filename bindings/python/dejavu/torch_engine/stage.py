@@ -265,9 +265,15 @@ def parse(argv) -> argparse.Namespace:
         "--resident", type=int,
         help="microbatches whose KV stays on the device (fewer than --microbatches: swapping; default: all)",
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--socket", help="the sidecar's local socket (none: no replication)")
     p.add_argument("--successor", default="", help="the ring successor's sidecar, HOST:PORT")
+    add_engine_arguments(p)
+    return p.parse_args(argv)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The options a stage process and an engine process under ``dejavud`` share."""
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--lag", type=int, default=2, help="steps that may wait for acknowledgement")
     p.add_argument(
         "--no-prefetch", dest="prefetch", action="store_false",
@@ -278,7 +284,6 @@ def parse(argv) -> argparse.Namespace:
         help="torch's CPU threads (0: torch's default, every CPU; idle threads of several stages on "
         "the same CPUs spin and slow each other's steps down)",
     )
-    return p.parse_args(argv)
 
 
 def main(argv) -> int:
