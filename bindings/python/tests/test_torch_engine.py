@@ -177,6 +177,26 @@ def test_prompt_stages_hand_their_kv_to_token_stages_split_another_way():
         hand_over(prompt_stages, [other, token_stages[1]], range(0, 10), dejavu.HostStore())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: a hand-over from GPU stages is not tested here")
+def test_prompt_stages_on_a_gpu_hand_their_kv_over_through_their_host_mirrors():
+    import dejavu
+    from dejavu.torch_engine.disaggregation import generate_disaggregated
+
+    prompts, new_tokens, slots, max_tokens = ids(3, 10, seed=5), 6, 3, 16
+    colocated = [TorchStage(SHAPE, range(0, 1), slots, max_tokens, "cuda"),
+                 TorchStage(SHAPE, range(1, 4), slots, max_tokens, "cuda")]
+    expected = generate(colocated, prompts, new_tokens)
+    prompt_stages = [TorchStage(SHAPE, range(0, 4), slots, max_tokens, "cuda")]
+    token_stages = [TorchStage(SHAPE, range(0, 2), slots, max_tokens, "cuda"),
+                    TorchStage(SHAPE, range(2, 4), slots, max_tokens, "cuda")]
+    tokens = generate_disaggregated(prompt_stages, token_stages, prompts, new_tokens, dejavu.HostStore())
+    assert torch.equal(tokens, expected)
+    for stage in token_stages:
+        for local, layer in enumerate(stage.layers):
+            assert torch.equal(stage.keys[local][:, :, :10], prompt_stages[0].keys[layer][:, :, :10])
+            assert torch.equal(stage.values[local][:, :, :10], prompt_stages[0].values[layer][:, :, :10])
+
+
 def test_a_replacement_that_cannot_join_yet_is_followed_by_another_once_the_sidecar_is_back():
     import threading
 
@@ -231,12 +251,12 @@ def test_microbatches_swapped_through_host_memory_give_the_tokens_of_microbatche
         TorchStage(SHAPE, range(0, 2), 2, 16, microbatches=3, resident=4)
 
 
-def test_microbatches_swapped_in_ahead_give_the_tokens_of_microbatches_kept_resident():
+def swaps_ahead_match_microbatches_kept_resident(device):
     prompts, new_tokens = ids(8, 5, seed=11), 9
 
     def stages(resident, prefetch=True):
-        return [TorchStage(SHAPE, range(0, 2), 2, 16, microbatches=4, resident=resident, prefetch=prefetch),
-                TorchStage(SHAPE, range(2, 4), 2, 16, microbatches=4, resident=resident, prefetch=prefetch)]
+        return [TorchStage(SHAPE, range(0, 2), 2, 16, microbatches=4, resident=resident, prefetch=prefetch, device=device),
+                TorchStage(SHAPE, range(2, 4), 2, 16, microbatches=4, resident=resident, prefetch=prefetch, device=device)]
 
     kept, ahead, in_turn = stages(4), stages(2), stages(2, prefetch=False)
     expected = generate(kept, prompts, new_tokens, microbatches=4)
@@ -251,8 +271,8 @@ def test_microbatches_swapped_in_ahead_give_the_tokens_of_microbatches_kept_resi
         microbatch = early.sets[0].cache.packed_len(early.region(range(2), range(0, 5 + new_tokens - 1)))
         assert early.swapped_bytes == late.swapped_bytes + 2 * microbatch
     # A prefetch for a microbatch the driver does not step next is undone by a later swap.
-    stage = TorchStage(SHAPE, range(0, 2), 2, 16, microbatches=4, resident=2)
-    reference = TorchStage(SHAPE, range(0, 2), 2, 16, microbatches=4)
+    stage = TorchStage(SHAPE, range(0, 2), 2, 16, device, microbatches=4, resident=2)
+    reference = TorchStage(SHAPE, range(0, 2), 2, 16, device, microbatches=4)
     positions = [0] * 4
     for m in (0, 2, 1, 3, 0, 3, 2, 2, 1):
         x = ids(2, 1, seed=m + 10 * positions[m])
@@ -260,6 +280,15 @@ def test_microbatches_swapped_in_ahead_give_the_tokens_of_microbatches_kept_resi
         assert torch.equal(out, reference.forward(x, range(2), positions[m], microbatch=m))
         positions[m] += 1
     assert stage.prefetches > 0
+
+
+def test_microbatches_swapped_in_ahead_give_the_tokens_of_microbatches_kept_resident():
+    swaps_ahead_match_microbatches_kept_resident("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: swaps ahead on a GPU are not tested here")
+def test_microbatches_swapped_in_ahead_on_a_gpu_give_the_tokens_of_microbatches_kept_resident():
+    swaps_ahead_match_microbatches_kept_resident("cuda")
 
 
 def test_swapping_stages_killed_mid_decode_resume_bit_identical():
