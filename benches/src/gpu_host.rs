@@ -157,13 +157,17 @@ fn rust_rows(
     Ok(rows)
 }
 
+/// The Python script, carried in the executable: a `bench-report` copied to a GPU machine finds
+/// it there without the source tree.
+const PYTHON_SCRIPT: &str = include_str!("../python/gpu_host.py");
+
 /// Runs the Python script on `w`'s geometry and reads its rows.
 fn python_rows(w: &Workload) -> Result<Vec<Row>, String> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/gpu_host.py");
+    let script = "gpu_host.py";
     let python = std::env::var("DEJAVU_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
     let layout = w.cache.layout();
     let output = Command::new(&python)
-        .arg(script)
+        .args(["-c", PYTHON_SCRIPT])
         .args(["--layers", &layout.spec().layers().to_string()])
         .args(["--heads", &layout.spec().kv_heads().to_string()])
         .args(["--slots", &layout.slots().to_string()])

@@ -264,8 +264,13 @@ class TorchStage:
                 kv.holds = m
         #: Per microbatch, the tokens whose KV it holds (what a swap moves).
         self.lengths = [0] * microbatches
-        #: The packed KV of the microbatches swapped out (host memory; pinned on a GPU).
+        #: Where each microbatch's packed KV is while it is swapped out: host memory, pinned on a
+        #: GPU, allocated here rather than in a step (pinning takes a while).
         self.homes: Dict[int, torch.Tensor] = {}
+        if self.swapping:
+            full = self.sets[0].cache.packed_len(self.region(range(slots), range(0, max_tokens)))
+            pin = self.engine is not None
+            self.homes = {m: torch.empty(full, dtype=torch.uint8, pin_memory=pin) for m in range(microbatches)}
         self.recent: List[KvSet] = list(self.sets)
         #: Bytes swapped out and in so far.
         self.swapped_bytes = 0
@@ -371,12 +376,7 @@ class TorchStage:
         region, size = self._moved(microbatch)
         if size == 0:
             return
-        home = self.homes.get(microbatch)
-        if home is None or home.numel() < size:
-            full = self.sets[0].cache.packed_len(self.region(range(self.slots), range(0, self.max_tokens)))
-            home = torch.empty(full, dtype=torch.uint8, pin_memory=self.engine is not None)
-            self.homes[microbatch] = home
-        kv.cache.gather(region, home[:size], **(stream or {}))
+        kv.cache.gather(region, self.homes[microbatch][:size], **(stream or {}))
         self._count(size)
 
     def _scatter_home(self, kv: KvSet, microbatch: int, stream: Optional[dict]) -> None:
