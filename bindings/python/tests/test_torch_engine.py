@@ -334,7 +334,8 @@ def test_the_daemon_runs_the_engine_under_its_stage_host_and_each_kill_resumes_b
     engine processes (``python -m dejavu.torch_engine member``). The controller recovers from an
     engine killed alone, replaced by a spare whose engine process stood by, warm (restored from
     its own sidecar); the driver recovers from a whole worker killed (restored from its
-    successor's sidecar)."""
+    successor's sidecar), its stages keeping 2 of 3 microbatches on the device and swapping the
+    third, each swap started a step ahead."""
     import json
     import subprocess
     import sys
@@ -344,18 +345,22 @@ def test_the_daemon_runs_the_engine_under_its_stage_host_and_each_kill_resumes_b
     common = [dejavud(), "demo", "--engine=torch", f"--python={sys.executable}", "--stages=2", "--victim=1",
               "--requests=4", "--prompt-tokens=6", "--new-tokens=10", "--json"]
     reports = {}
-    for kill, more in (("engine", ["--recoveries=controller", "--spares=1"]), ("worker", ["--recoveries=driver"])):
+    swapping = ["--recoveries=driver", "--requests=12", "--device-caches=2"]
+    for kill, more in (("engine", ["--recoveries=controller", "--spares=1"]), ("worker", swapping)):
         run = subprocess.run(common + [f"--kill={kill}"] + more, capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stderr
         reports[kill] = json.loads(run.stdout)
-    for report in reports.values():
+    for report, requests in ((reports["engine"], 4), (reports["worker"], 12)):
         assert report["engine"] == "torch"
         assert report["matched"] is True and report["restart_matched"] is True
         # The replacement restored what replication kept: it recomputes the interrupted step (and
-        # at most one the streamer had not finished), where a restart recomputes all 20 before.
+        # at most one the streamer had not finished), where a restart recomputes the 5 tokens of
+        # every request before the failure.
         assert 1 <= report["recovery"]["tokens_recomputed"] <= 2
-        assert report["restart_tokens_recomputed"] == 20
+        assert report["restart_tokens_recomputed"] == 5 * requests
     assert reports["engine"]["spares_used"] == 1 and reports["worker"]["spares_used"] == 0
+    # The engine processes report their swaps, which the stage hosts publish as their metrics.
+    assert reports["engine"]["swapped_bytes"] == 0 and reports["worker"]["swapped_bytes"] > 0
     # What the engine processes computed is what the same model computes in one process.
     first = reports["engine"]["first_request"]
     threads = torch.get_num_threads()

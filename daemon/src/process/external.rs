@@ -35,6 +35,11 @@
 //! - `4` **refused**, to a step or a restore it cannot carry out (shapes or positions out of
 //!   range): why, in UTF-8. The host drops the request and goes on.
 //!
+//! Before any answer, an engine that swaps microbatches between its device and host memory may
+//! send `6` **swapped**: its totals so far of microbatches swapped in, bytes swapped in, deltas
+//! swapped out and bytes swapped out, and the bytes of KV it holds in host memory now (`u64`
+//! each). The host publishes them as its stage's swap metrics and reads on for the answer.
+//!
 //! An engine whose sidecar is gone exits. The host stops when its engine is gone (it finds so at the
 //! next request), answers out of turn or with an output of the wrong size, or takes longer than
 //! [`REQUEST_PATIENCE`] to answer; the controller, hearing the host fall silent, replaces the
@@ -190,6 +195,24 @@ pub enum FromEngine {
     Refused(String),
     /// Started, waiting to be told its stage.
     Standby,
+    /// Its swaps so far, sent before an answer.
+    Swapped(SwapTotals),
+}
+
+/// An engine's swaps between its device and host memory so far (what [`FromEngine::Swapped`]
+/// carries).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SwapTotals {
+    /// Microbatches swapped in.
+    pub swap_ins: u64,
+    /// Bytes swapped in.
+    pub bytes_in: u64,
+    /// Deltas (or whole microbatches) swapped out.
+    pub swap_outs: u64,
+    /// Bytes swapped out.
+    pub bytes_out: u64,
+    /// Bytes of KV in host memory now.
+    pub host_bytes: u64,
 }
 
 /// Writes a little-endian message body's fields.
@@ -355,6 +378,13 @@ impl FromEngine {
             FromEngine::Restored(tokens) => Body::default().u8(3).u32(*tokens),
             FromEngine::Refused(why) => Body::default().u8(4).rest(why.as_bytes()),
             FromEngine::Standby => Body::default().u8(5),
+            FromEngine::Swapped(t) => Body::default()
+                .u8(6)
+                .u64(t.swap_ins)
+                .u64(t.bytes_in)
+                .u64(t.swap_outs)
+                .u64(t.bytes_out)
+                .u64(t.host_bytes),
         }
         .0
     }
@@ -368,6 +398,13 @@ impl FromEngine {
             3 => FromEngine::Restored(f.u32()?),
             4 => FromEngine::Refused(String::from_utf8_lossy(f.rest()).into_owned()),
             5 => FromEngine::Standby,
+            6 => FromEngine::Swapped(SwapTotals {
+                swap_ins: f.u64()?,
+                bytes_in: f.u64()?,
+                swap_outs: f.u64()?,
+                bytes_out: f.u64()?,
+                host_bytes: f.u64()?,
+            }),
             kind => return Err(ExternalError::Malformed(format!("message kind {kind} from an engine"))),
         };
         f.end()?;
@@ -582,14 +619,31 @@ impl ExternalEngine {
         if self.lost {
             return Err(ExternalError::Gone("it was lost before".into()));
         }
-        let process = &mut self.process;
-        let answer = write_message(&mut process.to, &message.encode())
-            .map_err(|e| ExternalError::Gone(e.to_string()))
-            .and_then(|()| process.answer(patience));
+        let sent = write_message(&mut self.process.to, &message.encode());
+        let answer = sent.map_err(|e| ExternalError::Gone(e.to_string())).and_then(|()| loop {
+            match self.process.answer(patience)? {
+                FromEngine::Swapped(totals) => self.record(totals),
+                answer => break Ok(answer),
+            }
+        });
         if answer.is_err() {
             self.lost = true;
         }
         answer
+    }
+
+    /// Publishes the engine's swap totals as the stage's swap metrics.
+    fn record(&self, totals: SwapTotals) {
+        let swap = &self.stats.swap;
+        for (metric, value) in [
+            (&swap.swap_ins, totals.swap_ins),
+            (&swap.bytes_in, totals.bytes_in),
+            (&swap.swap_outs, totals.swap_outs),
+            (&swap.bytes_out, totals.bytes_out),
+            (&swap.host_bytes, totals.host_bytes),
+        ] {
+            metric.store(value, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// An answer of the wrong kind to `request`: the engine is out of step, and lost.
@@ -712,6 +766,13 @@ mod tests {
         let from = [
             FromEngine::Ready(7),
             FromEngine::Output(vec![9; 1024]),
+            FromEngine::Swapped(SwapTotals {
+                swap_ins: 1,
+                bytes_in: 2,
+                swap_outs: 3,
+                bytes_out: 4,
+                host_bytes: 5,
+            }),
             FromEngine::Restored(40),
             FromEngine::Refused("slot 9 of 4".into()),
             FromEngine::Standby,
@@ -719,6 +780,50 @@ mod tests {
         for message in from {
             assert_eq!(FromEngine::decode(&message.encode()).unwrap(), message);
         }
+    }
+
+    /// An engine process that answers each step with its swap totals so far (one more swap in
+    /// and out of 100 bytes per step, 300 bytes in host memory) and then a token.
+    const SWAPPING_ENGINE: &str = r#"
+import struct, sys
+steps = 0
+while True:
+    length = sys.stdin.buffer.read(4)
+    if len(length) < 4:
+        break
+    sys.stdin.buffer.read(struct.unpack("<I", length)[0])
+    steps += 1
+    for body in (bytes([6]) + struct.pack("<5Q", steps, 100 * steps, steps, 100 * steps, 300),
+                 bytes([2]) + struct.pack("<I", 7)):
+        sys.stdout.buffer.write(struct.pack("<I", len(body)) + body)
+    sys.stdout.buffer.flush()
+"#;
+
+    #[test]
+    fn an_engine_s_swap_totals_become_the_stage_s_swap_metrics() {
+        let command =
+            EngineCommand::new(vec!["python3".into(), "-c".into(), SWAPPING_ENGINE.into()]).unwrap();
+        let stats = Arc::new(StageStats::default());
+        let mut engine = ExternalEngine {
+            process: EngineProcess::spawn(&command).unwrap(),
+            replicate: false,
+            lost: false,
+            stats: stats.clone(),
+            index: 0,
+        };
+        let seat = Seat { microbatch: 0, slot: 0 };
+        for position in 0..3 {
+            // The swap report before each answer is recorded, and the answer is the step's.
+            assert_eq!(engine.step(seat, position, 1, &[0; 4]).unwrap(), 7u32.to_le_bytes());
+        }
+        let swap = &stats.swap;
+        let read = |metric: &std::sync::atomic::AtomicU64| metric.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(
+            [&swap.swap_ins, &swap.bytes_in, &swap.swap_outs, &swap.bytes_out, &swap.host_bytes].map(read),
+            [3, 300, 3, 300, 300]
+        );
+        assert_eq!(read(&stats.steps), 3);
+        assert!(!engine.lost());
     }
 
     #[test]

@@ -36,7 +36,7 @@ from .stage import SIDECAR_GONE, Replication, SidecarGone, add_engine_arguments,
 
 # Message kinds (docs/protocol.md): from the stage host, then to it.
 START, STEP, RESTORE = 1, 2, 3
-READY, OUTPUT, RESTORED, REFUSED, STANDBY = 1, 2, 3, 4, 5
+READY, OUTPUT, RESTORED, REFUSED, STANDBY, SWAPPED = 1, 2, 3, 4, 5, 6
 
 #: The longest message either side sends.
 MAX_MESSAGE = 1 << 30
@@ -142,6 +142,19 @@ class Member:
     def __init__(self, stage: TorchStage, start: Start, replication: Optional[Replication]):
         self.stage, self.start, self.replication = stage, start, replication
         self.peers: Dict[str, dejavu.Store] = {}
+        self._swaps_said: Optional[tuple] = None
+
+    def swapped(self) -> Optional[bytes]:
+        """The ``swapped`` message of the stage's swap totals, if they changed since it was last
+        made: the host publishes them as the stage's swap metrics."""
+        stage = self.stage
+        if not stage.swapping:
+            return None
+        totals = (stage.swap_ins, stage.bytes_in, stage.swap_outs, stage.bytes_out, stage.host_bytes())
+        if totals == self._swaps_said:
+            return None
+        self._swaps_said = totals
+        return bytes([SWAPPED]) + struct.pack("<5Q", *totals)
 
     def step(self, microbatch: int, slot: int, position: int, count: int, replicate: bool, data: bytes) -> bytes:
         """Runs one step of one sequence; returns its output as the protocol carries it."""
@@ -285,8 +298,14 @@ def main(argv, out: Optional[BinaryIO] = None) -> int:
     epoch = replication.epoch if replication is not None else start.epoch
     write_message(out, bytes([READY]) + struct.pack("<Q", epoch))
     member = Member(stage, start, replication)
-    status = serve(iter(lambda: read_message(requests), None), member.handle, lambda answer: write_message(out, answer),
-                   replication, name, start.sidecar)
+
+    def answer(body: bytes) -> None:
+        swapped = member.swapped()
+        if swapped is not None:
+            write_message(out, swapped)
+        write_message(out, body)
+
+    status = serve(iter(lambda: read_message(requests), None), member.handle, answer, replication, name, start.sidecar)
     if status != 0:
         leave(status)
     return status

@@ -272,8 +272,8 @@ class TorchStage:
             pin = self.engine is not None
             self.homes = {m: torch.empty(full, dtype=torch.uint8, pin_memory=pin) for m in range(microbatches)}
         self.recent: List[KvSet] = list(self.sets)
-        #: Bytes swapped out and in so far.
-        self.swapped_bytes = 0
+        #: Swaps so far: microbatches swapped in and their bytes, swapped out and their bytes.
+        self.swap_ins = self.bytes_in = self.swap_outs = self.bytes_out = 0
         self._swapped_lock = threading.Lock()
         #: Called with a microbatch before the set holding it is swapped out (see the class).
         self.before_swap_out: Optional[Callable[[int], None]] = None
@@ -377,18 +377,30 @@ class TorchStage:
         if size == 0:
             return
         kv.cache.gather(region, self.homes[microbatch][:size], **(stream or {}))
-        self._count(size)
+        self._count(size, out=True)
 
     def _scatter_home(self, kv: KvSet, microbatch: int, stream: Optional[dict]) -> None:
         """Scatters ``microbatch``'s KV from its home in host memory into ``kv``."""
         region, size = self._moved(microbatch)
         if size:
             kv.cache.scatter(region, self.homes[microbatch][:size], **(stream or {}))
-            self._count(size)
+            self._count(size, out=False)
 
-    def _count(self, size: int) -> None:
+    def _count(self, size: int, out: bool) -> None:
         with self._swapped_lock:
-            self.swapped_bytes += size
+            if out:
+                self.swap_outs, self.bytes_out = self.swap_outs + 1, self.bytes_out + size
+            else:
+                self.swap_ins, self.bytes_in = self.swap_ins + 1, self.bytes_in + size
+
+    @property
+    def swapped_bytes(self) -> int:
+        """Bytes swapped out and in so far."""
+        return self.bytes_in + self.bytes_out
+
+    def host_bytes(self) -> int:
+        """Bytes of KV in host memory now: the microbatches swapped out."""
+        return sum(self._moved(m)[1] for m in range(self.microbatches) if not self.resident(m))
 
     def region(self, slots: range, tokens: range) -> dejavu.KvRegion:
         """The KV of this stage's layers (local numbers) for ``slots`` and ``tokens``."""
