@@ -4,8 +4,8 @@ ahead (the default) or in turn when its step comes, and against one kept (no pre
 
     python3 benches/python/torch_swap_prefetch.py [--device cuda] [--rounds 3]
 
-The stages run in this process, one pipeline of ``--stages`` stages stepped as ``generate`` steps
-them (each microbatch's prompt, then one token at a time round the microbatches); the rounds take
+The stages run in this process, one pipeline of ``--stages`` stages (``generate``: each
+microbatch's prompt, then one token at a time round the microbatches); the rounds take
 the four settings in turn, and every setting must give the same tokens. Prints each setting's
 median decode throughput (the prompts left out) and the bytes it swapped per decode step. Needs
 torch, transformers and the dejavu package.
@@ -13,32 +13,10 @@ torch, transformers and the dejavu package.
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from dejavu.torch_engine.model import ModelShape, TorchStage
-
-
-def decode(stages, prompts: torch.Tensor, new_tokens: int, microbatches: int):
-    """``generate``'s steps, timed: the tokens and the seconds of the decode steps."""
-    batch = prompts.shape[0] // microbatches
-    slots = range(batch)
-    inputs = [prompts[m * batch : (m + 1) * batch] for m in range(microbatches)]
-    starts, tokens = [0] * microbatches, [[] for _ in range(microbatches)]
-    seconds = 0.0
-    for k in range(new_tokens):
-        began = time.perf_counter()
-        for m in range(microbatches):
-            x = inputs[m]
-            for stage in stages:
-                x = stage.forward(x, slots, starts[m], microbatch=m)
-            tokens[m].append(x.cpu())
-            starts[m] += inputs[m].shape[1]
-            inputs[m] = x.unsqueeze(1)
-        if k:
-            seconds += time.perf_counter() - began
-    return torch.cat([torch.stack(t, dim=1) for t in tokens], dim=0), seconds
+from dejavu.torch_engine.model import ModelShape, TorchStage, generate
 
 
 def main() -> None:
@@ -72,7 +50,9 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, setting in settings.items():
             stages = [TorchStage(shape, l, args.batch, max_tokens, args.device, microbatches=m, **setting) for l in layers]
-            tokens, seconds = decode(stages, prompts, args.new_tokens, m)
+            rounds = []
+            tokens = generate(stages, prompts, args.new_tokens, m, rounds)
+            seconds = sum(rounds[1:])
             expected = tokens if expected is None else expected
             assert torch.equal(tokens, expected), f"{name}: other tokens"
             rates[name].append(m * args.batch * (args.new_tokens - 1) / seconds)

@@ -136,65 +136,64 @@ def test_the_demo_reports_each_failure_against_a_failure_free_run(tmp_path, caps
     assert main(["--stages=3", "--layers=2"]) == 2
 
 
-def test_prompt_stages_hand_their_kv_to_token_stages_split_another_way():
-    import dejavu
-    from dejavu.torch_engine.disaggregation import generate_disaggregated, hand_over
+PROMPTS, NEW_TOKENS, SLOTS, MAX_TOKENS = ids(3, 10, seed=5), 6, 3, 16
 
-    prompts, new_tokens, slots, max_tokens = ids(3, 10, seed=5), 6, 3, 16
-    colocated = [TorchStage(SHAPE, range(0, 1), slots, max_tokens), TorchStage(SHAPE, range(1, 4), slots, max_tokens)]
-    expected = generate(colocated, prompts, new_tokens)
-    prompt_stages = [TorchStage(SHAPE, range(0, 4), slots, max_tokens)]
-    token_stages = [TorchStage(SHAPE, range(0, 2), slots, max_tokens), TorchStage(SHAPE, range(2, 4), slots, max_tokens)]
-    tokens = generate_disaggregated(prompt_stages, token_stages, prompts, new_tokens, dejavu.HostStore())
+
+def disaggregation_splits(device):
+    """Three splits of the model on ``device``: colocated (layers 0 | 1-3), a prompt stage of all
+    four layers, and token stages of two each."""
+    def stage(first, end):
+        return TorchStage(SHAPE, range(first, end), SLOTS, MAX_TOKENS, device)
+
+    return [stage(0, 1), stage(1, 4)], [stage(0, 4)], [stage(0, 2), stage(2, 4)]
+
+
+def disaggregated_matches_colocated(device):
+    """Generates colocated and disaggregated on ``device``: the same tokens, and the token stages
+    hold the prompt stage's KV bit for bit. Returns the tokens and the two disaggregated splits."""
+    import dejavu
+    from dejavu.torch_engine.disaggregation import generate_disaggregated
+
+    colocated, prompt_stages, token_stages = disaggregation_splits(device)
+    expected = generate(colocated, PROMPTS, NEW_TOKENS)
+    tokens = generate_disaggregated(prompt_stages, token_stages, PROMPTS, NEW_TOKENS, dejavu.HostStore())
     assert torch.equal(tokens, expected)
-    # What the token stages hold for the prompt is the prompt stage's KV, bit for bit.
     for stage in token_stages:
         for local, layer in enumerate(stage.layers):
             assert torch.equal(stage.keys[local][:, :, :10], prompt_stages[0].keys[layer][:, :, :10])
             assert torch.equal(stage.values[local][:, :, :10], prompt_stages[0].values[layer][:, :, :10])
+    return expected, prompt_stages, token_stages
+
+
+def test_prompt_stages_hand_their_kv_to_token_stages_split_another_way():
+    import dejavu
+    from dejavu.torch_engine.disaggregation import generate_disaggregated, hand_over
+
+    expected, prompt_stages, token_stages = disaggregated_matches_colocated("cpu")
     # Through the stages' host mirrors (the way of stages on a GPU), in two pieces of the prompt:
     # the same KV, the same tokens.
-    def split_as_before():
-        return ([TorchStage(SHAPE, range(0, 4), slots, max_tokens)],
-                [TorchStage(SHAPE, range(0, 2), slots, max_tokens), TorchStage(SHAPE, range(2, 4), slots, max_tokens)])
-
-    mirrored_prompt, mirrored_tokens = split_as_before()
-    mirrored_prompt[0].forward(prompts, range(slots), 0)
+    _, mirrored_prompt, mirrored_tokens = disaggregation_splits("cpu")
+    mirrored_prompt[0].forward(PROMPTS, range(SLOTS), 0)
     store = dejavu.HostStore()
     for piece in (range(0, 4), range(4, 10)):
         received = hand_over(mirrored_prompt, mirrored_tokens, piece, store, through_host=True)
-        assert received == sum(s.cache.packed_len(s.region(range(slots), piece)) for s in mirrored_tokens)
+        assert received == sum(s.cache.packed_len(s.region(range(SLOTS), piece)) for s in mirrored_tokens)
     for stage, direct in zip(mirrored_tokens, token_stages):
         for ours, theirs in zip(stage.kv(0).tensors(), direct.kv(0).tensors()):
             assert torch.equal(ours[:, :, :10], theirs[:, :, :10])
         assert stage.lengths[0] == 10 and stage._mirror is None
-    prompt_again, tokens_again = split_as_before()
-    via_host = generate_disaggregated(prompt_again, tokens_again, prompts, new_tokens, dejavu.HostStore(), through_host=True)
+    _, prompt_again, tokens_again = disaggregation_splits("cpu")
+    via_host = generate_disaggregated(prompt_again, tokens_again, PROMPTS, NEW_TOKENS, dejavu.HostStore(), through_host=True)
     assert torch.equal(via_host, expected)
     # Token stages with another model shape are refused.
-    other = TorchStage(ModelShape(layers=4, hidden=128, heads=4, kv_heads=4, intermediate=256, vocab=512), range(0, 4), slots, max_tokens)
+    other = TorchStage(ModelShape(layers=4, hidden=128, heads=4, kv_heads=4, intermediate=256, vocab=512), range(0, 4), SLOTS, MAX_TOKENS)
     with pytest.raises(ValueError, match="one model shape"):
         hand_over(prompt_stages, [other, token_stages[1]], range(0, 10), dejavu.HostStore())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: a hand-over from GPU stages is not tested here")
 def test_prompt_stages_on_a_gpu_hand_their_kv_over_through_their_host_mirrors():
-    import dejavu
-    from dejavu.torch_engine.disaggregation import generate_disaggregated
-
-    prompts, new_tokens, slots, max_tokens = ids(3, 10, seed=5), 6, 3, 16
-    colocated = [TorchStage(SHAPE, range(0, 1), slots, max_tokens, "cuda"),
-                 TorchStage(SHAPE, range(1, 4), slots, max_tokens, "cuda")]
-    expected = generate(colocated, prompts, new_tokens)
-    prompt_stages = [TorchStage(SHAPE, range(0, 4), slots, max_tokens, "cuda")]
-    token_stages = [TorchStage(SHAPE, range(0, 2), slots, max_tokens, "cuda"),
-                    TorchStage(SHAPE, range(2, 4), slots, max_tokens, "cuda")]
-    tokens = generate_disaggregated(prompt_stages, token_stages, prompts, new_tokens, dejavu.HostStore())
-    assert torch.equal(tokens, expected)
-    for stage in token_stages:
-        for local, layer in enumerate(stage.layers):
-            assert torch.equal(stage.keys[local][:, :, :10], prompt_stages[0].keys[layer][:, :, :10])
-            assert torch.equal(stage.values[local][:, :, :10], prompt_stages[0].values[layer][:, :, :10])
+    disaggregated_matches_colocated("cuda")
 
 
 def test_a_replacement_that_cannot_join_yet_is_followed_by_another_once_the_sidecar_is_back():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -560,16 +561,24 @@ class TorchStage:
             torch.cuda.synchronize(self.device)
 
 
-def generate(stages: List[TorchStage], prompts: torch.Tensor, new_tokens: int, microbatches: int = 1) -> torch.Tensor:
+def generate(
+    stages: List[TorchStage],
+    prompts: torch.Tensor,
+    new_tokens: int,
+    microbatches: int = 1,
+    rounds: Optional[List[float]] = None,
+) -> torch.Tensor:
     """Greedy generation through ``stages`` in this process, in the steps the pipeline driver
     takes (each microbatch's prompt, then one token at a time, round the microbatches):
     ``[sequences, new_tokens]`` token ids. The sequences split into ``microbatches`` equal ones,
-    each in the first slots of its own."""
+    each in the first slots of its own. ``rounds``, if given, gets the seconds of each round of
+    the microbatches (the first is the prompts')."""
     batch = prompts.shape[0] // microbatches
     slots = range(batch)
     inputs = [prompts[m * batch : (m + 1) * batch] for m in range(microbatches)]
     starts, tokens = [0] * microbatches, [[] for _ in range(microbatches)]
     for _ in range(new_tokens):
+        began = time.perf_counter()
         for m in range(microbatches):
             x = inputs[m]
             for stage in stages:
@@ -577,4 +586,6 @@ def generate(stages: List[TorchStage], prompts: torch.Tensor, new_tokens: int, m
             tokens[m].append(x.cpu())
             starts[m] += inputs[m].shape[1]
             inputs[m] = x.unsqueeze(1)
+        if rounds is not None:
+            rounds.append(time.perf_counter() - began)
     return torch.cat([torch.stack(t, dim=1) for t in tokens], dim=0)
