@@ -306,6 +306,13 @@ def fetch(store: Store, cache: KvCache, region: KvRegion, source: Worker = (0, 0
     a sidecar store, that sidecar keeps the chunk as the engine's own and forwards it nowhere (KV
     restored from a peer's replica becomes the local copy again)."""
 
+def fetch_chunks(store: Store, cache: KvCache, regions: Sequence[KvRegion], source: Worker = (0, 0), destination: Worker = (0, 0), microbatch: int = 0, keep_in: Optional[Store] = None) -> dict:
+    """Fetches the chunk ``flush`` wrote for each of ``regions`` in turn into ``cache``, until one is
+    not there; from a peer store up to 64 fetches in flight together. With ``keep_in``, a sidecar
+    store, that sidecar keeps them as the engine's own, many per request. Returns ``{"fetched":
+    regions restored (a prefix), "bytes": their payload bytes, "error": why it stopped early if
+    not for a missing chunk, or None}``."""
+
 def stream_out(a: Setup, source: Worker, b: Setup, caches: Sequence[KvCache], tokens: RangeLike, store: Store) -> dict:
     """Streams ``tokens`` of worker ``source`` of setup ``a`` toward the workers of setup ``b``."""
 

@@ -26,7 +26,7 @@ use crate::gpu::{PyCudaEngine, PyDeviceCache};
 use crate::layout::{PyLayout, PyRegion, PySpec};
 use crate::pinned::PyPinnedBuffer;
 use crate::reshard::{py_stream_in, py_stream_out, PySetup};
-use crate::store::{fetch, flush, PyPeerServer, PyStore};
+use crate::store::{fetch, fetch_chunks, flush, PyPeerServer, PyStore};
 use crate::streamer::{PyCompletion, PyStreamer};
 
 #[pymodule]
@@ -54,6 +54,7 @@ fn _dejavu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRecoveryFeed>()?;
     m.add_function(wrap_pyfunction!(flush, m)?)?;
     m.add_function(wrap_pyfunction!(fetch, m)?)?;
+    m.add_function(wrap_pyfunction!(fetch_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(py_stream_out, m)?)?;
     m.add_function(wrap_pyfunction!(py_stream_in, m)?)?;
     Ok(())

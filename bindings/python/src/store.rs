@@ -88,12 +88,15 @@ pub(crate) struct PyStore {
     pub(crate) kind: &'static str,
     /// The sidecar connection (the same as `inner`), for a sidecar store.
     sidecar: Option<Shared<LocalSidecar>>,
+    /// The peer (the same as `inner`), for a peer store: `fetch_chunks` keeps its fetches in
+    /// flight together.
+    peer: Option<Shared<PeerStore>>,
 }
 
 impl PyStore {
     fn new(store: impl ChunkStore + 'static, kind: &'static str) -> Self {
         let shared: Arc<Mutex<dyn ChunkStore>> = Arc::new(Mutex::new(store));
-        Self { inner: Shared(shared), kind, sidecar: None }
+        Self { inner: Shared(shared), kind, sidecar: None, peer: None }
     }
 
     /// The sidecar connection; a `TypeError` for other stores.
@@ -156,8 +159,10 @@ impl PyStore {
         let mut config = ClientConfig::new(secret.to_vec(), node);
         config.epoch = epoch;
         let transport: Arc<dyn Transport> = Arc::new(TcpTransport::plain());
-        let store = PeerStore::new(runtime()?.handle().clone(), transport, addr, config);
-        Ok(Self::new(store, "peer"))
+        let store =
+            Arc::new(Mutex::new(PeerStore::new(runtime()?.handle().clone(), transport, addr, config)));
+        let shared: Arc<Mutex<dyn ChunkStore>> = store.clone();
+        Ok(Self { inner: Shared(shared), kind: "peer", sidecar: None, peer: Some(Shared(store)) })
     }
 
     /// The engine's own sidecar (a `dejavud sidecar` process) at its local socket `path`: each
@@ -192,7 +197,7 @@ impl PyStore {
             .map_err(|e| Error::new_err(format!("sidecar at {}: {e}", path.display())))?;
         let connection = Arc::new(Mutex::new(local));
         let shared: Arc<Mutex<dyn ChunkStore>> = connection.clone();
-        Ok(Self { inner: Shared(shared), kind: "sidecar", sidecar: Some(Shared(connection)) })
+        Ok(Self { inner: Shared(shared), kind: "sidecar", sidecar: Some(Shared(connection)), peer: None })
     }
 
     /// A reader of the sidecar at its local socket `path`, beside the engine's own connection:
@@ -205,7 +210,7 @@ impl PyStore {
             .map_err(|e| Error::new_err(format!("sidecar at {}: {e}", path.display())))?;
         let connection = Arc::new(Mutex::new(local));
         let shared: Arc<Mutex<dyn ChunkStore>> = connection.clone();
-        Ok(Self { inner: Shared(shared), kind: "sidecar", sidecar: Some(Shared(connection)) })
+        Ok(Self { inner: Shared(shared), kind: "sidecar", sidecar: Some(Shared(connection)), peer: None })
     }
 
     /// The engine's epoch on its sidecar connection (sidecar stores only): the one it gave, or the
@@ -451,4 +456,114 @@ pub(crate) fn fetch(
         })
         .map_err(stream_err)?;
     Ok(bytes)
+}
+
+/// Chunks a peer's fetches keep in flight together, and at most in memory at once.
+const FETCHES_IN_FLIGHT: usize = 64;
+
+/// Fetches the chunks `flush` wrote for each of `regions` in turn (each with the same source,
+/// destination and microbatch), verifies each and scatters it into its region of `cache`, until
+/// one is not there. From a peer store the fetches are in flight together, up to 64 at once; from
+/// others, one after another. With `keep_in`, a sidecar store, that sidecar keeps what was fetched
+/// as the engine's own and forwards it nowhere, many chunks per request. Returns a dict:
+/// `fetched`, the regions restored (a prefix of `regions`), `bytes`, their payload bytes, and
+/// `error`, why it stopped early if not for a missing chunk (None otherwise).
+#[pyfunction]
+#[pyo3(signature = (store, cache, regions, source = (0, 0), destination = (0, 0), microbatch = 0, keep_in = None))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fetch_chunks<'py>(
+    py: Python<'py>,
+    store: &PyStore,
+    cache: &PyCache,
+    regions: Vec<PyRef<'py, PyRegion>>,
+    source: (u32, u32),
+    destination: (u32, u32),
+    microbatch: u32,
+    keep_in: Option<&PyStore>,
+) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    if let Some(i) = regions.iter().position(|r| r.0.tokens.is_empty()) {
+        return Err(PyValueError::new_err(format!("region {i} has no tokens: no chunk holds it")));
+    }
+    let transfers: Vec<(Transfer, std::ops::Range<u32>)> = regions
+        .iter()
+        .map(|r| (local_transfer(&r.0, source, destination, microbatch), r.0.tokens.clone()))
+        .collect();
+    let keeper = keep_in.map(PyStore::connection).transpose()?;
+    let (fetched, bytes, error) = py.detach(|| {
+        let (mut fetched, mut bytes) = (0usize, 0u64);
+        for batch in transfers.chunks(FETCHES_IN_FLIGHT) {
+            let chunks = fetch_batch(store, batch);
+            let mut kept: Vec<Vec<u8>> = Vec::new();
+            let mut stopped = None;
+            for ((transfer, tokens), chunk) in batch.iter().zip(chunks) {
+                let installed = chunk.and_then(|(descriptor, encoded)| {
+                    let payload = &encoded[dejavulib::chunk::HEADER_LEN..];
+                    let receipt = install(&cache.cache, transfer, tokens.clone(), &descriptor, payload)?;
+                    Ok((receipt.bytes, encoded))
+                });
+                match installed {
+                    Ok((n, encoded)) => {
+                        (fetched, bytes) = (fetched + 1, bytes + n);
+                        kept.push(encoded);
+                    }
+                    Err(dejavulib::reshard::StreamError::Store(ChunkStoreError::NotFound(_))) => {
+                        stopped = Some(None);
+                        break;
+                    }
+                    Err(e) => {
+                        stopped = Some(Some(e.to_string()));
+                        break;
+                    }
+                }
+            }
+            if let Some(keeper) = keeper.filter(|_| !kept.is_empty()) {
+                let chunks: Vec<&[u8]> = kept.iter().map(Vec::as_slice).collect();
+                if let Err(e) = keeper.0.lock().keep(&chunks) {
+                    return (fetched, bytes, Some(format!("keeping what was fetched: {e}")));
+                }
+            }
+            if let Some(error) = stopped {
+                return (fetched, bytes, error);
+            }
+        }
+        (fetched, bytes, None)
+    });
+    let out = pyo3::types::PyDict::new(py);
+    out.set_item("fetched", fetched)?;
+    out.set_item("bytes", bytes)?;
+    out.set_item("error", error)?;
+    Ok(out)
+}
+
+/// The chunks of `batch` (each its descriptor and its encoded bytes: header, then payload), from
+/// a peer all in flight at once, from another store one by one until one fails.
+fn fetch_batch(
+    store: &PyStore,
+    batch: &[(Transfer, std::ops::Range<u32>)],
+) -> Vec<Result<(dejavulib::chunk::ChunkDescriptor, Vec<u8>), dejavulib::reshard::StreamError>> {
+    let keys: Vec<_> =
+        batch.iter().map(|(transfer, tokens)| transfer_key(transfer, tokens.clone())).collect();
+    if let Some(peer) = &store.peer {
+        let fetched = peer.0.lock().get_many(&keys);
+        return fetched
+            .into_iter()
+            .map(|f| f.map(|f| (f.descriptor.clone(), f.encoded().to_vec())).map_err(Into::into))
+            .collect();
+    }
+    let mut inner = store.inner.clone();
+    let mut out = Vec::with_capacity(keys.len());
+    for key in &keys {
+        let mut payload = Vec::new();
+        let chunk = inner.get(key, &mut payload).map(|descriptor| {
+            let mut encoded = descriptor.encode_header(&payload).to_vec();
+            encoded.extend_from_slice(&payload);
+            (descriptor, encoded)
+        });
+        let failed = chunk.is_err();
+        out.push(chunk.map_err(Into::into));
+        if failed {
+            break;
+        }
+    }
+    out
 }

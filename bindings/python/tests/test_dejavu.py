@@ -662,6 +662,57 @@ def test_a_reader_lists_and_fetches_beside_the_engine_and_changes_nothing(tmp_pa
         assert successor.chunks == 2
 
 
+def test_a_sequence_is_fetched_chunk_by_chunk_from_a_peer_until_one_is_missing_and_kept_by_the_sidecar(tmp_path):
+    layout = layouts()["paged_nhd"]
+    engine = dejavu.KvCache.wrap(layout, engine_buffers(layout, 13))
+    layers, heads = range(SPEC.layers), range(SPEC.kv_heads)
+
+    def sequence(tokens):
+        return dejavu.KvRegion(layers=layers, slots=range(0, 1), heads=heads, tokens=tokens)
+
+    # A prompt of 8 tokens, then one chunk per token up to 20: the peer (a worker's successor)
+    # holds them all but token 15's.
+    chunks = [range(0, 8)] + [range(t, t + 1) for t in range(8, 20)]
+    regions = [sequence(tokens) for tokens in chunks]
+    peer_server = dejavu.PeerServer(b"dejavu reference cluster")
+    try:
+        peer = dejavu.Store.peer(peer_server.address, b"dejavu reference cluster", node=1, epoch=1)
+        host = dejavu.Store.host()
+        for tokens, region in zip(chunks, regions):
+            if tokens.start != 15:
+                for store in (peer, host):
+                    dejavu.flush(store, engine, region, (1, 0), (1, 0), 0)
+        held = sequence(range(0, 15))
+        # In flight together from the peer, one by one from another store: the same prefix.
+        for store in (peer, host):
+            restored = dejavu.KvCache(layout)
+            outcome = dejavu.fetch_chunks(store, restored, regions, (1, 0), (1, 0), 0)
+            assert outcome == {"fetched": 8, "bytes": restored.packed_len(held), "error": None}
+            assert bytes(restored.gather(held)) == bytes(engine.gather(held))
+        # From a peer, into a replacement beside its new sidecar, which keeps what came as its own.
+        with running_sidecar(tmp_path, index=1) as (socket, successor):
+            own = dejavu.Store.sidecar(socket, successor.address, epoch=2)
+            restored = dejavu.KvCache(layout)
+            outcome = dejavu.fetch_chunks(peer, restored, regions, (1, 0), (1, 0), 0, keep_in=own)
+            assert outcome["fetched"] == 8 and outcome["error"] is None
+            # Kept, not forwarded: the sidecar's successor got none of them.
+            assert successor.chunks == 0
+            again = dejavu.KvCache(layout)
+            assert dejavu.fetch_chunks(own, again, regions, (1, 0), (1, 0), 0)["fetched"] == 8
+            assert bytes(again.gather(held)) == bytes(engine.gather(held))
+            with pytest.raises(TypeError, match="sidecar store"):
+                dejavu.fetch_chunks(peer, restored, regions, (1, 0), (1, 0), 0, keep_in=host)
+        # A cache the chunks do not fit stops the fetch at the first, with the reason.
+        smaller = dejavu.KvSpec(layers=2, kv_heads=3, head_dim=40, dtype="float16")
+        outcome = dejavu.fetch_chunks(host, dejavu.KvCache(dejavu.KvLayout.per_layer(smaller, SLOTS, TOKENS, "bhsd")),
+                                      regions, (1, 0), (1, 0), 0)
+        assert outcome["fetched"] == 0 and outcome["bytes"] == 0 and outcome["error"]
+        with pytest.raises(ValueError, match="no tokens"):
+            dejavu.fetch_chunks(host, restored, [sequence(range(3, 3))])
+    finally:
+        peer_server.close()
+
+
 def test_a_restarted_engine_restores_from_its_sidecar_as_the_recovery_instructions_say(tmp_path):
     with running_sidecar(tmp_path, index=1) as (socket, successor):
         layout = layouts()["paged_nhd"]

@@ -184,7 +184,8 @@ class Member:
 
     def restore(self, microbatch: int, slot: int, prompt_len: int, kv_tokens: int, source: str) -> int:
         """Fetches the sequence's chunks (its prompt's, then one per token up to ``kv_tokens``)
-        from its own sidecar, or from the sidecar at ``source``, in order while they are there.
+        from its own sidecar, or from the sidecar at ``source`` (with many fetches in flight),
+        in order while they are there.
         What comes from a peer, its own sidecar keeps again without forwarding it (the peer holds
         the replica; a prompt's chunk forwarded there would start the sequence over). Returns the
         tokens restored."""
@@ -200,17 +201,12 @@ class Member:
         target, tensors = stage.host_mirror() if through_mirror else (stage.kv(microbatch).cache, [])
         slots = range(slot, slot + 1)
         chunks = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, min(kv_tokens, stage.max_tokens))]
-        restored = 0
-        for first, end in chunks:
-            region = stage.region(slots, range(first, end))
-            try:
-                dejavu.fetch(store, target, region, worker, worker, microbatch, keep_in=own if source else None)
-            except dejavu.NotFoundError:
-                break
-            except dejavu.Error as e:
-                print(f"stage {self.start.index}: restore stopped at token {first}: {e}", file=sys.stderr)
-                break
-            restored = end
+        regions = [stage.region(slots, range(first, end)) for first, end in chunks]
+        outcome = dejavu.fetch_chunks(store, target, regions, worker, worker, microbatch, keep_in=own if source else None)
+        if outcome["error"] is not None:
+            print(f"stage {self.start.index}: restore stopped after {outcome['fetched']} chunks: {outcome['error']}",
+                  file=sys.stderr)
+        restored = chunks[outcome["fetched"] - 1][1] if outcome["fetched"] else 0
         if restored:
             if through_mirror:
                 stage.load_mirror(microbatch, tensors, [(slots, restored)])
