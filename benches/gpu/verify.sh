@@ -2,7 +2,8 @@
 # Every GPU check of the library and the PyTorch engine, in one run on a machine with an NVIDIA
 # GPU, PyTorch and transformers, from what benches/gpu/pack.sh put in carry/: the CUDA tests of
 # the library and of the Python package, bench-report's GPU section, and the PyTorch engine's
-# figures (the demo's replication overhead and failures, swapping with swaps started ahead).
+# figures (the demo's replication overhead and failures, swapping with swaps started ahead,
+# disaggregation across a change of TP degree).
 # Each check's output goes to $OUT/<check>.txt, and one line per check to $OUT/summary.txt.
 # A check that would start after BUDGET_S seconds (default 480) is skipped, and says so.
 #
@@ -50,4 +51,6 @@ check torch-demo-swapping 240 python3 -m dejavu.torch_engine demo --device "$DEV
     --batch 8 --microbatches 4 --resident 2 --prompt 128 --new-tokens 24 --json "$OUT/torch-demo-swapping.json"
 check torch-swap-prefetch 180 python3 benches/python/torch_swap_prefetch.py --device "$DEVICE" "${SEVEN_B[@]}" \
     --stages 2 --microbatches 4 --batch 8 --prompt 512 --new-tokens 12 --rounds 2
+check torch-disaggregation 180 python3 benches/python/torch_disaggregation.py --device "$DEVICE" "${SEVEN_B[@]}" \
+    --batch 4 --prompt 1024 --new-tokens 8 --rounds 2
 say "done"

@@ -19,9 +19,9 @@ def ids(batch, tokens, seed=0):
     return torch.randint(0, SHAPE.vocab, (batch, tokens), generator=torch.Generator().manual_seed(seed))
 
 
-def split_matches_the_whole_model(device):
+def split_matches_the_whole_model(device, tp=1):
     model = SHAPE.build(device)
-    stages = [TorchStage(SHAPE, range(0, 1), 2, 32, device), TorchStage(SHAPE, range(1, 4), 2, 32, device)]
+    stages = [TorchStage(SHAPE, range(0, 1), 2, 32, device, tp=tp), TorchStage(SHAPE, range(1, 4), 2, 32, device, tp=tp)]
     prompt = ids(2, 12).to(device)
     with torch.inference_mode():
         expected = model(prompt).logits[:, -1]
@@ -40,6 +40,32 @@ def test_stages_built_apart_compute_what_the_whole_model_computes():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU stage is not tested here")
 def test_stages_on_a_gpu_compute_what_the_whole_model_computes():
     split_matches_the_whole_model("cuda")
+    split_matches_the_whole_model("cuda", tp=2)
+
+
+def test_tensor_parallel_stages_compute_what_the_whole_model_computes_each_rank_keeping_its_heads():
+    split_matches_the_whole_model("cpu", tp=2)
+    whole, ranks = TorchStage(SHAPE, range(0, 4), 2, 16), TorchStage(SHAPE, range(0, 4), 2, 16, tp=2)
+    prompt = ids(2, 9, seed=4)
+    whole.forward(prompt, range(2), 0)
+    ranks.forward(prompt, range(2), 0)
+    shards = ranks.kv(0).shards
+    assert [s.keys[0].shape[1] for s in shards] == [1, 1] and ranks.rank_heads(1) == (1, 2)
+    for layer in range(4):
+        # Layer 0's KV is computed from the embeddings alone, each rank's heads as the whole
+        # model's; the later layers' inputs went through the ranks' sums.
+        for name in ("keys", "values"):
+            joined = torch.cat([getattr(s, name)[layer] for s in shards], dim=1)
+            torch.testing.assert_close(joined, getattr(whole, name)[layer], rtol=1e-5, atol=1e-5)
+    assert len(ranks.caches(0)) == 2
+    with pytest.raises(ValueError, match="split among 2 tensor-parallel ranks: use shards"):
+        ranks.cache
+    with pytest.raises(ValueError, match="use host_mirrors"):
+        ranks.host_mirror()
+    with pytest.raises(ValueError, match=r"TP 4 does not divide the model's kv_heads \(2\)"):
+        TorchStage(SHAPE, range(0, 4), 2, 16, tp=4)
+    with pytest.raises(ValueError, match="a TP degree of 0"):
+        TorchStage(SHAPE, range(0, 4), 2, 16, tp=0)
 
 
 def test_mismatched_shapes_are_refused_with_a_clear_error():
@@ -181,7 +207,7 @@ def test_prompt_stages_hand_their_kv_to_token_stages_split_another_way():
     for stage, direct in zip(mirrored_tokens, token_stages):
         for ours, theirs in zip(stage.kv(0).tensors(), direct.kv(0).tensors()):
             assert torch.equal(ours[:, :, :10], theirs[:, :, :10])
-        assert stage.lengths[0] == 10 and stage._mirror is None
+        assert stage.lengths[0] == 10
     _, prompt_again, tokens_again = disaggregation_splits("cpu")
     via_host = generate_disaggregated(prompt_again, tokens_again, PROMPTS, NEW_TOKENS, dejavu.HostStore(), through_host=True)
     assert torch.equal(via_host, expected)
@@ -194,6 +220,75 @@ def test_prompt_stages_hand_their_kv_to_token_stages_split_another_way():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: a hand-over from GPU stages is not tested here")
 def test_prompt_stages_on_a_gpu_hand_their_kv_over_through_their_host_mirrors():
     disaggregated_matches_colocated("cuda")
+
+
+def model_kv(stages, layer):
+    """The K and V of the model's ``layer``, every head (its ranks' joined), from the stage of
+    ``stages`` that holds it."""
+    stage = next(s for s in stages if layer in s.layers)
+    shards, local = stage.kv(0).shards, layer - stage.layers.start
+    return [torch.cat([getattr(s, name)[local] for s in shards], dim=1) for name in ("keys", "values")]
+
+
+def decode(stages, first, start, new_tokens):
+    """Greedy tokens after ``first`` (each sequence's next token) from position ``start``."""
+    tokens, x = [first], first
+    for position in range(start, start + new_tokens - 1):
+        x = x.unsqueeze(1)
+        for stage in stages:
+            x = stage.forward(x, range(SLOTS), position)
+        tokens.append(x)
+    return torch.stack(tokens, dim=1)
+
+
+def hand_over_across_tp_degrees(device):
+    """Hands a prompt's KV over from TP 2 to TP 1 and from TP 1 to TP 2, each into another layer
+    split, on ``device`` (on a GPU, by the host mirrors both ways)."""
+    import dejavu
+    from dejavu.torch_engine.disaggregation import hand_over
+
+    def stage(layers, tp):
+        return TorchStage(SHAPE, layers, SLOTS, MAX_TOKENS, device, tp=tp)
+
+    on_cpu = device == "cpu"
+    splits = [
+        # TP 2 over two stages into TP 1 over two others, by the host mirrors.
+        ([stage(range(0, 2), 2), stage(range(2, 4), 2)], lambda: [stage(range(0, 1), 1), stage(range(1, 4), 1)], True if on_cpu else None),
+        # One stage at TP 1 into TP 2 over three stages, straight from the stages' tensors.
+        ([stage(range(0, 4), 1)], lambda: [stage(range(0, 1), 2), stage(range(1, 3), 2), stage(range(3, 4), 2)], False if on_cpu else None),
+    ]
+    for prompt_stages, token_split, through_host in splits:
+        x = PROMPTS
+        for s in prompt_stages:
+            x = s.forward(x, range(SLOTS), 0)
+        handed, direct = token_split(), token_split()
+        received = hand_over(prompt_stages, handed, range(0, 10), dejavu.HostStore(), through_host=through_host)
+        assert received == SHAPE.kv_bytes_per_token() * SLOTS * 10
+        # Each rank of each token stage holds its heads of the prompt stages' KV, bit for bit.
+        for layer in range(SHAPE.layers):
+            for ours, theirs in zip(model_kv(handed, layer), model_kv(prompt_stages, layer)):
+                assert torch.equal(ours[:, :, :10], theirs[:, :, :10])
+        # And decodes what token stages given that KV by plain tensor copies decode.
+        for s in direct:
+            for local, layer in enumerate(s.layers):
+                keys, values = model_kv(prompt_stages, layer)
+                for rank, shard in enumerate(s.kv(0).shards):
+                    first, end = s.rank_heads(rank)
+                    shard.keys[local][:, :, :10] = keys[:, first:end, :10]
+                    shard.values[local][:, :, :10] = values[:, first:end, :10]
+            s.restored(0, [(range(SLOTS), 10)])
+        tokens = decode(handed, x, 10, NEW_TOKENS)
+        assert torch.equal(tokens, decode(direct, x, 10, NEW_TOKENS))
+        assert all(s.lengths[0] == 10 + NEW_TOKENS - 1 for s in handed)
+
+
+def test_prompt_stages_hand_their_kv_over_across_a_change_of_tp_degree_and_layer_split():
+    hand_over_across_tp_degrees("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: a hand-over across TP degrees on a GPU is not tested here")
+def test_prompt_stages_on_a_gpu_hand_their_kv_over_across_a_change_of_tp_degree():
+    hand_over_across_tp_degrees("cuda")
 
 
 def test_a_replacement_that_cannot_join_yet_is_followed_by_another_once_the_sidecar_is_back():
@@ -243,6 +338,12 @@ def test_microbatches_swapped_through_host_memory_give_the_tokens_of_microbatche
     assert all(stage.swapped_bytes == 0 for stage in kept)
     # Every step of every microbatch after the first swapped one out and one in.
     assert all(stage.swapped_bytes > 0 for stage in swapped)
+    # At TP 2, each rank's KV is swapped: the same tokens as TP 2 kept, and the same bytes as TP 1.
+    ranks_kept = [TorchStage(SHAPE, range(0, 4), 2, 16, microbatches=3, tp=2)]
+    ranks_swapped = [TorchStage(SHAPE, range(0, 4), 2, 16, microbatches=3, resident=1, tp=2)]
+    expected = generate(ranks_kept, prompts, new_tokens, microbatches=3)
+    assert torch.equal(generate(ranks_swapped, prompts, new_tokens, microbatches=3), expected)
+    assert ranks_swapped[0].swapped_bytes == sum(stage.swapped_bytes for stage in swapped)
     assert all(stage.prefetches == 0 for stage in kept + swapped)
     with pytest.raises(ValueError, match="microbatch 3: the stage has 3"):
         swapped[0].forward(ids(2, 1), range(2), 5, microbatch=3)

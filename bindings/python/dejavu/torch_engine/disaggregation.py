@@ -1,9 +1,10 @@
 """Disaggregated serving with the PyTorch engine: prompt stages compute each sequence's prompt, then
-hand its KV to token stages split another way (``stream_out`` / ``stream_in`` through a store),
-which decode from there without computing the prompt again.
+hand its KV to token stages split another way, by layers and by TP degree (``stream_out`` /
+``stream_in`` through a store, each rank a worker), which decode from there without computing the
+prompt again.
 
 ``stream_out`` and ``stream_in`` take host caches: a stage whose KV is on a GPU hands it over
-through its host mirror (``TorchStage.host_mirror``, pinned), one copy each way between the device
+through its host mirrors (``TorchStage.host_mirrors``, pinned), one copy each way between the device
 and the mirror.
 """
 
@@ -19,14 +20,19 @@ from .model import TorchStage
 
 
 def setup_of(stages: List[TorchStage]) -> dejavu.Setup:
-    """The ``dejavu.Setup`` of a pipeline of ``stages`` (each one worker, one microbatch of all its
-    slots): the layers each holds."""
+    """The ``dejavu.Setup`` of a pipeline of ``stages`` (each one worker per tensor-parallel rank,
+    one microbatch of all its slots): the layers each holds, and its TP degree."""
     shape = stages[0].shape
     spec = dejavu.KvSpec(shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
     slots = stages[0].slots
     if any(s.shape != shape or s.slots != slots for s in stages):
         raise ValueError("the stages of a pipeline share one model shape and one slot count")
-    return dejavu.Setup(spec, [(s.layers, 1) for s in stages], microbatch_slots=slots, microbatches=1)
+    setup = dejavu.Setup(spec, [(s.layers, s.tp) for s in stages], microbatch_slots=slots, microbatches=1)
+    for index, stage in enumerate(stages):
+        for rank in range(stage.tp):
+            if setup.holding((index, rank))["heads"] != stage.rank_heads(rank):
+                raise ValueError(f"rank {rank} of stage {index} holds heads {stage.rank_heads(rank)}, not the library's split")
+    return setup
 
 
 def hand_over(
@@ -37,9 +43,10 @@ def hand_over(
     through_host: Optional[bool] = None,
 ) -> int:
     """Streams ``tokens`` of every sequence's KV from the prompt stages into the token stages,
-    resharded to their layers, through ``store``; returns the bytes received. A stage on a GPU
-    goes through its host mirror; ``through_host`` makes every stage go that way (``True``) or
-    none (``False``)."""
+    resharded to their layers and tensor-parallel ranks, through ``store``; returns the bytes
+    received. A stage on a GPU goes through its host mirrors, and keeps them for the next
+    hand-over (pinning them takes a while; ``drop_mirror`` frees them); ``through_host`` makes
+    every stage go that way (``True``) or none (``False``)."""
     a, b = setup_of(prompt_stages), setup_of(token_stages)
 
     def mirrored(stage: TorchStage) -> bool:
@@ -47,19 +54,19 @@ def hand_over(
 
     for index, stage in enumerate(prompt_stages):
         slots = range(stage.slots)
-        cache = stage.save_mirror(0, slots, tokens) if mirrored(stage) else stage.cache
-        dejavu.stream_out(a, (index, 0), b, [cache], tokens, store)
-        stage.drop_mirror()
+        caches = stage.save_mirror(0, slots, tokens) if mirrored(stage) else stage.caches(0)
+        for rank, cache in enumerate(caches):
+            dejavu.stream_out(a, (index, rank), b, [cache], tokens, store)
     received = 0
     for index, stage in enumerate(token_stages):
         slots = range(stage.slots)
-        if mirrored(stage):
-            mirror, tensors = stage.host_mirror()
-            received += dejavu.stream_in(a, b, (index, 0), [mirror], tokens, store)["bytes"]
+        through = mirrored(stage)
+        caches, tensors = stage.host_mirrors() if through else (stage.caches(0), [])
+        for rank, cache in enumerate(caches):
+            received += dejavu.stream_in(a, b, (index, rank), [cache], tokens, store)["bytes"]
+        if through:
             stage.load_tokens(0, tensors, slots, tokens)
-            stage.drop_mirror()
         else:
-            received += dejavu.stream_in(a, b, (index, 0), [stage.cache], tokens, store)["bytes"]
             stage.restored(0, [(slots, tokens.stop)])
     return received
 

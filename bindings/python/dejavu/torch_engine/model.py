@@ -175,16 +175,29 @@ def deterministic_cuda() -> None:
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-class KvSet:
-    """One microbatch's worth of KV on the stage's device: a K and a V tensor per layer,
-    ``[slots][kv_heads][max_tokens][head_dim]``, and the library's cache over them (in place)."""
+class KvShard:
+    """One tensor-parallel rank's KV of a microbatch on the stage's device: a K and a V tensor per
+    layer, ``[slots][the rank's kv_heads][max_tokens][head_dim]``, and the library's cache over
+    them (in place)."""
 
     def __init__(self, layout: dejavu.KvLayout, size: tuple, dtype: torch.dtype, device: torch.device, engine):
         layers = layout.spec.layers
         self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
-        buffers = [t for pair in zip(self.keys, self.values) for t in pair]
+        buffers = self.tensors()
         self.cache = engine.wrap(layout, buffers) if engine is not None else dejavu.KvCache.wrap(layout, buffers)
+
+    def tensors(self) -> List[torch.Tensor]:
+        """K and V of each layer, in the layout's buffer order."""
+        return [t for pair in zip(self.keys, self.values) for t in pair]
+
+
+class KvSet:
+    """One microbatch's worth of KV on the stage's device: a ``KvShard`` per tensor-parallel rank
+    (one at TP 1)."""
+
+    def __init__(self, shards: List[KvShard]):
+        self.shards = shards
         #: The microbatch whose KV it holds, if any.
         self.holds: Optional[int] = None
         #: A prefetch swapping ``holds`` in, while it runs: wait for it before using the set.
@@ -196,9 +209,69 @@ class KvSet:
         if loading is not None:
             loading.result()
 
+    def _only(self) -> KvShard:
+        if len(self.shards) != 1:
+            raise ValueError(f"the stage's KV is split among {len(self.shards)} tensor-parallel ranks: use shards")
+        return self.shards[0]
+
+    @property
+    def keys(self) -> List[torch.Tensor]:
+        """The K tensors of a stage at TP 1."""
+        return self._only().keys
+
+    @property
+    def values(self) -> List[torch.Tensor]:
+        """The V tensors of a stage at TP 1."""
+        return self._only().values
+
+    @property
+    def cache(self):
+        """The library's cache of a stage at TP 1."""
+        return self._only().cache
+
     def tensors(self) -> List[torch.Tensor]:
-        """K and V of each layer, in the layout's buffer order."""
-        return [t for pair in zip(self.keys, self.values) for t in pair]
+        """K and V of each layer of each rank in turn (each rank's in its layout's buffer order)."""
+        return [t for shard in self.shards for t in shard.tensors()]
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """One tensor-parallel rank's part of a decoder layer (Megatron's split): the rows of its query,
+    key and value heads and of its share of the MLP's gate and up projections, and the matching
+    columns of the attention's output projection and of the MLP's down projection. Views of the
+    layer's weights, not copies."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+    @classmethod
+    def of(cls, layer, shape: "ModelShape", rank: int, tp: int) -> "RankWeights":
+        attention, mlp = layer.self_attn, layer.mlp
+        for linear in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if linear.bias is not None:
+                raise ValueError("a tensor-parallel stage takes a Llama without biases")
+        queries = shape.heads // tp * shape.head_dim
+        kv = shape.kv_heads // tp * shape.head_dim
+        inner = shape.intermediate // tp
+        q, k, i = slice(rank * queries, (rank + 1) * queries), slice(rank * kv, (rank + 1) * kv), slice(rank * inner, (rank + 1) * inner)
+        return cls(
+            q=attention.q_proj.weight[q], k=attention.k_proj.weight[k], v=attention.v_proj.weight[k],
+            o=attention.o_proj.weight[:, q], gate=mlp.gate_proj.weight[i], up=mlp.up_proj.weight[i],
+            down=mlp.down_proj.weight[:, i],
+        )
+
+
+def all_reduce(partials: List[torch.Tensor]) -> torch.Tensor:
+    """The sum of the ranks' partial outputs, in rank order (what a TP engine's all-reduce gives)."""
+    total = partials[0]
+    for partial in partials[1:]:
+        total = total + partial
+    return total
 
 
 class TorchStage:
@@ -221,6 +294,13 @@ class TorchStage:
     on the compute stream so far (an event), and run on a stream of their own. A set's KV may
     still be read by the replication streamer: ``before_swap_out(microbatch)``, when set, is called
     before the set holding ``microbatch`` is swapped out, and returns once nothing reads it.
+
+    With ``tp`` above 1, the stage computes as that many tensor-parallel ranks (Megatron's split:
+    each rank its share of the query and KV heads and of the MLP, their partial outputs summed as
+    an all-reduce sums them), in turn in this process, and each rank keeps its heads' KV in tensors
+    and a cache of its own (``caches``), as the ranks of a TP engine do on their own devices: what
+    a hand-over across a change of TP degree reshards. The sums' order differs from one product's,
+    so the hidden states differ from a TP 1 stage's in the last bits.
     """
 
     def __init__(
@@ -233,6 +313,7 @@ class TorchStage:
         microbatches: int = 1,
         resident: Optional[int] = None,
         prefetch: bool = True,
+        tp: int = 1,
     ):
         if not (0 <= layers.start < layers.stop <= shape.layers) or layers.step != 1:
             raise ValueError(f"layers {layers} are not a non-empty range within the model's {shape.layers}")
@@ -241,7 +322,12 @@ class TorchStage:
         resident = microbatches if resident is None else resident
         if microbatches < 1 or not 1 <= resident <= microbatches:
             raise ValueError(f"{resident} resident microbatches of {microbatches}: give 1 to {microbatches}")
-        self.shape, self.layers, self.slots, self.max_tokens = shape, layers, slots, max_tokens
+        if tp < 1:
+            raise ValueError(f"a TP degree of {tp}: give 1 or more")
+        for name in ("heads", "kv_heads", "intermediate"):
+            if getattr(shape, name) % tp:
+                raise ValueError(f"TP {tp} does not divide the model's {name} ({getattr(shape, name)})")
+        self.shape, self.layers, self.slots, self.max_tokens, self.tp = shape, layers, slots, max_tokens, tp
         self.microbatches = microbatches
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -254,11 +340,20 @@ class TorchStage:
         self.rotary = inner.rotary_emb
         self.norm = inner.norm if self.last else None
         self.head = model.lm_head if self.last else None
-        spec = dejavu.KvSpec(len(layers), shape.kv_heads, shape.head_dim, shape.dtype)
+        #: Per layer, each rank's part of its weights.
+        self.rank_weights = [[RankWeights.of(block, shape, r, tp) for r in range(tp)] for block in self.blocks]
+        #: The KV heads each rank holds.
+        self.rank_kv_heads = shape.kv_heads // tp
+        spec = dejavu.KvSpec(len(layers), self.rank_kv_heads, shape.head_dim, shape.dtype)
+        #: The layout of one rank's KV (all of it at TP 1).
         self.layout = dejavu.KvLayout.per_layer(spec, slots, max_tokens, "bhsd")
         self.engine = dejavu.CudaEngine(self.device.index or 0) if self.device.type == "cuda" else None
-        size = (slots, shape.kv_heads, max_tokens, shape.head_dim)
-        self.sets = [KvSet(self.layout, size, shape.torch_dtype, self.device, self.engine) for _ in range(resident)]
+        size = (slots, self.rank_kv_heads, max_tokens, shape.head_dim)
+
+        def shard() -> KvShard:
+            return KvShard(self.layout, size, shape.torch_dtype, self.device, self.engine)
+
+        self.sets = [KvSet([shard() for _ in range(tp)]) for _ in range(resident)]
         self.swapping = resident < microbatches
         if not self.swapping:
             for m, kv in enumerate(self.sets):
@@ -269,7 +364,7 @@ class TorchStage:
         #: GPU, allocated here rather than in a step (pinning takes a while).
         self.homes: Dict[int, torch.Tensor] = {}
         if self.swapping:
-            full = self.sets[0].cache.packed_len(self.region(range(slots), range(0, max_tokens)))
+            full = tp * self._packed_len(self.region(range(slots), range(0, max_tokens)))
             pin = self.engine is not None
             self.homes = {m: torch.empty(full, dtype=torch.uint8, pin_memory=pin) for m in range(microbatches)}
         self.recent: List[KvSet] = list(self.sets)
@@ -284,22 +379,34 @@ class TorchStage:
         #: Swaps started ahead of their step so far (one started for a microbatch the driver then
         #: does not step next is undone by a later swap).
         self.prefetches = 0
-        self._mirror: Optional[Tuple[dejavu.KvCache, List[torch.Tensor]]] = None
+        self._mirror: Optional[Tuple[List[dejavu.KvCache], List[torch.Tensor]]] = None
 
     @property
     def keys(self) -> List[torch.Tensor]:
-        """Microbatch 0's K tensors (swapped in)."""
+        """Microbatch 0's K tensors (swapped in), at TP 1."""
         return self.kv(0).keys
 
     @property
     def values(self) -> List[torch.Tensor]:
-        """Microbatch 0's V tensors (swapped in)."""
+        """Microbatch 0's V tensors (swapped in), at TP 1."""
         return self.kv(0).values
 
     @property
     def cache(self):
-        """The library's cache over microbatch 0's tensors (swapped in)."""
+        """The library's cache over microbatch 0's tensors (swapped in), at TP 1."""
         return self.kv(0).cache
+
+    def caches(self, microbatch: int = 0) -> list:
+        """The library's cache over each rank's KV of ``microbatch`` (swapped in)."""
+        return [shard.cache for shard in self.kv(microbatch).shards]
+
+    def rank_heads(self, rank: int) -> Tuple[int, int]:
+        """The model's KV heads ``rank`` holds, ``(first, end)``."""
+        return rank * self.rank_kv_heads, (rank + 1) * self.rank_kv_heads
+
+    def _packed_len(self, region: dejavu.KvRegion) -> int:
+        """The bytes of one rank's ``region`` packed."""
+        return self.sets[0].shards[0].cache.packed_len(region)
 
     def kv(self, microbatch: int) -> KvSet:
         """The set holding ``microbatch``'s KV on the device, swapping it in if it is not (or
@@ -356,8 +463,9 @@ class TorchStage:
         self._scatter_home(kv, microbatch, stream)
 
     def _moved(self, microbatch: int) -> Tuple[dejavu.KvRegion, int]:
+        """The region of each rank a swap of ``microbatch`` moves, and its bytes per rank."""
         region = self.region(range(self.slots), range(0, self.lengths[microbatch]))
-        return region, self.sets[0].cache.packed_len(region) if self.lengths[microbatch] else 0
+        return region, self._packed_len(region) if self.lengths[microbatch] else 0
 
     def _stream(self) -> dict:
         return {"stream": torch.cuda.current_stream(self.device)} if self.engine is not None else {}
@@ -373,19 +481,24 @@ class TorchStage:
         kv.holds = microbatch
 
     def _gather_home(self, kv: KvSet, microbatch: int, stream: Optional[dict]) -> None:
-        """Gathers ``microbatch``'s KV from ``kv`` into its home in host memory."""
+        """Gathers ``microbatch``'s KV from ``kv`` into its home in host memory, rank after rank."""
         region, size = self._moved(microbatch)
         if size == 0:
             return
-        kv.cache.gather(region, self.homes[microbatch][:size], **(stream or {}))
-        self._count(size, out=True)
+        home = self.homes[microbatch]
+        for rank, shard in enumerate(kv.shards):
+            shard.cache.gather(region, home[rank * size : (rank + 1) * size], **(stream or {}))
+        self._count(self.tp * size, out=True)
 
     def _scatter_home(self, kv: KvSet, microbatch: int, stream: Optional[dict]) -> None:
         """Scatters ``microbatch``'s KV from its home in host memory into ``kv``."""
         region, size = self._moved(microbatch)
-        if size:
-            kv.cache.scatter(region, self.homes[microbatch][:size], **(stream or {}))
-            self._count(size, out=False)
+        if size == 0:
+            return
+        home = self.homes[microbatch]
+        for rank, shard in enumerate(kv.shards):
+            shard.cache.scatter(region, home[rank * size : (rank + 1) * size], **(stream or {}))
+        self._count(self.tp * size, out=False)
 
     def _count(self, size: int, out: bool) -> None:
         with self._swapped_lock:
@@ -401,12 +514,13 @@ class TorchStage:
 
     def host_bytes(self) -> int:
         """Bytes of KV in host memory now: the microbatches swapped out."""
-        return sum(self._moved(m)[1] for m in range(self.microbatches) if not self.resident(m))
+        return self.tp * sum(self._moved(m)[1] for m in range(self.microbatches) if not self.resident(m))
 
     def region(self, slots: range, tokens: range) -> dejavu.KvRegion:
-        """The KV of this stage's layers (local numbers) for ``slots`` and ``tokens``."""
+        """The KV of this stage's layers (local numbers) for ``slots`` and ``tokens``: all of it at
+        TP 1, or each rank's (its heads, local numbers)."""
         return dejavu.KvRegion(
-            layers=range(len(self.layers)), slots=slots, heads=range(self.shape.kv_heads), tokens=tokens
+            layers=range(len(self.layers)), slots=slots, heads=range(self.rank_kv_heads), tokens=tokens
         )
 
     def check_inputs(self, inputs: torch.Tensor, slots: range, start: int) -> Tuple[int, int]:
@@ -452,7 +566,8 @@ class TorchStage:
         groups = self.shape.heads // self.shape.kv_heads
         with sdpa_kernel(ATTENTION_BACKENDS):
             for i, layer in enumerate(self.blocks):
-                x = self._layer(layer, x, (cos, sin), (kv.keys[i], kv.values[i]), slots, start, end, allowed, groups)
+                cached = [(shard.keys[i], shard.values[i]) for shard in kv.shards]
+                x = self._layer(layer, i, x, (cos, sin), cached, slots, start, end, allowed, groups)
                 if layer_done is not None:
                     layer_done(i)
         self.lengths[microbatch] = max(self.lengths[microbatch], end)
@@ -473,41 +588,62 @@ class TorchStage:
         # Token j of the new ones sees the keys up to its own position.
         return torch.arange(end, device=self.device).unsqueeze(0) <= positions.unsqueeze(1)
 
-    def _layer(self, layer, x, rotary, cached, slots, start, end, allowed, groups):
+    def _layer(self, layer, index, x, rotary, cached, slots, start, end, allowed, groups):
+        """Local layer ``index`` (``layer``) over ``x``, each rank's attention over its KV
+        (``cached``: each rank's K and V of the layer)."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        (cos, sin), (layer_keys, layer_values) = rotary, cached
-        attention = layer.self_attn
+        cos, sin = rotary
+        scaling = layer.self_attn.scaling
         batch, count = x.shape[0], x.shape[1]
         h = layer.input_layernorm(x)
         shape = (batch, count, -1, self.shape.head_dim)
-        q = attention.q_proj(h).view(shape).transpose(1, 2)
-        k = attention.k_proj(h).view(shape).transpose(1, 2)
-        v = attention.v_proj(h).view(shape).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        cache_k = layer_keys[slots.start : slots.stop]
-        cache_v = layer_values[slots.start : slots.stop]
-        cache_k[:, :, start:end] = k
-        cache_v[:, :, start:end] = v
-        keys, values = cache_k[:, :, :end], cache_v[:, :, :end]
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
-        causal = allowed is None and count > 1
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, is_causal=causal, scale=attention.scaling)
-        x = x + attention.o_proj(out.transpose(1, 2).reshape(batch, count, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        partials = []
+        for weights, (layer_keys, layer_values) in zip(self.rank_weights[index], cached):
+            q = F.linear(h, weights.q).view(shape).transpose(1, 2)
+            k = F.linear(h, weights.k).view(shape).transpose(1, 2)
+            v = F.linear(h, weights.v).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            cache_k = layer_keys[slots.start : slots.stop]
+            cache_v = layer_values[slots.start : slots.stop]
+            cache_k[:, :, start:end] = k
+            cache_v[:, :, start:end] = v
+            keys, values = cache_k[:, :, :end], cache_v[:, :, :end]
+            if groups > 1:
+                keys = keys.repeat_interleave(groups, dim=1)
+                values = values.repeat_interleave(groups, dim=1)
+            causal = allowed is None and count > 1
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, is_causal=causal, scale=scaling)
+            partials.append(F.linear(out.transpose(1, 2).reshape(batch, count, -1), weights.o))
+        x = x + all_reduce(partials)
+        h = layer.post_attention_layernorm(x)
+        act = layer.mlp.act_fn
+        partials = [F.linear(act(F.linear(h, w.gate)) * F.linear(h, w.up), w.down) for w in self.rank_weights[index]]
+        return x + all_reduce(partials)
 
     def host_mirror(self) -> Tuple[dejavu.KvCache, List[torch.Tensor]]:
         """A host cache of one microbatch's layout and its tensors (pinned where the stage is on
         a GPU): what a stage restores into when its own tensors are on a GPU or swapped out.
         Made once and kept until ``drop_mirror``: a replacement standing by makes it before it
-        joins, since pinning a microbatch's worth of memory takes a while."""
+        joins, since pinning a microbatch's worth of memory takes a while. At TP 1; a stage of
+        more ranks has one per rank (``host_mirrors``)."""
+        if self.tp != 1:
+            raise ValueError(f"the stage's KV is split among {self.tp} tensor-parallel ranks: use host_mirrors")
+        caches, tensors = self.host_mirrors()
+        return caches[0], tensors
+
+    def host_mirrors(self) -> Tuple[List[dejavu.KvCache], List[torch.Tensor]]:
+        """A host cache of each rank's layout, and the tensors of all (as ``KvSet.tensors``
+        orders them); see ``host_mirror``."""
         if self._mirror is None:
             pin = self.device.type == "cuda"
-            size = self.sets[0].keys[0].shape
-            tensors = [torch.zeros(size, dtype=self.shape.torch_dtype, pin_memory=pin) for _ in range(2 * len(self.layers))]
-            self._mirror = (dejavu.KvCache.wrap(self.layout, tensors), tensors)
+            size = self.sets[0].shards[0].keys[0].shape
+            caches, tensors = [], []
+            for _ in range(self.tp):
+                rank = [torch.zeros(size, dtype=self.shape.torch_dtype, pin_memory=pin) for _ in range(2 * len(self.layers))]
+                caches.append(dejavu.KvCache.wrap(self.layout, rank))
+                tensors.extend(rank)
+            self._mirror = (caches, tensors)
         return self._mirror
 
     @property
@@ -537,15 +673,16 @@ class TorchStage:
             self._copy(kv.tensors(), tensors, slots, range(0, tokens))
         self.restored(microbatch, restored)
 
-    def save_mirror(self, microbatch: int, slots: range, tokens: range) -> dejavu.KvCache:
-        """Copies ``tokens`` of ``slots`` of ``microbatch``'s KV into the host mirror (made as
-        ``host_mirror`` makes it); returns the mirror's cache, for the library to read from."""
-        mirror, tensors = self.host_mirror()
+    def save_mirror(self, microbatch: int, slots: range, tokens: range) -> List[dejavu.KvCache]:
+        """Copies ``tokens`` of ``slots`` of ``microbatch``'s KV into the host mirrors (made as
+        ``host_mirrors`` makes them); returns each rank's mirror cache, for the library to read
+        from."""
+        mirrors, tensors = self.host_mirrors()
         self._copy(tensors, self.kv(microbatch).tensors(), slots, tokens)
-        return mirror
+        return mirrors
 
     def load_tokens(self, microbatch: int, tensors: List[torch.Tensor], slots: range, tokens: range) -> None:
-        """Copies ``tokens`` of ``slots`` from a host mirror's ``tensors`` into ``microbatch``'s KV,
+        """Copies ``tokens`` of ``slots`` from the host mirrors' ``tensors`` into ``microbatch``'s KV,
         which then holds the sequences up to ``tokens.stop``."""
         self._copy(self.kv(microbatch).tensors(), tensors, slots, tokens)
         self.restored(microbatch, [(slots, tokens.stop)])
