@@ -242,8 +242,8 @@ pub struct StageArgs {
     /// after `--` (such as `-- python3 -m dejavu.torch_engine member --shape ...`). The stage
     /// keeps the chain and its membership, and the engine computes each step and keeps its KV
     /// with the sidecar, speaking the engine protocol on its standard input and output
-    /// (docs/protocol.md). `--layout`, `--step-ms` and prompt handoffs are the reference
-    /// model's only.
+    /// (docs/protocol.md). `--layout` and `--step-ms` are the reference model's only; a prompt
+    /// handoff, the stage carries out for its engine (it reads and writes the engine's KV).
     #[arg(last = true, value_name = "ENGINE")]
     pub engine: Vec<String>,
 }

@@ -547,7 +547,7 @@ fn fetch_batch(
         let fetched = peer.0.lock().get_many(&keys);
         return fetched
             .into_iter()
-            .map(|f| f.map(|f| (f.descriptor.clone(), f.encoded().to_vec())).map_err(Into::into))
+            .map(|f| f.map(dejavulib::net::client::Fetched::into_parts).map_err(Into::into))
             .collect();
     }
     let mut inner = store.inner.clone();

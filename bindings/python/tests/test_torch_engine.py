@@ -487,3 +487,33 @@ def test_an_engine_process_that_cannot_be_the_stage_stops_it_with_the_reason():
     assert run.returncode != 0
     assert "layers range(0, 12) are not a non-empty range within the model's 8" in run.stderr
     assert "the engine process is gone (exit status: 2)" in run.stderr
+
+
+def test_an_engine_process_reads_a_sequence_s_kv_out_and_writes_it_in_for_a_handoff():
+    import struct
+
+    from dejavu.torch_engine.member import KV, READ, REFUSED, RESTORED, WRITE, Member, Start
+
+    start = Start(0, 0, range(0, 2), 2, 1, 1, 16, "", "none", "", b"")
+    computed, handed = TorchStage(SHAPE, range(0, 2), 2, 16), TorchStage(SHAPE, range(0, 2), 2, 16)
+    prompter, taker = Member(computed, start, None), Member(handed, start, None)
+    computed.forward(ids(2, 5, seed=8), range(2), 0)
+    answer = prompter.handle(bytes([READ]) + struct.pack("<4I", 0, 1, 0, 5))
+    assert answer[0] == KV
+    assert len(answer) - 1 == computed.cache.packed_len(computed.region(range(1, 2), range(0, 5)))
+    written = taker.handle(bytes([WRITE]) + struct.pack("<4IB", 0, 1, 0, 5, 0) + answer[1:])
+    assert written == bytes([RESTORED]) + struct.pack("<I", 5)
+    for ours, theirs in zip(handed.kv(0).tensors(), computed.kv(0).tensors()):
+        assert torch.equal(ours[1, :, :5], theirs[1, :, :5]) and theirs[1, :, :5].abs().max() > 0
+        assert not ours[0].any(), "only the written slot changed"
+    assert handed.lengths[0] == 5
+    # The written prompt decodes as the computed one does.
+    step = ids(1, 1, seed=9)
+    assert torch.equal(handed.forward(step, range(1, 2), 5), computed.forward(step, range(1, 2), 5))
+    for request, why in [
+        (bytes([READ]) + struct.pack("<4I", 0, 2, 0, 5), "no sequence in slot 2 of microbatch 0"),
+        (bytes([READ]) + struct.pack("<4I", 0, 0, 10, 20), "tokens 10..20 do not fit the stage's 16"),
+        (bytes([WRITE]) + struct.pack("<4IB", 0, 0, 0, 5, 1) + answer[1:-4], f"{len(answer) - 5} bytes of KV for tokens 0..5"),
+    ]:
+        refused = taker.handle(request)
+        assert refused[0] == REFUSED and why in refused[1:].decode(), refused

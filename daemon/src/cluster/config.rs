@@ -135,8 +135,8 @@ pub struct ClusterConfig {
     /// Who carries out recoveries.
     pub recoveries: Recoveries,
     /// An engine process each stage runs instead of the reference model (`dejavud stage --
-    /// ENGINE...`), such as the PyTorch engine (spare stages start theirs ahead); not with a
-    /// prompt pipeline.
+    /// ENGINE...`), such as the PyTorch engine (spare stages start theirs ahead), the prompt
+    /// pipeline's stages too.
     pub engine: Option<EngineCommand>,
 }
 

@@ -206,9 +206,6 @@ impl Cluster {
     /// Starts the controller, sidecars (when replicating), then the stages last first (so each
     /// knows where to send), and connects to them.
     pub fn start(config: ClusterConfig) -> Result<Self, ClusterError> {
-        if config.engine.is_some() && config.disaggregation.is_some() {
-            return Err(ClusterError::Invalid("an engine process runs without a prompt pipeline".into()));
-        }
         let n = config.splits.len();
         let dir = StateDir::create()?;
         if config.transport == TransportKind::Quic {
@@ -315,6 +312,10 @@ impl Cluster {
             args.extend(Self::shape_args(&shapes));
             args.extend(config.step_args());
             args.extend(config.transport_args(dir));
+            if let Some(engine) = &config.engine {
+                args.push("--".to_owned());
+                args.extend(engine.argv().iter().cloned());
+            }
             let stage = place.spawn(&config.exe, &args, &format!("prompt stage {index}"))?;
             next = stage.addr;
             stages.push(stage);

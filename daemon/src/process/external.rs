@@ -21,6 +21,17 @@
 //!   the sidecar to read from (a byte string, `host:port`; empty: its own). The KV is kept as one
 //!   chunk for the prompt, then one per token; the engine fetches them in that order while they
 //!   are there.
+//! - `4` **read**: microbatch, slot, first and end token (`u32` each): the sequence's KV of those
+//!   tokens, which a prompt stage's host hands over to the token pipeline
+//!   ([`crate::handoff`]) once the prompt's step is answered.
+//! - `5` **write**: microbatch, slot, first and end token (`u32` each), whether to replicate
+//!   (`u8`), then the KV of those tokens: a token stage's host loads a handed-over prompt from its
+//!   sidecar and has the engine take it in place of computing it. The sequence then holds KV up to
+//!   the end token; replicated, it goes to the sidecar as a prompt computed there would.
+//!
+//! KV travels packed as the library packs a region (`KvCache.gather`): the stage's layers, K then
+//! V, the slot, each KV head, each token's vector whole (`[layer][part][head][token][element]`),
+//! in the model's KV dtype.
 //!
 //! The engine says first, unasked:
 //! - `5` **standby**, once it has started (its imports done): a spare's engine waits so, warm,
@@ -31,9 +42,10 @@
 //!   joined in (`u64`).
 //! - `2` **output**, to a step: the hidden states (`f32`) to pass on, or from the last stage the
 //!   next token (`u32`).
-//! - `3` **restored**, to a restore: the tokens restored (`u32`).
-//! - `4` **refused**, to a step or a restore it cannot carry out (shapes or positions out of
-//!   range): why, in UTF-8. The host drops the request and goes on.
+//! - `3` **restored**, to a restore or a write: the tokens restored (`u32`; a write's end token).
+//! - `4` **refused**, to a step, a restore, a read or a write it cannot carry out (shapes or
+//!   positions out of range): why, in UTF-8. The host drops the request and goes on.
+//! - `7` **kv**, to a read: the KV asked for, packed.
 //!
 //! Before any answer, an engine that swaps microbatches between its device and host memory may
 //! send `6` **swapped**: its totals so far of microbatches swapped in, bytes swapped in, deltas
@@ -57,6 +69,7 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use tracing::{info, warn};
 
+use super::host_handoff::HostHandoff;
 use super::{ProcessError, StageConfig, StageEngine, StageStats};
 use dejavu_engine::pipeline::Seat;
 
@@ -153,6 +166,24 @@ pub enum ToEngine {
         /// The sidecar to read from, or the engine's own.
         from: Option<SocketAddr>,
     },
+    /// A sequence's KV to read out (packed).
+    Read {
+        /// The sequence.
+        seat: Seat,
+        /// Its tokens whose KV is read.
+        tokens: std::ops::Range<u32>,
+    },
+    /// A sequence's KV to take in (packed), in place of computing it.
+    Write {
+        /// The sequence.
+        seat: Seat,
+        /// Its tokens whose KV is given.
+        tokens: std::ops::Range<u32>,
+        /// Whether to hand it to the sidecar, as a computed step's.
+        replicate: bool,
+        /// The KV, packed.
+        kv: Vec<u8>,
+    },
 }
 
 /// The stage an engine process is to be.
@@ -197,6 +228,8 @@ pub enum FromEngine {
     Standby,
     /// Its swaps so far, sent before an answer.
     Swapped(SwapTotals),
+    /// KV read out, packed.
+    Kv(Vec<u8>),
 }
 
 /// An engine's swaps between its device and host memory so far (what [`FromEngine::Swapped`]
@@ -278,6 +311,13 @@ impl<'a> Fields<'a> {
     fn rest(&mut self) -> &'a [u8] {
         std::mem::take(&mut self.0)
     }
+    fn flag(&mut self) -> Result<bool, ExternalError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            v => Err(ExternalError::Malformed(format!("a flag of {v}"))),
+        }
+    }
     fn end(&self) -> Result<(), ExternalError> {
         match self.0.len() {
             0 => Ok(()),
@@ -319,6 +359,17 @@ impl ToEngine {
                 .u32(*prompt_len)
                 .u32(*kv_tokens)
                 .bytes(from.map(|a| a.to_string()).unwrap_or_default().as_bytes()),
+            ToEngine::Read { seat, tokens } => {
+                Body::default().u8(4).u32(seat.microbatch).u32(seat.slot).u32(tokens.start).u32(tokens.end)
+            }
+            ToEngine::Write { seat, tokens, replicate, kv } => Body::default()
+                .u8(5)
+                .u32(seat.microbatch)
+                .u32(seat.slot)
+                .u32(tokens.start)
+                .u32(tokens.end)
+                .u8(u8::from(*replicate))
+                .rest(kv),
         }
         .0
     }
@@ -344,11 +395,7 @@ impl ToEngine {
                 seat: Seat { microbatch: f.u32()?, slot: f.u32()? },
                 position: f.u32()?,
                 count: f.u32()?,
-                replicate: match f.u8()? {
-                    0 => false,
-                    1 => true,
-                    v => return Err(ExternalError::Malformed(format!("replicate flag {v}"))),
-                },
+                replicate: f.flag()?,
                 input: f.rest().to_vec(),
             },
             3 => ToEngine::Restore {
@@ -361,6 +408,16 @@ impl ToEngine {
                         addr.parse().map_err(|_| ExternalError::Malformed(format!("address {addr:?}")))?,
                     ),
                 },
+            },
+            4 => ToEngine::Read {
+                seat: Seat { microbatch: f.u32()?, slot: f.u32()? },
+                tokens: f.u32()?..f.u32()?,
+            },
+            5 => ToEngine::Write {
+                seat: Seat { microbatch: f.u32()?, slot: f.u32()? },
+                tokens: f.u32()?..f.u32()?,
+                replicate: f.flag()?,
+                kv: f.rest().to_vec(),
             },
             kind => return Err(ExternalError::Malformed(format!("message kind {kind} to an engine"))),
         };
@@ -385,6 +442,7 @@ impl FromEngine {
                 .u64(t.swap_outs)
                 .u64(t.bytes_out)
                 .u64(t.host_bytes),
+            FromEngine::Kv(kv) => Body::default().u8(7).rest(kv),
         }
         .0
     }
@@ -405,6 +463,7 @@ impl FromEngine {
                 bytes_out: f.u64()?,
                 host_bytes: f.u64()?,
             }),
+            7 => FromEngine::Kv(f.rest().to_vec()),
             kind => return Err(ExternalError::Malformed(format!("message kind {kind} from an engine"))),
         };
         f.end()?;
@@ -546,9 +605,6 @@ impl EngineProcess {
         config: &StageConfig,
         stats: Arc<StageStats>,
     ) -> Result<ExternalEngine, ProcessError> {
-        if config.handoff.is_some() {
-            return Err(ExternalError::Unsupported("hand prompts over between pipelines").into());
-        }
         if config.transport.is_quic() {
             return Err(
                 ExternalError::Unsupported("read a peer sidecar over QUIC (it reads over TCP)").into()
@@ -575,12 +631,21 @@ impl EngineProcess {
                 .unwrap_or_default(),
             secret: config.secret.clone(),
         };
+        if config.handoff.is_some() && config.device_caches.is_some_and(|d| d < config.microbatches) {
+            // As the reference stage: a prompt stage's handoff reads the prompt back after its
+            // step, and a token stage's loads write whole prompts.
+            return Err(ProcessError::Protocol(
+                "a stage of a disaggregated pipeline keeps every microbatch: no --device-caches".into(),
+            ));
+        }
+        let handoff = HostHandoff::new(config)?;
         let mut engine = ExternalEngine {
             process: self,
             replicate: replication.is_some(),
             lost: false,
             stats,
             index: config.index,
+            handoff,
         };
         match engine.ask(&ToEngine::Start(start), START_PATIENCE)? {
             FromEngine::Ready(epoch) => {
@@ -610,6 +675,8 @@ pub(super) struct ExternalEngine {
     lost: bool,
     stats: Arc<StageStats>,
     index: u32,
+    /// Its part in prompt-token disaggregation, carried out here.
+    handoff: Option<HostHandoff>,
 }
 
 impl ExternalEngine {
@@ -646,6 +713,46 @@ impl ExternalEngine {
         }
     }
 
+    /// As a prompt stage whose engine has just computed `seat`'s prompt (`tokens`): reads its KV
+    /// out of the engine and hands it over.
+    fn hand_over(&mut self, seat: Seat, tokens: std::ops::Range<u32>) -> Result<(), ProcessError> {
+        let kv = match self.ask(&ToEngine::Read { seat, tokens: tokens.clone() }, REQUEST_PATIENCE)? {
+            FromEngine::Kv(kv) => kv,
+            FromEngine::Refused(why) => return Err(ExternalError::Refused(why).into()),
+            other => return Err(self.out_of_step("read", &other).into()),
+        };
+        let Some(handoff) = &mut self.handoff else {
+            return Err(ProcessError::Protocol("a handoff from a stage that is not a prompt stage".into()));
+        };
+        let handed = handoff.prompt_done(seat, tokens, &kv)?;
+        StageStats::add(&self.stats.handed_chunks, handed.chunks);
+        StageStats::add(&self.stats.handed_bytes, handed.bytes);
+        StageStats::add(&self.stats.handoff_failures, handed.failures);
+        Ok(())
+    }
+
+    /// As a token stage: loads `seat`'s prompt KV from the sidecar and writes it into the engine;
+    /// returns the tokens the engine took.
+    fn load_prompt(&mut self, seat: Seat, prompt_len: u32) -> Result<u32, ProcessError> {
+        let Some(handoff) = &mut self.handoff else {
+            return Err(ExternalError::Unsupported("load a prompt outside a token pipeline").into());
+        };
+        let (kv, bytes) = handoff.load(seat, prompt_len)?;
+        let write = ToEngine::Write { seat, tokens: 0..prompt_len, replicate: self.replicate, kv };
+        match self.ask(&write, REQUEST_PATIENCE)? {
+            FromEngine::Restored(tokens) if tokens == prompt_len => {
+                StageStats::add(&self.stats.loaded_sequences, 1);
+                StageStats::add(&self.stats.loaded_bytes, bytes);
+                Ok(tokens)
+            }
+            FromEngine::Restored(tokens) => {
+                Err(self.out_of_step("write", &FromEngine::Restored(tokens)).into())
+            }
+            FromEngine::Refused(why) => Err(ExternalError::Refused(why).into()),
+            other => Err(self.out_of_step("write", &other).into()),
+        }
+    }
+
     /// An answer of the wrong kind to `request`: the engine is out of step, and lost.
     fn out_of_step(&mut self, request: &str, answer: &FromEngine) -> ExternalError {
         self.lost = true;
@@ -671,6 +778,9 @@ impl StageEngine for ExternalEngine {
             FromEngine::Output(out) => {
                 StageStats::add(&self.stats.steps, 1);
                 StageStats::add(&self.stats.tokens, count as u64);
+                if position == 0 && self.handoff.as_ref().is_some_and(HostHandoff::hands_over) {
+                    self.hand_over(seat, 0..count)?;
+                }
                 Ok(out)
             }
             FromEngine::Refused(why) => Err(ExternalError::Refused(why).into()),
@@ -703,17 +813,24 @@ impl StageEngine for ExternalEngine {
         Ok(restored)
     }
 
-    fn load(&mut self, seat: Seat, _prompt_len: u32) -> u32 {
-        warn!(
-            stage = self.index,
-            ?seat,
-            "an engine process does not load handed-over prompts: computed instead"
-        );
-        0
+    fn load(&mut self, seat: Seat, prompt_len: u32) -> u32 {
+        match self.load_prompt(seat, prompt_len) {
+            Ok(tokens) => tokens,
+            Err(e) => {
+                StageStats::add(&self.stats.load_failures, 1);
+                warn!(stage = self.index, ?seat, error = %e, "could not load a prompt's KV: computed instead");
+                0
+            }
+        }
     }
 
-    fn handoff_to(&mut self, _token_stage: u32, _to: SocketAddr) -> Result<(), ProcessError> {
-        Err(ExternalError::Unsupported("hand prompts over between pipelines").into())
+    fn handoff_to(&mut self, token_stage: u32, to: SocketAddr) -> Result<(), ProcessError> {
+        match &self.handoff {
+            Some(handoff) => handoff.retarget(token_stage, to),
+            None => {
+                Err(ProcessError::Protocol("a handoff target for a stage that is not a prompt stage".into()))
+            }
+        }
     }
 
     fn set_replication(&mut self, on: bool) {
@@ -759,6 +876,9 @@ mod tests {
                 kv_tokens: 40,
                 from: Some("127.0.0.1:9".parse().unwrap()),
             },
+            ToEngine::Read { seat, tokens: 0..32 },
+            ToEngine::Write { seat, tokens: 0..32, replicate: true, kv: vec![5; 640] },
+            ToEngine::Write { seat, tokens: 8..9, replicate: false, kv: Vec::new() },
         ];
         for message in to {
             assert_eq!(ToEngine::decode(&message.encode()).unwrap(), message);
@@ -776,6 +896,7 @@ mod tests {
             FromEngine::Restored(40),
             FromEngine::Refused("slot 9 of 4".into()),
             FromEngine::Standby,
+            FromEngine::Kv(vec![6; 640]),
         ];
         for message in from {
             assert_eq!(FromEngine::decode(&message.encode()).unwrap(), message);
@@ -810,6 +931,7 @@ while True:
             lost: false,
             stats: stats.clone(),
             index: 0,
+            handoff: None,
         };
         let seat = Seat { microbatch: 0, slot: 0 };
         for position in 0..3 {

@@ -77,6 +77,7 @@ use dejavu_engine::stage::StageError;
 
 mod chain;
 pub mod external;
+mod host_handoff;
 mod reference;
 mod remote;
 mod sidecars;

@@ -161,6 +161,11 @@ impl Fetched {
     pub fn encoded(&self) -> &[u8] {
         &self.encoded
     }
+
+    /// Its descriptor and its encoded bytes ([`Fetched::encoded`]), without a copy.
+    pub fn into_parts(self) -> (ChunkDescriptor, Vec<u8>) {
+        (self.descriptor, self.encoded)
+    }
 }
 
 /// Semaphore permits for `bytes` of puts, clamped so that one put larger than the whole budget

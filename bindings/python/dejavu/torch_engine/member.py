@@ -35,8 +35,8 @@ from .model import ModelShape, TorchStage
 from .stage import SIDECAR_GONE, Replication, SidecarGone, add_engine_arguments, serve
 
 # Message kinds (docs/protocol.md): from the stage host, then to it.
-START, STEP, RESTORE = 1, 2, 3
-READY, OUTPUT, RESTORED, REFUSED, STANDBY, SWAPPED = 1, 2, 3, 4, 5, 6
+START, STEP, RESTORE, READ, WRITE = 1, 2, 3, 4, 5
+READY, OUTPUT, RESTORED, REFUSED, STANDBY, SWAPPED, KV = 1, 2, 3, 4, 5, 6, 7
 
 #: The longest message either side sends.
 MAX_MESSAGE = 1 << 30
@@ -214,6 +214,36 @@ class Member:
                 stage.restored(microbatch, [(slots, restored)])
         return restored
 
+    def _sequence(self, microbatch: int, slot: int, tokens: range) -> dejavu.KvRegion:
+        """The region of a sequence's ``tokens``, or ``ValueError`` naming what is out of range."""
+        stage = self.stage
+        if not (0 <= microbatch < stage.microbatches and 0 <= slot < stage.slots):
+            raise ValueError(f"no sequence in slot {slot} of microbatch {microbatch}")
+        if not 0 <= tokens.start < tokens.stop <= stage.max_tokens:
+            raise ValueError(f"tokens {tokens.start}..{tokens.stop} do not fit the stage's {stage.max_tokens}")
+        return stage.region(range(slot, slot + 1), tokens)
+
+    def read(self, microbatch: int, slot: int, tokens: range) -> bytes:
+        """The sequence's KV of ``tokens``, packed (a prompt stage's host hands it over)."""
+        region = self._sequence(microbatch, slot, tokens)
+        return bytes(self.stage.kv(microbatch).cache.gather(region))
+
+    def write(self, microbatch: int, slot: int, tokens: range, replicate: bool, kv: bytes) -> int:
+        """Takes the sequence's KV of ``tokens`` (packed) in place of computing it: a prompt
+        handed over by a prompt pipeline, which the token stage's host loaded from the sidecar.
+        Replicated, it goes to the sidecar as a prompt computed here. Returns the end token."""
+        region = self._sequence(microbatch, slot, tokens)
+        stage = self.stage
+        cache = stage.kv(microbatch).cache
+        if len(kv) != cache.packed_len(region):
+            raise ValueError(f"{len(kv)} bytes of KV for tokens {tokens.start}..{tokens.stop}, which take {cache.packed_len(region)}")
+        cache.scatter(region, kv)
+        slots = range(slot, slot + 1)
+        stage.restored(microbatch, [(slots, tokens.stop)])
+        if replicate and self.replication is not None:
+            self.replication.step(microbatch, slots, tokens)
+        return tokens.stop
+
     def _peer(self, address: str) -> dejavu.Store:
         """The sidecar at ``address``, over TCP with the cluster secret (one connection each)."""
         if address not in self.peers:
@@ -234,6 +264,14 @@ class Member:
                 source = f.text()
                 f.end()
                 tokens = self.restore(microbatch, slot, prompt_len, kv_tokens, source)
+                return bytes([RESTORED]) + struct.pack("<I", tokens)
+            if kind == READ:
+                microbatch, slot, first, end = f.u32(), f.u32(), f.u32(), f.u32()
+                f.end()
+                return bytes([KV]) + self.read(microbatch, slot, range(first, end))
+            if kind == WRITE:
+                microbatch, slot, first, end, replicate = f.u32(), f.u32(), f.u32(), f.u32(), f.u8()
+                tokens = self.write(microbatch, slot, range(first, end), replicate == 1, f.rest())
                 return bytes([RESTORED]) + struct.pack("<I", tokens)
         except (ValueError, IndexError) as e:
             return bytes([REFUSED]) + str(e).encode()

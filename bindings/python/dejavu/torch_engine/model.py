@@ -668,9 +668,7 @@ class TorchStage:
         mirror may hold another microbatch's KV)."""
         if not restored:
             return
-        kv = self.kv(microbatch)
-        for slots, tokens in restored:
-            self._copy(kv.tensors(), tensors, slots, range(0, tokens))
+        self._copy(self.kv(microbatch).tensors(), tensors, [(slots, range(0, tokens)) for slots, tokens in restored])
         self.restored(microbatch, restored)
 
     def save_mirror(self, microbatch: int, slots: range, tokens: range) -> List[dejavu.KvCache]:
@@ -678,22 +676,24 @@ class TorchStage:
         ``host_mirrors`` makes them); returns each rank's mirror cache, for the library to read
         from."""
         mirrors, tensors = self.host_mirrors()
-        self._copy(tensors, self.kv(microbatch).tensors(), slots, tokens)
+        self._copy(tensors, self.kv(microbatch).tensors(), [(slots, tokens)])
         return mirrors
 
     def load_tokens(self, microbatch: int, tensors: List[torch.Tensor], slots: range, tokens: range) -> None:
         """Copies ``tokens`` of ``slots`` from the host mirrors' ``tensors`` into ``microbatch``'s KV,
         which then holds the sequences up to ``tokens.stop``."""
-        self._copy(self.kv(microbatch).tensors(), tensors, slots, tokens)
+        self._copy(self.kv(microbatch).tensors(), tensors, [(slots, tokens)])
         self.restored(microbatch, [(slots, tokens.stop)])
 
-    def _copy(self, targets: List[torch.Tensor], sources: List[torch.Tensor], slots: range, tokens: range) -> None:
-        """Copies ``tokens`` of ``slots`` of each source tensor into its target, between the host
-        and the stage's device; returns once they are copied."""
-        for target, source in zip(targets, sources):
-            target[slots.start : slots.stop, :, tokens.start : tokens.stop].copy_(
-                source[slots.start : slots.stop, :, tokens.start : tokens.stop], non_blocking=True
-            )
+    def _copy(self, targets: List[torch.Tensor], sources: List[torch.Tensor], parts: List[Tuple[range, range]]) -> None:
+        """Copies, of each ``(slots, tokens)`` in ``parts``, those tokens of those slots of each
+        source tensor into its target, between the host and the stage's device; returns once all
+        are copied (one wait for the device)."""
+        for slots, tokens in parts:
+            for target, source in zip(targets, sources):
+                target[slots.start : slots.stop, :, tokens.start : tokens.stop].copy_(
+                    source[slots.start : slots.stop, :, tokens.start : tokens.stop], non_blocking=True
+                )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
