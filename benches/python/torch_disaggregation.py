@@ -23,12 +23,8 @@ import torch
 
 import dejavu
 from dejavu.torch_engine.disaggregation import hand_over
-from dejavu.torch_engine.model import ModelShape, TorchStage
-
-
-def split(shape: ModelShape, stages: int):
-    per = shape.layers // stages
-    return [range(i * per, shape.layers if i == stages - 1 else (i + 1) * per) for i in range(stages)]
+from dejavu.torch_engine.model import TorchStage
+from torch_bench import add_common_arguments, parse, split
 
 
 def synchronize(device: str) -> None:
@@ -64,7 +60,7 @@ def run(stages, prompts, new_tokens, device, token_stages=None, store=None):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
+    add_common_arguments(parser)
     parser.add_argument("--batch", type=int, default=4, help="sequences")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=8)
@@ -73,12 +69,7 @@ def main() -> None:
     parser.add_argument("--prompt-tp", type=int, default=2)
     parser.add_argument("--token-stages", type=int, default=3)
     parser.add_argument("--token-tp", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ModelShape.add_arguments(parser, ModelShape(layers=8, hidden=512, heads=8, kv_heads=8, intermediate=1024, vocab=512))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    shape = ModelShape.from_arguments(args)
+    args, shape = parse(parser)
     max_tokens = args.prompt + args.new_tokens
     prompts = torch.randint(0, shape.vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(7))
 

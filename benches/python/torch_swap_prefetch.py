@@ -16,25 +16,20 @@ import statistics
 
 import torch
 
-from dejavu.torch_engine.model import ModelShape, TorchStage, generate
+from dejavu.torch_engine.model import TorchStage, generate
+from torch_bench import add_common_arguments, parse, split
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
+    add_common_arguments(parser)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="sequences per microbatch")
     parser.add_argument("--prompt", type=int, default=384)
     parser.add_argument("--new-tokens", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ModelShape.add_arguments(parser, ModelShape(layers=8, hidden=512, heads=8, kv_heads=8, intermediate=1024, vocab=512))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    shape = ModelShape.from_arguments(args)
-    per_stage = shape.layers // args.stages
-    layers = [range(i * per_stage, shape.layers if i == args.stages - 1 else (i + 1) * per_stage) for i in range(args.stages)]
+    args, shape = parse(parser)
+    layers = split(shape, args.stages)
     max_tokens = args.prompt + args.new_tokens
     m = args.microbatches
     prompts = torch.randint(0, shape.vocab, (m * args.batch, args.prompt), generator=torch.Generator().manual_seed(7))
@@ -58,7 +53,7 @@ def main() -> None:
             rates[name].append(m * args.batch * (args.new_tokens - 1) / seconds)
             swapped[name] = sum(s.swapped_bytes for s in stages) / (m * args.new_tokens)
             del stages
-    kv = shape.kv_bytes_per_token(per_stage) * args.batch * max_tokens / 1e6
+    kv = shape.kv_bytes_per_token(len(layers[0])) * args.batch * max_tokens / 1e6
     print(f"{shape.layers} layers, hidden {shape.hidden}, {shape.kv_heads} KV heads of {shape.head_dim}, {shape.dtype}; "
           f"{args.stages} stages on {args.device}, {m} microbatches of {args.batch} sequences, prompt {args.prompt}, "
           f"{args.new_tokens} new tokens; a microbatch's KV per stage up to {kv:.1f} MB; {args.rounds} rounds")

@@ -459,8 +459,8 @@ class TorchStage:
     def _swap(self, kv: KvSet, evicted: Optional[int], microbatch: int, stream: Optional[dict]) -> None:
         """Swaps ``evicted`` out of ``kv`` (if any) and ``microbatch`` into it, on ``stream``."""
         if evicted is not None:
-            self._gather_home(kv, evicted, stream)
-        self._scatter_home(kv, microbatch, stream)
+            self._move_home(kv, evicted, stream, out=True)
+        self._move_home(kv, microbatch, stream, out=False)
 
     def _moved(self, microbatch: int) -> Tuple[dejavu.KvRegion, int]:
         """The region of each rank a swap of ``microbatch`` moves, and its bytes per rank."""
@@ -474,31 +474,26 @@ class TorchStage:
         microbatch, kv.holds = kv.holds, None
         if self.before_swap_out is not None:
             self.before_swap_out(microbatch)
-        self._gather_home(kv, microbatch, self._stream())
+        self._move_home(kv, microbatch, self._stream(), out=True)
 
     def _swap_in(self, microbatch: int, kv: KvSet) -> None:
-        self._scatter_home(kv, microbatch, self._stream())
+        self._move_home(kv, microbatch, self._stream(), out=False)
         kv.holds = microbatch
 
-    def _gather_home(self, kv: KvSet, microbatch: int, stream: Optional[dict]) -> None:
-        """Gathers ``microbatch``'s KV from ``kv`` into its home in host memory, rank after rank."""
+    def _move_home(self, kv: KvSet, microbatch: int, stream: Optional[dict], out: bool) -> None:
+        """Gathers ``microbatch``'s KV from ``kv`` into its home in host memory (``out``), or
+        scatters it from there into ``kv``, rank after rank."""
         region, size = self._moved(microbatch)
         if size == 0:
             return
         home = self.homes[microbatch]
         for rank, shard in enumerate(kv.shards):
-            shard.cache.gather(region, home[rank * size : (rank + 1) * size], **(stream or {}))
-        self._count(self.tp * size, out=True)
-
-    def _scatter_home(self, kv: KvSet, microbatch: int, stream: Optional[dict]) -> None:
-        """Scatters ``microbatch``'s KV from its home in host memory into ``kv``."""
-        region, size = self._moved(microbatch)
-        if size == 0:
-            return
-        home = self.homes[microbatch]
-        for rank, shard in enumerate(kv.shards):
-            shard.cache.scatter(region, home[rank * size : (rank + 1) * size], **(stream or {}))
-        self._count(self.tp * size, out=False)
+            part = home[rank * size : (rank + 1) * size]
+            if out:
+                shard.cache.gather(region, part, **(stream or {}))
+            else:
+                shard.cache.scatter(region, part, **(stream or {}))
+        self._count(self.tp * size, out=out)
 
     def _count(self, size: int, out: bool) -> None:
         with self._swapped_lock:
