@@ -496,15 +496,17 @@ pub(crate) fn fetch_chunks<'py>(
             let mut kept: Vec<Vec<u8>> = Vec::new();
             let mut stopped = None;
             for ((transfer, tokens), chunk) in batch.iter().zip(chunks) {
-                let installed = chunk.and_then(|(descriptor, encoded)| {
-                    let payload = &encoded[dejavulib::chunk::HEADER_LEN..];
-                    let receipt = install(&cache.cache, transfer, tokens.clone(), &descriptor, payload)?;
-                    Ok((receipt.bytes, encoded))
+                let installed = chunk.and_then(|(descriptor, chunk)| {
+                    let receipt =
+                        install(&cache.cache, transfer, tokens.clone(), &descriptor, chunk.payload())?;
+                    Ok((receipt.bytes, descriptor, chunk))
                 });
                 match installed {
-                    Ok((n, encoded)) => {
+                    Ok((n, descriptor, chunk)) => {
                         (fetched, bytes) = (fetched + 1, bytes + n);
-                        kept.push(encoded);
+                        if keeper.is_some() {
+                            kept.push(chunk.into_encoded(&descriptor));
+                        }
                     }
                     Err(dejavulib::reshard::StreamError::Store(ChunkStoreError::NotFound(_))) => {
                         stopped = Some(None);
@@ -535,30 +537,61 @@ pub(crate) fn fetch_chunks<'py>(
     Ok(out)
 }
 
-/// The chunks of `batch` (each its descriptor and its encoded bytes: header, then payload), from
-/// a peer all in flight at once, from another store one by one until one fails.
+/// A chunk `fetch_batch` fetched: from a peer as it travelled (header, then payload), from
+/// another store its payload alone.
+enum FetchedChunk {
+    Encoded(Vec<u8>),
+    Payload(Vec<u8>),
+}
+
+impl FetchedChunk {
+    fn payload(&self) -> &[u8] {
+        match self {
+            FetchedChunk::Encoded(encoded) => &encoded[dejavulib::chunk::HEADER_LEN..],
+            FetchedChunk::Payload(payload) => payload,
+        }
+    }
+
+    /// The chunk as a sidecar keeps it (header, then payload), encoded only if it came bare.
+    fn into_encoded(self, descriptor: &dejavulib::chunk::ChunkDescriptor) -> Vec<u8> {
+        match self {
+            FetchedChunk::Encoded(encoded) => encoded,
+            FetchedChunk::Payload(payload) => {
+                let mut encoded = descriptor.encode_header(&payload).to_vec();
+                encoded.extend_from_slice(&payload);
+                encoded
+            }
+        }
+    }
+}
+
+/// The chunks of `batch`, each with its descriptor, from a peer all in flight at once, from
+/// another store one by one until one fails.
 fn fetch_batch(
     store: &PyStore,
     batch: &[(Transfer, std::ops::Range<u32>)],
-) -> Vec<Result<(dejavulib::chunk::ChunkDescriptor, Vec<u8>), dejavulib::reshard::StreamError>> {
+) -> Vec<Result<(dejavulib::chunk::ChunkDescriptor, FetchedChunk), dejavulib::reshard::StreamError>> {
     let keys: Vec<_> =
         batch.iter().map(|(transfer, tokens)| transfer_key(transfer, tokens.clone())).collect();
     if let Some(peer) = &store.peer {
         let fetched = peer.0.lock().get_many(&keys);
         return fetched
             .into_iter()
-            .map(|f| f.map(dejavulib::net::client::Fetched::into_parts).map_err(Into::into))
+            .map(|f| {
+                f.map(|f| {
+                    let (descriptor, encoded) = f.into_parts();
+                    (descriptor, FetchedChunk::Encoded(encoded))
+                })
+                .map_err(Into::into)
+            })
             .collect();
     }
     let mut inner = store.inner.clone();
     let mut out = Vec::with_capacity(keys.len());
     for key in &keys {
         let mut payload = Vec::new();
-        let chunk = inner.get(key, &mut payload).map(|descriptor| {
-            let mut encoded = descriptor.encode_header(&payload).to_vec();
-            encoded.extend_from_slice(&payload);
-            (descriptor, encoded)
-        });
+        let chunk =
+            inner.get(key, &mut payload).map(|descriptor| (descriptor, FetchedChunk::Payload(payload)));
         let failed = chunk.is_err();
         out.push(chunk.map_err(Into::into));
         if failed {

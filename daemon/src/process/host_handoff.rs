@@ -90,7 +90,7 @@ impl HostHandoff {
     }
 
     /// The region of `seat`'s `tokens` in the stage's KV.
-    pub(super) fn region(&self, seat: Seat, tokens: Range<u32>) -> KvRegion {
+    fn region(&self, seat: Seat, tokens: Range<u32>) -> KvRegion {
         KvRegion::new(0..self.spec.layers(), seat.slot..seat.slot + 1, 0..self.spec.kv_heads(), tokens)
     }
 

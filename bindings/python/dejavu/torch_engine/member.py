@@ -118,7 +118,9 @@ def read_message(stream: BinaryIO) -> Optional[bytes]:
 
 
 def write_message(stream: BinaryIO, body: bytes) -> None:
-    stream.write(struct.pack("<I", len(body)) + body)
+    # Two writes to the buffered stream, not a concatenation: a read's KV is large.
+    stream.write(struct.pack("<I", len(body)))
+    stream.write(body)
     stream.flush()
 
 
@@ -223,10 +225,15 @@ class Member:
             raise ValueError(f"tokens {tokens.start}..{tokens.stop} do not fit the stage's {stage.max_tokens}")
         return stage.region(range(slot, slot + 1), tokens)
 
-    def read(self, microbatch: int, slot: int, tokens: range) -> bytes:
-        """The sequence's KV of ``tokens``, packed (a prompt stage's host hands it over)."""
+    def read(self, microbatch: int, slot: int, tokens: range) -> bytearray:
+        """The ``kv`` answer with the sequence's KV of ``tokens``, packed (a prompt stage's host
+        hands it over), gathered in place after the kind byte."""
         region = self._sequence(microbatch, slot, tokens)
-        return bytes(self.stage.kv(microbatch).cache.gather(region))
+        cache = self.stage.kv(microbatch).cache
+        answer = bytearray(1 + cache.packed_len(region))
+        answer[0] = KV
+        cache.gather(region, np.frombuffer(answer, dtype=np.uint8)[1:])
+        return answer
 
     def write(self, microbatch: int, slot: int, tokens: range, replicate: bool, kv: bytes) -> int:
         """Takes the sequence's KV of ``tokens`` (packed) in place of computing it: a prompt
@@ -268,7 +275,7 @@ class Member:
             if kind == READ:
                 microbatch, slot, first, end = f.u32(), f.u32(), f.u32(), f.u32()
                 f.end()
-                return bytes([KV]) + self.read(microbatch, slot, range(first, end))
+                return self.read(microbatch, slot, range(first, end))
             if kind == WRITE:
                 microbatch, slot, first, end, replicate = f.u32(), f.u32(), f.u32(), f.u32(), f.u8()
                 tokens = self.write(microbatch, slot, range(first, end), replicate == 1, f.rest())
