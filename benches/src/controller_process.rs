@@ -62,15 +62,7 @@ impl ControllerProcess {
 
     /// User and system CPU seconds the process has used (counted in the kernel's ticks).
     pub fn cpu_seconds(&self) -> Result<f64, String> {
-        let stat =
-            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).map_err(|e| e.to_string())?;
-        // Fields after the command's closing parenthesis: state is the third, utime the 14th.
-        let fields: Vec<&str> =
-            stat.rsplit_once(')').ok_or("a malformed stat")?.1.split_whitespace().collect();
-        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).ok_or("a malformed stat");
-        // SAFETY: sysconf reads a constant of the system.
-        let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        Ok((ticks(11)? + ticks(12)?) / per_second)
+        crate::cpu_time::of_process(self.child.id()).map(|d| d.as_secs_f64())
     }
 }
 

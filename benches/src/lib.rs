@@ -6,6 +6,7 @@
 
 pub mod controller_load;
 pub mod controller_process;
+pub mod cpu_time;
 pub mod e2e;
 pub mod failover;
 pub mod gpu;

@@ -10,7 +10,9 @@
 //! - streamed: the engine submits steps to a [`Streamer`] and goes on; the streamer thread sends
 //!   them with its queue full. Its limit is raw TCP moving the same messages with as many in
 //!   flight as the streamer's queue holds; the engine's own thread time per step is held to the
-//!   gather's.
+//!   gather's. Beside it, the CPU time a streamed step costs the three processes, against the raw
+//!   link's two ends: shared among the machine's cores, it bounds the streamed throughput however
+//!   well the processes overlap (on two cores, below the target; see `docs/benchmarks.md`).
 //!
 //! Both are measured with the sidecars on TCP, against raw tokio TCP, and on QUIC, against a raw
 //! quinn stream. The synchronous steps over TCP are timed from Python too
@@ -30,7 +32,7 @@ use dejavulib::streamer::{StreamJob, Streamer, StreamerConfig};
 use dejavulib::{DType, KvCache, KvLayout, KvRegion, KvSpec, WorkerId};
 
 use crate::net::{Case, RawLink};
-use crate::Row;
+use crate::{cpu_time, Row};
 
 /// The synchronous path's target: at most 1.5x the time of its limit.
 pub const SYNC_TARGET: f64 = 1.0 / 1.5;
@@ -114,6 +116,14 @@ impl Ring {
         Ok(Self { _sidecars: [first, second], engine_at, _dir: dir })
     }
 
+    /// CPU time the two sidecar processes have used so far.
+    fn sidecars_cpu(&self) -> Result<[Duration; 2], String> {
+        Ok([
+            cpu_time::of_process(self._sidecars[0].proc.pid())?,
+            cpu_time::of_process(self._sidecars[1].proc.pid())?,
+        ])
+    }
+
     /// The engine's connection to the first sidecar (one at a time).
     fn engine(&self) -> Result<LocalSidecar, String> {
         LocalSidecar::connect(&self.engine_at.0, 0, self.engine_at.1).map_err(|e| e.to_string())
@@ -135,14 +145,6 @@ fn median(mut times: Vec<Duration>) -> Duration {
     times[times.len() / 2]
 }
 
-/// CPU time the calling thread has used.
-fn thread_cpu_time() -> Duration {
-    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `now` is a valid timespec to write into; the clock id is a constant the kernel knows.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
-    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
-}
-
 /// One step size's measurements.
 struct Measured {
     bytes: usize,
@@ -157,6 +159,10 @@ struct Measured {
     awaited_bytes_per_s: f64,
     raw_bytes_per_s: f64,
     engine_per_step: Duration,
+    /// CPU time per streamed step (a put in flight) of the engine's process, its sidecar and the
+    /// successor's; and of the raw link's two ends.
+    streamed_cpu: [Duration; 3],
+    raw_cpu: Duration,
 }
 
 /// The rows: for each transport and size, the synchronous step against its limit, the streamed
@@ -215,6 +221,48 @@ pub fn measure(exe: &Path, steps: usize) -> Result<(Vec<Row>, Vec<String>), Stri
                 target: 1.0,
                 higher_is_better: false,
             });
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let cpu_per_step: Duration = m.streamed_cpu.iter().sum();
+            rows.push(Row {
+                name: format!(
+                    "CPU per streamed {mb:.1} MB step{over}: the engine's process and both sidecars"
+                ),
+                value: ms(cpu_per_step),
+                unit: "ms",
+                limit_name: format!("{raw}'s CPU per step, both ends"),
+                limit: ms(m.raw_cpu),
+                target: 0.0,
+                higher_is_better: false,
+            });
+            // However well the processes overlap, the cores cannot run a step in less than its CPU
+            // time shared among them: the streamed rows' ceiling on this machine.
+            let ceiling = m.bytes as f64 * cores as f64 / cpu_per_step.as_secs_f64();
+            rows.push(Row {
+                name: format!(
+                    "{mb:.1} MB decode steps through two sidecars{over}, streamed: the most {cores} cores allow \
+                     (bytes x cores / CPU per step)"
+                ),
+                value: ceiling / 1e9,
+                unit: "GB/s",
+                limit_name: format!("{raw}, {QUEUE} in flight"),
+                limit: m.raw_bytes_per_s / 1e9,
+                target: 0.0,
+                higher_is_better: true,
+            });
+            let [engine_cpu, sidecar_cpu, successor_cpu] = m.streamed_cpu;
+            notes.push(format!(
+                "{mb:.1} MB steps{over}, streamed: {:.2} ms of CPU a step (the engine's process {:.2}, its sidecar \
+                 {:.2}, the successor's {:.2}) against {:.2} ms for {raw} (both ends): on {cores} cores at best \
+                 {:.2} GB/s, {:.2}x of {raw}'s {:.2} GB/s",
+                ms(cpu_per_step),
+                ms(engine_cpu),
+                ms(sidecar_cpu),
+                ms(successor_cpu),
+                ms(m.raw_cpu),
+                ceiling / 1e9,
+                ceiling / m.raw_bytes_per_s,
+                m.raw_bytes_per_s / 1e9,
+            ));
             notes.push(format!(
                 "{mb:.1} MB step{over} ({batch} sequences of a 13B-class worker): synchronous {:.2} ms = gather \
                  {:.2} ms + {raw} {:.2} ms + {:.2} ms for the rest (shared memory, keeping, acknowledgments)",
@@ -361,16 +409,26 @@ fn measure_size(
     // rounds that wait for each put, and the raw link's with its window, so that the three see
     // the same machine.
     let job = StreamJob { cache: cache.clone(), transfer, tokens: 1..2 };
+    let steps = steps.max(STREAMED_MIN_BYTES.div_ceil(bytes));
     let windowed = Case { name: "streamed steps", size: bytes, count: steps, window: QUEUE };
     let (mut in_flight, mut awaited, mut over_raw_windowed) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut streamed_cpu, mut raw_cpu) = ([Duration::ZERO; 3], Duration::ZERO);
     for _ in 0..STREAMED_ROUNDS {
-        in_flight.push(streamed(ring, &job, steps, 1)?);
-        awaited.push(streamed(ring, &job, steps, 0)?);
+        let round = streamed(ring, &job, steps, 1)?;
+        for (total, used) in streamed_cpu.iter_mut().zip(round.cpu) {
+            *total += used;
+        }
+        in_flight.push((round.wall, round.engine_thread));
+        let round = streamed(ring, &job, steps, 0)?;
+        awaited.push((round.wall, round.engine_thread));
+        let cpu_before = cpu_time::this_process();
         over_raw_windowed.push(runtime.block_on(raw.run(windowed, message.clone())));
+        raw_cpu += cpu_time::this_process() - cpu_before;
     }
     let total = (bytes * steps) as f64;
     let (streamed, engine_time) = median_round(in_flight);
     let (streamed_awaited, _) = median_round(awaited);
+    let per_step = (STREAMED_ROUNDS * steps) as u32;
     Ok(Measured {
         bytes,
         sync: median(sync),
@@ -380,8 +438,14 @@ fn measure_size(
         awaited_bytes_per_s: total / streamed_awaited.as_secs_f64(),
         raw_bytes_per_s: total / median(over_raw_windowed).as_secs_f64(),
         engine_per_step: engine_time / steps as u32,
+        streamed_cpu: streamed_cpu.map(|used| used / per_step),
+        raw_cpu: raw_cpu / per_step,
     })
 }
+
+/// Bytes a round of streamed steps moves at least (small steps take more of them): the sidecars'
+/// CPU time is counted in the kernel's 10 ms ticks, so a round must last far longer than one.
+const STREAMED_MIN_BYTES: usize = 256 << 20;
 
 /// Rounds of streamed steps per way of streaming (and of the raw link's), taking turns.
 const STREAMED_ROUNDS: usize = 3;
@@ -392,19 +456,25 @@ fn median_round(mut rounds: Vec<(Duration, Duration)>) -> (Duration, Duration) {
     rounds[rounds.len() / 2]
 }
 
+/// One round of streamed steps.
+struct Round {
+    /// From the first submission to the last completion.
+    wall: Duration,
+    /// The engine thread's CPU time meanwhile.
+    engine_thread: Duration,
+    /// CPU time meanwhile of this process (the engine's: its streamer, its gathers), of the first
+    /// sidecar and of the second.
+    cpu: [Duration; 3],
+}
+
 /// `steps` copies of `job` through a streamer over a new connection to the ring's first sidecar
-/// that leaves `puts_in_flight` puts in flight (after one untimed step): the time to the last
-/// completion, and the engine thread's CPU time meanwhile.
-fn streamed(
-    ring: &Ring,
-    job: &StreamJob,
-    steps: usize,
-    puts_in_flight: usize,
-) -> Result<(Duration, Duration), String> {
+/// that leaves `puts_in_flight` puts in flight (after one untimed step).
+fn streamed(ring: &Ring, job: &StreamJob, steps: usize, puts_in_flight: usize) -> Result<Round, String> {
     let config = StreamerConfig { queue_depth: QUEUE, puts_in_flight, ..StreamerConfig::default() };
     let streamer = Streamer::spawn(config, Box::new(ring.engine()?)).map_err(|e| e.to_string())?;
     streamer.submit(job.clone()).and_then(|c| c.wait()).map_err(|e| e.to_string())?;
-    let (started, engine_started) = (Instant::now(), thread_cpu_time());
+    let cpu_before = (cpu_time::this_process(), ring.sidecars_cpu()?);
+    let (started, engine_started) = (Instant::now(), cpu_time::this_thread());
     let mut pending = VecDeque::new();
     for _ in 0..steps {
         pending.push_back(streamer.submit(job.clone()).map_err(|e| e.to_string())?);
@@ -416,5 +486,9 @@ fn streamed(
     for completion in pending {
         completion.wait().map_err(|e| e.to_string())?;
     }
-    Ok((started.elapsed(), thread_cpu_time() - engine_started))
+    let (wall, engine_thread) = (started.elapsed(), cpu_time::this_thread() - engine_started);
+    let [first, second] = ring.sidecars_cpu()?;
+    let [first_before, second_before] = cpu_before.1;
+    let cpu = [cpu_time::this_process() - cpu_before.0, first - first_before, second - second_before];
+    Ok(Round { wall, engine_thread, cpu })
 }

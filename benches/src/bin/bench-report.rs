@@ -2,7 +2,7 @@
 //! the end-to-end rows of the reference engine's cluster (started from the `dejavud` executable).
 //!
 //! `cargo build --release --bin dejavud && cargo run --release -p dejavu-benches --bin bench-report
-//! [-- --json] [--quick] [--no-e2e] [--gpu-only]`
+//! [-- --json] [--quick] [--no-e2e] [--gpu-only] [--controller-only] [--path-only]`
 
 use std::process::Command;
 use std::time::Duration;
@@ -14,7 +14,8 @@ use dejavulib::file_io::{FileBackend, FileIo};
 use dejavulib::store::{ChunkStore, FileStore};
 use dejavulib::StagingPool;
 
-const USAGE: &str = "usage: bench-report [--json] [--quick] [--no-e2e] [--gpu-only] [--controller-only]";
+const USAGE: &str =
+    "usage: bench-report [--json] [--quick] [--no-e2e] [--gpu-only] [--controller-only] [--path-only]";
 
 /// The command line.
 struct Options {
@@ -28,12 +29,20 @@ struct Options {
     gpu_only: bool,
     /// Only the scale of one controller (simulated members), as a table.
     controller_only: bool,
+    /// Only the replication path at real sizes (engine, two sidecars), as a table.
+    path_only: bool,
 }
 
 impl Options {
     fn parse() -> Result<Self, String> {
-        let mut options =
-            Self { json: false, quick: false, no_e2e: false, gpu_only: false, controller_only: false };
+        let mut options = Self {
+            json: false,
+            quick: false,
+            no_e2e: false,
+            gpu_only: false,
+            controller_only: false,
+            path_only: false,
+        };
         for arg in std::env::args().skip(1) {
             match arg.as_str() {
                 "--json" => options.json = true,
@@ -44,6 +53,7 @@ impl Options {
                     options.no_e2e = true;
                 }
                 "--controller-only" => options.controller_only = true,
+                "--path-only" => options.path_only = true,
                 other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
             }
         }
@@ -95,6 +105,9 @@ fn main() -> std::process::ExitCode {
     eprintln!("{}", machine.line());
     if options.controller_only {
         return controller_only(&machine, options.quick);
+    }
+    if options.path_only {
+        return path_only(&machine, options.quick);
     }
     let mut micro = micro_rows(geometry, options.quick, options.gpu_only);
     if !options.gpu_only {
@@ -150,6 +163,23 @@ fn controller_only(machine: &dejavu_benches::machine::Machine, quick: bool) -> s
         }
         Err(e) => {
             eprintln!("bench-report: controller scale: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The replication path's rows alone (`--path-only`), as a table.
+fn path_only(machine: &dejavu_benches::machine::Machine, quick: bool) -> std::process::ExitCode {
+    let steps = if quick { PATH_STEPS_QUICK } else { dejavu_benches::path::STEPS };
+    match e2e::find_dejavud().and_then(|exe| dejavu_benches::path::measure(&exe, steps)) {
+        Ok((rows, notes)) => {
+            println!("{}\n", machine.line());
+            print_rows(&rows);
+            println!("\n{}", notes.join("\n"));
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("bench-report: the path at real sizes: {e}");
             std::process::ExitCode::FAILURE
         }
     }
