@@ -186,3 +186,38 @@ fn a_release_drops_the_place_whole_and_a_fenced_sender_cannot_release() {
 fn put_into(store: &mut PeerStore, (descriptor, payload): (ChunkDescriptor, Vec<u8>)) {
     store.put(&descriptor, &payload).unwrap();
 }
+
+#[test]
+fn a_chunk_given_back_after_the_store_replaced_it_serves_the_next_chunk() {
+    let store = HostStore::new();
+    // 256 KiB payloads: large enough to be pooled.
+    let region = KvRegion::new(0..2, 0..1, 0..2, 0..8192);
+    let encoded = |(descriptor, payload): (ChunkDescriptor, Vec<u8>)| {
+        let mut chunk = descriptor.encode_header(&payload).to_vec();
+        chunk.extend_from_slice(&payload);
+        chunk
+    };
+    let first = encoded(chunk_of(1, 0, region.clone()));
+    let (descriptor, kept) = store.put_copied(&first).unwrap();
+
+    // Given back while the store still holds it: nothing changes.
+    store.give_back(kept.clone());
+    assert_eq!(store.pooled_bytes(), 0);
+    let mut back = Vec::new();
+    store.clone().get(&descriptor.key(), &mut back).unwrap();
+    assert!(back == first[first.len() - back.len()..], "the chunk held is intact");
+
+    // Replaced while a forward still holds it: its buffer cannot be reused yet.
+    let second = encoded(chunk_of(1, 0, region));
+    let (_, replacing) = store.put_copied(&second).unwrap();
+    assert_eq!(store.pooled_bytes(), 0, "a buffer someone holds is not pooled");
+
+    // Given back once the forward is over: it waits for the next chunk of its size.
+    store.give_back(kept);
+    let pooled = store.pooled_bytes();
+    assert!(pooled >= first.len() as u64, "{pooled} bytes pooled, for a chunk of {}", first.len());
+    drop(replacing);
+    let (_, third) = store.put_copied(&second).unwrap();
+    assert_eq!(store.pooled_bytes(), pooled, "the next chunk took the buffer given back");
+    assert!(**third == second);
+}

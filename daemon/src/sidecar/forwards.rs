@@ -101,6 +101,9 @@ fn forward_in_order(
         // ever; the next ones are still tried.
         let forwarded =
             std::panic::catch_unwind(AssertUnwindSafe(|| sidecar.forward(&descriptor, &kept, epoch)));
+        // The engine's next step of the same place may have replaced the chunk while it crossed:
+        // its buffer then serves the next chunk instead of a fresh one.
+        sidecar.store.give_back(kept);
         let mut writer = writer.lock();
         let written = match forwarded {
             Err(_) => reply_error(&mut *writer, &request, ErrorCode::Other, "the forward panicked"),

@@ -290,8 +290,8 @@ impl HostStore {
         match inner.chunks.insert(key, held) {
             Some(Held::Memory(old)) => {
                 inner.usage.memory_bytes -= old.len() as u64;
-                // A buffer still being sent to a reader is not reusable; it is freed when the send
-                // ends.
+                // A buffer still being sent to a reader is not reusable yet; it comes back to the
+                // pool if its holder gives it back (`give_back`), and is freed otherwise.
                 if let Ok(buffer) = Arc::try_unwrap(old) {
                     inner.spare.give(buffer);
                 }
@@ -320,6 +320,17 @@ impl HostStore {
             side.1 += held.len() as u64;
         }
         split
+    }
+
+    /// Takes back a chunk the store handed out ([`HostStore::put_copied`],
+    /// [`HostStore::put_encoded`]) once its holder is done with it (a forward, say). If the store
+    /// replaced or dropped it meanwhile and nobody else holds it, its buffer waits for the next
+    /// chunk of its size, as the buffer of a chunk dropped while nobody held it does, instead of
+    /// going back to the system (to be faulted in again, page by page, for the next chunk).
+    pub fn give_back(&self, chunk: Arc<Vec<u8>>) {
+        if let Ok(buffer) = Arc::try_unwrap(chunk) {
+            self.inner.lock().spare.give(buffer);
+        }
     }
 
     /// Bytes of dropped and replaced chunks' buffers kept for the next chunks of their size (on
