@@ -80,7 +80,7 @@ impl Link {
 
 /// The two sidecars of a ring of two, each the other's successor.
 struct Ring {
-    _sidecars: [Spawned; 2],
+    sidecars: [Spawned; 2],
     /// The first's local socket, and the second's address.
     engine_at: (std::path::PathBuf, std::net::SocketAddr),
     _dir: tempfile::TempDir,
@@ -113,14 +113,14 @@ impl Ring {
         };
         let (first, second) = (sidecar(0)?, sidecar(1)?);
         let engine_at = (dir.path().join("s0.sock"), second.addr);
-        Ok(Self { _sidecars: [first, second], engine_at, _dir: dir })
+        Ok(Self { sidecars: [first, second], engine_at, _dir: dir })
     }
 
     /// CPU time the two sidecar processes have used so far.
     fn sidecars_cpu(&self) -> Result<[Duration; 2], String> {
         Ok([
-            cpu_time::of_process(self._sidecars[0].proc.pid())?,
-            cpu_time::of_process(self._sidecars[1].proc.pid())?,
+            cpu_time::of_process(self.sidecars[0].proc.pid())?,
+            cpu_time::of_process(self.sidecars[1].proc.pid())?,
         ])
     }
 
@@ -409,26 +409,26 @@ fn measure_size(
     // rounds that wait for each put, and the raw link's with its window, so that the three see
     // the same machine.
     let job = StreamJob { cache: cache.clone(), transfer, tokens: 1..2 };
-    let steps = steps.max(STREAMED_MIN_BYTES.div_ceil(bytes));
-    let windowed = Case { name: "streamed steps", size: bytes, count: steps, window: QUEUE };
+    let streamed_steps = steps.max(STREAMED_MIN_BYTES.div_ceil(bytes));
+    let windowed = Case { name: "streamed steps", size: bytes, count: streamed_steps, window: QUEUE };
     let (mut in_flight, mut awaited, mut over_raw_windowed) = (Vec::new(), Vec::new(), Vec::new());
     let (mut streamed_cpu, mut raw_cpu) = ([Duration::ZERO; 3], Duration::ZERO);
     for _ in 0..STREAMED_ROUNDS {
-        let round = streamed(ring, &job, steps, 1)?;
+        let round = streamed(ring, &job, streamed_steps, 1)?;
         for (total, used) in streamed_cpu.iter_mut().zip(round.cpu) {
             *total += used;
         }
         in_flight.push((round.wall, round.engine_thread));
-        let round = streamed(ring, &job, steps, 0)?;
+        let round = streamed(ring, &job, streamed_steps, 0)?;
         awaited.push((round.wall, round.engine_thread));
         let cpu_before = cpu_time::this_process();
         over_raw_windowed.push(runtime.block_on(raw.run(windowed, message.clone())));
         raw_cpu += cpu_time::this_process() - cpu_before;
     }
-    let total = (bytes * steps) as f64;
+    let total = (bytes * streamed_steps) as f64;
     let (streamed, engine_time) = median_round(in_flight);
     let (streamed_awaited, _) = median_round(awaited);
-    let per_step = (STREAMED_ROUNDS * steps) as u32;
+    let per_step = (STREAMED_ROUNDS * streamed_steps) as u32;
     Ok(Measured {
         bytes,
         sync: median(sync),
@@ -437,7 +437,7 @@ fn measure_size(
         streamed_bytes_per_s: total / streamed.as_secs_f64(),
         awaited_bytes_per_s: total / streamed_awaited.as_secs_f64(),
         raw_bytes_per_s: total / median(over_raw_windowed).as_secs_f64(),
-        engine_per_step: engine_time / steps as u32,
+        engine_per_step: engine_time / streamed_steps as u32,
         streamed_cpu: streamed_cpu.map(|used| used / per_step),
         raw_cpu: raw_cpu / per_step,
     })
