@@ -25,11 +25,11 @@ fn gather(c: &mut Criterion) {
         group.bench_function("gather", |b| {
             b.iter(|| w.cache.gather_with(&plan, black_box(&mut staging)).expect("gather"))
         });
-        w.cache.set_gather_threads(2);
+        w.cache.set_copy_threads(2);
         group.bench_function("gather_2_threads", |b| {
             b.iter(|| w.cache.gather_with(&plan, black_box(&mut staging)).expect("gather"))
         });
-        w.cache.set_gather_threads(1);
+        w.cache.set_copy_threads(1);
         group.bench_function("gather_with_planning", |b| {
             b.iter(|| w.cache.gather(region, packing, black_box(&mut staging)).expect("gather"))
         });

@@ -38,8 +38,10 @@ fn median(mut times: Vec<Duration>) -> Duration {
     times[times.len() / 2]
 }
 
-/// The two rows, `stream_out` and `stream_in` of a `tokens`-token prompt, each the median of
-/// `runs` warm repetitions, with a `memcpy` of the same bytes timed between them.
+/// The rows of `stream_out` and `stream_in` of a `tokens`-token prompt, each the median of
+/// `runs` warm repetitions, with a `memcpy` of the same bytes timed between them: with every core
+/// copying ([`KvCache::set_copy_threads`], as an engine sets it for a handoff), against the
+/// target, then on one thread, for information. The two settings take turns, run by run.
 pub fn measure(tokens: u32, runs: usize) -> Vec<Row> {
     let spec = KvSpec::new(40, 40, 128, DType::F16).expect("a valid spec");
     let prompt_stages = vec![StageSpec { layers: 0..20, tp: 2 }, StageSpec { layers: 20..40, tp: 2 }];
@@ -50,6 +52,11 @@ pub fn measure(tokens: u32, runs: usize) -> Vec<Row> {
     let (store, pool) = (HostStore::new(), StagingPool::default());
     // Clones share the same store.
     let (mut store_out, mut store_in) = (store.clone(), store);
+    let copy_threads = |threads: usize| {
+        for (_, cache, _) in sources.iter().chain(&destinations) {
+            cache.set_copy_threads(threads);
+        }
+    };
     let mut out = || {
         for (_, cache, plan) in &sources {
             stream_out(&[cache], plan, 0..tokens, &pool, &mut store_out).expect("stream_out");
@@ -66,34 +73,45 @@ pub fn measure(tokens: u32, runs: usize) -> Vec<Row> {
     out();
     inn();
     dst.copy_from_slice(&src);
-    let (mut outs, mut ins, mut copies) = (Vec::new(), Vec::new(), Vec::new());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let settings = [cores, 1];
+    let (mut outs, mut ins) = ([Vec::new(), Vec::new()], [Vec::new(), Vec::new()]);
+    let mut copies = Vec::new();
     let time = |f: &mut dyn FnMut()| {
         let started = Instant::now();
         f();
         started.elapsed()
     };
     for _ in 0..runs.max(1) {
-        outs.push(time(&mut out));
-        copies.push(time(&mut || dst.copy_from_slice(&src)));
-        ins.push(time(&mut inn));
+        for (setting, threads) in settings.into_iter().enumerate() {
+            copy_threads(threads);
+            outs[setting].push(time(&mut out));
+            copies.push(time(&mut || dst.copy_from_slice(&src)));
+            ins[setting].push(time(&mut inn));
+        }
     }
+    copy_threads(1);
     let gbps = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
     let memcpy = gbps(median(copies));
-    let row = |name: String, took: Duration| Row {
+    let row = |name: String, took: Duration, target: f64| Row {
         name,
         value: gbps(took),
         unit: "GB/s",
         limit_name: "memcpy of the same bytes".into(),
         limit: memcpy,
-        target: TARGET,
+        target,
         higher_is_better: true,
     };
     let mb = bytes as f64 / 1e6;
+    let [outs_all, outs_one] = outs.map(median);
+    let [ins_all, ins_one] = ins.map(median);
+    let out_name =
+        format!("stream_out of a {tokens}-token prompt ({mb:.0} MB), 2 stages x TP 2 to a host store");
+    let in_name = "stream_in of the same prompt, from the host store to 4 stages x TP 1";
     vec![
-        row(
-            format!("stream_out of a {tokens}-token prompt ({mb:.0} MB), 2 stages x TP 2 to a host store"),
-            median(outs),
-        ),
-        row("stream_in of the same prompt, from the host store to 4 stages x TP 1".into(), median(ins)),
+        row(format!("{out_name}, all cores copying"), outs_all, TARGET),
+        row(format!("{in_name}, all cores copying"), ins_all, TARGET),
+        row(format!("{out_name}, one thread"), outs_one, 0.0),
+        row(format!("{in_name}, one thread"), ins_one, 0.0),
     ]
 }

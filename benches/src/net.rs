@@ -357,8 +357,14 @@ pub fn compare_transports(runs: usize) -> Vec<Comparison> {
 
 /// A decode step of `w` flushed to a TCP peer: buffered (one gather, one put) against one put per
 /// KV vector (one layer, sequence and head: its K and V), each waiting for its acknowledgment as
-/// a copy per piece would. Returns the buffered time, the per-vector time and the number of vectors.
-pub fn remote_decode_step(w: &crate::Workload, runs: usize) -> (Duration, Duration, u64) {
+/// a copy per piece would. The buffered flush is timed gathering on each of `gather_threads`
+/// (the variants take turns, run by run). Returns the buffered times (one per entry of
+/// `gather_threads`), the per-vector time and the number of vectors.
+pub fn remote_decode_step<const N: usize>(
+    w: &crate::Workload,
+    runs: usize,
+    gather_threads: [usize; N],
+) -> ([Duration; N], Duration, u64) {
     use dejavulib::net::PeerStore;
     use dejavulib::ChunkStore;
 
@@ -368,15 +374,25 @@ pub fn remote_decode_step(w: &crate::Workload, runs: usize) -> (Duration, Durati
     let peer = runtime
         .block_on(PeerServer::bind(&*transport, any_port(), ServerConfig::new(SECRET, 1), HostStore::new()))
         .expect("peer");
-    let mut store =
+    let store =
         PeerStore::new(runtime.handle().clone(), transport, peer.addr(), ClientConfig::new(SECRET, 2));
+    // A cell: each variant's closure puts through the one connection.
+    let store = std::cell::RefCell::new(store);
 
     let descriptor = w.descriptor(&w.decode);
-    let mut staging = vec![0u8; w.cache.packed_len(&w.decode) as usize];
-    let buffered = crate::median_of(runs, || {
-        w.cache.gather(&w.decode, w.packing(), &mut staging).expect("gather");
-        store.put(&descriptor, &staging).expect("put");
+    let staging = std::cell::RefCell::new(vec![0u8; w.cache.packed_len(&w.decode) as usize]);
+    let mut flushes = gather_threads.map(|threads| {
+        let (store, staging, descriptor) = (&store, &staging, &descriptor);
+        move || {
+            w.cache.set_copy_threads(threads);
+            let mut staging = staging.borrow_mut();
+            w.cache.gather(&w.decode, w.packing(), &mut staging).expect("gather");
+            store.borrow_mut().put(descriptor, &staging).expect("put");
+        }
     });
+    let buffered = crate::medians_interleaved(runs, flushes.each_mut().map(|f| f as &mut dyn FnMut()));
+    w.cache.set_copy_threads(1);
+    let mut store = store.into_inner();
 
     let mut vectors = Vec::new();
     let d = &w.decode;

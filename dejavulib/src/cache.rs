@@ -68,7 +68,7 @@ pub struct KvCache {
     layout: KvLayout,
     buffers: Vec<HostBuffer>,
     layer_locks: Vec<RwLock<()>>,
-    gather_threads: AtomicUsize,
+    copy_threads: AtomicUsize,
 }
 
 /// Source of cache identities, so a [`GatherPlan`] only runs on the cache that made it.
@@ -162,7 +162,7 @@ impl KvCache {
             .collect::<Result<_, _>>()?;
         let layer_locks = (0..layout.spec().layers()).map(|_| RwLock::new(())).collect();
         let id = NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(Self { id, layout, buffers, layer_locks, gather_threads: AtomicUsize::new(1) })
+        Ok(Self { id, layout, buffers, layer_locks, copy_threads: AtomicUsize::new(1) })
     }
 
     /// A cache over buffers someone else owns (an engine's KV tensors), used in place: one
@@ -203,16 +203,18 @@ impl KvCache {
         }
         let layer_locks = (0..layout.spec().layers()).map(|_| RwLock::new(())).collect();
         let id = NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(Self { id, layout, buffers: owned, layer_locks, gather_threads: AtomicUsize::new(1) })
+        Ok(Self { id, layout, buffers: owned, layer_locks, copy_threads: AtomicUsize::new(1) })
     }
 
-    /// Lets gathers of at least [`copy::PARALLEL_MIN_BYTES`] use up to `threads` threads (1, the
-    /// default, keeps them on the caller's thread). A decode step's scattered pieces are bound by
-    /// the cache misses one core keeps in flight; a second core nearly doubles the rate.
+    /// Lets gathers and scatters of at least [`copy::PARALLEL_MIN_BYTES`] use up to `threads`
+    /// threads (1, the default, keeps them on the caller's thread). A decode step's scattered
+    /// pieces are bound by the cache misses one core keeps in flight, and a prompt's long runs by
+    /// what one core copies: a second core raises both. A scatter into a region two of whose
+    /// elements share a byte ([`KvLayout::region_is_injective`]) stays on the caller's thread.
     /// At most the machine's parallelism is used.
-    pub fn set_gather_threads(&self, threads: usize) {
+    pub fn set_copy_threads(&self, threads: usize) {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        self.gather_threads.store(threads.clamp(1, cores), Ordering::Relaxed);
+        self.copy_threads.store(threads.clamp(1, cores), Ordering::Relaxed);
     }
 
     /// Gives `slot` of a paged cache a new block table (a sequence grew or was moved). Plans made
@@ -288,7 +290,7 @@ impl KvCache {
         let _guards = self.read_layers(&region.layers);
         let src = self.raw_src();
         let dst = [RawDst::from(out)];
-        let threads = self.gather_threads.load(Ordering::Relaxed);
+        let threads = self.copy_threads.load(Ordering::Relaxed);
         // SAFETY: cache buffers are valid for their lengths; this cache planned the copy for
         // `region` (checked against its layout), so it only reads bytes of the region's layers
         // (layers are disjoint, checked in `new`), which we hold read locks for, so nobody writes
@@ -301,7 +303,7 @@ impl KvCache {
     /// [`KvCache::gather_with`] does, in pieces of about `piece` bytes in the order of `out`, and
     /// hands `sink` each piece, in order, as soon as it and those before it are gathered, so that
     /// whatever consumes the packed bytes (a checksum and a write to a file, say) runs while the
-    /// rest is gathered. With one gather thread ([`KvCache::set_gather_threads`]), or a region
+    /// rest is gathered. With one gather thread ([`KvCache::set_copy_threads`]), or a region
     /// under [`copy::PARALLEL_MIN_BYTES`], the sink runs on a thread of its own; with more, each
     /// thread gathers the next piece no thread has taken and, after each, hands over the pieces
     /// that are ready if no other thread is doing so, as long as the gather goes on; what is left
@@ -342,7 +344,7 @@ impl KvCache {
         let ranges: Vec<Range<u64>> = groups.iter().map(|(range, _)| range.clone()).collect();
         let threads = match plan.plan.bytes() {
             bytes if bytes < copy::PARALLEL_MIN_BYTES => 1,
-            _ => self.gather_threads.load(Ordering::Relaxed).min(groups.len()),
+            _ => self.copy_threads.load(Ordering::Relaxed).min(groups.len()),
         };
         if threads > 1 {
             // Every core gathers; after each piece, a thread that finds the sink free hands over
@@ -395,9 +397,16 @@ impl KvCache {
         let _guards = self.write_layers(&region.layers);
         let src = [RawSrc::from(input)];
         let dst = self.raw_dst();
+        // Threads write disjoint bytes only where no two elements of the region share one.
+        let threads = match self.layout.region_is_injective(region) {
+            true => self.copy_threads.load(Ordering::Relaxed),
+            false => 1,
+        };
         // SAFETY: the plan only writes bytes of the region's layers, which we hold write locks for;
-        // `input` is a shared borrow that cannot alias the cache's private buffers.
-        Ok(unsafe { copy::execute_raw(&plan, &src, &dst) }?)
+        // `input` is a shared borrow that cannot alias the cache's private buffers; with more than
+        // one thread, the region maps each element to bytes of its own (checked just above), so
+        // no two blocks of the plan write the same byte.
+        Ok(unsafe { copy::execute_raw_parallel(&plan, &src, &dst, threads) }?)
     }
 
     /// Hands every contiguous extent of `region` to `f` as (bytes, offset in the packed buffer), in
@@ -559,14 +568,80 @@ mod tests {
             let mut one = vec![0u8; len];
             cache.gather(&region, packing, &mut one).unwrap();
             for threads in [2, 3, 64] {
-                cache.set_gather_threads(threads);
+                cache.set_copy_threads(threads);
                 let mut many = vec![0u8; len];
                 cache.gather(&region, packing, &mut many).unwrap();
                 assert!(one == many, "{threads} threads, {len} bytes");
             }
-            cache.set_gather_threads(1);
+            cache.set_copy_threads(1);
         }
         assert!(cache.packed_len(&KvRegion::new(0..4, 0..4, 0..8, 0..200)) >= PARALLEL_MIN_BYTES);
+    }
+
+    #[test]
+    fn parallel_scatter_matches_single_threaded() {
+        let source = filled_cache();
+        let packing = source.layout().preferred_packing();
+        let region = KvRegion::new(0..4, 0..4, 0..8, 0..200);
+        let len = source.packed_len(&region) as usize;
+        assert!(len as u64 >= PARALLEL_MIN_BYTES);
+        let mut packed = vec![0u8; len];
+        source.gather(&region, packing, &mut packed).unwrap();
+        let layout = source.layout().clone();
+        let one = KvCache::new(layout.clone()).unwrap();
+        one.scatter(&region, packing, &packed).unwrap();
+        for threads in [2, 3, 64] {
+            let many = KvCache::new(layout.clone()).unwrap();
+            many.set_copy_threads(threads);
+            many.scatter(&region, packing, &packed).unwrap();
+            let full = KvRegion::new(0..4, 0..4, 0..8, 0..256);
+            let (mut a, mut b) =
+                (vec![0u8; one.packed_len(&full) as usize], vec![1u8; one.packed_len(&full) as usize]);
+            one.gather(&full, packing, &mut a).unwrap();
+            many.gather(&full, packing, &mut b).unwrap();
+            assert!(a == b, "{threads} threads");
+        }
+    }
+
+    #[test]
+    fn a_scatter_into_a_shared_block_writes_what_one_thread_would() {
+        use crate::layout::{KvInterleave, PagedConfig, PagedOrder};
+        let spec = KvSpec::new(2, 8, 128, DType::F16).unwrap();
+        let cfg = PagedConfig {
+            block_size: 16,
+            num_blocks: 40,
+            order: PagedOrder::Hnd,
+            interleave: KvInterleave::Separate,
+        };
+        let paged = |tables: Vec<Vec<u32>>| {
+            let mut cache = KvCache::new(KvLayout::paged(spec, 2, cfg, None).unwrap()).unwrap();
+            for (slot, table) in tables.into_iter().enumerate() {
+                cache.set_block_table(slot as u32, table).unwrap();
+            }
+            cache
+        };
+        // Slot 1's table repeats slot 0's blocks: its scatter overwrites what slot 0's wrote.
+        let shared: Vec<u32> = (0..20).collect();
+        let region = KvRegion::new(0..2, 0..2, 0..8, 0..320);
+        let packing = Packing::token_major(&spec);
+        let len = spec.bytes_per_token() as usize * 2 * 320;
+        assert!(len as u64 >= PARALLEL_MIN_BYTES);
+        let packed: Vec<u8> = (0..len).map(|i| (i.wrapping_mul(2_654_435_761) >> 9) as u8).collect();
+        let one = paged(vec![shared.clone(), shared.clone()]);
+        assert!(!one.layout().region_is_injective(&region));
+        one.scatter(&region, packing, &packed).unwrap();
+        let many = paged(vec![shared.clone(), shared]);
+        many.set_copy_threads(2);
+        many.scatter(&region, packing, &packed).unwrap();
+        let slot = KvRegion::new(0..2, 0..1, 0..8, 0..320);
+        let (mut a, mut b) = (vec![0u8; len / 2], vec![1u8; len / 2]);
+        one.gather(&slot, packing, &mut a).unwrap();
+        many.gather(&slot, packing, &mut b).unwrap();
+        assert!(a == b, "the last slot's bytes win, as with one thread");
+        // Distinct blocks: threads may split it.
+        let apart = paged(vec![(0..20).collect(), (20..40).collect()]);
+        assert!(apart.layout().region_is_injective(&region));
+        assert!(apart.layout().region_is_injective(&KvRegion::new(0..2, 0..2, 0..8, 5..5)));
     }
 
     #[test]
@@ -582,7 +657,7 @@ mod tests {
                 [1, 4096, 64 << 10, usize::MAX].into_iter().flat_map(|p| [(p, 1), (p, 2), (p, 5)])
             {
                 // Several threads finish groups out of order: the sink still sees them in order.
-                cache.set_gather_threads(threads);
+                cache.set_copy_threads(threads);
                 let mut out = vec![0u8; len];
                 let mut handed = Vec::new();
                 let mut pieces = 0;
@@ -613,7 +688,7 @@ mod tests {
                 assert_eq!(calls, 1);
                 assert!(out == expected, "piece {piece}, {threads} threads: gathered after the sink stopped");
             }
-            cache.set_gather_threads(1);
+            cache.set_copy_threads(1);
             // Wrong lengths and another cache's plans are refused before anything moves.
             let mut short = vec![0u8; len - 1];
             assert!(cache.gather_streamed(&plan, &mut short, 4096, |_| true).is_err());

@@ -391,6 +391,32 @@ impl KvLayout {
         Ok(())
     }
 
+    /// Whether every element of `region` (inside this layout) has bytes of its own: true of the
+    /// layouts the builders make, and of a paged one unless two of the region's tokens lie in the
+    /// same block (a prefix shared between slots, say); a layout built from strides may map two
+    /// elements to the same bytes, so it is never assumed to. A copy into such a region may split
+    /// its blocks among threads.
+    pub fn region_is_injective(&self, region: &KvRegion) -> bool {
+        match self.kind {
+            LayoutKind::FasterTransformer | LayoutKind::PerLayer(_) | LayoutKind::Packed(_) => true,
+            LayoutKind::Strided => false,
+            LayoutKind::Paged(cfg) => {
+                if region.is_empty() {
+                    return true;
+                }
+                let Some(tables) = &self.block_tables else { return true };
+                let bs = cfg.block_size.max(1);
+                let blocks = (region.tokens.start / bs) as usize..=((region.tokens.end - 1) / bs) as usize;
+                let mut seen = std::collections::HashSet::new();
+                region
+                    .slots
+                    .clone()
+                    .flat_map(|slot| tables.table(slot).get(blocks.clone()).unwrap_or(&[]))
+                    .all(|block| seen.insert(*block))
+            }
+        }
+    }
+
     /// Checks that `region` lies inside this layout, including every slot's token capacity.
     pub fn check_region(&self, region: &KvRegion) -> Result<(), LayoutError> {
         check_range("layer", &region.layers, self.spec.layers())?;

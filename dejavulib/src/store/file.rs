@@ -162,7 +162,7 @@ impl FileStore {
     /// (exactly the region's packed length): the buffered flush, with each piece of the payload
     /// checksummed and written as soon as it and those before it are gathered
     /// ([`KvCache::gather_streamed`], with as many gather threads as the cache allows:
-    /// [`KvCache::set_gather_threads`]), so that the write costs little more than the gather.
+    /// [`KvCache::set_copy_threads`]), so that the write costs little more than the gather.
     pub fn put_gathered(
         &self,
         descriptor: &ChunkDescriptor,
