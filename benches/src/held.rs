@@ -31,12 +31,13 @@ const WINDOW: usize = 1_000;
 /// the workload.
 pub fn measure(exe: &Path, requests: usize) -> Result<(Row, String), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let shm = crate::shm_tempdir().map_err(|e| e.to_string())?;
     let socket = dir.path().join("sidecar.sock");
     let args = [
         "sidecar".to_owned(),
         "--index=1".to_owned(),
         format!("--local={}", socket.display()),
-        format!("--shm-dir={}", dir.path().display()),
+        format!("--shm-dir={}", shm.path().display()),
     ];
     let sidecar = spawn(exe, &args, "a sidecar", Duration::from_secs(30)).map_err(|e| e.to_string())?;
     // The successor keeps only current sequences, as the next sidecar of the ring does.

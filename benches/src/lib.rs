@@ -295,6 +295,16 @@ pub fn medians_interleaved<const N: usize>(
     })
 }
 
+/// A temporary folder for a sidecar's shared regions (`--shm-dir`): in `/dev/shm`, memory, as
+/// the sidecar's default is, where it exists. A region in a disk's file system is written back
+/// while the engine writes it, which no deployment pays.
+pub fn shm_tempdir() -> std::io::Result<tempfile::TempDir> {
+    match std::path::Path::new("/dev/shm") {
+        shm if shm.is_dir() => tempfile::tempdir_in(shm),
+        _ => tempfile::tempdir(),
+    }
+}
+
 /// GB/s of `bytes` moved in `d`.
 pub fn gbps(bytes: u64, d: std::time::Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9

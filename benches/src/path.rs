@@ -84,11 +84,13 @@ struct Ring {
     /// The first's local socket, and the second's address.
     engine_at: (std::path::PathBuf, std::net::SocketAddr),
     _dir: tempfile::TempDir,
+    _shm: tempfile::TempDir,
 }
 
 impl Ring {
     fn start(exe: &Path, link: Link) -> Result<Self, String> {
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let shm = crate::shm_tempdir().map_err(|e| e.to_string())?;
         let certs = dir.path().join("certs");
         if link == Link::Quic {
             let args = ["certs", "--cluster=bench", &format!("--out={}", certs.display()), "member"];
@@ -102,7 +104,7 @@ impl Ring {
                 "sidecar".to_owned(),
                 format!("--index={index}"),
                 format!("--local={}", dir.path().join(format!("s{index}.sock")).display()),
-                format!("--shm-dir={}", dir.path().display()),
+                format!("--shm-dir={}", shm.path().display()),
                 format!("--region-bytes={REGION_BYTES}"),
                 "--listen=127.0.0.1:0".to_owned(),
             ];
@@ -113,7 +115,7 @@ impl Ring {
         };
         let (first, second) = (sidecar(0)?, sidecar(1)?);
         let engine_at = (dir.path().join("s0.sock"), second.addr);
-        Ok(Self { sidecars: [first, second], engine_at, _dir: dir })
+        Ok(Self { sidecars: [first, second], engine_at, _dir: dir, _shm: shm })
     }
 
     /// CPU time the two sidecar processes have used so far.
