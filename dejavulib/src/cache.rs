@@ -69,6 +69,17 @@ pub struct KvCache {
     buffers: Vec<HostBuffer>,
     layer_locks: Vec<RwLock<()>>,
     copy_threads: AtomicUsize,
+    /// Whether no two buffers share a byte: always so for the cache's own; an engine's may be
+    /// views of one tensor, and a scatter then stays on one thread.
+    buffers_apart: bool,
+}
+
+/// Whether no two of `buffers` share a byte.
+fn apart(buffers: &[HostBuffer]) -> bool {
+    let mut spans: Vec<(usize, usize)> =
+        buffers.iter().map(|b| (b.as_ptr() as usize, b.as_ptr() as usize + b.len())).collect();
+    spans.sort_unstable();
+    spans.windows(2).all(|pair| pair[0].1 <= pair[1].0)
 }
 
 /// Source of cache identities, so a [`GatherPlan`] only runs on the cache that made it.
@@ -162,7 +173,8 @@ impl KvCache {
             .collect::<Result<_, _>>()?;
         let layer_locks = (0..layout.spec().layers()).map(|_| RwLock::new(())).collect();
         let id = NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(Self { id, layout, buffers, layer_locks, copy_threads: AtomicUsize::new(1) })
+        // Allocations of their own: apart.
+        Ok(Self { id, layout, buffers, layer_locks, copy_threads: AtomicUsize::new(1), buffers_apart: true })
     }
 
     /// A cache over buffers someone else owns (an engine's KV tensors), used in place: one
@@ -203,14 +215,16 @@ impl KvCache {
         }
         let layer_locks = (0..layout.spec().layers()).map(|_| RwLock::new(())).collect();
         let id = NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(Self { id, layout, buffers: owned, layer_locks, copy_threads: AtomicUsize::new(1) })
+        let buffers_apart = apart(&owned);
+        Ok(Self { id, layout, buffers: owned, layer_locks, copy_threads: AtomicUsize::new(1), buffers_apart })
     }
 
     /// Lets gathers and scatters of at least [`copy::PARALLEL_MIN_BYTES`] use up to `threads`
     /// threads (1, the default, keeps them on the caller's thread). A decode step's scattered
     /// pieces are bound by the cache misses one core keeps in flight, and a prompt's long runs by
     /// what one core copies: a second core raises both. A scatter into a region two of whose
-    /// elements share a byte ([`KvLayout::region_is_injective`]) stays on the caller's thread.
+    /// elements share a byte ([`KvLayout::region_is_injective`]), or into buffers that overlap
+    /// one another, stays on the caller's thread.
     /// At most the machine's parallelism is used.
     pub fn set_copy_threads(&self, threads: usize) {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -398,14 +412,15 @@ impl KvCache {
         let src = [RawSrc::from(input)];
         let dst = self.raw_dst();
         // Threads write disjoint bytes only where no two elements of the region share one.
-        let threads = match self.layout.region_is_injective(region) {
+        let threads = match self.buffers_apart && self.layout.region_is_injective(region) {
             true => self.copy_threads.load(Ordering::Relaxed),
             false => 1,
         };
         // SAFETY: the plan only writes bytes of the region's layers, which we hold write locks for;
         // `input` is a shared borrow that cannot alias the cache's private buffers; with more than
-        // one thread, the region maps each element to bytes of its own (checked just above), so
-        // no two blocks of the plan write the same byte.
+        // one thread, the region maps each element to bytes of its own buffer and the buffers
+        // share no byte (both checked just above), so no two blocks of the plan write the same
+        // byte.
         Ok(unsafe { copy::execute_raw_parallel(&plan, &src, &dst, threads) }?)
     }
 
@@ -601,6 +616,19 @@ mod tests {
             many.gather(&full, packing, &mut b).unwrap();
             assert!(a == b, "{threads} threads");
         }
+    }
+
+    #[test]
+    fn buffers_that_overlap_are_told_from_buffers_apart() {
+        let mut memory = vec![0u8; 256];
+        let base = memory.as_mut_ptr();
+        // SAFETY: each view lies inside `memory`, which outlives them; nothing is read or
+        // written through them.
+        let view = |at: usize, len: usize| unsafe { HostBuffer::borrowed(base.add(at), len) }.unwrap();
+        assert!(apart(&[view(128, 128), view(0, 128)]));
+        assert!(!apart(&[view(0, 129), view(128, 128)]));
+        assert!(!apart(&[view(64, 64), view(0, 256)]));
+        assert!(!apart(&[view(0, 64), view(0, 64)]));
     }
 
     #[test]
