@@ -411,11 +411,14 @@ impl KvCache {
         let _guards = self.write_layers(&region.layers);
         let src = [RawSrc::from(input)];
         let dst = self.raw_dst();
-        // Threads write disjoint bytes only where no two elements of the region share one.
-        let threads = match self.buffers_apart && self.layout.region_is_injective(region) {
-            true => self.copy_threads.load(Ordering::Relaxed),
-            false => 1,
-        };
+        // Threads write disjoint bytes only where no two elements of the region share one; the
+        // check (a set of a paged region's blocks) is made only for a scatter that would split.
+        let threads = self.copy_threads.load(Ordering::Relaxed);
+        let split = threads > 1
+            && plan.bytes() >= copy::PARALLEL_MIN_BYTES
+            && self.buffers_apart
+            && self.layout.region_is_injective(region);
+        let threads = if split { threads } else { 1 };
         // SAFETY: the plan only writes bytes of the region's layers, which we hold write locks for;
         // `input` is a shared borrow that cannot alias the cache's private buffers; with more than
         // one thread, the region maps each element to bytes of its own buffer and the buffers
